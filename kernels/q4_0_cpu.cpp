@@ -1,0 +1,421 @@
+// Fast CPU Q4_0 kernels, loaded by kernels/cpu.py through ctypes.
+//
+// matmul: out[M, N] = x[M, K] (f32) @ W[N, K].T with W in llama.cpp's block_q4_0 layout
+// (per 32 weights: fp16 scale d, then 16 bytes; byte j = weight j (low nibble) and
+// weight j+16 (high nibble); value (nibble - 8) * d).
+//
+// Per call: (1) each activation row is quantized to Q8_0 (32 int8 + an fp32 scale per
+// block, round-to-nearest-even, like llama.cpp's AVX2 quantize_row_q8_0); (2) every
+// output element is a sum over blocks of int8 dot products scaled by d_w * d_x.
+//
+// Arithmetic order of one output element (the same in every path, for every M, tile
+// and thread count, so results are bitwise reproducible and batched == single row):
+//   lane[i] (i = 0..7) = sum_{j=4i..4i+3} (qw_j - 8) * qx_j          (exact int32)
+//   acc[i]  = fma(float(lane[i]), d_w * d_x, acc[i])  for blocks in order, acc = 0
+//   result  = ((acc0+acc4) + (acc2+acc6)) + ((acc1+acc5) + (acc3+acc7))
+// The scalar path emulates the AVX2 lanes exactly, so both paths agree bit for bit.
+//
+// Threading: one OpenMP region per call (quantize the rows, barrier, then the output
+// rows split into contiguous ranges of 4-row tiles); libgomp is the one torch loaded.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define TQ_X86 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;          // weights per block
+constexpr int BLOCK_BYTES = 18; // fp16 scale + 16 nibble bytes
+constexpr int TILE_ROWS = 4;    // weight rows per tile (unit of the thread split)
+constexpr int64_t MIN_BYTES_PER_THREAD = 32 * 1024;  // weight bytes x M worth a thread
+
+enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
+
+// ---------------------------------------------------------------- portable scalar path
+
+inline float fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t f;
+    if (exp == 0) {
+        if (mant == 0) {
+            f = sign;
+        } else {  // subnormal: normalize
+            uint32_t e = 113;
+            while (!(mant & 0x400u)) { mant <<= 1; --e; }
+            f = sign | (e << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        f = sign | 0x7f800000u | (mant << 13);
+    } else {
+        f = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float r;
+    std::memcpy(&r, &f, 4);
+    return r;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+}
+
+void quantize_row_scalar(const float* x, int8_t* q, float* d, int64_t nb) {
+    for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+        const float db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        for (int j = 0; j < QK; ++j) q[b * QK + j] = (int8_t)std::nearbyint(xb[j] * id);
+        d[b] = db;
+    }
+}
+
+inline float hsum8_scalar(const float* a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+float dot_row_scalar(const uint8_t* w, const int8_t* a, const float* ad, int64_t nb) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK_BYTES;
+        const float s = fp16_to_fp32(load_u16(blk)) * ad[b];
+        const int8_t* y = a + b * QK;
+        int8_t wv[QK];
+        for (int j = 0; j < 16; ++j) {
+            wv[j] = (int8_t)((blk[2 + j] & 0x0f) - 8);
+            wv[j + 16] = (int8_t)((blk[2 + j] >> 4) - 8);
+        }
+        for (int i = 0; i < 8; ++i) {
+            int32_t lane = 0;
+            for (int j = 4 * i; j < 4 * i + 4; ++j) lane += (int32_t)wv[j] * (int32_t)y[j];
+            acc[i] = std::fma((float)lane, s, acc[i]);
+        }
+    }
+    return hsum8_scalar(acc);
+}
+
+void rows_scalar(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const float* da,
+                 float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {
+    const int64_t nb = K / QK;
+    for (int64_t n = r0; n < r1; ++n)
+        for (int64_t m = 0; m < M; ++m)
+            out[m * N + n] = dot_row_scalar(q + n * row_bytes, qa + m * K, da + m * nb, nb);
+}
+
+// ---------------------------------------------------------------- AVX2 + FMA + F16C path
+#ifdef TQ_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+void quantize_row_avx2(const float* x, int8_t* q, float* d, int64_t nb) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + b * QK;
+        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float db = amax / 127.0f;
+        const float idf = db != 0.0f ? 1.0f / db : 0.0f;
+        const __m256 id = _mm256_set1_ps(idf);
+        // cvtps rounds with MXCSR (nearest even), as nearbyint in the scalar path
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+        i0 = _mm256_packs_epi32(i0, i1);
+        i2 = _mm256_packs_epi32(i2, i3);
+        i0 = _mm256_packs_epi16(i0, i2);
+        i0 = _mm256_permutevar8x32_epi32(i0, perm);
+        _mm256_storeu_si256((__m256i*)(q + b * QK), i0);
+        d[b] = db;
+    }
+}
+
+inline float hsum8_avx2(__m256 v) {
+    // ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)), the order hsum8_scalar uses
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// R weight rows x C activation rows; acc[r][c] follows the per-element order above.
+template <int R, int C>
+inline __attribute__((always_inline)) void tile_avx2(
+        const uint8_t* w, int64_t row_bytes, const int8_t* a, const float* ad,
+        int64_t K, int64_t nb, float* out, int64_t N) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i eight = _mm256_set1_epi8(8);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i y[C], y8[C];
+        __m256 dx[C];
+        for (int c = 0; c < C; ++c) {
+            y[c] = _mm256_loadu_si256((const __m256i*)(a + c * K + b * QK));
+            y8[c] = _mm256_maddubs_epi16(eight, y[c]);  // 8 * (y_2k + y_2k+1), int16
+            dx[c] = _mm256_broadcast_ss(ad + c * nb + b);
+        }
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * row_bytes + b * BLOCK_BYTES;
+            const __m256 dw = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+            const __m128i t = _mm_loadu_si128((const __m128i*)(blk + 2));
+            const __m256i qv = _mm256_and_si256(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1), lo4);
+            for (int c = 0; c < C; ++c) {
+                // (q - 8) . y  ==  q . y - 8 y, all in int16 without saturation
+                __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(qv, y[c]), y8[c]);
+                __m256i s = _mm256_madd_epi16(p, ones);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx[c]), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) out[c * N + r] = hsum8_avx2(acc[r][c]);
+}
+
+template <int R>
+void rows_tile_avx2(const uint8_t* w, int64_t row_bytes, const int8_t* qa, const float* da,
+                    float* out, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / QK;
+    constexpr int C = R == 4 ? 2 : 4;
+    int64_t m = 0;
+    for (; m + C <= M; m += C)
+        tile_avx2<R, C>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);
+    for (; m < M; ++m)
+        tile_avx2<R, 1>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);
+}
+
+void rows_avx2(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const float* da,
+               float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {
+    int64_t n = r0;
+    for (; n + 4 <= r1; n += 4)
+        rows_tile_avx2<4>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
+    for (; n < r1; ++n)
+        rows_tile_avx2<1>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------- AVX-512 VNNI path (256-bit, VL)
+// vpdpbusd computes the same exact int32 lanes as maddubs + madd, so this path gives the
+// same bits as the AVX2 one; it saves two ops per block and has 32 vector registers.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+
+template <int R, int C>
+inline __attribute__((always_inline)) void tile_vnni(
+        const uint8_t* w, int64_t row_bytes, const int8_t* a, const float* ad,
+        int64_t K, int64_t nb, float* out, int64_t N) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i eight = _mm256_set1_epi8(8);
+    const __m256i zero = _mm256_setzero_si256();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i y[C], nc[C];
+        __m256 dx[C];
+        for (int c = 0; c < C; ++c) {
+            y[c] = _mm256_loadu_si256((const __m256i*)(a + c * K + b * QK));
+            nc[c] = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, eight, y[c]));  // -8 * sum4(y)
+            dx[c] = _mm256_broadcast_ss(ad + c * nb + b);
+        }
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * row_bytes + b * BLOCK_BYTES;
+            const __m256 dw = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+            const __m128i t = _mm_loadu_si128((const __m128i*)(blk + 2));
+            const __m256i qv = _mm256_and_si256(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1), lo4);
+            for (int c = 0; c < C; ++c) {
+                __m256i s = _mm256_dpbusd_epi32(nc[c], qv, y[c]);  // (q - 8) . y per 4 bytes
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx[c]), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) out[c * N + r] = hsum8_avx2(acc[r][c]);
+}
+
+template <int R>
+void rows_tile_vnni(const uint8_t* w, int64_t row_bytes, const int8_t* qa, const float* da,
+                    float* out, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / QK;
+    constexpr int C = R == 4 ? 4 : 4;
+    int64_t m = 0;
+    for (; m + C <= M; m += C)
+        tile_vnni<R, C>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);
+    for (; m < M; ++m)
+        tile_vnni<R, 1>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);
+}
+
+void rows_vnni(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const float* da,
+               float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {
+    int64_t n = r0;
+    for (; n + 4 <= r1; n += 4)
+        rows_tile_vnni<4>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
+    for (; n < r1; ++n)
+        rows_tile_vnni<1>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
+}
+
+#pragma GCC pop_options
+#endif  // TQ_X86
+
+// ---------------------------------------------------------------- dispatch
+
+int detect_isa() {
+#ifdef TQ_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return ISA_AVX512VNNI;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+const int g_best_isa = detect_isa();
+
+int resolve_isa(int isa) {
+    if (isa < 0 || isa > g_best_isa) return g_best_isa;
+    return isa;
+}
+
+using QuantFn = void (*)(const float*, int8_t*, float*, int64_t);
+using RowsFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, float*,
+                        int64_t, int64_t, int64_t, int64_t, int64_t);
+
+QuantFn quant_fn(int isa) {
+#ifdef TQ_X86
+    if (isa >= ISA_AVX2) return quantize_row_avx2;
+#endif
+    (void)isa;
+    return quantize_row_scalar;
+}
+
+RowsFn rows_fn(int isa) {
+#ifdef TQ_X86
+    if (isa == ISA_AVX512VNNI) return rows_vnni;
+    if (isa == ISA_AVX2) return rows_avx2;
+#endif
+    (void)isa;
+    return rows_scalar;
+}
+
+// Rows [r0, r1) of thread `tid` of `nt`: contiguous runs of whole 4-row tiles.
+inline void thread_rows(int64_t N, int tid, int nt, int64_t* r0, int64_t* r1) {
+    const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t t0 = tiles * tid / nt, t1 = tiles * (tid + 1) / nt;
+    *r0 = t0 * TILE_ROWS;
+    *r1 = t1 * TILE_ROWS < N ? t1 * TILE_ROWS : N;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tq_abi_version() { return 1; }
+
+// The best path this CPU runs: 2 AVX-512 VNNI (256-bit), 1 AVX2/FMA/F16C, 0 scalar.
+int tq_best_isa() { return g_best_isa; }
+
+int tq_max_threads() {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+// Q8_0 activation quantization, exposed so tests can compare it with torch exactly.
+void tq_quantize_q8_0(const float* x, int8_t* q, float* d, int64_t M, int64_t K, int isa) {
+    const QuantFn qf = quant_fn(resolve_isa(isa));
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; ++m) qf(x + m * K, q + m * K, d + m * nb, nb);
+}
+
+// out[M, N] = x[M, K] @ dequant(q[N, K/32*18]).T ; all pointers contiguous, validated by the caller.
+void tq_matmul(const float* x, const uint8_t* q, float* out, int64_t M, int64_t N, int64_t K,
+               int nthreads, int isa) {
+    isa = resolve_isa(isa);
+    const QuantFn qf = quant_fn(isa);
+    const RowsFn rf = rows_fn(isa);
+    const int64_t nb = K / QK;
+    const int64_t row_bytes = nb * BLOCK_BYTES;
+
+    // scratch for the quantized activations, reused by each calling thread
+    thread_local std::vector<int8_t> qa_buf;
+    thread_local std::vector<float> da_buf;
+    if ((int64_t)qa_buf.size() < M * K) qa_buf.resize(M * K);
+    if ((int64_t)da_buf.size() < M * nb) da_buf.resize(M * nb);
+    int8_t* qa = qa_buf.data();
+    float* da = da_buf.data();
+
+    // threads: at most one per tile, and one per ~32 KB of weight bytes x activation rows, so
+    // tiny matmuls do not pay a thread wake-up (the split never changes the results)
+    int nt = nthreads < 1 ? 1 : nthreads;
+    const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t work = N * row_bytes * M / MIN_BYTES_PER_THREAD;
+    if (nt > tiles) nt = (int)tiles;
+    if (nt > work) nt = work < 1 ? 1 : (int)work;
+#ifdef _OPENMP
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            const int tid = omp_get_thread_num(), T = omp_get_num_threads();
+            for (int64_t m = M * tid / T; m < M * (tid + 1) / T; ++m)
+                qf(x + m * K, qa + m * K, da + m * nb, nb);
+#pragma omp barrier
+            int64_t r0, r1;
+            thread_rows(N, tid, T, &r0, &r1);
+            if (r0 < r1) rf(q, row_bytes, qa, da, out, M, N, K, r0, r1);
+        }
+        return;
+    }
+#endif
+    for (int64_t m = 0; m < M; ++m) qf(x + m * K, qa + m * K, da + m * nb, nb);
+    rf(q, row_bytes, qa, da, out, M, N, K, 0, N);
+}
+
+// out[n_ids, K] = dequantized rows ids of q[N, K/32*18] (ids validated by the caller).
+void tq_embedding(const int64_t* ids, int64_t n_ids, const uint8_t* q, int64_t K, float* out) {
+    const int64_t nb = K / QK;
+    const int64_t row_bytes = nb * BLOCK_BYTES;
+    for (int64_t i = 0; i < n_ids; ++i) {
+        const uint8_t* row = q + ids[i] * row_bytes;
+        float* o = out + i * K;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = row + b * BLOCK_BYTES;
+            const float d = fp16_to_fp32(load_u16(blk));
+            for (int j = 0; j < 16; ++j) {
+                o[b * QK + j] = (float)((blk[2 + j] & 0x0f) - 8) * d;
+                o[b * QK + j + 16] = (float)((blk[2 + j] >> 4) - 8) * d;
+            }
+        }
+    }
+}
+
+}  // extern "C"

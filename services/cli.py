@@ -1,0 +1,44 @@
+"""The ``tandem`` command. Each subcommand lives in its own module, imported only when used.
+
+A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("shared.engine.generate_cli", "stream a completion from the engine in this process"),
+    "quantize": ("shared.engine.quantize", "convert a GGUF or safetensors model to a Q4_0 GGUF"),
+    "up": ("services.up", "start NATS (embedded unless TANDEM_NATS_URL is set) and every service"),
+    "serve": ("services.serve", "run one service (what a container runs)"),
+    "tap": ("services.tap", "print live bus traffic"),
+    "bench": ("bench.cli", "benchmarks: engine, serve"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: one model on every processor of a node.")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # only the chosen subcommand's module is imported (torch is slow to import)
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The gateway's one seam to the rest of Tandem: a ``Backend`` that runs a tokenized request.
+
+The HTTP layer (``app.py``) parses and validates an OpenAI request, tokenizes it with
+``backend.tokenizer``, builds a ``GenerationRequest`` and iterates ``backend.generate(req)``.
+Everything behind that call (routing, prefill, decode, the bus) belongs to the backend.
+
+Two implementations:
+- ``InProcessBackend``: the engine's asyncio wrapper in this process (``tandem`` without a bus,
+  benchmarks' baseline).
+- the NATS backend (router -> prefill -> decode over the bus), plugged in by ``services.gateway``'s
+  caller; it implements the same ``Backend`` protocol.
+
+Contract of ``Backend.generate``:
+- yields ``RequestOutput`` deltas (``token_ids`` / ``text`` new in that step) until one with
+  ``finished=True``; the last one carries ``finish_reason`` and the counts;
+- raises ``BackendError`` for anything the client should see as an error: before the first
+  output (the gateway then answers with ``status``), or mid-stream (the gateway sends an SSE
+  error event). Admission failures should raise on the first ``__anext__``, not later;
+- when the gateway stops iterating before ``finished`` (client gone), it calls
+  ``await backend.abort(request_id)`` once and closes the iterator; ``abort`` of an unknown or
+  finished request is a no-op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, runtime_checkable
+
+from shared.engine.sampling import TIER_PRIORITY, RequestOutput, SamplingParams
+
+TIERS: tuple[str, ...] = tuple(TIER_PRIORITY)  # "interactive" | "standard" | "batch"
+
+# Error codes a backend raises (BackendError.code) and the HTTP status the gateway answers with.
+OVERLOADED = "overloaded"                    # 429: admission control said no; retry later
+NO_WORKERS = "no_workers"                    # 503: no ready worker for a role the request needs
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 400: prompt + max_tokens > context
+INVALID_REQUEST = "invalid_request"          # 400: the backend rejected a parameter
+WORKER_LOST = "worker_lost"                  # 502: the worker holding the request went away
+TIMEOUT = "timeout"                          # 504: no progress within the backend's deadline
+INTERNAL = "internal_error"                  # 500: a bug
+
+
+class BackendError(Exception):
+    """An error the client should see, with the HTTP status it maps to."""
+
+    def __init__(self, code: str, message: str, status: int = 500, param: str | None = None):
+        super().__init__(message)
+        self.code = code          # machine-readable, e.g. "overloaded" (OpenAI error.code)
+        self.message = message    # human-readable (OpenAI error.message)
+        self.status = status      # HTTP status: 400, 429, 503, ...
+        self.param = param        # the request parameter at fault, when there is one
+
+    def __repr__(self) -> str:
+        return f"BackendError({self.code!r}, {self.message!r}, status={self.status})"
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str                  # "chatcmpl-<hex>" / "cmpl-<hex>"; a valid NATS subject token
+    model: str                       # the served model name the client asked for
+    prompt_token_ids: list[int]      # the whole prompt, chat template applied
+    sampling: SamplingParams         # validated
+    tier: str                        # "interactive" | "standard" | "batch"
+    session_id: str | None           # agent session (X-Tandem-Session), None when not given
+
+
+class Tokenizer(Protocol):
+    """What the gateway uses of ``shared.engine.tokenizer.Tokenizer``."""
+
+    vocab_size: int                  # ids must be in [0, vocab_size)
+    eos_token_ids: set[int]          # every token that ends generation
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    model_name: str                  # the one model served; requests must name it
+    max_context: int                 # prompt + max_tokens may not exceed this
+    tokenizer: Tokenizer
+
+    def health(self) -> tuple[bool, dict]:
+        """(ready, details per role): ready only when every role the request path needs has a
+        ready worker. Cheap and non-blocking (answer from cached heartbeats)."""
+        ...
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; raises BackendError (see the module docstring)."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Drop the request everywhere it is held. Idempotent."""
+        ...
+
+
+class InProcessBackend:
+    """The engine's asyncio wrapper (``shared.engine.async_engine.AsyncEngine``) in this process.
+
+    Uses of the engine: ``engine.generate(request_id, prompt_token_ids, params, priority=...)``
+    (an async iterator of ``RequestOutput``), ``await engine.abort(request_id)``,
+    ``engine.tokenizer`` and ``engine.max_context``. ``model_name`` defaults to the loaded
+    model's name (``engine.engine.model_config.name``).
+    """
+
+    def __init__(self, engine, model_name: str | None = None):
+        self.engine = engine
+        self.model_name = model_name or engine.engine.model_config.name
+        self.tokenizer = engine.tokenizer
+        self.max_context = int(engine.max_context)
+
+    def health(self) -> tuple[bool, dict]:
+        return True, {"engine": {"ready": True, "where": "in-process"}}
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        try:
+            priority = TIER_PRIORITY[req.tier]
+        except KeyError:
+            raise BackendError(INVALID_REQUEST, f"unknown tier {req.tier!r}", 400, "sla") from None
+        try:
+            stream = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, priority=priority)
+            async for out in stream:
+                yield out
+        except ValueError as e:  # the engine validates too (e.g. a prompt longer than its KV)
+            raise BackendError(INVALID_REQUEST, str(e), 400) from e
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)

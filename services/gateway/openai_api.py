@@ -1,0 +1,486 @@
+"""OpenAI's wire format: request models and their validation, response and chunk shapes, SSE
+framing, and errors in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+
+Pure functions and data; no I/O. ``app.py`` strings these together per request.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared.engine.sampling import RequestOutput, SamplingParams
+
+from .backend import TIERS, BackendError, Tokenizer
+
+# ---- errors ---------------------------------------------------------------------------------
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable_error",
+    504: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    @classmethod
+    def from_backend(cls, e: BackendError) -> "APIError":
+        return cls(e.status, e.message, param=e.param, code=e.code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_param(param: str, message: str, code: str | None = "invalid_parameter") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---- request parsing ------------------------------------------------------------------------
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or APIError 400."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _loc_to_param(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validate_model(model_cls: type[BaseModel], data: dict) -> BaseModel:
+    """Build a request model; a type error becomes APIError 400 naming the parameter."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        # pydantic appends a union member's type to loc ("stop", "str"); keep the field path only
+        loc = tuple(p for p in err["loc"] if isinstance(p, int) or p in _FIELD_NAMES)
+        param = _loc_to_param(loc) or None
+        raise bad_param(param, f"invalid parameter {param}: {err['msg']}") from None
+
+
+class _Request(BaseModel):
+    # unknown fields are accepted and logged (as vLLM does); known-unsupported ones are rejected
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = None     # Tandem always sends the usage chunk
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _Sampling(_Request):
+    """Parameters shared by both endpoints (None = not given)."""
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None               # vLLM extension
+    min_p: float | None = None             # vLLM extension
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False                 # vLLM extension
+    n: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # Tandem extensions (also as headers X-Tandem-SLA / X-Tandem-Session)
+    sla: str | None = None
+    tier: str | None = None
+    session_id: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+_FIELD_NAMES = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | \
+    set(ChatMessage.model_fields) | set(StreamOptions.model_fields)
+
+
+def check_unsupported(req: _Sampling) -> None:
+    """Reject parameters Tandem does not implement instead of silently ignoring them."""
+    if req.n not in (None, 1):
+        raise bad_param("n", "only n=1 is supported", code="unsupported_parameter")
+    if req.logit_bias:
+        raise bad_param("logit_bias", "logit_bias is not supported", code="unsupported_parameter")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools or req.functions:
+            raise bad_param("tools" if req.tools else "functions", "tool calling is not supported",
+                            code="unsupported_parameter")
+        for name in ("tool_choice", "function_call"):
+            if getattr(req, name) not in (None, "none"):
+                raise bad_param(name, "tool calling is not supported", code="unsupported_parameter")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_param("response_format", "only response_format type 'text' is supported",
+                            code="unsupported_parameter")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_param("top_logprobs", "top_logprobs requires logprobs=true")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad_param("echo", "echo is not supported", code="unsupported_parameter")
+        if req.suffix:
+            raise bad_param("suffix", "suffix is not supported", code="unsupported_parameter")
+        if req.best_of not in (None, 1):
+            raise bad_param("best_of", "only best_of=1 is supported", code="unsupported_parameter")
+
+
+def ignored_fields(req: BaseModel) -> list[str]:
+    return sorted(req.model_extra or {})
+
+
+# ---- tier and session -----------------------------------------------------------------------
+
+SLA_HEADER = "x-tandem-sla"
+SESSION_HEADER = "x-tandem-session"
+_SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII, no spaces, at most 256
+
+
+def resolve_tier(req: _Sampling, header: str | None, default: str) -> str:
+    """Body ``sla`` / ``tier`` over header ``X-Tandem-SLA`` over the default."""
+    if req.sla is not None and req.tier is not None and req.sla != req.tier:
+        raise bad_param("sla", f"sla={req.sla!r} and tier={req.tier!r} disagree; send one")
+    for param, value in (("sla", req.sla), ("tier", req.tier), ("X-Tandem-SLA", header)):
+        if value is not None:
+            v = value.strip().lower()
+            if v not in TIERS:
+                raise bad_param(param, f"invalid SLA tier {value!r}: expected one of {', '.join(TIERS)}",
+                                code="invalid_tier")
+            return v
+    return default
+
+
+def resolve_session(req: _Sampling, header: str | None) -> str | None:
+    """Body ``session_id`` over header ``X-Tandem-Session``."""
+    for param, value in (("session_id", req.session_id), ("X-Tandem-Session", header)):
+        if value is not None:
+            if not _SESSION_RE.match(value):
+                raise bad_param(param, "invalid session id: 1-256 visible ASCII characters, no spaces",
+                                code="invalid_session")
+            return value
+    return None
+
+
+# ---- prompts --------------------------------------------------------------------------------
+
+_ROLES = {"system", "developer", "user", "assistant"}
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """OpenAI messages -> the ``[{"role", "content"}]`` a chat template takes (text only)."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in _ROLES:
+            raise bad_param(f"messages[{i}].role", f"unsupported role {m.role!r}: expected one of "
+                            f"{', '.join(sorted(_ROLES))}")
+        if isinstance(m.content, list):
+            parts = []
+            for j, p in enumerate(m.content):
+                if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise bad_param(f"messages[{i}].content[{j}]", "only text content parts are supported")
+                parts.append(p["text"])
+            content = "\n".join(parts)
+        else:
+            content = m.content or ""
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
+    """``prompt`` as a string or token ids (one prompt only) -> token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_param("prompt", "prompt must not be empty")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        vocab = getattr(tokenizer, "vocab_size", None)
+        for t in prompt:
+            if t < 0 or (vocab is not None and t >= vocab):
+                raise bad_param("prompt", f"token id {t} is out of range [0, {vocab})")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_param("prompt", "only one prompt per request is supported", code="unsupported_parameter")
+    raise bad_param("prompt", "prompt must be a non-empty string or list of token ids")
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+_BAD_FIELD = re.compile(r"invalid sampling parameter (\w+)=")
+
+
+def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    """The request's SamplingParams, validated (APIError 400 naming the parameter)."""
+    def given(v, default):
+        return default if v is None else v
+
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_param("top_k", f"invalid parameter top_k={req.top_k}: must be >= 0 (or -1 for off)")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    sp = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=given(req.temperature, 1.0),
+        top_p=given(req.top_p, 1.0),
+        top_k=0 if req.top_k in (None, -1) else req.top_k,  # vLLM spells "off" as -1
+        min_p=given(req.min_p, 0.0),
+        seed=req.seed,
+        presence_penalty=given(req.presence_penalty, 0.0),
+        frequency_penalty=given(req.frequency_penalty, 0.0),
+        repetition_penalty=given(req.repetition_penalty, 1.0),
+        stop=[s for s in stop if s != ""],
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    try:
+        return sp.validate()
+    except ValueError as e:
+        m = _BAD_FIELD.search(str(e))
+        raise bad_param(m.group(1) if m else None, str(e)) from None
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _finite(lp: float) -> float:
+    return lp if math.isfinite(lp) else -9999.0
+
+
+class TokenStrings:
+    """Token id -> its text for logprobs (special tokens spelled out), cached."""
+
+    def __init__(self, tokenizer: Tokenizer, limit: int = 65536):
+        self.tokenizer = tokenizer
+        self.limit = limit
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < self.limit:
+                self._cache[token_id] = s
+        return s
+
+
+@dataclass
+class Accumulator:
+    """Everything one request produced so far, from its RequestOutput deltas."""
+    prompt_tokens: int                        # len(prompt_token_ids) sent to the backend
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)   # TokenLogprob, one per token
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    engine_output_tokens: int = 0             # the engine's count (includes a stop token it dropped)
+    first_token_at: float | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        if out.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
+        self.engine_output_tokens = max(self.engine_output_tokens, out.num_output_tokens)
+        if out.finished:
+            self.finish_reason = out.finish_reason or "stop"
+
+    @property
+    def completion_tokens(self) -> int:
+        return max(self.engine_output_tokens, len(self.token_ids))
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class _Format:
+    """Shared state of one response: id, created time, model, logprob spelling."""
+    object_full: str
+    object_chunk: str
+
+    def __init__(self, request_id: str, model: str, token_str: TokenStrings, top_logprobs: int | None):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_str = token_str
+        self.top_logprobs = top_logprobs      # None = no logprobs asked for
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage_chunk(self, acc: Accumulator) -> dict:
+        return {**self._head(self.object_chunk), "choices": [], "usage": acc.usage()}
+
+
+class ChatFormat(_Format):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def _entry(self, tid: int, lp: float) -> dict:
+        s = self.token_str(tid)
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
+
+    def logprobs(self, lps: list) -> dict | None:
+        if self.top_logprobs is None:
+            return None
+        content = []
+        for tl in lps:
+            e = self._entry(tl.token_id, tl.logprob)
+            e["top_logprobs"] = [self._entry(t, lp) for t, lp in tl.top[: self.top_logprobs]]
+            content.append(e)
+        return {"content": content, "refusal": None}
+
+    def _chunk(self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        return {**self._head(self.object_chunk),
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    def first_chunks(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def delta_chunk(self, out: RequestOutput) -> dict | None:
+        if not out.text and not out.logprobs:
+            return None
+        return self._chunk({"content": out.text}, logprobs=self.logprobs(out.logprobs or []))
+
+    def final_chunk(self, acc: Accumulator) -> dict:
+        return self._chunk({}, finish_reason=acc.finish_reason)
+
+    def response(self, acc: Accumulator) -> dict:
+        return {**self._head(self.object_full),
+                "choices": [{"index": 0,
+                             "message": {"role": "assistant", "content": "".join(acc.text)},
+                             "logprobs": self.logprobs(acc.logprobs),
+                             "finish_reason": acc.finish_reason}],
+                "usage": acc.usage()}
+
+
+class CompletionFormat(_Format):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._offset = 0   # text_offset of the next token, relative to the generated text
+
+    def logprobs(self, lps: list) -> dict | None:
+        if self.top_logprobs is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tl in lps:
+            s = self.token_str(tl.token_id)
+            tokens.append(s)
+            token_lps.append(_finite(tl.logprob))
+            tops.append({self.token_str(t): _finite(lp) for t, lp in tl.top[: self.top_logprobs]})
+            offsets.append(self._offset)
+            self._offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chunk(self, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        return {**self._head(self.object_chunk),
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    def first_chunks(self) -> list[dict]:
+        return []
+
+    def delta_chunk(self, out: RequestOutput) -> dict | None:
+        if not out.text and not out.logprobs:
+            return None
+        return self._chunk(out.text, logprobs=self.logprobs(out.logprobs or []))
+
+    def final_chunk(self, acc: Accumulator) -> dict:
+        return self._chunk("", finish_reason=acc.finish_reason)
+
+    def response(self, acc: Accumulator) -> dict:
+        return {**self._head(self.object_full),
+                "choices": [{"index": 0, "text": "".join(acc.text), "logprobs": self.logprobs(acc.logprobs),
+                             "finish_reason": acc.finish_reason}],
+                "usage": acc.usage()}
+
+
+def models_list(model_name: str, max_context: int, created: int) -> dict:
+    return {"object": "list", "data": [model_card(model_name, max_context, created)]}
+
+
+def model_card(model_name: str, max_context: int, created: int) -> dict:
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "tandem",
+            "root": model_name, "max_model_len": max_context}

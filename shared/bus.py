@@ -1,0 +1,359 @@
+"""Bus: a thin wrapper over nats-py speaking shared.schemas messages.
+
+    bus = await Bus.connect(settings.nats, name="router-1")
+    await bus.serve(subjects.ROUTE, handle_route, queue=subjects.ROUTE_QUEUE, expected=RouteRequest)
+    plan = await bus.request(subjects.ROUTE, RouteRequest(...), timeout=2.0, expected=RoutePlan)
+    async with await bus.subscribe(subjects.stream(rid), expected=StreamChunk) as chunks:
+        await bus.request(subjects.worker_prefill(w), PrefillRequest(...))
+        async for chunk in chunks: ...
+    bus.start_heartbeat(subjects.heartbeat(role, wid), make_heartbeat, interval=2.0)
+    await bus.close()                        # stops heartbeats, finishes handlers, drains
+
+Error envelope: a handler that raises answers with an ``ErrorReply`` (never silence) and the
+exception is logged. ``BusError(code, message)`` keeps its code; ValueError (SchemaError
+included) -> ``bad_request``; TimeoutError -> ``timeout``; anything else -> ``internal``.
+A requester receiving an ErrorReply raises ``RemoteError`` with the same code; no responder ->
+``BusError("unavailable")``; no reply in time -> ``BusError("timeout")``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import ssl
+from typing import Any, Awaitable, Callable
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from shared import schemas
+from shared.schemas import ERROR_STATUS, Ack, ErrorReply, SchemaError
+from shared.settings import NatsSettings, Settings
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any], Awaitable[Any]]
+_CONNECT_ATTEMPTS = 3  # per server, before Bus.connect gives up
+
+
+class BusError(Exception):
+    """An error with a wire code (a key of schemas.ERROR_STATUS); handlers raise it on purpose."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    @property
+    def status(self) -> int:
+        return ERROR_STATUS.get(self.code, 500)
+
+    def to_reply(self, request_id: str = "") -> ErrorReply:
+        return ErrorReply.of(self.code, self.message, request_id)
+
+
+class RemoteError(BusError):
+    """The remote handler answered with an ErrorReply."""
+
+    def __init__(self, code: str, message: str, status: int | None = None, request_id: str = ""):
+        super().__init__(code, message)
+        self.remote_status = status if status is not None else ERROR_STATUS.get(code, 500)
+        self.request_id = request_id
+
+    @property
+    def status(self) -> int:
+        return self.remote_status
+
+    @classmethod
+    def from_reply(cls, reply: ErrorReply) -> "RemoteError":
+        return cls(reply.code, reply.message, reply.status, reply.request_id)
+
+
+def error_reply_for(exc: BaseException, request_id: str = "") -> ErrorReply:
+    """The ErrorReply an exception becomes (the coded error envelope)."""
+    if isinstance(exc, BusError):
+        return ErrorReply(exc.code, exc.message, exc.status, request_id)
+    if isinstance(exc, ValueError):
+        return ErrorReply.of("bad_request", str(exc), request_id)
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return ErrorReply.of("timeout", str(exc) or "timed out", request_id)
+    return ErrorReply.of("internal", f"{type(exc).__name__}: {exc}", request_id)
+
+
+def ssl_context(s: NatsSettings) -> ssl.SSLContext | None:
+    """A client TLS context from settings, or None when TLS is off."""
+    if not s.use_tls:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=s.tls_ca)
+    if s.tls_cert:
+        ctx.load_cert_chain(s.tls_cert, s.tls_key)
+    return ctx
+
+
+class Subscription:
+    """Decoded messages of one subject, in arrival order; an async iterator and context manager."""
+
+    def __init__(self, sub, expected: type | None, skip_invalid: bool):
+        self._sub = sub                  # nats-py Subscription
+        self._expected = expected        # message class to enforce (None: any registered)
+        self._skip_invalid = skip_invalid  # log and skip bad messages instead of raising
+        self._it = sub.messages.__aiter__()
+
+    @property
+    def subject(self) -> str:
+        return self._sub.subject
+
+    def __aiter__(self) -> "Subscription":
+        return self
+
+    async def __anext__(self) -> Any:
+        while True:
+            msg = await self._it.__anext__()  # StopAsyncIteration when unsubscribed
+            try:
+                return schemas.decode(msg.data, self._expected)
+            except SchemaError as e:
+                if not self._skip_invalid:
+                    raise
+                log.warning("skipping invalid message on %s: %s", msg.subject, e)
+
+    async def next(self, timeout: float | None = None) -> Any:
+        """The next message; BusError("timeout") after ``timeout`` seconds."""
+        try:
+            return await asyncio.wait_for(self.__anext__(), timeout)
+        except asyncio.TimeoutError:
+            raise BusError("timeout", f"no message on {self.subject} within {timeout}s") from None
+
+    async def unsubscribe(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except nats.errors.BadSubscriptionError:
+            pass  # already gone (connection drained or closed)
+
+    async def __aenter__(self) -> "Subscription":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.unsubscribe()
+
+
+class Bus:
+    """One NATS connection plus the tasks it runs (handlers, heartbeats)."""
+
+    def __init__(self, nc: NatsClient | None, request_timeout: float = 10.0):
+        self.nc = nc                              # the nats-py client (JetStream: nc.jetstream())
+        self.request_timeout = request_timeout    # default for request()
+        self._tasks: set[asyncio.Task] = set()    # in-flight handler calls
+        self._heartbeats: set[asyncio.Task] = set()
+        self._subs: list = []                     # serve() subscriptions
+        self._closing = False                     # close() called: disconnects are expected
+
+    # -- connection ---------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, settings: Settings | NatsSettings | None = None, *, url: str | None = None,
+                      name: str | None = None) -> "Bus":
+        """Connect with settings (url, credentials, TLS); reconnects forever once connected."""
+        s = settings.nats if isinstance(settings, Settings) else (settings or NatsSettings())
+        servers = [u.strip() for u in url.split(",")] if url else s.servers()
+        if not servers:
+            raise ValueError("no NATS server: set TANDEM_NATS_URL (or run `tandem up`, which "
+                             "starts an embedded one)")
+        bus = cls(None, s.request_timeout)
+        opts: dict[str, Any] = dict(
+            servers=servers, name=name or s.name, connect_timeout=s.connect_timeout,
+            # a few tries to connect at all (bad credentials fail fast); forever once connected
+            allow_reconnect=True, max_reconnect_attempts=_CONNECT_ATTEMPTS, reconnect_time_wait=0.5,
+            error_cb=bus._on_error, disconnected_cb=bus._on_disconnected,
+            reconnected_cb=bus._on_reconnected,
+        )
+        if s.user is not None:
+            opts.update(user=s.user, password=s.password)
+        if s.token is not None:
+            opts.update(token=s.token)
+        ctx = ssl_context(s)
+        if ctx is not None:
+            opts.update(tls=ctx)
+        try:
+            bus.nc = await nats.connect(**opts)
+            bus.nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
+        except Exception as e:
+            raise BusError("unavailable", f"cannot connect to NATS at {', '.join(servers)}: "
+                           f"{type(e).__name__}: {e}") from e
+        log.info("connected to NATS %s as %s", bus.nc.connected_url.netloc
+                 if bus.nc.connected_url else servers, opts["name"])
+        return bus
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop heartbeats, stop taking messages, let running handlers finish, drain."""
+        self._closing = True
+        for t in list(self._heartbeats):
+            t.cancel()
+        await asyncio.gather(*self._heartbeats, return_exceptions=True)
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.BadSubscriptionError:
+                pass
+        if self._tasks:
+            done, pending = await asyncio.wait(list(self._tasks), timeout=timeout)
+            for t in pending:
+                log.warning("cancelling a handler still running at close")
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout)
+            except (asyncio.TimeoutError, nats.errors.ConnectionClosedError):
+                await self.nc.close()
+
+    # -- serve --------------------------------------------------------------------------------
+
+    async def serve(self, subject: str, handler: Handler, queue: str | None = None,
+                    expected: type | None = None, max_concurrency: int | None = None):
+        """Run ``handler(decoded_msg)`` for each message on ``subject`` (each in its own task).
+
+        The handler returns a message (sent as the reply; None -> Ack) or raises (-> ErrorReply).
+        ``queue`` shares work between copies; ``max_concurrency`` bounds in-flight handlers
+        (further messages wait in the subscription's pending buffer).
+        """
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def on_msg(msg: Msg) -> None:
+            if sem is not None:
+                await sem.acquire()  # backpressure: the subscription callback waits
+            task = asyncio.create_task(self._handle(msg, handler, expected, subject),
+                                       name=f"bus-handler:{subject}")
+            self._tasks.add(task)
+
+            def done(t: asyncio.Task) -> None:
+                self._tasks.discard(t)
+                if sem is not None:
+                    sem.release()
+
+            task.add_done_callback(done)
+
+        sub = await self.nc.subscribe(subject, queue=queue or "", cb=on_msg)
+        await self.nc.flush()  # registered at the server before we announce ourselves
+        self._subs.append(sub)
+        log.debug("serving %s (queue %s)", subject, queue)
+        return sub
+
+    async def _handle(self, msg: Msg, handler: Handler, expected: type | None, pattern: str) -> None:
+        request_id = ""
+        try:
+            req = schemas.decode(msg.data, expected)
+            request_id = getattr(req, "request_id", "") or ""
+            result = await handler(req)
+            if msg.reply:
+                await self.nc.publish(msg.reply, schemas.encode(result if result is not None else
+                                                                Ack(request_id=request_id)))
+            return
+        except asyncio.CancelledError:
+            if msg.reply:
+                await self._reply_error(msg, ErrorReply.of("unavailable", "service shutting down",
+                                                           request_id))
+            raise
+        except (BusError, ValueError) as e:
+            reply = error_reply_for(e, request_id)
+            log.warning("%s on %s (request %s): %s", reply.code, msg.subject, request_id or "-",
+                        reply.message)
+        except Exception as e:  # the envelope: every failure becomes a coded reply
+            reply = error_reply_for(e, request_id)
+            log.exception("handler for %s failed (request %s)", pattern, request_id or "-")
+        if msg.reply:
+            await self._reply_error(msg, reply)
+
+    async def _reply_error(self, msg: Msg, reply: ErrorReply) -> None:
+        try:
+            await self.nc.publish(msg.reply, schemas.encode(reply))
+        except Exception:
+            log.exception("could not send the error reply on %s", msg.subject)
+
+    # -- request / publish / subscribe --------------------------------------------------------
+
+    async def request(self, subject: str, msg: Any, timeout: float | None = None,
+                      expected: type | None = None) -> Any:
+        """Send ``msg`` and return the decoded reply; an ErrorReply raises RemoteError."""
+        timeout = self.request_timeout if timeout is None else timeout
+        data = schemas.encode(msg)
+        try:
+            reply = await self.nc.request(subject, data, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise BusError("unavailable", f"no service is listening on {subject}") from None
+        except nats.errors.TimeoutError:
+            raise BusError("timeout", f"no reply on {subject} within {timeout}s") from None
+        obj = schemas.decode(reply.data)
+        if isinstance(obj, ErrorReply):
+            raise RemoteError.from_reply(obj)
+        if expected is not None and not isinstance(obj, expected):
+            raise SchemaError(f"reply on {subject}: expected {expected.SCHEMA}, got {obj.SCHEMA}",
+                              "schema")
+        return obj
+
+    async def publish(self, subject: str, msg: Any) -> None:
+        await self.nc.publish(subject, schemas.encode(msg))
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        await self.nc.flush(timeout)
+
+    async def subscribe(self, subject: str, expected: type | None = None, queue: str | None = None,
+                        skip_invalid: bool = False, flush: bool = True) -> Subscription:
+        """Subscribe and iterate decoded messages.
+
+        With ``flush`` (default) the server has registered the subscription when this returns,
+        so nothing any connection publishes afterwards is missed (one round trip). Without it,
+        only messages caused by a later request on this same connection are guaranteed.
+        """
+        sub = await self.nc.subscribe(subject, queue=queue or "")
+        if flush:
+            await self.nc.flush()
+        return Subscription(sub, expected, skip_invalid)
+
+    async def subscribe_raw(self, subject: str):
+        """The raw nats-py subscription (tap): iterate ``.messages`` for Msg objects."""
+        sub = await self.nc.subscribe(subject)
+        await self.nc.flush()
+        return sub
+
+    # -- heartbeats ---------------------------------------------------------------------------
+
+    def start_heartbeat(self, subject: str, make_msg: Callable[[], Any], interval: float) -> asyncio.Task:
+        """Publish ``make_msg()`` (sync or async) on ``subject`` now and every ``interval`` s."""
+        if interval <= 0:
+            raise ValueError(f"heartbeat interval must be > 0, got {interval}")
+
+        async def beat() -> None:
+            while True:
+                try:
+                    m = make_msg()
+                    if inspect.isawaitable(m):
+                        m = await m
+                    await self.publish(subject, m)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("heartbeat on %s failed; retrying in %.1fs", subject, interval)
+                await asyncio.sleep(interval)
+
+        task = asyncio.create_task(beat(), name=f"heartbeat:{subject}")
+        self._heartbeats.add(task)
+        task.add_done_callback(self._heartbeats.discard)
+        return task
+
+    # -- connection events --------------------------------------------------------------------
+
+    async def _on_error(self, e: Exception) -> None:
+        if self._closing:
+            log.debug("NATS error while closing: %s: %s", type(e).__name__, e)
+        else:
+            log.warning("NATS error: %s: %s", type(e).__name__, e)
+
+    async def _on_disconnected(self) -> None:
+        if not self._closing:
+            log.warning("NATS disconnected; reconnecting")
+
+    async def _on_reconnected(self) -> None:
+        log.info("NATS reconnected")

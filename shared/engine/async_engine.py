@@ -1,0 +1,152 @@
+"""The engine for asyncio services: one thread steps the engine, coroutines stream results.
+
+Commands (add, abort, export, import) are queued to the engine thread and run between
+steps, so the engine is only ever touched by that thread. The thread sleeps when idle.
+A consumer that stops iterating ``generate`` (a client went away) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from shared.engine.engine import Engine
+from shared.engine.sampling import RequestOutput, SamplingParams
+
+log = logging.getLogger("tandem.engine")
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_context = engine.max_context
+        self._commands: queue.Queue[tuple[Callable[[], Any], asyncio.Future | None, asyncio.AbstractEventLoop | None]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = engine.stats()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closed:
+            block = not self.engine.has_work()
+            try:
+                while True:
+                    fn, fut, loop = self._commands.get(block=block, timeout=0.5 if block else None)
+                    block = False
+                    try:
+                        res = fn()
+                    except BaseException as e:  # handed to the awaiting coroutine, never lost
+                        if fut is not None:
+                            loop.call_soon_threadsafe(_settle, fut, None, e)
+                        else:
+                            log.exception("engine command failed")
+                    else:
+                        if fut is not None:
+                            loop.call_soon_threadsafe(_settle, fut, res, None)
+            except queue.Empty:
+                pass
+            if not self.engine.has_work():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step fails the requests in it, not the service
+                log.exception("engine step failed")
+                for rid in list(self._streams):
+                    self.engine.abort(rid)
+                    self._deliver(rid, e)
+                continue
+            self._stats = self.engine.stats()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
+        entry = self._streams.get(rid)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._commands.put((fn, fut, loop))
+        return await fut
+
+    # ---- API --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Load figures as of the last step (for heartbeats)."""
+        return dict(self._stats, queued_commands=self._commands.qsize())
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 1, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Raises ValueError (bad input) before the first output."""
+        q = self._open(request_id)
+        try:
+            await self._call(lambda: self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, q):
+            yield out
+
+    async def continue_from_kv(self, request_id: str, blob: bytes, priority: int | None = None
+                               ) -> AsyncIterator[RequestOutput]:
+        """Import an exported sequence and stream the rest of its outputs."""
+        q = self._open(request_id)
+        try:
+            await self._call(lambda: self.engine.import_kv(request_id, blob, priority))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, q):
+            yield out
+
+    async def export_kv(self, request_id: str) -> bytes:
+        return await self._call(lambda: self.engine.export_kv(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(lambda: self.engine.abort(request_id))
+
+    def _open(self, request_id: str) -> asyncio.Queue:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already streaming")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the consumer left early: free the request's KV
+                self._commands.put((lambda: self.engine.abort(request_id), None, None))
+
+    async def close(self) -> None:
+        self._closed = True
+        self._commands.put((lambda: None, None, None))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5)
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,359 @@
+"""The engine: add / step / abort, plus KV export and import for hand-off between engines.
+
+``step()`` is schedule → run → sample → postprocess. Everything a worker service needs
+(prefill-only requests that park their KV, export to bytes, import and continue) is here;
+``async_engine.py`` wraps it for asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from dataclasses import dataclass, field
+
+import orjson
+import torch
+
+from shared.engine import sampler
+from shared.engine.kv_cache import KV_DTYPE, KV_LAYOUT_VERSION, BlockManager, KVLayout
+from shared.engine.loader import LoadedModel, load_model
+from shared.engine.model import AttnChunk, StepContext, Transformer
+from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
+from shared.engine.scheduler import ScheduledChunk, Scheduler
+from shared.engine.sequence import Sequence, Status
+
+log = logging.getLogger("tandem.engine")
+
+KV_MAGIC = b"TKV1"
+
+
+class EngineFull(RuntimeError):
+    """The KV cache cannot take this sequence now (retry later or elsewhere)."""
+
+
+@dataclass
+class EngineConfig:
+    device: str = "cpu"                 # "cpu" | "cuda" | "cuda:N"
+    threads: int | None = None          # torch / kernel threads (None: leave as is)
+    block_size: int = 16                # tokens per KV block
+    kv_cache_bytes: int = 256 << 20     # KV budget; ignored when num_kv_blocks is set
+    num_kv_blocks: int | None = None    # exact number of KV blocks (tests use tiny budgets)
+    max_num_seqs: int = 64              # running sequences at most
+    max_num_batched_tokens: int = 512   # tokens per step (prefill chunk budget)
+    max_context: int | None = None      # cap below the model's context length
+    enable_prefix_caching: bool = True
+    swap_bytes: int = 256 << 20         # host memory for preempted sequences' KV (0: recompute)
+
+    def validate(self) -> "EngineConfig":
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (each decode needs a token)")
+        return self
+
+
+def resolve_device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but torch sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r} (cpu or cuda)")
+    return dev
+
+
+def _get_ops(device: torch.device):
+    try:
+        from kernels.dispatch import get_ops
+    except ImportError:  # fast kernels not built into this tree: the reference is always there
+        from kernels import q4_0
+        return q4_0
+    return get_ops(device)
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None):
+        self.config = config = (config or EngineConfig()).validate()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        cfg = model.config
+        self.model_config = cfg
+        self.model_identity = model.identity
+        self.tokenizer = model.tokenizer
+        self.max_context = min(config.max_context or cfg.max_context, cfg.max_context)
+        self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, config.block_size)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // self.layout.block_bytes)
+        with torch.inference_mode():
+            self.model = Transformer(cfg, model.weights, self.device, _get_ops(self.device))
+            self.kv = torch.zeros((num_blocks, *self.layout.block_shape), dtype=KV_DTYPE, device=self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.kv, config.swap_bytes)
+        self.seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
+        self.eos_ids = set(self.tokenizer.eos_token_ids)
+        log.info("engine ready: %s on %s, %d KV blocks of %d tokens (%.1f MiB), context %d",
+                 cfg.name, self.device, num_blocks, config.block_size,
+                 num_blocks * self.layout.block_bytes / 2**20, self.max_context)
+
+    @classmethod
+    def from_path(cls, path: str | None = None, config: EngineConfig | None = None) -> "Engine":
+        return cls(load_model(path), config)
+
+    # ---- requests -------------------------------------------------------------------
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            priority: int = 1, prefill_only: bool = False) -> None:
+        """Queue a request. Raises ValueError for bad input (nothing is queued then)."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_context:
+            raise ValueError(f"prompt of {n} tokens does not fit the context of {self.max_context} tokens "
+                             "(one position is needed for the first generated token)")
+        if self.layout.blocks_for(n + 1) > self.blocks.num_blocks:
+            raise ValueError(f"prompt of {n} tokens needs {self.layout.blocks_for(n + 1)} KV blocks; "
+                             f"this engine has {self.blocks.num_blocks}")
+        seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its last output says finish_reason "abort"."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self._release(seq)
+        self._pending.append(self._output(seq, [], "", None, "abort"))
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def stats(self) -> dict:
+        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "parked": sum(s.status is Status.PARKED for s in self.seqs.values()),
+                "free_kv_blocks": self.blocks.num_free, "total_kv_blocks": self.blocks.num_blocks,
+                "preemptions": self.scheduler.num_preemptions}
+
+    # ---- the step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return outputs
+        token_ids, ctx = self._build_context(chunks)
+        logits = self.model.forward(token_ids, ctx, self.kv)
+        self.scheduler.commit(chunks)
+        sampled = [c.seq for c in chunks if c.sample]
+        tokens, lps = sampler.sample(logits, sampled)
+        for seq, tok, lp in zip(sampled, tokens, lps):
+            outputs.append(self._append(seq, tok, lp))
+        return outputs
+
+    def _build_context(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepContext]:
+        bs, dev = self.layout.block_size, self.device
+        ids, pos, attn, sample_rows = [], [], [], []
+        off = 0
+        for c in chunks:
+            seq = c.seq
+            ids.extend(seq.token_ids[c.start:c.start + c.num_tokens])
+            pos.extend(range(c.start, c.start + c.num_tokens))
+            nb = self.layout.blocks_for(c.start + c.num_tokens)
+            attn.append(AttnChunk(c.start, c.num_tokens, off, torch.tensor(seq.block_table[:nb], device=dev)))
+            off += c.num_tokens
+            if c.sample:
+                sample_rows.append(off - 1)
+        positions = torch.tensor(pos, dtype=torch.int64)
+        tables = [c.seq.block_table for c in chunks for _ in range(c.num_tokens)]
+        slot_blocks = torch.tensor([t[p // bs] for t, p in zip(tables, pos)], dtype=torch.int64)
+        ctx = StepContext(positions.to(dev), slot_blocks.to(dev), (positions % bs).to(dev), attn,
+                          torch.tensor(sample_rows, dtype=torch.int64, device=dev))
+        return torch.tensor(ids, dtype=torch.int64, device=dev), ctx
+
+    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> RequestOutput:
+        p = seq.params
+        seq.token_ids.append(tok)
+        finish = None
+        new_ids: list[int] = []
+        new_lps: list[TokenLogprob] | None = [] if lp is not None else None
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            finish = "stop"  # counted as generated, never shown
+        else:
+            new_ids.append(tok)
+            if lp is not None:
+                new_lps.append(lp)
+            start = max(0, len(seq.output_text) - max((len(s) for s in p.stop), default=0))
+            self._detokenize(seq)
+            for s in p.stop:
+                i = seq.output_text.find(s, start)
+                if i != -1:
+                    seq.output_text = seq.output_text[:i]
+                    finish = "stop"
+        if finish is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_context):
+            finish = "length"
+        end = len(seq.output_text)
+        if finish is None:
+            end -= _stop_holdback(seq.output_text, p.stop)
+        text = seq.output_text[seq.emitted_chars:end] if end > seq.emitted_chars else ""
+        seq.emitted_chars = max(seq.emitted_chars, end)
+        if finish is not None:
+            self.seqs.pop(seq.request_id, None)
+            self._release(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, finish
+        elif seq.prefill_only:  # keep the KV for export_kv; the decode worker continues
+            self.scheduler.remove(seq)
+            seq.status, finish = Status.PARKED, "prefilled"
+        return self._output(seq, new_ids, text, new_lps, finish)
+
+    def _detokenize(self, seq: Sequence) -> None:
+        """Extend seq.output_text with the new token's text (never half a UTF-8 character)."""
+        ids, dec = seq.token_ids, self.tokenizer.decode
+        before = dec(ids[seq.prefix_offset:seq.read_offset])
+        after = dec(ids[seq.prefix_offset:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            seq.output_text += after[len(before):]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+    def _output(self, seq, ids, text, lps, finish) -> RequestOutput:
+        return RequestOutput(seq.request_id, ids, text, finish is not None, finish, lps,
+                             seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.drop(seq)
+
+    # ---- KV hand-off ------------------------------------------------------------------
+    @torch.inference_mode()
+    def export_kv(self, request_id: str) -> bytes:
+        """Serialise a parked (or decoding) sequence — KV, tokens, sampler and text state — and
+        remove it from this engine. ``import_kv`` on any engine with the same model continues it."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"no request {request_id!r} in this engine")
+        if seq.status not in (Status.PARKED, Status.RUNNING) or seq.num_computed != seq.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is not between decode steps (status {seq.status.value})")
+        nb = self.layout.blocks_for(seq.num_computed)
+        kv = self.kv.index_select(0, torch.tensor(seq.block_table[:nb], device=self.device)).cpu()
+        rng = seq.generator.get_state().numpy().tobytes()
+        header = orjson.dumps({
+            "layout": self.layout.to_dict(), "model": self.model_identity,
+            "request_id": request_id, "token_ids": seq.token_ids, "num_prompt_tokens": seq.num_prompt_tokens,
+            "num_computed": seq.num_computed, "num_cached_tokens": seq.num_cached_tokens,
+            "params": seq.params.to_dict(), "priority": seq.priority,
+            "detok": [seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars],
+            "rng_bytes": len(rng), "kv_blocks": nb,
+        })
+        self.seqs.pop(request_id)
+        self._release(seq)
+        return b"".join([KV_MAGIC, struct.pack("<I", len(header)), header, rng,
+                         kv.contiguous().view(torch.uint8).numpy().tobytes()])
+
+    @torch.inference_mode()
+    def import_kv(self, request_id: str, blob: bytes | memoryview, priority: int | None = None) -> None:
+        """Take over a sequence exported by ``export_kv`` and continue decoding it here."""
+        h, rng, kv_bytes = parse_kv_blob(blob)
+        if h["layout"] != self.layout.to_dict():
+            raise ValueError(f"KV layout {h['layout']} does not match this engine's {self.layout.to_dict()}")
+        if h["model"] != self.model_identity:
+            raise ValueError("KV was computed by a different model (identity mismatch)")
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        tokens = h["token_ids"]
+        if len(tokens) > self.max_context:
+            raise ValueError(f"sequence of {len(tokens)} tokens exceeds this engine's context {self.max_context}")
+        nb = h["kv_blocks"]
+        seq = Sequence(request_id, tokens[:h["num_prompt_tokens"]], SamplingParams.from_dict(h["params"]),
+                       h["priority"] if priority is None else priority)
+        seq.token_ids = list(tokens)
+        seq.generator.set_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+        seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars = h["detok"]
+        seq.num_cached_tokens = h["num_cached_tokens"]
+        got = self.blocks.allocate(nb)
+        if got is None:
+            raise EngineFull(f"needs {nb} KV blocks, {self.blocks.num_free} free")
+        data = torch.frombuffer(bytearray(kv_bytes), dtype=torch.uint8).view(KV_DTYPE)
+        self.kv[torch.tensor(got, device=self.device)] = data.view(nb, *self.layout.block_shape).to(self.device)
+        seq.block_table, seq.num_computed = got, h["num_computed"]
+        bs = self.layout.block_size
+        parent = None
+        for i in range(seq.num_computed // bs):
+            parent = self.blocks.register_full(got[i], parent, tokens[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(parent)
+        self.seqs[request_id] = seq
+        self.scheduler.add_running(seq)
+
+
+def parse_kv_blob(blob: bytes | memoryview) -> tuple[dict, bytes, memoryview]:
+    """Split an exported KV blob into (header, rng state, KV bytes); ValueError if malformed."""
+    mv = memoryview(blob)
+    if len(mv) < 8 or bytes(mv[:4]) != KV_MAGIC:
+        raise ValueError("not a Tandem KV blob (bad magic)")
+    (hlen,) = struct.unpack("<I", mv[4:8])
+    try:
+        h = orjson.loads(mv[8:8 + hlen])
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"corrupt KV blob header: {e}") from None
+    if h.get("layout", {}).get("version") != KV_LAYOUT_VERSION:
+        raise ValueError(f"unsupported KV layout version {h.get('layout', {}).get('version')}")
+    rng_end = 8 + hlen + h["rng_bytes"]
+    block_bytes = KVLayout(**{k: h["layout"][k] for k in ("n_layers", "n_kv_heads", "head_dim",
+                                                           "block_size")}).block_bytes
+    if len(mv) != rng_end + h["kv_blocks"] * block_bytes:
+        raise ValueError(f"KV blob is {len(mv)} bytes, header says {rng_end + h['kv_blocks'] * block_bytes}")
+    return h, bytes(mv[8 + hlen:rng_end]), mv[rng_end:]
+
+
+def _stop_holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of ``text`` that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class Completion:
+    """A finished request, gathered from its outputs (for tests, the CLI and benchmarks)."""
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids += out.token_ids
+        self.text += out.text
+        self.logprobs += out.logprobs or []
+        self.finish_reason = out.finish_reason
+        self.num_prompt_tokens, self.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+        self.num_output_tokens = out.num_output_tokens
+
+
+def run_to_completion(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
+                      priority: int = 1) -> dict[str, Completion]:
+    """Add ``requests`` (id -> (prompt ids, params)), step until all finish, return their results."""
+    done = {rid: Completion(rid) for rid in requests}
+    for rid, (ids, params) in requests.items():
+        engine.add(rid, ids, params, priority)
+    pending = set(requests)
+    while pending:
+        for out in engine.step():
+            if out.request_id in done:
+                done[out.request_id].add(out)
+                if out.finished:
+                    pending.discard(out.request_id)
+    return done

@@ -1,0 +1,158 @@
+"""The transformer forward pass over a flat batch of tokens (Llama / Qwen2 / Qwen3).
+
+All sequences of a step are concatenated into one [T, D] activation, so every matmul runs once
+per layer for the whole batch (continuous batching, chunked prefill and decode mixed). Attention
+reads and writes the paged KV cache (``kv_cache.py``) through the per-step ``StepContext``.
+Weights are Q4_0 bytes (``kernels/q4_0.py``) on every device; norms and biases are float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.config import ModelConfig
+
+
+@dataclass
+class AttnChunk:
+    """One sequence's slice of the flat batch."""
+    start: int               # position of the chunk's first token in its sequence
+    num_tokens: int          # tokens computed in this step
+    token_offset: int        # index of the chunk's first token in the flat batch
+    blocks: torch.Tensor     # block ids covering positions [0, start + num_tokens), int64 [nb]
+
+
+@dataclass
+class StepContext:
+    """What the attention layers need for one forward step."""
+    positions: torch.Tensor     # [T] int64
+    slot_blocks: torch.Tensor   # [T] int64: KV block of each new token
+    slot_offsets: torch.Tensor  # [T] int64: slot inside that block
+    chunks: list[AttnChunk]
+    sample_rows: torch.Tensor   # [S] int64: rows of the flat batch whose logits are wanted
+
+
+def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None) -> torch.Tensor:
+    """Rotary inverse frequencies as Hugging Face computes them (incl. llama3 / linear scaling)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if rope_freqs is not None:  # llama.cpp stores llama3 scaling as per-frequency factors
+        return inv / rope_freqs.float()
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / float(rs["factor"])
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        lo, hi = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs["original_max_position_embeddings"])
+        lo_wav, hi_wav = old_ctx / lo, old_ctx / hi
+        wav = 2 * math.pi / inv
+        scaled = torch.where(wav > lo_wav, inv / factor, inv)
+        smooth = (old_ctx / wav - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wav >= hi_wav) & (wav <= lo_wav)
+        return torch.where(is_mid, mid, scaled)
+    if kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    return inv
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, ops):
+        self.cfg = cfg
+        self.device = device
+        self.ops = ops  # matmul(x, q) / embedding(ids, q) with Q4_0 weights
+        w = {k: v.to(device) for k, v in weights.items()}  # a new dict: the caller's stays whole
+        # fuse q|k|v and gate|up: one matmul each (row concatenation is exact on Q4_0 bytes)
+        self.layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            layer = {
+                "attn_norm": w.pop(p + "attn_norm").float(),
+                "qkv": torch.cat([w.pop(p + "attn_q"), w.pop(p + "attn_k"), w.pop(p + "attn_v")]),
+                "o": w.pop(p + "attn_output"),
+                "ffn_norm": w.pop(p + "ffn_norm").float(),
+                "gate_up": torch.cat([w.pop(p + "ffn_gate"), w.pop(p + "ffn_up")]),
+                "down": w.pop(p + "ffn_down"),
+            }
+            if cfg.attn_bias:
+                layer["qkv_bias"] = torch.cat([w.pop(p + "attn_q_bias"), w.pop(p + "attn_k_bias"),
+                                               w.pop(p + "attn_v_bias")]).float()
+            if cfg.qk_norm:
+                layer["q_norm"] = w.pop(p + "attn_q_norm").float()
+                layer["k_norm"] = w.pop(p + "attn_k_norm").float()
+            self.layers.append(layer)
+        self.embed = w.pop("token_embd")
+        self.output = w.pop("output", self.embed)
+        self.output_norm = w.pop("output_norm").float()
+        inv = rope_inv_freq(cfg, w.pop("rope_freqs", None))
+        pos = torch.arange(cfg.max_context, dtype=torch.float32)
+        freqs = torch.outer(pos, inv)  # [max_ctx, head_dim/2]
+        self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
+        self.q_size = cfg.n_heads * cfg.head_dim
+        self.kv_size = cfg.n_kv_heads * cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps) * w
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; cos/sin: [T, 1, D/2]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, token_ids: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> torch.Tensor:
+        """Run the flat batch; write its KV into ``kv``; return logits [S, vocab] of ``ctx.sample_rows``."""
+        cfg, mm = self.cfg, self.ops.matmul
+        hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        x = self.ops.embedding(token_ids, self.embed)  # [T, D]
+        cos = self.cos[ctx.positions].unsqueeze(1)     # [T, 1, hd/2]
+        sin = self.sin[ctx.positions].unsqueeze(1)
+        for li, L in enumerate(self.layers):
+            h = self._norm(x, L["attn_norm"])
+            qkv = mm(h, L["qkv"])                       # [T, (nh + 2 nkv) * hd]
+            if "qkv_bias" in L:
+                qkv = qkv + L["qkv_bias"]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(-1, nh, hd)
+            k = k.reshape(-1, nkv, hd)
+            v = v.reshape(-1, nkv, hd)
+            if "q_norm" in L:
+                q = self._norm(q, L["q_norm"])
+                k = self._norm(k, L["k_norm"])
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            layer_kv = kv[:, li]                        # [nblocks, 2, bs, nkv, hd]
+            layer_kv[ctx.slot_blocks, 0, ctx.slot_offsets] = k.to(kv.dtype)
+            layer_kv[ctx.slot_blocks, 1, ctx.slot_offsets] = v.to(kv.dtype)
+            attn = self._attention(q, layer_kv, ctx)    # [T, nh * hd]
+            x = x + mm(attn, L["o"])
+            h = self._norm(x, L["ffn_norm"])
+            gu = mm(h, L["gate_up"])                    # [T, 2 * ffn]
+            g, u = gu.chunk(2, dim=-1)
+            x = x + mm(F.silu(g) * u, L["down"])
+        h = self._norm(x.index_select(0, ctx.sample_rows), self.output_norm)
+        return mm(h, self.output)                       # [S, vocab]
+
+    def _attention(self, q: torch.Tensor, layer_kv: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        # One sequence at a time, so a sequence's numbers do not depend on its batch neighbours.
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        for c in ctx.chunks:
+            n, ctx_len = c.num_tokens, c.start + c.num_tokens
+            qs = q[c.token_offset:c.token_offset + n].transpose(0, 1).unsqueeze(0)   # [1, nh, n, hd]
+            blk = layer_kv.index_select(0, c.blocks)                                  # [nb, 2, bs, nkv, hd]
+            k = blk[:, 0].flatten(0, 1)[:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, nkv, L, hd]
+            v = blk[:, 1].flatten(0, 1)[:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            mask = None
+            if n > 1:  # causal, with the chunk's queries at the end of the context
+                qpos = torch.arange(c.start, ctx_len, device=q.device).unsqueeze(1)
+                mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= qpos   # [n, L]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=True)                       # [1, nh, n, hd]
+            out[c.token_offset:c.token_offset + n] = o[0].transpose(0, 1).reshape(n, -1)
+        return out

@@ -1,0 +1,72 @@
+"""Token selection: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+
+Each sequence is processed on its own row with its own torch.Generator, so a seeded request
+draws the same tokens whatever it is batched with. Logprobs are those of the model's raw
+distribution (before penalties and temperature), as vLLM reports by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.sampling import TokenLogprob
+from shared.engine.sequence import Sequence
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+        out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=row.device)
+        counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+        row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+    return row
+
+
+def _filter(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """Temperature-scaled logits with the top-k / top-p / min-p cut tokens at -inf."""
+    p = seq.params
+    row = row / p.temperature
+    if p.top_k and p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, idx = torch.sort(row, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the best token always stays)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        row = row.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
+    if p.min_p > 0:
+        probs = row.softmax(-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return row
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One next token per row of ``logits`` [S, vocab] (float32), for ``seqs`` in row order."""
+    tokens: list[int] = []
+    lps: list[TokenLogprob | None] = []
+    for row, seq in zip(logits, seqs):
+        p = seq.params
+        raw = row
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            row = _apply_penalties(row.clone(), seq)
+        if p.greedy:
+            tok = int(torch.argmax(row))
+        else:
+            probs = _filter(row, seq).softmax(-1).cpu()
+            tok = int(torch.multinomial(probs, 1, generator=seq.generator))
+        lp = None
+        if p.logprobs or p.top_logprobs:
+            logp = raw.float().log_softmax(-1)
+            top = []
+            if p.top_logprobs:
+                v, i = torch.topk(logp, p.top_logprobs)
+                top = list(zip(i.tolist(), v.tolist()))
+            lp = TokenLogprob(tok, float(logp[tok]), top)
+        tokens.append(tok)
+        lps.append(lp)
+    return tokens, lps

@@ -1,0 +1,164 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Each step: running sequences first, best priority first (a decode is one token, a sequence in
+chunked prefill takes what the token budget leaves), then waiting sequences in queue order
+(priority = SLA tier, then arrival). When the KV blocks run out, the lowest-priority running
+sequence is preempted: its KV is copied to host memory (the swap space), its blocks are
+freed and it goes back to the queue; on resume the bytes are copied back, so it continues
+exactly where it stopped. When the swap space is full, a preempted sequence's KV is dropped
+and recomputed on resume instead. Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.kv_cache import BlockManager
+from shared.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int        # first position computed (== seq.num_computed)
+    num_tokens: int   # tokens computed this step
+    sample: bool      # the chunk reaches the sequence's last token: sample the next one
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 kv: torch.Tensor, swap_bytes: int):
+        self.blocks = blocks
+        self.kv = kv                    # the engine's KV tensor (kv_cache.py layout)
+        self.swap_bytes = swap_bytes    # host memory for preempted sequences' KV
+        self.swap_used = 0
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        keys = [s.sort_key() for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.sort_key()), seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that arrives with its KV already in place (imported)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished, aborted, parked or exported)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        nb = self.blocks.blocks_needed(0, seq.num_computed)
+        nbytes = nb * self.kv[0].numel() * self.kv.element_size()
+        if nb and self.swap_used + nbytes <= self.swap_bytes:
+            idx = torch.tensor(seq.block_table[:nb], device=self.kv.device)
+            seq.swapped = self.kv.index_select(0, idx).to("cpu")
+            self.swap_used += nbytes
+        else:
+            seq.block_hashes, seq.num_computed = [], 0
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        self.running.remove(seq)
+        self.add(seq)
+        self.num_preemptions += 1
+
+    def _grow(self, seq: Sequence, num_tokens: int, may_preempt) -> bool:
+        """Give ``seq`` blocks for ``num_tokens`` tokens, preempting victims ``may_preempt`` allows."""
+        need = self.blocks.blocks_needed(len(seq.block_table), num_tokens)
+        while True:
+            got = self.blocks.allocate(need)
+            if got is not None:
+                seq.block_table.extend(got)
+                return True
+            victims = [s for s in self.running if s is not seq and may_preempt(s)]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=Sequence.sort_key))
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_tokens
+        out: list[ScheduledChunk] = []
+        for seq in sorted(self.running, key=Sequence.sort_key):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            worse = lambda s, me=seq: s.sort_key() > me.sort_key()  # noqa: E731
+            if not self._grow(seq, seq.num_computed + n, worse):
+                self._preempt(seq)  # nothing worse to evict: this one waits
+                continue
+            out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.swapped is not None:
+                if not self._swap_in(seq):
+                    break
+            elif not seq.block_table:  # fresh or recomputing: reuse cached prefix blocks
+                cached = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1)
+                self.blocks.acquire_cached(cached)
+                seq.block_table = list(cached)
+                seq.block_hashes = [self.blocks.hash_of[b] for b in cached]
+                seq.num_computed = len(cached) * self.blocks.block_size
+                if seq.num_cached_tokens == 0 and seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = seq.num_computed
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            lower = lambda s, me=seq: s.priority > me.priority  # noqa: E731
+            if not self._grow(seq, seq.num_computed + n, lower):
+                self.blocks.release(seq.block_table)  # keep queue order: wait for blocks
+                seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            budget -= n
+        return out
+
+    def _swap_in(self, seq: Sequence) -> bool:
+        """Copy a preempted sequence's KV back into fresh blocks; False if they do not fit."""
+        nb = seq.swapped.shape[0]
+        got = self.blocks.allocate(self.blocks.blocks_needed(0, seq.num_tokens))  # + room to go on
+        if got is None:
+            return False
+        self.kv[torch.tensor(got[:nb], device=self.kv.device)] = seq.swapped.to(self.kv.device)
+        self.swap_used -= seq.swapped.numel() * seq.swapped.element_size()
+        seq.swapped = None
+        seq.block_table = got
+        for b, h in zip(got, seq.block_hashes):
+            self.blocks.adopt(b, h)
+        return True
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget a sequence that leaves the engine: queues, blocks and swapped KV."""
+        self.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.block_table, seq.block_hashes = [], []
+        if seq.swapped is not None:
+            self.swap_used -= seq.swapped.numel() * seq.swapped.element_size()
+            seq.swapped = None
+
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
+        """After the forward pass: advance computed counts and hash blocks that became full."""
+        bs = self.blocks.block_size
+        for c in chunks:
+            seq = c.seq
+            seq.num_computed = c.start + c.num_tokens
+            while len(seq.block_hashes) < seq.num_computed // bs:
+                i = len(seq.block_hashes)
+                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                seq.block_hashes.append(self.blocks.register_full(
+                    seq.block_table[i], parent, seq.token_ids[i * bs:(i + 1) * bs]))

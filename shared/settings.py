@@ -1,0 +1,245 @@
+"""Settings: one dataclass per concern, every field overridable by one environment variable.
+
+    settings = Settings.from_env()          # reads os.environ (or a given mapping)
+    settings.nats.url                        # None -> `tandem up` starts an embedded server
+    print(env_help())                        # every variable, its default and meaning (--help)
+
+Each field declares its variable with ``_env(NAME, default, help)``. Values are parsed by the
+field's type (str, int, float, bool, or ``X | None`` where an empty string means None);
+cross-field checks in ``validate()`` raise ValueError naming the variables involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _env(name: str, default: Any, help: str, factory: Any = None) -> Any:
+    meta = {"env": name, "help": help}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class NatsSettings:
+    """How every service reaches the bus."""
+    url: str | None = _env("TANDEM_NATS_URL", None,
+                           "NATS server URL(s), comma-separated (nats://, tls://); unset: "
+                           "`tandem up` starts an embedded nats-server")
+    user: str | None = _env("TANDEM_NATS_USER", None, "NATS user name (with TANDEM_NATS_PASSWORD)")
+    password: str | None = _env("TANDEM_NATS_PASSWORD", None, "NATS password")
+    token: str | None = _env("TANDEM_NATS_TOKEN", None, "NATS auth token (instead of user/password)")
+    tls: bool = _env("TANDEM_NATS_TLS", False, "use TLS even with a nats:// URL")
+    tls_ca: str | None = _env("TANDEM_NATS_TLS_CA", None, "CA bundle (PEM) to verify the server")
+    tls_cert: str | None = _env("TANDEM_NATS_TLS_CERT", None, "client certificate (PEM), mutual TLS")
+    tls_key: str | None = _env("TANDEM_NATS_TLS_KEY", None, "client private key (PEM), mutual TLS")
+    name: str | None = _env("TANDEM_NATS_NAME", None, "connection name shown by the server")
+    connect_timeout: float = _env("TANDEM_NATS_CONNECT_TIMEOUT", 5.0, "seconds per connect attempt")
+    request_timeout: float = _env("TANDEM_NATS_REQUEST_TIMEOUT", 10.0,
+                                  "default seconds to wait for a bus reply")
+
+    def validate(self) -> None:
+        if (self.user is None) != (self.password is None):
+            raise ValueError("TANDEM_NATS_USER and TANDEM_NATS_PASSWORD must be set together")
+        if self.token is not None and self.user is not None:
+            raise ValueError("set TANDEM_NATS_TOKEN or TANDEM_NATS_USER/PASSWORD, not both")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TANDEM_NATS_TLS_CERT and TANDEM_NATS_TLS_KEY must be set together")
+        if self.connect_timeout <= 0 or self.request_timeout <= 0:
+            raise ValueError("TANDEM_NATS_CONNECT_TIMEOUT and TANDEM_NATS_REQUEST_TIMEOUT must be > 0")
+        for u in self.servers():
+            if "://" not in u:
+                raise ValueError(f"TANDEM_NATS_URL entry {u!r} needs a scheme (nats:// or tls://)")
+
+    def servers(self) -> list[str]:
+        """The URL list (empty when unset)."""
+        return [u.strip() for u in (self.url or "").split(",") if u.strip()]
+
+    @property
+    def use_tls(self) -> bool:
+        return self.tls or self.tls_ca is not None or self.tls_cert is not None or any(
+            u.startswith("tls://") for u in self.servers())
+
+
+@dataclass
+class WorkerSettings:
+    """A prefill or decode worker: identity, engine and KV budget."""
+    worker_id: str | None = _env("TANDEM_WORKER_ID", None,
+                                 "this copy's id (a subject token); unset: <role>-<host>-<pid>")
+    model: str | None = _env("TANDEM_MODEL", None,
+                             "model name or GGUF path; unset: the bundled SmolLM2-135M-Instruct")
+    device: str | None = _env("TANDEM_DEVICE", None,
+                              "torch device: cpu, cuda, cuda:1; unset: the role's default")
+    threads: int = _env("TANDEM_THREADS", 0, "CPU threads for the engine; 0 = torch's default")
+    kv_blocks: int = _env("TANDEM_KV_BLOCKS", 0, "KV cache blocks; 0 = from TANDEM_KV_BUDGET_MB")
+    kv_budget_mb: int = _env("TANDEM_KV_BUDGET_MB", 512, "KV cache memory budget in MiB")
+    max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
+    heartbeat_interval: float = _env("TANDEM_HEARTBEAT_INTERVAL", 2.0, "seconds between heartbeats")
+
+    def validate(self) -> None:
+        if self.worker_id is not None:
+            from shared.subjects import check_token
+            try:
+                check_token(self.worker_id, "worker_id")
+            except ValueError as e:
+                raise ValueError(f"TANDEM_WORKER_ID: {e}") from None
+        for name, var in (("threads", "TANDEM_THREADS"), ("kv_blocks", "TANDEM_KV_BLOCKS"),
+                          ("max_context", "TANDEM_MAX_CONTEXT")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{var} must be >= 0")
+        if self.kv_blocks == 0 and self.kv_budget_mb <= 0:
+            raise ValueError("TANDEM_KV_BLOCKS is 0, so TANDEM_KV_BUDGET_MB must be > 0")
+        if self.heartbeat_interval <= 0:
+            raise ValueError("TANDEM_HEARTBEAT_INTERVAL must be > 0")
+
+    def resolved_worker_id(self, role: str) -> str:
+        """The configured id, or ``<role>-<host>-<pid>`` (dots in the host name become '-')."""
+        if self.worker_id:
+            return self.worker_id
+        host = socket.gethostname().split(".")[0].replace(" ", "-") or "host"
+        return f"{role}-{host}-{os.getpid()}"
+
+
+@dataclass
+class DataPlaneSettings:
+    """The KV data plane (shared/transfer)."""
+    host: str = _env("TANDEM_DATA_HOST", "127.0.0.1", "data-plane bind address")
+    port: int = _env("TANDEM_DATA_PORT", 0, "data-plane port; 0 = a free one")
+    advertise_host: str | None = _env("TANDEM_DATA_ADVERTISE_HOST", None,
+                                      "address peers dial (heartbeats); unset: TANDEM_DATA_HOST")
+    chunk_mb: int = _env("TANDEM_DATA_CHUNK_MB", 4, "socket read/write chunk and buffer unit, MiB")
+    max_pending_mb: int = _env("TANDEM_DATA_MAX_PENDING_MB", 4096,
+                               "received-but-not-taken payload bytes held at most, MiB")
+    timeout: float = _env("TANDEM_DATA_TIMEOUT", 30.0, "seconds a transfer may stall")
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("TANDEM_DATA_PORT must be in 0..65535")
+        if self.chunk_mb <= 0 or self.max_pending_mb < self.chunk_mb:
+            raise ValueError("TANDEM_DATA_CHUNK_MB must be > 0 and <= TANDEM_DATA_MAX_PENDING_MB")
+        if self.timeout <= 0:
+            raise ValueError("TANDEM_DATA_TIMEOUT must be > 0")
+        if self.host in ("0.0.0.0", "::") and not self.advertise_host:
+            raise ValueError("TANDEM_DATA_HOST binds every address: set TANDEM_DATA_ADVERTISE_HOST "
+                             "to the address peers should dial")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
+
+
+@dataclass
+class GatewaySettings:
+    """The OpenAI-compatible REST gateway."""
+    host: str = _env("TANDEM_HOST", "127.0.0.1", "gateway bind address")
+    port: int = _env("TANDEM_PORT", 8000, "gateway HTTP port")
+    api_key: str | None = _env("TANDEM_API_KEY", None, "bearer token clients must send; unset: no auth")
+    default_tier: str = _env("TANDEM_DEFAULT_TIER", "standard",
+                             "SLA tier when a request names none: interactive|standard|batch")
+    request_timeout: float = _env("TANDEM_REQUEST_TIMEOUT", 600.0,
+                                  "seconds a request may run before the gateway aborts it")
+
+    def validate(self) -> None:
+        from shared.schemas import TIERS
+        if not 0 < self.port <= 65535:
+            raise ValueError("TANDEM_PORT must be in 1..65535")
+        if self.default_tier not in TIERS:
+            raise ValueError(f"TANDEM_DEFAULT_TIER must be one of {', '.join(TIERS)}")
+        if self.request_timeout <= 0:
+            raise ValueError("TANDEM_REQUEST_TIMEOUT must be > 0")
+
+
+@dataclass
+class Settings:
+    """Everything, one section per concern."""
+    nats: NatsSettings = field(default_factory=NatsSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    data: DataPlaneSettings = field(default_factory=DataPlaneSettings)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Build from ``env`` (default os.environ); ``overrides`` replace whole sections."""
+        env = os.environ if env is None else env
+        sections = {f.name: _section_from_env(f.type_cls, env) for f in _sections()}
+        sections.update(overrides)
+        s = cls(**sections)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        for f in _sections():
+            getattr(self, f.name).validate()
+
+
+@dataclass
+class _Section:
+    name: str
+    type_cls: type
+
+
+def _sections() -> list[_Section]:
+    hints = typing.get_type_hints(Settings)
+    return [_Section(f.name, hints[f.name]) for f in dataclasses.fields(Settings)]
+
+
+def _section_from_env(cls: type, env: Mapping[str, str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        var = f.metadata["env"]
+        if var in env:
+            kwargs[f.name] = _parse(env[var], hints[f.name], var)
+    return cls(**kwargs)
+
+
+def _parse(raw: str, tp: Any, var: str) -> Any:
+    args = typing.get_args(tp)
+    if type(None) in args:  # X | None: empty means None
+        if raw.strip() == "":
+            return None
+        tp = next(a for a in args if a is not type(None))
+    try:
+        if tp is bool:
+            v = raw.strip().lower()
+            if v in _TRUE:
+                return True
+            if v in _FALSE:
+                return False
+            raise ValueError("expected true/false")
+        if tp is int:
+            return int(raw)
+        if tp is float:
+            return float(raw)
+        return raw
+    except ValueError as e:
+        raise ValueError(f"{var}={raw!r}: {e}") from None
+
+
+def env_vars() -> list[tuple[str, str, str]]:
+    """(variable, default, help) for every setting, in section order."""
+    out = []
+    for sec in _sections():
+        for f in dataclasses.fields(sec.type_cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            out.append((f.metadata["env"], "" if default is None else str(default), f.metadata["help"]))
+    return out
+
+
+def env_help() -> str:
+    """Text for --help epilogs: one line per variable."""
+    width = max(len(v) for v, _, _ in env_vars())
+    lines = ["environment variables:"]
+    for var, default, help in env_vars():
+        suffix = f" (default {default})" if default else ""
+        lines.append(f"  {var:<{width}}  {help}{suffix}")
+    return "\n".join(lines)

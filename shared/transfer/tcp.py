@@ -1,0 +1,530 @@
+"""Data plane v1: KV payloads over TCP with asyncio's low-level socket calls.
+
+``loop.sock_sendall(sock, memoryview)`` / ``loop.sock_recv_into(sock, buf)`` straight into
+preallocated, reused buffers (asyncio streams measured ~3x slower here: they copy through
+their own buffer). Wire format, per frame (a connection may carry several in sequence)::
+
+    header  !4sBBHQ32s  magic b"TKV1", version 1, checksum algo (1 blake3, 2 crc32),
+                        len(transfer_id), nbytes, digest (zero-padded to 32 bytes)
+            transfer_id utf-8
+    payload nbytes
+    reply   !BH status, len(message), then the message (receiver -> sender, after verifying)
+
+Flow control: the receiver takes a buffer from a bounded ``BufferPool`` before reading a
+payload; while none is free it stops reading, TCP's window fills and the sender's
+``sock_sendall`` waits — no unbounded buffering anywhere. Every read and write has a stall
+timeout; a short read, stall, or checksum mismatch fails the transfer (TransferError) on both
+sides, and the buffer goes back to the pool — a partial KV is never handed out.
+
+Receiver life cycle per transfer: PENDING -> TRANSFERRING -> SUCCESS (until take()) | FAILED.
+Unclaimed payloads are dropped after ``unclaimed_ttl`` seconds (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+from shared.transfer.base import (
+    ChecksumError, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, PeerUnavailable,
+    SendResult, TransferError, TransferState, default_checksum,
+)
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TKV1"
+VERSION = 1
+HEADER = struct.Struct("!4sBBHQ32s")
+REPLY = struct.Struct("!BH")
+ALGOS = {"blake3": 1, "crc32": 2}
+ALGO_NAMES = {v: k for k, v in ALGOS.items()}
+MAX_ID_BYTES = 256
+
+# reply status codes
+OK, BAD_HEADER, TOO_LARGE, DUPLICATE, CHECKSUM, FAILED, DISCARDED = range(7)
+_STATUS_TEXT = {OK: "ok", BAD_HEADER: "bad header", TOO_LARGE: "too large", DUPLICATE: "duplicate id",
+                CHECKSUM: "checksum mismatch", FAILED: "failed", DISCARDED: "discarded by receiver"}
+
+MiB = 1 << 20
+HASH_STEP = 4 * MiB  # the receiver hashes in a worker thread every HASH_STEP bytes (blake3 drops the GIL)
+
+
+def parse_checksum(value: str) -> tuple[str, bytes]:
+    """"blake3:<hex>" -> ("blake3", digest bytes); ValueError naming the problem."""
+    algo, _, hexd = value.partition(":")
+    if algo not in ALGOS or not hexd:
+        raise ValueError(f"bad checksum {value!r}: expected '<blake3|crc32>:<hex>'")
+    digest = bytes.fromhex(hexd)
+    if len(digest) > 32:
+        raise ValueError(f"bad checksum {value!r}: digest longer than 32 bytes")
+    return algo, digest
+
+
+# -- buffers -----------------------------------------------------------------------------------
+
+def size_class(n: int, min_block: int = 64 * 1024) -> int:
+    """Round up to a quarter-power-of-two step (waste <= 25%), at least ``min_block``."""
+    if n <= min_block:
+        return min_block
+    top = 1 << (n - 1).bit_length()          # next power of two >= n
+    step = top // 8                           # classes: top/2 * (1, 1.25, 1.5, 1.75, 2)
+    return -(-n // step) * step
+
+
+class BufferPool:
+    """Reused receive buffers, at most ``max_bytes`` allocated in total (free + in use).
+
+    ``acquire`` waits while the budget is spent (that wait is the backpressure); free buffers
+    of other sizes are dropped first to make room.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes                       # budget for all buffers together
+        self._free: dict[int, list[bytearray]] = {}      # size class -> free buffers
+        self._allocated = 0                              # bytes of every live buffer
+        self._changed = asyncio.Event()                  # set on release
+
+    @property
+    def allocated(self) -> int:
+        return self._allocated
+
+    def fits(self, n: int) -> bool:
+        return n <= self.max_bytes
+
+    async def acquire(self, n: int) -> bytearray:
+        cap = size_class(n)
+        if cap > self.max_bytes:
+            cap = n  # an exact-size buffer when the rounded one would not fit the budget
+        if cap > self.max_bytes:
+            raise ValueError(f"{n} bytes exceed the receive budget of {self.max_bytes}")
+        while True:
+            free = self._free.get(cap)
+            if free:
+                return free.pop()
+            if self._allocated + cap > self.max_bytes:
+                self._drop_free(self._allocated + cap - self.max_bytes)
+            if self._allocated + cap <= self.max_bytes:
+                self._allocated += cap
+                return bytearray(cap)
+            self._changed.clear()
+            await self._changed.wait()
+
+    def release(self, buf: bytearray, reuse: bool = True) -> None:
+        """Return ``buf``; ``reuse=False`` when something still aliases it (it is forgotten)."""
+        if reuse:
+            self._free.setdefault(len(buf), []).append(buf)
+        else:
+            self._allocated -= len(buf)
+        self._changed.set()
+
+    def _drop_free(self, need: int) -> None:
+        for cap in sorted(self._free, reverse=True):
+            bufs = self._free[cap]
+            while bufs and need > 0:
+                bufs.pop()
+                self._allocated -= cap
+                need -= cap
+            if need <= 0:
+                return
+
+    def clear(self) -> None:
+        for cap, bufs in self._free.items():
+            self._allocated -= cap * len(bufs)
+        self._free.clear()
+
+
+# -- socket helpers ----------------------------------------------------------------------------
+
+async def _recv_exact(loop, sock: socket.socket, view: memoryview, stall: float,
+                      on_progress=None) -> None:
+    """Fill ``view`` completely; ConnectionError on EOF, TimeoutError after ``stall`` s idle."""
+    got, n = 0, view.nbytes
+    async with asyncio.timeout(stall) as cm:
+        while got < n:
+            k = await loop.sock_recv_into(sock, view[got:])
+            if k == 0:
+                raise ConnectionError(f"connection closed after {got} of {n} bytes")
+            got += k
+            cm.reschedule(loop.time() + stall)
+            if on_progress is not None:
+                on_progress(got)
+
+
+async def _send_all(loop, sock: socket.socket, view: memoryview, chunk: int, stall: float) -> None:
+    """Send ``view`` in ``chunk``-sized pieces, each within ``stall`` seconds."""
+    n = view.nbytes
+    off = 0
+    async with asyncio.timeout(stall) as cm:
+        while off < n:
+            end = min(off + chunk, n)
+            await loop.sock_sendall(sock, view[off:end])
+            off = end
+            cm.reschedule(loop.time() + stall)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# -- sender ------------------------------------------------------------------------------------
+
+class TcpKVSender(KVSender):
+    """Opens one connection per transfer, sends header + payload, waits for the verdict."""
+
+    def __init__(self, *, chunk_bytes: int = 4 * MiB, timeout: float = 30.0,
+                 connect_timeout: float = 3.0, algo: str | None = None):
+        self.chunk_bytes = chunk_bytes            # bytes per sock_sendall call
+        self.timeout = timeout                    # stall timeout, and for the receiver's verdict
+        self.connect_timeout = connect_timeout    # dead peers fail within this
+        self.algo = algo or default_checksum()    # checksum when the caller gives none
+        self._closed = False
+
+    async def send(self, host: str, port: int, transfer_id: str, payload, *,
+                   checksum: str | None = None, timeout: float | None = None) -> SendResult:
+        if self._closed:
+            raise TransferError("sender closed", transfer_id)
+        tid = transfer_id.encode()
+        if not tid or len(tid) > MAX_ID_BYTES:
+            raise ValueError(f"transfer_id must be 1..{MAX_ID_BYTES} bytes, got {transfer_id!r}")
+        view = memoryview(payload).cast("B")  # raises for non-contiguous buffers
+        stall = self.timeout if timeout is None else timeout
+        t0 = time.perf_counter()
+        if checksum is None:
+            h = Hasher(self.algo)
+            if view.nbytes >= MiB:
+                await asyncio.to_thread(h.update, view)  # blake3 releases the GIL
+            else:
+                h.update(view)
+            checksum = h.hexdigest()
+        algo, digest = parse_checksum(checksum)
+        header = HEADER.pack(MAGIC, VERSION, ALGOS[algo], len(tid), view.nbytes,
+                             digest.ljust(32, b"\0")) + tid
+
+        loop = asyncio.get_running_loop()
+        sock = await self._connect(loop, host, port, transfer_id)
+        try:
+            try:
+                await _send_all(loop, sock, memoryview(header), len(header), stall)
+                await _send_all(loop, sock, view, self.chunk_bytes, stall)
+                status, message = await self._read_reply(loop, sock, stall)
+            except TimeoutError:
+                raise TransferError(f"stalled for {stall}s sending to {host}:{port}", transfer_id) from None
+            except OSError as e:
+                raise TransferError(f"connection to {host}:{port} lost: {e}", transfer_id) from None
+        finally:
+            sock.close()
+        if status == CHECKSUM:
+            raise ChecksumError(f"receiver {host}:{port} reports {message}", transfer_id)
+        if status != OK:
+            raise TransferError(f"receiver {host}:{port} refused: {message}", transfer_id)
+        return SendResult(transfer_id, view.nbytes, checksum, time.perf_counter() - t0, "tcp")
+
+    async def _connect(self, loop, host: str, port: int, transfer_id: str) -> socket.socket:
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            raise PeerUnavailable(f"cannot resolve {host}: {e}", transfer_id) from None
+        family, type_, proto, _, addr = infos[0]
+        sock = socket.socket(family, type_, proto)
+        try:
+            _tune(sock)
+            async with asyncio.timeout(self.connect_timeout):
+                await loop.sock_connect(sock, addr)
+        except TimeoutError:
+            sock.close()
+            raise PeerUnavailable(f"no answer from {host}:{port} within {self.connect_timeout}s",
+                                  transfer_id) from None
+        except OSError as e:
+            sock.close()
+            raise PeerUnavailable(f"cannot connect to {host}:{port}: {e.strerror or e}",
+                                  transfer_id) from None
+        return sock
+
+    async def _read_reply(self, loop, sock, stall: float) -> tuple[int, str]:
+        head = bytearray(REPLY.size)
+        await _recv_exact(loop, sock, memoryview(head), stall)
+        status, mlen = REPLY.unpack(head)
+        msg = bytearray(mlen)
+        if mlen:
+            await _recv_exact(loop, sock, memoryview(msg), stall)
+        return status, msg.decode(errors="replace") or _STATUS_TEXT.get(status, str(status))
+
+    async def close(self) -> None:
+        self._closed = True
+
+
+# -- receiver ----------------------------------------------------------------------------------
+
+@dataclass
+class _Entry:
+    state: TransferState = TransferState.PENDING
+    payload: KVPayload | None = None          # set in SUCCESS
+    error: TransferError | None = None        # set in FAILED
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # SUCCESS or FAILED reached
+    since: float = field(default_factory=time.monotonic)
+    discarded: bool = False                   # drop the bytes when they arrive
+
+
+class TcpKVReceiver(KVReceiver):
+    """Accepts frames on (host, port); keeps verified payloads until ``take()``."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_bytes: int = 4096 * MiB,
+                 timeout: float = 30.0, unclaimed_ttl: float = 120.0):
+        self.host = host                      # bind address
+        self.port = port                      # 0: a free port, known after listen()
+        self.timeout = timeout                # stall timeout per read; buffer wait bound
+        self.unclaimed_ttl = unclaimed_ttl    # seconds a received-but-untaken payload is kept
+        self.pool = BufferPool(max_bytes)     # bounded, reused receive buffers
+        self._entries: dict[str, _Entry] = {}
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()  # accept loop, janitor, one per connection
+        self._closed = False
+
+    # -- KVReceiver -------------------------------------------------------------------------
+
+    async def listen(self) -> tuple[str, int]:
+        if self._sock is not None:
+            return self.host, self.port
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+        family, type_, proto, _, addr = infos[0]
+        sock = socket.socket(family, type_, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._spawn(self._accept_loop(), "kv-accept")
+        self._spawn(self._janitor(), "kv-janitor")
+        log.info("KV receiver listening on %s:%d (budget %d MiB)", self.host, self.port,
+                 self.pool.max_bytes // MiB)
+        return self.host, self.port
+
+    def poll(self, transfer_id: str) -> TransferState:
+        e = self._entries.get(transfer_id)
+        return e.state if e is not None else TransferState.PENDING
+
+    async def take(self, transfer_id: str, timeout: float | None = None) -> KVPayload:
+        if self._closed:
+            raise TransferError("receiver closed", transfer_id)
+        entry = self._entries.setdefault(transfer_id, _Entry())
+        try:
+            async with asyncio.timeout(timeout):
+                await entry.done.wait()
+        except TimeoutError:
+            self.discard(transfer_id)
+            state = entry.state.value
+            raise TransferError(f"not received within {timeout}s (state {state})", transfer_id) from None
+        self._entries.pop(transfer_id, None)
+        if entry.error is not None:
+            raise entry.error
+        assert entry.payload is not None
+        return entry.payload
+
+    def discard(self, transfer_id: str) -> None:
+        entry = self._entries.setdefault(transfer_id, _Entry())
+        entry.discarded = True
+        entry.since = time.monotonic()  # the janitor forgets it after unclaimed_ttl
+        if entry.payload is not None:
+            entry.payload.release()
+            entry.payload = None
+        if not entry.done.is_set():
+            entry.error = TransferError("discarded", transfer_id)
+            entry.done.set()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._sock is not None:
+            self._sock.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for tid in list(self._entries):
+            self.discard(tid)
+        self._entries.clear()
+        self.pool.clear()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        t = asyncio.create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, peer = await loop.sock_accept(self._sock)
+            except OSError as e:
+                if self._closed:
+                    return
+                log.warning("KV receiver accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            _tune(conn)
+            self._spawn(self._serve_conn(conn, peer), f"kv-conn:{peer}")
+
+    async def _janitor(self) -> None:
+        while True:
+            await asyncio.sleep(max(1.0, self.unclaimed_ttl / 4))
+            now = time.monotonic()
+            for tid, e in list(self._entries.items()):
+                if now - e.since < self.unclaimed_ttl:
+                    continue
+                if e.state is TransferState.SUCCESS and not e.discarded:
+                    log.warning("dropping KV transfer %s: not taken within %.0fs", tid, self.unclaimed_ttl)
+                if e.state is not TransferState.TRANSFERRING:
+                    if e.payload is not None:
+                        e.payload.release()
+                    self._entries.pop(tid, None)
+
+    async def _serve_conn(self, conn: socket.socket, peer) -> None:
+        loop = asyncio.get_running_loop()
+        head = bytearray(HEADER.size)
+        try:
+            while not self._closed:
+                try:  # idle between frames: wait longer, EOF here is a clean end
+                    await _recv_exact(loop, conn, memoryview(head), self.timeout * 10)
+                except ConnectionError:
+                    return
+                magic, version, algo_id, id_len, nbytes, digest = HEADER.unpack(head)
+                if magic != MAGIC or version != VERSION or algo_id not in ALGO_NAMES \
+                        or not 0 < id_len <= MAX_ID_BYTES:
+                    await self._reply(loop, conn, BAD_HEADER, f"bad header from {peer}")
+                    return
+                tid_buf = bytearray(id_len)
+                await _recv_exact(loop, conn, memoryview(tid_buf), self.timeout)
+                tid = tid_buf.decode(errors="replace")
+                if not await self._receive(loop, conn, tid, nbytes, ALGO_NAMES[algo_id], digest):
+                    return  # the frame could not be consumed; the connection is unusable
+        except (ConnectionError, TimeoutError, OSError) as e:
+            log.debug("KV connection from %s ended: %s", peer, e)
+        finally:
+            conn.close()
+
+    async def _receive(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes) -> bool:
+        """One frame's payload. Returns False when the connection must be closed."""
+        entry = self._entries.setdefault(tid, _Entry())
+        if entry.state in (TransferState.TRANSFERRING, TransferState.SUCCESS):
+            await self._reply(loop, conn, DUPLICATE, f"transfer {tid} already received")
+            return False
+        if not self.pool.fits(nbytes):
+            self._fail(tid, entry, TransferError(
+                f"{nbytes} bytes exceed the receive budget of {self.pool.max_bytes}", tid))
+            await self._reply(loop, conn, TOO_LARGE, str(entry.error))
+            return False
+        entry.state = TransferState.TRANSFERRING
+        t0 = time.perf_counter()
+        buf: bytearray | None = None
+        view: memoryview | None = None
+        try:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    buf = await self.pool.acquire(nbytes) if nbytes else bytearray()
+            except TimeoutError:
+                raise TransferError(f"no receive buffer free within {self.timeout}s", tid) from None
+            view = memoryview(buf)[:nbytes]
+            got = await self._read_verified(loop, conn, tid, view, algo, digest)
+        except TransferError as e:
+            self._give_back(view, buf)
+            self._fail(tid, entry, e)
+            log.warning("KV %s", e)
+            status = CHECKSUM if isinstance(e, ChecksumError) else FAILED
+            try:
+                await self._reply(loop, conn, status, str(e))
+            except (OSError, TimeoutError):
+                pass
+            return False
+        seconds = time.perf_counter() - t0
+        if entry.discarded:
+            self._give_back(view, buf)
+            self._fail(tid, entry, TransferError("discarded", tid))
+            await self._reply(loop, conn, DISCARDED, f"transfer {tid} was discarded")
+            return True
+        release = (lambda reuse, b=buf: self.pool.release(b, reuse)) if nbytes else None
+        entry.payload = KVPayload(tid, view, f"{algo}:{got.hex()}", seconds, release)
+        entry.state = TransferState.SUCCESS
+        entry.since = time.monotonic()
+        entry.done.set()
+        log.debug("KV %s: %d bytes in %.3fs", tid, nbytes, seconds)
+        await self._reply(loop, conn, OK, "")
+        return True
+
+    async def _read_verified(self, loop, conn, tid: str, view: memoryview, algo: str,
+                             digest: bytes) -> bytes:
+        """Receive into ``view`` while hashing behind the reads in a worker thread."""
+        hasher = Hasher(algo)
+        state: list = [None, 0]  # in-flight hash future, bytes handed to the hasher
+
+        def progress(got: int) -> None:
+            fut, hashed = state
+            if got - hashed >= HASH_STEP and (fut is None or fut.done()):
+                if fut is not None:
+                    fut.result()
+                state[0] = loop.run_in_executor(None, hasher.update, view[hashed:got])
+                state[1] = got
+
+        try:
+            await _recv_exact(loop, conn, view, self.timeout, progress)
+        except (ConnectionError, TimeoutError) as e:
+            raise TransferError(f"short read: {e}", tid) from None
+        finally:
+            if state[0] is not None:
+                await state[0]
+        hasher.update(view[state[1]:])
+        got = hasher.digest()
+        if got != digest[:len(got)] or any(digest[len(got):]):
+            raise ChecksumError(f"checksum mismatch: got {algo}:{got.hex()}, "
+                                f"header says {algo}:{digest[:len(got)].hex()}", tid)
+        return got
+
+    def _give_back(self, view: memoryview | None, buf: bytearray | None) -> None:
+        if view is not None:
+            view.release()
+        if buf:
+            self.pool.release(buf)
+
+    def _fail(self, tid: str, entry: _Entry, error: TransferError) -> None:
+        entry.state = TransferState.FAILED
+        entry.error = error
+        entry.since = time.monotonic()
+        entry.done.set()
+
+    async def _reply(self, loop, conn, status: int, message: str) -> None:
+        m = message.encode()[:4096]
+        await asyncio.wait_for(loop.sock_sendall(conn, REPLY.pack(status, len(m)) + m), self.timeout)
+
+
+class TcpTransport(KVTransport):
+    name = "tcp"
+
+    def __init__(self, *, chunk_bytes: int = 4 * MiB, timeout: float = 30.0,
+                 max_pending_bytes: int = 4096 * MiB):
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
+        self.max_pending_bytes = max_pending_bytes
+
+    @classmethod
+    def from_settings(cls, s) -> "TcpTransport":
+        """From a shared.settings.DataPlaneSettings."""
+        return cls(chunk_bytes=s.chunk_mb * MiB, timeout=s.timeout,
+                   max_pending_bytes=s.max_pending_mb * MiB)
+
+    def sender(self) -> TcpKVSender:
+        return TcpKVSender(chunk_bytes=self.chunk_bytes, timeout=self.timeout)
+
+    def receiver(self, host: str = "127.0.0.1", port: int = 0) -> TcpKVReceiver:
+        return TcpKVReceiver(host, port, max_bytes=self.max_pending_bytes, timeout=self.timeout)

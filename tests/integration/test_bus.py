@@ -1,0 +1,284 @@
+"""Bus on a real nats-server: serve/request, queue groups, error envelope, streams, heartbeats,
+credentials."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from shared import subjects
+from shared.bus import Bus, BusError, RemoteError
+from shared.nats_server import EmbeddedNats
+from shared.schemas import (
+    Abort, Ack, ErrorReply, Heartbeat, RoutePlan, RouteRequest, StreamChunk,
+)
+from shared.settings import NatsSettings, Settings
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def route_req(rid: str = "r1") -> RouteRequest:
+    return RouteRequest(rid, "smollm2", "standard", None, 10, 5)
+
+
+@pytest.fixture
+async def bus(nats_server):
+    b = await Bus.connect(NatsSettings(url=nats_server), name="test")
+    yield b
+    await b.close()
+
+
+async def test_serve_and_request(bus):
+    async def route(req: RouteRequest) -> RoutePlan:
+        return RoutePlan(req.request_id, None, "cpu-0", subjects.CPU_DECODE, f"tier {req.tier}")
+
+    await bus.serve(subjects.ROUTE, route, queue=subjects.ROUTE_QUEUE, expected=RouteRequest)
+    plan = await bus.request(subjects.ROUTE, route_req("r7"), timeout=2, expected=RoutePlan)
+    assert plan == RoutePlan("r7", None, "cpu-0", "cpu-decode", "tier standard")
+
+
+async def test_handler_returning_none_acks(bus):
+    async def handler(req):
+        return None
+
+    await bus.serve(subjects.worker_prefill("p0"), handler)
+    ack = await bus.request(subjects.worker_prefill("p0"), Abort("r2"), timeout=2)
+    assert ack == Ack(request_id="r2")
+
+
+async def test_queue_group_shares_work(nats_server):
+    a = await Bus.connect(NatsSettings(url=nats_server), name="a")
+    b = await Bus.connect(NatsSettings(url=nats_server), name="b")
+    client = await Bus.connect(NatsSettings(url=nats_server), name="client")
+    seen = {"a": 0, "b": 0}
+
+    def make(name):
+        async def route(req):
+            seen[name] += 1
+            await asyncio.sleep(0.005)
+            return RoutePlan(req.request_id, None, name, subjects.CPU_DECODE, "")
+        return route
+
+    subject = "tandem.test.queue"
+    try:
+        await a.serve(subject, make("a"), queue="router")
+        await b.serve(subject, make("b"), queue="router")
+        await a.flush()
+        await b.flush()
+        plans = await asyncio.gather(*(client.request(subject, route_req(f"r{i}"), timeout=5)
+                                       for i in range(40)))
+        assert sorted(p.request_id for p in plans) == sorted(f"r{i}" for i in range(40))
+        assert seen["a"] + seen["b"] == 40  # each request handled exactly once
+        assert seen["a"] > 0 and seen["b"] > 0, seen
+    finally:
+        for x in (a, b, client):
+            await x.close()
+
+
+@pytest.mark.parametrize("exc,code,status", [
+    (BusError("overloaded", "queue full"), "overloaded", 429),
+    (BusError("prompt_too_long", "prompt of 9000 tokens > 8192"), "prompt_too_long", 400),
+    (ValueError("invalid sampling parameter top_p=2"), "bad_request", 400),
+    (RuntimeError("boom"), "internal", 500),
+])
+async def test_handler_exception_becomes_remote_error(bus, caplog, exc, code, status):
+    async def handler(req):
+        raise exc
+
+    subject = f"tandem.test.err.{code}"
+    await bus.serve(subject, handler)
+    with caplog.at_level(logging.WARNING, logger="shared.bus"):
+        with pytest.raises(RemoteError) as e:
+            await bus.request(subject, route_req("r3"), timeout=2)
+    assert e.value.code == code
+    assert e.value.status == status
+    assert e.value.request_id == "r3"
+    assert (exc.message if isinstance(exc, BusError) else str(exc)) in e.value.message
+    assert any(code in r.getMessage() or r.exc_info for r in caplog.records)  # logged, not silent
+
+
+async def test_bad_request_payload_gets_bad_request(bus):
+    async def handler(req):
+        return Ack()
+
+    subject = "tandem.test.expected"
+    await bus.serve(subject, handler, expected=RouteRequest)
+    with pytest.raises(RemoteError) as e:
+        await bus.request(subject, Abort("r4"), timeout=2)
+    assert e.value.code == "bad_request"
+    assert "expected schema 'RouteRequest'" in e.value.message
+    # and raw garbage
+    reply = await bus.nc.request(subject, b"not json", timeout=2)
+    from shared.schemas import decode
+    err = decode(reply.data, ErrorReply)
+    assert err.code == "bad_request"
+
+
+async def test_no_responders_and_timeout(bus):
+    with pytest.raises(BusError) as e:
+        await bus.request("tandem.test.nobody", Abort("r5"), timeout=1)
+    assert e.value.code == "unavailable"
+
+    async def slow(req):
+        await asyncio.sleep(0.5)
+
+    await bus.serve("tandem.test.slow", slow)
+    with pytest.raises(BusError) as e:
+        await bus.request("tandem.test.slow", Abort("r5"), timeout=0.2)
+    assert e.value.code == "timeout"
+
+
+async def test_stream_ordering(nats_server, bus):
+    worker = await Bus.connect(NatsSettings(url=nats_server), name="worker")
+    rid = "req-stream"
+    try:
+        async with await bus.subscribe(subjects.stream(rid), expected=StreamChunk) as chunks:
+            n = 500
+            for i in range(n):
+                await worker.publish(subjects.stream(rid), StreamChunk(rid, i, [i], str(i), "w"))
+            await worker.publish(subjects.stream(rid), StreamChunk(
+                rid, n, [], "", "w", finish_reason="stop",
+                usage={"prompt_tokens": 1, "completion_tokens": n, "cached_tokens": 0}))
+            got = []
+            while True:
+                c = await chunks.next(timeout=5)
+                got.append(c)
+                if c.finish_reason:
+                    break
+        assert [c.seq for c in got] == list(range(n + 1))
+        assert got[-1].usage["completion_tokens"] == n
+    finally:
+        await worker.close()
+
+
+async def test_stream_next_times_out(bus):
+    sub = await bus.subscribe(subjects.stream("silent"))
+    with pytest.raises(BusError) as e:
+        await sub.next(timeout=0.1)
+    assert e.value.code == "timeout"
+    await sub.unsubscribe()
+
+
+async def test_subscription_skip_invalid(nats_server, bus):
+    sub = await bus.subscribe("tandem.test.mixed", skip_invalid=True)
+    await bus.nc.publish("tandem.test.mixed", b"garbage")
+    await bus.publish("tandem.test.mixed", Abort("ok"))
+    assert await sub.next(timeout=2) == Abort("ok")
+    strict = await bus.subscribe("tandem.test.strict")
+    await bus.nc.publish("tandem.test.strict", b"garbage")
+    with pytest.raises(ValueError):
+        await strict.next(timeout=2)
+    await sub.unsubscribe()
+    await strict.unsubscribe()
+
+
+async def test_heartbeat_arrives(nats_server, bus):
+    worker = await Bus.connect(NatsSettings(url=nats_server), name="worker")
+    calls = 0
+
+    async def make() -> Heartbeat:
+        nonlocal calls
+        calls += 1
+        return Heartbeat("c1", subjects.CPU_DECODE, "cpu", "m", True, 0, calls, 10, 10, 2048,
+                         "127.0.0.1", 0, 0.0, interval=0.05)
+
+    try:
+        sub = await bus.subscribe(subjects.HEARTBEAT_ALL, expected=Heartbeat)
+        task = worker.start_heartbeat(subjects.heartbeat(subjects.CPU_DECODE, "c1"), make, 0.05)
+        first = await sub.next(timeout=2)
+        second = await sub.next(timeout=2)
+        assert first.worker_id == "c1" and second.running == first.running + 1
+        assert not task.done()
+    finally:
+        await worker.close()  # cancels the heartbeat
+    assert task.cancelled()
+
+
+async def test_close_lets_running_handler_finish(nats_server):
+    server = await Bus.connect(NatsSettings(url=nats_server), name="server")
+    client = await Bus.connect(NatsSettings(url=nats_server), name="client")
+    started = asyncio.Event()
+
+    async def handler(req):
+        started.set()
+        await asyncio.sleep(0.2)
+        return Ack(request_id=req.request_id)
+
+    await server.serve("tandem.test.drain", handler)
+    pending = asyncio.create_task(client.request("tandem.test.drain", Abort("r6"), timeout=5))
+    await started.wait()
+    await server.close()
+    assert (await pending) == Ack(request_id="r6")
+    await client.close()
+
+
+async def test_user_password_credentials():
+    with EmbeddedNats(extra_args=["--user", "tandem", "--pass", "s3cret"]) as url:
+        env = {"TANDEM_NATS_URL": url, "TANDEM_NATS_USER": "tandem", "TANDEM_NATS_PASSWORD": "s3cret"}
+        b = await Bus.connect(Settings.from_env(env))
+        await b.serve("tandem.test.auth", lambda req: _ack(req))
+        assert await b.request("tandem.test.auth", Abort("a"), timeout=2) == Ack(request_id="a")
+        await b.close()
+        bad = dict(env, TANDEM_NATS_PASSWORD="wrong")
+        with pytest.raises(BusError) as e:
+            await Bus.connect(Settings.from_env(bad))
+        assert e.value.code == "unavailable"
+
+
+async def test_token_credentials():
+    with EmbeddedNats(extra_args=["--auth", "tok-123"]) as url:
+        b = await Bus.connect(Settings.from_env({"TANDEM_NATS_URL": url, "TANDEM_NATS_TOKEN": "tok-123"}))
+        await b.publish("tandem.test.x", Abort("t"))
+        await b.flush()
+        await b.close()
+        with pytest.raises(BusError):
+            await Bus.connect(Settings.from_env({"TANDEM_NATS_URL": url}))
+
+
+async def test_connect_without_url_is_a_clear_error():
+    with pytest.raises(ValueError, match="TANDEM_NATS_URL"):
+        await Bus.connect(NatsSettings())
+
+
+async def test_tap_prints_decoded_lines(nats_server, bus):
+    import io
+    from services.tap import tap
+    from shared.schemas import GenerateRequest
+
+    out, ready = io.StringIO(), asyncio.Event()
+    settings = Settings.from_env({"TANDEM_NATS_URL": nats_server})
+    task = asyncio.create_task(tap("tandem.>", count=3, out=out, settings=settings, ready=ready))
+    await asyncio.wait_for(ready.wait(), 5)
+    await bus.publish(subjects.worker_generate("cpu-0"), GenerateRequest(
+        "r-tap", [101, 102, 103], {"max_tokens": 4}, "batch", subjects.stream("r-tap")))
+    await bus.publish(subjects.stream("r-tap"), StreamChunk("r-tap", 0, [7], "secret words", "cpu-0"))
+    await bus.nc.publish("tandem.test.junk", b"\x00junk")
+    assert await asyncio.wait_for(task, 5) == 0
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3
+    assert "tandem.worker.cpu-0.generate" in lines[0] and "GenerateRequest/v1" in lines[0]
+    assert "prompt_token_ids=<3 ids>" in lines[0] and "101" not in lines[0]
+    assert "StreamChunk/v1" in lines[1] and "text=<12 chars>" in lines[1]
+    assert "secret" not in lines[1]
+    assert "undecodable" in lines[2] and "<5 bytes>" in lines[2]
+
+
+def test_tap_show_text_and_cli_parsing():
+    import argparse
+    from services import tap as tap_mod
+
+    p = argparse.ArgumentParser()
+    tap_mod.add_arguments(p)
+    a = p.parse_args(["tandem.stream.*", "--show-text", "--url", "nats://x:1"])
+    assert (a.subject, a.show_text, a.url) == ("tandem.stream.*", True, "nats://x:1")
+    assert p.parse_args([]).subject == "tandem.>"
+    from shared.schemas import encode
+    line = tap_mod.format_line("tandem.stream.r", encode(StreamChunk("r", 0, [7], "hello there", "w")),
+                               show_text=True)
+    assert "'hello there'" in line
+
+
+async def _ack(req):
+    return Ack(request_id=req.request_id)

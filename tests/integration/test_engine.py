@@ -1,0 +1,201 @@
+"""The engine on the real bundled model: batching, prefix sharing, preemption, KV hand-off."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.engine import Engine, EngineConfig, run_to_completion
+from shared.engine.sampling import SamplingParams
+
+PROMPTS = [
+    "The quick brown fox",
+    "In 1905, Albert Einstein published",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "To make a cup of tea, first",
+    "The largest planet in the solar system is",
+    "Photosynthesis is the process by which",
+]
+
+
+def greedy(n: int = 32, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(bundled_model) -> Engine:
+    return Engine(bundled_model, EngineConfig(num_kv_blocks=256))
+
+
+def chat_ids(tok, question: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_chat_answer_is_sensible(engine):
+    ids = chat_ids(engine.tokenizer, "What is the capital of France?")
+    out = run_to_completion(engine, {"q": (ids, SamplingParams(max_tokens=24, temperature=0))})["q"]
+    assert "Paris" in out.text, out.text
+    assert out.finish_reason in ("stop", "length")
+
+
+def test_batched_equals_alone(engine):
+    tok = engine.tokenizer
+    alone = run_to_completion(engine, {"a": (tok.encode(PROMPTS[0]), greedy())})["a"]
+    batch = run_to_completion(engine, {f"b{i}": (tok.encode(p), greedy()) for i, p in enumerate(PROMPTS)})
+    assert batch["b0"].token_ids == alone.token_ids
+    assert len({tuple(c.token_ids) for c in batch.values()}) == len(PROMPTS)
+
+
+def test_prefix_shared_blocks_same_tokens(bundled_model):
+    shared = " ".join(["The history of the printing press begins in the fifteenth century."] * 6)
+    shared_engine = Engine(bundled_model, EngineConfig(num_kv_blocks=128))
+    plain_engine = Engine(bundled_model, EngineConfig(num_kv_blocks=128, enable_prefix_caching=False))
+    tok = shared_engine.tokenizer
+    reqs = {f"r{i}": (tok.encode(shared + tail), greedy(24)) for i, tail in enumerate([" Then", " Later", " So"])}
+    first = run_to_completion(shared_engine, {"r0": reqs["r0"]})
+    rest = run_to_completion(shared_engine, {k: v for k, v in reqs.items() if k != "r0"})
+    plain = run_to_completion(plain_engine, reqs)
+    assert rest["r1"].num_cached_tokens >= 64  # the shared prefix came from the cache
+    assert first["r0"].num_cached_tokens == 0
+    for k in reqs:
+        got = first[k] if k == "r0" else rest[k]
+        assert got.token_ids == plain[k].token_ids, k
+
+
+def test_preemption_under_tiny_kv_budget(bundled_model):
+    tok = bundled_model.tokenizer
+    reqs = {f"p{i}": (tok.encode(p), greedy(40)) for i, p in enumerate(PROMPTS)}
+    roomy = run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=256)), reqs)
+    tiny = Engine(bundled_model, EngineConfig(num_kv_blocks=12, enable_prefix_caching=False))
+    squeezed = run_to_completion(tiny, reqs)
+    assert tiny.scheduler.num_preemptions > 0
+    for k in reqs:
+        assert squeezed[k].finish_reason == "length"
+        assert squeezed[k].token_ids == roomy[k].token_ids, k
+    assert tiny.blocks.num_free == 12
+
+
+def test_priority_orders_the_queue(bundled_model):
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_seqs=1, max_num_batched_tokens=64))
+    tok = eng.tokenizer
+    eng.add("batch", tok.encode(PROMPTS[1]), greedy(4), priority=2)
+    eng.add("inter", tok.encode(PROMPTS[2]), greedy(4), priority=0)
+    order = []
+    while eng.has_work():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert order == ["inter", "batch"]
+
+
+def test_export_import_continue_equals_uninterrupted(bundled_model):
+    tok = bundled_model.tokenizer
+    ids = chat_ids(tok, "Write a short poem about the sea.")
+    full = run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=64)), {"x": (ids, greedy(64))})["x"]
+
+    prefill = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+    decode = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+    prefill.add("x", ids, greedy(64), prefill_only=True)
+    first = [o for o in prefill.step() if o.request_id == "x"]
+    assert first[-1].finish_reason == "prefilled"
+    blob = prefill.export_kv("x")
+    assert prefill.blocks.num_free == 64 and "x" not in prefill.seqs
+    decode.import_kv("x", blob)
+    tokens, text = list(first[-1].token_ids), first[-1].text
+    while decode.has_work():
+        for o in decode.step():
+            tokens += o.token_ids
+            text += o.text
+    assert tokens == full.token_ids
+    assert text == full.text
+
+
+def test_migration_mid_decode(bundled_model):
+    """Export between two decode steps (not only after prefill) and continue elsewhere."""
+    tok = bundled_model.tokenizer
+    ids = tok.encode(PROMPTS[4])
+    full = run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=64)), {"m": (ids, greedy(40))})["m"]
+    a = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+    a.add("m", ids, greedy(40))
+    got = []
+    for _ in range(10):
+        got += [t for o in a.step() for t in o.token_ids]
+    b = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+    b.import_kv("m", a.export_kv("m"))
+    while b.has_work():
+        got += [t for o in b.step() for t in o.token_ids]
+    assert got == full.token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    tok = engine.tokenizer
+    p = dict(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a = run_to_completion(engine, {"s": (tok.encode(PROMPTS[5]), SamplingParams(**p))})["s"]
+    b = run_to_completion(engine, {"s": (tok.encode(PROMPTS[5]), SamplingParams(**p)),
+                                   "o": (tok.encode(PROMPTS[6]), SamplingParams(**p))})["s"]
+    c = run_to_completion(engine, {"s": (tok.encode(PROMPTS[5]), SamplingParams(**dict(p, seed=99)))})["s"]
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_strings_and_lengths(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("1, 2, 3, 4, 5, 6, 7, 8,")
+    free = run_to_completion(engine, {"f": (ids, greedy(30))})["f"]
+    assert free.finish_reason == "length" and free.num_output_tokens == 30
+    stop_at = free.text.split(",")[2] + ","   # e.g. " 11,"
+    cut = run_to_completion(engine, {"c": (ids, greedy(30, stop=[stop_at]))})["c"]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop_at)]
+    assert stop_at not in cut.text
+    stop_tok = free.token_ids[3]
+    first = free.token_ids.index(stop_tok)
+    eos = run_to_completion(engine, {"e": (ids, greedy(30, stop_token_ids=[stop_tok]))})["e"]
+    assert eos.finish_reason == "stop" and eos.token_ids == free.token_ids[:first]
+    assert eos.num_output_tokens == first + 1  # the stop token counts as generated, is not shown
+
+
+def test_logprobs(engine):
+    tok = engine.tokenizer
+    out = run_to_completion(engine, {"l": (tok.encode(PROMPTS[3]), greedy(5, logprobs=True, top_logprobs=3))})["l"]
+    assert len(out.logprobs) == 5
+    for lp, t in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == t and lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0][0] == t  # greedy picks the most likely token
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_penalties_change_output(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("the the the the the")
+    plain = run_to_completion(engine, {"p": (ids, greedy(12))})["p"]
+    pen = run_to_completion(engine, {"p": (ids, greedy(12, repetition_penalty=1.5, frequency_penalty=1.0))})["p"]
+    assert plain.token_ids != pen.token_ids
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-3), dict(max_tokens=0),
+                                 dict(min_p=2), dict(top_logprobs=50), dict(stop=[""])])
+def test_invalid_sampling_rejected(engine, bad):
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=field):
+        engine.add("bad", [1, 2, 3], SamplingParams(**bad))
+    assert "bad" not in engine.seqs
+
+
+def test_prompt_longer_than_context_rejected(bundled_model):
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64, max_context=128))
+    with pytest.raises(ValueError, match="context"):
+        eng.add("long", [1] * 200, greedy(4))
+    assert not eng.has_work()
+
+
+def test_abort_frees_blocks(engine):
+    tok = engine.tokenizer
+    free = engine.blocks.num_free
+    engine.add("ab", tok.encode(PROMPTS[0]), greedy(100))
+    engine.step()
+    assert engine.blocks.num_free < free
+    assert engine.abort("ab")
+    outs = engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == "ab"] == ["abort"]
+    assert engine.blocks.num_free == free

@@ -1,0 +1,625 @@
+"""The gateway's HTTP layer against a fake Backend, over a real uvicorn server.
+
+The fake backend streams a fixed reply one byte-token at a time (deterministic), honours
+max_tokens and stop strings, and can be told to fail (before the first token, mid-stream) or to
+hang (for disconnect tests). Clients: the official ``openai`` client and httpx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from services.gateway import app as gateway_app
+from services.gateway.app import GatewaySettings, create_app
+from services.gateway.backend import (
+    NO_WORKERS, OVERLOADED, Backend, BackendError, GenerationRequest, InProcessBackend,
+)
+from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
+
+MODEL = "fake-model"
+REPLY = "Hello! I am a fake model."
+EOS = 256
+CACHED = 3
+
+
+class FakeTokenizer:
+    """Byte-level: token id = UTF-8 byte; 256 = <eos>."""
+    vocab_size = 257
+    eos_token_ids = {EOS}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        body = bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return body + ("" if skip_special_tokens else "<eos>" * sum(1 for i in ids if i == EOS))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if messages[-1]["role"] == "assistant" and add_generation_prompt:
+            raise ValueError("the last message must not be the assistant's")
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        return text + ("<|assistant|>" if add_generation_prompt else "")
+
+
+class FakeBackend:
+    """A deterministic Backend: REPLY, one byte per step."""
+
+    def __init__(self):
+        self.model_name = MODEL
+        self.max_context = 256
+        self.tokenizer = FakeTokenizer()
+        self.reset()
+
+    def reset(self) -> None:
+        self.requests: list[GenerationRequest] = []
+        self.aborted: list[str] = []
+        self.ready = True
+        self.error: BackendError | None = None       # raised before the first output
+        self.mid_error: BackendError | None = None   # raised after 3 outputs
+        self.hang_after = None                       # outputs sent before waiting forever (0 = none)
+        self.endless = False                         # stream "x" every 2 ms until aborted
+
+    def health(self) -> tuple[bool, dict]:
+        return self.ready, {"router": {"ready": True, "workers": 1},
+                            "cpu-decode": {"ready": self.ready, "workers": int(self.ready)}}
+
+    async def generate(self, req: GenerationRequest):
+        self.requests.append(req)
+        if self.error is not None:
+            raise self.error
+        sp = req.sampling
+        while self.endless:
+            if req.request_id in self.aborted:
+                return
+            yield RequestOutput(req.request_id, [120], "x", finished=False, num_output_tokens=1)
+            await asyncio.sleep(0.002)
+        stop_at = min((REPLY.index(s) for s in sp.stop if s in REPLY), default=len(REPLY))
+        ids = list(REPLY[:stop_at].encode("utf-8"))  # the engine never emits a stop string
+        for n, tid in enumerate(ids or [None], start=1):
+            if self.hang_after is not None and n > self.hang_after:
+                await asyncio.sleep(3600)
+            if self.mid_error is not None and n > 3:
+                raise self.mid_error
+            finish = "stop" if n >= len(ids) else "length" if n >= sp.max_tokens else None
+            lps = None
+            if sp.logprobs and tid is not None:
+                top = [(tid, -0.5), (tid + 1, -1.5), (tid + 2, float("-inf"))][: sp.top_logprobs]
+                lps = [TokenLogprob(tid, -0.5, top)]
+            yield RequestOutput(req.request_id, [] if tid is None else [tid], "" if tid is None else chr(tid),
+                                finished=finish is not None, finish_reason=finish, logprobs=lps,
+                                num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=CACHED,
+                                num_output_tokens=n if tid is not None else 0)
+            await asyncio.sleep(0)
+            if finish is not None:
+                return
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+# ---- server ---------------------------------------------------------------------------------
+
+class Server:
+    def __init__(self, backend, settings: GatewaySettings | None = None):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(backend, settings), log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "Server":
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def served():
+    backend = FakeBackend()
+    with Server(backend) as server:
+        yield server, backend
+
+
+@pytest.fixture
+def backend(served) -> FakeBackend:
+    served[1].reset()
+    return served[1]
+
+
+@pytest.fixture
+def url(served, backend) -> str:
+    return served[0].url
+
+
+@pytest.fixture
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=10)
+
+
+def chat_prompt_ids(messages: list[dict]) -> list[int]:
+    tok = FakeTokenizer()
+    return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+
+
+def wait_for(pred, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def still_serving(url: str) -> None:
+    r = httpx.get(f"{url}/v1/models", timeout=5)
+    assert r.status_code == 200, r.text
+
+
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+# ---- the interface ---------------------------------------------------------------------------
+
+def test_fake_and_in_process_backend_match_the_protocol():
+    for cls in (FakeBackend, InProcessBackend):
+        for name in ("health", "generate", "abort"):
+            proto = inspect.signature(getattr(Backend, name))
+            impl = inspect.signature(getattr(cls, name))
+            assert list(proto.parameters) == list(impl.parameters), (cls.__name__, name)
+        assert inspect.iscoroutinefunction(cls.abort)
+        assert inspect.isasyncgenfunction(cls.generate)
+    assert isinstance(FakeBackend(), Backend)
+
+
+# ---- happy paths -----------------------------------------------------------------------------
+
+def test_models(client, url):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{url}/v1/models/nope").status_code == 404
+
+
+def test_chat_non_streaming(client, backend):
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=100)
+    assert r.id.startswith("chatcmpl-") and len(r.id) == len("chatcmpl-") + 32
+    assert r.object == "chat.completion" and r.model == MODEL
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == REPLY
+    assert choice.finish_reason == "stop" and choice.logprobs is None
+    prompt = chat_prompt_ids(MSGS)
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.completion_tokens == len(REPLY)
+    assert r.usage.total_tokens == len(prompt) + len(REPLY)
+    assert r.usage.prompt_tokens_details.cached_tokens == CACHED
+    (req,) = backend.requests
+    assert req.request_id == r.id and req.model == MODEL and req.prompt_token_ids == prompt
+    assert req.tier == "standard" and req.session_id is None
+    assert req.sampling.max_tokens == 100
+    assert backend.aborted == []
+
+
+def test_chat_default_max_tokens_is_the_rest_of_the_context(client, backend):
+    client.chat.completions.create(model=MODEL, messages=MSGS)
+    assert backend.requests[0].sampling.max_tokens == backend.max_context - len(chat_prompt_ids(MSGS))
+
+
+def test_chat_streaming(client, backend):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == REPLY
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(REPLY)
+    assert chunks[-1].usage.prompt_tokens == len(chat_prompt_ids(MSGS))
+    assert chunks[-2] is finals[0]
+    assert backend.aborted == []
+
+
+def test_sse_framing(url):
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 3}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [p["choices"][0]["delta"].get("content") for p in payloads[1:4]] == list(REPLY[:3])
+    assert payloads[4]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert payloads[5]["choices"] == [] and payloads[5]["usage"]["completion_tokens"] == 3
+    # usage always comes, include_usage or not (documented)
+    assert "usage" in payloads[5] and len(payloads) == 6
+
+
+def test_completions(client, backend):
+    r = client.completions.create(model=MODEL, prompt="Say hi", max_tokens=100)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    assert r.choices[0].text == REPLY and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(b"Say hi") and r.usage.completion_tokens == len(REPLY)
+    assert backend.requests[-1].prompt_token_ids == list(b"Say hi")
+
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4)
+    assert backend.requests[-1].prompt_token_ids == [5, 6, 7]
+    assert r.usage.prompt_tokens == 3 and r.choices[0].text == REPLY[:4]
+
+
+def test_completions_default_max_tokens_is_16(client, backend):
+    r = client.completions.create(model=MODEL, prompt="x")
+    assert backend.requests[-1].sampling.max_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_completions_streaming(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="Say hi", max_tokens=6, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == REPLY[:6]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_finish_reason_length(client):
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_completion_tokens=5)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content == REPLY[:5] and r.usage.completion_tokens == 5
+
+
+def test_stop_strings_reach_the_backend(client, backend):
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, stop=["fake", "zzz"])
+    assert backend.requests[-1].sampling.stop == ["fake", "zzz"]
+    assert r.choices[0].message.content == "Hello! I am a " and r.choices[0].finish_reason == "stop"
+    client.completions.create(model=MODEL, prompt="p", stop="!")
+    assert backend.requests[-1].sampling.stop == ["!"]
+
+
+def test_sampling_parameters_reach_the_backend(client, backend):
+    client.chat.completions.create(
+        model=MODEL, messages=MSGS, temperature=0.3, top_p=0.9, seed=7, presence_penalty=0.5,
+        frequency_penalty=-0.5, max_tokens=4, user="alice",
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "stop_token_ids": [9],
+                    "ignore_eos": True})
+    sp = backend.requests[-1].sampling
+    assert sp == SamplingParams(max_tokens=4, temperature=0.3, top_p=0.9, top_k=20, min_p=0.05, seed=7,
+                                presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
+                                stop_token_ids=[9], ignore_eos=True)
+
+
+def test_chat_logprobs(client, backend):
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, logprobs=True, top_logprobs=2)
+    assert backend.requests[-1].sampling.logprobs and backend.requests[-1].sampling.top_logprobs == 2
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == list(REPLY[:4])
+    for c, ch in zip(content, REPLY):
+        assert c.logprob == -0.5 and c.bytes == list(ch.encode())
+        assert [t.token for t in c.top_logprobs] == [ch, chr(ord(ch) + 1)]
+        assert [t.logprob for t in c.top_logprobs] == [-0.5, -1.5]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3, logprobs=True,
+                                                 top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == list(REPLY[:3])
+    assert streamed[0].top_logprobs[2].logprob == -9999.0  # -inf is not JSON
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="p", max_tokens=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == list(REPLY[:3]) and lp.token_logprobs == [-0.5] * 3
+    assert lp.top_logprobs == [{ch: -0.5} for ch in REPLY[:3]] and lp.text_offset == [0, 1, 2]
+
+
+def test_tier_and_session(url, client, backend):
+    client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1,
+                                   extra_headers={"X-Tandem-SLA": "interactive", "X-Tandem-Session": "s-1"})
+    assert (backend.requests[-1].tier, backend.requests[-1].session_id) == ("interactive", "s-1")
+    # body fields win over headers
+    client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1,
+                                   extra_headers={"X-Tandem-SLA": "interactive", "X-Tandem-Session": "s-1"},
+                                   extra_body={"sla": "batch", "session_id": "s-2"})
+    assert (backend.requests[-1].tier, backend.requests[-1].session_id) == ("batch", "s-2")
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "p", "max_tokens": 1,
+                                                  "tier": "interactive"})
+    assert r.status_code == 200 and r.headers["x-tandem-sla"] == "interactive"
+    assert backend.requests[-1].tier == "interactive"
+
+
+def test_health(url, backend):
+    r = httpx.get(f"{url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    assert r.json()["details"]["cpu-decode"]["ready"] is True
+    backend.ready = False
+    r = httpx.get(f"{url}/health")
+    assert r.status_code == 503 and r.json()["details"]["cpu-decode"] == {"ready": False, "workers": 0}
+    backend.ready = True
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def _chat(**kw) -> dict:
+    return {"model": MODEL, "messages": MSGS, **kw}
+
+
+ERRORS = [
+    # (name, path, body (bytes = raw), headers, status, param, code)
+    ("malformed json", "/v1/chat/completions", b'{"model": "fake-model", "messages": [', {}, 400, None, "invalid_json"),
+    ("not an object", "/v1/chat/completions", b"[1, 2]", {}, 400, None, "invalid_json"),
+    ("missing model", "/v1/chat/completions", {"messages": MSGS}, {}, 400, "model", "invalid_parameter"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, {}, 400, "messages", "invalid_parameter"),
+    ("empty messages", "/v1/chat/completions", _chat(messages=[]), {}, 400, "messages", "invalid_parameter"),
+    ("bad role", "/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "x"}]), {}, 400,
+     "messages[0].role", "invalid_parameter"),
+    ("image part", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), {}, 400,
+     "messages[0].content[0]", "invalid_parameter"),
+    ("template error", "/v1/chat/completions", _chat(messages=[{"role": "assistant", "content": "x"}]), {}, 400,
+     "messages", "invalid_parameter"),
+    ("temperature type", "/v1/chat/completions", _chat(temperature="hot"), {}, 400, "temperature",
+     "invalid_parameter"),
+    ("temperature range", "/v1/chat/completions", _chat(temperature=-1), {}, 400, "temperature",
+     "invalid_parameter"),
+    ("top_p range", "/v1/chat/completions", _chat(top_p=0), {}, 400, "top_p", "invalid_parameter"),
+    ("stop type", "/v1/chat/completions", _chat(stop=[1]), {}, 400, "stop", "invalid_parameter"),
+    ("max_tokens zero", "/v1/chat/completions", _chat(max_tokens=0), {}, 400, "max_tokens", "invalid_parameter"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", _chat(top_logprobs=2), {}, 400, "top_logprobs",
+     "invalid_parameter"),
+    ("top_logprobs range", "/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs",
+     "invalid_parameter"),
+    ("n=2", "/v1/chat/completions", _chat(n=2), {}, 400, "n", "unsupported_parameter"),
+    ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400,
+     "tools", "unsupported_parameter"),
+    ("unknown model", "/v1/chat/completions", _chat(model="gpt-5"), {}, 404, "model", "model_not_found"),
+    ("too long", "/v1/chat/completions", _chat(max_tokens=250), {}, 400, "max_tokens", "context_length_exceeded"),
+    ("long chat prompt (tokenized off the loop)", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "x" * 20000}]), {}, 400, "messages", "context_length_exceeded"),
+    ("long completion prompt", "/v1/completions", {"model": MODEL, "prompt": "y" * 20000}, {}, 400, "prompt",
+     "context_length_exceeded"),
+    ("prompt alone too long", "/v1/completions", {"model": MODEL, "prompt": "x" * 300}, {}, 400, "prompt",
+     "context_length_exceeded"),
+    ("bad tier header", "/v1/chat/completions", _chat(), {"X-Tandem-SLA": "platinum"}, 400, "X-Tandem-SLA",
+     "invalid_tier"),
+    ("bad tier body", "/v1/chat/completions", _chat(sla="gold"), {}, 400, "sla", "invalid_tier"),
+    ("bad session", "/v1/chat/completions", _chat(session_id="has space"), {}, 400, "session_id",
+     "invalid_session"),
+    ("echo", "/v1/completions", {"model": MODEL, "prompt": "p", "echo": True}, {}, 400, "echo",
+     "unsupported_parameter"),
+    ("two prompts", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, {}, 400, "prompt",
+     "unsupported_parameter"),
+    ("token out of range", "/v1/completions", {"model": MODEL, "prompt": [1, 999]}, {}, 400, "prompt",
+     "invalid_parameter"),
+    ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, {}, 400, "prompt", "invalid_parameter"),
+    ("completion logprobs range", "/v1/completions", {"model": MODEL, "prompt": "p", "logprobs": 21}, {}, 400,
+     "logprobs", "invalid_parameter"),
+    ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, {}, 404, None, "not_found"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,headers,status,param,code", ERRORS, ids=[e[0] for e in ERRORS])
+def test_errors(url, backend, name, path, body, headers, status, param, code):
+    for stream in (False, True):
+        if isinstance(body, dict) and stream:
+            body = {**body, "stream": True}
+        elif stream:
+            continue
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(f"{url}{path}", headers={**headers, "Content-Type": "application/json"}, timeout=10, **kw)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert (err["param"], err["code"]) == (param, code), err
+        assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert backend.requests == [] and backend.aborted == []
+    still_serving(url)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("error,status,exc", [
+    (BackendError(OVERLOADED, "too many requests in the batch tier", 429), 429, openai.RateLimitError),
+    (BackendError(NO_WORKERS, "no cpu-decode worker is ready", 503), 503, openai.InternalServerError),
+])
+def test_backend_errors_map_through(client, url, backend, stream, error, status, exc):
+    backend.error = error
+    with pytest.raises(exc) as info:
+        client.chat.completions.create(model=MODEL, messages=MSGS, stream=stream)
+    assert info.value.status_code == status
+    body = info.value.response.json()["error"]
+    assert (body["code"], body["message"]) == (error.code, error.message)
+    assert backend.aborted == []  # the backend ended it itself
+    backend.error = None
+    still_serving(url)
+
+
+def test_mid_stream_error_is_an_sse_error_event(client, url, backend):
+    backend.mid_error = BackendError("worker_lost", "the decode worker went away", 502)
+    with pytest.raises(openai.APIError, match="the decode worker went away"):
+        for _ in client.chat.completions.create(model=MODEL, messages=MSGS, stream=True):
+            pass
+    with httpx.stream("POST", f"{url}/v1/completions", json={"model": MODEL, "prompt": "p", "stream": True}) as r:
+        events = r.read().decode().split("\n\n")
+    assert events[-2] == "data: [DONE]"
+    assert json.loads(events[-3][len("data: "):])["error"]["code"] == "worker_lost"
+    r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "worker_lost"  # not streamed yet: a status
+    backend.mid_error = None
+    still_serving(url)
+
+
+# ---- client disconnect -> abort ----------------------------------------------------------------
+
+def test_disconnect_mid_stream_aborts(url, backend):
+    backend.hang_after = 2
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", f"{url}/v1/chat/completions", json=_chat(stream=True)) as r:
+            rid = r.headers["x-request-id"]
+            seen = []
+            for line in r.iter_lines():
+                if line:
+                    seen.append(line)
+                if len(seen) == 3:  # role chunk, "H", "e"; then the backend hangs
+                    break
+            assert '"H"' in seen[1] and '"e"' in seen[2]
+    assert wait_for(lambda: backend.aborted == [rid]), backend.aborted
+    assert [q.request_id for q in backend.requests] == [rid]
+    still_serving(url)
+
+
+def test_disconnect_while_tokens_flow_aborts(url, backend):
+    backend.endless = True
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", f"{url}/v1/completions",
+                         json={"model": MODEL, "prompt": "p", "stream": True, "max_tokens": 200}) as r:
+            rid = r.headers["x-request-id"]
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 20:
+                    break
+    assert wait_for(lambda: backend.aborted == [rid]), backend.aborted
+    still_serving(url)
+
+
+def _raw_request(url: str, body: dict) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return s
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_before_first_output_aborts(url, backend, stream):
+    backend.hang_after = 0
+    s = _raw_request(url, _chat(stream=stream))
+    assert wait_for(lambda: len(backend.requests) == 1)
+    s.close()
+    rid = backend.requests[0].request_id
+    assert wait_for(lambda: backend.aborted == [rid]), backend.aborted
+    still_serving(url)
+
+
+def test_disconnect_non_streaming_mid_generation_aborts(url, backend):
+    backend.hang_after = 5
+    s = _raw_request(url, _chat())
+    assert wait_for(lambda: len(backend.requests) == 1)
+    time.sleep(0.1)
+    s.close()
+    assert wait_for(lambda: backend.aborted == [backend.requests[0].request_id]), backend.aborted
+    still_serving(url)
+
+
+def test_finished_requests_are_not_aborted(client, backend):
+    client.chat.completions.create(model=MODEL, messages=MSGS)
+    list(client.chat.completions.create(model=MODEL, messages=MSGS, stream=True))
+    time.sleep(0.1)
+    assert len(backend.requests) == 2 and backend.aborted == []
+
+
+# ---- auth and settings (in-process ASGI, no server) ---------------------------------------------
+
+async def test_api_key():
+    app = create_app(FakeBackend(), GatewaySettings(api_key="sekret"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        r = await http.get("/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = await http.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200
+        assert (await http.get("/health")).status_code == 200  # health needs no key
+
+
+def test_settings_from_env():
+    s = GatewaySettings.from_env({"TANDEM_PORT": "9001", "TANDEM_DEFAULT_SLA": "batch"})
+    assert (s.port, s.default_tier, s.host) == (9001, "batch", "0.0.0.0")
+    assert GatewaySettings.from_env({"TANDEM_PORT": "9001"}, port=9002).port == 9002
+    with pytest.raises(ValueError, match="TANDEM_PORT"):
+        GatewaySettings.from_env({"TANDEM_PORT": "http"})
+    with pytest.raises(ValueError, match="default_tier"):
+        GatewaySettings.from_env({"TANDEM_DEFAULT_SLA": "gold"})
+    assert gateway_app.GatewaySettings().port == 8000
+    parser = argparse.ArgumentParser()
+    gateway_app.add_arguments(parser)
+    s = gateway_app.settings_from_args(parser.parse_args(["--port", "9100", "--default-sla", "interactive"]))
+    assert (s.port, s.default_tier, s.api_key) == (9100, "interactive", None)
+
+
+# ---- InProcessBackend -------------------------------------------------------------------------------
+
+class _FakeEngine:
+    """The surface of shared.engine.async_engine.AsyncEngine that InProcessBackend uses."""
+
+    def __init__(self):
+        self.tokenizer = FakeTokenizer()
+        self.max_context = 128
+        self.calls: list = []
+        self.aborted: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, params, priority=1):
+        self.calls.append((request_id, prompt_token_ids, params, priority))
+        yield RequestOutput(request_id, [72], "H", finished=True, finish_reason="length",
+                            num_prompt_tokens=len(prompt_token_ids), num_output_tokens=1)
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+async def test_in_process_backend_adapts_the_engine():
+    engine = _FakeEngine()
+    b = InProcessBackend(engine, MODEL)
+    assert (b.max_context, b.tokenizer, b.health()[0]) == (128, engine.tokenizer, True)
+    req = GenerationRequest("cmpl-1", MODEL, [1, 2], SamplingParams(max_tokens=1), "interactive", "s")
+    outs = [o async for o in b.generate(req)]
+    assert [o.text for o in outs] == ["H"]
+    assert engine.calls == [("cmpl-1", [1, 2], req.sampling, 0)]
+    await b.abort("cmpl-1")
+    assert engine.aborted == ["cmpl-1"]
+
+
+def test_in_process_backend_with_the_real_engine():
+    """The gateway over the real engine and the bundled model; skipped only while
+    shared.engine.async_engine cannot be imported."""
+    async_engine = pytest.importorskip("shared.engine.async_engine")
+    from shared.engine.engine import Engine, EngineConfig
+
+    engine = async_engine.AsyncEngine(Engine.from_path(None, EngineConfig(threads=1, max_context=1024)))
+    backend = InProcessBackend(engine)
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    try:
+        with Server(backend) as server:
+            c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+            assert [m.id for m in c.models.list().data] == [backend.model_name]
+            r = c.chat.completions.create(model=backend.model_name, messages=msgs, max_tokens=8, temperature=0)
+            prompt = tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+            assert r.usage.prompt_tokens == len(prompt)
+            assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+            chunks = list(c.chat.completions.create(model=backend.model_name, messages=msgs, max_tokens=8,
+                                                    temperature=0, stream=True))
+            streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            assert streamed == r.choices[0].message.content and chunks[-1].usage.completion_tokens == 8
+            with pytest.raises(openai.BadRequestError) as info:
+                c.completions.create(model=backend.model_name, prompt="x", max_tokens=2000)
+            assert info.value.code == "context_length_exceeded"
+    finally:
+        asyncio.run(engine.close())

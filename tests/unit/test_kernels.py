@@ -1,0 +1,229 @@
+"""The fast CPU Q4_0 kernels against the torch reference (kernels.q4_0)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+
+from kernels import cpu, dispatch, q4_0
+
+# Relative Frobenius error of the fast matmul vs the f32 reference. The fast path quantizes
+# activations to Q8_0 (as llama.cpp does); measured ~0.55 % on Gaussian data, ~0.6 % on the
+# bundled model's weights (docs/kernels.md). The bound leaves room for other data.
+REL_TOL = 0.012
+
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # SmolLM2-135M (N, K)
+
+needs_lib = pytest.mark.skipif(not cpu.available(), reason="the C++ kernels did not build here")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@functools.lru_cache(maxsize=8)
+def q4(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random Q4_0 weights [n, k] (cached: tests only read them)."""
+    g = torch.Generator().manual_seed(seed)
+    return q4_0.quantize(torch.randn(n, k, generator=g) * 0.05)
+
+
+def acts(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g)
+
+
+def paths() -> list[str]:
+    """Instruction-set paths this CPU can run (the best one and every one below it)."""
+    best = cpu.isa()
+    order = ["scalar", "avx2", "avx512vnni"]
+    return order[: order.index(best) + 1] if best in order else []
+
+
+@needs_lib
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 64])
+def test_matmul_close_to_reference(m, n, k):
+    q, x = q4(n, k), acts(m, k)
+    assert rel_err(cpu.matmul(x, q), q4_0.matmul(x, q)) < REL_TOL
+
+
+@needs_lib
+@pytest.mark.parametrize("m", [1, 7])
+def test_lm_head_shape(m):
+    q, x = q4(49152, 576), acts(m, 576)
+    out = torch.full((m, 49152), float("nan"))
+    got = cpu.matmul(x, q, out=out)
+    assert got is out
+    assert rel_err(out, q4_0.matmul(x, q)) < REL_TOL
+
+
+@needs_lib
+def test_exact_when_activations_are_q8_0_representable():
+    # x = d * int8 with one element per block at +-127, so the Q8_0 quantization is lossless;
+    # then the fast result is the exact sum, up to fp32 rounding of the accumulation.
+    m, n, k = 5, 96, 576
+    g = torch.Generator().manual_seed(3)
+    ints = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int64)
+    ints[:, ::32] = 127
+    x = ints.to(torch.float32) * 0.25
+    q = q4(n, k)
+    qs, d = cpu.quantize_q8_0(x)
+    assert torch.equal(qs.to(torch.int64), ints) and torch.all(d == 0.25)
+    exact = (x.double() @ q4_0.dequantize(q).double().T)
+    got = cpu.matmul(x, q).double()
+    assert torch.allclose(got, exact, rtol=0, atol=1e-5 * float(exact.abs().max()))
+
+
+def torch_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 activation quantization in torch: per 32 values d = amax/127, q = round(x/d)."""
+    m, k = x.shape
+    b = x.reshape(m, k // 32, 32)
+    d = b.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    qs = torch.round(b * inv[..., None]).to(torch.int8)  # round half to even, like the C++
+    return qs.reshape(m, k), d
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+def test_q8_0_quantization_matches_torch_bitwise(isa, monkeypatch):
+    if isa not in paths():
+        pytest.skip(f"this CPU has no {isa} path")
+    x = acts(9, 1536) * 3.0
+    x[0, :32] = 0.0  # an all-zero block (scale 0)
+    x[1, 5] = 0.5 * (x[1, :32].abs().max())  # ties are rare; check ordinary rounding
+    monkeypatch.setattr(cpu, "_isa_choice", cpu._ISA_IDS[isa])
+    qs, d = cpu.quantize_q8_0(x)
+    qs_t, d_t = torch_q8_0(x)
+    assert torch.equal(d, d_t)
+    assert torch.equal(qs, qs_t)
+
+
+@needs_lib
+def test_every_isa_path_gives_the_same_bits():
+    q = q4(195, 576)  # 195: a row count that is not a multiple of the 4-row tile
+    x = acts(11, 576)
+    outs = [cpu.matmul_with(x, q, isa=p) for p in paths()]
+    assert len(outs) >= 1
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+@needs_lib
+@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (195, 576)])
+def test_batched_rows_equal_single_rows_for_any_thread_count(n, k):
+    q, x = q4(n, k), acts(19, k)
+    singles = torch.cat([cpu.matmul_with(x[i:i + 1], q, num_threads=1) for i in range(x.shape[0])])
+    for threads in (1, 2, 3, 8):
+        for m in (1, 2, 7, 16, 19):
+            got = cpu.matmul_with(x[:m], q, num_threads=threads)
+            assert torch.equal(got, singles[:m]), (threads, m)
+
+
+@needs_lib
+def test_embedding_is_bitwise_the_reference():
+    q = q4(1000, 576)
+    ids = torch.tensor([[0, 999, 5], [5, 17, 3]])
+    assert torch.equal(cpu.embedding(ids, q), q4_0.embedding(ids, q))
+    assert cpu.embedding(torch.tensor([], dtype=torch.int64), q).shape == (0, 576)
+
+
+@needs_lib
+def test_empty_batch():
+    assert cpu.matmul(torch.empty(0, 576), q4(8, 576)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("bad,name", [
+    (lambda x, q: (x.double(), q, None), "x"),
+    (lambda x, q: (x[0], q, None), "x"),
+    (lambda x, q: (x.T.contiguous().T, q, None), "x"),
+    (lambda x, q: (x[:, :64].contiguous(), q, None), "x width"),
+    (lambda x, q: (x, q.to(torch.int8), None), "q"),
+    (lambda x, q: (x, q[:, :-1], None), "q"),
+    (lambda x, q: (x, q[::2], None), "q"),
+    (lambda x, q: (x, q, torch.empty(3, 7)), "out"),
+    (lambda x, q: (x, q, torch.empty(3, 8, dtype=torch.float64)), "out"),
+])
+def test_bad_inputs_raise_value_error(bad, name):
+    x, q = acts(3, 576), q4(8, 576)
+    with pytest.raises(ValueError, match=name):
+        cpu.matmul(*bad(x, q))
+
+
+def test_bad_embedding_ids_raise_value_error():
+    q = q4(8, 576)
+    with pytest.raises(ValueError, match="ids"):
+        cpu.embedding(torch.tensor([8]), q)
+    with pytest.raises(ValueError, match="ids"):
+        cpu.embedding(torch.tensor([0.0]), q)
+    with pytest.raises(ValueError, match="num_threads"):
+        cpu.set_num_threads(0)
+
+
+@pytest.fixture
+def broken_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    cpu.reload()
+    yield
+    monkeypatch.undo()
+    cpu.reload()
+
+
+def test_falls_back_to_reference_when_the_build_fails(broken_compiler, caplog):
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu"):
+        cpu.reload()
+    assert not cpu.available() and cpu.isa() == "reference"
+    assert any("torch reference" in r.getMessage() for r in caplog.records)
+    assert dispatch.get_ops("cpu") is q4_0
+    q, x = q4(64, 576), acts(3, 576)
+    assert torch.equal(cpu.matmul(x, q), q4_0.matmul(x, q))
+    ids = torch.tensor([1, 2])
+    assert torch.equal(cpu.embedding(ids, q), q4_0.embedding(ids, q))
+
+
+def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    path = cpu.library_path()
+    assert path.parent == tmp_path and not path.exists()
+    try:
+        cpu._build(path)
+    except RuntimeError as exc:
+        pytest.skip(f"no working compiler: {exc}")
+    assert path.exists() and [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp left
+
+
+def test_dispatch(monkeypatch):
+    assert dispatch.get_ops("cuda") is q4_0
+    assert dispatch.get_ops(torch.device("cpu")) is (cpu if cpu.available() else q4_0)
+    monkeypatch.setenv("TANDEM_KERNELS", "reference")
+    assert dispatch.get_ops("cpu") is q4_0
+    monkeypatch.setenv("TANDEM_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="TANDEM_KERNELS"):
+        dispatch.get_ops("cpu")
+
+
+@pytest.fixture(scope="module")
+def real_weights():
+    try:
+        from shared.engine.loader import load_model
+        model = load_model(None)
+    except Exception as exc:  # loader missing or bundled model not installed
+        pytest.skip(f"bundled model not loadable: {exc}")
+    return model.weights
+
+
+@needs_lib
+@pytest.mark.parametrize("name", ["blk.0.attn_q", "blk.0.attn_k", "blk.7.ffn_up", "blk.29.ffn_down", "token_embd"])
+def test_real_weights_close_to_reference(real_weights, name):
+    q = real_weights[name]
+    k = q.shape[1] // q4_0.BLOCK_BYTES * q4_0.QK
+    for m in (1, 16):
+        x = acts(m, k, seed=m)
+        assert rel_err(cpu.matmul(x, q), q4_0.matmul(x, q)) < REL_TOL
+    ids = torch.tensor([0, 1, q.shape[0] - 1]) if name == "token_embd" else torch.tensor([0])
+    assert torch.equal(cpu.embedding(ids, q), q4_0.embedding(ids, q))

@@ -1,0 +1,180 @@
+"""Wire schemas: round trips, envelope, version and type checks, size limit; subject names."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from shared import schemas, subjects
+from shared.engine.sampling import SamplingParams
+from shared.schemas import (
+    MAX_PAYLOAD, Abort, Ack, DecodeRequest, ErrorReply, GenerateRequest, Heartbeat,
+    MessageTooLarge, PrefillRequest, RoutePlan, RouteRequest, SchemaError, StreamChunk,
+    TransferEvent, TransferHandle, decode, encode,
+)
+
+HANDLE = TransferHandle(transfer_id="t-1", host="127.0.0.1", port=5555, nbytes=1 << 20,
+                        checksum="blake3:00ff", num_tokens=12, meta={"dtype": "float16"})
+SAMPLING = SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"]).to_dict()
+
+EXAMPLES = [
+    RouteRequest("r1", "smollm2", "interactive", "s1", 120, 64),
+    RouteRequest("r1", "smollm2", "batch", None, 120, 64, prefix_hashes=["ab", "cd"]),
+    RoutePlan("r1", "prefill-0", "gpu-0", subjects.GPU_DECODE, "interactive -> gpu",
+              decode_data_host="127.0.0.1", decode_data_port=4000),
+    RoutePlan("r1", None, "cpu-0", subjects.CPU_DECODE, "short prompt"),
+    PrefillRequest("r1", [1, 2, 3], SAMPLING, "standard", "cpu-0", subjects.worker_decode("cpu-0"),
+                   subjects.stream("r1"), "127.0.0.1", 4000, session_id="s1"),
+    DecodeRequest("r1", HANDLE, [1, 2, 3], [4], SAMPLING, "standard", subjects.stream("r1")),
+    GenerateRequest("r1", [1, 2, 3], SAMPLING, "batch", subjects.stream("r1")),
+    StreamChunk("r1", 0, [4], "Hi", "prefill-0"),
+    StreamChunk("r1", 5, [], "", "cpu-0", logprobs=[{"token_id": 4, "logprob": -0.1, "top": [[4, -0.1]]}],
+                finish_reason="length",
+                usage={"prompt_tokens": 3, "completion_tokens": 5, "cached_tokens": 0}),
+    Abort("r1", "client disconnected"),
+    Heartbeat("cpu-0", subjects.CPU_DECODE, "cpu", "smollm2", True, 0, 2, 100, 128, 8192,
+              "127.0.0.1", 4000, 1700000000.5),
+    Ack("r1", "cpu-0"),
+    ErrorReply.of("overloaded", "queue full", "r1"),
+    TransferEvent("t-1", "r1", 1 << 20, 0.01, "tcp"),
+    HANDLE,
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    data = encode(msg)
+    obj = orjson.loads(data)
+    assert obj["schema"] == type(msg).SCHEMA and obj["v"] == type(msg).VERSION
+    assert decode(data) == msg
+    assert decode(data, type(msg)) == msg
+
+
+def test_every_message_is_registered_and_exemplified():
+    assert set(schemas.REGISTRY) == {type(m).SCHEMA for m in EXAMPLES}
+
+
+def test_nested_handle_is_built_as_dataclass():
+    msg = decode(encode(EXAMPLES[5]))
+    assert isinstance(msg.handle, TransferHandle)
+    assert msg.handle.nbytes == 1 << 20
+
+
+def test_sampling_round_trips_through_engine_type():
+    msg = decode(encode(EXAMPLES[4]), PrefillRequest)
+    assert SamplingParams.from_dict(msg.sampling) == SamplingParams.from_dict(SAMPLING)
+
+
+def test_error_status_hint():
+    assert ErrorReply.of("overloaded", "x").status == 429
+    assert ErrorReply.of("unavailable", "x").status == 503
+    assert ErrorReply.of("prompt_too_long", "x").status == 400
+    assert ErrorReply.of("something-new", "x").status == 500
+
+
+def _raw(msg, **change):
+    obj = orjson.loads(encode(msg))
+    obj.update(change)
+    return orjson.dumps(obj)
+
+
+def test_version_mismatch():
+    with pytest.raises(SchemaError, match="version") as e:
+        decode(_raw(Abort("r1"), v=2))
+    assert e.value.field == "v"
+
+
+def test_unknown_and_unexpected_schema():
+    with pytest.raises(SchemaError, match="unknown schema"):
+        decode(_raw(Abort("r1"), schema="Nope"))
+    with pytest.raises(SchemaError, match="expected schema 'RoutePlan'"):
+        decode(encode(Abort("r1")), RoutePlan)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_prompt_tokens", "12"),
+    ("num_prompt_tokens", True),   # bool is not an int on the wire
+    ("num_prompt_tokens", 1.5),
+    ("session_id", 7),
+    ("request_id", None),
+    ("prefix_hashes", ["a", 1]),
+])
+def test_wrong_types_name_the_field(field, value):
+    with pytest.raises(SchemaError) as e:
+        decode(_raw(EXAMPLES[0], **{field: value}))
+    assert field in str(e.value)
+    assert e.value.field.startswith(field)
+
+
+def test_nested_wrong_type_names_the_path():
+    obj = orjson.loads(encode(EXAMPLES[5]))
+    obj["handle"]["port"] = "5555"
+    with pytest.raises(SchemaError, match=r"handle\.port"):
+        decode(orjson.dumps(obj))
+
+
+def test_missing_and_unknown_fields():
+    obj = orjson.loads(encode(EXAMPLES[0]))
+    del obj["tier"]
+    with pytest.raises(SchemaError, match="missing field 'tier'"):
+        decode(orjson.dumps(obj))
+    with pytest.raises(SchemaError, match="unknown field 'extra'"):
+        decode(_raw(EXAMPLES[0], extra=1))
+
+
+def test_bad_tier_value():
+    with pytest.raises(SchemaError, match="tier"):
+        decode(_raw(EXAMPLES[0], tier="urgent"))
+    with pytest.raises(SchemaError, match="tier"):
+        encode(RouteRequest("r1", "m", "urgent", None, 1, 1))
+
+
+def test_encode_checks_types():
+    with pytest.raises(SchemaError, match="seq"):
+        encode(StreamChunk("r1", "0", [], "", "w"))
+
+
+def test_float_field_accepts_int():
+    hb = decode(_raw(EXAMPLES[10], ts=17))
+    assert hb.ts == 17.0 and isinstance(hb.ts, float)
+
+
+def test_not_json_or_not_object():
+    with pytest.raises(SchemaError, match="not JSON"):
+        decode(b"\xff{")
+    with pytest.raises(SchemaError, match="object"):
+        decode(b"[1, 2]")
+
+
+def test_oversize_message_is_refused():
+    too_many = MAX_PAYLOAD // 2  # each token id costs >= 2 bytes ("1,")
+    with pytest.raises(MessageTooLarge, match="data plane"):
+        encode(GenerateRequest("r1", [1] * too_many, SAMPLING, "batch", subjects.stream("r1")))
+    # a long but legal prompt still fits: 32k tokens of 5-digit ids
+    assert len(encode(GenerateRequest("r1", [49151] * 32768, SAMPLING, "batch", "s"))) < MAX_PAYLOAD
+
+
+# -- subjects ---------------------------------------------------------------------------------
+
+def test_subjects():
+    assert subjects.ROUTE == "tandem.router.route"
+    assert subjects.worker_prefill("p-1") == "tandem.worker.p-1.prefill"
+    assert subjects.worker_decode("d-1") == "tandem.worker.d-1.decode"
+    assert subjects.worker_generate("d-1") == "tandem.worker.d-1.generate"
+    assert subjects.stream("req-9") == "tandem.stream.req-9"
+    assert subjects.heartbeat("cpu-decode", "c1") == "tandem.heartbeat.cpu-decode.c1"
+    assert subjects.heartbeat_role("gpu-decode") == "tandem.heartbeat.gpu-decode.*"
+    assert subjects.transfer("p-1") == "tandem.transfer.p-1"
+
+
+@pytest.mark.parametrize("bad", ["", "a.b", "a b", "*", ">", "a\tb", None])
+def test_subject_tokens_are_validated(bad):
+    with pytest.raises(ValueError, match="worker_id"):
+        subjects.worker_decode(bad)
+    with pytest.raises(ValueError, match="request_id"):
+        subjects.stream(bad)
+
+
+def test_unknown_role():
+    with pytest.raises(ValueError, match="role 'decode'"):
+        subjects.heartbeat("decode", "w1")
