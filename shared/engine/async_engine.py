@@ -83,28 +83,33 @@ class AsyncEngine:
         """Load figures as of the last step (for heartbeats)."""
         return dict(self._stats, queued_commands=self._commands.qsize())
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 1, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Raises ValueError (bad input) before the first output."""
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     priority: int = 1, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Queue a request; once the engine has taken it, return the stream of its outputs.
+        Raises ValueError (bad input) here, before any output."""
         q = self._open(request_id)
         try:
             await self._call(lambda: self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        async for out in self._drain(request_id, q):
-            yield out
+        return self._drain(request_id, q)
 
-    async def continue_from_kv(self, request_id: str, blob: bytes, priority: int | None = None
-                               ) -> AsyncIterator[RequestOutput]:
-        """Import an exported sequence and stream the rest of its outputs."""
+    async def submit_kv(self, request_id: str, blob: bytes, priority: int | None = None
+                        ) -> AsyncIterator[RequestOutput]:
+        """Import an exported sequence; return the stream of the rest of its outputs."""
         q = self._open(request_id)
         try:
             await self._call(lambda: self.engine.import_kv(request_id, blob, priority))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        async for out in self._drain(request_id, q):
+        return self._drain(request_id, q)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 1, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (``submit`` and iterate)."""
+        async for out in await self.submit(request_id, prompt_token_ids, params, priority, prefill_only):
             yield out
 
     async def export_kv(self, request_id: str) -> bytes:

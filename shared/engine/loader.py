@@ -231,8 +231,10 @@ class GGUFFile:
         self.size = os.path.getsize(path)
         with open(path, "rb") as f:
             self._file, self._buf, self._pos = f, b"", 0  # header bytes are read as parsing needs them
-            if self._take(4) != b"GGUF":
-                raise ValueError(f"not a GGUF file (magic {self._buf[:4]!r}, expected b'GGUF')")
+            magic = f.read(4)
+            if magic != b"GGUF":
+                raise ValueError(f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+            self._base = 4
             self.version = self._scalar(4)
             if self.version not in (2, 3):
                 raise ValueError(f"unsupported GGUF version {self.version}")
@@ -253,7 +255,7 @@ class GGUFFile:
                 dims = [self._scalar(10) for _ in range(n_dims)]
                 infos.append((name, tuple(reversed(dims)), self._scalar(4), self._scalar(10)))
         align = int(self.get("general.alignment", 32))
-        end = getattr(self, "_base", 0) + self._pos
+        end = self._base + self._pos
         data_start = (end + align - 1) // align * align
         del self._buf, self._file
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -275,9 +277,10 @@ class GGUFFile:
     def _take(self, n: int) -> bytes:
         if self._pos + n > len(self._buf):
             if n > self.size:
-                raise ValueError(f"corrupt GGUF: a header item claims {n} bytes, the file has {self.size}")
+                raise ValueError(f"truncated or corrupt GGUF: a header item claims {n} bytes, "
+                                 f"the file has {self.size}")
             self._buf = self._buf[self._pos:] + self._file.read(max(n, 1 << 20))
-            self._base = getattr(self, "_base", 0) + self._pos
+            self._base = self._base + self._pos
             self._pos = 0
             if n > len(self._buf):
                 raise ValueError(f"truncated GGUF: the header runs past the end of the file ({self.size} bytes)")
@@ -393,6 +396,9 @@ def _load_gguf(path: str, weights: dict[str, torch.Tensor], progress: bool):
     if emb is None:
         raise ValueError("missing tensor token_embd.weight")
     cfg.vocab_size = int(emb.shape[0])  # the embedding is the truth (vocab may be padded)
+    q = next((t for t in gf.tensors if t.name == "blk.0.attn_q.weight"), None)
+    if q is not None and gf.get(f"{cfg.arch}.attention.key_length") is None:
+        cfg.head_dim = int(q.shape[0]) // cfg.n_heads  # no key_length: the Q rows tell
     cfg.validate()
     tok = Tokenizer.from_gguf(gf.get)
     _gguf_tensors(gf, cfg, weights, _Progress(progress, len(gf.tensors), f"loading {os.path.basename(path)}"))
@@ -495,7 +501,8 @@ def load_model(path: str | None = None, progress: bool = False) -> LoadedModel:
         if cfg.tie_embeddings:
             weights["output"] = weights["token_embd"]
         identity = _identity(cfg, weights)
-    except (ValueError, KeyError, OSError, RuntimeError, TypeError, IndexError) as e:
+    except (ValueError, KeyError, OSError, RuntimeError, TypeError, IndexError, ArithmeticError,
+            MemoryError, struct.error) as e:
         log.debug("loading %s failed", path, exc_info=True)
         problem = f"cannot load model {path}: {e}" if not isinstance(e, KeyError) else \
             f"cannot load model {path}: missing key {e}"

@@ -148,11 +148,16 @@ class Transformer:
             blk = layer_kv.index_select(0, c.blocks)                                  # [nb, 2, bs, nkv, hd]
             k = blk[:, 0].flatten(0, 1)[:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, nkv, L, hd]
             v = blk[:, 1].flatten(0, 1)[:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            mask = None
-            if n > 1:  # causal, with the chunk's queries at the end of the context
+            if n == 1:
+                # torch's one-query CPU kernel splits the context across threads, so its result
+                # depends on the thread count; the multi-query kernel does not. Two copies of the
+                # query keep every worker's numbers equal whatever its thread count.
+                qs = qs.expand(1, qs.shape[1], 2, qs.shape[3])
+                mask = torch.ones(2, ctx_len, dtype=torch.bool, device=q.device)
+            else:  # causal, with the chunk's queries at the end of the context
                 qpos = torch.arange(c.start, ctx_len, device=q.device).unsqueeze(1)
                 mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= qpos   # [n, L]
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=self.scale,
                                                enable_gqa=True)                       # [1, nh, n, hd]
-            out[c.token_offset:c.token_offset + n] = o[0].transpose(0, 1).reshape(n, -1)
+            out[c.token_offset:c.token_offset + n] = o[0, :, :n].transpose(0, 1).reshape(n, -1)
         return out

@@ -18,7 +18,6 @@ import math
 import os
 import sys
 import time
-from typing import Any
 
 import numpy as np
 import torch

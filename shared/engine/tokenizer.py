@@ -81,6 +81,15 @@ def _split_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(steps)
 
 
+def _bpe(**kwargs) -> models.BPE:
+    """``tokenizers.models.BPE``, with its construction errors (plain Exception) as ValueError."""
+    try:
+        return models.BPE(**kwargs)
+    except Exception as e:  # tokenizers raises bare Exception for a bad vocabulary / merges
+        problem = f"bad tokenizer vocabulary: {e}"
+    raise ValueError(problem)
+
+
 def _derive_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """SentencePiece BPE merges from the vocabulary: every split of a token into two tokens,
     ordered by the merged token's score (best first), then by the left piece's id."""
@@ -148,14 +157,13 @@ class Tokenizer:
         self.eos_token_ids: set[int] = set(extra_eos_ids)
         if eos_token_id is not None:
             self.eos_token_ids.add(eos_token_id)
-        for t in END_TOKENS:
-            i = backend.token_to_id(t)
-            if i is not None and t in {a.content for a in backend.get_added_tokens_decoder().values()}:
-                self.eos_token_ids.add(i)
+        added = {a.content: i for i, a in backend.get_added_tokens_decoder().items()}
+        self.eos_token_ids.update(added[t] for t in END_TOKENS if t in added)
         # variables the chat template sees (bos_token, eos_token, ...)
         self.special_strings = dict(special_strings or {})
-        self.special_strings.setdefault("bos_token", self.id_to_piece(bos_token_id) if bos_token_id is not None else None)
-        self.special_strings.setdefault("eos_token", self.id_to_piece(eos_token_id) if eos_token_id is not None else None)
+        for name, tid in (("bos_token", bos_token_id), ("eos_token", eos_token_id)):
+            if tid is not None:
+                self.special_strings.setdefault(name, self.id_to_piece(tid))
         self._template = None
 
     # ---- encode / decode -------------------------------------------------------------------
@@ -219,7 +227,7 @@ class Tokenizer:
             spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
             vocab = {t: i for i, t in enumerate(spelled)}
             pairs = [tuple(m.split(" ", 1)) for m in (merges or [])]
-            backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
+            backend = HFTokenizer(_bpe(vocab=vocab, merges=pairs, ignore_merges=False))
             backend.pre_tokenizer = _split_pre_tokenizer(get("tokenizer.ggml.pre", None))
             backend.decoder = decoders.ByteLevel()
             add_bos = bool(get("tokenizer.ggml.add_bos_token", False))
@@ -235,8 +243,8 @@ class Tokenizer:
                     raise ValueError("SentencePiece GGUF has neither tokenizer.ggml.merges nor tokenizer.ggml.scores")
                 pairs = _derive_merges(tokens, list(scores))
             unk_id = get("tokenizer.ggml.unknown_token_id", None)
-            backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
-                                             unk_token=tokens[unk_id] if unk_id is not None else None))
+            backend = HFTokenizer(_bpe(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
+                                       unk_token=tokens[unk_id] if unk_id is not None else None))
             prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
             backend.pre_tokenizer = pre_tokenizers.Metaspace(
                 replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
@@ -271,7 +279,12 @@ class Tokenizer:
         tj = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tj):
             raise ValueError(f"no tokenizer.json in {path}")
-        backend = HFTokenizer.from_file(tj)
+        try:
+            backend = HFTokenizer.from_file(tj)
+        except Exception as e:  # tokenizers raises bare Exception on a malformed file
+            backend, problem = None, f"cannot read {tj}: {e}"
+        if backend is None:
+            raise ValueError(problem)
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
         gen = _read_json(os.path.join(path, "generation_config.json"))
 

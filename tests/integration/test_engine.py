@@ -199,3 +199,14 @@ def test_abort_frees_blocks(engine):
     outs = engine.step()
     assert [o.finish_reason for o in outs if o.request_id == "ab"] == ["abort"]
     assert engine.blocks.num_free == free
+
+
+def test_thread_count_does_not_change_tokens(bundled_model):
+    """Workers run with different thread counts; a session must decode the same anywhere."""
+    tok = bundled_model.tokenizer
+    ids = chat_ids(tok, "What is the capital of France?")
+    outs = []
+    for t in (1, 2):
+        eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=t))
+        outs.append(run_to_completion(eng, {"t": (ids, greedy(48))})["t"].token_ids)
+    assert outs[0] == outs[1]

@@ -1,0 +1,265 @@
+"""The whole stack as users run it: `tandem up` processes on a real NATS server, spoken to
+with the official openai client over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import nats
+import openai
+import pytest
+
+from shared.engine.engine import Engine, EngineConfig, run_to_completion
+from shared.engine.sampling import SamplingParams
+
+QUESTION = "What is the capital of France?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, nats_url: str | None, extra_args=()):
+        self.port = free_port()
+        env = dict(os.environ, TANDEM_PORT=str(self.port), TANDEM_THREADS="1", TANDEM_KV_BUDGET_MB="64",
+                   TANDEM_HEARTBEAT_INTERVAL="0.5", PYTHONUNBUFFERED="1")
+        env.pop("TANDEM_NATS_URL", None)
+        if nats_url:
+            env["TANDEM_NATS_URL"] = nats_url
+        self.log: list[str] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *extra_args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def wait_healthy(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("tandem up exited:\n" + "".join(self.log[-50:]))
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("stack not healthy in time:\n" + "".join(self.log[-50:]))
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server):
+    s = Stack(nats_server)
+    try:
+        s.wait_healthy()
+        yield s
+    finally:
+        rc = s.stop()
+        assert rc == 0, "".join(s.log[-40:])
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def local_engine(bundled_model) -> Engine:
+    return Engine(bundled_model, EngineConfig(num_kv_blocks=128))
+
+
+def local_chat(engine: Engine, question: str, max_tokens: int, **kw):
+    tok = engine.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
+    return ids, run_to_completion(engine, {"x": (ids, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))})["x"]
+
+
+def test_chat_greedy_matches_in_process_engine(client, model_name, local_engine):
+    ids, want = local_chat(local_engine, QUESTION, 40)
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": QUESTION}],
+                                       max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == want.text
+    assert "Paris" in want.text
+    assert r.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == want.num_output_tokens
+
+
+def test_streaming_chat_with_usage(client, model_name, local_engine):
+    _, want = local_chat(local_engine, QUESTION, 40)
+    stream = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    for ch in stream:
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            finish = ch.choices[0].finish_reason or finish
+        if ch.usage:
+            usage = ch.usage
+    assert text == want.text
+    assert finish in ("stop", "length")
+    assert usage is not None and usage.completion_tokens == want.num_output_tokens
+
+
+def test_max_tokens_gives_length(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Tell me a story."}],
+                                       max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+
+
+def test_stop_string(client, model_name, local_engine):
+    _, free = local_chat(local_engine, QUESTION, 30)
+    stop = free.text.split()[3]  # a word from the middle of the answer
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": QUESTION}],
+                                       max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == free.text[: free.text.index(stop)]
+
+
+def test_completions_endpoint(client, model_name, local_engine):
+    tok = local_engine.tokenizer
+    want = run_to_completion(local_engine, {"c": (tok.encode("The capital of Italy is"),
+                                                  SamplingParams(max_tokens=12, temperature=0))})["c"]
+    r = client.completions.create(model=model_name, prompt="The capital of Italy is", max_tokens=12, temperature=0)
+    assert r.choices[0].text == want.text
+
+
+async def _watch_streams(url: str, seen: dict, stop: asyncio.Event) -> None:
+    nc = await nats.connect(url)
+    async def on(msg):
+        d = json.loads(msg.data)
+        if d.get("schema") == "StreamChunk":
+            seen.setdefault(d["request_id"], set()).add(d["worker"])
+    sub = await nc.subscribe("tandem.stream.>", cb=on)
+    await stop.wait()
+    await sub.unsubscribe()
+    await nc.close()
+
+
+def test_tiers_land_on_gpu_and_cpu_decode(stack, nats_server, model_name):
+    seen: dict[str, set] = {}
+
+    async def go():
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_watch_streams(nats_server, seen, stop))
+        await asyncio.sleep(0.3)
+        aclient = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+        msgs = [{"role": "user", "content": QUESTION}]
+        inter, batch = await asyncio.gather(
+            aclient.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
+                                            extra_headers={"X-Tandem-SLA": "interactive"}),
+            aclient.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
+                                            extra_headers={"X-Tandem-SLA": "batch"}))
+        await asyncio.sleep(0.3)
+        stop.set()
+        await watcher
+        return inter, batch
+
+    inter, batch = asyncio.run(go())
+    assert inter.choices[0].message.content == batch.choices[0].message.content
+    assert any(w.startswith("gpu-decode") for w in seen[inter.id]), seen
+    assert any(w.startswith("cpu-decode") for w in seen[batch.id]), seen
+    # two-phase: the first token came from the prefill worker
+    assert any(w.startswith("prefill") for w in seen[inter.id]), seen
+
+
+def test_client_disconnect_aborts_everywhere(stack, nats_server, model_name):
+    aborts: list[str] = []
+
+    async def go():
+        nc = await nats.connect(nats_server)
+        async def on(msg):
+            aborts.append(json.loads(msg.data)["request_id"])
+        await nc.subscribe("tandem.abort", cb=on)
+        await nc.flush()
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as hc:
+            body = {"model": model_name, "stream": True, "max_tokens": 2000, "temperature": 0,
+                    "messages": [{"role": "user", "content": "Write a very long essay about the ocean."}]}
+            async with hc.stream("POST", "/v1/chat/completions", json=body) as resp:
+                assert resp.status_code == 200
+                rid = resp.headers.get("x-request-id")
+                n = 0
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        n += 1
+                    if n >= 3:
+                        break
+        # the client is gone: the abort reaches the bus and the workers drop the request
+        for _ in range(100):
+            if rid in aborts:
+                break
+            await asyncio.sleep(0.1)
+        beats = {}
+        async def on_beat(msg):
+            d = json.loads(msg.data)
+            beats[d["worker_id"]] = d
+        await nc.subscribe("tandem.heartbeat.>", cb=on_beat)
+        await asyncio.sleep(2.0)
+        await nc.close()
+        return rid, beats
+
+    rid, beats = asyncio.run(go())
+    assert rid in aborts
+    decode = [b for b in beats.values() if b["role"].endswith("decode")]
+    assert decode and all(b["running"] == 0 for b in decode), decode
+
+
+def test_bad_requests_get_4xx_and_services_stay_up(stack, client, model_name):
+    h = httpx.post(stack.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert h.status_code == 400 and "error" in h.json()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], temperature=-1)
+    assert "temperature" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "word " * 9000}],
+                                       max_tokens=10)
+    assert e.value.code == "context_length_exceeded"
+    assert httpx.get(stack.url + "/health").status_code == 200
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert r.choices[0].message.content is not None
+
+
+def test_embedded_nats_default(tmp_path):
+    """With TANDEM_NATS_URL unset, `tandem up` starts its own nats-server and everything works."""
+    s = Stack(None, ["--gpu-decode", "0", "--prefill", "0"])
+    try:
+        s.wait_healthy()
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        r = c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
+    finally:
+        assert s.stop() == 0
+    assert any("embedded NATS" in line for line in s.log)

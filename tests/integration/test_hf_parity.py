@@ -1,0 +1,135 @@
+"""Our logits against Hugging Face ``transformers`` (fp32) on the *same* Q4_0 weights.
+
+The bundled model is written once to an all-Q4_0 GGUF (``shared.engine.quantize``); both our
+engine and ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`` load that file, so the
+comparison measures our numerics (Q8_0 activations in the CPU kernel, fp16 KV cache, our rope
+and attention), not quantization. A fixed English text of >= 512 tokens runs as one prefill
+through both; every position's logits are compared.
+
+    pytest tests/integration/test_hf_parity.py -s     # prints the measured figures
+
+Figures are recorded in docs/benchmarks.md ("Numerics"); the bounds below sit a little above them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from shared.engine import quantize
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.loader import LoadedModel, bundled_model_path, load_model
+from shared.engine.model import AttnChunk, StepContext
+
+transformers = pytest.importorskip("transformers")
+
+# Bounds per kernel path: (min top-1 agreement, max |Δlogit|, mean |Δlogit|).
+# Measured (docs/benchmarks.md): auto (Q8_0 activations) 1.000 / 1.19 / 0.140;
+# reference (f32 activations) 1.000 / 0.021 / 0.0021.
+BOUNDS = {
+    "auto": (0.99, 2.5, 0.25),
+    "reference": (0.99, 0.06, 0.006),
+}
+
+TEXT = """\
+The Hanseatic League was a commercial and defensive confederation of merchant guilds and market \
+towns in Central and Northern Europe. Growing from a few North German towns in the late twelfth \
+century, the league came to dominate Baltic maritime trade for three centuries along the coasts of \
+Northern Europe. It stretched from the Baltic to the North Sea and inland during the Late Middle \
+Ages, and it declined slowly after about 1450.
+
+Lübeck, founded in 1159, became the principal city of the league. Its merchants traded furs, wax, \
+timber and grain from the east for cloth, salt, wine and metal goods from the west. Herring caught \
+off the coast of Scania was salted with salt brought from Lüneburg and shipped across the continent, \
+for the Church required that fish be eaten on many days of the year. The cog, a broad and sturdy \
+ship with a single mast and a square sail, carried these cargoes between the ports.
+
+The league had no permanent army, no common treasury and no single government. Its members met in \
+an assembly called the Diet, which gathered irregularly in Lübeck and passed resolutions that the \
+towns were expected, but not always willing, to obey. When a ruler threatened its privileges, the \
+league could impose a trade embargo, and on a few occasions it went to war. In 1370 the Treaty of \
+Stralsund, which ended a war with the King of Denmark, gave the towns control of fortresses on the \
+Scanian coast and a voice in the choice of the next Danish king.
+
+Abroad, the merchants lived in trading posts called kontors. The largest were in London, Bruges, \
+Bergen and Novgorod. In London the Steelyard, a walled compound on the bank of the Thames, held \
+warehouses, a weighing house, a chapel and living quarters, and its residents were bound by strict \
+rules: they were forbidden to marry local women and had to be inside the gates by nightfall. In \
+Bergen the German merchants controlled the export of dried cod from the north of Norway.
+
+Several forces brought the league to an end. The rise of strong territorial states in Scandinavia, \
+Poland and Russia limited its privileges, and the Dutch, with larger ships and better financing, \
+took over much of the Baltic trade. The discovery of sea routes to the Americas and Asia moved the \
+centre of European commerce to the Atlantic. Novgorod was closed to the Germans in 1494, and the \
+Steelyard lost its privileges in 1598. The last formal Diet met in 1669, attended by only a handful \
+of towns. Yet the memory of the league survived: Hamburg, Bremen and Lübeck still call themselves \
+Hanseatic cities, and the letters HH on the number plates of Hamburg cars stand for Hansestadt Hamburg.
+"""
+
+
+@pytest.fixture(scope="module")
+def q4_0_gguf(tmp_path_factory, bundled_model: LoadedModel) -> str:
+    """The bundled model as an all-Q4_0 GGUF, written once for this module.
+
+    ``quantize_model`` loads its source itself (~10 s of Q4_1 -> Q4_0 conversion); the session's
+    already-loaded bundled model is handed to it instead, which is the same call's result.
+    """
+    path = str(tmp_path_factory.mktemp("hf_parity") / "smollm2-135m-q4_0.gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quantize, "load_model", lambda src, progress=False: bundled_model)
+        quantize.quantize_model(bundled_model_path(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ids(q4_0_gguf) -> list[int]:
+    out = load_model(q4_0_gguf).tokenizer.encode(TEXT)
+    assert len(out) >= 512, f"the fixed text is only {len(out)} tokens"
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_logits(q4_0_gguf, ids) -> torch.Tensor:
+    """HF fp32 logits [T, vocab] for every position of ``ids``."""
+    d, name = os.path.split(q4_0_gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    del model
+    return logits
+
+
+def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits [T, vocab] of every position: one prefill of ``ids`` into blocks 0..nb-1 of a fresh engine."""
+    n, bs = len(ids), engine.layout.block_size
+    nb = engine.layout.blocks_for(n)
+    assert nb <= engine.blocks.num_blocks
+    pos = torch.arange(n, dtype=torch.int64)
+    ctx = StepContext(positions=pos, slot_blocks=pos // bs, slot_offsets=pos % bs,
+                      chunks=[AttnChunk(0, n, 0, torch.arange(nb, dtype=torch.int64))],
+                      sample_rows=pos)
+    with torch.inference_mode():
+        return engine.model.forward(torch.tensor(ids, dtype=torch.int64), ctx, engine.kv)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_logits_match_transformers(kernels, q4_0_gguf, ids, hf_logits, bundled_model, monkeypatch):
+    model = load_model(q4_0_gguf)
+    assert model.identity == bundled_model.identity  # the Q4_0 GGUF holds exactly the weights we run
+    monkeypatch.setenv("TANDEM_KERNELS", kernels)  # read by kernels.dispatch.get_ops in Engine()
+    engine = Engine(model, EngineConfig(num_kv_blocks=(len(ids) + 15) // 16, block_size=16))
+    ours = prefill_logits(engine, ids)
+    assert ours.shape == hf_logits.shape
+
+    diff = (ours - hf_logits).abs()
+    top1 = (ours.argmax(-1) == hf_logits.argmax(-1)).float().mean().item()
+    max_d, mean_d = diff.max().item(), diff.mean().item()
+    print(f"\n[hf parity, kernels={kernels}, {len(ids)} tokens] top-1 agreement {top1:.4f}, "
+          f"max |dlogit| {max_d:.4f}, mean |dlogit| {mean_d:.5f}")
+    min_top1, max_bound, mean_bound = BOUNDS[kernels]
+    assert top1 >= min_top1, f"top-1 agreement {top1:.4f} < {min_top1}"
+    assert max_d <= max_bound, f"max |dlogit| {max_d:.4f} > {max_bound}"
+    assert mean_d <= mean_bound, f"mean |dlogit| {mean_d:.5f} > {mean_bound}"
