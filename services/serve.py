@@ -60,7 +60,7 @@ async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
         ctx = min(ctx, settings.worker.max_context)
     del model
     bus = await Bus.connect(settings, name="gateway")
-    backend = NatsBackend(bus, name, ctx, tokenizer)
+    backend = NatsBackend(bus, name, ctx, tokenizer, stall_timeout=gw.request_timeout)
     await backend.start()
     try:
         await serve(backend, gw)

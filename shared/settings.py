@@ -140,22 +140,39 @@ class DataPlaneSettings:
 @dataclass
 class GatewaySettings:
     """The OpenAI-compatible REST gateway."""
-    host: str = _env("TANDEM_HOST", "127.0.0.1", "gateway bind address")
+    host: str = _env("TANDEM_HOST", "127.0.0.1", "gateway bind address (0.0.0.0: every interface)")
     port: int = _env("TANDEM_PORT", 8000, "gateway HTTP port")
     api_key: str | None = _env("TANDEM_API_KEY", None, "bearer token clients must send; unset: no auth")
     default_tier: str = _env("TANDEM_DEFAULT_TIER", "standard",
                              "SLA tier when a request names none: interactive|standard|batch")
-    request_timeout: float = _env("TANDEM_REQUEST_TIMEOUT", 600.0,
-                                  "seconds a request may run before the gateway aborts it")
+    request_timeout: float = _env("TANDEM_REQUEST_TIMEOUT", 120.0,
+                                  "seconds without progress before the gateway gives up on a request")
+    max_body_bytes: int = _env("TANDEM_MAX_BODY_BYTES", 32 << 20, "larger request bodies get 413")
+    drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long")
 
-    def validate(self) -> None:
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "GatewaySettings":
+        """Defaults, then ``env`` (default os.environ), then ``overrides`` (None = not given)."""
+        s = _section_from_env(cls, os.environ if env is None else env)
+        for k, v in overrides.items():
+            if v is not None:
+                setattr(s, k, v)
+        s.validate()
+        return s
+
+    def validate(self) -> "GatewaySettings":
         from shared.schemas import TIERS
         if not 0 < self.port <= 65535:
-            raise ValueError("TANDEM_PORT must be in 1..65535")
+            raise ValueError(f"TANDEM_PORT must be in 1..65535, got {self.port}")
         if self.default_tier not in TIERS:
-            raise ValueError(f"TANDEM_DEFAULT_TIER must be one of {', '.join(TIERS)}")
+            raise ValueError(f"TANDEM_DEFAULT_TIER must be one of {', '.join(TIERS)}, got {self.default_tier!r}")
         if self.request_timeout <= 0:
             raise ValueError("TANDEM_REQUEST_TIMEOUT must be > 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("TANDEM_MAX_BODY_BYTES must be >= 1024")
+        if self.drain_s < 0:
+            raise ValueError("TANDEM_DRAIN_S must be >= 0")
+        return self
 
 
 @dataclass

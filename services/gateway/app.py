@@ -19,10 +19,8 @@ import argparse
 import asyncio
 import hmac
 import logging
-import os
 import time
 import uuid
-from dataclasses import dataclass, fields
 from typing import AsyncIterator
 
 import anyio
@@ -31,6 +29,8 @@ from fastapi import FastAPI, Request
 from jinja2 import TemplateError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared.settings import GatewaySettings
 
 from .backend import TIERS, Backend, BackendError, GenerationRequest
 from .openai_api import (
@@ -46,56 +46,13 @@ ABORT_TIMEOUT_S = 5.0     # a backend.abort that takes longer is logged and give
 OFFLOAD_CHARS = 16384     # prompts longer than this are templated + tokenized in a worker thread
 
 
-# ---- settings -------------------------------------------------------------------------------
-
-@dataclass
-class GatewaySettings:
-    host: str = "0.0.0.0"                  # TANDEM_HOST: interface to listen on
-    port: int = 8000                       # TANDEM_PORT: HTTP port
-    api_key: str | None = None             # TANDEM_API_KEY: when set, /v1/* needs "Authorization: Bearer <key>"
-    default_tier: str = "standard"         # TANDEM_DEFAULT_SLA: tier of requests that name none
-    max_body_bytes: int = 32 * 1024 * 1024  # TANDEM_MAX_BODY_BYTES: larger bodies get 413
-    drain_s: float = 30.0                  # TANDEM_DRAIN_S: on SIGTERM, in-flight requests get this long
-
-    ENV = {"host": "TANDEM_HOST", "port": "TANDEM_PORT", "api_key": "TANDEM_API_KEY",
-           "default_tier": "TANDEM_DEFAULT_SLA", "max_body_bytes": "TANDEM_MAX_BODY_BYTES",
-           "drain_s": "TANDEM_DRAIN_S"}
-
-    @classmethod
-    def from_env(cls, env: dict | None = None, **overrides) -> "GatewaySettings":
-        """Defaults, then environment variables, then ``overrides`` (None = not given)."""
-        env = os.environ if env is None else env
-        kw = {}
-        for f in fields(cls):
-            name = cls.ENV.get(f.name)
-            if name and env.get(name) not in (None, ""):
-                raw = env[name]
-                try:
-                    kw[f.name] = int(raw) if f.type == "int" else float(raw) if f.type == "float" else raw
-                except ValueError:
-                    raise ValueError(f"invalid {name}={raw!r}: expected {f.type}") from None
-        kw.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kw).validate()
-
-    def validate(self) -> "GatewaySettings":
-        if not 0 < self.port < 65536:
-            raise ValueError(f"invalid port {self.port}: must be in 1..65535")
-        if self.default_tier not in TIERS:
-            raise ValueError(f"invalid default_tier {self.default_tier!r}: expected one of {', '.join(TIERS)}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"invalid max_body_bytes {self.max_body_bytes}: must be >= 1024")
-        if self.drain_s < 0:
-            raise ValueError(f"invalid drain_s {self.drain_s}: must be >= 0")
-        return self
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The gateway's command-line flags; each defaults to its environment variable."""
-    parser.add_argument("--host", default=None, help="interface to listen on (TANDEM_HOST, default 0.0.0.0)")
+    parser.add_argument("--host", default=None, help="interface to listen on (TANDEM_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="HTTP port (TANDEM_PORT, default 8000)")
     parser.add_argument("--api-key", default=None, help="require this bearer token on /v1/* (TANDEM_API_KEY)")
     parser.add_argument("--default-sla", dest="default_tier", choices=TIERS, default=None,
-                        help="tier of requests that name none (TANDEM_DEFAULT_SLA, default standard)")
+                        help="tier of requests that name none (TANDEM_DEFAULT_TIER, default standard)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:

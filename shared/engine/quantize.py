@@ -54,11 +54,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def quantize_model(src: str, dst: str, progress: bool = False) -> None:
-    """Convert ``src`` to a Q4_0 GGUF at ``dst`` (atomic: a temp file renamed into place)."""
+def quantize_model(src: str, dst: str, progress: bool = False, model: LoadedModel | None = None) -> None:
+    """Convert ``src`` to a Q4_0 GGUF at ``dst`` (atomic: a temp file renamed into place).
+    ``model``: ``load_model(src)`` when the caller already has it."""
     import gguf
 
-    model = load_model(src, progress=progress)
+    model = load_model(src, progress=progress) if model is None else model
     cfg = model.config
     writer_arch = cfg.arch
     tmp = f"{dst}.tmp{os.getpid()}"

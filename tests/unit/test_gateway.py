@@ -550,13 +550,13 @@ async def test_api_key():
 
 
 def test_settings_from_env():
-    s = GatewaySettings.from_env({"TANDEM_PORT": "9001", "TANDEM_DEFAULT_SLA": "batch"})
-    assert (s.port, s.default_tier, s.host) == (9001, "batch", "0.0.0.0")
+    s = GatewaySettings.from_env({"TANDEM_PORT": "9001", "TANDEM_DEFAULT_TIER": "batch"})
+    assert (s.port, s.default_tier, s.host) == (9001, "batch", "127.0.0.1")
     assert GatewaySettings.from_env({"TANDEM_PORT": "9001"}, port=9002).port == 9002
     with pytest.raises(ValueError, match="TANDEM_PORT"):
         GatewaySettings.from_env({"TANDEM_PORT": "http"})
-    with pytest.raises(ValueError, match="default_tier"):
-        GatewaySettings.from_env({"TANDEM_DEFAULT_SLA": "gold"})
+    with pytest.raises(ValueError, match="TANDEM_DEFAULT_TIER"):
+        GatewaySettings.from_env({"TANDEM_DEFAULT_TIER": "gold"})
     assert gateway_app.GatewaySettings().port == 8000
     parser = argparse.ArgumentParser()
     gateway_app.add_arguments(parser)
