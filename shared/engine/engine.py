@@ -16,11 +16,12 @@ import torch
 
 from shared.engine import sampler
 from shared.engine.kv_cache import KV_DTYPE, KV_LAYOUT_VERSION, BlockManager, KVLayout
-from shared.engine.loader import LoadedModel, load_model
+from shared.engine.loader import LoadedModel, _release_freed_memory, load_model
 from shared.engine.model import AttnChunk, StepContext, Transformer
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
 from shared.engine.scheduler import ScheduledChunk, Scheduler
 from shared.engine.sequence import Sequence, Status
+from shared.engine.tokenizer import decode_step
 
 log = logging.getLogger("tandem.engine")
 
@@ -100,7 +101,12 @@ class Engine:
 
     @classmethod
     def from_path(cls, path: str | None = None, config: EngineConfig | None = None) -> "Engine":
-        return cls(load_model(path), config)
+        """Load ``path`` (None: the bundled model) and build an engine that owns the only copy of
+        the weights: the loader's separate q/k/v and gate/up tensors are dropped once the model
+        has fused them, and their heap pages are given back to the OS."""
+        engine = cls(load_model(path), config)  # the LoadedModel is a temporary: nothing keeps it
+        _release_freed_memory()
+        return engine
 
     # ---- requests -------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -200,6 +206,7 @@ class Engine:
                     finish = "stop"
         if finish is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_context):
             finish = "length"
+            self._detokenize(seq, final=True)  # a character cut by the limit shows as U+FFFD
         end = len(seq.output_text)
         if finish is None:
             end -= _stop_holdback(seq.output_text, p.stop)
@@ -214,14 +221,11 @@ class Engine:
             seq.status, finish = Status.PARKED, "prefilled"
         return self._output(seq, new_ids, text, new_lps, finish)
 
-    def _detokenize(self, seq: Sequence) -> None:
-        """Extend seq.output_text with the new token's text (never half a UTF-8 character)."""
-        ids, dec = seq.token_ids, self.tokenizer.decode
-        before = dec(ids[seq.prefix_offset:seq.read_offset])
-        after = dec(ids[seq.prefix_offset:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            seq.output_text += after[len(before):]
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    def _detokenize(self, seq: Sequence, final: bool = False) -> None:
+        """Extend seq.output_text with the new tokens' text (never half a UTF-8 character)."""
+        delta, seq.prefix_offset, seq.read_offset = decode_step(
+            self.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset, final)
+        seq.output_text += delta
 
     def _output(self, seq, ids, text, lps, finish) -> RequestOutput:
         return RequestOutput(seq.request_id, ids, text, finish is not None, finish, lps,

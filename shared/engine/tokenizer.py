@@ -13,7 +13,7 @@ The chat template is rendered as Hugging Face renders it: a sandboxed jinja2 env
 ``trim_blocks`` and ``lstrip_blocks``, ``raise_exception``, ``strftime_now``, ``tojson`` and the
 special token strings as variables.
 
-Streaming: ``Detokenizer`` turns token ids, fed one at a time, into text deltas that never cut
+Streaming: ``decode_step`` turns token ids, fed one at a time, into text deltas that never cut
 a multi-byte UTF-8 character (vLLM's prefix/read offset scheme, see its docstring).
 """
 
@@ -141,7 +141,7 @@ class Tokenizer:
     """Text <-> token ids for one model, plus its chat template.
 
     ``id_to_piece(i)`` is the raw vocabulary string of a token (byte-level or ▁ spelling); for
-    streaming text use ``Detokenizer``, which decodes growing windows of ids instead.
+    streaming text use ``decode_step``, which decodes growing windows of ids instead.
     """
 
     def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
@@ -181,7 +181,7 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_piece(self, token_id: int) -> str | None:
-        """The vocabulary string of one token (not display text; see ``Detokenizer``)."""
+        """The vocabulary string of one token (not display text; see ``decode_step``)."""
         return self.backend.id_to_token(int(token_id))
 
     def token_to_id(self, piece: str) -> int | None:
@@ -324,46 +324,19 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-class Detokenizer:
-    """Streaming text from token ids, one id at a time, never splitting a UTF-8 character.
+def decode_step(tokenizer: Tokenizer, ids: list[int], prefix: int, read: int,
+                final: bool = False) -> tuple[str, int, int]:
+    """Incremental detokenization (vLLM's scheme): the text ``ids[read:]`` adds, never half a
+    UTF-8 character. Returns ``(delta, prefix, read)`` with the offsets to pass next time.
 
-    Keeps two offsets into the ids (vLLM's scheme): ``prefix`` starts a short window of ids
-    already emitted, ``read`` is where un-emitted ids start. Each step decodes the window with
-    and without the new ids; if the longer text does not end in an incomplete character (U+FFFD)
-    its extra part is the delta, and both offsets move forward. Decoding a window that starts a
-    few tokens back keeps word-leading spaces (SentencePiece's ``▁``) that a lone token loses.
-
-        d = Detokenizer(tok, prompt_ids)
-        for t in generated: out += d.step(t)
-        out += d.flush()      # at the end: whatever was held back (a truly broken character)
+    ``ids[prefix:read]`` is a short window already emitted: decoding it with and without the new
+    ids keeps word-leading spaces (SentencePiece's ``▁``) that a lone token would lose. While the
+    new text ends in an incomplete character (U+FFFD) nothing is emitted and the offsets stay,
+    unless ``final`` (end of generation: emit what is there). Start with ``read = len(prompt)``
+    and ``prefix`` a few ids before it.
     """
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids or [])[-6:]  # context only: a little is enough
-        self.prefix = max(len(self.ids) - 5, 0)
-        self.read = len(self.ids)
-
-    def step(self, token_id: int) -> str:
-        """Append one id; return the new text it completes ("" while a character is incomplete)."""
-        self.ids.append(int(token_id))
-        dec = self.tokenizer.decode
-        prefix_text = dec(self.ids[self.prefix:self.read], self.skip_special_tokens)
-        new_text = dec(self.ids[self.prefix:], self.skip_special_tokens)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        delta = new_text[len(prefix_text):]
-        self.prefix, self.read = self.read, len(self.ids)
-        if self.prefix > 64:  # keep the id list short
-            drop = self.prefix - 8
-            self.ids, self.prefix, self.read = self.ids[drop:], self.prefix - drop, self.read - drop
-        return delta
-
-    def flush(self) -> str:
-        """Text still held back at the end of generation (an incomplete character shows as U+FFFD)."""
-        dec = self.tokenizer.decode
-        prefix_text = dec(self.ids[self.prefix:self.read], self.skip_special_tokens)
-        new_text = dec(self.ids[self.prefix:], self.skip_special_tokens)
-        self.prefix, self.read = self.read, len(self.ids)
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+    prefix_text = tokenizer.decode(ids[prefix:read])
+    new_text = tokenizer.decode(ids[prefix:])
+    if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
+        return "", prefix, read
+    return new_text[len(prefix_text):], read, len(ids)

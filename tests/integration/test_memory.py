@@ -1,0 +1,68 @@
+"""Peak resident memory of the engine with the bundled model <= 1.5 x Q4_0 weight bytes + KV budget.
+
+Measured in a fresh interpreter (a subprocess), so nothing else this test session loaded counts:
+baseline = peak RSS after importing torch and the engine, before loading; then
+``Engine.from_path(None, EngineConfig(kv_cache_bytes=K))`` (which converts the bundled Q4_1 GGUF
+to Q4_0 at load) and a short generation; peak = the process's high-water mark (VmHWM).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+KV_BYTES = 32 << 20
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+
+    def hwm() -> int:  # peak resident set size of this process, bytes
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmHWM in /proc/self/status")
+
+    import torch
+    from shared.engine.engine import Engine, EngineConfig, run_to_completion
+    from shared.engine.sampling import SamplingParams
+    from kernels.dispatch import get_ops
+    get_ops("cpu")  # the compiled kernels load here, not inside the measured part
+    base = hwm()
+    engine = Engine.from_path(None, EngineConfig(kv_cache_bytes=int(sys.argv[1]), threads=2))
+    after_load = hwm()
+    weight_bytes = sum(t.numel() * t.element_size() for t in
+                       {id(t): t for L in engine.model.layers for t in L.values()}.values())
+    weight_bytes += sum(t.numel() * t.element_size() for t in
+                        {id(t): t for t in (engine.model.embed, engine.model.output,
+                                            engine.model.output_norm)}.values())
+    ids = engine.tokenizer.encode("The history of the printing press begins")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    out = run_to_completion(engine, {f"r{i}": (ids, params) for i in range(4)})
+    assert all(len(c.token_ids) == 16 for c in out.values())
+    print(json.dumps({"baseline": base, "after_load": after_load, "peak": hwm(),
+                      "weight_bytes": weight_bytes, "kv_bytes": engine.kv.numel() * engine.kv.element_size(),
+                      "rope_bytes": 2 * engine.model.cos.numel() * 4}))
+""")
+
+
+def measure(kv_bytes: int = KV_BYTES) -> dict:
+    """Run the child script; its JSON line of byte counts."""
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(kv_bytes)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_peak_rss_within_budget():
+    m = measure()
+    used = m["peak"] - m["baseline"]
+    budget = 1.5 * m["weight_bytes"] + KV_BYTES
+    mib = 1 / 2**20
+    print(f"\n[memory] Q4_0 weights {m['weight_bytes'] * mib:.1f} MiB, KV {m['kv_bytes'] * mib:.1f} MiB, "
+          f"baseline {m['baseline'] * mib:.1f} MiB, peak after load {(m['after_load'] - m['baseline']) * mib:.1f} MiB "
+          f"over baseline, peak {used * mib:.1f} MiB over baseline; budget {budget * mib:.1f} MiB")
+    assert m["kv_bytes"] <= KV_BYTES
+    assert used <= budget, f"peak RSS {used * mib:.1f} MiB over baseline > budget {budget * mib:.1f} MiB"
