@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -85,7 +86,7 @@ def request_metrics(t_send: float, chunk_times: list[float], t_end: float, token
     n = tokens if tokens else len(chunk_times)
     tpot = (chunk_times[-1] - chunk_times[0]) / (n - 1) if n > 1 else math.nan
     return RequestResult(ok=True, tokens=n, ttft=chunk_times[0] - t_send, tpot=tpot,
-                         itl=[b - a for a, b in zip(chunk_times, chunk_times[1:])], latency=t_end - t_send)
+                         itl=[b - a for a, b in itertools.pairwise(chunk_times)], latency=t_end - t_send)
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> dict:
@@ -142,9 +143,7 @@ async def run_load(url: str, concurrency: int, num_requests: int, max_tokens: in
     plus per-request results."""
     import httpx
 
-    url = url.rstrip("/")
-    if url.endswith("/v1"):
-        url = url[:-3]
+    url = url.rstrip("/").removesuffix("/v1")
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0),
                                  limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         if model is None:
@@ -277,6 +276,44 @@ def serve_in_process(port: int) -> None:
     asyncio.run(serve(backend, GatewaySettings.from_env(host="127.0.0.1", port=port), log_level="warning"))
 
 
+def merge_runs(parts: list[dict]) -> dict:
+    """One run from several rounds of the same (system, concurrency): requests pooled, walls summed."""
+    per = [r for p in parts for r in p["per_request"]]
+    res = [RequestResult(**r) for r in per]
+    return {**parts[0], **summarize(res, sum(p["wall_s"] for p in parts)), "rounds": len(parts), "per_request": per}
+
+
+def compare_runs(args: argparse.Namespace) -> list[dict]:
+    """Both servers up side by side (an idle one costs next to nothing); each concurrency level
+    runs on one, then the other, alternating the order every round so that load drift on a
+    shared machine hits both alike."""
+    servers: dict[str, Server] = {}
+    runs: list[dict] = []
+    try:
+        for name, start in (("in-process", start_in_process), ("stack", start_stack)):
+            sys.stderr.write(f"[{name}] starting...\n")
+            servers[name] = start(args)
+        for s in servers.values():
+            s.wait_healthy()
+        for name, s in servers.items():  # warm-up, unmeasured
+            if args.warmup > 0:
+                asyncio.run(run_load(s.url, 1, args.warmup, args.max_tokens, args.model, label=f"{name} warm-up"))
+        order = list(servers)
+        for c in args.concurrency:
+            parts: dict[str, list[dict]] = {n: [] for n in order}
+            for rnd in range(args.rounds):
+                for name in (order if rnd % 2 == 0 else order[::-1]):
+                    parts[name].append(asyncio.run(run_load(servers[name].url, c, args.num_requests, args.max_tokens,
+                                                            args.model, label=name)))
+            runs += [merge_runs(parts[n]) for n in order]
+    finally:
+        for name, s in reversed(servers.items()):
+            rc = s.stop()
+            if rc not in (0, -signal.SIGTERM):
+                sys.stderr.write(f"[{name}] exited with {rc}:\n{s.tail()}\n")
+    return runs
+
+
 # ---- output ---------------------------------------------------------------------------------
 
 def _f(x: float, digits: int = 1) -> str:
@@ -314,6 +351,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="closed-loop streams (default 1 8)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency level (default 32)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="--compare: alternate the two systems this many times per level (default 2)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each system (default 2)")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS") or 2),
@@ -323,12 +362,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark, print the table and return everything measured."""
-    if any(c < 1 for c in args.concurrency) or args.num_requests < 1 or args.max_tokens < 1:
-        raise ValueError("--concurrency, --num-requests and --max-tokens must be >= 1")
+    if any(c < 1 for c in args.concurrency) or min(args.num_requests, args.max_tokens, args.rounds) < 1:
+        raise ValueError("--concurrency, --num-requests, --max-tokens and --rounds must be >= 1")
     compare = args.compare or not args.url
     runs: list[dict] = []
     config = {"mode": "compare" if compare else "url", "concurrency": args.concurrency,
-              "num_requests": args.num_requests, "max_tokens": args.max_tokens, "threads": args.threads,
+              "num_requests": args.num_requests, "rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads,
               "cpus": os.cpu_count()}
     if not compare:
         for c in args.concurrency:
@@ -337,19 +376,10 @@ def run(args: argparse.Namespace) -> dict:
     else:
         config["in_process"] = "one process: uvicorn gateway + InProcessBackend(AsyncEngine(Engine)) on cpu"
         config["stack"] = STACK_TOPOLOGY
-        for name, start in (("in-process", start_in_process), ("stack", start_stack)):
-            sys.stderr.write(f"[{name}] starting...\n")
-            server = start(args)
-            try:
-                server.wait_healthy()
-                for i, c in enumerate(args.concurrency):
-                    runs.append(asyncio.run(run_load(server.url, c, args.num_requests, args.max_tokens, args.model,
-                                                     label=name, warmup=args.warmup if i == 0 else 0)))
-            finally:
-                rc = server.stop()
-                if rc not in (0, -signal.SIGTERM):
-                    sys.stderr.write(f"[{name}] exited with {rc}:\n{server.tail()}\n")
-    print(f"serving benchmark: {args.num_requests} requests per level, max_tokens={args.max_tokens} "
+        runs = compare_runs(args)
+    per_level = args.num_requests * (args.rounds if compare else 1)
+    print(f"serving benchmark: {per_level} requests per level and system"
+          f"{f' ({args.rounds} alternating rounds of {args.num_requests})' if compare else ''}, max_tokens={args.max_tokens} "
           f"(ignore_eos), temperature 0, {os.cpu_count()} CPUs, TANDEM_THREADS={args.threads}")
     if compare:
         print(f"in-process: {config['in_process']}")

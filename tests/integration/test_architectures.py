@@ -59,13 +59,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 
 SPECS = [
-    TinySpec("llama-untied", "llama", dict(tie_word_embeddings=False), seed=1),
+    TinySpec("llama-untied", "llama", {"tie_word_embeddings": False}, seed=1),
     TinySpec("llama-tied-mqa-llama3rope", "llama",
-             dict(tie_word_embeddings=True, num_key_value_heads=1, rope_parameters=LLAMA3_ROPE), seed=2),
-    TinySpec("qwen2-tied-bias", "qwen2", dict(tie_word_embeddings=True), seed=3),
-    TinySpec("qwen2-untied-bias", "qwen2", dict(tie_word_embeddings=False), seed=4),
-    TinySpec("qwen3-hd64-untied", "qwen3", dict(head_dim=64, tie_word_embeddings=False), seed=5),
-    TinySpec("qwen3-hd32-tied", "qwen3", dict(head_dim=32, tie_word_embeddings=True), seed=6),
+             {"tie_word_embeddings": True, "num_key_value_heads": 1, "rope_parameters": LLAMA3_ROPE}, seed=2),
+    TinySpec("qwen2-tied-bias", "qwen2", {"tie_word_embeddings": True}, seed=3),
+    TinySpec("qwen2-untied-bias", "qwen2", {"tie_word_embeddings": False}, seed=4),
+    TinySpec("qwen3-hd64-untied", "qwen3", {"head_dim": 64, "tie_word_embeddings": False}, seed=5),
+    TinySpec("qwen3-hd32-tied", "qwen3", {"head_dim": 32, "tie_word_embeddings": True}, seed=6),
 ]
 
 # kernel path -> (min top-1 agreement over all positions, max |dlogit| / logit std, mean |dlogit| / logit std).

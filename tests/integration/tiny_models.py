@@ -34,9 +34,9 @@ class TinySpec:
     seed: int = 0
 
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              rms_norm_eps=1e-6, bos_token_id=256, eos_token_id=257, pad_token_id=None)
+COMMON = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+          "rms_norm_eps": 1e-6, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": None}
 
 
 def hf_classes(arch: str):
@@ -78,9 +78,7 @@ def build_hf_model(spec: TinySpec, std: float = 0.08):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
+            elif name.endswith(".bias") or "embed_tokens" in name:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))

@@ -7,8 +7,16 @@ import math
 
 import pytest
 
-from bench.serve import (RequestResult, add_arguments, markdown_table, percentile, request_metrics, summarize,
-                         tpot_ratio)
+from bench.serve import (
+    RequestResult,
+    add_arguments,
+    markdown_table,
+    merge_runs,
+    percentile,
+    request_metrics,
+    summarize,
+    tpot_ratio,
+)
 
 
 def test_percentile_exact_values():
@@ -89,3 +97,15 @@ def test_arguments_default_to_compare():
     assert a.url is None and a.concurrency == [1, 8] and a.max_tokens == 64
     a = p.parse_args(["--url", "http://x:1", "--concurrency", "4", "--num-requests", "16", "--json", "o.json"])
     assert a.concurrency == [4] and a.num_requests == 16 and a.json == "o.json"
+
+
+def test_merge_runs_pools_rounds():
+    def part(ttfts, wall):
+        rs = [RequestResult(ok=True, tokens=4, ttft=t, tpot=0.01, itl=[0.01] * 3, latency=t + 0.03) for t in ttfts]
+        from dataclasses import asdict
+        return {"system": "stack", "concurrency": 1, **summarize(rs, wall), "per_request": [asdict(r) for r in rs]}
+    m = merge_runs([part([0.1, 0.2], 1.0), part([0.3, 0.4], 3.0)])
+    assert m["rounds"] == 2 and m["requests"] == 4 and m["wall_s"] == 4.0
+    assert m["throughput_tok_s"] == 4.0                 # 16 tokens / 4 s
+    assert m["ttft_p50_ms"] == pytest.approx(250.0)
+    assert m["system"] == "stack" and len(m["per_request"]) == 4
