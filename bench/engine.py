@@ -8,7 +8,9 @@
   token, over the time that took (so prefill is not in it);
 - peak RSS of this process (VmHWM) at the end;
 - ``--with-transformers``: naive HF transformers fp32 decode tok/s (batch 1) on the same GGUF,
-  measured in the same run because the machine is noisy.
+  measured in the same run (in a spawned process) because the machine is noisy;
+- ``--torch-threads``: torch's intra-op threads next to the kernels' (default: ``--threads``,
+  what the engine sets). On 2 cores, 1 is much faster: see docs/benchmarks.md.
 
 Prints a Markdown table on stdout, progress on stderr.
 """
@@ -28,6 +30,8 @@ PROMPT_TEXT = ("The printing press changed how knowledge moved through Europe. B
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads, set after the engine is built (default: --threads, as the engine does)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prefill prompt length (default 512)")
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per sequence in decode (default 64)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
@@ -93,7 +97,8 @@ def bench_decode(engine, concurrency: int, gen: int) -> float:
     return rate
 
 
-def bench_transformers(path: str, threads: int, gen: int) -> float:
+def _transformers_rate(path: str, threads: int, gen: int) -> float:
+    """HF transformers fp32 greedy decode tok/s at batch 1 (runs in a fresh process)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -110,7 +115,15 @@ def bench_transformers(path: str, threads: int, gen: int) -> float:
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=gen + 1, min_new_tokens=gen + 1, **kw)
         dt = time.perf_counter() - t0 - t_first  # the first token is the prefill
-    rate = gen / dt
+    return gen / dt
+
+
+def bench_transformers(path: str, threads: int, gen: int) -> float:
+    """``_transformers_rate`` in a spawned process: the engine's thread pools and memory stay out of it."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        rate = pool.apply(_transformers_rate, (path, threads, gen))
     _progress(f"transformers fp32 decode x1: {rate:.1f} tok/s")
     return rate
 
@@ -134,11 +147,13 @@ def run(args: argparse.Namespace) -> dict:
         threads=args.threads, enable_prefix_caching=False, max_num_seqs=max(max_seqs, 1),
         max_num_batched_tokens=max(args.prompt_tokens, max_seqs), kv_cache_bytes=64 << 20))
     load_s = time.perf_counter() - t0
+    torch_threads = args.torch_threads or args.threads
+    torch.set_num_threads(torch_threads)
     path = describe("cpu")
     _progress(f"loaded in {load_s:.1f}s; matmul path: {path}")
     res: dict = {"model": args.model or os.path.basename(bundled_model_path()), "threads": args.threads,
-                 "matmul_path": path, "load_s": round(load_s, 2), "prompt_tokens": args.prompt_tokens,
-                 "gen_tokens": args.gen_tokens}
+                 "torch_threads": torch_threads, "matmul_path": path, "load_s": round(load_s, 2),
+                 "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens}
     res["prefill_tok_s"] = round(bench_prefill(engine, args.prompt_tokens, args.reps), 1)
     res["decode_tok_s"] = {str(c): round(bench_decode(engine, c, args.gen_tokens), 1) for c in args.concurrency}
     res["peak_rss_mib"] = round(peak_rss_bytes() / 2**20, 1)
@@ -153,7 +168,7 @@ def table(res: dict) -> str:
     rows += [("decode", f"{c} concurrent x {res['gen_tokens']} tokens", v) for c, v in res["decode_tok_s"].items()]
     if "transformers_fp32_decode_tok_s" in res:
         rows.append(("decode (HF transformers fp32)", "1 sequence", res["transformers_fp32_decode_tok_s"]))
-    lines = [f"Engine on CPU, {res['threads']} threads, {res['matmul_path']}; model {res['model']}", "",
+    lines = [f"Engine on CPU, {res['threads']} threads (torch {res['torch_threads']}), {res['matmul_path']}; model {res['model']}", "",
              "| phase | workload | tokens/s |", "|---|---|---:|"]
     lines += [f"| {a} | {b} | {v:.1f} |" for a, b, v in rows]
     lines.append(f"| peak RSS | whole process | {res['peak_rss_mib']:.0f} MiB |")

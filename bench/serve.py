@@ -31,12 +31,13 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+
+from shared.nats_server import free_port
 
 PROMPTS = [
     "What is the capital of France?",
@@ -183,12 +184,6 @@ async def run_load(url: str, concurrency: int, num_requests: int, max_tokens: in
 
 # ---- servers under test ---------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A server under test in its own process group, logs kept for failures."""
 
@@ -276,6 +271,12 @@ def serve_in_process(port: int) -> None:
     asyncio.run(serve(backend, GatewaySettings.from_env(host="127.0.0.1", port=port), log_level="warning"))
 
 
+def split_rounds(total: int, rounds: int) -> list[int]:
+    """``total`` requests over at most ``rounds`` rounds, as even as can be (earlier rounds larger)."""
+    rounds = max(1, min(rounds, total))
+    return [total // rounds + (i < total % rounds) for i in range(rounds)]
+
+
 def merge_runs(parts: list[dict]) -> dict:
     """One run from several rounds of the same (system, concurrency): requests pooled, walls summed."""
     per = [r for p in parts for r in p["per_request"]]
@@ -301,9 +302,9 @@ def compare_runs(args: argparse.Namespace) -> list[dict]:
         order = list(servers)
         for c in args.concurrency:
             parts: dict[str, list[dict]] = {n: [] for n in order}
-            for rnd in range(args.rounds):
+            for rnd, n in enumerate(split_rounds(args.num_requests, args.rounds)):
                 for name in (order if rnd % 2 == 0 else order[::-1]):
-                    parts[name].append(asyncio.run(run_load(servers[name].url, c, args.num_requests, args.max_tokens,
+                    parts[name].append(asyncio.run(run_load(servers[name].url, c, n, args.max_tokens,
                                                             args.model, label=name)))
             runs += [merge_runs(parts[n]) for n in order]
     finally:
@@ -349,10 +350,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="start the in-process gateway and the whole stack and compare them (default without --url)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="closed-loop streams (default 1 8)")
-    p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency level (default 32)")
+    p.add_argument("--num-requests", type=int, default=16, help="requests per concurrency level (and system in --compare; default 16)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     p.add_argument("--rounds", type=int, default=2,
-                   help="--compare: alternate the two systems this many times per level (default 2)")
+                   help="--compare: split each level's requests into this many rounds, alternating which system "
+                   "goes first, so load drift on a shared machine hits both alike (default 2)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each system (default 2)")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS") or 2),
@@ -377,9 +379,9 @@ def run(args: argparse.Namespace) -> dict:
         config["in_process"] = "one process: uvicorn gateway + InProcessBackend(AsyncEngine(Engine)) on cpu"
         config["stack"] = STACK_TOPOLOGY
         runs = compare_runs(args)
-    per_level = args.num_requests * (args.rounds if compare else 1)
-    print(f"serving benchmark: {per_level} requests per level and system"
-          f"{f' ({args.rounds} alternating rounds of {args.num_requests})' if compare else ''}, max_tokens={args.max_tokens} "
+    rounds = split_rounds(args.num_requests, args.rounds) if compare else [args.num_requests]
+    print(f"serving benchmark: {args.num_requests} requests per level and system"
+          f"{f' (alternating rounds of {rounds})' if compare else ''}, max_tokens={args.max_tokens} "
           f"(ignore_eos), temperature 0, {os.cpu_count()} CPUs, TANDEM_THREADS={args.threads}")
     if compare:
         print(f"in-process: {config['in_process']}")

@@ -6,80 +6,41 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import nats
 import openai
 import pytest
 
+from bench.serve import Server
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
+from shared.nats_server import free_port
 
 QUESTION = "What is the capital of France?"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Stack:
-    def __init__(self, nats_url: str | None, extra_args=()):
-        self.port = free_port()
-        env = dict(os.environ, TANDEM_PORT=str(self.port), TANDEM_THREADS="1", TANDEM_KV_BUDGET_MB="64",
-                   TANDEM_HEARTBEAT_INTERVAL="0.5", PYTHONUNBUFFERED="1")
-        env.pop("TANDEM_NATS_URL", None)
-        if nats_url:
-            env["TANDEM_NATS_URL"] = nats_url
-        self.log: list[str] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *extra_args], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
-
-    def wait_healthy(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("tandem up exited:\n" + "".join(self.log[-50:]))
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("stack not healthy in time:\n" + "".join(self.log[-50:]))
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
+def start_stack(nats_url: str | None, extra_args=()) -> Server:
+    """`tandem up` as a user runs it; NATS at ``nats_url``, or embedded when None."""
+    port = free_port()
+    env = dict(os.environ, TANDEM_PORT=str(port), TANDEM_THREADS="1", TANDEM_KV_BUDGET_MB="64",
+               TANDEM_HEARTBEAT_INTERVAL="0.5", PYTHONUNBUFFERED="1")
+    env.pop("TANDEM_NATS_URL", None)
+    if nats_url:
+        env["TANDEM_NATS_URL"] = nats_url
+    return Server("stack", [sys.executable, "-m", "services.cli", "up", *extra_args], env, port)
 
 
 @pytest.fixture(scope="module")
 def stack(nats_server):
-    s = Stack(nats_server)
+    s = start_stack(nats_server)
     try:
-        s.wait_healthy()
+        s.wait_healthy(180)
         yield s
     finally:
         rc = s.stop()
-        assert rc == 0, "".join(s.log[-40:])
+        assert rc == 0, s.tail()
 
 
 @pytest.fixture(scope="module")
@@ -254,9 +215,9 @@ def test_bad_requests_get_4xx_and_services_stay_up(stack, client, model_name):
 
 def test_embedded_nats_default(tmp_path):
     """With TANDEM_NATS_URL unset, `tandem up` starts its own nats-server and everything works."""
-    s = Stack(None, ["--gpu-decode", "0", "--prefill", "0"])
+    s = start_stack(None, ["--gpu-decode", "0", "--prefill", "0"])
     try:
-        s.wait_healthy()
+        s.wait_healthy(180)
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
         r = c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4

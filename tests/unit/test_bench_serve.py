@@ -14,6 +14,7 @@ from bench.serve import (
     merge_runs,
     percentile,
     request_metrics,
+    split_rounds,
     summarize,
     tpot_ratio,
 )
@@ -94,7 +95,7 @@ def test_arguments_default_to_compare():
     p = argparse.ArgumentParser()
     add_arguments(p)
     a = p.parse_args([])
-    assert a.url is None and a.concurrency == [1, 8] and a.max_tokens == 64
+    assert a.url is None and a.concurrency == [1, 8] and a.max_tokens == 64 and a.num_requests == 16
     a = p.parse_args(["--url", "http://x:1", "--concurrency", "4", "--num-requests", "16", "--json", "o.json"])
     assert a.concurrency == [4] and a.num_requests == 16 and a.json == "o.json"
 
@@ -109,3 +110,10 @@ def test_merge_runs_pools_rounds():
     assert m["throughput_tok_s"] == 4.0                 # 16 tokens / 4 s
     assert m["ttft_p50_ms"] == pytest.approx(250.0)
     assert m["system"] == "stack" and len(m["per_request"]) == 4
+
+
+def test_split_rounds():
+    assert split_rounds(16, 2) == [8, 8]
+    assert split_rounds(7, 3) == [3, 2, 2]
+    assert split_rounds(1, 2) == [1]
+    assert split_rounds(5, 1) == [5]
