@@ -8,7 +8,7 @@
   token, over the time that took (so prefill is not in it);
 - peak RSS of this process (VmHWM) at the end;
 - ``--with-transformers``: naive HF transformers fp32 decode tok/s (batch 1) on the same GGUF,
-  measured in the same run (in a spawned process) because the machine is noisy;
+  measured in the same run (in a spawned process, with ``--torch-threads``) because the machine is noisy;
 - ``--torch-threads``: torch's intra-op threads next to the kernels' (default: ``--threads``,
   what the engine sets). On 2 cores, 1 is much faster: see docs/benchmarks.md.
 
@@ -106,7 +106,7 @@ def _transformers_rate(path: str, threads: int, gen: int) -> float:
     d, name = os.path.split(path)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     ids = torch.tensor([list(range(1000, 1016))])
-    kw = dict(do_sample=False, pad_token_id=0)
+    kw = {"do_sample": False, "pad_token_id": 0}
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
         t0 = time.perf_counter()
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
     max_seqs = max(args.concurrency)
     engine = Engine.from_path(args.model, EngineConfig(
         threads=args.threads, enable_prefix_caching=False, max_num_seqs=max(max_seqs, 1),
-        max_num_batched_tokens=max(args.prompt_tokens, max_seqs), kv_cache_bytes=64 << 20))
+        max_num_batched_tokens=max(args.prompt_tokens, max_seqs), kv_cache_bytes=128 << 20))
     load_s = time.perf_counter() - t0
     torch_threads = args.torch_threads or args.threads
     torch.set_num_threads(torch_threads)
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
     res["peak_rss_mib"] = round(peak_rss_bytes() / 2**20, 1)
     if args.with_transformers:
         res["transformers_fp32_decode_tok_s"] = round(
-            bench_transformers(args.model or bundled_model_path(), args.threads, min(args.gen_tokens, 32)), 1)
+            bench_transformers(args.model or bundled_model_path(), torch_threads, min(args.gen_tokens, 32)), 1)
     return res
 
 

@@ -63,34 +63,44 @@ def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None) -> torch.Te
 
 
 class Transformer:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, ops):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, ops,
+                 consume: bool = False):
+        """``consume``: take the tensors out of ``weights`` as they are fused, so the loader's
+        separate copies can be freed one by one (the caller's dict ends up empty)."""
         self.cfg = cfg
         self.device = device
         self.ops = ops  # matmul(x, q) / embedding(ids, q) with Q4_0 weights
-        w = {k: v.to(device) for k, v in weights.items()}  # a new dict: the caller's stays whole
+        src = weights if consume else dict(weights)
+
+        def take(name: str, default=None) -> torch.Tensor | None:
+            t = src.pop(name, default)
+            return t.to(device) if t is not None else None
+
         # fuse q|k|v and gate|up: one matmul each (row concatenation is exact on Q4_0 bytes)
         self.layers = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
             layer = {
-                "attn_norm": w.pop(p + "attn_norm").float(),
-                "qkv": torch.cat([w.pop(p + "attn_q"), w.pop(p + "attn_k"), w.pop(p + "attn_v")]),
-                "o": w.pop(p + "attn_output"),
-                "ffn_norm": w.pop(p + "ffn_norm").float(),
-                "gate_up": torch.cat([w.pop(p + "ffn_gate"), w.pop(p + "ffn_up")]),
-                "down": w.pop(p + "ffn_down"),
+                "attn_norm": take(p + "attn_norm").float(),
+                "qkv": torch.cat([take(p + "attn_q"), take(p + "attn_k"), take(p + "attn_v")]),
+                "o": take(p + "attn_output"),
+                "ffn_norm": take(p + "ffn_norm").float(),
+                "gate_up": torch.cat([take(p + "ffn_gate"), take(p + "ffn_up")]),
+                "down": take(p + "ffn_down"),
             }
             if cfg.attn_bias:
-                layer["qkv_bias"] = torch.cat([w.pop(p + "attn_q_bias"), w.pop(p + "attn_k_bias"),
-                                               w.pop(p + "attn_v_bias")]).float()
+                layer["qkv_bias"] = torch.cat([take(p + "attn_q_bias"), take(p + "attn_k_bias"),
+                                               take(p + "attn_v_bias")]).float()
             if cfg.qk_norm:
-                layer["q_norm"] = w.pop(p + "attn_q_norm").float()
-                layer["k_norm"] = w.pop(p + "attn_k_norm").float()
+                layer["q_norm"] = take(p + "attn_q_norm").float()
+                layer["k_norm"] = take(p + "attn_k_norm").float()
             self.layers.append(layer)
-        self.embed = w.pop("token_embd")
-        self.output = w.pop("output", self.embed)
-        self.output_norm = w.pop("output_norm").float()
-        inv = rope_inv_freq(cfg, w.pop("rope_freqs", None))
+        tied = src.get("output") is None or src.get("output") is src.get("token_embd")
+        self.embed = take("token_embd")
+        self.output = self.embed if tied else take("output")
+        src.pop("output", None)
+        self.output_norm = take("output_norm").float()
+        inv = rope_inv_freq(cfg, take("rope_freqs", None))
         pos = torch.arange(cfg.max_context, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # [max_ctx, head_dim/2]
         self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)

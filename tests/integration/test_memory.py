@@ -53,15 +53,15 @@ _CHILD = textwrap.dedent("""
 def measure(kv_bytes: int = KV_BYTES) -> dict:
     """Run the child script; its JSON line of byte counts."""
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(kv_bytes)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "peak is ~180 MiB over baseline vs a 140 MiB budget (72 MiB Q4_0 + 32 MiB KV): loader conversion "
-    "scratch kept by glibc's dynamic mmap threshold (~+60 MiB at load) and the Transformer's q|k|v, "
-    "gate|up concatenation while the loader's separate tensors are alive (+39 MiB); see docs/benchmarks.md"))
+    "peak is ~156 MiB over baseline vs a 140 MiB budget (72 MiB Q4_0 + 32 MiB KV); the rest is the "
+    "tokenizer (~18 MiB), Python objects and heap fragmentation from fusing q|k|v and gate|up at build "
+    "time; see docs/benchmarks.md"))
 def test_peak_rss_within_budget():
     m = measure()
     used = m["peak"] - m["baseline"]
