@@ -9,8 +9,8 @@
 - peak RSS of this process (VmHWM) at the end;
 - ``--with-transformers``: naive HF transformers fp32 decode tok/s (batch 1) on the same GGUF,
   measured in the same run (in a spawned process, with ``--torch-threads``) because the machine is noisy;
-- ``--torch-threads``: torch's intra-op threads next to the kernels' (default: ``--threads``,
-  what the engine sets). On 2 cores, 1 is much faster: see docs/benchmarks.md.
+- ``--torch-threads``: override torch's intra-op threads after the engine is built (default: what
+  the engine chose — 1 when the compiled kernels own the cores; see docs/benchmarks.md).
 
 Prints a Markdown table on stdout, progress on stderr.
 """
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
     p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch intra-op threads, set after the engine is built (default: --threads, as the engine does)")
+                   help="torch intra-op threads, set after the engine is built (default: the engine's choice)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prefill prompt length (default 512)")
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per sequence in decode (default 64)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
@@ -147,8 +147,9 @@ def run(args: argparse.Namespace) -> dict:
         threads=args.threads, enable_prefix_caching=False, max_num_seqs=max(max_seqs, 1),
         max_num_batched_tokens=max(args.prompt_tokens, max_seqs), kv_cache_bytes=128 << 20))
     load_s = time.perf_counter() - t0
-    torch_threads = args.torch_threads or args.threads
-    torch.set_num_threads(torch_threads)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    torch_threads = torch.get_num_threads()
     path = describe("cpu")
     _progress(f"loaded in {load_s:.1f}s; matmul path: {path}")
     res: dict = {"model": args.model or os.path.basename(bundled_model_path()), "threads": args.threads,
@@ -159,7 +160,8 @@ def run(args: argparse.Namespace) -> dict:
     res["peak_rss_mib"] = round(peak_rss_bytes() / 2**20, 1)
     if args.with_transformers:
         res["transformers_fp32_decode_tok_s"] = round(
-            bench_transformers(args.model or bundled_model_path(), torch_threads, min(args.gen_tokens, 32)), 1)
+            bench_transformers(args.model or bundled_model_path(), args.torch_threads or args.threads,
+                               min(args.gen_tokens, 32)), 1)
     return res
 
 
