@@ -49,16 +49,15 @@ async def _run(args: argparse.Namespace, settings: Settings) -> None:
 
 async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
     from shared.bus import Bus
-    from shared.engine.loader import load_model
+    from shared.engine.loader import load_tokenizer
     from services.gateway.app import GatewaySettings, serve
     from services.gateway.nats_backend import NatsBackend
 
     gw = GatewaySettings.from_env(host=args.host, port=args.port)
-    model = load_model(settings.worker.model)  # the tokenizer and the served model's identity
-    tokenizer, name, ctx = model.tokenizer, model.config.name, model.config.max_context
+    tokenizer, cfg = load_tokenizer(settings.worker.model)  # metadata only, no weights
+    name, ctx = cfg.name, cfg.max_context
     if settings.worker.max_context:
         ctx = min(ctx, settings.worker.max_context)
-    del model
     bus = await Bus.connect(settings, name="gateway")
     backend = NatsBackend(bus, name, ctx, tokenizer, stall_timeout=gw.request_timeout)
     await backend.start()

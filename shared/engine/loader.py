@@ -388,7 +388,8 @@ def _gguf_tensors(gf: GGUFFile, cfg: ModelConfig, weights: dict[str, torch.Tenso
         progress.add()
 
 
-def _load_gguf(path: str, weights: dict[str, torch.Tensor], progress: bool):
+def _gguf_header(path: str):
+    """(file, config, tokenizer) from a GGUF's metadata and tensor list, no tensor data read."""
     gf = open_gguf(path)
     names = {t.name for t in gf.tensors}
     cfg = ModelConfig.from_gguf_fields(gf.get, names)
@@ -400,7 +401,11 @@ def _load_gguf(path: str, weights: dict[str, torch.Tensor], progress: bool):
     if q is not None and gf.get(f"{cfg.arch}.attention.key_length") is None:
         cfg.head_dim = int(q.shape[0]) // cfg.n_heads  # no key_length: the Q rows tell
     cfg.validate()
-    tok = Tokenizer.from_gguf(gf.get)
+    return gf, cfg, Tokenizer.from_gguf(gf.get)
+
+
+def _load_gguf(path: str, weights: dict[str, torch.Tensor], progress: bool):
+    gf, cfg, tok = _gguf_header(path)
     _gguf_tensors(gf, cfg, weights, _Progress(progress, len(gf.tensors), f"loading {os.path.basename(path)}"))
     return cfg, tok
 
@@ -433,14 +438,19 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(key)
 
 
-def _load_dir(path: str, weights: dict[str, torch.Tensor], progress: bool):
+def _dir_header(path: str):
+    """(config, tokenizer) of a Hugging Face directory, no weights read."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError("directory has no config.json (expected a Hugging Face model directory)")
     with open(cfg_path, encoding="utf-8") as f:
         raw = json.load(f)
     cfg = ModelConfig.from_hf_config(raw, os.path.basename(os.path.normpath(path))).validate()
-    tok = Tokenizer.from_dir(path)
+    return cfg, Tokenizer.from_dir(path)
+
+
+def _load_dir(path: str, weights: dict[str, torch.Tensor], progress: bool):
+    cfg, tok = _dir_header(path)
     shapes = expected_shapes(cfg)
     prog = _Progress(progress, len(shapes), f"loading {os.path.basename(os.path.normpath(path))}")
     seen_output = False
@@ -501,7 +511,23 @@ def _release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-# ---- entry point --------------------------------------------------------------------------------
+# ---- entry points -------------------------------------------------------------------------------
+
+def load_tokenizer(path: str | None = None) -> tuple[Tokenizer, ModelConfig]:
+    """The tokenizer and config of a model without its weights (the gateway needs only these).
+    Raises ModelLoadError like ``load_model``."""
+    path = bundled_model_path() if path is None else os.fspath(path)
+    try:
+        if not os.path.exists(path):
+            raise ValueError("no such file or directory")
+        if os.path.isdir(path):
+            cfg, tok = _dir_header(path)
+        else:
+            _, cfg, tok = _gguf_header(path)
+    except (ValueError, KeyError, OSError, TypeError, IndexError) as e:
+        raise ModelLoadError(f"cannot load model {path}: {e}") from None
+    return tok, cfg
+
 
 def load_model(path: str | None = None, progress: bool = False) -> LoadedModel:
     """Load a GGUF file or HF safetensors directory (None: the bundled model). Raises ModelLoadError."""

@@ -324,3 +324,16 @@ def test_failed_load_releases_memory(monkeypatch, quantized):
             load_model(quantized)
     gc.collect()
     assert rss() - before < 30 << 20
+
+
+def test_load_tokenizer_reads_metadata_only(bundled, tmp_path):
+    tok, cfg = loader.load_tokenizer()
+    assert cfg == bundled.config
+    text = "Hello, 世界! <|im_start|>user"
+    assert tok.encode(text) == bundled.tokenizer.encode(text)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        bundled.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    p = tmp_path / "junk.gguf"
+    p.write_bytes(os.urandom(4096))
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        loader.load_tokenizer(str(p))
