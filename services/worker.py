@@ -17,7 +17,6 @@ from shared import subjects
 from shared.bus import Bus, BusError
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineConfig, EngineFull
-from shared.engine.loader import load_model
 from shared.engine.sampling import TIER_PRIORITY, RequestOutput, SamplingParams
 from shared.schemas import Abort, ErrorReply, Heartbeat, StreamChunk
 from shared.settings import Settings
@@ -48,10 +47,9 @@ class EngineWorker:
     def __init__(self, settings: Settings, device: str):
         self.settings = settings
         self.worker_id = settings.worker.resolved_worker_id(self.role)
-        loaded = load_model(settings.worker.model)
-        self.model_name = loaded.config.name
-        self.engine = AsyncEngine(Engine(loaded, engine_config(settings, device)))
-        del loaded
+        engine = Engine.from_path(settings.worker.model, engine_config(settings, device))
+        self.model_name = engine.model_config.name
+        self.engine = AsyncEngine(engine)
         self.device = str(self.engine.engine.device)
         self.bus: Bus | None = None
         self.tasks: dict[str, asyncio.Task] = {}   # request id -> its streaming task
