@@ -16,7 +16,7 @@ import torch
 
 from shared.engine import sampler
 from shared.engine.kv_cache import KV_DTYPE, KV_LAYOUT_VERSION, BlockManager, KVLayout
-from shared.engine.loader import LoadedModel, _release_freed_memory, load_model
+from shared.engine.loader import LoadedModel, release_freed_memory, load_model
 from shared.engine.model import AttnChunk, StepContext, Transformer
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
 from shared.engine.scheduler import ScheduledChunk, Scheduler
@@ -113,7 +113,7 @@ class Engine:
         the weights: the loader's separate q/k/v and gate/up tensors are dropped once the model
         has fused them, and their heap pages are given back to the OS."""
         engine = cls(load_model(path), config, consume=True)
-        _release_freed_memory()
+        release_freed_memory()
         return engine
 
     # ---- requests -------------------------------------------------------------------

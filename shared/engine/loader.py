@@ -504,7 +504,7 @@ def _pin_mmap_threshold() -> None:
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Give freed heap pages back to the OS."""
     libc = _libc()
     if libc:
@@ -559,6 +559,6 @@ def load_model(path: str | None = None, progress: bool = False) -> LoadedModel:
         # raised outside the except block: no __context__ traceback keeps the partial model alive
         weights.clear()
         raise ModelLoadError(problem)
-    _release_freed_memory()
+    release_freed_memory()
     log.info("loaded %s (%s, %d layers) in %.2fs", path, cfg.arch, cfg.n_layers, time.monotonic() - t0)
     return LoadedModel(config=cfg, weights=weights, tokenizer=tok, identity=identity, path=path)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.config import ModelConfig
+from shared.engine.loader import release_freed_memory
 
 
 @dataclass
@@ -95,6 +96,8 @@ class Transformer:
                 layer["q_norm"] = take(p + "attn_q_norm").float()
                 layer["k_norm"] = take(p + "attn_k_norm").float()
             self.layers.append(layer)
+            if consume:  # the layer's separate tensors are garbage now: give their pages back
+                release_freed_memory()
         tied = src.get("output") is None or src.get("output") is src.get("token_embd")
         self.embed = take("token_embd")
         self.output = self.embed if tied else take("output")
