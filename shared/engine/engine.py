@@ -173,6 +173,24 @@ class Engine:
             outputs.append(self._append(seq, tok, lp))
         return outputs
 
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len(token_ids), vocab] at every position of one prompt, in one forward pass
+        (for evaluation: parity with other implementations, perplexity). Uses free KV blocks and
+        gives them back; requests in the engine are not disturbed."""
+        n, bs = len(token_ids), self.layout.block_size
+        blocks = self.blocks.allocate(self.layout.blocks_for(n))
+        if blocks is None:
+            raise EngineFull(f"{n} tokens need {self.layout.blocks_for(n)} KV blocks, {self.blocks.num_free} free")
+        try:
+            pos = torch.arange(n, dtype=torch.int64)
+            table = torch.tensor(blocks, dtype=torch.int64)
+            ctx = StepContext(pos.to(self.device), table[pos // bs].to(self.device), (pos % bs).to(self.device),
+                              [AttnChunk(0, n, 0, table.to(self.device))], pos.to(self.device))
+            return self.model.forward(torch.tensor(token_ids, dtype=torch.int64, device=self.device), ctx, self.kv)
+        finally:
+            self.blocks.release(blocks)
+
     def _build_context(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepContext]:
         bs, dev = self.layout.block_size, self.device
         ids, pos, attn, sample_rows = [], [], [], []

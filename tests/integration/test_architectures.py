@@ -45,7 +45,6 @@ import torch
 from kernels import q4_0
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.loader import expected_shapes, hf_name, load_model, rope_permute
-from shared.engine.model import AttnChunk, StepContext
 from shared.engine.sampling import SamplingParams
 from tests.integration.tiny_models import VOCAB, TinySpec, save_tiny
 
@@ -105,18 +104,6 @@ def case(request, tmp_path_factory):
     return spec, d, m, hf, ids, ref, greedy
 
 
-def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits [T, vocab] of every position: one prefill of ``ids`` into blocks 0..nb-1 of a fresh engine."""
-    n, bs = len(ids), engine.layout.block_size
-    nb = engine.layout.blocks_for(n)
-    assert nb <= engine.blocks.num_blocks
-    pos = torch.arange(n, dtype=torch.int64)
-    ctx = StepContext(positions=pos, slot_blocks=pos // bs, slot_offsets=pos % bs,
-                      chunks=[AttnChunk(0, n, 0, torch.arange(nb, dtype=torch.int64))], sample_rows=pos)
-    with torch.inference_mode():
-        return engine.model.forward(torch.tensor(ids, dtype=torch.int64), ctx, engine.kv)
-
-
 def new_engine(m, kernels: str, monkeypatch) -> Engine:
     monkeypatch.setenv("TANDEM_KERNELS", kernels)  # read by kernels.dispatch.get_ops in Engine()
     return Engine(m, EngineConfig(num_kv_blocks=16, block_size=16, enable_prefix_caching=False))
@@ -169,7 +156,7 @@ def test_weights_match_hf(case):
 def test_prefill_logits_match_hf(case, kernels, monkeypatch):
     spec, _, m, _, ids, ref, _ = case
     engine = new_engine(m, kernels, monkeypatch)
-    ours = prefill_logits(engine, ids)
+    ours = engine.prompt_logits(ids)
     assert ours.shape == ref.shape == (N_TOKENS, VOCAB)
 
     std = logit_std(ref)
@@ -246,8 +233,8 @@ def test_quantized_gguf_same_bytes_and_logits(case, tmp_path, monkeypatch):
     raw = torch.from_numpy(gf.read(t))
     assert torch.equal(raw, rope_permute(m.weights["blk.0.attn_q"], m.config.n_heads))
     assert not torch.equal(raw, m.weights["blk.0.attn_q"])
-    a = prefill_logits(new_engine(m, "reference", monkeypatch), ids)
-    b = prefill_logits(new_engine(g, "reference", monkeypatch), ids)
+    a = new_engine(m, "reference", monkeypatch).prompt_logits(ids)
+    b = new_engine(g, "reference", monkeypatch).prompt_logits(ids)
     if llama3:  # the same frequencies computed two ways (HF formula vs inv / rope_freqs): f32 rounding
         print(f"\n[{spec.id}] dir vs GGUF logits: max |dlogit| {(a - b).abs().max().item():.2e}")
         torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * logit_std(a))

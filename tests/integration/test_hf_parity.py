@@ -21,7 +21,6 @@ import torch
 from shared.engine import quantize
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.loader import LoadedModel, bundled_model_path, load_model
-from shared.engine.model import AttnChunk, StepContext
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,25 +112,12 @@ def hf_logits(q4_0_gguf, ids) -> torch.Tensor:
     return logits
 
 
-def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits [T, vocab] of every position: one prefill of ``ids`` into blocks 0..nb-1 of a fresh engine."""
-    n, bs = len(ids), engine.layout.block_size
-    nb = engine.layout.blocks_for(n)
-    assert nb <= engine.blocks.num_blocks
-    pos = torch.arange(n, dtype=torch.int64)
-    ctx = StepContext(positions=pos, slot_blocks=pos // bs, slot_offsets=pos % bs,
-                      chunks=[AttnChunk(0, n, 0, torch.arange(nb, dtype=torch.int64))],
-                      sample_rows=pos)
-    with torch.inference_mode():
-        return engine.model.forward(torch.tensor(ids, dtype=torch.int64), ctx, engine.kv)
-
-
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 def test_logits_match_transformers(kernels, q4_model, ids, hf_logits, bundled_model, monkeypatch):
     assert q4_model.identity == bundled_model.identity  # the Q4_0 GGUF holds exactly the weights we run
     monkeypatch.setenv("TANDEM_KERNELS", kernels)  # read by kernels.dispatch.get_ops in Engine()
     engine = Engine(q4_model, EngineConfig(num_kv_blocks=(len(ids) + 15) // 16, block_size=16))
-    ours = prefill_logits(engine, ids)
+    ours = engine.prompt_logits(ids)
     assert ours.shape == hf_logits.shape
 
     diff = (ours - hf_logits).abs()

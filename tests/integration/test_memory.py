@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 KV_BYTES = 32 << 20
 
