@@ -10,14 +10,20 @@ Same signatures as the reference (``kernels.q4_0``): ``matmul(x, q, out=None)`` 
 3. no compiler, a failed build or a failed load → one warning, and every call here runs
    the torch reference instead (``available()`` is then False).
 
-Numerics: activations are quantized to Q8_0 per call (as llama.cpp does), so results differ
-from the f32 reference by that rounding (see docs/kernels.md for the measured tolerance).
+Numerics: two activation modes. ``q8`` (default): activations are quantized to Q8_0 per call
+(as llama.cpp does), so results differ from the f32 reference by that rounding (see
+docs/kernels.md for the measured tolerance). ``f32``: each weight block is dequantized to f32
+and FMA'd against the f32 activations (no activation rounding; only fp32 summation order differs
+from the reference).
 Every output element is computed in the same order whatever M and the thread count, so a
 row of a batched result is bitwise equal to the same row computed alone.
 
 Environment: ``CXX`` (compiler, default ``g++``), ``TANDEM_CACHE_DIR``,
 ``TANDEM_CPU_ISA`` (``scalar``, ``avx2`` or ``avx512vnni``: cap the instruction set used;
-default: the best the CPU has). Every path gives the same bits.
+default: the best the CPU has). Every path gives the same bits. ``TANDEM_CPU_ACT`` (``q8`` or
+``f32``: the activation mode, default ``f32``; see ``set_act``). f32 activations keep the
+logits within 0.07 of transformers fp32 on the bundled model (top-1 100 %); llama.cpp's Q8_0
+activations are faster for prefill (~9 %) but flip near-ties (top-1 96 %): docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q4_0_cpu.cpp")
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
-ABI_VERSION = 1
+ABI_VERSION = 2
+ACT_MODES = ("q8", "f32")
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni"}  # the C++ ``Isa`` enum
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 
@@ -94,6 +101,8 @@ def _load(path: Path) -> ctypes.CDLL:
     i64, vp, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.tq_matmul.argtypes = [vp, vp, vp, i64, i64, i64, cint, cint]
     lib.tq_matmul.restype = None
+    lib.tq_matmul_f32.argtypes = [vp, vp, vp, i64, i64, i64, cint, cint]
+    lib.tq_matmul_f32.restype = None
     lib.tq_quantize_q8_0.argtypes = [vp, vp, vp, i64, i64, cint]
     lib.tq_quantize_q8_0.restype = None
     lib.tq_embedding.argtypes = [vp, i64, vp, i64, vp]
@@ -126,10 +135,11 @@ def _library() -> ctypes.CDLL | None:
 
 def reload() -> bool:
     """Forget the loaded library and try again (tests; after changing CXX/cache dir)."""
-    global _lib, _tried, _isa_choice
+    global _lib, _tried, _isa_choice, _act_choice
     with _lock:
         _lib, _tried = None, False
         _isa_choice = _isa_from_env()
+        _act_choice = _act_from_env()
     return available()
 
 
@@ -148,6 +158,35 @@ def _isa_from_env() -> int:
 
 
 _isa_choice = _isa_from_env()
+
+
+def _act_from_env() -> str:
+    v = os.environ.get("TANDEM_CPU_ACT", "").strip().lower()
+    if v in ("q8", "q8_0"):
+        return "q8"
+    if v in ("", "f32", "fp32", "float32"):
+        return "f32"
+    log.warning("ignoring TANDEM_CPU_ACT=%r (expected q8 or f32); using f32", v)
+    return "f32"
+
+
+_act_choice = _act_from_env()
+
+
+def act() -> str:
+    """The activation mode matmuls use: ``q8`` (Q8_0-quantized) or ``f32``."""
+    return _act_choice
+
+
+def set_act(mode: str | None) -> None:
+    """Set the activation mode (``q8`` or ``f32``); None re-reads ``TANDEM_CPU_ACT``."""
+    global _act_choice
+    if mode is None:
+        _act_choice = _act_from_env()
+        return
+    if mode not in ACT_MODES:
+        raise ValueError(f"act must be one of {ACT_MODES}, got {mode!r}")
+    _act_choice = mode
 
 
 def isa() -> str:
@@ -191,9 +230,11 @@ def matmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) ->
 
 
 def matmul_with(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None, *,
-                isa: str | None = None, num_threads: int | None = None) -> torch.Tensor:
-    """``matmul`` on a named instruction-set path and thread count (tests, benchmarks);
-    None keeps the configured one. A path the CPU lacks runs the best one it has."""
+                isa: str | None = None, num_threads: int | None = None,
+                act: str | None = None) -> torch.Tensor:
+    """``matmul`` on a named instruction-set path, thread count and activation mode (``q8`` or
+    ``f32``; tests, benchmarks); None keeps the configured one. A path the CPU lacks runs the
+    best one it has."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"x must be a 2-D float32 tensor, got {_describe(x)}")
     if x.device.type != "cpu" or not x.is_contiguous():
@@ -213,9 +254,12 @@ def matmul_with(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = Non
         return q4_0.matmul(x, q, out=out)
     if isa is not None and isa not in _ISA_IDS:
         raise ValueError(f"isa must be one of {sorted(_ISA_IDS)}, got {isa!r}")
+    if act is not None and act not in ACT_MODES:
+        raise ValueError(f"act must be one of {ACT_MODES}, got {act!r}")
+    fn = lib.tq_matmul_f32 if (act or _act_choice) == "f32" else lib.tq_matmul
     if m and n:
-        lib.tq_matmul(x.data_ptr(), q.data_ptr(), out.data_ptr(), m, n, k,
-                      num_threads or get_num_threads(), _isa_arg() if isa is None else _ISA_IDS[isa])
+        fn(x.data_ptr(), q.data_ptr(), out.data_ptr(), m, n, k,
+           num_threads or get_num_threads(), _isa_arg() if isa is None else _ISA_IDS[isa])
     return out
 
 

@@ -31,5 +31,5 @@ def describe(device: torch.device | str) -> str:
     """One line naming the path ``get_ops(device)`` takes, for logs and benchmarks."""
     ops = get_ops(device)
     if ops is cpu:
-        return f"cpu kernels ({cpu.isa()}, {cpu.get_num_threads()} threads)"
+        return f"cpu kernels ({cpu.isa()}, {cpu.act()} activations, {cpu.get_num_threads()} threads)"
     return "torch reference"

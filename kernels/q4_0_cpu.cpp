@@ -4,7 +4,10 @@
 // (per 32 weights: fp16 scale d, then 16 bytes; byte j = weight j (low nibble) and
 // weight j+16 (high nibble); value (nibble - 8) * d).
 //
-// Per call: (1) each activation row is quantized to Q8_0 (32 int8 + an fp32 scale per
+// Two activation modes: "q8" (below) and "f32" (tq_matmul_f32: weights dequantized to f32 per
+// block and FMA'd against the f32 activations, no activation rounding; order at rows_f32_scalar).
+//
+// q8, per call: (1) each activation row is quantized to Q8_0 (32 int8 + an fp32 scale per
 // block, round-to-nearest-even, like llama.cpp's AVX2 quantize_row_q8_0); (2) every
 // output element is a sum over blocks of int8 dot products scaled by d_w * d_x.
 //
@@ -116,6 +119,37 @@ void rows_scalar(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const fl
             out[m * N + n] = dot_row_scalar(q + n * row_bytes, qa + m * K, da + m * nb, nb);
 }
 
+// f32-activation path. Arithmetic order of one output element (every path, M, tile, thread count):
+//   w_j = (nibble_j - 8) * d_w                                        (exact in f32)
+//   lane[l] (l = 0..15), per block in order, acc = 0:
+//       lane[l] = fma(w_l, x_l, lane[l]);  lane[l] = fma(w_{l+16}, x_{l+16}, lane[l])
+//   a[i] = lane[i] + lane[i+8] (i = 0..7); result = hsum8 order above
+float dot_row_f32_scalar(const uint8_t* w, const float* x, int64_t nb) {
+    float acc[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK_BYTES;
+        const float d = fp16_to_fp32(load_u16(blk));
+        const float* xb = x + b * QK;
+        for (int l = 0; l < 16; ++l) {
+            const float lo = (float)((blk[2 + l] & 0x0f) - 8) * d;
+            const float hi = (float)((blk[2 + l] >> 4) - 8) * d;
+            acc[l] = std::fma(lo, xb[l], acc[l]);
+            acc[l] = std::fma(hi, xb[l + 16], acc[l]);
+        }
+    }
+    float a8[8];
+    for (int i = 0; i < 8; ++i) a8[i] = acc[i] + acc[i + 8];
+    return hsum8_scalar(a8);
+}
+
+void rows_f32_scalar(const uint8_t* q, int64_t row_bytes, const float* x,
+                     float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {
+    const int64_t nb = K / QK;
+    for (int64_t n = r0; n < r1; ++n)
+        for (int64_t m = 0; m < M; ++m)
+            out[m * N + n] = dot_row_f32_scalar(q + n * row_bytes, x + m * K, nb);
+}
+
 // ---------------------------------------------------------------- AVX2 + FMA + F16C path
 #ifdef TQ_X86
 #pragma GCC push_options
@@ -217,6 +251,63 @@ void rows_avx2(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const floa
         rows_tile_avx2<1>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
 }
 
+// f32 activations, 8-wide: the 16 lanes as two halves (lanes 0-7: weights 0-7 and 16-23;
+// lanes 8-15: weights 8-15 and 24-31), each a full pass over the blocks (lanes are independent,
+// so the per-lane order is the scalar one); the second pass reads the tile's rows from L1.
+template <int R, int C>
+inline __attribute__((always_inline)) void tile_f32_avx2(
+        const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t nb, float* out, int64_t N) {
+    const __m256i lo4 = _mm256_set1_epi32(0x0f);
+    const __m256 m8 = _mm256_set1_ps(-8.0f);
+    __m256 half[2][R][C];
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[R][C];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            __m256 xl[C], xh[C];
+            for (int c = 0; c < C; ++c) {
+                xl[c] = _mm256_loadu_ps(x + c * K + b * QK + 8 * h);
+                xh[c] = _mm256_loadu_ps(x + c * K + b * QK + 16 + 8 * h);
+            }
+            for (int r = 0; r < R; ++r) {
+                const uint8_t* blk = w + r * row_bytes + b * BLOCK_BYTES;
+                const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+                const __m256 nd8 = _mm256_mul_ps(d, m8);  // exact
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * h)));
+                // n * d - 8 d == (n - 8) * d exactly (one rounding of an exact value)
+                const __m256 wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, lo4)), d, nd8);
+                const __m256 wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, nd8);
+                for (int c = 0; c < C; ++c) {
+                    acc[r][c] = _mm256_fmadd_ps(wl, xl[c], acc[r][c]);
+                    acc[r][c] = _mm256_fmadd_ps(wh, xh[c], acc[r][c]);
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) half[h][r][c] = acc[r][c];
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) out[c * N + r] = hsum8_avx2(_mm256_add_ps(half[0][r][c], half[1][r][c]));
+}
+
+template <int R>
+void rows_tile_f32_avx2(const uint8_t* w, int64_t row_bytes, const float* x,
+                        float* out, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / QK;
+    constexpr int C = R == 4 ? 2 : 4;
+    int64_t m = 0;
+    for (; m + C <= M; m += C) tile_f32_avx2<R, C>(w, row_bytes, x + m * K, K, nb, out + m * N, N);
+    for (; m < M; ++m) tile_f32_avx2<R, 1>(w, row_bytes, x + m * K, K, nb, out + m * N, N);
+}
+
+void rows_f32_avx2(const uint8_t* q, int64_t row_bytes, const float* x,
+                   float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {
+    int64_t n = r0;
+    for (; n + 4 <= r1; n += 4) rows_tile_f32_avx2<4>(q + n * row_bytes, row_bytes, x, out + n, M, N, K);
+    for (; n < r1; ++n) rows_tile_f32_avx2<1>(q + n * row_bytes, row_bytes, x, out + n, M, N, K);
+}
+
 #pragma GCC pop_options
 
 // ---------------------------------------------------------------- AVX-512 VNNI path (256-bit, VL)
@@ -280,6 +371,60 @@ void rows_vnni(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const floa
         rows_tile_vnni<1>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
 }
 
+// f32 activations, 16-wide (512-bit): lane l holds weights l and l+16 of every block.
+template <int R, int C>
+inline __attribute__((always_inline)) void tile_f32_512(
+        const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t nb, float* out, int64_t N) {
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    // table[i] = (i - 8) * d (exact); vpermps picks entry (index & 15), so the low nibble
+    // needs no mask and the dequantized weight costs one permute
+    const __m512 iota_m8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 xl[C], xh[C];
+        for (int c = 0; c < C; ++c) {
+            xl[c] = _mm512_loadu_ps(x + c * K + b * QK);
+            xh[c] = _mm512_loadu_ps(x + c * K + b * QK + 16);
+        }
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * row_bytes + b * BLOCK_BYTES;
+            const __m512 table = _mm512_mul_ps(iota_m8, _mm512_set1_ps(_cvtsh_ss(load_u16(blk))));
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)));
+            const __m512 wl = _mm512_permutexvar_ps(v, table);
+            const __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+            for (int c = 0; c < C; ++c) {
+                acc[r][c] = _mm512_fmadd_ps(wl, xl[c], acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(wh, xh[c], acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            const __m512 a = acc[r][c];
+            const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+            out[c * N + r] = hsum8_avx2(s);
+        }
+}
+
+template <int R>
+void rows_tile_f32_512(const uint8_t* w, int64_t row_bytes, const float* x,
+                       float* out, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / QK;
+    constexpr int C = 4;
+    int64_t m = 0;
+    for (; m + C <= M; m += C) tile_f32_512<R, C>(w, row_bytes, x + m * K, K, nb, out + m * N, N);
+    for (; m < M; ++m) tile_f32_512<R, 1>(w, row_bytes, x + m * K, K, nb, out + m * N, N);
+}
+
+void rows_f32_512(const uint8_t* q, int64_t row_bytes, const float* x,
+                  float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {
+    int64_t n = r0;
+    for (; n + 4 <= r1; n += 4) rows_tile_f32_512<4>(q + n * row_bytes, row_bytes, x, out + n, M, N, K);
+    for (; n < r1; ++n) rows_tile_f32_512<1>(q + n * row_bytes, row_bytes, x, out + n, M, N, K);
+}
+
 #pragma GCC pop_options
 #endif  // TQ_X86
 
@@ -325,6 +470,18 @@ RowsFn rows_fn(int isa) {
     return rows_scalar;
 }
 
+using RowsF32Fn = void (*)(const uint8_t*, int64_t, const float*, float*,
+                           int64_t, int64_t, int64_t, int64_t, int64_t);
+
+RowsF32Fn rows_f32_fn(int isa) {
+#ifdef TQ_X86
+    if (isa == ISA_AVX512VNNI) return rows_f32_512;
+    if (isa == ISA_AVX2) return rows_f32_avx2;
+#endif
+    (void)isa;
+    return rows_f32_scalar;
+}
+
 // Rows [r0, r1) of thread `tid` of `nt`: contiguous runs of whole 4-row tiles.
 inline void thread_rows(int64_t N, int tid, int nt, int64_t* r0, int64_t* r1) {
     const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
@@ -333,11 +490,22 @@ inline void thread_rows(int64_t N, int tid, int nt, int64_t* r0, int64_t* r1) {
     *r1 = t1 * TILE_ROWS < N ? t1 * TILE_ROWS : N;
 }
 
+// threads: at most one per tile, and one per ~32 KB of weight bytes x activation rows, so
+// tiny matmuls do not pay a thread wake-up (the split never changes the results)
+inline int thread_count(int nthreads, int64_t M, int64_t N, int64_t row_bytes) {
+    int nt = nthreads < 1 ? 1 : nthreads;
+    const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t work = N * row_bytes * M / MIN_BYTES_PER_THREAD;
+    if (nt > tiles) nt = (int)tiles;
+    if (nt > work) nt = work < 1 ? 1 : (int)work;
+    return nt;
+}
+
 }  // namespace
 
 extern "C" {
 
-int tq_abi_version() { return 1; }
+int tq_abi_version() { return 2; }
 
 // The best path this CPU runs: 2 AVX-512 VNNI (256-bit), 1 AVX2/FMA/F16C, 0 scalar.
 int tq_best_isa() { return g_best_isa; }
@@ -374,13 +542,7 @@ void tq_matmul(const float* x, const uint8_t* q, float* out, int64_t M, int64_t 
     int8_t* qa = qa_buf.data();
     float* da = da_buf.data();
 
-    // threads: at most one per tile, and one per ~32 KB of weight bytes x activation rows, so
-    // tiny matmuls do not pay a thread wake-up (the split never changes the results)
-    int nt = nthreads < 1 ? 1 : nthreads;
-    const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t work = N * row_bytes * M / MIN_BYTES_PER_THREAD;
-    if (nt > tiles) nt = (int)tiles;
-    if (nt > work) nt = work < 1 ? 1 : (int)work;
+    const int nt = thread_count(nthreads, M, N, row_bytes);
 #ifdef _OPENMP
     if (nt > 1) {
 #pragma omp parallel num_threads(nt)
@@ -398,6 +560,26 @@ void tq_matmul(const float* x, const uint8_t* q, float* out, int64_t M, int64_t 
 #endif
     for (int64_t m = 0; m < M; ++m) qf(x + m * K, qa + m * K, da + m * nb, nb);
     rf(q, row_bytes, qa, da, out, M, N, K, 0, N);
+}
+
+// Same product with f32 activations (no Q8_0 rounding): see the f32 order above.
+void tq_matmul_f32(const float* x, const uint8_t* q, float* out, int64_t M, int64_t N, int64_t K,
+                   int nthreads, int isa) {
+    const RowsF32Fn rf = rows_f32_fn(resolve_isa(isa));
+    const int64_t row_bytes = K / QK * BLOCK_BYTES;
+    const int nt = thread_count(nthreads, M, N, row_bytes);
+#ifdef _OPENMP
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            int64_t r0, r1;
+            thread_rows(N, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+            if (r0 < r1) rf(q, row_bytes, x, out, M, N, K, r0, r1);
+        }
+        return;
+    }
+#endif
+    rf(q, row_bytes, x, out, M, N, K, 0, N);
 }
 
 // out[n_ids, K] = dequantized rows ids of q[N, K/32*18] (ids validated by the caller).

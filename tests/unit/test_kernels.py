@@ -227,3 +227,63 @@ def test_real_weights_close_to_reference(real_weights, name):
         assert rel_err(cpu.matmul(x, q), q4_0.matmul(x, q)) < REL_TOL
     ids = torch.tensor([0, 1, q.shape[0] - 1]) if name == "token_embd" else torch.tensor([0])
     assert torch.equal(cpu.embedding(ids, q), q4_0.embedding(ids, q))
+
+
+# ---------------------------------------------------------------- f32-activation mode
+
+F32_REL_TOL = 1e-5  # no activation rounding: only fp32 summation order differs from the reference
+
+
+@needs_lib
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 64])
+def test_f32_matmul_close_to_reference(m, n, k):
+    q, x = q4(n, k), acts(m, k)
+    assert rel_err(cpu.matmul_with(x, q, act="f32"), q4_0.matmul(x, q)) < F32_REL_TOL
+
+
+@needs_lib
+def test_f32_every_isa_path_gives_the_same_bits():
+    q = q4(195, 576)
+    x = acts(11, 576)
+    outs = [cpu.matmul_with(x, q, isa=p, act="f32") for p in paths()]
+    assert len(outs) >= 1
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+@needs_lib
+@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (195, 576)])
+def test_f32_batched_rows_equal_single_rows_for_any_thread_count(n, k):
+    q, x = q4(n, k), acts(19, k)
+    singles = torch.cat([cpu.matmul_with(x[i:i + 1], q, num_threads=1, act="f32") for i in range(x.shape[0])])
+    for threads in (1, 2, 3, 8):
+        for m in (1, 2, 7, 16, 19):
+            got = cpu.matmul_with(x[:m], q, num_threads=threads, act="f32")
+            assert torch.equal(got, singles[:m]), (threads, m)
+
+
+@needs_lib
+def test_act_mode_selection(monkeypatch):
+    q, x = q4(64, 576), acts(3, 576)
+    f32, q8 = cpu.matmul_with(x, q, act="f32"), cpu.matmul_with(x, q, act="q8")
+    assert not torch.equal(f32, q8)
+    before = cpu.act()
+    monkeypatch.setenv("TANDEM_CPU_ACT", "f32")
+    cpu.set_act(None)
+    try:
+        assert cpu.act() == "f32" and torch.equal(cpu.matmul(x, q), f32)
+        cpu.set_act("q8")
+        assert cpu.act() == "q8" and torch.equal(cpu.matmul(x, q), q8)
+        with pytest.raises(ValueError, match="act"):
+            cpu.set_act("int4")
+        with pytest.raises(ValueError, match="act"):
+            cpu.matmul_with(x, q, act="bf16")
+        monkeypatch.setenv("TANDEM_CPU_ACT", "q8")
+        cpu.set_act(None)
+        assert cpu.act() == "q8"
+        monkeypatch.delenv("TANDEM_CPU_ACT")
+        cpu.set_act(None)
+        assert cpu.act() == "f32"  # the default: accuracy first (docs/kernels.md)
+    finally:
+        cpu.set_act(before)
