@@ -104,23 +104,25 @@ def test_q8_0_quantization_matches_torch_bitwise(isa, monkeypatch):
 
 
 @needs_lib
-def test_every_isa_path_gives_the_same_bits():
+@pytest.mark.parametrize("act", ["q8", "f32"])
+def test_every_isa_path_gives_the_same_bits(act):
     q = q4(195, 576)  # 195: a row count that is not a multiple of the 4-row tile
     x = acts(11, 576)
-    outs = [cpu.matmul_with(x, q, isa=p) for p in paths()]
+    outs = [cpu.matmul_with(x, q, isa=p, act=act) for p in paths()]
     assert len(outs) >= 1
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
 
 
 @needs_lib
+@pytest.mark.parametrize("act", ["q8", "f32"])
 @pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (195, 576)])
-def test_batched_rows_equal_single_rows_for_any_thread_count(n, k):
+def test_batched_rows_equal_single_rows_for_any_thread_count(n, k, act):
     q, x = q4(n, k), acts(19, k)
-    singles = torch.cat([cpu.matmul_with(x[i:i + 1], q, num_threads=1) for i in range(x.shape[0])])
+    singles = torch.cat([cpu.matmul_with(x[i:i + 1], q, num_threads=1, act=act) for i in range(x.shape[0])])
     for threads in (1, 2, 3, 8):
         for m in (1, 2, 7, 16, 19):
-            got = cpu.matmul_with(x[:m], q, num_threads=threads)
+            got = cpu.matmul_with(x[:m], q, num_threads=threads, act=act)
             assert torch.equal(got, singles[:m]), (threads, m)
 
 
@@ -240,27 +242,6 @@ F32_REL_TOL = 1e-5  # no activation rounding: only fp32 summation order differs 
 def test_f32_matmul_close_to_reference(m, n, k):
     q, x = q4(n, k), acts(m, k)
     assert rel_err(cpu.matmul_with(x, q, act="f32"), q4_0.matmul(x, q)) < F32_REL_TOL
-
-
-@needs_lib
-def test_f32_every_isa_path_gives_the_same_bits():
-    q = q4(195, 576)
-    x = acts(11, 576)
-    outs = [cpu.matmul_with(x, q, isa=p, act="f32") for p in paths()]
-    assert len(outs) >= 1
-    for o in outs[1:]:
-        assert torch.equal(o, outs[0])
-
-
-@needs_lib
-@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (195, 576)])
-def test_f32_batched_rows_equal_single_rows_for_any_thread_count(n, k):
-    q, x = q4(n, k), acts(19, k)
-    singles = torch.cat([cpu.matmul_with(x[i:i + 1], q, num_threads=1, act="f32") for i in range(x.shape[0])])
-    for threads in (1, 2, 3, 8):
-        for m in (1, 2, 7, 16, 19):
-            got = cpu.matmul_with(x[:m], q, num_threads=threads, act="f32")
-            assert torch.equal(got, singles[:m]), (threads, m)
 
 
 @needs_lib
