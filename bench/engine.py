@@ -75,12 +75,14 @@ def bench_prefill(engine, n: int, reps: int) -> float:
     return n / best
 
 
-def bench_decode(engine, concurrency: int, gen: int) -> float:
+def bench_decode(engine, concurrency: int, gen: int, prompt_tokens: int = 16) -> float:
+    """Decode tokens/s of ``concurrency`` sequences with ``prompt_tokens``-token prompts, counted
+    once every sequence has its first token (``gen - 1`` decode steps each)."""
     from shared.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     for i in range(concurrency):
-        engine.add(f"d{concurrency}-{i}", _prompt(engine.tokenizer, 16, 1000 + i), params)
+        engine.add(f"d{concurrency}-{i}", _prompt(engine.tokenizer, prompt_tokens, 1000 + i), params)
     started: set[str] = set()
     t_start = None
     tokens = 0
@@ -93,7 +95,7 @@ def bench_decode(engine, concurrency: int, gen: int) -> float:
             t_start = time.perf_counter()  # every sequence has its first token: decode only from here
     dt = time.perf_counter() - t_start
     rate = tokens / dt if dt > 0 else float("nan")
-    _progress(f"decode x{concurrency}: {rate:.1f} tok/s ({tokens} tokens in {dt:.2f}s)")
+    _progress(f"decode x{concurrency} ({prompt_tokens}-token prompts): {rate:.1f} tok/s ({tokens} tokens in {dt:.2f}s)")
     return rate
 
 

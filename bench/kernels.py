@@ -1,15 +1,26 @@
-"""Q4_0 matmul benchmark: torch reference vs the fast CPU kernels, side by side in one run.
+"""Q4_0 kernels benchmark: matmuls (reference vs fast) and the model vs llama.cpp, in one run.
 
-    python -m bench.kernels [--threads 2] [--m 1 16 512] [--reps 0.3]
+    tandem bench kernels [--threads 2] [--with-llama-cpp] [--json FILE]
 
-Prints, per weight shape of SmolLM2-135M and per M, the time per call and the effective
-bandwidth over the Q4_0 weight bytes (bytes / time) for both paths, and the speed-up.
+1. matmuls (``--matmuls``, default on): per weight shape of SmolLM2-135M and per M, time per
+   call and effective bandwidth over the Q4_0 weight bytes, torch reference vs fast kernels.
+2. the model (``--model-bench``, default on): the bundled model written once as an all-Q4_0 GGUF
+   (cached under ~/.cache/tandem/bench), loaded by the Tandem engine and — with
+   ``--with-llama-cpp`` — by llama.cpp (llama-cpp-python, installed into its own venv on first
+   use: bench/llamacpp.py), side by side: decode 1 sequence (tg128), prefill 512 (pp512),
+   batched decode (Tandem ``--batch-seqs-tandem`` 16 sequences vs llama.cpp 8, 128-token
+   contexts), plus a memory read-bandwidth probe and the decode limit it implies
+   (bandwidth / weight bytes read per token). Tandem runs before and after llama.cpp; each side
+   reports its best, and the table prints the ratios against the issue's targets.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,12 +51,23 @@ def _time(fn, budget_s: float, min_reps: int = 3) -> float:
     return times[len(times) // 2]
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    """Run the benchmark, print the table and return its rows."""
+def run(args: argparse.Namespace) -> dict:
+    """Run the parts asked for, print their tables and return their results."""
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu.set_num_threads(args.threads or None)
+    res: dict = {}
+    if args.matmuls:
+        res["matmuls"] = run_matmuls(args)
+    if args.model_bench:
+        res["model"] = run_model(args)
+        print(model_table(res["model"]))
+    return res
+
+
+def run_matmuls(args: argparse.Namespace) -> list[dict]:
+    """The per-shape matmul table: torch reference vs fast kernels."""
     if not cpu.available():
         print("fast kernels unavailable: the 'fast' column is the torch reference")
     rows = []
@@ -81,19 +103,161 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _progress(msg: str) -> None:
+    sys.stderr.write(f"[bench kernels] {msg}\n")
+    sys.stderr.flush()
+
+
+def q4_0_gguf(src: str | None) -> str:
+    """An all-Q4_0 GGUF of ``src`` (None: the bundled model), written once into the cache."""
+    from shared.engine.loader import bundled_model_path
+    from shared.engine.quantize import quantize_model
+
+    src = src or bundled_model_path()
+    out = Path.home() / ".cache" / "tandem" / "bench" / f"{Path(src).stem}-q4_0.gguf"
+    if not out.exists():
+        _progress(f"writing the all-Q4_0 GGUF {out}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        quantize_model(src, str(out))
+    return str(out)
+
+
+def read_bandwidth_gbs(threads: int, nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Memory read bandwidth: best of ``reps`` sums over a buffer far larger than the caches."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        buf.sum()
+        best = min(_time_once(buf.sum) for _ in range(reps))
+    finally:
+        torch.set_num_threads(before)
+    return nbytes / best / 1e9
+
+
+def _time_once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def decode_weight_bytes(model) -> int:
+    """Q4_0 bytes one decode step reads: every layer matrix and the lm head (embedding rows aside)."""
+    mats = ("qkv", "o", "gate_up", "down")
+    return sum(L[k].numel() for L in model.layers for k in mats) + model.output.numel()
+
+
+def _tandem_round(engine, args: argparse.Namespace) -> dict:
+    from bench.engine import bench_decode, bench_prefill
+
+    return {"tg": bench_decode(engine, 1, args.tg + 1, prompt_tokens=1),
+            "pp": bench_prefill(engine, args.pp, 1),
+            "batched": bench_decode(engine, args.batch_seqs_tandem, args.batch_gen + 1,
+                                    prompt_tokens=args.batch_ctx)}
+
+
+def run_model(args: argparse.Namespace) -> dict:
+    """Tandem (and llama.cpp) on the same all-Q4_0 GGUF; figures are best-of tokens/s."""
+    from kernels.dispatch import describe
+    from shared.engine.engine import Engine, EngineConfig
+
+    path = q4_0_gguf(args.model)
+    threads = args.threads or torch.get_num_threads()
+    seqs = max(args.batch_seqs_tandem, 1)
+    engine = Engine.from_path(path, EngineConfig(
+        threads=threads, enable_prefix_caching=False, max_num_seqs=seqs,
+        max_num_batched_tokens=max(args.pp, seqs), kv_cache_bytes=256 << 20))
+    res: dict = {"gguf": path, "threads": threads, "tandem_path": describe("cpu"),
+                 "fused_forward": engine.model.fused is not None,
+                 "weight_mb_per_token": decode_weight_bytes(engine.model) / 1e6,
+                 "tg_tokens": args.tg, "pp_tokens": args.pp, "batch_ctx": args.batch_ctx,
+                 "batch_gen": args.batch_gen, "batch_seqs_tandem": seqs, "batch_seqs_llama": args.batch_seqs_llama}
+    _progress(f"Tandem: {res['tandem_path']}, fused forward {res['fused_forward']}")
+    rounds = [_tandem_round(engine, args)]
+    if args.with_llama_cpp:
+        from bench import llamacpp
+
+        _progress("llama.cpp side")
+        res["llama_cpp"] = llamacpp.run(path, threads, args.reps, args.tg, args.pp, args.batch_seqs_llama,
+                                         args.batch_ctx, args.batch_gen)
+        _progress(f"llama.cpp: {res['llama_cpp']}")
+    rounds += [_tandem_round(engine, args) for _ in range(max(args.reps - 1, 0))]
+    res["tandem"] = {k: max(r[k] for r in rounds) for k in rounds[0]}
+    res["read_gbs"] = read_bandwidth_gbs(threads)
+    res["bandwidth_limit_tok_s"] = res["read_gbs"] * 1e3 / res["weight_mb_per_token"]
+    return res
+
+
+# (key, workload, target ratio Tandem / llama.cpp)
+TARGETS = [("tg", "decode, 1 sequence (tg{tg_tokens})", 1.0),
+           ("pp", "prefill, {pp_tokens} tokens (pp{pp_tokens})", 0.8),
+           ("batched", "batched decode, {batch_ctx}-token contexts: Tandem {batch_seqs_tandem} seqs "
+                       "vs llama.cpp {batch_seqs_llama} seqs (total)", 2.0)]
+
+
+def model_table(res: dict) -> str:
+    """The side-by-side table (Markdown) with ratios and targets."""
+    llama = res.get("llama_cpp")
+    lines = [f"Model on CPU, {res['threads']} threads; Tandem: {res['tandem_path']}"
+             f"{', fused forward' if res['fused_forward'] else ', op-by-op forward'}; "
+             f"llama.cpp: {'llama-cpp-python ' + llama['version'] if llama else 'not run (--with-llama-cpp)'}",
+             f"GGUF {res['gguf']}", "",
+             "| workload | Tandem tok/s | llama.cpp tok/s | ratio | target | met |", "|---|---:|---:|---:|---:|---|"]
+    for key, name, target in TARGETS:
+        t = res["tandem"][key]
+        if llama:
+            ratio = t / llama[key]
+            lines.append(f"| {name.format(**res)} | {t:.1f} | {llama[key]:.1f} | {ratio:.2f} | ≥ {target:.1f} | "
+                         f"{'yes' if ratio >= target else f'no ({(ratio / target - 1) * 100:+.0f} %)'} |")
+        else:
+            lines.append(f"| {name.format(**res)} | {t:.1f} | — | — | ≥ {target:.1f} | — |")
+    lim = res["bandwidth_limit_tok_s"]
+    lines.append(f"| decode limit: {res['read_gbs']:.1f} GB/s read ÷ {res['weight_mb_per_token']:.1f} MB/token | "
+                 f"{lim:.0f} | | | | |")
+    share = f"Tandem decode = {res['tandem']['tg'] / lim * 100:.0f} % of the bandwidth limit"
+    if llama:
+        share += f", llama.cpp {llama['tg'] / lim * 100:.0f} %"
+    return "\n".join(lines + ["", share])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="threads for both paths (0: torch's default)")
+    p.add_argument("--matmuls", action=argparse.BooleanOptionalAction, default=True, help="the matmul table")
+    p.add_argument("--model-bench", action=argparse.BooleanOptionalAction, default=True,
+                   help="the model-level table (Tandem, and llama.cpp with --with-llama-cpp)")
+    p.add_argument("--with-llama-cpp", action="store_true",
+                   help="run llama.cpp side by side (installs llama-cpp-python into its own venv first)")
+    p.add_argument("--model", default=None, help="source model (default: the bundled one); converted to all-Q4_0")
+    p.add_argument("--reps", type=int, default=2, help="model-level rounds per side (best is reported)")
+    p.add_argument("--tg", type=int, default=128, help="decode tokens for the 1-sequence figure")
+    p.add_argument("--pp", type=int, default=512, help="prompt tokens for the prefill figure")
+    p.add_argument("--batch-ctx", type=int, default=128, help="prompt tokens per sequence, batched decode")
+    p.add_argument("--batch-gen", type=int, default=32, help="decode steps timed, batched decode")
+    p.add_argument("--batch-seqs-tandem", type=int, default=16, help="Tandem sequences, batched decode")
+    p.add_argument("--batch-seqs-llama", type=int, default=8, help="llama.cpp sequences, batched decode")
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 512], help="activation rows per call")
     p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per case and path")
     p.add_argument("--skip-big", action=argparse.BooleanOptionalAction, default=True,
                    help="skip the lm head at M=512 (slow on the reference, never run in prefill)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
     return p
 
 
-def main() -> None:
-    run(parser().parse_args())
+def main(args: argparse.Namespace | None = None) -> int:
+    import json
+
+    args = args or parser().parse_args()
+    res = run(args)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,11 +10,11 @@ Same signatures as the reference (``kernels.q4_0``): ``matmul(x, q, out=None)`` 
 3. no compiler, a failed build or a failed load → one warning, and every call here runs
    the torch reference instead (``available()`` is then False).
 
-Numerics: two activation modes. ``q8`` (default): activations are quantized to Q8_0 per call
-(as llama.cpp does), so results differ from the f32 reference by that rounding (see
-docs/kernels.md for the measured tolerance). ``f32``: each weight block is dequantized to f32
+Numerics: two activation modes. ``f32`` (default): each weight block is dequantized to f32
 and FMA'd against the f32 activations (no activation rounding; only fp32 summation order differs
-from the reference).
+from the reference). ``q8``: activations are quantized to Q8_0 per call (as llama.cpp does), so
+results differ from the f32 reference by that rounding (docs/kernels.md has the tolerance).
+The same library holds the fused forward step (``forward_cpu.cpp``, driven by ``cpu_forward.py``).
 Every output element is computed in the same order whatever M and the thread count, so a
 row of a batched result is bitwise equal to the same row computed alone.
 
@@ -44,9 +44,11 @@ from kernels import q4_0
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("q4_0_cpu.cpp")
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "q4_0_cpu.cpp", _HERE / "forward_cpu.cpp")  # compiled into one library
+HEADERS = (_HERE / "q4_0_cpu.h",)
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
-ABI_VERSION = 2
+ABI_VERSION = 3
 ACT_MODES = ("q8", "f32")
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni"}  # the C++ ``Isa`` enum
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
@@ -70,13 +72,14 @@ def _compiler() -> str:
 def library_path() -> Path:
     """The cached library file for the current source, compiler and flags."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for f in (*SOURCES, *HEADERS):
+        key.update(f.read_bytes())
     key.update("\0".join((_compiler(), *CXX_FLAGS)).encode())
     return cache_dir() / f"q4_0_cpu-{key.hexdigest()[:16]}.so"
 
 
 def _build(target: Path) -> None:
-    """Compile ``SOURCE`` to ``target`` atomically (temp file in the same dir + rename)."""
+    """Compile ``SOURCES`` to ``target`` atomically (temp file in the same dir + rename)."""
     cxx = _compiler()
     if shutil.which(cxx) is None:
         raise RuntimeError(f"C++ compiler {cxx!r} not found (set CXX)")
@@ -84,7 +87,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *CXX_FLAGS, str(SOURCE), "-o", tmp]
+        cmd = [cxx, *CXX_FLAGS, *map(str, SOURCES), "-o", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
@@ -108,6 +111,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.tq_embedding.argtypes = [vp, i64, vp, i64, vp]
     lib.tq_embedding.restype = None
     lib.tq_best_isa.restype = cint
+    lib.tq_forward.argtypes = [vp, vp, cint, cint]
+    lib.tq_forward.restype = None
     return lib
 
 

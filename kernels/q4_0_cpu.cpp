@@ -35,11 +35,14 @@
 #include <immintrin.h>
 #endif
 
+#include "q4_0_cpu.h"
+
 namespace {
 
-constexpr int QK = 32;          // weights per block
-constexpr int BLOCK_BYTES = 18; // fp16 scale + 16 nibble bytes
-constexpr int TILE_ROWS = 4;    // weight rows per tile (unit of the thread split)
+using tq::QK;
+using tq::BLOCK_BYTES;
+using tq::TILE_ROWS;
+using tq::thread_rows;
 constexpr int64_t MIN_BYTES_PER_THREAD = 32 * 1024;  // weight bytes x M worth a thread
 
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
@@ -254,9 +257,12 @@ void rows_avx2(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const floa
 // f32 activations, 8-wide: the 16 lanes as two halves (lanes 0-7: weights 0-7 and 16-23;
 // lanes 8-15: weights 8-15 and 24-31), each a full pass over the blocks (lanes are independent,
 // so the per-lane order is the scalar one); the second pass reads the tile's rows from L1.
-template <int R, int C>
+// PACKED: the R rows were dequantized once into wf[R][K] (dequant_rows_avx2, the same exact
+// values), so a GEMM dequantizes each weight once per chunk of activation rows, not once per C rows.
+template <int R, int C, bool PACKED>
 inline __attribute__((always_inline)) void tile_f32_avx2(
-        const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t nb, float* out, int64_t N) {
+        const uint8_t* w, int64_t row_bytes, const float* wf, const float* x, int64_t K, int64_t nb,
+        float* out, int64_t N) {
     const __m256i lo4 = _mm256_set1_epi32(0x0f);
     const __m256 m8 = _mm256_set1_ps(-8.0f);
     __m256 half[2][R][C];
@@ -271,13 +277,19 @@ inline __attribute__((always_inline)) void tile_f32_avx2(
                 xh[c] = _mm256_loadu_ps(x + c * K + b * QK + 16 + 8 * h);
             }
             for (int r = 0; r < R; ++r) {
-                const uint8_t* blk = w + r * row_bytes + b * BLOCK_BYTES;
-                const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
-                const __m256 nd8 = _mm256_mul_ps(d, m8);  // exact
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * h)));
-                // n * d - 8 d == (n - 8) * d exactly (one rounding of an exact value)
-                const __m256 wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, lo4)), d, nd8);
-                const __m256 wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, nd8);
+                __m256 wl, wh;
+                if constexpr (PACKED) {
+                    wl = _mm256_loadu_ps(wf + r * K + b * QK + 8 * h);
+                    wh = _mm256_loadu_ps(wf + r * K + b * QK + 16 + 8 * h);
+                } else {
+                    const uint8_t* blk = w + r * row_bytes + b * BLOCK_BYTES;
+                    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+                    const __m256 nd8 = _mm256_mul_ps(d, m8);  // exact
+                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * h)));
+                    // n * d - 8 d == (n - 8) * d exactly (one rounding of an exact value)
+                    wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, lo4)), d, nd8);
+                    wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, nd8);
+                }
                 for (int c = 0; c < C; ++c) {
                     acc[r][c] = _mm256_fmadd_ps(wl, xl[c], acc[r][c]);
                     acc[r][c] = _mm256_fmadd_ps(wh, xh[c], acc[r][c]);
@@ -291,21 +303,72 @@ inline __attribute__((always_inline)) void tile_f32_avx2(
         for (int c = 0; c < C; ++c) out[c * N + r] = hsum8_avx2(_mm256_add_ps(half[0][r][c], half[1][r][c]));
 }
 
+// wf[r][k] = weight k of row r as f32, for R rows of nb blocks (values as tile_f32_avx2 computes them).
 template <int R>
-void rows_tile_f32_avx2(const uint8_t* w, int64_t row_bytes, const float* x,
+void dequant_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t nb, float* wf, int64_t K) {
+    const __m256i lo4 = _mm256_set1_epi32(0x0f);
+    const __m256 m8 = _mm256_set1_ps(-8.0f);
+    for (int r = 0; r < R; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = w + r * row_bytes + b * BLOCK_BYTES;
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+            const __m256 nd8 = _mm256_mul_ps(d, m8);
+            float* o = wf + r * K + b * QK;
+            for (int h = 0; h < 2; ++h) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * h)));
+                _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, lo4)), d, nd8));
+                _mm256_storeu_ps(o + 16 + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, nd8));
+            }
+        }
+}
+
+// GEMM: activation rows in chunks that stay in L2; per chunk and 4-row tile, the rows are
+// dequantized once into an L1 buffer and every C = 2 activation rows run over it.
+constexpr int64_t PACK_MIN_M = 4;            // below this, dequantize in registers (GEMV)
+constexpr int64_t X_CHUNK_FLOATS = 48 * 1024; // ~192 KB of activations per chunk
+
+template <int R>
+void rows_tile_f32_avx2(const uint8_t* w, int64_t row_bytes, const float* wf, const float* x,
                         float* out, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / QK;
     constexpr int C = R == 4 ? 2 : 4;
     int64_t m = 0;
-    for (; m + C <= M; m += C) tile_f32_avx2<R, C>(w, row_bytes, x + m * K, K, nb, out + m * N, N);
-    for (; m < M; ++m) tile_f32_avx2<R, 1>(w, row_bytes, x + m * K, K, nb, out + m * N, N);
+    if (wf) {
+        for (; m + C <= M; m += C) tile_f32_avx2<R, C, true>(w, row_bytes, wf, x + m * K, K, nb, out + m * N, N);
+        for (; m < M; ++m) tile_f32_avx2<R, 1, true>(w, row_bytes, wf, x + m * K, K, nb, out + m * N, N);
+        return;
+    }
+    for (; m + C <= M; m += C) tile_f32_avx2<R, C, false>(w, row_bytes, wf, x + m * K, K, nb, out + m * N, N);
+    for (; m < M; ++m) tile_f32_avx2<R, 1, false>(w, row_bytes, wf, x + m * K, K, nb, out + m * N, N);
 }
 
 void rows_f32_avx2(const uint8_t* q, int64_t row_bytes, const float* x,
                    float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {
-    int64_t n = r0;
-    for (; n + 4 <= r1; n += 4) rows_tile_f32_avx2<4>(q + n * row_bytes, row_bytes, x, out + n, M, N, K);
-    for (; n < r1; ++n) rows_tile_f32_avx2<1>(q + n * row_bytes, row_bytes, x, out + n, M, N, K);
+    if (M < PACK_MIN_M) {
+        int64_t n = r0;
+        for (; n + 4 <= r1; n += 4) rows_tile_f32_avx2<4>(q + n * row_bytes, row_bytes, nullptr, x, out + n, M, N, K);
+        for (; n < r1; ++n) rows_tile_f32_avx2<1>(q + n * row_bytes, row_bytes, nullptr, x, out + n, M, N, K);
+        return;
+    }
+    thread_local std::vector<float> buf;
+    if ((int64_t)buf.size() < 4 * K) buf.resize(4 * K);
+    float* wf = buf.data();
+    const int64_t nb = K / QK;
+    const int64_t chunk = X_CHUNK_FLOATS / K > PACK_MIN_M ? X_CHUNK_FLOATS / K : PACK_MIN_M;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+        const float* xc = x + m0 * K;
+        float* oc = out + m0 * N;
+        int64_t n = r0;
+        for (; n + 4 <= r1; n += 4) {
+            dequant_rows_avx2<4>(q + n * row_bytes, row_bytes, nb, wf, K);
+            rows_tile_f32_avx2<4>(q + n * row_bytes, row_bytes, wf, xc, oc + n, mc, N, K);
+        }
+        for (; n < r1; ++n) {
+            dequant_rows_avx2<1>(q + n * row_bytes, row_bytes, nb, wf, K);
+            rows_tile_f32_avx2<1>(q + n * row_bytes, row_bytes, wf, xc, oc + n, mc, N, K);
+        }
+    }
 }
 
 #pragma GCC pop_options
@@ -444,11 +507,6 @@ int detect_isa() {
 
 const int g_best_isa = detect_isa();
 
-int resolve_isa(int isa) {
-    if (isa < 0 || isa > g_best_isa) return g_best_isa;
-    return isa;
-}
-
 using QuantFn = void (*)(const float*, int8_t*, float*, int64_t);
 using RowsFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, float*,
                         int64_t, int64_t, int64_t, int64_t, int64_t);
@@ -482,14 +540,6 @@ RowsF32Fn rows_f32_fn(int isa) {
     return rows_f32_scalar;
 }
 
-// Rows [r0, r1) of thread `tid` of `nt`: contiguous runs of whole 4-row tiles.
-inline void thread_rows(int64_t N, int tid, int nt, int64_t* r0, int64_t* r1) {
-    const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t t0 = tiles * tid / nt, t1 = tiles * (tid + 1) / nt;
-    *r0 = t0 * TILE_ROWS;
-    *r1 = t1 * TILE_ROWS < N ? t1 * TILE_ROWS : N;
-}
-
 // threads: at most one per tile, and one per ~32 KB of weight bytes x activation rows, so
 // tiny matmuls do not pay a thread wake-up (the split never changes the results)
 inline int thread_count(int nthreads, int64_t M, int64_t N, int64_t row_bytes) {
@@ -503,9 +553,40 @@ inline int thread_count(int nthreads, int64_t M, int64_t N, int64_t row_bytes) {
 
 }  // namespace
 
+namespace tq {
+
+int resolve_isa(int isa) {
+    if (isa < 0 || isa > g_best_isa) return g_best_isa;
+    return isa;
+}
+
+void matmul_f32_rows(const float* x, const uint8_t* q, float* out, int64_t M, int64_t N, int64_t K,
+                     int64_t r0, int64_t r1, int isa) {
+    rows_f32_fn(isa)(q, K / QK * BLOCK_BYTES, x, out, M, N, K, r0, r1);
+}
+
+void embedding_rows(const int64_t* ids, int64_t n_ids, const uint8_t* q, int64_t K, float* out) {
+    const int64_t nb = K / QK;
+    const int64_t row_bytes = nb * BLOCK_BYTES;
+    for (int64_t i = 0; i < n_ids; ++i) {
+        const uint8_t* row = q + ids[i] * row_bytes;
+        float* o = out + i * K;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = row + b * BLOCK_BYTES;
+            const float d = fp16_to_fp32(load_u16(blk));
+            for (int j = 0; j < 16; ++j) {
+                o[b * QK + j] = (float)((blk[2 + j] & 0x0f) - 8) * d;
+                o[b * QK + j + 16] = (float)((blk[2 + j] >> 4) - 8) * d;
+            }
+        }
+    }
+}
+
+}  // namespace tq
+
 extern "C" {
 
-int tq_abi_version() { return 2; }
+int tq_abi_version() { return 3; }
 
 // The best path this CPU runs: 2 AVX-512 VNNI (256-bit), 1 AVX2/FMA/F16C, 0 scalar.
 int tq_best_isa() { return g_best_isa; }
@@ -520,7 +601,7 @@ int tq_max_threads() {
 
 // Q8_0 activation quantization, exposed so tests can compare it with torch exactly.
 void tq_quantize_q8_0(const float* x, int8_t* q, float* d, int64_t M, int64_t K, int isa) {
-    const QuantFn qf = quant_fn(resolve_isa(isa));
+    const QuantFn qf = quant_fn(tq::resolve_isa(isa));
     const int64_t nb = K / QK;
     for (int64_t m = 0; m < M; ++m) qf(x + m * K, q + m * K, d + m * nb, nb);
 }
@@ -528,7 +609,7 @@ void tq_quantize_q8_0(const float* x, int8_t* q, float* d, int64_t M, int64_t K,
 // out[M, N] = x[M, K] @ dequant(q[N, K/32*18]).T ; all pointers contiguous, validated by the caller.
 void tq_matmul(const float* x, const uint8_t* q, float* out, int64_t M, int64_t N, int64_t K,
                int nthreads, int isa) {
-    isa = resolve_isa(isa);
+    isa = tq::resolve_isa(isa);
     const QuantFn qf = quant_fn(isa);
     const RowsFn rf = rows_fn(isa);
     const int64_t nb = K / QK;
@@ -565,7 +646,7 @@ void tq_matmul(const float* x, const uint8_t* q, float* out, int64_t M, int64_t 
 // Same product with f32 activations (no Q8_0 rounding): see the f32 order above.
 void tq_matmul_f32(const float* x, const uint8_t* q, float* out, int64_t M, int64_t N, int64_t K,
                    int nthreads, int isa) {
-    const RowsF32Fn rf = rows_f32_fn(resolve_isa(isa));
+    const RowsF32Fn rf = rows_f32_fn(tq::resolve_isa(isa));
     const int64_t row_bytes = K / QK * BLOCK_BYTES;
     const int nt = thread_count(nthreads, M, N, row_bytes);
 #ifdef _OPENMP
@@ -584,20 +665,7 @@ void tq_matmul_f32(const float* x, const uint8_t* q, float* out, int64_t M, int6
 
 // out[n_ids, K] = dequantized rows ids of q[N, K/32*18] (ids validated by the caller).
 void tq_embedding(const int64_t* ids, int64_t n_ids, const uint8_t* q, int64_t K, float* out) {
-    const int64_t nb = K / QK;
-    const int64_t row_bytes = nb * BLOCK_BYTES;
-    for (int64_t i = 0; i < n_ids; ++i) {
-        const uint8_t* row = q + ids[i] * row_bytes;
-        float* o = out + i * K;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* blk = row + b * BLOCK_BYTES;
-            const float d = fp16_to_fp32(load_u16(blk));
-            for (int j = 0; j < 16; ++j) {
-                o[b * QK + j] = (float)((blk[2 + j] & 0x0f) - 8) * d;
-                o[b * QK + j + 16] = (float)((blk[2 + j] >> 4) - 8) * d;
-            }
-        }
-    }
+    tq::embedding_rows(ids, n_ids, q, K, out);
 }
 
 }  // extern "C"

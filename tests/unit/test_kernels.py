@@ -127,6 +127,16 @@ def test_batched_rows_equal_single_rows_for_any_thread_count(n, k, act):
 
 
 @needs_lib
+def test_gemm_over_several_activation_chunks_equals_single_rows():
+    """M large enough that the packed f32 GEMM walks several L2-sized chunks of activation rows."""
+    q, x = q4(195, 1536), acts(70, 1536)
+    singles = torch.cat([cpu.matmul_with(x[i:i + 1], q, num_threads=1, act="f32") for i in range(x.shape[0])])
+    for threads in (1, 2):
+        assert torch.equal(cpu.matmul_with(x, q, num_threads=threads, act="f32"), singles)
+    assert rel_err(singles, q4_0.matmul(x, q)) < 1e-5
+
+
+@needs_lib
 def test_embedding_is_bitwise_the_reference():
     q = q4(1000, 576)
     ids = torch.tensor([[0, 999, 5], [5, 17, 3]])
