@@ -84,12 +84,21 @@ class AsyncEngine:
         return dict(self._stats, queued_commands=self._commands.qsize())
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     priority: int = 1, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+                     priority: int = 1, prefill_only: bool = False,
+                     prefix: tuple[list[int], bytes] | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request; once the engine has taken it, return the stream of its outputs.
-        Raises ValueError (bad input) here, before any output."""
+        ``prefix``: (token ids, KV bytes) of a prefix from the KV pool, loaded into the prefix
+        cache in the same engine command, so the request reuses it. Raises ValueError (bad
+        input) here, before any output."""
         q = self._open(request_id)
+
+        def add() -> None:
+            if prefix is not None:
+                self.engine.load_prefix(*prefix)
+            self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only)
+
         try:
-            await self._call(lambda: self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only))
+            await self._call(add)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -114,6 +123,9 @@ class AsyncEngine:
 
     async def export_kv(self, request_id: str) -> bytes:
         return await self._call(lambda: self.engine.export_kv(request_id))
+
+    async def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids))
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.abort(request_id))

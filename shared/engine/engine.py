@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import struct
 from dataclasses import dataclass, field
+from typing import Callable
 
 import orjson
 import torch
 
 from shared.engine import sampler
-from shared.engine.kv_cache import KV_DTYPE, KV_LAYOUT_VERSION, BlockManager, KVLayout
+from shared.engine.kv_cache import KV_DTYPE, KV_LAYOUT_VERSION, BlockManager, KVLayout, block_hash
 from shared.engine.loader import LoadedModel, release_freed_memory, load_model
 from shared.engine.model import AttnChunk, StepContext, Transformer
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
@@ -102,6 +103,11 @@ class Engine:
                                    self.kv, config.swap_bytes)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
+        # Called (on the engine's thread) with (request_id, token_ids, kv bytes) when a request
+        # finishes, for its first ``finished_kv_align``-multiple computed tokens (the KV pool's
+        # write-back of a finished session). None: not called.
+        self.finished_kv_hook: Callable[[str, list[int], bytes], None] | None = None
+        self.finished_kv_align = config.block_size
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens (%.1f MiB), context %d",
                  cfg.name, self.device, num_blocks, config.block_size,
@@ -174,20 +180,30 @@ class Engine:
         return outputs
 
     @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], prefix_kv: bytes | None = None) -> torch.Tensor:
         """Logits [len(token_ids), vocab] at every position of one prompt, in one forward pass
         (for evaluation: parity with other implementations, perplexity). Uses free KV blocks and
-        gives them back; requests in the engine are not disturbed."""
+        gives them back; requests in the engine are not disturbed. ``prefix_kv``: the KV of the
+        first whole blocks (e.g. decoded from the KV pool); then only the positions after it are
+        computed and returned."""
         n, bs = len(token_ids), self.layout.block_size
+        start = 0 if prefix_kv is None else len(prefix_kv) // self.layout.token_bytes
+        if start % bs or start >= n:
+            raise ValueError(f"prefix KV must hold whole blocks and fewer than {n} tokens, got {start}")
         blocks = self.blocks.allocate(self.layout.blocks_for(n))
         if blocks is None:
             raise EngineFull(f"{n} tokens need {self.layout.blocks_for(n)} KV blocks, {self.blocks.num_free} free")
         try:
-            pos = torch.arange(n, dtype=torch.int64)
             table = torch.tensor(blocks, dtype=torch.int64)
+            if start:
+                data = torch.frombuffer(bytearray(prefix_kv), dtype=torch.uint8).view(KV_DTYPE)
+                self.kv[table[:start // bs].to(self.device)] = data.view(-1, *self.layout.block_shape).to(self.device)
+            pos = torch.arange(start, n, dtype=torch.int64)
             ctx = StepContext(pos.to(self.device), table[pos // bs].to(self.device), (pos % bs).to(self.device),
-                              [AttnChunk(0, n, 0, table.to(self.device))], pos.to(self.device))
-            return self.model.forward(torch.tensor(token_ids, dtype=torch.int64, device=self.device), ctx, self.kv)
+                              [AttnChunk(start, n - start, 0, table.to(self.device))],
+                              torch.arange(n - start, device=self.device))
+            ids = torch.tensor(token_ids[start:], dtype=torch.int64, device=self.device)
+            return self.model.forward(ids, ctx, self.kv)
         finally:
             self.blocks.release(blocks)
 
@@ -240,6 +256,8 @@ class Engine:
         seq.emitted_chars = max(seq.emitted_chars, end)
         if finish is not None:
             self.seqs.pop(seq.request_id, None)
+            if self.finished_kv_hook is not None:
+                self._report_finished_kv(seq)
             self._release(seq)
             seq.status, seq.finish_reason = Status.FINISHED, finish
         elif seq.prefill_only:  # keep the KV for export_kv; the decode worker continues
@@ -257,8 +275,54 @@ class Engine:
         return RequestOutput(seq.request_id, ids, text, finish is not None, finish, lps,
                              seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` this engine's prefix cache holds now."""
+        return len(self.blocks.match_prefix(token_ids, len(token_ids))) * self.layout.block_size
+
     def _release(self, seq: Sequence) -> None:
         self.scheduler.drop(seq)
+
+    def _report_finished_kv(self, seq: Sequence) -> None:
+        n = seq.num_computed // self.finished_kv_align * self.finished_kv_align
+        if n == 0:
+            return
+        try:
+            kv = self.read_blocks(seq.block_table[:n // self.layout.block_size])
+            self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv)
+        except Exception:  # the hook is best effort; the request finishes regardless
+            log.exception("finished-KV hook failed for %s", seq.request_id)
+
+    def read_blocks(self, blocks: list[int]) -> bytes:
+        """The KV of ``blocks``, in order, as bytes (layout v1)."""
+        kv = self.kv.index_select(0, torch.tensor(blocks, device=self.device)).cpu()
+        return kv.contiguous().view(torch.uint8).numpy().tobytes()
+
+    @torch.inference_mode()
+    def load_prefix(self, token_ids: list[int], kv) -> int:
+        """Put KV computed elsewhere (the KV pool) into the prefix cache: ``kv`` holds the whole
+        blocks of ``token_ids`` (a multiple of the block size), layout v1. A request starting
+        with these tokens then reuses them like any cached block (``num_cached_tokens``).
+        Blocks already cached here are skipped. Returns the tokens loaded (0 when no blocks are
+        free or prefix caching is off: the request then computes them). Raises ValueError when sizes do not match."""
+        bs, n = self.layout.block_size, len(token_ids)
+        if n % bs or memoryview(kv).nbytes != n // bs * self.layout.block_bytes:
+            raise ValueError(f"prefix KV of {memoryview(kv).nbytes} bytes does not hold {n} tokens "
+                             f"in whole blocks of {self.layout.block_bytes} bytes")
+        hashes, parent = [], None
+        for i in range(n // bs):
+            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+        missing = [i for i, h in enumerate(hashes) if h not in self.blocks.block_of]
+        got = self.blocks.allocate(len(missing)) if missing and self.blocks.prefix_caching else None
+        if got is None:
+            return 0
+        data = torch.frombuffer(kv if isinstance(kv, bytearray) else bytearray(kv), dtype=torch.uint8)
+        data = data.view(KV_DTYPE).view(n // bs, *self.layout.block_shape)
+        self.kv[torch.tensor(got, device=self.device)] = data[torch.tensor(missing)].to(self.device)
+        for b, i in zip(got, missing):
+            self.blocks.adopt(b, hashes[i])
+        self.blocks.release(got)  # free but hashed: found by the next match_prefix
+        return len(missing) * bs
 
     # ---- KV hand-off ------------------------------------------------------------------
     @torch.inference_mode()
@@ -271,7 +335,7 @@ class Engine:
         if seq.status not in (Status.PARKED, Status.RUNNING) or seq.num_computed != seq.num_tokens - 1:
             raise ValueError(f"request {request_id!r} is not between decode steps (status {seq.status.value})")
         nb = self.layout.blocks_for(seq.num_computed)
-        kv = self.kv.index_select(0, torch.tensor(seq.block_table[:nb], device=self.device)).cpu()
+        kv = self.read_blocks(seq.block_table[:nb])
         rng = seq.generator.get_state().numpy().tobytes()
         header = orjson.dumps({
             "layout": self.layout.to_dict(), "model": self.model_identity,
@@ -283,8 +347,7 @@ class Engine:
         })
         self.seqs.pop(request_id)
         self._release(seq)
-        return b"".join([KV_MAGIC, struct.pack("<I", len(header)), header, rng,
-                         kv.contiguous().view(torch.uint8).numpy().tobytes()])
+        return b"".join([KV_MAGIC, struct.pack("<I", len(header)), header, rng, kv])
 
     @torch.inference_mode()
     def import_kv(self, request_id: str, blob: bytes | memoryview, priority: int | None = None) -> None:

@@ -63,6 +63,15 @@ def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None) -> torch.Te
     return inv
 
 
+def _fused_forward(model: "Transformer"):
+    """kernels.cpu_forward.FusedForward for ``model``, or None (op-by-op forward)."""
+    try:
+        from kernels.cpu_forward import FusedForward
+    except ImportError:
+        return None
+    return FusedForward.build(model)
+
+
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, ops,
                  consume: bool = False):
@@ -110,6 +119,7 @@ class Transformer:
         self.q_size = cfg.n_heads * cfg.head_dim
         self.kv_size = cfg.n_kv_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.fused = _fused_forward(self)  # the whole step in C++ where it applies (CPU kernels)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps) * w
@@ -121,6 +131,12 @@ class Transformer:
 
     def forward(self, token_ids: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> torch.Tensor:
         """Run the flat batch; write its KV into ``kv``; return logits [S, vocab] of ``ctx.sample_rows``."""
+        if self.fused is not None:
+            return self.fused(token_ids, ctx, kv)
+        return self.forward_ops(token_ids, ctx, kv)
+
+    def forward_ops(self, token_ids: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> torch.Tensor:
+        """``forward`` op by op in torch around ``ops.matmul`` (the reference; CUDA; any device)."""
         cfg, mm = self.cfg, self.ops.matmul
         hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         x = self.ops.embedding(token_ids, self.embed)  # [T, D]

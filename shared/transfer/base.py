@@ -158,7 +158,9 @@ class SendResult:
     nbytes: int
     checksum: str      # "<algo>:<hex>" for the TransferHandle
     seconds: float     # connect to receiver's acknowledgement
-    path: str          # transport name, e.g. "tcp"
+    path: str          # how it went: "shm", "tcp", "tcp+zstd"
+    wire_bytes: int = 0   # bytes that crossed the path (compressed size for tcp+zstd)
+    attempts: int = 1     # paths tried (a failed path is retried on the next)
 
 
 class KVReceiver(abc.ABC):

@@ -10,6 +10,15 @@ their own buffer). Wire format, per frame (a connection may carry several in seq
     payload nbytes
     reply   !BH status, len(message), then the message (receiver -> sender, after verifying)
 
+Version 2 frames add ``!BQ flags, raw bytes`` after the transfer id (the digest is always that
+of the raw payload, so it is verified after any decoding):
+- ``F_ZSTD``: the payload on the wire is zstd-compressed (the link is slower than the codec);
+- ``F_SHM``: the payload is the name of a file in /dev/shm holding the raw bytes (same host:
+  the receiver maps it, unlinks it and verifies it — one copy instead of a socket's two);
+- ``F_HELLO``: the payload is the sender's host identity (machine-id:boot-id); the reply's
+  message is the receiver's (``shared/transfer/link.py`` detects same-host peers with it);
+- ``F_PROBE``: ``nbytes`` of filler the receiver reads and drops (a timed link probe).
+
 Flow control: the receiver takes a buffer from a bounded ``BufferPool`` before reading a
 payload; while none is free it stops reading, TCP's window fills and the sender's
 ``sock_sendall`` waits — no unbounded buffering anywhere. Every read and write has a stall
@@ -29,16 +38,28 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+import zstandard
+
+try:
+    import blake3 as _blake3
+except ImportError:  # pragma: no cover
+    _blake3 = None
+
 from shared.transfer.base import (
     ChecksumError, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, PeerUnavailable,
     SendResult, TransferError, TransferState, default_checksum,
 )
+from shared.transfer.link import host_identity
+from shared.transfer.shm import shm_map, shm_unlink, shm_write
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"TKV1"
 VERSION = 1
 HEADER = struct.Struct("!4sBBHQ32s")
+EXTRA = struct.Struct("!BQ")           # version 2: flags, raw payload bytes
+F_ZSTD, F_SHM, F_HELLO, F_PROBE = 1, 2, 4, 8
+MODES = ("tcp", "tcp+zstd", "shm")     # how send() moves a payload
 REPLY = struct.Struct("!BH")
 ALGOS = {"blake3": 1, "crc32": 2}
 ALGO_NAMES = {v: k for k, v in ALGOS.items()}
@@ -62,6 +83,35 @@ def parse_checksum(value: str) -> tuple[str, bytes]:
     if len(digest) > 32:
         raise ValueError(f"bad checksum {value!r}: digest longer than 32 bytes")
     return algo, digest
+
+
+def _compress(view: memoryview) -> bytes:
+    return zstandard.ZstdCompressor(level=1, threads=2 if view.nbytes > MiB else 0).compress(view)
+
+
+def _decompress(wire, raw_n: int) -> bytearray:
+    out = zstandard.ZstdDecompressor().decompress(wire, max_output_size=raw_n)
+    if len(out) != raw_n:
+        raise zstandard.ZstdError(f"decompressed to {len(out)} bytes, header says {raw_n}")
+    return bytearray(out)
+
+
+def _digest(algo: str, data) -> bytes:
+    if algo == "blake3" and _blake3 is not None:  # one-shot: every core
+        return _blake3.blake3(data, max_threads=_blake3.blake3.AUTO).digest()
+    h = Hasher(algo)
+    h.update(data)
+    return h.digest()
+
+
+def _check_digest(tid: str, algo: str, got: bytes, digest: bytes) -> None:
+    if got != digest[:len(got)] or any(digest[len(got):]):
+        raise ChecksumError(f"checksum mismatch: got {algo}:{got.hex()}, "
+                            f"header says {algo}:{digest[:len(got)].hex()}", tid)
+
+
+class ShmUnavailable(TransferError):
+    """The receiver cannot map the sender's segment (another /dev/shm): retry on another path."""
 
 
 # -- buffers -----------------------------------------------------------------------------------
@@ -185,9 +235,14 @@ class TcpKVSender(KVSender):
         self._closed = False
 
     async def send(self, host: str, port: int, transfer_id: str, payload, *,
-                   checksum: str | None = None, timeout: float | None = None) -> SendResult:
+                   checksum: str | None = None, timeout: float | None = None, mode: str = "tcp",
+                   compressible: bool = True) -> SendResult:
+        """``mode``: "tcp" (raw), "tcp+zstd" (compressed on the wire) or "shm" (same host only).
+        ``compressible`` is a hint for path selection (``DataPlaneSender``); unused here."""
         if self._closed:
             raise TransferError("sender closed", transfer_id)
+        if mode not in MODES:
+            raise ValueError(f"unknown transfer mode {mode!r}: expected one of {', '.join(MODES)}")
         tid = transfer_id.encode()
         if not tid or len(tid) > MAX_ID_BYTES:
             raise ValueError(f"transfer_id must be 1..{MAX_ID_BYTES} bytes, got {transfer_id!r}")
@@ -202,27 +257,63 @@ class TcpKVSender(KVSender):
                 h.update(view)
             checksum = h.hexdigest()
         algo, digest = parse_checksum(checksum)
-        header = HEADER.pack(MAGIC, VERSION, ALGOS[algo], len(tid), view.nbytes,
-                             digest.ljust(32, b"\0")) + tid
-
-        loop = asyncio.get_running_loop()
-        sock = await self._connect(loop, host, port, transfer_id)
+        body, flags, segment = view, 0, None
+        if mode == "tcp+zstd":
+            body, flags = memoryview(await asyncio.to_thread(_compress, view)), F_ZSTD
+        elif mode == "shm":
+            segment = await asyncio.to_thread(shm_write, view)
+            body, flags = memoryview(segment.encode()), F_SHM
+        status = FAILED
         try:
-            try:
-                await _send_all(loop, sock, memoryview(header), len(header), stall)
-                await _send_all(loop, sock, view, self.chunk_bytes, stall)
-                status, message = await self._read_reply(loop, sock, stall)
-            except TimeoutError:
-                raise TransferError(f"stalled for {stall}s sending to {host}:{port}", transfer_id) from None
-            except OSError as e:
-                raise TransferError(f"connection to {host}:{port} lost: {e}", transfer_id) from None
+            status, message = await self._exchange(host, port, transfer_id, algo, digest, body, flags,
+                                                   view.nbytes, stall)
         finally:
-            sock.close()
+            if segment is not None and status != OK:
+                shm_unlink(segment)  # the receiver unlinks what it took; nothing is left behind
         if status == CHECKSUM:
             raise ChecksumError(f"receiver {host}:{port} reports {message}", transfer_id)
         if status != OK:
             raise TransferError(f"receiver {host}:{port} refused: {message}", transfer_id)
-        return SendResult(transfer_id, view.nbytes, checksum, time.perf_counter() - t0, "tcp")
+        return SendResult(transfer_id, view.nbytes, checksum, time.perf_counter() - t0, mode,
+                          wire_bytes=body.nbytes if mode == "tcp+zstd" else view.nbytes)
+
+    async def hello(self, host: str, port: int, identity: str) -> str:
+        """Exchange host identities with a receiver; returns the receiver's."""
+        status, message = await self._exchange(host, port, "hello", "crc32", b"", memoryview(identity.encode()),
+                                               F_HELLO, 0, self.timeout)
+        if status != OK:
+            raise TransferError(f"receiver {host}:{port} refused hello: {message}")
+        return message
+
+    async def probe(self, host: str, port: int, nbytes: int = 8 * MiB) -> float:
+        """Seconds to push ``nbytes`` to a receiver and hear back (a timed link probe)."""
+        t0 = time.perf_counter()
+        status, message = await self._exchange(host, port, "probe", "crc32", b"", memoryview(bytes(nbytes)),
+                                               F_PROBE, 0, self.timeout)
+        if status != OK:
+            raise TransferError(f"receiver {host}:{port} refused probe: {message}")
+        return time.perf_counter() - t0
+
+    async def _exchange(self, host: str, port: int, transfer_id: str, algo: str, digest: bytes,
+                        body: memoryview, flags: int, raw_nbytes: int, stall: float) -> tuple[int, str]:
+        """One frame on a fresh connection: header, body, then the receiver's verdict."""
+        tid = transfer_id.encode()
+        version = 2 if flags else VERSION
+        header = HEADER.pack(MAGIC, version, ALGOS[algo], len(tid), body.nbytes, digest.ljust(32, b"\0")) + tid
+        if flags:
+            header += EXTRA.pack(flags, raw_nbytes)
+        loop = asyncio.get_running_loop()
+        sock = await self._connect(loop, host, port, transfer_id)
+        try:
+            await _send_all(loop, sock, memoryview(header), len(header), stall)
+            await _send_all(loop, sock, body, self.chunk_bytes, stall)
+            return await self._read_reply(loop, sock, stall)
+        except TimeoutError:
+            raise TransferError(f"stalled for {stall}s sending to {host}:{port}", transfer_id) from None
+        except OSError as e:
+            raise TransferError(f"connection to {host}:{port} lost: {e}", transfer_id) from None
+        finally:
+            sock.close()
 
     async def _connect(self, loop, host: str, port: int, transfer_id: str) -> socket.socket:
         try:
@@ -280,6 +371,7 @@ class TcpKVReceiver(KVReceiver):
         self.timeout = timeout                # stall timeout per read; buffer wait bound
         self.unclaimed_ttl = unclaimed_ttl    # seconds a received-but-untaken payload is kept
         self.pool = BufferPool(max_bytes)     # bounded, reused receive buffers
+        self.identity = host_identity()       # answered to hello frames (same-host detection)
         self._entries: dict[str, _Entry] = {}
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()  # accept loop, janitor, one per connection
@@ -401,45 +493,64 @@ class TcpKVReceiver(KVReceiver):
                 except ConnectionError:
                     return
                 magic, version, algo_id, id_len, nbytes, digest = HEADER.unpack(head)
-                if magic != MAGIC or version != VERSION or algo_id not in ALGO_NAMES \
+                if magic != MAGIC or version not in (1, 2) or algo_id not in ALGO_NAMES \
                         or not 0 < id_len <= MAX_ID_BYTES:
                     await self._reply(loop, conn, BAD_HEADER, f"bad header from {peer}")
                     return
-                tid_buf = bytearray(id_len)
+                tid_buf = bytearray(id_len + (EXTRA.size if version == 2 else 0))
                 await _recv_exact(loop, conn, memoryview(tid_buf), self.timeout)
-                tid = tid_buf.decode(errors="replace")
-                if not await self._receive(loop, conn, tid, nbytes, ALGO_NAMES[algo_id], digest):
+                tid = tid_buf[:id_len].decode(errors="replace")
+                flags, raw_n = EXTRA.unpack(tid_buf[id_len:]) if version == 2 else (0, nbytes)
+                if flags & (F_HELLO | F_PROBE):
+                    await self._control(loop, conn, flags, nbytes)
+                    continue
+                if not await self._receive(loop, conn, tid, nbytes, ALGO_NAMES[algo_id], digest, flags, raw_n):
                     return  # the frame could not be consumed; the connection is unusable
         except (ConnectionError, TimeoutError, OSError) as e:
             log.debug("KV connection from %s ended: %s", peer, e)
         finally:
             conn.close()
 
-    async def _receive(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes) -> bool:
+    async def _control(self, loop, conn, flags: int, nbytes: int) -> None:
+        """A hello (identity exchange) or a probe (read and drop ``nbytes``)."""
+        if nbytes > (4096 if flags & F_HELLO else 1 << 30):
+            raise ConnectionError(f"control frame of {nbytes} bytes")
+        buf = bytearray(min(nbytes, 4 * MiB))
+        left = nbytes
+        while left:
+            n = min(left, len(buf))
+            await _recv_exact(loop, conn, memoryview(buf)[:n], self.timeout)
+            left -= n
+        await self._reply(loop, conn, OK, self.identity if flags & F_HELLO else "")
+
+    async def _receive(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes,
+                       flags: int = 0, raw_n: int | None = None) -> bool:
         """One frame's payload. Returns False when the connection must be closed."""
+        raw_n = nbytes if raw_n is None else raw_n
         entry = self._entries.setdefault(tid, _Entry())
         if entry.state in (TransferState.TRANSFERRING, TransferState.SUCCESS):
             await self._reply(loop, conn, DUPLICATE, f"transfer {tid} already received")
             return False
-        if not self.pool.fits(nbytes):
+        if not self.pool.fits(nbytes) or not self.pool.fits(raw_n):
             self._fail(tid, entry, TransferError(
-                f"{nbytes} bytes exceed the receive budget of {self.pool.max_bytes}", tid))
+                f"{max(nbytes, raw_n)} bytes exceed the receive budget of {self.pool.max_bytes}", tid))
             await self._reply(loop, conn, TOO_LARGE, str(entry.error))
             return False
         entry.state = TransferState.TRANSFERRING
         t0 = time.perf_counter()
-        buf: bytearray | None = None
-        view: memoryview | None = None
         try:
-            try:
-                async with asyncio.timeout(self.timeout):
-                    buf = await self.pool.acquire(nbytes) if nbytes else bytearray()
-            except TimeoutError:
-                raise TransferError(f"no receive buffer free within {self.timeout}s", tid) from None
-            view = memoryview(buf)[:nbytes]
-            got = await self._read_verified(loop, conn, tid, view, algo, digest)
+            if flags & F_SHM:
+                view, got, release = await self._read_shm(loop, conn, tid, nbytes, raw_n, algo, digest)
+            elif flags & F_ZSTD:
+                view, got, release = await self._read_zstd(loop, conn, tid, nbytes, raw_n, algo, digest)
+            else:
+                view, got, release = await self._read_plain(loop, conn, tid, nbytes, algo, digest)
+        except ShmUnavailable as e:  # nothing was received: the sender retries on another path
+            entry.state = TransferState.PENDING
+            log.info("KV %s; waiting for another path", e)
+            await self._reply(loop, conn, FAILED, str(e))
+            return True
         except TransferError as e:
-            self._give_back(view, buf)
             self._fail(tid, entry, e)
             log.warning("KV %s", e)
             status = CHECKSUM if isinstance(e, ChecksumError) else FAILED
@@ -450,18 +561,79 @@ class TcpKVReceiver(KVReceiver):
             return False
         seconds = time.perf_counter() - t0
         if entry.discarded:
-            self._give_back(view, buf)
+            view.release()
+            if release is not None:
+                release(True)
             self._fail(tid, entry, TransferError("discarded", tid))
             await self._reply(loop, conn, DISCARDED, f"transfer {tid} was discarded")
             return True
-        release = (lambda reuse, b=buf: self.pool.release(b, reuse)) if nbytes else None
         entry.payload = KVPayload(tid, view, f"{algo}:{got.hex()}", seconds, release)
         entry.state = TransferState.SUCCESS
         entry.since = time.monotonic()
         entry.done.set()
-        log.debug("KV %s: %d bytes in %.3fs", tid, nbytes, seconds)
+        log.debug("KV %s: %d bytes in %.3fs", tid, raw_n, seconds)
         await self._reply(loop, conn, OK, "")
         return True
+
+    async def _read_plain(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes):
+        """Raw payload into a pooled buffer: (view, digest, release)."""
+        buf: bytearray | None = None
+        view: memoryview | None = None
+        try:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    buf = await self.pool.acquire(nbytes) if nbytes else bytearray()
+            except TimeoutError:
+                raise TransferError(f"no receive buffer free within {self.timeout}s", tid) from None
+            view = memoryview(buf)[:nbytes]
+            got = await self._read_verified(loop, conn, tid, view, algo, digest)
+        except TransferError:
+            self._give_back(view, buf)
+            raise
+        release = (lambda reuse, b=buf: self.pool.release(b, reuse)) if nbytes else None
+        return view, got, release
+
+    async def _recv_bytes(self, loop, conn, tid: str, nbytes: int) -> bytearray:
+        buf = bytearray(nbytes)
+        try:
+            await _recv_exact(loop, conn, memoryview(buf), self.timeout)
+        except (ConnectionError, TimeoutError) as e:
+            raise TransferError(f"short read: {e}", tid) from None
+        return buf
+
+    async def _read_zstd(self, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, digest: bytes):
+        """Compressed payload: receive, decompress (in a thread), verify the raw bytes."""
+        wire = await self._recv_bytes(loop, conn, tid, nbytes)
+        try:
+            raw = await asyncio.to_thread(_decompress, wire, raw_n)
+        except zstandard.ZstdError as e:
+            raise TransferError(f"payload does not decompress: {e}", tid) from None
+        got = await asyncio.to_thread(_digest, algo, raw)
+        _check_digest(tid, algo, got, digest)
+        return memoryview(raw), got, None
+
+    async def _read_shm(self, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, digest: bytes):
+        """Same-host payload: map the sender's /dev/shm file, unlink it, verify it."""
+        if nbytes > 255:
+            raise TransferError(f"shm segment name of {nbytes} bytes", tid)
+        name = await self._recv_bytes(loop, conn, tid, nbytes)
+        try:
+            mm = shm_map(name.decode(errors="replace"), raw_n)
+        except (OSError, ValueError) as e:
+            raise ShmUnavailable(f"shared memory: {e}", tid) from None
+        view = memoryview(mm)
+        got = await asyncio.to_thread(_digest, algo, view)
+        try:
+            _check_digest(tid, algo, got, digest)
+        except ChecksumError:
+            view.release()
+            mm.close()
+            raise
+
+        def release(reuse: bool, m=mm) -> None:
+            if reuse:
+                m.close()
+        return view, got, release
 
     async def _read_verified(self, loop, conn, tid: str, view: memoryview, algo: str,
                              digest: bytes) -> bytes:
@@ -486,9 +658,7 @@ class TcpKVReceiver(KVReceiver):
                 await state[0]
         hasher.update(view[state[1]:])
         got = hasher.digest()
-        if got != digest[:len(got)] or any(digest[len(got):]):
-            raise ChecksumError(f"checksum mismatch: got {algo}:{got.hex()}, "
-                                f"header says {algo}:{digest[:len(got)].hex()}", tid)
+        _check_digest(tid, algo, got, digest)
         return got
 
     def _give_back(self, view: memoryview | None, buf: bytearray | None) -> None:

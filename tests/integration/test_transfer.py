@@ -254,3 +254,89 @@ async def test_throughput_vs_raw_socket(rx, tx, capsys):
 
 def test_header_layout_is_stable():
     assert HEADER.size == struct.calcsize("!4sBBHQ32s") == 48
+
+
+# -- paths: shm, compressed tcp, selection by link, retry on another path ---------------------
+
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("tandem-kv-")}
+
+
+@pytest.mark.parametrize("mode", ["tcp", "tcp+zstd", "shm"])
+@pytest.mark.parametrize("n", [1, 3 * MiB + 7], ids=["1B", "3MiB"])
+async def test_every_path_is_byte_exact(rx, tx, mode, n):
+    payload = os.urandom(n // 2) + bytes(n - n // 2)  # half noise, half compressible
+    before = _shm_files()
+    host, port = rx.address
+    tid = f"{mode}-{n}"
+    sent, got = await asyncio.gather(tx.send(host, port, tid, payload, mode=mode), rx.take(tid, 30))
+    with got:
+        assert bytes(got.data) == payload and got.checksum == sent.checksum == checksum(payload)
+    assert sent.path == mode
+    if mode == "tcp+zstd" and n > 1:
+        assert sent.wire_bytes < n  # the zero half compresses
+    assert _shm_files() == before  # the receiver unlinked the segment
+
+
+async def test_shm_segment_names_are_checked(rx):
+    """A peer cannot make the receiver map an arbitrary file."""
+    from shared.transfer.tcp import EXTRA, F_SHM
+    host, port = rx.address
+    name = b"../../etc/passwd"
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(HEADER.pack(MAGIC, 2, 2, 3, len(name), b"\0" * 32) + b"bad" + EXTRA.pack(F_SHM, 100) + name)
+    status = (await reader.readexactly(3))[0]
+    writer.close()
+    assert status != 0
+    assert rx.poll("bad") is TransferState.PENDING  # nothing received; a retry may still come
+    with pytest.raises(TransferError, match="not received"):
+        await rx.take("bad", 0.5)
+
+
+async def test_selector_uses_shm_on_same_host_and_retries_on_tcp(rx, monkeypatch):
+    from shared.transfer import DataPlaneSender, tcp
+    sender = DataPlaneSender(TcpKVSender(timeout=5.0))
+    host, port = rx.address
+    link = await sender.link(host, port)
+    assert link.same_host and link.source == "shm"
+    payload = os.urandom(MiB)
+    res, got = await asyncio.gather(sender.send(host, port, "a", payload), rx.take("a", 10))
+    with got:
+        assert res.path == "shm" and res.attempts == 1 and bytes(got.data) == payload
+
+    def broken_map(name, n):  # e.g. another /dev/shm namespace: the segment is not visible
+        raise OSError("No such file or directory")
+
+    monkeypatch.setattr(tcp, "shm_map", broken_map)
+    before = _shm_files()
+    res, got = await asyncio.gather(sender.send(host, port, "b", payload), rx.take("b", 10))
+    with got:
+        assert res.path == "tcp" and res.attempts == 2 and bytes(got.data) == payload
+    assert _shm_files() == before  # the failed attempt's segment was removed
+
+
+async def test_selector_probes_a_link_without_reported_speed(rx, monkeypatch):
+    from shared.transfer import DataPlaneSender
+    sender = DataPlaneSender(TcpKVSender(timeout=5.0), probe_bytes=MiB)
+    sender.identity = "other-machine:other-boot"  # pretend to be another host
+    monkeypatch.setattr("shared.transfer.select._interface_gbps_towards", lambda h, p: None)
+    link = await sender.link(*rx.address)
+    assert not link.same_host and link.source == "probe" and link.gbps > 0
+    assert await sender.link(*rx.address) is link  # cached
+
+
+async def test_dead_peer_is_reported_not_retried():
+    from shared.transfer import DataPlaneSender
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(PeerUnavailable):
+        await DataPlaneSender(TcpKVSender(connect_timeout=1.0)).send("127.0.0.1", port, "x", b"abc", mode="tcp")
+
+
+def test_nixl_rdma_path():
+    from shared.transfer.link import rdma_ports
+    if not rdma_ports():
+        pytest.skip("no ACTIVE port under /sys/class/infiniband: no RDMA link on this machine")
+    pytest.importorskip("nixl", reason="nixl is an optional extra (pip install --no-deps nixl nixl-cu12)")
+    pytest.skip("an RDMA link exists but Tandem has no NIXL transport yet (docs/kvpool.md)")

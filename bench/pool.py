@@ -1,0 +1,190 @@
+"""``tandem bench pool``: the KV pool and the data plane, side by side in one run.
+
+- TTFT cold vs warm: a prompt with a shared prefix (``--prefix`` tokens, default 2,048) computed
+  from scratch, then with the prefix loaded from a pool (RAM or disk tier: get, verify, decode,
+  load) — the ratio is the figure (target >= 5x);
+- codecs on the model's real KV: ratio, encode / decode MB/s, and for the lossy codec the
+  perplexity of the tokens after the prefix with the decoded KV vs the exact KV;
+- pool lookups/s;
+- transfers per path (shm, tcp, tcp+zstd) against a raw memcpy and a raw socket, GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvpool.codec import LOSSLESS, LOSSY, ChunkShape, Codec, decode_entry
+from kvpool.keys import KeyScope, chunk_keys
+from kvpool.pool import KVPool, PoolConfig
+
+MiB = 1 << 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
+    p.add_argument("--suffix", type=int, default=64, help="tokens after the prefix (default 64)")
+    p.add_argument("--threads", type=int, default=None, help="engine threads (default: torch's)")
+    p.add_argument("--transfer-mb", type=int, default=64, help="payload per transfer, MiB (default 64)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+
+
+def _best(fn, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_ttft_and_codecs(args) -> list[dict]:
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.sampling import SamplingParams
+    engine = Engine.from_path(None, EngineConfig(threads=args.threads, kv_cache_bytes=512 << 20))
+    ids = _text_tokens(engine.tokenizer, args.prefix + args.suffix)
+    layout = engine.layout.to_dict()
+    rows = []
+
+    def first_token(prefix=None) -> float:
+        engine.blocks = type(engine.blocks)(engine.blocks.num_blocks, engine.blocks.block_size)  # cold cache
+        engine.scheduler.blocks = engine.blocks
+        t0 = time.perf_counter()
+        if prefix is not None:
+            toks, kv = prefix()
+            engine.load_prefix(toks, kv)
+        engine.add("r", ids, SamplingParams(max_tokens=1, temperature=0))
+        while True:
+            if any(o.finished for o in engine.step()):
+                return time.perf_counter() - t0
+
+    # the exact KV of the prefix, as the pool would hold it
+    engine.prompt_logits(ids[:args.prefix])
+    kv = engine.read_blocks(list(range(args.prefix // engine.layout.block_size)))
+    shape = ChunkShape.from_layout(layout)
+    chunk = 256 * engine.layout.token_bytes
+    cold = min(first_token() for _ in range(2))
+    for name in (LOSSLESS, LOSSY):
+        codec = Codec(name)
+        scope = KeyScope(engine.model_identity, layout, 256, tenant=name)
+        keys = chunk_keys(scope, ids[:args.prefix])
+        t_enc = _best(lambda: [codec.encode(k, kv[i * chunk:(i + 1) * chunk], shape) for i, k in enumerate(keys)], 2)
+        entries = [codec.encode(k, kv[i * chunk:(i + 1) * chunk], shape) for i, k in enumerate(keys)]
+        t_dec = _best(lambda: [decode_entry(e) for e in entries], 2)
+        size = sum(len(e) for e in entries)
+        row = {"bench": "codec", "codec": name, "ratio": len(kv) / size,
+               "encode_MBps": len(kv) / t_enc / 1e6, "decode_MBps": len(kv) / t_dec / 1e6}
+        decoded = b"".join(decode_entry(e) for e in entries)
+        tail = engine.prompt_logits(ids, prefix_kv=decoded).float()
+        targets = torch.tensor(ids[args.prefix + 1:])
+        row["ppl_after_prefix"] = float(torch.exp(torch.nn.functional.cross_entropy(tail[:-1], targets)))
+        rows.append(row)
+        with tempfile.TemporaryDirectory() as d:
+            for tier, cfg in (("ram", PoolConfig(ram_bytes=1 << 30)), ("disk", PoolConfig(ram_bytes=0, disk_dir=d))):
+                if name == LOSSY and tier == "disk":
+                    continue
+                pool = KVPool.from_config(cfg)
+                for k, e in zip(keys, entries):
+                    pool.put(k, e)
+
+                def load(pool=pool, keys=keys):
+                    return ids[:len(keys) * 256], bytearray(b"".join(decode_entry(pool.get(k), k) for k in keys))
+
+                warm = min(first_token(load) for _ in range(3))
+                rows.append({"bench": "ttft", "codec": name, "tier": tier, "prefix": args.prefix,
+                             "suffix": args.suffix, "cold_s": cold, "warm_s": warm, "speedup": cold / warm})
+                if name == LOSSLESS and tier == "ram":
+                    n = 20000
+                    t = _best(lambda: [pool.lookup(keys) for _ in range(n // len(keys))], 1)
+                    rows.append({"bench": "lookup", "keys_per_s": n / t, "lookups_per_s": n / len(keys) / t})
+    return rows
+
+
+def _text_tokens(tokenizer, n: int) -> list[int]:
+    """``n`` tokens of natural English (this repository's own docs) — perplexity needs real text."""
+    root = Path(__file__).resolve().parent.parent
+    text = "\n\n".join(p.read_text(encoding="utf-8") for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < n:
+        raise ValueError(f"the docs hold {len(ids)} tokens, {n} are needed (lower --prefix / --suffix)")
+    return ids[:n]
+
+
+async def _transfers(nbytes: int) -> list[dict]:
+    from shared.transfer import TcpKVReceiver, TcpKVSender
+    payload = np.random.default_rng(1).normal(0, 1, nbytes // 2).astype(np.float16).tobytes()
+    rows = []
+    dst = bytearray(nbytes)
+    t = _best(lambda: dst.__setitem__(slice(None), payload))
+    rows.append({"bench": "transfer", "path": "memcpy", "GBps": nbytes / t / 1e9})
+    rows.append({"bench": "transfer", "path": "raw socket", "GBps": nbytes / _raw_socket(payload) / 1e9})
+    rx = TcpKVReceiver("127.0.0.1", 0, max_bytes=4 * nbytes)
+    host, port = await rx.listen()
+    tx = TcpKVSender()
+    for mode in ("tcp", "tcp+zstd", "shm"):
+        best, wire = float("inf"), 0
+        for i in range(3):
+            tid = f"{mode}-{i}"
+            t0 = time.perf_counter()
+            res, got = await asyncio.gather(tx.send(host, port, tid, payload, mode=mode), rx.take(tid, 60))
+            got.release()
+            best, wire = min(best, time.perf_counter() - t0), res.wire_bytes
+        rows.append({"bench": "transfer", "path": mode, "GBps": nbytes / best / 1e9, "wire_ratio": nbytes / wire})
+    await rx.close()
+    raw = next(r["GBps"] for r in rows if r["path"] == "raw socket")
+    for r in rows:
+        r["vs_raw_socket"] = r["GBps"] / raw
+    return rows
+
+
+def _raw_socket(payload: bytes) -> float:
+    """Best of 3: blocking sendall / recv_into over loopback, no framing, no checksum."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    buf = bytearray(len(payload))
+
+    def serve():
+        for _ in range(3):
+            c, _ = srv.accept()
+            view, got = memoryview(buf), 0
+            while got < len(buf):
+                got += c.recv_into(view[got:])
+            c.sendall(b"k")
+            c.close()
+
+    th = threading.Thread(target=serve)
+    th.start()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(payload)
+            s.recv(1)
+        best = min(best, time.perf_counter() - t0)
+    th.join()
+    srv.close()
+    return best
+
+
+def _print(rows: list[dict]) -> list[dict]:
+    for r in rows:
+        print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = _print(asyncio.run(_transfers(args.transfer_mb * MiB)))
+    rows += _print(bench_ttft_and_codecs(args))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=2)
+    return 0

@@ -1,0 +1,213 @@
+"""Pool entries: one chunk's KV, compressed, with a header and a checksum.
+
+Entry layout (the same bytes in RAM, on disk and on the wire)::
+
+    header  <4sBBHQQ32s32s  magic b"TKVP", version 1, codec id, 0, raw bytes, payload bytes,
+                            key (32-byte digest), blake3(payload)
+    payload codec output
+
+Codecs (``CODECS``):
+- ``shuffle-zstd`` (id 1, the default, lossless): float16 values split into two byte planes
+  (all low bytes, then all high bytes; the high bytes — sign and exponent — repeat a lot),
+  then zstd. Decodes to exactly the input bytes.
+- ``int8-zstd`` (id 2, opt-in, lossy): keys quantised to int8 with one scale per channel
+  (layer, head, dim) over the chunk's tokens, values with one scale per token (layer, token,
+  head), then zstd. Decodes to float16 KV in the same block layout, close but not equal.
+
+``decode_entry`` checks magic, sizes and checksum before decoding: a corrupt or truncated
+entry raises ``CorruptEntry`` — it is never turned into wrong KV.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+import zstandard
+
+MAGIC = b"TKVP"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQQ32s32s")
+LOSSLESS, LOSSY = "shuffle-zstd", "int8-zstd"
+_IDS = {LOSSLESS: 1, LOSSY: 2}
+_NAMES = {v: k for k, v in _IDS.items()}
+CODECS = tuple(_IDS)
+_SHAPE = struct.Struct("<4I")  # lossy payload: n_layers, tokens, n_kv_heads, head_dim
+
+
+class CorruptEntry(ValueError):
+    """An entry whose bytes do not check out (bad magic, size or checksum): treat as a miss."""
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """How a chunk's raw KV bytes are laid out: ``blocks`` KV blocks of layout v1."""
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @classmethod
+    def from_layout(cls, layout: dict) -> "ChunkShape":
+        return cls(layout["n_layers"], layout["n_kv_heads"], layout["head_dim"], layout["block_size"])
+
+    @property
+    def token_bytes(self) -> int:
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * 2
+
+
+class Codec:
+    """Encodes chunk KV to entries; ``threads`` zstd threads (compression only)."""
+
+    def __init__(self, name: str = LOSSLESS, level: int = 1, threads: int = 2):
+        if name not in _IDS:
+            raise ValueError(f"unknown codec {name!r}: expected one of {', '.join(CODECS)}")
+        self.name = name
+        self.level = level
+        self.threads = threads
+
+    @property
+    def lossless(self) -> bool:
+        return self.name == LOSSLESS
+
+    def encode(self, key: str, raw, shape: ChunkShape | None = None) -> bytes:
+        """Entry for ``raw`` (float16 KV bytes); the lossy codec needs the chunk ``shape``."""
+        raw = memoryview(raw).cast("B")
+        if raw.nbytes % 2:
+            raise ValueError(f"KV bytes must be float16 (an even count), got {raw.nbytes}")
+        if self.name == LOSSLESS:
+            body = _shuffle(raw)
+        else:
+            if shape is None:
+                raise ValueError("the int8 codec needs the chunk shape")
+            body = _quantize(raw, shape)
+        cctx = zstandard.ZstdCompressor(level=self.level, threads=self.threads if len(body) > 1 << 20 else 0)
+        payload = cctx.compress(body)
+        digest = blake3.blake3(payload).digest()
+        head = HEADER.pack(MAGIC, VERSION, _IDS[self.name], 0, raw.nbytes, len(payload), bytes.fromhex(key), digest)
+        return head + payload
+
+
+def entry_info(data) -> tuple[str, str, int, int]:
+    """(key, codec name, raw bytes, entry bytes) from an entry's header; CorruptEntry if bad."""
+    mv = memoryview(data)
+    if mv.nbytes < HEADER.size:
+        raise CorruptEntry(f"entry of {mv.nbytes} bytes is shorter than its header")
+    magic, version, cid, _, raw_n, pay_n, key, _ = HEADER.unpack(mv[:HEADER.size])
+    if magic != MAGIC or version != VERSION or cid not in _NAMES:
+        raise CorruptEntry("not a pool entry (bad magic, version or codec)")
+    return key.hex(), _NAMES[cid], raw_n, HEADER.size + pay_n
+
+
+def decode_entry(data, key: str | None = None) -> bytes:
+    """Raw float16 KV bytes of an entry; CorruptEntry when it does not check out."""
+    mv = memoryview(data)
+    verify_entry(mv, key)
+    _, name, raw_n, _ = entry_info(mv)
+    payload = mv[HEADER.size:]
+    try:
+        body = zstandard.ZstdDecompressor().decompress(payload)
+    except zstandard.ZstdError as e:
+        raise CorruptEntry(f"entry does not decompress: {e}") from None
+    raw = _unshuffle(body) if name == LOSSLESS else _dequantize(body)
+    if len(raw) != raw_n:
+        raise CorruptEntry(f"entry decodes to {len(raw)} bytes, header says {raw_n}")
+    return raw
+
+
+# -- lossless: byte planes --------------------------------------------------------------------
+
+def _shuffle(raw: memoryview) -> bytes:
+    a = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 2)
+    return a.T.tobytes()  # [2, n]: every low byte, then every high byte
+
+
+def _unshuffle(body: bytes) -> bytes:
+    a = np.frombuffer(body, dtype=np.uint8).reshape(2, -1)
+    return a.T.tobytes()
+
+
+# -- lossy: int8, per-channel K, per-token V ---------------------------------------------------
+
+def _quantize(raw: memoryview, s: ChunkShape) -> bytes:
+    tokens = raw.nbytes // s.token_bytes
+    if tokens * s.token_bytes != raw.nbytes or tokens % s.block_size:
+        raise ValueError(f"{raw.nbytes} bytes are not whole KV blocks of {s}")
+    x = np.frombuffer(raw, dtype=np.float16).reshape(
+        tokens // s.block_size, s.n_layers, 2, s.block_size, s.n_kv_heads, s.head_dim)
+    x = x.transpose(1, 2, 0, 3, 4, 5).reshape(s.n_layers, 2, tokens, s.n_kv_heads, s.head_dim).astype(np.float32)
+    k, v = x[:, 0], x[:, 1]                                   # [L, T, H, D]
+    k_scale = np.abs(k).max(axis=1, keepdims=True) / 127.0    # [L, 1, H, D]: per channel
+    v_scale = np.abs(v).max(axis=3, keepdims=True) / 127.0    # [L, T, H, 1]: per token
+    k_scale[k_scale == 0] = 1.0
+    v_scale[v_scale == 0] = 1.0
+    kq = np.rint(k / k_scale).astype(np.int8)
+    vq = np.rint(v / v_scale).astype(np.int8)
+    return b"".join((_SHAPE.pack(s.n_layers, tokens, s.n_kv_heads, s.head_dim) + _SHAPE.pack(s.block_size, 0, 0, 0),
+                     k_scale.astype(np.float32).tobytes(), v_scale.astype(np.float32).tobytes(),
+                     kq.tobytes(), vq.tobytes()))
+
+
+def _dequantize(body: bytes) -> bytes:
+    n_layers, tokens, heads, dim = _SHAPE.unpack_from(body, 0)
+    (block, *_) = _SHAPE.unpack_from(body, _SHAPE.size)
+    off = 2 * _SHAPE.size
+    sizes = [n_layers * heads * dim * 4, n_layers * tokens * heads * 4,
+             n_layers * tokens * heads * dim, n_layers * tokens * heads * dim]
+    if off + sum(sizes) != len(body) or not block or tokens % block:
+        raise CorruptEntry("int8 entry body has the wrong size")
+    parts = []
+    for n in sizes:
+        parts.append(body[off:off + n])
+        off += n
+    k_scale = np.frombuffer(parts[0], dtype=np.float32).reshape(n_layers, 1, heads, dim)
+    v_scale = np.frombuffer(parts[1], dtype=np.float32).reshape(n_layers, tokens, heads, 1)
+    k = np.frombuffer(parts[2], dtype=np.int8).reshape(n_layers, tokens, heads, dim) * k_scale
+    v = np.frombuffer(parts[3], dtype=np.int8).reshape(n_layers, tokens, heads, dim) * v_scale
+    x = np.stack([k, v], axis=1).astype(np.float16)            # [L, 2, T, H, D]
+    x = x.reshape(n_layers, 2, tokens // block, block, heads, dim).transpose(2, 0, 1, 3, 4, 5)
+    return np.ascontiguousarray(x).tobytes()
+
+
+def verify_entry(data, key: str | None = None) -> None:
+    """Check an entry's header, size and checksum without decoding it; CorruptEntry if bad."""
+    mv = memoryview(data)
+    got_key, _, _, total = entry_info(mv)
+    if key is not None and got_key != key:
+        raise CorruptEntry(f"entry holds key {got_key[:16]}…, expected {key[:16]}…")
+    if mv.nbytes != total:
+        raise CorruptEntry(f"entry is {mv.nbytes} bytes, header says {total} (truncated?)")
+    if blake3.blake3(mv[HEADER.size:]).digest() != bytes(mv[HEADER.size - 32:HEADER.size]):
+        raise CorruptEntry("entry checksum mismatch")
+
+
+# -- bundles: several entries in one data-plane payload ----------------------------------------
+
+_COUNT = struct.Struct("<I")
+
+
+def pack_entries(entries: list) -> bytes:
+    """``u32 count, u64 size × count, entries`` — one payload for one transfer."""
+    sizes = [memoryview(e).nbytes for e in entries]
+    return b"".join([_COUNT.pack(len(entries)), struct.pack(f"<{len(sizes)}Q", *sizes), *entries])
+
+
+def unpack_entries(data) -> list[memoryview]:
+    """The entries of a bundle (views into ``data``); CorruptEntry when sizes do not add up."""
+    mv = memoryview(data)
+    if mv.nbytes < _COUNT.size:
+        raise CorruptEntry("bundle shorter than its count")
+    (n,) = _COUNT.unpack(mv[:_COUNT.size])
+    off = _COUNT.size + 8 * n
+    if mv.nbytes < off:
+        raise CorruptEntry(f"bundle of {mv.nbytes} bytes cannot hold {n} sizes")
+    sizes = struct.unpack(f"<{n}Q", mv[_COUNT.size:off])
+    if off + sum(sizes) != mv.nbytes:
+        raise CorruptEntry(f"bundle is {mv.nbytes} bytes, its sizes say {off + sum(sizes)}")
+    out = []
+    for size in sizes:
+        out.append(mv[off:off + size])
+        off += size
+    return out

@@ -1,0 +1,61 @@
+"""Chunk keys: a prompt cut into fixed chunks, each keyed by a rolling hash of its whole prefix.
+
+    scope  = blake3("tandem-kvpool" | model identity | KV layout | chunk size | tenant salt)
+    key[0] = blake3(scope  ‖ token ids of chunk 0)        (token ids as u32 little endian)
+    key[i] = blake3(key[i-1] ‖ token ids of chunk i)
+
+Equal prefixes give equal chains of keys; a different model, KV layout, chunk size or tenant
+gives a different scope and so never shares an entry. Keys are 32-byte digests, written as hex.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class KeyScope:
+    model: str                  # the engine's model identity (hash of weights + config)
+    layout: dict                # KVLayout.to_dict(): version, shapes, block size, dtype
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    tenant: str = ""            # tenant salt: tenants never share entries
+
+    def __post_init__(self):
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        block = self.layout.get("block_size", 1)
+        if self.chunk_tokens % block:
+            raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a multiple of the KV block size {block}")
+
+    def seed(self) -> bytes:
+        layout = ",".join(f"{k}={self.layout[k]}" for k in sorted(self.layout))
+        text = f"tandem-kvpool|{self.model}|{layout}|{self.chunk_tokens}|{self.tenant}"
+        return blake3.blake3(text.encode()).digest()
+
+
+def chunk_keys(scope: KeyScope, token_ids: list[int], limit: int | None = None) -> list[str]:
+    """Keys of the full chunks of ``token_ids`` (of at most ``limit`` tokens), in order."""
+    n = len(token_ids) if limit is None else min(limit, len(token_ids))
+    c = scope.chunk_tokens
+    if n < c:
+        return []
+    ids = np.asarray(token_ids[:n // c * c], dtype="<u4").tobytes()
+    step = c * 4
+    parent = scope.seed()
+    out = []
+    for off in range(0, len(ids), step):
+        parent = blake3.blake3(parent + ids[off:off + step]).digest()
+        out.append(parent.hex())
+    return out
+
+
+def check_key(key: str) -> str:
+    """A key is 64 lowercase hex characters (it becomes a file name); ValueError otherwise."""
+    if not isinstance(key, str) or len(key) != 64 or any(ch not in "0123456789abcdef" for ch in key):
+        raise ValueError(f"invalid pool key {key!r}: expected 64 lowercase hex characters")
+    return key

@@ -1,0 +1,113 @@
+"""The pool: entries by chunk key over a list of tiers, fastest first (RAM → NVMe → shared).
+
+- ``lookup(keys)``: how many leading keys are stored, and in which tier each one is;
+- ``get(key)``: the entry from the fastest tier that has it (a hit in a slower tier is copied
+  into the faster ones — promotion);
+- ``put(key, entry)``: verify, then write through to every tier (RAM for speed, disk so the
+  pool survives restarts, shared so other nodes see it).
+
+Events (``on_event(kind, tier, keys)``: "stored" / "evicted") let the service tell the router
+which prefixes are cached where. No NATS here: ``services/kvpool.py`` puts this on the bus.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from kvpool.codec import CorruptEntry, verify_entry
+from kvpool.keys import check_key
+from kvpool.store import DirTier, MemoryTier, Tier
+
+log = logging.getLogger("tandem.kvpool")
+
+
+@dataclass
+class PoolConfig:
+    ram_bytes: int = 1 << 30            # RAM tier capacity (0: no RAM tier)
+    disk_dir: str | None = None         # local NVMe directory (None: no disk tier)
+    disk_bytes: int = 64 << 30
+    shared_dir: str | None = None       # shared filesystem directory (None: none)
+    shared_bytes: int = 256 << 30
+
+    def validate(self) -> "PoolConfig":
+        if self.ram_bytes < 0 or self.disk_bytes < 0 or self.shared_bytes < 0:
+            raise ValueError("pool tier capacities must be >= 0")
+        if self.ram_bytes == 0 and not self.disk_dir and not self.shared_dir:
+            raise ValueError("the pool needs at least one tier (RAM bytes > 0, a disk or a shared directory)")
+        if self.disk_dir and self.shared_dir and os.path.abspath(self.disk_dir) == os.path.abspath(self.shared_dir):
+            raise ValueError("the disk and shared pool directories must differ")
+        return self
+
+
+class KVPool:
+    def __init__(self, tiers: list[Tier], on_event: Callable[[str, str, list[str]], None] | None = None):
+        if not tiers:
+            raise ValueError("a pool needs at least one tier")
+        self.tiers = tiers
+        self.on_event = on_event
+        for t in tiers:
+            t.on_evict = self._evicted
+        self.puts = self.put_bytes = self.get_bytes = self.rejected = 0
+
+    @classmethod
+    def from_config(cls, cfg: PoolConfig, on_event=None) -> "KVPool":
+        cfg.validate()
+        tiers: list[Tier] = []
+        if cfg.ram_bytes:
+            tiers.append(MemoryTier(cfg.ram_bytes))
+        if cfg.disk_dir:
+            tiers.append(DirTier(cfg.disk_dir, cfg.disk_bytes, "disk"))
+        if cfg.shared_dir:
+            tiers.append(DirTier(cfg.shared_dir, cfg.shared_bytes, "shared", shared=True))
+        return cls(tiers, on_event)
+
+    def lookup(self, keys: list[str]) -> list[str]:
+        """Tier name of each leading stored key; stops at the first key no tier has."""
+        out = []
+        for k in keys:
+            tier = next((t.name for t in self.tiers if t.contains(k)), None)
+            if tier is None:
+                break
+            out.append(tier)
+        return out
+
+    def get(self, key: str) -> bytes | None:
+        """The verified entry for ``key``, or None (a corrupt copy is removed, then a miss)."""
+        check_key(key)
+        for i, t in enumerate(self.tiers):
+            entry = t.get(key)
+            if entry is None:
+                continue
+            for faster in self.tiers[:i]:
+                faster.put(key, entry)
+            self.get_bytes += len(entry)
+            return entry
+        return None
+
+    def put(self, key: str, entry) -> list[str]:
+        """Store a verified entry in every tier; returns the tiers that hold it now.
+        Raises CorruptEntry for an entry that does not check out (nothing is stored)."""
+        check_key(key)
+        try:
+            verify_entry(entry, key)
+        except CorruptEntry:
+            self.rejected += 1
+            raise
+        entry = bytes(entry)
+        stored = [t.name for t in self.tiers if t.put(key, entry)]
+        self.puts += 1
+        self.put_bytes += len(entry)
+        if stored and self.on_event is not None:
+            self.on_event("stored", ",".join(stored), [key])
+        return stored
+
+    def stats(self) -> dict:
+        return {"puts": self.puts, "put_bytes": self.put_bytes, "get_bytes": self.get_bytes,
+                "rejected": self.rejected, "tiers": [t.stats() for t in self.tiers]}
+
+    def _evicted(self, tier: str, key: str) -> None:
+        if self.on_event is not None:
+            self.on_event("evicted", tier, [key])

@@ -1,0 +1,283 @@
+"""Storage tiers for pool entries: RAM (LRU, bounded bytes) and directories (local NVMe, shared).
+
+Every tier holds whole entries (``kvpool.codec``) under their key and has a byte capacity;
+putting past it evicts the least recently used entries (``on_evict(tier, key)`` hears of it).
+
+``DirTier`` files: ``<root>/<key[:2]>/<key>.kvp``. A write goes to a unique temp file in the
+same directory, is fsynced, then renamed over the final name — a reader sees the whole entry
+or none, and two writers of the same chunk both end with the same complete file. The index is
+rebuilt from the directory at start (so the pool survives restarts); entries whose header or
+size do not check out are removed then, and an entry whose checksum fails when read is removed
+and reported as a miss. A full disk (or any write error) is logged and the put is skipped:
+serving goes on. A ``shared`` tier (NFS or any shared filesystem) also looks on disk for keys
+missing from its index, since other nodes write there too.
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Callable
+
+from kvpool.codec import HEADER, CorruptEntry, entry_info, verify_entry
+
+log = logging.getLogger("tandem.kvpool")
+
+SUFFIX = ".kvp"
+STALE_TEMP_S = 3600.0  # temp files older than this are leftovers of a crashed writer
+
+
+class Tier(abc.ABC):
+    name: str
+    capacity: int              # bytes at most
+
+    def __init__(self):
+        self.on_evict: Callable[[str, str], None] | None = None
+        self.used = 0          # bytes held
+        self.hits = self.misses = self.corrupt = self.write_errors = self.evictions = 0
+        self._lock = threading.Lock()
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The verified entry, or None (absent, or corrupt: then it is removed)."""
+
+    def put(self, key: str, entry: bytes) -> bool:
+        """Store a verified entry; False when it could not be stored (too big, disk full)."""
+        with self._lock:
+            held = self._admit(key, len(entry))
+            if held is not None:
+                return held
+        if not self._write(key, entry):
+            return False
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = len(entry)
+                self.used += len(entry)
+        return True
+
+    @abc.abstractmethod
+    def _write(self, key: str, entry: bytes) -> bool:
+        """Put the entry's bytes in place (room is made); False on failure."""
+
+    @abc.abstractmethod
+    def contains(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def remove(self, key: str) -> None: ...
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def stats(self) -> dict:
+        return {"tier": self.name, "entries": len(self), "bytes": self.used, "capacity": self.capacity,
+                "hits": self.hits, "misses": self.misses, "corrupt": self.corrupt,
+                "write_errors": self.write_errors, "evictions": self.evictions}
+
+    def _admit(self, key: str, nbytes: int) -> bool | None:
+        """Under the lock, before a put: True when ``key`` is held already (now most recent),
+        False when ``nbytes`` can never fit, None once room is made for it."""
+        if key in self._index:
+            self._index.move_to_end(key)
+            return True
+        if nbytes > self.capacity:
+            return False
+        self._evict_for(nbytes)
+        return None
+
+    def _evict_for(self, nbytes: int) -> None:
+        """Drop least recently used entries until ``nbytes`` more fit (caller holds the lock)."""
+        while self._index and self.used + nbytes > self.capacity:
+            key, size = self._index.popitem(last=False)
+            self.used -= size
+            self.evictions += 1
+            self._drop(key)
+            if self.on_evict is not None:
+                self.on_evict(self.name, key)
+
+    def _drop(self, key: str) -> None:
+        """Free an evicted entry's storage."""
+
+
+class MemoryTier(Tier):
+    def __init__(self, capacity: int, name: str = "ram"):
+        super().__init__()
+        self.name, self.capacity = name, capacity
+        self._index: OrderedDict[str, int] = OrderedDict()   # key -> size, LRU first
+        self._data: dict[str, bytes] = {}
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            entry = self._data.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._index.move_to_end(key)
+            self.hits += 1
+            return entry
+
+    def _write(self, key: str, entry: bytes) -> bool:
+        self._data[key] = bytes(entry)
+        return True
+
+    def contains(self, key: str) -> bool:
+        return key in self._data
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.used -= size
+                self._data.pop(key, None)
+
+    def _drop(self, key: str) -> None:
+        self._data.pop(key, None)
+
+
+class DirTier(Tier):
+    def __init__(self, root: str, capacity: int, name: str = "disk", shared: bool = False):
+        super().__init__()
+        self.name, self.capacity, self.shared = name, capacity, shared
+        self.root = os.path.abspath(root)
+        self._index: OrderedDict[str, int] = OrderedDict()   # key -> file size, LRU first
+        os.makedirs(self.root, exist_ok=True)
+        self.rebuild()
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, key[:2], key + SUFFIX)
+
+    def rebuild(self) -> None:
+        """Index every valid entry on disk (oldest access first); remove broken ones."""
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        for sub in sorted(os.listdir(self.root)):
+            d = os.path.join(self.root, sub)
+            if not os.path.isdir(d):
+                continue
+            for fname in os.listdir(d):
+                p = os.path.join(d, fname)
+                if fname.endswith(".tmp"):
+                    _remove_if_stale(p, now)
+                    continue
+                if not fname.endswith(SUFFIX):
+                    continue
+                key = fname[:-len(SUFFIX)]
+                try:
+                    st = os.stat(p)
+                    with open(p, "rb") as f:
+                        got_key, _, _, total = entry_info(f.read(HEADER.size))
+                    if got_key != key or total != st.st_size:
+                        raise CorruptEntry(f"header says {total} bytes for key {got_key[:16]}…")
+                except CorruptEntry as e:
+                    log.warning("%s tier: removing broken entry %s: %s", self.name, p, e)
+                    self.corrupt += 1
+                    _unlink(p)
+                    continue
+                except OSError:
+                    continue  # removed meanwhile (another node)
+                found.append((st.st_atime, key, st.st_size))
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((k, n) for _, k, n in found)
+            self.used = sum(n for _, _, n in found)
+            self._evict_for(0)
+        log.info("%s tier %s: %d entries, %.1f MiB", self.name, self.root, len(self._index), self.used / 2**20)
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            known = key in self._index
+        if not known and not self.shared:
+            self.misses += 1
+            return None
+        p = self.path(key)
+        try:
+            with open(p, "rb") as f:
+                entry = f.read()
+            verify_entry(entry, key)
+        except FileNotFoundError:
+            self._forget(key)
+            self.misses += 1
+            return None
+        except (CorruptEntry, OSError) as e:
+            log.warning("%s tier: entry %s unusable (%s): removed, treated as a miss", self.name, key[:16], e)
+            self.corrupt += 1
+            self.misses += 1
+            self.remove(key)
+            return None
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = len(entry)
+                self.used += len(entry)
+            self._index.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def _write(self, key: str, entry: bytes) -> bool:
+        p = self.path(key)
+        tmp = f"{p}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, entry)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, p)   # atomic: readers see the old state or the whole entry
+        except OSError as e:
+            _unlink(tmp)
+            self.write_errors += 1
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("%s tier %s is full: entry %s not stored (serving goes on)", self.name, self.root, key[:16])
+            else:
+                log.warning("%s tier: cannot write %s: %s (serving goes on)", self.name, p, e)
+            return False
+        return True
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            if key in self._index:
+                return True
+        return self.shared and os.path.exists(self.path(key))
+
+    def remove(self, key: str) -> None:
+        self._forget(key)
+        _unlink(self.path(key))
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.used -= size
+
+    def _drop(self, key: str) -> None:
+        _unlink(self.path(key))
+
+
+def _write_all(fd: int, data) -> None:
+    mv = memoryview(data)
+    while mv:
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot remove %s: %s", path, e)
+
+
+def _remove_if_stale(path: str, now: float) -> None:
+    try:
+        if now - os.stat(path).st_mtime > STALE_TEMP_S:
+            _unlink(path)
+    except OSError:
+        pass

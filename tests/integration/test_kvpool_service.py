@@ -1,0 +1,94 @@
+"""The kvpool service on a real NATS server with the real data plane: a worker's PoolClient
+writes chunks back, another finds and fetches them byte-exact; events on the bus; a missing
+pool is a miss, never an error."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from services.kvpool import PoolClient, PoolService
+from shared import subjects
+from shared.bus import Bus
+from shared.engine.kv_cache import KVLayout
+from shared.nats_server import EmbeddedNats
+from shared.schemas import KVEvent
+from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings
+from shared.transfer import make_transport
+
+pytestmark = pytest.mark.timeout(120)
+LAYOUT = KVLayout(n_layers=2, n_kv_heads=2, head_dim=8, block_size=16)
+ENGINE = types.SimpleNamespace(model_identity="test-model", layout=LAYOUT)  # identity only: no weights needed
+
+
+def settings(url: str, tmp_path, **pool) -> Settings:
+    return Settings(nats=NatsSettings(url=url), data=DataPlaneSettings(timeout=10.0),
+                    pool=PoolSettings(dir=str(tmp_path / "pool"), ram_mb=64, chunk_tokens=32, timeout=10.0, **pool))
+
+
+async def client(s: Settings, name: str) -> tuple[PoolClient, Bus, object]:
+    bus = await Bus.connect(s, name=name)
+    transport = make_transport(s.data)
+    rx = transport.receiver()
+    host, port = await rx.listen()
+    return PoolClient(bus, s.pool, ENGINE, name, transport.sender(), rx, host, port), bus, rx
+
+
+def kv_for(tokens: int) -> bytes:
+    return np.random.default_rng(tokens).normal(0, 1, tokens * LAYOUT.token_bytes // 2).astype(np.float16).tobytes()
+
+
+async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
+    s = settings(nats_server, tmp_path)
+    pool = PoolService(s)
+    await pool.start()
+    a, bus_a, rx_a = await client(s, "worker-a")
+    b, bus_b, rx_b = await client(s, "worker-b")
+    events = await bus_b.subscribe(subjects.POOL_EVENTS_ALL, KVEvent)
+    try:
+        prompt = list(range(100))
+        kv = kv_for(96)
+        assert await a.store(prompt[:96], kv) == 3          # three 32-token chunks
+        assert await a.store(prompt[:96], kv) == 0          # already there: nothing sent
+        ev = await events.next(timeout=5)
+        assert ev.kind == "stored" and ev.storage == "ram,disk" and len(ev.keys) == 1
+
+        tokens, got = await b.fetch_prefix(prompt)
+        assert tokens == prompt[:96] and bytes(got) == kv
+        assert await b.fetch_prefix(prompt, have_tokens=96) is None  # the engine has it already
+        assert await b.fetch_prefix(list(range(50, 150))) is None   # another prefix: a miss
+    finally:
+        for c, bus, rx in ((a, bus_a, rx_a), (b, bus_b, rx_b)):
+            await c.close()
+            await bus.close()
+            await rx.close()
+        await pool.close()
+
+    restarted = PoolService(s)   # the disk tier's index is rebuilt: the pool survives a restart
+    await restarted.start()
+    c, bus_c, rx_c = await client(s, "worker-c")
+    try:
+        tokens, got = await c.fetch_prefix(prompt)
+        assert tokens == prompt[:96] and bytes(got) == kv
+    finally:
+        await c.close()
+        await bus_c.close()
+        await rx_c.close()
+        await restarted.close()
+
+
+async def test_no_pool_running_is_a_miss(tmp_path):
+    server = EmbeddedNats()  # a bus of its own: no pool anywhere on it
+    s = settings(server.start(), tmp_path)
+    c, bus, rx = await client(s, "lonely")
+    try:
+        assert await c.fetch_prefix(list(range(100))) is None
+        assert await c.store(list(range(64)), kv_for(64)) == 0
+        assert c.errors == 2 and c.hits == 0
+    finally:
+        await c.close()
+        await bus.close()
+        await rx.close()
+        server.stop()

@@ -1,0 +1,219 @@
+"""KV pool core: keys, codecs, tiers, atomic writes, restart, corruption, two writers, disk full."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvpool.codec import HEADER, LOSSLESS, LOSSY, ChunkShape, Codec, CorruptEntry, decode_entry, entry_info
+from kvpool.keys import KeyScope, check_key, chunk_keys
+from kvpool.pool import KVPool, PoolConfig
+from kvpool.store import DirTier, MemoryTier
+
+LAYOUT = {"version": 1, "n_layers": 2, "n_kv_heads": 3, "head_dim": 8, "block_size": 4, "dtype": "float16"}
+SHAPE = ChunkShape.from_layout(LAYOUT)
+SCOPE = KeyScope("model-a", LAYOUT, chunk_tokens=16)
+
+
+def kv_bytes(tokens: int = 16, seed: int = 0) -> bytes:
+    """KV-like float16 data: smooth per channel, like real keys and values."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 1, (tokens // 4, 2, 2, 4, 3, 8)) * rng.uniform(0.1, 4, (1, 2, 2, 1, 3, 8))
+    return x.astype(np.float16).tobytes()
+
+
+def entry(key: str, seed: int = 0) -> bytes:
+    return Codec().encode(key, kv_bytes(seed=seed))
+
+
+KEYS = chunk_keys(SCOPE, list(range(100)))
+
+
+# -- keys ---------------------------------------------------------------------------------------
+
+def test_keys_chain_the_whole_prefix():
+    a = chunk_keys(SCOPE, list(range(40)))
+    b = chunk_keys(SCOPE, list(range(40)) + [7] * 10)
+    assert len(a) == 2 and a == b[:2] and len(b) == 3  # 50 tokens: 3 full chunks of 16
+    changed = chunk_keys(SCOPE, [99] + list(range(1, 40)))
+    assert changed[0] != a[0] and changed[1] != a[1]  # a change early changes every later key
+    assert chunk_keys(SCOPE, list(range(40)), limit=31) == a[:1]
+    assert chunk_keys(SCOPE, list(range(15))) == []
+    assert all(check_key(k) == k for k in a)
+
+
+@pytest.mark.parametrize("other", [KeyScope("model-b", LAYOUT, 16), KeyScope("model-a", LAYOUT, 16, tenant="t2"),
+                                   KeyScope("model-a", dict(LAYOUT, version=2), 16), KeyScope("model-a", LAYOUT, 32)])
+def test_scopes_never_share_keys(other):
+    assert chunk_keys(other, list(range(64)))[0] != chunk_keys(SCOPE, list(range(64)))[0]
+
+
+def test_bad_scope_and_key_rejected():
+    with pytest.raises(ValueError, match="multiple of the KV block size"):
+        KeyScope("m", LAYOUT, chunk_tokens=10)
+    for bad in ("../etc/passwd", "ab" * 31, "G" * 64):
+        with pytest.raises(ValueError, match="invalid pool key"):
+            check_key(bad)
+
+
+# -- codecs -------------------------------------------------------------------------------------
+
+def test_lossless_round_trip_is_exact():
+    raw = kv_bytes(64)
+    e = Codec(LOSSLESS).encode(KEYS[0], raw)
+    assert decode_entry(e, KEYS[0]) == raw
+    assert entry_info(e)[:3] == (KEYS[0], LOSSLESS, len(raw))
+
+
+def test_lossless_round_trip_special_values():
+    raw = np.array([0.0, -0.0, np.inf, -np.inf, 65504, 6e-8, np.nan] * 8, dtype=np.float16).tobytes()
+    assert decode_entry(Codec().encode(KEYS[0], raw)) == raw
+
+
+def test_lossy_round_trip_is_close_and_smaller():
+    raw = kv_bytes(64)
+    lossy = Codec(LOSSY).encode(KEYS[0], raw, SHAPE)
+    out = np.frombuffer(decode_entry(lossy), dtype=np.float16).astype(np.float32)
+    ref = np.frombuffer(raw, dtype=np.float16).astype(np.float32)
+    assert out.shape == ref.shape
+    assert np.abs(out - ref).max() <= np.abs(ref).max() / 127  # within one int8 step of the scale
+    assert len(lossy) < len(Codec(LOSSLESS).encode(KEYS[0], raw))
+    with pytest.raises(ValueError, match="chunk shape"):
+        Codec(LOSSY).encode(KEYS[0], raw)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "magic", "key"])
+def test_corrupt_entries_are_detected(damage):
+    e = bytearray(entry(KEYS[0]))
+    if damage == "flip":
+        e[HEADER.size + 10] ^= 0x40
+    elif damage == "truncate":
+        e = e[:-100]
+    elif damage == "magic":
+        e[0:4] = b"XXXX"
+    with pytest.raises(CorruptEntry):
+        decode_entry(bytes(e), KEYS[1] if damage == "key" else KEYS[0])
+
+
+# -- tiers and the pool -------------------------------------------------------------------------
+
+def test_memory_tier_lru_within_capacity():
+    e = entry(KEYS[0])
+    t = MemoryTier(capacity=len(e) * 2 + 10)
+    evicted = []
+    t.on_evict = lambda tier, k: evicted.append(k)
+    for k in KEYS[:3]:
+        assert t.put(k, entry(k))
+        if k == KEYS[1]:
+            assert t.get(KEYS[0]) is not None  # KEYS[0] becomes most recent
+    assert evicted == [KEYS[1]] and t.used <= t.capacity
+    assert t.contains(KEYS[0]) and not t.contains(KEYS[1])
+
+
+def test_disk_tier_survives_restart_and_evicts(tmp_path):
+    t = DirTier(str(tmp_path), capacity=10 << 20)
+    for k in KEYS[:3]:
+        assert t.put(k, entry(k))
+    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
+    again = DirTier(str(tmp_path), capacity=10 << 20)
+    assert len(again) == 3 and again.get(KEYS[2]) == entry(KEYS[2])
+    small = DirTier(str(tmp_path), capacity=len(entry(KEYS[0])) * 2)  # rebuild evicts down to capacity
+    assert len(small) == 2 and small.used <= small.capacity
+    assert sum(len(fs) for _, _, fs in os.walk(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_file_is_a_miss_and_removed(tmp_path, damage):
+    pool = KVPool.from_config(PoolConfig(ram_bytes=0, disk_dir=str(tmp_path)))
+    pool.put(KEYS[0], entry(KEYS[0]))
+    disk = pool.tiers[0]
+    p = disk.path(KEYS[0])
+    data = bytearray(open(p, "rb").read())
+    if damage == "flip":
+        data[-5] ^= 1
+    else:
+        data = data[: len(data) // 2]
+    open(p, "wb").write(data)
+    assert pool.get(KEYS[0]) is None
+    assert not os.path.exists(p) and disk.corrupt == 1 and pool.lookup(KEYS[:1]) == []
+
+
+def test_truncated_file_removed_at_restart(tmp_path):
+    t = DirTier(str(tmp_path), capacity=10 << 20)
+    t.put(KEYS[0], entry(KEYS[0]))
+    t.put(KEYS[1], entry(KEYS[1]))
+    with open(t.path(KEYS[1]), "r+b") as f:
+        f.truncate(50)
+    again = DirTier(str(tmp_path), capacity=10 << 20)
+    assert len(again) == 1 and again.contains(KEYS[0]) and not os.path.exists(t.path(KEYS[1]))
+
+
+def test_two_writers_of_the_same_chunk(tmp_path):
+    """Two pools (two nodes) on one shared directory write the same chunk at once."""
+    pools = [KVPool.from_config(PoolConfig(ram_bytes=0, shared_dir=str(tmp_path))) for _ in range(2)]
+    e = entry(KEYS[0])
+    barrier = threading.Barrier(8)
+    results = []
+
+    def write(pool):
+        barrier.wait()
+        results.append(pool.put(KEYS[0], e))
+
+    threads = [threading.Thread(target=write, args=(pools[i % 2],)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert all(r == ["shared"] for r in results)
+    files = [f for _, _, fs in os.walk(tmp_path) for f in fs]
+    assert files == [KEYS[0] + ".kvp"]  # one complete file, no temp files left
+    for pool in pools:
+        assert pool.get(KEYS[0]) == e
+
+
+def test_shared_tier_sees_other_nodes_entries(tmp_path):
+    a = KVPool.from_config(PoolConfig(ram_bytes=1 << 20, shared_dir=str(tmp_path)))
+    b = KVPool.from_config(PoolConfig(ram_bytes=1 << 20, shared_dir=str(tmp_path)))
+    a.put(KEYS[0], entry(KEYS[0]))
+    assert b.lookup(KEYS[:2]) == ["shared"]
+    assert b.get(KEYS[0]) == entry(KEYS[0])
+    assert b.lookup(KEYS[:1]) == ["ram"]  # promoted
+
+
+def test_disk_full_is_logged_and_serving_goes_on(tmp_path, monkeypatch, caplog):
+    events = []
+    pool = KVPool.from_config(PoolConfig(ram_bytes=1 << 20, disk_dir=str(tmp_path)),
+                              on_event=lambda kind, tier, keys: events.append((kind, tier)))
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("kvpool.store._write_all", full)
+    assert pool.put(KEYS[0], entry(KEYS[0])) == ["ram"]
+    assert "is full" in caplog.text and pool.tiers[1].write_errors == 1
+    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs]  # no half-written file
+    assert pool.get(KEYS[0]) == entry(KEYS[0])
+    assert events == [("stored", "ram")]
+    monkeypatch.undo()
+    assert pool.put(KEYS[1], entry(KEYS[1])) == ["ram", "disk"]
+
+
+def test_put_rejects_bad_entries_and_lookup_stops_at_first_miss(tmp_path):
+    pool = KVPool.from_config(PoolConfig(ram_bytes=1 << 20))
+    with pytest.raises(CorruptEntry):
+        pool.put(KEYS[1], entry(KEYS[0]))  # entry for another key
+    pool.put(KEYS[0], entry(KEYS[0]))
+    pool.put(KEYS[2], entry(KEYS[2]))
+    assert pool.lookup(KEYS[:3]) == ["ram"]
+    assert pool.stats()["rejected"] == 1
+
+
+def test_pool_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="at least one tier"):
+        PoolConfig(ram_bytes=0).validate()
+    with pytest.raises(ValueError, match="must differ"):
+        PoolConfig(disk_dir=str(tmp_path), shared_dir=str(tmp_path)).validate()
