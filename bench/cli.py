@@ -1,8 +1,7 @@
-"""``tandem bench {engine,kernels,serve}``: each benchmark lives in its own module.
+"""``tandem bench BENCH`` (engine, kernels, serve, crossover, pool): one module per benchmark.
 
-A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int`` (``bench.kernels``
-predates that and is adapted here). Every benchmark takes ``--json FILE``. ``serve`` is
-dispatched to ``bench.serve`` when that module exists.
+A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
+benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
 """
 
 from __future__ import annotations
@@ -10,26 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
-
-
-def _kernels_arguments(p: argparse.ArgumentParser) -> None:
-    from bench import kernels
-
-    for action in kernels.parser()._actions:  # reuse its options (it has no add_arguments)
-        if action.option_strings and "-h" not in action.option_strings:
-            p._add_action(action)
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
-
-
-def _kernels_main(args: argparse.Namespace) -> int:
-    from bench import kernels
-
-    rows = kernels.run(args)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=2)
-    return 0
+import logging
 
 
 def _module_arguments(name: str):
@@ -44,10 +24,14 @@ def _module_main(name: str):
 BENCHES = {
     "engine": ("engine prefill / decode tokens/s and peak RSS on CPU",
                _module_arguments("bench.engine"), _module_main("bench.engine")),
-    "kernels": ("Q4_0 matmul: torch reference vs fast CPU kernels",
-                _kernels_arguments, _kernels_main),
-    "serve": ("end-to-end serving benchmark (bench/serve.py)",
+    "kernels": ("Q4_0 kernels: matmuls vs the reference, the model vs llama.cpp (--with-llama-cpp)",
+                _module_arguments("bench.kernels"), _module_main("bench.kernels")),
+    "serve": ("load generator against any OpenAI-compatible server (bench/serve.py)",
               _module_arguments("bench.serve"), _module_main("bench.serve")),
+    "crossover": ("every topology on one budget at rising concurrency (bench/crossover.py)",
+                  _module_arguments("bench.crossover"), _module_main("bench.crossover")),
+    "pool": ("KV pool: TTFT cold vs warm, codecs on real KV, lookups/s, transfer GB/s per path",
+             _module_arguments("bench.pool"), _module_main("bench.pool")),
 }
 
 
@@ -65,4 +49,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of the load
     return int(BENCHES[args.bench][2](args) or 0)

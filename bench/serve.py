@@ -1,33 +1,30 @@
-"""Serving benchmark: TTFT / TPOT / ITL of streaming chat completions over HTTP.
+"""``tandem bench serve``: load against any OpenAI-compatible server; TTFT / TPOT / ITL,
+throughput and goodput, as a Markdown table, a PNG plot and JSON.
 
-    tandem bench serve --url http://127.0.0.1:8000 [--concurrency 1 8] [--num-requests 32]
+    tandem bench serve --url http://127.0.0.1:8000 --concurrency 1 8 --num-requests 32 --json out.json
+    tandem bench serve --url URL --mode open --rate 0.5 1 2 --workload agent --tiers interactive=1,batch=3
     tandem bench serve [--compare] [--num-requests 16]      # no --url: compare mode
     python -m bench.serve ...                                # the same, without the CLI
 
-With ``--url``: a closed-loop load generator against any OpenAI-compatible server. For each
-``--concurrency`` level, N streams each send a request, wait for its last chunk and send the
-next, until ``--num-requests`` requests are done. Every request is a short chat prompt with
-``temperature=0``, ``max_tokens=--max-tokens`` and ``ignore_eos`` (so each one yields exactly
-that many tokens where the server honours the vLLM extension).
+With ``--url``: for each load level (``--concurrency`` in the closed loop, ``--rate`` jobs/s in
+the open, Poisson loop) send ``--num-requests`` requests of ``--workload`` (chat | agent |
+long, see bench/loadgen.py), each with ``temperature=0``, ``--max-tokens`` and ``ignore_eos``
+(so it yields exactly that many tokens where the server honours the vLLM extension) and its SLA
+tier (``--tiers`` mix, ``X-Tandem-SLA``). Goodput counts requests within their tier's SLO
+(``--slo TIER=TTFT_MS:TPOT_MS``; defaults in bench/loadgen.py).
 
 Without ``--url`` (``--compare``): in ONE run, start the in-process gateway (the engine in the
-gateway's process, ``InProcessBackend``) and then the whole stack (``tandem up --gpu-decode 0``:
-embedded NATS, router, prefill, cpu-decode, gateway), one after the other on free ports with the
-same engine settings (``TANDEM_THREADS``, KV budget), run the same workload against each and
-print one Markdown table side by side plus the stack / in-process TPOT ratio at concurrency 1.
-
-Per request: TTFT = first content delta - send; TPOT = (last token time - first token time) /
-(tokens - 1) with tokens from the final usage chunk; ITL = gaps between content chunks.
-Aggregates: p50 / p99 (linear interpolation between order statistics, as numpy's default),
-throughput = output tokens / wall time of the level.
+gateway's process, ``InProcessBackend``) and the whole stack (``tandem up --gpu-decode 0``:
+embedded NATS, router, prefill, cpu-decode, gateway) on free ports with the same engine
+settings (``TANDEM_THREADS``, KV budget), run the same workload against each (alternating
+rounds) and print one table side by side plus the stack / in-process TPOT ratio at
+concurrency 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
-import json
 import math
 import os
 import signal
@@ -35,151 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 
+from bench import report
+from bench.loadgen import (DEFAULT_SLOS, TIERS, WORKLOADS, RequestResult, make_jobs, parse_mix, run_level,
+                           summarize)
 from shared.nats_server import free_port
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Tell me a short story about a cat.",
-    "Explain what a neural network is.",
-    "List three colours of the rainbow.",
-    "How do plants make their food?",
-    "Write a haiku about the sea.",
-    "Why is the sky blue?",
-    "Give me a tip for learning to cook.",
-]
-
-STACK_TOPOLOGY = "tandem up --gpu-decode 0: embedded NATS, router, prefill, cpu-decode, gateway"
-
-
-# ---- statistics (pure) ---------------------------------------------------------------------
-
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0..100) of ``values`` by linear interpolation between order
-    statistics (numpy's default "linear" method). NaN for no values."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    xs = sorted(float(v) for v in values)
-    if not xs:
-        return math.nan
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    tokens: int = 0                 # completion tokens (usage chunk; else content chunks)
-    ttft: float = math.nan          # seconds
-    tpot: float = math.nan          # seconds per output token after the first
-    itl: list[float] = field(default_factory=list)  # seconds between content chunks
-    latency: float = math.nan       # send -> end of stream
-    error: str | None = None
-
-
-def request_metrics(t_send: float, chunk_times: list[float], t_end: float, tokens: int | None) -> RequestResult:
-    """Metrics of one streamed request from its content-chunk arrival times (pure)."""
-    if not chunk_times:
-        return RequestResult(ok=False, error="no content received", latency=t_end - t_send)
-    n = tokens if tokens else len(chunk_times)
-    tpot = (chunk_times[-1] - chunk_times[0]) / (n - 1) if n > 1 else math.nan
-    return RequestResult(ok=True, tokens=n, ttft=chunk_times[0] - t_send, tpot=tpot,
-                         itl=[b - a for a, b in itertools.pairwise(chunk_times)], latency=t_end - t_send)
-
-
-def summarize(results: list[RequestResult], wall_s: float) -> dict:
-    """p50/p99 of TTFT, TPOT, ITL and latency (milliseconds), throughput (pure)."""
-    ok = [r for r in results if r.ok]
-    out: dict = {"requests": len(results), "errors": len(results) - len(ok), "wall_s": wall_s,
-                 "output_tokens": sum(r.tokens for r in ok)}
-    series = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if not math.isnan(r.tpot)],
-              "itl": [x for r in ok for x in r.itl], "latency": [r.latency for r in ok]}
-    for name, xs in series.items():
-        for q in (50, 99):
-            out[f"{name}_p{q}_ms"] = percentile(xs, q) * 1e3
-    out["throughput_tok_s"] = out["output_tokens"] / wall_s if wall_s > 0 else math.nan
-    out["throughput_req_s"] = len(ok) / wall_s if wall_s > 0 else math.nan
-    return out
-
-
-# ---- load generator -------------------------------------------------------------------------
-
-async def _one_request(client, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    chunk_times: list[float] = []
-    tokens = None
-    t_send = time.perf_counter()
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")[:200]
-                return RequestResult(ok=False, error=f"HTTP {resp.status_code}: {text}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                d = json.loads(data)
-                if "error" in d:
-                    return RequestResult(ok=False, error=str(d["error"])[:200])
-                for ch in d.get("choices") or ():
-                    if (ch.get("delta") or {}).get("content"):
-                        chunk_times.append(now)
-                if d.get("usage"):
-                    tokens = d["usage"].get("completion_tokens")
-    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
-        return RequestResult(ok=False, error=f"{type(e).__name__}: {e}")
-    return request_metrics(t_send, chunk_times, time.perf_counter(), tokens)
-
-
-async def run_load(url: str, concurrency: int, num_requests: int, max_tokens: int, model: str | None = None,
-                   label: str = "", warmup: int = 0) -> dict:
-    """Closed loop: ``concurrency`` streams until ``num_requests`` are done. Returns the summary
-    plus per-request results."""
-    import httpx
-
-    url = url.rstrip("/").removesuffix("/v1")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0),
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        if model is None:
-            r = await client.get(url + "/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        for i in range(warmup):
-            w = await _one_request(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens)
-            if not w.ok:
-                raise RuntimeError(f"warm-up request failed: {w.error}")
-        results: list[RequestResult | None] = [None] * num_requests
-        next_i = 0
-        done = 0
-
-        async def stream_loop() -> None:
-            nonlocal next_i, done
-            while next_i < num_requests:
-                i = next_i
-                next_i += 1
-                results[i] = await _one_request(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens)
-                done += 1
-                sys.stderr.write(f"\r[{label} c={concurrency}] {done}/{num_requests} requests done")
-                sys.stderr.flush()
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(stream_loop() for _ in range(min(concurrency, num_requests))))
-        wall = time.perf_counter() - t0
-        sys.stderr.write("\n")
-    res = [r for r in results if r is not None]
-    summary = summarize(res, wall)
-    errors = [r.error for r in res if not r.ok]
-    if errors:
-        sys.stderr.write(f"[{label} c={concurrency}] {len(errors)} failed, first: {errors[0]}\n")
-    return {"system": label, "url": url, "model": model, "concurrency": concurrency, "max_tokens": max_tokens,
-            **summary, "per_request": [asdict(r) for r in res]}
+STACK_TOPOLOGY = "tandem up --gpu-decode 0: embedded NATS, KV pool, router, prefill, cpu-decode, gateway"
 
 
 # ---- servers under test ---------------------------------------------------------------------
@@ -217,6 +76,20 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not healthy in {timeout:.0f} s:\n{self.tail()}")
 
+    def wait_workers(self, want: dict[str, int], timeout: float = 300) -> None:
+        """Wait until /health lists at least ``want[role]`` live workers of each role (healthy
+        means one router and one decode worker; a topology's other workers may come later)."""
+        import httpx
+
+        self.wait_healthy(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            details = httpx.get(self.url + "/health", timeout=5).json().get("details", {})
+            if all(len(details.get(role, {}).get("workers", [])) >= n for role, n in want.items()):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name}: not every worker of {want} live in {timeout:.0f} s:\n{self.tail()}")
+
     def stop(self) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -228,9 +101,9 @@ class Server:
         return self.proc.returncode
 
 
-def bench_env(args: argparse.Namespace) -> dict:
+def bench_env(threads: int) -> dict:
     """The engine settings both sides get (the same variables reach every engine)."""
-    env = dict(os.environ, TANDEM_THREADS=str(args.threads), PYTHONUNBUFFERED="1",
+    env = dict(os.environ, TANDEM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                TANDEM_HEARTBEAT_INTERVAL=os.environ.get("TANDEM_HEARTBEAT_INTERVAL", "0.5"))
     env.pop("TANDEM_NATS_URL", None)  # the stack gets its own embedded NATS
     env.pop("TANDEM_PORT", None)
@@ -240,12 +113,12 @@ def bench_env(args: argparse.Namespace) -> dict:
 def start_in_process(args: argparse.Namespace) -> Server:
     port = free_port()
     argv = [sys.executable, "-c", f"from bench.serve import serve_in_process; serve_in_process({port})"]
-    return Server("in-process", argv, bench_env(args), port)
+    return Server("in-process", argv, bench_env(args.threads), port)
 
 
 def start_stack(args: argparse.Namespace) -> Server:
     port = free_port()
-    env = dict(bench_env(args), TANDEM_PORT=str(port))
+    env = dict(bench_env(args.threads), TANDEM_PORT=str(port))
     argv = [sys.executable, "-m", "services.cli", "up", "--gpu-decode", "0", "--port", str(port)]
     return Server("stack", argv, env, port)
 
@@ -278,16 +151,43 @@ def split_rounds(total: int, rounds: int) -> list[int]:
 
 
 def merge_runs(parts: list[dict]) -> dict:
-    """One run from several rounds of the same (system, concurrency): requests pooled, walls summed."""
+    """One run from several rounds of the same (system, level): requests pooled, walls summed."""
     per = [r for p in parts for r in p["per_request"]]
     res = [RequestResult(**r) for r in per]
-    return {**parts[0], **summarize(res, sum(p["wall_s"] for p in parts)), "rounds": len(parts), "per_request": per}
+    return {**parts[0], **summarize(res, sum(p["wall_s"] for p in parts), parts[0].get("slos")),
+            "rounds": len(parts), "per_request": per}
+
+
+def levels(args: argparse.Namespace) -> list[tuple[int, float]]:
+    """(concurrency, rate) per load level of ``--mode``."""
+    return [(c, 0.0) for c in args.concurrency] if args.mode == "closed" else [(1, r) for r in args.rate]
+
+
+def jobs_for(args: argparse.Namespace, n: int, seed: int = 0):
+    return make_jobs(args.workload, n, max_tokens=args.max_tokens, tiers=parse_mix(args.tiers), seed=seed,
+                     turns=args.turns, turn_words=args.turn_words, long_words=args.long_words)
+
+
+def measure(args: argparse.Namespace, url: str, system: str, concurrency: int, rate: float, n: int,
+            seed: int = 0) -> dict:
+    return run_level(url, jobs_for(args, n, seed), system=system, workload=args.workload, mode=args.mode,
+                     concurrency=concurrency, rate=rate or 1.0, model=args.model, slos=parse_slos(args.slo),
+                     seed=seed)
+
+
+def warm_up(args: argparse.Namespace, url: str, system: str) -> None:
+    """Unmeasured requests (chat, closed loop) so that first-call costs stay out of the figures."""
+    if args.warmup > 0:
+        w = run_level(url, make_jobs("chat", args.warmup, max_tokens=args.max_tokens), system=f"{system} warm-up",
+                      workload="chat", mode="closed", concurrency=1, rate=1.0, model=args.model)
+        if w["errors"]:
+            raise RuntimeError(f"{system}: warm-up requests failed")
 
 
 def compare_runs(args: argparse.Namespace) -> list[dict]:
-    """Both servers up side by side (an idle one costs next to nothing); each concurrency level
-    runs on one, then the other, alternating the order every round so that load drift on a
-    shared machine hits both alike."""
+    """Both servers up side by side (an idle one costs next to nothing); each load level runs
+    on one, then the other, alternating the order every round so that load drift on a shared
+    machine hits both alike."""
     servers: dict[str, Server] = {}
     runs: list[dict] = []
     try:
@@ -296,16 +196,14 @@ def compare_runs(args: argparse.Namespace) -> list[dict]:
             servers[name] = start(args)
         for s in servers.values():
             s.wait_healthy()
-        for name, s in servers.items():  # warm-up, unmeasured
-            if args.warmup > 0:
-                asyncio.run(run_load(s.url, 1, args.warmup, args.max_tokens, args.model, label=f"{name} warm-up"))
+        for name, s in servers.items():
+            warm_up(args, s.url, name)
         order = list(servers)
-        for c in args.concurrency:
+        for c, rate in levels(args):
             parts: dict[str, list[dict]] = {n: [] for n in order}
             for rnd, n in enumerate(split_rounds(args.num_requests, args.rounds)):
                 for name in (order if rnd % 2 == 0 else order[::-1]):
-                    parts[name].append(asyncio.run(run_load(servers[name].url, c, n, args.max_tokens,
-                                                            args.model, label=name)))
+                    parts[name].append(measure(args, servers[name].url, name, c, rate, n, seed=rnd))
             runs += [merge_runs(parts[n]) for n in order]
     finally:
         for name, s in reversed(servers.items()):
@@ -313,24 +211,6 @@ def compare_runs(args: argparse.Namespace) -> list[dict]:
             if rc not in (0, -signal.SIGTERM):
                 sys.stderr.write(f"[{name}] exited with {rc}:\n{s.tail()}\n")
     return runs
-
-
-# ---- output ---------------------------------------------------------------------------------
-
-def _f(x: float, digits: int = 1) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def markdown_table(runs: list[dict]) -> str:
-    """One row per (system, concurrency)."""
-    head = ("| system | conc. | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-            "| ITL p99 ms | output tok/s | errors |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(runs, key=lambda r: (r["concurrency"], r["system"])):
-        lines.append(f"| {r['system']} | {r['concurrency']} | {r['requests']} | {_f(r['ttft_p50_ms'])} "
-                     f"| {_f(r['ttft_p99_ms'])} | {_f(r['tpot_p50_ms'])} | {_f(r['tpot_p99_ms'])} "
-                     f"| {_f(r['itl_p99_ms'])} | {_f(r['throughput_tok_s'])} | {r['errors']} |")
-    return "\n".join(lines)
 
 
 def tpot_ratio(runs: list[dict], concurrency: int = 1) -> float | None:
@@ -342,61 +222,109 @@ def tpot_ratio(runs: list[dict], concurrency: int = 1) -> float | None:
     return a["tpot_p50_ms"] / b["tpot_p50_ms"]
 
 
+def parse_slos(specs: list[str] | None) -> dict[str, tuple[float, float]]:
+    """``["interactive=500:50"]`` -> {tier: (TTFT ms, TPOT ms)} over the defaults."""
+    slos = dict(DEFAULT_SLOS)
+    for spec in specs or ():
+        tier, _, bounds = spec.partition("=")
+        ttft, _, tpot = bounds.partition(":")
+        if tier not in TIERS:
+            raise ValueError(f"--slo {spec!r}: unknown tier {tier!r} (one of {', '.join(TIERS)})")
+        try:
+            slos[tier] = (float(ttft), float(tpot))
+        except ValueError:
+            raise ValueError(f"--slo {spec!r}: expected TIER=TTFT_MS:TPOT_MS") from None
+    return slos
+
+
 # ---- entry points ---------------------------------------------------------------------------
+
+def add_workload_arguments(p: argparse.ArgumentParser, num_requests: int = 16, max_tokens: int = 64,
+                           tiers: str = "standard") -> None:
+    """What every load-generating bench shares (serve, crossover)."""
+    p.add_argument("--workload", choices=WORKLOADS, default="chat",
+                   help="chat (short prompt and reply) | agent (multi-turn sessions, shared system prompt, "
+                   "growing context) | long (RAG-like long prompt); default chat")
+    p.add_argument("--num-requests", type=int, default=num_requests,
+                   help=f"requests per load level (and system; default {num_requests})")
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"max_tokens of every request (default {max_tokens})")
+    p.add_argument("--tiers", default=tiers,
+                   help=f"SLA tier mix, e.g. interactive=1,standard=2,batch=1 (default {tiers})")
+    p.add_argument("--slo", action="append", metavar="TIER=TTFT_MS:TPOT_MS",
+                   help="a tier's SLO for goodput (repeatable; defaults: " +
+                   ", ".join(f"{t}={a:g}:{b:g}" for t, (a, b) in DEFAULT_SLOS.items()) + ")")
+    p.add_argument("--turns", type=int, default=6, help="agent: turns per session (default 6)")
+    p.add_argument("--turn-words", type=int, default=250, help="agent: words of tool output per turn (default 250)")
+    p.add_argument("--long-words", type=int, default=1500, help="long: words of the document (default 1500)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each system (default 2)")
+    p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write all results (with per-request data) here")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw throughput / TTFT / TPOT against load here")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000); "
                    "unset: --compare")
     p.add_argument("--compare", action="store_true",
                    help="start the in-process gateway and the whole stack and compare them (default without --url)")
+    p.add_argument("--mode", choices=("closed", "open"), default="closed",
+                   help="closed loop at --concurrency, or open loop (Poisson arrivals) at --rate (default closed)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="closed-loop streams (default 1 8)")
-    p.add_argument("--num-requests", type=int, default=16, help="requests per concurrency level (and system in --compare; default 16)")
-    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
+    p.add_argument("--rate", type=float, nargs="+", default=[1.0],
+                   help="open loop: arrivals per second (agent: sessions per second; default 1)")
+    add_workload_arguments(p)
     p.add_argument("--rounds", type=int, default=2,
                    help="--compare: split each level's requests into this many rounds, alternating which system "
                    "goes first, so load drift on a shared machine hits both alike (default 2)")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each system (default 2)")
-    p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS") or 2),
                    help="TANDEM_THREADS for every engine in --compare (default $TANDEM_THREADS or 2)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write all results (with per-request data) here")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    if min(args.num_requests, args.max_tokens, args.turns, getattr(args, "rounds", 1)) < 1:
+        raise ValueError("--num-requests, --max-tokens, --turns and --rounds must be >= 1")
+    if any(c < 1 for c in args.concurrency) or any(r <= 0 for r in getattr(args, "rate", [1.0])):
+        raise ValueError("--concurrency must be >= 1 and --rate > 0")
+    parse_mix(args.tiers)
+    parse_slos(args.slo)
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark, print the table and return everything measured."""
-    if any(c < 1 for c in args.concurrency) or min(args.num_requests, args.max_tokens, args.rounds) < 1:
-        raise ValueError("--concurrency, --num-requests, --max-tokens and --rounds must be >= 1")
+    """Run the benchmark, print the tables and return everything measured."""
+    check_arguments(args)
     compare = args.compare or not args.url
-    runs: list[dict] = []
-    config = {"mode": "compare" if compare else "url", "concurrency": args.concurrency,
-              "num_requests": args.num_requests, "rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads,
-              "cpus": os.cpu_count()}
-    if not compare:
-        for c in args.concurrency:
-            runs.append(asyncio.run(run_load(args.url, c, args.num_requests, args.max_tokens, args.model,
-                                             label="server", warmup=args.warmup if c == args.concurrency[0] else 0)))
-    else:
+    config = {k: getattr(args, k) for k in ("mode", "concurrency", "rate", "workload", "num_requests", "max_tokens",
+                                            "tiers", "turns", "turn_words", "long_words", "rounds", "threads")}
+    config.update(target="compare" if compare else args.url, cpus=os.cpu_count(), slos=parse_slos(args.slo))
+    if compare:
         config["in_process"] = "one process: uvicorn gateway + InProcessBackend(AsyncEngine(Engine)) on cpu"
         config["stack"] = STACK_TOPOLOGY
         runs = compare_runs(args)
+    else:
+        warm_up(args, args.url, "server")
+        runs = [measure(args, args.url, "server", c, rate, args.num_requests) for c, rate in levels(args)]
     rounds = split_rounds(args.num_requests, args.rounds) if compare else [args.num_requests]
-    print(f"serving benchmark: {args.num_requests} requests per level and system"
-          f"{f' (alternating rounds of {rounds})' if compare else ''}, max_tokens={args.max_tokens} "
-          f"(ignore_eos), temperature 0, {os.cpu_count()} CPUs, TANDEM_THREADS={args.threads}")
+    print(f"serving benchmark: {args.workload} workload, {args.mode} loop, {args.num_requests} requests per level"
+          f"{' and system (alternating rounds of ' + str(rounds) + ')' if compare else ''}, "
+          f"max_tokens={args.max_tokens} (ignore_eos), temperature 0, tiers {args.tiers}, {os.cpu_count()} CPUs")
     if compare:
         print(f"in-process: {config['in_process']}")
         print(f"stack:      {STACK_TOPOLOGY} (each engine process TANDEM_THREADS={args.threads})")
     print()
-    print(markdown_table(runs))
+    print(report.markdown_table(runs))
+    print()
+    print(report.tier_table(runs))
     ratio = tpot_ratio(runs) if compare else None
     if ratio is not None:
         print()
         print(f"stack / in-process TPOT p50 at concurrency 1: {ratio:.3f} "
               f"({(ratio - 1) * 100:+.1f} % overhead; target <= +10 %: {'met' if ratio <= 1.10 else 'NOT met'})")
+    if args.plot:
+        print(f"plot: {report.plot(runs, args.plot, f'tandem bench serve: {args.workload}, {args.mode} loop')}")
     out = {"config": config, "runs": runs, "tpot_ratio_c1": ratio}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=lambda x: None)
+        report.write_json(args.json, out)
     return out
 
 
@@ -406,10 +334,16 @@ def main(args: argparse.Namespace | None = None) -> int:
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(p)
         args = p.parse_args()
+    return run_cli("serve", run, args)
+
+
+def run_cli(name: str, run_bench, args: argparse.Namespace) -> int:
+    """Exit status of a load bench: 1 on a bad argument or a server that failed, or when any
+    request failed; 0 otherwise."""
     try:
-        out = run(args)
+        out = run_bench(args)
     except (ValueError, RuntimeError, TimeoutError) as e:
-        sys.stderr.write(f"bench serve: {e}\n")
+        sys.stderr.write(f"bench {name}: {e}\n")
         return 1
     return 0 if all(r["errors"] == 0 for r in out["runs"]) else 1
 

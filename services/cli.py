@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from shared.tracing import setup_logging
+    setup_logging(args.log_level.upper())  # the request id in every line (shared/tracing.py)
     return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
 
 

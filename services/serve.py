@@ -17,7 +17,7 @@ from shared.settings import Settings, env_help
 
 log = logging.getLogger("tandem.serve")
 
-SERVICES = ("gateway", "router", "prefill", "gpu-decode", "cpu-decode")
+SERVICES = ("gateway", "router", "prefill", "gpu-decode", "cpu-decode", "kvpool")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +40,9 @@ async def _run(args: argparse.Namespace, settings: Settings) -> None:
     elif args.service == "prefill":
         from services.prefill import PrefillWorker
         await PrefillWorker(settings, settings.worker.device or "cpu").run(stop)
+    elif args.service == subjects.KVPOOL:
+        from services.kvpool import PoolService
+        await PoolService(settings).run(stop)
     elif args.service in (subjects.GPU_DECODE, subjects.CPU_DECODE):
         from services.decode import DecodeWorker
         await DecodeWorker(settings, args.service).run(stop)
@@ -48,12 +51,14 @@ async def _run(args: argparse.Namespace, settings: Settings) -> None:
 
 
 async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
+    from shared import tracing
     from shared.bus import Bus
     from shared.engine.loader import load_tokenizer
     from services.gateway.app import GatewaySettings, serve
     from services.gateway.nats_backend import NatsBackend
 
     gw = GatewaySettings.from_env(host=args.host, port=args.port)
+    tracing.setup("gateway")  # span export only when TANDEM_OTLP_ENDPOINT is set
     tokenizer, cfg = load_tokenizer(settings.worker.model)  # metadata only, no weights
     name, ctx = cfg.name, cfg.max_context
     if settings.worker.max_context:

@@ -1,6 +1,9 @@
 """``tandem tap [SUBJECT]``: print live bus traffic, one line per message.
 
-    12:00:01.123  tandem.stream.r-42  164B  StreamChunk/v1  request_id=r-42 seq=3 token_ids=[318] text=<5 chars> ...
+    12:00:01.123  tandem.stream.r-42  164B  StreamChunk/v1  trace=4bf92f35  request_id=r-42 seq=3 token_ids=[318] ...
+
+``trace=`` is the first 8 hex digits of the trace id the message's ``traceparent`` header carries
+(shared/tracing.py), so one request's messages can be followed across services.
 
 Prompts (token ids) and text are elided unless ``--show-text``; long lists are shortened.
 Connects with the usual settings (TANDEM_NATS_URL, credentials, TLS) or ``--url``.
@@ -15,7 +18,7 @@ import signal
 import sys
 from typing import Any, TextIO
 
-from shared import schemas, subjects
+from shared import schemas, subjects, tracing
 from shared.bus import Bus, BusError
 from shared.settings import Settings, env_help
 
@@ -93,7 +96,7 @@ async def tap(subject: str = subjects.ALL, *, url: str | None = None, show_text:
             if getter not in done:
                 break
             msg = getter.result()
-            out.write(format_line(msg.subject, msg.data, show_text=show_text) + "\n")
+            out.write(format_line(msg.subject, msg.data, show_text=show_text, headers=msg.headers) + "\n")
             out.flush()
             shown += 1
             if count and shown >= count:
@@ -106,8 +109,8 @@ async def tap(subject: str = subjects.ALL, *, url: str | None = None, show_text:
 
 
 def format_line(subject: str, data: bytes, *, show_text: bool = False,
-                when: datetime.datetime | None = None) -> str:
-    """One tap line: time, subject, size, schema/version, short payload."""
+                when: datetime.datetime | None = None, headers: dict | None = None) -> str:
+    """One tap line: time, subject, size, schema/version, trace id prefix, short payload."""
     when = when or datetime.datetime.now()
     stamp = when.strftime("%H:%M:%S.%f")[:-3]
     try:
@@ -119,7 +122,8 @@ def format_line(subject: str, data: bytes, *, show_text: bool = False,
     name, version = fields.pop("schema"), fields.pop("v")
     parts = " ".join(f"{k}={_short(k, v, show_text)}" for k, v in fields.items()
                      if v is not None and v != "" and v != [] and v != {})
-    return f"{stamp}  {subject}  {len(data)}B  {name}/v{version}  {parts}"
+    trace = tracing.parse_traceparent((headers or {}).get(tracing.TRACEPARENT))
+    return f"{stamp}  {subject}  {len(data)}B  {name}/v{version}  " + (f"trace={trace[0][:8]}  " if trace else "") + parts
 
 
 def _short(key: str, value: Any, show_text: bool) -> str:

@@ -4,6 +4,10 @@ connection, heartbeats with load, aborts, and streaming outputs as ``StreamChunk
 Life cycle of a request in a worker: Accepted (the engine took it; the handler acks) →
 Streaming (a task publishes each output on the request's stream subject) → Done (finished,
 aborted, or failed: a failure is published on the stream as an ``ErrorReply``, never silence).
+
+Metrics (shared/metrics.py, on this process's own /metrics port, announced in heartbeats):
+per tier, queue time = handler received → engine took the request, TTFT = received → first
+output published, TPOT; engine load and KV blocks from each heartbeat.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from shared import subjects
+from shared import metrics, subjects, tracing
+from shared.energy import EnergyMeter
 from shared.bus import Bus, BusError
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineConfig, EngineFull
@@ -41,6 +47,12 @@ def priority_of(tier: str) -> int:
     return TIER_PRIORITY[tier]
 
 
+@dataclass
+class _Timing:
+    tier: str            # the request's SLA tier
+    received: float      # time.monotonic() when the handler got it
+
+
 class EngineWorker:
     role: str = ""
 
@@ -54,8 +66,15 @@ class EngineWorker:
         self.bus: Bus | None = None
         self.tasks: dict[str, asyncio.Task] = {}   # request id -> its streaming task
         self.data_host, self.data_port = "", 0
+        self.metrics_port = 0
+        on_gpu = self.device.startswith("cuda")  # a GPU worker counts its GPUs (NVML), a CPU one RAPL
+        self.energy = EnergyMeter(nvml=on_gpu, rapl=not on_gpu)
+        self.timings: dict[str, _Timing] = {}      # request id -> when it arrived, its tier
 
     async def start(self) -> None:
+        tracing.setup(self.role)
+        self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
+                                               self.settings.worker.metrics_host) or 0
         self.bus = await Bus.connect(self.settings, name=self.worker_id)
         self._abort_sub = await self.bus.subscribe(subjects.ABORT, Abort, skip_invalid=True)
         self._abort_task = asyncio.create_task(self._abort_loop(), name="abort-listener")
@@ -69,12 +88,16 @@ class EngineWorker:
 
     def heartbeat(self) -> Heartbeat:
         st = self.engine.stats()
+        for domain, j in (self.energy.tick() or {}).items():
+            metrics.ENERGY.labels(self.role, domain).inc(j)
+        metrics.set_engine_load(self.role, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
+                                kv_used=st["total_kv_blocks"] - st["free_kv_blocks"], kv_free=st["free_kv_blocks"])
         return Heartbeat(worker_id=self.worker_id, role=self.role, device=self.device, model=self.model_name,
                          ready=True, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
                          free_kv_blocks=st["free_kv_blocks"], total_kv_blocks=st["total_kv_blocks"],
                          max_context=self.engine.max_context, data_host=self.data_host,
                          data_port=self.data_port, ts=time.time(),
-                         interval=self.settings.worker.heartbeat_interval)
+                         interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port)
 
     async def _abort_loop(self) -> None:
         async for msg in self._abort_sub:
@@ -97,17 +120,26 @@ class EngineWorker:
         """Publish each output as a StreamChunk; the last one carries finish_reason and usage.
         ``on_parked`` is awaited with the output that ends a prefill-only request."""
         seq = first_seq
+        timing = self.timings.pop(request_id, None)
+        first_at, emitted = None, 0     # this worker's first token, tokens it published
         try:
             async for out in outputs:
+                if first_at is None and out.token_ids:
+                    first_at = time.monotonic()
+                emitted += len(out.token_ids)
                 if out.finish_reason == "prefilled":
                     await self.bus.publish(subject, self.chunk(out, seq, finish=False))
+                    self._observe(timing, first_at, emitted, "parked")
                     await on_parked(out)
                     return
                 await self.bus.publish(subject, self.chunk(out, seq, finish=out.finished))
                 seq += 1
+                if out.finished:
+                    self._observe(timing, first_at, emitted, "aborted" if out.finish_reason == "abort" else "ok")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the client hears about it, the worker goes on
+            self._observe(timing, first_at, emitted, "error")
             log.exception("%s failed", request_id)
             await self.engine.abort(request_id)
             code = "overloaded" if isinstance(e, EngineFull) else getattr(e, "code", "internal")
@@ -126,12 +158,29 @@ class EngineWorker:
                            worker=self.worker_id, logprobs=lps,
                            finish_reason=out.finish_reason if finish else None, usage=usage)
 
-    async def admit(self, coro):
-        """Run an engine admission; engine errors become coded bus errors for the requester."""
+    def _observe(self, timing: _Timing | None, first_at: float | None, emitted: int, outcome: str) -> None:
+        """Per-tier metrics of a request that ended here: finished (ok / aborted), handed on
+        after prefill (parked), or failed (error). Tokens and TPOT count this worker's own."""
+        if timing is None:
+            return
+        ttft = first_at - timing.received if first_at is not None else None
+        tpot = (time.monotonic() - first_at) / (emitted - 1) if first_at is not None and emitted > 1 else None
+        metrics.observe_request(self.role, timing.tier, ttft=ttft, tpot=tpot, tokens=emitted, outcome=outcome)
+        log.info("%s %s: %d token(s), ttft %s", self.role, outcome, emitted,
+                 f"{ttft:.3f}s" if ttft is not None else "-")
+
+    async def admit(self, req, coro):
+        """Run the engine admission of ``req`` (a message with request_id and tier); engine errors
+        become coded bus errors for the requester. Records the request's queue time."""
+        received = time.monotonic()
         try:
-            return await coro
+            out = await coro
         except EngineFull as e:
+            metrics.observe_request(self.role, req.tier, outcome="error")
             raise BusError("overloaded", str(e)) from None
+        metrics.observe_request(self.role, req.tier, queue=time.monotonic() - received)
+        self.timings[req.request_id] = _Timing(req.tier, received)
+        return out
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()

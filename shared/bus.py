@@ -14,6 +14,10 @@ exception is logged. ``BusError(code, message)`` keeps its code; ValueError (Sch
 included) -> ``bad_request``; TimeoutError -> ``timeout``; anything else -> ``internal``.
 A requester receiving an ErrorReply raises ``RemoteError`` with the same code; no responder ->
 ``BusError("unavailable")``; no reply in time -> ``BusError("timeout")``.
+
+Trace context: every message sent while a request's context is current (shared/tracing.py)
+carries ``traceparent`` and ``Tandem-Request-Id`` NATS headers; a handler runs with the
+context of the message it handles, inside one span per hop when span export is on.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from shared import schemas
+from shared import schemas, tracing
 from shared.schemas import ERROR_STATUS, Ack, ErrorReply, SchemaError
 from shared.settings import NatsSettings, Settings
 
@@ -246,7 +250,9 @@ class Bus:
         try:
             req = schemas.decode(msg.data, expected)
             request_id = getattr(req, "request_id", "") or ""
-            result = await handler(req)
+            tracing.adopt(msg.headers, request_id)
+            with tracing.span(pattern):
+                result = await handler(req)
             if msg.reply:
                 await self.nc.publish(msg.reply, schemas.encode(result if result is not None else
                                                                 Ack(request_id=request_id)))
@@ -280,7 +286,7 @@ class Bus:
         timeout = self.request_timeout if timeout is None else timeout
         data = schemas.encode(msg)
         try:
-            reply = await self.nc.request(subject, data, timeout=timeout)
+            reply = await self.nc.request(subject, data, timeout=timeout, headers=tracing.headers())
         except nats.errors.NoRespondersError:
             raise BusError("unavailable", f"no service is listening on {subject}") from None
         except nats.errors.TimeoutError:
@@ -294,7 +300,7 @@ class Bus:
         return obj
 
     async def publish(self, subject: str, msg: Any) -> None:
-        await self.nc.publish(subject, schemas.encode(msg))
+        await self.nc.publish(subject, schemas.encode(msg), headers=tracing.headers())
 
     async def flush(self, timeout: float = 2.0) -> None:
         await self.nc.flush(timeout)

@@ -199,7 +199,7 @@ class Abort:
     reason: str = ""
 
 
-@message("Heartbeat", 1)
+@message("Heartbeat", 2)
 class Heartbeat:
     """worker -> subjects.heartbeat(role, id), every few seconds: readiness and load."""
     SCHEMA: ClassVar[str]
@@ -218,6 +218,7 @@ class Heartbeat:
     data_port: int               # 0 = none
     ts: float                    # sender's time.time()
     interval: float = 2.0        # seconds to the next heartbeat (the router's liveness window)
+    metrics_port: int = 0        # the sender's Prometheus /metrics HTTP port (0 = none)
 
 
 @message("Ack", 1)
@@ -245,18 +246,91 @@ class ErrorReply:
                    request_id=request_id)
 
 
-@message("TransferEvent", 1)
+@message("TransferEvent", 2)
 class TransferEvent:
-    """Optional, for tap and metrics: one KV transfer finished (or failed)."""
+    """For tap and metrics: one KV transfer finished (or failed)."""
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     transfer_id: str
     request_id: str
-    nbytes: int
+    nbytes: int                  # payload bytes
     seconds: float
-    path: str                    # "tcp", ...
+    path: str                    # "shm", "tcp", "tcp+zstd", "rdma"
     ok: bool = True
     error: str = ""
+    wire_bytes: int = 0          # bytes that crossed the link (compressed size; 0 = nbytes)
+    attempts: int = 1            # paths tried (a failed path is retried on the next one)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV pool (services/kvpool.py): lookup / get / put over the bus, bulk bytes on the data plane
+# ---------------------------------------------------------------------------------------------
+
+@message("PoolLookup", 1)
+class PoolLookup:
+    """How many leading chunks of a prompt the pool holds (kvpool.keys chunk keys)."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    keys: list[str]              # chunk keys in prompt order (64 hex chars each)
+
+
+@message("PoolLookupReply", 1)
+class PoolLookupReply:
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    pool_id: str                 # the answering pool copy (get/put go to it: subjects.kvpool_get/put)
+    hits: int                    # leading keys stored
+    tiers: list[str]             # tier of each hit ("ram", "disk", "shared")
+    chunk_tokens: int = 256      # tokens per chunk
+    data_host: str = ""          # the pool's data-plane receiver (for put)
+    data_port: int = 0
+
+
+@message("PoolGet", 1)
+class PoolGet:
+    """Send these entries (a bundle) to the requester's data-plane receiver."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    keys: list[str]
+    transfer_id: str             # the requester's key for take()
+    host: str                    # requester's data-plane receiver
+    port: int
+
+
+@message("PoolGetReply", 1)
+class PoolGetReply:
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    found: int                   # leading keys sent (a miss ends the bundle)
+    nbytes: int = 0              # bundle bytes sent (0 when found == 0)
+    path: str = ""
+
+
+@message("PoolPut", 1)
+class PoolPut:
+    """Entries (a bundle) already sent to the pool's receiver under ``transfer_id``."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    keys: list[str]
+    transfer_id: str
+
+
+@message("PoolPutReply", 1)
+class PoolPutReply:
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    stored: int                  # entries stored in at least one tier
+
+
+@message("KVEvent", 1)
+class KVEvent:
+    """Chunks stored in or evicted from a pool tier (the router can route by cache overlap)."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    pool_id: str
+    kind: str                    # "stored" | "evicted"
+    storage: str                 # storage tier name(s), comma-separated ("ram,disk")
+    keys: list[str]
 
 
 # ---------------------------------------------------------------------------------------------

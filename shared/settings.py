@@ -84,6 +84,11 @@ class WorkerSettings:
     kv_budget_mb: int = _env("TANDEM_KV_BUDGET_MB", 512, "KV cache memory budget in MiB")
     max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
     heartbeat_interval: float = _env("TANDEM_HEARTBEAT_INTERVAL", 2.0, "seconds between heartbeats")
+    metrics_port: int = _env("TANDEM_METRICS_PORT", 0, "Prometheus /metrics HTTP port of a worker or "
+                             "router (the gateway uses its own port); 0 = a free one (in heartbeats), -1 = off")
+    metrics_host: str = _env("TANDEM_METRICS_HOST", "127.0.0.1", "bind address of that /metrics server")
+    router_policy: str = _env("TANDEM_ROUTER_POLICY", "sla", "router placement: sla (tier -> pool, least "
+                              "load) or round-robin (every decode worker in turn)")
 
     def validate(self) -> None:
         if self.worker_id is not None:
@@ -100,6 +105,10 @@ class WorkerSettings:
             raise ValueError("TANDEM_KV_BLOCKS is 0, so TANDEM_KV_BUDGET_MB must be > 0")
         if self.heartbeat_interval <= 0:
             raise ValueError("TANDEM_HEARTBEAT_INTERVAL must be > 0")
+        if self.router_policy not in ("sla", "round-robin"):
+            raise ValueError(f"TANDEM_ROUTER_POLICY must be sla or round-robin, got {self.router_policy!r}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError("TANDEM_METRICS_PORT must be -1 (off), 0 (a free port) or a port")
 
     def resolved_worker_id(self, role: str) -> str:
         """The configured id, or ``<role>-<host>-<pid>`` (dots in the host name become '-')."""
@@ -120,6 +129,7 @@ class DataPlaneSettings:
     max_pending_mb: int = _env("TANDEM_DATA_MAX_PENDING_MB", 4096,
                                "received-but-not-taken payload bytes held at most, MiB")
     timeout: float = _env("TANDEM_DATA_TIMEOUT", 30.0, "seconds a transfer may stall")
+    shm: bool = _env("TANDEM_DATA_SHM", True, "use shared memory (/dev/shm) for peers on the same host")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -135,6 +145,42 @@ class DataPlaneSettings:
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+
+@dataclass
+class PoolSettings:
+    """The KV pool: the kvpool service's tiers, and how workers use it (kvpool/, docs/kvpool.md)."""
+    enabled: bool = _env("TANDEM_POOL", True, "workers look prefixes up in the KV pool service and "
+                         "write chunks back (when a pool answers)")
+    ram_mb: int = _env("TANDEM_POOL_RAM_MB", 1024, "pool RAM tier capacity, MiB (0: no RAM tier)")
+    dir: str = _env("TANDEM_POOL_DIR", "~/.cache/tandem/kvpool",
+                    "pool local-disk (NVMe) tier directory; empty: no disk tier")
+    disk_gb: float = _env("TANDEM_POOL_DISK_GB", 64.0, "pool local-disk tier capacity, GiB")
+    shared_dir: str | None = _env("TANDEM_POOL_SHARED_DIR", None,
+                                  "pool shared-filesystem tier directory (NFS...); unset: none")
+    shared_gb: float = _env("TANDEM_POOL_SHARED_GB", 256.0, "pool shared tier capacity, GiB")
+    codec: str = _env("TANDEM_POOL_CODEC", "shuffle-zstd",
+                      "chunk codec: shuffle-zstd (lossless) or int8-zstd (lossy, opt-in)")
+    chunk_tokens: int = _env("TANDEM_POOL_CHUNK_TOKENS", 256, "tokens per pool chunk (a multiple of the block size)")
+    tenant: str = _env("TANDEM_POOL_TENANT", "", "tenant salt: tenants never share pool entries")
+    timeout: float = _env("TANDEM_POOL_TIMEOUT", 10.0, "seconds a worker waits for the pool before computing")
+
+    def validate(self) -> None:
+        from kvpool.codec import CODECS
+        if self.codec not in CODECS:
+            raise ValueError(f"TANDEM_POOL_CODEC must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        if self.ram_mb < 0 or self.disk_gb < 0 or self.shared_gb < 0:
+            raise ValueError("TANDEM_POOL_RAM_MB, TANDEM_POOL_DISK_GB and TANDEM_POOL_SHARED_GB must be >= 0")
+        if self.chunk_tokens < 1 or self.timeout <= 0:
+            raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1 and TANDEM_POOL_TIMEOUT > 0")
+
+    def pool_config(self):
+        """The kvpool.pool.PoolConfig these settings describe."""
+        from kvpool.pool import PoolConfig
+        return PoolConfig(ram_bytes=self.ram_mb << 20,
+                          disk_dir=os.path.expanduser(self.dir) if self.dir else None,
+                          disk_bytes=int(self.disk_gb * 2**30),
+                          shared_dir=self.shared_dir, shared_bytes=int(self.shared_gb * 2**30)).validate()
 
 
 @dataclass
@@ -181,6 +227,7 @@ class Settings:
     nats: NatsSettings = field(default_factory=NatsSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     data: DataPlaneSettings = field(default_factory=DataPlaneSettings)
+    pool: PoolSettings = field(default_factory=PoolSettings)
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
     @classmethod

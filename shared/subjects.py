@@ -84,6 +84,26 @@ def heartbeat_role(role: str) -> str:
     return f"{PREFIX}.heartbeat.{check_role(role)}.*"
 
 
+POOL_LOOKUP = f"{PREFIX}.kvpool.lookup"   # request/reply, queue group: PoolLookup -> PoolLookupReply
+POOL_QUEUE = "kvpool"                     # queue group of the pool copies
+POOL_EVENTS_ALL = f"{PREFIX}.kvpool.events.>"  # every KVEvent
+
+
+def kvpool_get(pool_id: str) -> str:
+    """Directed request to one pool copy: PoolGet -> PoolGetReply (bytes on the data plane)."""
+    return f"{PREFIX}.kvpool.{check_token(pool_id, 'pool_id')}.get"
+
+
+def kvpool_put(pool_id: str) -> str:
+    """Directed request to one pool copy: PoolPut -> PoolPutReply (bytes sent before)."""
+    return f"{PREFIX}.kvpool.{check_token(pool_id, 'pool_id')}.put"
+
+
+def kvpool_events(pool_id: str) -> str:
+    """KVEvent published by one pool copy (chunks stored / evicted)."""
+    return f"{PREFIX}.kvpool.events.{check_token(pool_id, 'pool_id')}"
+
+
 def transfer(worker_id: str) -> str:
     """TransferEvent published by the worker that sent (or received) KV bytes."""
     return f"{PREFIX}.transfer.{check_token(worker_id, 'worker_id')}"

@@ -10,7 +10,9 @@ Life of a request:
    (the first output is awaited before the 200 goes out, so admission errors keep their status);
 5. a client that goes away before the request finished -> ``backend.abort(request_id)``.
 
-Every log line about a request starts with its id (``chatcmpl-<hex>`` / ``cmpl-<hex>``).
+Every log line about a request starts with its id (``chatcmpl-<hex>`` / ``cmpl-<hex>``), and
+the request's trace context (the client's ``traceparent`` header, or a new trace) goes with every
+bus message it causes (shared/tracing.py). ``GET /metrics``: Prometheus series (shared/metrics.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jinja2 import TemplateError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shared import metrics, tracing
 from shared.settings import GatewaySettings
 
 from .backend import TIERS, Backend, BackendError, GenerationRequest
@@ -122,6 +125,7 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
     def _error(request: Request, err: APIError) -> Response:
         rid = getattr(request.state, "request_id", "-")
         level = logging.WARNING if err.status >= 500 else logging.INFO
+        metrics.observe_request("gateway", getattr(request.state, "tier", "-"), outcome="error")
         log.log(level, "%s rejected %d %s param=%s: %s", rid, err.status, err.code, err.param, err.message)
         return _json(err.body(), err.status, headers={"X-Request-Id": rid} if rid != "-" else None)
 
@@ -180,6 +184,7 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
         return ctx - n_prompt if max_tokens is None else max_tokens
 
     def _common(request: Request, req, rid: str) -> tuple[str, str | None]:
+        tracing.start(rid, request.headers.get(tracing.TRACEPARENT))
         _check_model(req.model)
         check_unsupported(req)
         extra = ignored_fields(req)
@@ -187,6 +192,7 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
             log.info("%s ignoring unsupported fields: %s", rid, ", ".join(extra))
         tier = resolve_tier(req, request.headers.get(SLA_HEADER), settings.default_tier)
         session = resolve_session(req, request.headers.get(SESSION_HEADER))
+        request.state.tier = tier
         return tier, session
 
     def _chat_prompt(messages: list[dict]) -> list[int]:
@@ -213,6 +219,11 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
             ready, details = False, {"error": f"{type(e).__name__}: {e}"}
         body = {"status": "ready" if ready else "unavailable", "model": backend.model_name, "details": details}
         return _json(body, 200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
@@ -289,10 +300,14 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
                     log.exception("closing the backend stream failed")
 
     def _done(g: GenerationRequest, acc: Accumulator, t0: float) -> None:
+        now = time.monotonic()
         ttft = (acc.first_token_at - t0) if acc.first_token_at else float("nan")
+        tpot = (now - acc.first_token_at) / (acc.completion_tokens - 1) if acc.completion_tokens > 1 else None
+        metrics.observe_request("gateway", g.tier, ttft=ttft if acc.first_token_at else None, tpot=tpot,
+                                tokens=acc.completion_tokens, outcome="ok")
         log.info("%s done finish=%s prompt=%d completion=%d cached=%d ttft=%.3fs total=%.3fs", g.request_id,
                  acc.finish_reason, acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens, ttft,
-                 time.monotonic() - t0)
+                 now - t0)
 
     async def _run(request: Request, g: GenerationRequest, fmt: _Format, stream: bool, user: str | None) -> Response:
         rid = g.request_id
@@ -372,6 +387,7 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
                 _done(g, acc, t0)
             except BackendError as e:  # mid-stream: the status is sent already; an error event instead
                 finished = True
+                metrics.observe_request("gateway", g.tier, outcome="error")
                 log.warning("%s failed mid-stream %d %s: %s", rid, e.status, e.code, e.message)
                 yield sse(APIError.from_backend(e).body())
                 yield SSE_DONE

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from shared import subjects
+from shared import subjects, tracing
 from shared.bus import Bus, BusError, RemoteError
 from shared.engine.sampling import RequestOutput, TokenLogprob
 from shared.schemas import (Abort, ErrorReply, GenerateRequest, Heartbeat, PrefillRequest, RoutePlan,
@@ -76,20 +76,21 @@ class NatsBackend:
         sub = await self.bus.subscribe(stream_subject)
         finished = False
         try:
-            plan = await self._call(subjects.ROUTE, RouteRequest(
-                request_id=rid, model=req.model, tier=req.tier, session_id=req.session_id,
-                num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens), RoutePlan)
-            sampling = req.sampling.to_dict()
-            if plan.prefill_worker:
-                await self._call(subjects.worker_prefill(plan.prefill_worker), PrefillRequest(
-                    request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=req.tier,
-                    decode_worker=plan.decode_worker, decode_subject=subjects.worker_decode(plan.decode_worker),
-                    stream_subject=stream_subject, decode_data_host=plan.decode_data_host,
-                    decode_data_port=plan.decode_data_port, session_id=req.session_id))
-            else:
-                await self._call(subjects.worker_generate(plan.decode_worker), GenerateRequest(
-                    request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=req.tier,
-                    stream_subject=stream_subject, session_id=req.session_id))
+            with tracing.span("gateway.dispatch", tier=req.tier):  # parent of the router's and workers' spans
+                plan = await self._call(subjects.ROUTE, RouteRequest(
+                    request_id=rid, model=req.model, tier=req.tier, session_id=req.session_id,
+                    num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens), RoutePlan)
+                sampling = req.sampling.to_dict()
+                if plan.prefill_worker:
+                    await self._call(subjects.worker_prefill(plan.prefill_worker), PrefillRequest(
+                        request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=req.tier,
+                        decode_worker=plan.decode_worker, decode_subject=subjects.worker_decode(plan.decode_worker),
+                        stream_subject=stream_subject, decode_data_host=plan.decode_data_host,
+                        decode_data_port=plan.decode_data_port, session_id=req.session_id))
+                else:
+                    await self._call(subjects.worker_generate(plan.decode_worker), GenerateRequest(
+                        request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=req.tier,
+                        stream_subject=stream_subject, session_id=req.session_id))
             log.info("%s: %s", rid, plan.reason)
             next_seq, held = 0, {}
             while not finished:

@@ -23,7 +23,7 @@ yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
-TANDEM_SERVICES = ("gateway", "router", "prefill", "gpu-decode", "cpu-decode")
+TANDEM_SERVICES = ("gateway", "router", "prefill", "gpu-decode", "cpu-decode", "kvpool")
 
 
 # ---- helpers --------------------------------------------------------------------------------

@@ -61,3 +61,27 @@ def test_full_queues_are_overloaded():
 def test_decode_without_data_plane_gets_no_prefill_worker():
     plan = place(req(), [w("c1", "cpu-decode", port=0), PRE_CPU], NOW)
     assert plan.prefill_worker is None
+
+
+def test_round_robin_takes_every_decode_worker_in_turn():
+    workers = [w("c2", "cpu-decode", running=9), w("c1", "cpu-decode"), GPU, PRE_CPU]
+    picked = [place(req("standard"), workers, NOW, "round-robin", turn=t).decode_worker for t in range(6)]
+    assert picked == ["c1", "c2", "g1", "c1", "c2", "g1"]  # by id, load and tier ignored
+
+
+def test_round_robin_skips_dead_and_full_workers():
+    workers = [w("c1", "cpu-decode"), w("c2", "cpu-decode", queue=MAX_QUEUE), w("c3", "cpu-decode", seen=NOW - 10)]
+    assert {place(req(), workers, NOW, "round-robin", turn=t).decode_worker for t in range(4)} == {"c1"}
+    with pytest.raises(BusError) as e:
+        place(req(), [w("c2", "cpu-decode", queue=MAX_QUEUE)], NOW, "round-robin")
+    assert e.value.code == "overloaded"
+
+
+def test_round_robin_still_uses_a_prefill_worker():
+    plan = place(req(), [CPU, PRE_CPU], NOW, "round-robin")
+    assert (plan.decode_worker, plan.prefill_worker) == ("c1", "p1")
+
+
+def test_unknown_policy_is_a_value_error():
+    with pytest.raises(ValueError, match="policy"):
+        place(req(), [CPU], NOW, "random")

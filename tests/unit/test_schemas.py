@@ -37,6 +37,14 @@ EXAMPLES = [
     Ack("r1", "cpu-0"),
     ErrorReply.of("overloaded", "queue full", "r1"),
     TransferEvent("t-1", "r1", 1 << 20, 0.01, "tcp"),
+    TransferEvent("t-2", "", 1 << 20, 0.01, "tcp+zstd", wire_bytes=900_000, attempts=2),
+    schemas.PoolLookup(["ab" * 32]),
+    schemas.PoolLookupReply("kvpool-0", 1, ["ram"], 256, "127.0.0.1", 4000),
+    schemas.PoolGet(["ab" * 32], "p-1", "127.0.0.1", 4001),
+    schemas.PoolGetReply(1, 2_000_000, "shm"),
+    schemas.PoolPut(["ab" * 32], "p-2"),
+    schemas.PoolPutReply(1),
+    schemas.KVEvent("kvpool-0", "stored", "ram,disk", ["ab" * 32]),
     HANDLE,
 ]
 

@@ -1,0 +1,133 @@
+"""Prometheus metrics: every series Tandem exports, defined once, with small helpers to feed them.
+
+Every series lives in the process-wide default registry of ``prometheus_client``; a process
+exports them on ``/metrics`` — the gateway on its own HTTP port, workers and the router on a
+small HTTP server of their own (``serve_http``; TANDEM_METRICS_PORT, 0 = a free port, -1 = off).
+
+How a service feeds them:
+
+    from shared import metrics
+    metrics.observe_request("cpu-decode", "standard", ttft=0.05, tpot=0.012, queue=0.003)
+    metrics.set_engine_load("cpu-decode", queue_depth=2, running=5, kv_used=100, kv_free=412)
+    metrics.pool_lookup("cpu", hit=True, nbytes=1 << 20)     # KV pool, per storage tier
+    metrics.pool_stored("disk", nbytes=64 << 20)             # bytes the tier now holds
+    metrics.transfer("tcp", nbytes=2_000_000, seconds=0.004) # KV moved, per data-plane path
+    metrics.migration("gpu-decode", "cpu-decode")            # a session's KV moved between pools
+
+Labels: ``service`` is the role (gateway, router, prefill, gpu-decode, cpu-decode, kvpool);
+``tier`` on request series is the SLA tier (interactive|standard|batch); on pool series it is
+the storage tier the pool names (e.g. gpu, cpu, disk); ``path`` is a transfer path (tcp,
+local, rdma...). Names and meanings are listed in docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
+
+# latency buckets: 1 ms .. 2 min (TTFT of a long prompt on a CPU runs to tens of seconds)
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# per-token buckets: 1 ms .. 5 s
+_PER_TOKEN = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+# -- requests, per service and SLA tier -------------------------------------------------------
+TTFT = Histogram("tandem_ttft_seconds", "time to first token (gateway: as the client sees it; "
+                 "workers: from accepting the request to publishing its first token)",
+                 ["service", "tier"], buckets=_LATENCY)
+TPOT = Histogram("tandem_tpot_seconds", "mean time per output token after the first, per request",
+                 ["service", "tier"], buckets=_PER_TOKEN)
+QUEUE_TIME = Histogram("tandem_queue_seconds", "time a request waited before its first engine step "
+                       "(gateway: before a worker accepted it)", ["service", "tier"], buckets=_LATENCY)
+REQUESTS = Counter("tandem_requests", "requests by outcome (ok, error, aborted; parked = a prefill "
+                   "worker handed it to decode)",
+                   ["service", "tier", "outcome"])
+TOKENS = Counter("tandem_generated_tokens", "output tokens generated", ["service", "tier"])
+
+ROUTES = Counter("tandem_routes", "router placements by policy, decode pool and whether a prefill "
+                 "worker was chosen", ["policy", "decode_role", "prefill"])
+
+# -- engine load, per service (set from each heartbeat) ---------------------------------------
+QUEUE_DEPTH = Gauge("tandem_queue_depth", "requests waiting for an engine step", ["service"])
+RUNNING = Gauge("tandem_running_sequences", "sequences in the running batch", ["service"])
+KV_BLOCKS = Gauge("tandem_kv_blocks", "paged KV cache blocks by state (used, free)", ["service", "state"])
+
+# -- KV pool, per storage tier ----------------------------------------------------------------
+POOL_LOOKUPS = Counter("tandem_pool_lookups", "KV pool lookups by storage tier and result (hit, miss)",
+                       ["tier", "result"])
+POOL_HIT_BYTES = Counter("tandem_pool_hit_bytes", "KV bytes served from the pool", ["tier"])
+POOL_BYTES = Gauge("tandem_pool_bytes", "KV bytes the pool holds", ["tier"])
+
+# -- data plane and migrations ----------------------------------------------------------------
+TRANSFER_BYTES = Counter("tandem_transfer_bytes", "KV bytes moved over the data plane", ["path"])
+TRANSFER_SECONDS = Histogram("tandem_transfer_seconds", "seconds per KV transfer", ["path"],
+                             buckets=_LATENCY)
+MIGRATIONS = Counter("tandem_migrations", "sessions whose KV moved between decode pools", ["src", "dst"])
+
+# -- energy (only where the hardware reports power; see shared/energy.py) ---------------------
+ENERGY = Counter("tandem_energy_joules", "energy the process's power domain used while serving "
+                 "(only where RAPL / NVML report it)", ["service", "domain"])
+
+
+def observe_request(service: str, tier: str, *, ttft: float | None = None, tpot: float | None = None,
+                    queue: float | None = None, tokens: int = 0, outcome: str | None = None) -> None:
+    """Record what is known about one request (None = not measured)."""
+    if ttft is not None:
+        TTFT.labels(service, tier).observe(ttft)
+    if tpot is not None:
+        TPOT.labels(service, tier).observe(tpot)
+    if queue is not None:
+        QUEUE_TIME.labels(service, tier).observe(queue)
+    if tokens:
+        TOKENS.labels(service, tier).inc(tokens)
+    if outcome is not None:
+        REQUESTS.labels(service, tier, outcome).inc()
+
+
+def set_engine_load(service: str, *, queue_depth: int, running: int, kv_used: int, kv_free: int) -> None:
+    QUEUE_DEPTH.labels(service).set(queue_depth)
+    RUNNING.labels(service).set(running)
+    KV_BLOCKS.labels(service, "used").set(kv_used)
+    KV_BLOCKS.labels(service, "free").set(kv_free)
+
+
+def pool_lookup(tier: str, hit: bool, nbytes: int = 0) -> None:
+    """One KV pool lookup on storage ``tier``; a hit adds the bytes it served."""
+    POOL_LOOKUPS.labels(tier, "hit" if hit else "miss").inc()
+    if hit and nbytes:
+        POOL_HIT_BYTES.labels(tier).inc(nbytes)
+
+
+def pool_stored(tier: str, nbytes: int) -> None:
+    """The bytes storage ``tier`` holds now."""
+    POOL_BYTES.labels(tier).set(nbytes)
+
+
+def transfer(path: str, nbytes: int, seconds: float) -> None:
+    """One KV transfer over data-plane ``path``."""
+    TRANSFER_BYTES.labels(path).inc(nbytes)
+    TRANSFER_SECONDS.labels(path).observe(seconds)
+
+
+def migration(src: str, dst: str) -> None:
+    MIGRATIONS.labels(src, dst).inc()
+
+
+def render() -> tuple[bytes, str]:
+    """(body, content type) of the Prometheus text exposition, for an HTTP handler."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def serve_http(port: int, host: str = "127.0.0.1") -> int | None:
+    """Start the /metrics HTTP server in a daemon thread; the bound port, or None when ``port`` < 0.
+
+    ``port`` 0 picks a free port (logged)."""
+    if port < 0:
+        return None
+    from prometheus_client import start_http_server
+    server, _thread = start_http_server(port, addr=host)
+    bound = server.server_address[1]
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return bound

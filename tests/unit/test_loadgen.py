@@ -1,0 +1,292 @@
+"""The load generator: exact statistics on synthetic timings, the workloads, and both loops
+against a synthetic SSE server whose timings are known."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+
+import pytest
+
+from bench.loadgen import (QUESTIONS, Progress, RequestResult, make_jobs, meets_slo, parse_mix, percentile,
+                           request_metrics, run_jobs, summarize)
+
+# ---- statistics (pure) ---------------------------------------------------------------------
+
+
+def test_percentile_exact_values():
+    xs = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert percentile(xs, 50) == 5.5
+    assert percentile(xs, 0) == 1
+    assert percentile(xs, 100) == 10
+    assert percentile(xs, 99) == pytest.approx(9.91)   # 1 + 0.99 * 9 = 9.91 -> 9 + 0.91
+    assert percentile(xs, 90) == pytest.approx(9.1)
+    assert percentile(list(range(101)), 99) == 99      # order statistics land exactly
+
+
+def test_percentile_order_and_edge_cases():
+    assert percentile([5, 1, 3], 50) == 3              # unsorted input
+    assert percentile([7], 99) == 7
+    assert percentile([0, 10], 25) == 2.5
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    xs = [0.3, 12.0, 4.5, 4.5, 7.25, 100.0, 0.0, 3.0, 9.0]
+    for q in (1, 10, 50, 90, 99):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_request_metrics():
+    # sent at 10.0; first token at 10.5; 4 more tokens every 0.1 s; stream ends at 11.0
+    r = request_metrics(10.0, [10.5, 10.6, 10.7, 10.8, 10.9], 11.0, tokens=5)
+    assert r.ok and r.tokens == 5
+    assert r.ttft == pytest.approx(0.5)
+    assert r.tpot == pytest.approx(0.1)
+    assert r.itl == pytest.approx([0.1] * 4)
+    assert r.latency == pytest.approx(1.0)
+    # usage counts more tokens than chunks (a chunk carried two tokens): TPOT uses the tokens
+    r2 = request_metrics(0.0, [1.0, 2.0], 2.5, tokens=3)
+    assert r2.tpot == pytest.approx(0.5) and r2.tokens == 3
+    # no usage chunk: the chunk count stands in
+    assert request_metrics(0.0, [1.0, 1.2, 1.4], 1.5, tokens=None).tokens == 3
+    assert math.isnan(request_metrics(0.0, [1.0], 1.0, tokens=1).tpot)
+    assert not request_metrics(0.0, [], 1.0, tokens=None).ok
+
+
+def test_summarize_quantiles_throughput_and_goodput():
+    rs = [RequestResult(ok=True, tokens=10, ttft=t, tpot=t / 10, itl=[t / 10], latency=2 * t,
+                        tier="interactive" if t < 0.3 else "batch") for t in (0.1, 0.2, 0.3, 0.4, 0.5)]
+    rs.append(RequestResult(ok=False, error="boom", tier="batch"))
+    slos = {"interactive": (150.0, 100.0), "batch": (450.0, 100.0)}
+    s = summarize(rs, wall_s=2.0, slos=slos)
+    assert s["requests"] == 6 and s["errors"] == 1
+    assert s["output_tokens"] == 50
+    assert s["throughput_tok_s"] == 25.0
+    assert s["ttft_p50_ms"] == pytest.approx(300.0)
+    assert s["ttft_p90_ms"] == pytest.approx(460.0)    # 0.4 + 0.6 * 0.1
+    assert s["ttft_p99_ms"] == pytest.approx(496.0)    # 0.4 + 0.96 * 0.1
+    assert s["tpot_p50_ms"] == pytest.approx(30.0)
+    assert s["latency_p50_ms"] == pytest.approx(600.0)
+    # within SLO: 0.1 (interactive <= 150 ms), 0.3 and 0.4 (batch <= 450 ms); not 0.2, 0.5, the failure
+    assert s["goodput_req_s"] == pytest.approx(1.5) and s["goodput_tok_s"] == pytest.approx(15.0)
+    assert s["slo_met"] == pytest.approx(0.5)
+    assert list(s["per_tier"]) == ["interactive", "batch"]
+    assert s["per_tier"]["interactive"]["requests"] == 2 and s["per_tier"]["interactive"]["slo_met"] == 0.5
+    assert s["per_tier"]["batch"]["errors"] == 1 and s["per_tier"]["batch"]["ttft_p50_ms"] == pytest.approx(400.0)
+
+
+def test_slo_needs_both_bounds():
+    slos = {"standard": (100.0, 10.0)}
+    assert meets_slo(RequestResult(ok=True, ttft=0.05, tpot=0.01), slos)
+    assert not meets_slo(RequestResult(ok=True, ttft=0.05, tpot=0.02), slos)
+    assert not meets_slo(RequestResult(ok=True, ttft=0.2, tpot=0.001), slos)
+    assert meets_slo(RequestResult(ok=True, ttft=0.05), slos)          # one token: no TPOT
+    assert not meets_slo(RequestResult(ok=False), slos)
+
+
+# ---- workloads -----------------------------------------------------------------------------
+
+def test_chat_and_long_workloads():
+    chat = make_jobs("chat", 10, max_tokens=8)
+    assert len(chat) == 10 and all(len(j) == 1 for j in chat)
+    assert chat[1][0].messages == [{"role": "user", "content": QUESTIONS[1]}]
+    long = make_jobs("long", 3, max_tokens=8, long_words=1000)
+    assert all(len(j[0].messages[0]["content"].split()) > 1000 for j in long)
+    assert make_jobs("long", 3, max_tokens=8, seed=1)[0][0].messages != make_jobs("long", 3, max_tokens=8)[0][0].messages
+
+
+def test_agent_sessions_grow_and_share_the_system_prompt():
+    jobs = make_jobs("agent", 14, max_tokens=8, turns=6, turn_words=200)
+    assert [len(j) for j in jobs] == [6, 6, 2]                   # 14 requests in all
+    first = jobs[0]
+    assert len({r.session for r in first}) == 1 and first[0].session != jobs[1][0].session
+    assert len({r.tier for r in first}) == 1                     # a session keeps its tier
+    sizes = [sum(len(m["content"].split()) for m in r.messages) for r in first]
+    assert sizes == sorted(sizes) and sizes[-1] > 1500          # ~2000+ tokens by the last turn
+    for a, b in zip(first, first[1:]):                          # each turn extends the previous one
+        assert b.messages[:len(a.messages)] == a.messages
+    assert jobs[0][0].messages[0] == jobs[1][0].messages[0]     # one system prompt for all sessions
+    assert make_jobs("agent", 14, max_tokens=8) == make_jobs("agent", 14, max_tokens=8)  # deterministic
+
+
+def test_tier_mix():
+    assert parse_mix("interactive=1,batch=3") == {"interactive": 0.25, "batch": 0.75}
+    assert parse_mix("batch") == {"batch": 1.0}
+    tiers = [j[0].tier for j in make_jobs("chat", 400, max_tokens=1, tiers=parse_mix("interactive=1,batch=3"))]
+    assert 0.15 < tiers.count("interactive") / 400 < 0.35 and set(tiers) == {"interactive", "batch"}
+    for bad in ("gold=1", "standard=x", "standard=0", "batch=-1"):
+        with pytest.raises(ValueError, match="--tiers"):
+            parse_mix(bad)
+    with pytest.raises(ValueError, match="workload"):
+        make_jobs("poetry", 1, max_tokens=1)
+
+
+# ---- against a synthetic server ------------------------------------------------------------
+
+ITL_S = 0.010
+SLACK = 0.250   # what a loaded machine may add to a timing; the server's delays are exact lower bounds
+
+
+def ttft_of(question: str) -> float:
+    """The synthetic server's TTFT for a chat question: 20 ms + 100 ms x its index."""
+    return 0.020 + 0.100 * QUESTIONS.index(question)
+
+
+def synthetic_app():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    seen: list[dict] = []
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "synthetic", "object": "model"}]})
+
+    async def chat(request):
+        body = await request.json()
+        seen.append({"tier": request.headers.get("x-tandem-sla"), "session": request.headers.get("x-tandem-session")})
+        delay = ttft_of(body["messages"][-1]["content"])
+        n = body["max_tokens"]
+
+        async def events():
+            await asyncio.sleep(delay)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(ITL_S)
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': f't{i} '}}]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': 7, 'completion_tokens': n}})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+    return app, seen
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    import uvicorn
+
+    from shared.nats_server import free_port
+
+    app, seen = synthetic_app()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", seen
+    server.should_exit = True
+    t.join(5)
+
+
+def test_closed_loop_measures_the_known_timings(synthetic):
+    url, seen = synthetic
+    jobs = make_jobs("chat", 8, max_tokens=5, tiers=parse_mix("interactive"))
+    results, wall = asyncio.run(run_jobs(url, jobs, concurrency=8, progress=False))
+    assert [r.ok for r in results] == [True] * 8 and all(r.tokens == 5 and r.prompt_tokens == 7 for r in results)
+    want = [ttft_of(q) for q in QUESTIONS]                            # 20, 120, ... 720 ms
+    for r, w in zip(results, want):
+        assert w - 0.002 <= r.ttft <= w + SLACK, (r.ttft, w)
+        assert ITL_S - 0.001 <= r.tpot <= ITL_S + SLACK / 2
+    s = summarize(results, wall, {"interactive": (200.0, 50.0)})
+    assert percentile(want, 50) * 1e3 == pytest.approx(370.0)        # the exact quantiles of the timings...
+    assert percentile(want, 90) * 1e3 == pytest.approx(650.0)
+    assert percentile(want, 99) * 1e3 == pytest.approx(713.0)
+    for q, exact in ((50, 370.0), (90, 650.0), (99, 713.0)):          # ...and what the generator measured
+        assert exact - 2 <= s[f"ttft_p{q}_ms"] <= exact + SLACK * 1e3
+    # 220 ms and slower can never meet 200 ms; 20 ms always does; 120 ms unless the machine adds 80 ms
+    assert 1 / 8 <= s["slo_met"] <= 2 / 8
+    assert s["slo_met"] == sum(r.ttft <= 0.2 and r.tpot <= 0.05 for r in results) / 8
+    assert wall >= max(want) + 4 * ITL_S
+    assert {x["tier"] for x in seen[-8:]} == {"interactive"}
+
+
+def test_closed_loop_concurrency_overlaps_requests(synthetic):
+    url, _ = synthetic
+    jobs = make_jobs("chat", 4, max_tokens=1)                        # 20 + 120 + 220 + 320 ms
+    _, wall1 = asyncio.run(run_jobs(url, jobs, concurrency=1, progress=False))
+    _, wall4 = asyncio.run(run_jobs(url, jobs, concurrency=4, progress=False))
+    assert wall1 >= 0.68 and 0.32 <= wall4 < wall1 * 0.75            # one stream: back to back; four: overlapped
+
+
+def test_agent_turns_run_in_order_with_their_session(synthetic):
+    url, seen = synthetic
+    jobs = make_jobs("agent", 4, max_tokens=2, turns=2, turn_words=20)
+    for j in jobs:  # the synthetic server times requests by their last message: use known questions
+        for k, r in enumerate(j):
+            r.messages = r.messages[:-1] + [{"role": "user", "content": QUESTIONS[k]}]
+    before = len(seen)
+    results, _ = asyncio.run(run_jobs(url, jobs, concurrency=2, progress=False))
+    assert all(r.ok for r in results) and len(results) == 4
+    sessions = [x["session"] for x in seen[before:]]
+    assert sorted(sessions) == sorted([jobs[0][0].session] * 2 + [jobs[1][0].session] * 2)
+    for job_results in (results[:2], results[2:]):   # turn 2 is sent after turn 1's reply
+        assert job_results[1].start >= job_results[0].start + job_results[0].latency - 1e-6
+
+
+def test_open_loop_poisson_arrivals(synthetic):
+    url, _ = synthetic
+    jobs = make_jobs("chat", 16, max_tokens=2)
+    results, wall = asyncio.run(run_jobs(url, jobs, mode="open", rate=40.0, seed=3, progress=False))
+    assert all(r.ok for r in results)
+    starts = [r.start for r in results]
+    assert starts == sorted(starts)                 # arrivals in job order
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert 0.1 < sum(gaps) < 1.5                    # 15 gaps of mean 25 ms (seeded exponential)
+    overlapping = sum(1 for a, b in zip(results, results[1:]) if b.start < a.start + a.latency)
+    assert overlapping > 0                          # open loop: arrivals do not wait for replies
+    with pytest.raises(ValueError):
+        asyncio.run(run_jobs(url, jobs, mode="open", rate=0))
+
+
+def test_failures_are_results(synthetic):
+    url, _ = synthetic
+    results, _ = asyncio.run(run_jobs(url, make_jobs("chat", 2, max_tokens=2), model="synthetic",
+                                      progress=False))
+    assert all(r.ok for r in results)
+    bad, _ = asyncio.run(run_jobs(url + "/nope", make_jobs("chat", 2, max_tokens=2), model="synthetic",
+                                  progress=False))
+    assert [r.ok for r in bad] == [False, False] and "HTTP 404" in bad[0].error
+
+
+def test_progress_bar_into_a_file_writes_tenths():
+    import io
+
+    out = io.StringIO()
+    bar = Progress(20, "[x]", width=10, stream=out)
+    for i in range(20):
+        bar.update(ok=i != 3)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 10 and lines[-1].startswith("[x] [##########] 20/20") and lines[-1].endswith("1 failed")
+    assert lines[0].startswith("[x] [#.........] 2/20")
+
+
+def test_bench_serve_against_the_synthetic_server(synthetic, tmp_path, capsys):
+    import argparse
+
+    from bench import serve
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--url", synthetic[0], "--mode", "open", "--rate", "20", "40", "--num-requests", "8",
+                         "--max-tokens", "3", "--tiers", "interactive=1,batch=1", "--slo", "batch=10000:100",
+                         "--warmup", "1", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+    assert serve.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| server | 20 req/s | 8 |" in out and "| server | 40 req/s | 8 |" in out
+    assert "| batch | 10000/100 |" in out
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert [r["rate"] for r in res["runs"]] == [20.0, 40.0] and res["config"]["slos"]["batch"] == [10000.0, 100.0]
+    assert all(r["output_tokens"] == 24 and len(r["per_request"]) == 8 for r in res["runs"])
+    assert (tmp_path / "r.png").stat().st_size > 1000

@@ -1,0 +1,77 @@
+"""Prometheus series: the helpers feed the named series, and the gateway's /metrics exposes
+its per-tier TTFT / TPOT and outcomes after a request (the fake backend of test_gateway)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import metrics
+
+
+def samples() -> dict[tuple, float]:
+    body, ctype = metrics.render()
+    assert ctype.startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+
+
+def value(name: str, **labels) -> float:
+    return samples().get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_helpers_feed_the_named_series():
+    before = value("tandem_pool_lookups_total", tier="disk", result="hit")
+    metrics.pool_lookup("disk", hit=True, nbytes=4096)
+    metrics.pool_lookup("disk", hit=False)
+    assert value("tandem_pool_lookups_total", tier="disk", result="hit") == before + 1
+    assert value("tandem_pool_lookups_total", tier="disk", result="miss") >= 1
+    assert value("tandem_pool_hit_bytes_total", tier="disk") >= 4096
+    metrics.pool_stored("disk", 123)
+    assert value("tandem_pool_bytes", tier="disk") == 123
+    n = value("tandem_transfer_seconds_count", path="test-path")
+    metrics.transfer("test-path", nbytes=1000, seconds=0.002)
+    assert value("tandem_transfer_seconds_count", path="test-path") == n + 1
+    assert value("tandem_transfer_bytes_total", path="test-path") >= 1000
+    metrics.migration("gpu-decode", "cpu-decode")
+    assert value("tandem_migrations_total", src="gpu-decode", dst="cpu-decode") >= 1
+    metrics.set_engine_load("test-role", queue_depth=3, running=5, kv_used=10, kv_free=90)
+    assert value("tandem_queue_depth", service="test-role") == 3
+    assert value("tandem_running_sequences", service="test-role") == 5
+    assert value("tandem_kv_blocks", service="test-role", state="free") == 90
+    metrics.observe_request("test-role", "batch", ttft=0.2, tpot=0.01, queue=0.003, tokens=7, outcome="ok")
+    assert value("tandem_ttft_seconds_bucket", service="test-role", tier="batch", le="0.25") >= 1
+    assert value("tandem_queue_seconds_count", service="test-role", tier="batch") >= 1
+    assert value("tandem_generated_tokens_total", service="test-role", tier="batch") >= 7
+
+
+def test_serve_http_binds_a_free_port_or_stays_off():
+    import httpx
+
+    assert metrics.serve_http(-1) is None
+    port = metrics.serve_http(0)
+    assert port and "tandem_ttft_seconds" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+
+
+def test_gateway_metrics_after_a_request():
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from services.gateway.app import create_app
+    from tests.unit.test_gateway import MODEL, FakeBackend
+
+    client = TestClient(create_app(FakeBackend()))
+    ok = value("tandem_requests_total", service="gateway", tier="interactive", outcome="ok")
+    r = client.post("/v1/chat/completions", headers={"X-Tandem-SLA": "interactive"},
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200
+    bad = client.post("/v1/chat/completions", json={"model": "nope", "messages": []})
+    assert bad.status_code in (400, 404)
+    m = client.get("/metrics")
+    assert m.status_code == 200 and "tandem_ttft_seconds_bucket" in m.text
+    assert value("tandem_requests_total", service="gateway", tier="interactive", outcome="ok") == ok + 1
+    assert value("tandem_ttft_seconds_count", service="gateway", tier="interactive") >= 1
+    assert value("tandem_tpot_seconds_count", service="gateway", tier="interactive") >= 1
+    assert value("tandem_generated_tokens_total", service="gateway", tier="interactive") >= 4
+    assert sum(v for (name, labels), v in samples().items()
+               if name == "tandem_requests_total" and ("outcome", "error") in labels) >= 1
