@@ -255,7 +255,8 @@ async def test_tap_prints_decoded_lines(nats_server, bus):
         "r-tap", [101, 102, 103], {"max_tokens": 4}, "batch", subjects.stream("r-tap")))
     await bus.publish(subjects.stream("r-tap"), StreamChunk("r-tap", 0, [7], "secret words", "cpu-0"))
     await bus.nc.publish("tandem.test.junk", b"\x00junk")
-    assert await asyncio.wait_for(task, 5) == 0
+    await bus.flush()
+    assert await asyncio.wait_for(task, 30) == 0
     lines = out.getvalue().splitlines()
     assert len(lines) == 3
     assert "tandem.worker.cpu-0.generate" in lines[0] and "GenerateRequest/v1" in lines[0]
