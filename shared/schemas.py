@@ -100,7 +100,7 @@ class TransferHandle:
     meta: dict = field(default_factory=dict)  # layout (dtype, shapes, block size): small only
 
 
-@message("RouteRequest", 1)
+@message("RouteRequest", 2)
 class RouteRequest:
     """gateway -> router: how should this request run?"""
     SCHEMA: ClassVar[str]
@@ -111,12 +111,13 @@ class RouteRequest:
     session_id: str | None      # agent session for affinity; None = stateless
     num_prompt_tokens: int      # prompt length after the chat template
     max_tokens: int             # new tokens at most
-    prefix_hashes: list[str] = field(default_factory=list)  # optional chunk hashes (pool overlap)
+    prompt_token_ids: list[int] = field(default_factory=list)  # the prompt: the router keys its chunks
 
 
-@message("RoutePlan", 1)
+@message("RoutePlan", 2)
 class RoutePlan:
-    """router -> gateway: the execution strategy for one request."""
+    """router -> gateway: the execution strategy for one request; also published on
+    ``tandem.router.decision`` (every router copy applies it to its session table; tap shows it)."""
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     request_id: str
@@ -126,6 +127,62 @@ class RoutePlan:
     reason: str                 # short human-readable why (logged, shown by tap)
     decode_data_host: str = ""  # decode worker's data-plane address (from its heartbeat)
     decode_data_port: int = 0
+    tier: str = "standard"      # the tier the request runs at
+    session_id: str | None = None  # its agent session, if any
+    cached_tokens: int = 0      # prompt tokens the chosen path finds cached (worker or pool)
+    cached_at: str = ""         # where: a worker id, "pool", or "" (nothing cached)
+    router: str = ""            # the router copy that decided
+
+
+@message("MigrateRequest", 1)
+class MigrateRequest:
+    """router -> subjects.worker_migrate(source): move a running request to another decode worker
+    at a decode-step boundary (KV + sampler state over the data plane; the stream goes on)."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+    target_worker: str           # decode worker that continues the request
+    target_data_host: str        # its data-plane receiver (from its heartbeat)
+    target_data_port: int
+    tier: str                    # the tier the request runs at from now on
+    reason: str = ""             # why (logged)
+
+
+@message("MigrateReply", 1)
+class MigrateReply:
+    """source worker -> router: the request now runs on ``target`` from stream seq ``next_seq``."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+    source: str                  # worker it left
+    target: str                  # worker it runs on now
+    next_seq: int                # first StreamChunk.seq the target publishes
+    num_tokens: int              # tokens whose KV moved
+    nbytes: int                  # KV bytes moved
+    seconds: float               # export -> target acked
+    path: str = ""               # data-plane path used ("shm", "tcp", ...)
+
+
+@message("SessionUpdate", 1)
+class SessionUpdate:
+    """gateway (POST /v1/sessions/{id}) -> subjects.ROUTER_SESSION: a session's new tier."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    session_id: str
+    tier: str
+
+
+@message("SessionState", 1)
+class SessionState:
+    """router -> gateway: where a session's work runs now, and what moved."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    session_id: str
+    tier: str
+    worker: str | None           # decode worker holding the session's KV (None: none yet)
+    running: list[str]           # its requests in flight
+    moved: list[dict] = field(default_factory=list)  # MigrateReply fields of each move made now
+    reason: str = ""
 
 
 @message("PrefillRequest", 1)
@@ -199,7 +256,7 @@ class Abort:
     reason: str = ""
 
 
-@message("Heartbeat", 2)
+@message("Heartbeat", 3)
 class Heartbeat:
     """worker -> subjects.heartbeat(role, id), every few seconds: readiness and load."""
     SCHEMA: ClassVar[str]
@@ -219,6 +276,11 @@ class Heartbeat:
     ts: float                    # sender's time.time()
     interval: float = 2.0        # seconds to the next heartbeat (the router's liveness window)
     metrics_port: int = 0        # the sender's Prometheus /metrics HTTP port (0 = none)
+    waiting_by_tier: dict = field(default_factory=dict)  # tier -> requests waiting at that tier
+    tpot_ms: float = 0.0         # measured time per output token, recent average (0 = none yet)
+    requests: list = field(default_factory=list)  # in flight: [request_id, session_id or "", tier]
+    kv_scope: str = ""           # hex seed of the pool key scope (kvpool.keys.KeyScope.seed())
+    chunk_tokens: int = 0        # tokens per pool chunk key (0 = no pool keys)
 
 
 @message("Ack", 1)

@@ -32,6 +32,8 @@ DECODE_ROLES: tuple[str, ...] = (GPU_DECODE, CPU_DECODE)
 # Fixed subjects.
 ROUTE = f"{PREFIX}.router.route"          # request/reply: RouteRequest -> RoutePlan
 ROUTE_QUEUE = "router"                    # queue group: router copies share route requests
+ROUTER_DECISION = f"{PREFIX}.router.decision"  # every RoutePlan made (router copies sync sessions)
+ROUTER_SESSION = f"{PREFIX}.router.session"    # request/reply, queue group: SessionUpdate -> SessionState
 ABORT = f"{PREFIX}.abort"                 # broadcast Abort{request_id}
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"   # watch every heartbeat
 TRANSFER_ALL = f"{PREFIX}.transfer.>"     # watch every KV transfer event
@@ -67,6 +69,11 @@ def worker_decode(worker_id: str) -> str:
 def worker_generate(worker_id: str) -> str:
     """Directed request to one decode worker that does its own prefill: GenerateRequest -> Ack."""
     return f"{PREFIX}.worker.{check_token(worker_id, 'worker_id')}.generate"
+
+
+def worker_migrate(worker_id: str) -> str:
+    """Directed request to one decode worker: MigrateRequest -> MigrateReply | ErrorReply."""
+    return f"{PREFIX}.worker.{check_token(worker_id, 'worker_id')}.migrate"
 
 
 def stream(request_id: str) -> str:

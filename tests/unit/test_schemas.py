@@ -19,7 +19,7 @@ SAMPLING = SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"]).to_dict()
 
 EXAMPLES = [
     RouteRequest("r1", "smollm2", "interactive", "s1", 120, 64),
-    RouteRequest("r1", "smollm2", "batch", None, 120, 64, prefix_hashes=["ab", "cd"]),
+    RouteRequest("r1", "smollm2", "batch", None, 120, 64, prompt_token_ids=[1, 2, 3]),
     RoutePlan("r1", "prefill-0", "gpu-0", subjects.GPU_DECODE, "interactive -> gpu",
               decode_data_host="127.0.0.1", decode_data_port=4000),
     RoutePlan("r1", None, "cpu-0", subjects.CPU_DECODE, "short prompt"),
@@ -105,7 +105,7 @@ def test_unknown_and_unexpected_schema():
     ("num_prompt_tokens", 1.5),
     ("session_id", 7),
     ("request_id", None),
-    ("prefix_hashes", ["a", 1]),
+    ("prompt_token_ids", ["a", 1]),
 ])
 def test_wrong_types_name_the_field(field, value):
     with pytest.raises(SchemaError) as e:
