@@ -45,6 +45,13 @@ EXAMPLES = [
     schemas.PoolPut(["ab" * 32], "p-2"),
     schemas.PoolPutReply(1),
     schemas.KVEvent("kvpool-0", "stored", "ram,disk", ["ab" * 32]),
+    schemas.MigrateRequest("r1", "gpu-0", "127.0.0.1", 4000, "interactive", reason="session promoted"),
+    schemas.MigrateReply("r1", "cpu-0", "gpu-0", 17, 300, 3_000_000, 0.02, "shm"),
+    schemas.SessionUpdate("s1", "interactive"),
+    schemas.SessionState("s1", "interactive", "gpu-0", ["r1"], moved=[{"request_id": "r1"}]),
+    Heartbeat("gpu-0", subjects.GPU_DECODE, "cuda:0", "smollm2", True, 1, 2, 100, 128, 8192, "127.0.0.1",
+              4000, 1700000000.5, waiting_by_tier={"batch": 1}, tpot_ms=12.5,
+              requests=[["r1", "s1", "interactive"]], kv_scope="ab" * 32, chunk_tokens=256),
     HANDLE,
 ]
 
