@@ -128,7 +128,16 @@ class BlockManager:
             return None
         return [self._take() for _ in range(n)]
 
-    def release(self, blocks: list[int]) -> None:
+    def release(self, blocks: list[int], evict_first: bool = False) -> None:
+        """Drop one reference on each block. Freed blocks keep their cached content until reused:
+        normally they are reused last (least recently freed first); ``evict_first`` (batch
+        sessions' KV: interactive KV stays hot) puts them at the front of the reuse queue."""
+        if evict_first:
+            for b in blocks:  # the tail ends up first in line: evicted before the shared head
+                self.ref[b] -= 1
+                if self.ref[b] == 0:
+                    self.free.appendleft(b)
+            return
         for b in reversed(blocks):  # the tail is least likely to be shared: free it first
             self._release(b)
 

@@ -6,7 +6,9 @@ chunked prefill takes what the token budget leaves), then waiting sequences in q
 sequence is preempted: its KV is copied to host memory (the swap space), its blocks are
 freed and it goes back to the queue; on resume the bytes are copied back, so it continues
 exactly where it stopped. When the swap space is full, a preempted sequence's KV is dropped
-and recomputed on resume instead. Nothing is dropped.
+and recomputed on resume instead. Nothing is dropped. When every sequence slot is taken, a
+waiting sequence of a better tier preempts the worst running one the same way (interactive
+work preempts batch work on a shared worker).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.kv_cache import BlockManager
+from shared.engine.sampling import TIER_PRIORITY
 from shared.engine.sequence import Sequence, Status
+
+BATCH_PRIORITY = TIER_PRIORITY["batch"]
 
 
 @dataclass
@@ -92,6 +97,11 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_tokens
         out: list[ScheduledChunk] = []
+        # Every sequence slot taken and a better tier waiting: the worst running sequence makes
+        # room (its KV goes to host memory; it resumes where it stopped).
+        while (self.waiting and len(self.running) >= self.max_num_seqs
+               and self.waiting[0].priority < max(s.priority for s in self.running)):
+            self._preempt(max(self.running, key=Sequence.sort_key))
         for seq in sorted(self.running, key=Sequence.sort_key):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop
@@ -143,9 +153,10 @@ class Scheduler:
         return True
 
     def drop(self, seq: Sequence) -> None:
-        """Forget a sequence that leaves the engine: queues, blocks and swapped KV."""
+        """Forget a sequence that leaves the engine: queues, blocks and swapped KV. A batch
+        sequence's cached blocks are the first to be reused; interactive ones stay hot longest."""
         self.remove(seq)
-        self.blocks.release(seq.block_table)
+        self.blocks.release(seq.block_table, evict_first=seq.priority >= BATCH_PRIORITY)
         seq.block_table, seq.block_hashes = [], []
         if seq.swapped is not None:
             self.swap_used -= seq.swapped.numel() * seq.swapped.element_size()

@@ -88,6 +88,48 @@ def test_priority_orders_the_queue(bundled_model):
     assert order == ["inter", "batch"]
 
 
+def test_interactive_preempts_running_batch_and_batch_still_finishes(bundled_model):
+    """Every slot busy with batch work: an interactive arrival takes a slot at once (the batch
+    sequence is swapped out, not lost) and the batch output equals an undisturbed run."""
+    tok = bundled_model.tokenizer
+    alone = run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=256)),
+                              {"batch": (tok.encode(PROMPTS[1]), greedy(24))})["batch"]
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_seqs=1))
+    eng.add("batch", tok.encode(PROMPTS[1]), greedy(24), priority=2)
+    for _ in range(4):  # batch is decoding
+        eng.step()
+    eng.add("inter", tok.encode(PROMPTS[2]), greedy(4), priority=0)
+    done = []
+    out = {"batch": [], "inter": []}
+    while eng.has_work():
+        for o in eng.step():
+            out[o.request_id] += o.token_ids if o.request_id == "batch" else []
+            if o.finished:
+                done.append(o.request_id)
+    assert done == ["inter", "batch"]
+    assert eng.scheduler.num_preemptions >= 1
+    assert eng.blocks.num_free == 256
+
+
+def test_batch_kv_is_evicted_before_interactive_kv(bundled_model):
+    """Finished requests leave their KV in the prefix cache; under pressure the batch
+    request's blocks are reused first, so the interactive prefix is still cached."""
+    tok = bundled_model.tokenizer
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=24))
+    inter, batch = tok.encode(PROMPTS[1] * 3), tok.encode(PROMPTS[2] * 3)
+    run_to_completion(eng, {"i": (inter, greedy(2))})
+    eng.add("b", batch, greedy(2), priority=2)
+    while eng.has_work():
+        eng.step()
+    n_i, n_b = eng.cached_prefix_tokens(inter), eng.cached_prefix_tokens(batch)
+    assert n_i > 0 and n_b > 0
+    got = eng.blocks.allocate(3)   # plenty of never-used blocks are free: FIFO reuse would take those
+    assert got is not None
+    assert eng.cached_prefix_tokens(inter) == n_i       # interactive KV kept hot
+    assert eng.cached_prefix_tokens(batch) < n_b        # batch KV went first
+    eng.blocks.release(got)
+
+
 def test_export_import_continue_equals_uninterrupted(bundled_model):
     tok = bundled_model.tokenizer
     ids = chat_ids(tok, "Write a short poem about the sea.")
