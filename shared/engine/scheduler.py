@@ -95,6 +95,9 @@ class Scheduler:
             self._preempt(max(victims, key=Sequence.sort_key))
 
     def schedule(self) -> list[ScheduledChunk]:
+        """This step's chunks: every running decode (one token each, best tier first), then
+        prefill chunks of running and waiting sequences in tier order, so a better tier's
+        prompt is never held back behind a worse tier's long prefill."""
         budget = self.max_tokens
         out: list[ScheduledChunk] = []
         # Every sequence slot taken and a better tier waiting: the worst running sequence makes
@@ -102,41 +105,64 @@ class Scheduler:
         while (self.waiting and len(self.running) >= self.max_num_seqs
                and self.waiting[0].priority < max(s.priority for s in self.running)):
             self._preempt(max(self.running, key=Sequence.sort_key))
-        for seq in sorted(self.running, key=Sequence.sort_key):
-            if seq.status is not Status.RUNNING or budget == 0:
-                continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            worse = lambda s, me=seq: s.sort_key() > me.sort_key()  # noqa: E731
-            if not self._grow(seq, seq.num_computed + n, worse):
-                self._preempt(seq)  # nothing worse to evict: this one waits
-                continue
-            out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.swapped is not None:
-                if not self._swap_in(seq):
-                    break
-            elif not seq.block_table:  # fresh or recomputing: reuse cached prefix blocks
-                cached = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1)
-                self.blocks.acquire_cached(cached)
-                seq.block_table = list(cached)
-                seq.block_hashes = [self.blocks.hash_of[b] for b in cached]
-                seq.num_computed = len(cached) * self.blocks.block_size
-                if seq.num_cached_tokens == 0 and seq.num_output_tokens == 0:
-                    seq.num_cached_tokens = seq.num_computed
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            lower = lambda s, me=seq: s.priority > me.priority  # noqa: E731
-            if not self._grow(seq, seq.num_computed + n, lower):
-                self.blocks.release(seq.block_table)  # keep queue order: wait for blocks
-                seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        running = sorted(self.running, key=Sequence.sort_key)
+        decodes = [s for s in running if s.num_tokens - s.num_computed == 1]
+        prefills = [s for s in running if s.num_tokens - s.num_computed > 1]
+        for seq in decodes:
+            if budget == 0:
                 break
-            self.waiting.pop(0)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
-            budget -= n
+            budget -= self._run(seq, budget, out)
+        admitting = True  # waiting sequences are admitted in queue order until one does not fit
+        for seq in sorted(prefills + self.waiting, key=Sequence.sort_key):
+            if budget == 0:
+                break
+            if seq.status is Status.RUNNING:
+                budget -= self._run(seq, budget, out)
+            elif admitting and seq.status is Status.WAITING and seq in self.waiting:
+                if len(self.running) >= self.max_num_seqs or seq is not self.waiting[0]:
+                    admitting = False
+                    continue
+                took = self._admit(seq, budget, out)
+                admitting = took > 0
+                budget -= took
         return out
+
+    def _run(self, seq: Sequence, budget: int, out: list[ScheduledChunk]) -> int:
+        """Schedule a running sequence's next chunk; the tokens it takes (0: it was preempted)."""
+        if seq.status is not Status.RUNNING:
+            return 0  # preempted earlier in this step
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        worse = lambda s, me=seq: s.sort_key() > me.sort_key()  # noqa: E731
+        if not self._grow(seq, seq.num_computed + n, worse):
+            self._preempt(seq)  # nothing worse to evict: this one waits
+            return 0
+        out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+        return n
+
+    def _admit(self, seq: Sequence, budget: int, out: list[ScheduledChunk]) -> int:
+        """Start (or resume) the head of the queue; the tokens it takes (0: it does not fit yet)."""
+        if seq.swapped is not None:
+            if not self._swap_in(seq):
+                return 0
+        elif not seq.block_table:  # fresh or recomputing: reuse cached prefix blocks
+            cached = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1)
+            self.blocks.acquire_cached(cached)
+            seq.block_table = list(cached)
+            seq.block_hashes = [self.blocks.hash_of[b] for b in cached]
+            seq.num_computed = len(cached) * self.blocks.block_size
+            if seq.num_cached_tokens == 0 and seq.num_output_tokens == 0:
+                seq.num_cached_tokens = seq.num_computed
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        lower = lambda s, me=seq: s.priority > me.priority  # noqa: E731
+        if not self._grow(seq, seq.num_computed + n, lower):
+            self.blocks.release(seq.block_table)  # keep queue order: wait for blocks
+            seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+            return 0
+        self.waiting.pop(0)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+        return n
 
     def _swap_in(self, seq: Sequence) -> bool:
         """Copy a preempted sequence's KV back into fresh blocks; False if they do not fit."""

@@ -111,6 +111,22 @@ def test_interactive_preempts_running_batch_and_batch_still_finishes(bundled_mod
     assert eng.blocks.num_free == 256
 
 
+def test_interactive_prompt_is_not_held_behind_a_batch_prefill(bundled_model):
+    """A long batch prompt is in chunked prefill; an interactive prompt that arrives gets the
+    step's token budget first and its first token comes out while the batch prefill goes on."""
+    tok = bundled_model.tokenizer
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64))
+    eng.add("batch", tok.encode(" ".join(PROMPTS) * 8)[:600], greedy(4), priority=2)
+    eng.step()
+    eng.add("inter", tok.encode(PROMPTS[3]), greedy(4), priority=0)
+    first = eng.step()
+    assert [o.request_id for o in first if o.token_ids] == ["inter"]
+    assert eng.seqs["batch"].num_computed < 600 - 64   # still prefilling
+    while eng.has_work():
+        eng.step()
+    assert eng.blocks.num_free == 256
+
+
 def test_batch_kv_is_evicted_before_interactive_kv(bundled_model):
     """Finished requests leave their KV in the prefix cache; under pressure the batch
     request's blocks are reused first, so the interactive prefix is still cached."""
