@@ -1,4 +1,4 @@
-"""``tandem bench BENCH`` (engine, kernels, serve, crossover, pool): one module per benchmark.
+"""``tandem bench BENCH`` (engine, kernels, serve, crossover, pool, migration, tiers): one module per benchmark.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
 benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
@@ -32,6 +32,10 @@ BENCHES = {
                   _module_arguments("bench.crossover"), _module_main("bench.crossover")),
     "pool": ("KV pool: TTFT cold vs warm, codecs on real KV, lookups/s, transfer GB/s per path",
              _module_arguments("bench.pool"), _module_main("bench.pool")),
+    "migration": ("live migration: moving a decoding request's KV vs recomputing its prefix",
+                  _module_arguments("bench.migration"), _module_main("bench.migration")),
+    "tiers": ("mixed agent workload: SLA tiers vs one FIFO queue, side by side (bench/tiers.py)",
+              _module_arguments("bench.tiers"), _module_main("bench.tiers")),
 }
 
 

@@ -6,7 +6,11 @@
 - codecs on the model's real KV: ratio, encode / decode MB/s, and for the lossy codec the
   perplexity of the tokens after the prefix with the decoded KV vs the exact KV;
 - pool lookups/s;
-- transfers per path (shm, tcp, tcp+zstd) against a raw memcpy and a raw socket, GB/s.
+- transfers per path (tcp, tcp+zstd, shm, and rdma where ``nixl`` imports) against a raw memcpy
+  and a raw socket of the same bytes, GB/s, with the process CPU seconds each took (sender and
+  receiver share the process), one-thread blake3, and the raw socket hashing every 1 MiB slice
+  on both ends (the ceiling for a path that checksums every byte).
+  ``--transfers-only`` runs just these (seconds instead of minutes).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import socket
 import tempfile
 import threading
@@ -26,6 +31,7 @@ import torch
 from kvpool.codec import LOSSLESS, LOSSY, ChunkShape, Codec, decode_entry
 from kvpool.keys import KeyScope, chunk_keys
 from kvpool.pool import KVPool, PoolConfig
+from shared.transfer.base import Hasher, default_checksum
 
 MiB = 1 << 20
 
@@ -35,7 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix", type=int, default=64, help="tokens after the prefix (default 64)")
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: torch's)")
     p.add_argument("--transfer-mb", type=int, default=64, help="payload per transfer, MiB (default 64)")
+    p.add_argument("--transfers-only", action="store_true", help="only the data-plane transfers")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+
+
+TRANSFER_REPS = 5   # transfers are timed best of this many (loopback on a shared machine is noisy)
 
 
 def _best(fn, repeat: int = 3) -> float:
@@ -119,27 +129,64 @@ def _text_tokens(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 async def _transfers(nbytes: int) -> list[dict]:
-    from shared.transfer import TcpKVReceiver, TcpKVSender
+    """Each path's best of TRANSFER_REPS against a raw memcpy and a raw socket of the same bytes.
+
+    The receiver runs on its own event loop in a second thread — as in a deployment, where it
+    is another process — like the raw socket's receiving thread.
+    """
+
+    from shared.transfer import TcpKVReceiver, TcpKVSender, nixl
     payload = np.random.default_rng(1).normal(0, 1, nbytes // 2).astype(np.float16).tobytes()
     rows = []
     dst = bytearray(nbytes)
-    t = _best(lambda: dst.__setitem__(slice(None), payload))
+    t = _best(lambda: memoryview(dst).__setitem__(slice(None), payload))  # one memcpy
     rows.append({"bench": "transfer", "path": "memcpy", "GBps": nbytes / t / 1e9})
-    rows.append({"bench": "transfer", "path": "raw socket", "GBps": nbytes / _raw_socket(payload) / 1e9})
+    c0 = _cpu()
+    raw = _raw_socket(payload)
+    rows.append({"bench": "transfer", "path": "raw socket", "GBps": nbytes / raw / 1e9, "cpu_s": (_cpu() - c0) / 3})
+    algo = default_checksum()   # what the data plane hashes with
+    t = _best(lambda: _hash(algo, payload))
+    rows.append({"bench": "transfer", "path": f"{algo} (1 thread)", "GBps": nbytes / t / 1e9})
+    rows.append({"bench": "transfer", "path": f"raw socket + {algo}",
+                 "GBps": nbytes / _raw_socket_hashed(payload, algo) / 1e9})
+    rx_loop = asyncio.new_event_loop()
+    rx_thread = threading.Thread(target=rx_loop.run_forever, name="bench-receiver", daemon=True)
+    rx_thread.start()
+
+    def on_rx(coro):
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, rx_loop))
+
+    async def take(tid: str) -> int:
+        with await rx.take(tid, 60) as got:
+            return got.nbytes
+
     rx = TcpKVReceiver("127.0.0.1", 0, max_bytes=4 * nbytes)
-    host, port = await rx.listen()
     tx = TcpKVSender()
-    for mode in ("tcp", "tcp+zstd", "shm"):
-        best, wire = float("inf"), 0
-        for i in range(3):
-            tid = f"{mode}-{i}"
-            t0 = time.perf_counter()
-            res, got = await asyncio.gather(tx.send(host, port, tid, payload, mode=mode), rx.take(tid, 60))
-            got.release()
-            best, wire = min(best, time.perf_counter() - t0), res.wire_bytes
-        rows.append({"bench": "transfer", "path": mode, "GBps": nbytes / best / 1e9, "wire_ratio": nbytes / wire})
-    await rx.close()
+    try:
+        host, port = await on_rx(rx.listen())
+        for mode in ("tcp", "tcp+zstd", "shm") + (("rdma",) if nixl.available() else ()):
+            best, cpu, wire = float("inf"), 0.0, 0
+            for i in range(TRANSFER_REPS):
+                tid = f"{mode}-{i}"
+                c0, t0 = _cpu(), time.perf_counter()
+                res, _ = await asyncio.gather(tx.send(host, port, tid, payload, mode=mode), on_rx(take(tid)))
+                dt = time.perf_counter() - t0
+                if dt < best:
+                    best, cpu, wire = dt, _cpu() - c0, res.wire_bytes
+            rows.append({"bench": "transfer", "path": mode, "GBps": nbytes / best / 1e9, "cpu_s": cpu,
+                         "wire_ratio": nbytes / wire})
+    finally:
+        await tx.close()
+        await on_rx(rx.close())
+        rx_loop.call_soon_threadsafe(rx_loop.stop)
+        rx_thread.join()
+        rx_loop.close()
     raw = next(r["GBps"] for r in rows if r["path"] == "raw socket")
     for r in rows:
         r["vs_raw_socket"] = r["GBps"] / raw
@@ -147,13 +194,13 @@ async def _transfers(nbytes: int) -> list[dict]:
 
 
 def _raw_socket(payload: bytes) -> float:
-    """Best of 3: blocking sendall / recv_into over loopback, no framing, no checksum."""
+    """Best of TRANSFER_REPS: blocking sendall / recv_into over loopback, no framing, no checksum."""
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
     buf = bytearray(len(payload))
 
     def serve():
-        for _ in range(3):
+        for _ in range(TRANSFER_REPS):
             c, _ = srv.accept()
             view, got = memoryview(buf), 0
             while got < len(buf):
@@ -164,7 +211,7 @@ def _raw_socket(payload: bytes) -> float:
     th = threading.Thread(target=serve)
     th.start()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(TRANSFER_REPS):
         t0 = time.perf_counter()
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(payload)
@@ -172,6 +219,54 @@ def _raw_socket(payload: bytes) -> float:
         best = min(best, time.perf_counter() - t0)
     th.join()
     srv.close()
+    return best
+
+
+def _hash(algo: str, data) -> bytes:
+    h = Hasher(algo)
+    h.update(data)
+    return h.digest()
+
+
+def _raw_socket_hashed(payload: bytes, algo: str, segment: int = MiB) -> float:
+    """Best of TRANSFER_REPS: the raw socket's sendall / recv_into in ``segment`` slices, each slice hashed
+    (``algo``, one thread) just before it is sent and just after it lands — the ceiling for any
+    path that checksums every byte on both ends, with no framing, pools or event loop."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    buf = bytearray(len(payload))
+    n, src = len(payload), memoryview(payload)
+    digests = []
+
+    def serve():
+        for _ in range(TRANSFER_REPS):
+            c, _ = srv.accept()
+            view, got, hashed, h = memoryview(buf), 0, 0, Hasher(algo)
+            while got < n:
+                got += c.recv_into(view[got:min(got + segment, n)])
+                if got - hashed >= segment or got == n:
+                    h.update(view[hashed:got])
+                    hashed = got
+            digests.append(h.digest())
+            c.sendall(b"k")
+            c.close()
+
+    th = threading.Thread(target=serve)
+    th.start()
+    best = float("inf")
+    for _ in range(TRANSFER_REPS):
+        t0 = time.perf_counter()
+        h = Hasher(algo)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            for off in range(0, n, segment):
+                h.update(src[off:off + segment])
+                s.sendall(src[off:off + segment])
+            s.recv(1)
+        best = min(best, time.perf_counter() - t0)
+        digests.append(h.digest())
+    th.join()
+    srv.close()
+    assert len(set(digests)) == 1, f"raw socket + {algo}: digests differ"
     return best
 
 
@@ -183,7 +278,8 @@ def _print(rows: list[dict]) -> list[dict]:
 
 def main(args: argparse.Namespace) -> int:
     rows = _print(asyncio.run(_transfers(args.transfer_mb * MiB)))
-    rows += _print(bench_ttft_and_codecs(args))
+    if not args.transfers_only:
+        rows += _print(bench_ttft_and_codecs(args))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)

@@ -40,13 +40,36 @@ class KeyScope:
 
 def chunk_keys(scope: KeyScope, token_ids: list[int], limit: int | None = None) -> list[str]:
     """Keys of the full chunks of ``token_ids`` (of at most ``limit`` tokens), in order."""
+    return _chain(scope.seed(), scope.chunk_tokens, token_ids, limit)
+
+
+def chunk_keys_from_seed(seed_hex: str, chunk_tokens: int, token_ids: list[int],
+                         limit: int | None = None) -> list[str]:
+    """``chunk_keys`` from a scope's hex seed (``Heartbeat.kv_scope``) and chunk size
+    (``Heartbeat.chunk_tokens``): keys a prompt without the model. ValueError on a bad seed."""
+    try:
+        seed = bytes.fromhex(seed_hex)
+    except (TypeError, ValueError):
+        seed = b""
+    if len(seed) != 32:
+        raise ValueError(f"invalid key scope seed {seed_hex!r}: expected 64 hex characters")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _chain(seed, chunk_tokens, token_ids, limit)
+
+
+def next_chunk_key(parent: bytes, chunk_token_ids: list[int]) -> bytes:
+    """The key (raw digest) of the chunk after ``parent`` (the previous key, or the scope seed)."""
+    return blake3.blake3(parent + np.asarray(chunk_token_ids, dtype="<u4").tobytes()).digest()
+
+
+def _chain(seed: bytes, c: int, token_ids: list[int], limit: int | None) -> list[str]:
     n = len(token_ids) if limit is None else min(limit, len(token_ids))
-    c = scope.chunk_tokens
     if n < c:
         return []
     ids = np.asarray(token_ids[:n // c * c], dtype="<u4").tobytes()
     step = c * 4
-    parent = scope.seed()
+    parent = seed
     out = []
     for off in range(0, len(ids), step):
         parent = blake3.blake3(parent + ids[off:off + step]).digest()

@@ -74,6 +74,11 @@ class Tier(abc.ABC):
     def __len__(self) -> int:
         return len(self._index)
 
+    def keys(self) -> list[str]:
+        """The keys this tier indexes now."""
+        with self._lock:
+            return list(self._index)
+
     def stats(self) -> dict:
         return {"tier": self.name, "entries": len(self), "bytes": self.used, "capacity": self.capacity,
                 "hits": self.hits, "misses": self.misses, "corrupt": self.corrupt,

@@ -7,6 +7,9 @@ requests two ways:
 - GenerateRequest: the worker runs the prompt itself (the router chose no separate prefill).
 A finished session's KV (its full pool chunks) is written back to the KV pool in the
 background, so the session's next turn can start on any worker.
+A running request can move to another decode worker mid-generation (MigrateRequest, see
+``handle_migrate``): parked at a step boundary, its KV and sampler state go over the data
+plane, the target continues the same stream at the next seq; if the move fails it goes on here.
 When no CUDA device exists, gpu-decode says so in its log and runs on the CPU, so the whole
 topology runs on any machine.
 """
@@ -15,15 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import torch
 
-from shared import subjects
-from shared.schemas import DecodeRequest, GenerateRequest
+from shared import metrics, subjects
+from shared.bus import BusError
+from shared.engine.engine import parse_kv_blob
+from shared.schemas import (ERROR_STATUS, DecodeRequest, GenerateRequest, Heartbeat, MigrateReply, MigrateRequest,
+                            TransferEvent, TransferHandle)
 from shared.settings import Settings
 from shared.transfer import make_transport
 from services.kvpool import PoolClient
-from services.worker import EngineWorker, priority_of, sampling_from
+from services.worker import EngineWorker, Held, priority_of, sampling_from
 
 log = logging.getLogger("tandem.decode")
 
@@ -38,7 +45,10 @@ class DecodeWorker(EngineWorker):
         super().__init__(settings, device)
         self.transport = make_transport(settings.data)
         self.receiver = self.transport.receiver(settings.data.host, settings.data.port)
+        self.sender = self.transport.sender()  # migrations out
         self.pool: PoolClient | None = None   # set in register() when the pool is enabled
+        self.peer_roles: dict[str, str] = {}  # decode worker id -> role (from heartbeats; metric labels)
+        self._peer_tasks: list[asyncio.Task] = []
 
     async def register(self) -> None:
         host, port = await self.receiver.listen()
@@ -54,24 +64,127 @@ class DecodeWorker(EngineWorker):
         await self.bus.serve(subjects.worker_decode(self.worker_id), self.handle_decode, expected=DecodeRequest)
         await self.bus.serve(subjects.worker_generate(self.worker_id), self.handle_generate,
                              expected=GenerateRequest)
+        await self.bus.serve(subjects.worker_migrate(self.worker_id), self.handle_migrate, expected=MigrateRequest)
+        for role in subjects.DECODE_ROLES:
+            sub = await self.bus.subscribe(subjects.heartbeat_role(role), Heartbeat, skip_invalid=True)
+            self._peer_tasks.append(asyncio.create_task(self._watch_peers(sub), name=f"peers-{role}"))
+
+    async def _watch_peers(self, sub) -> None:
+        async for beat in sub:
+            self.peer_roles[beat.worker_id] = beat.role
 
     async def handle_decode(self, req: DecodeRequest) -> None:
+        if req.request_id in self.aborted:  # aborted while its KV was on the way (hand-off or migration)
+            self.receiver.discard(req.handle.transfer_id)
+            raise BusError("not_found", f"request {req.request_id} was aborted")
         payload = await self.receiver.take(req.handle.transfer_id, timeout=self.settings.data.timeout)
         try:
             blob = bytes(payload.data)  # the engine copies it into its KV cache; the buffer goes back
         finally:
             payload.release()
         outputs = await self.admit(req, self.engine.submit_kv(req.request_id, blob, priority_of(req.tier)))
+        if req.request_id in self.aborted:  # the Abort came while it was imported: it ends now
+            await self.engine.abort(req.request_id)
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, req.next_seq))
 
     async def handle_generate(self, req: GenerateRequest) -> None:
+        """Run the prompt here; a prefix the KV pool holds (a session's earlier turns, written
+        back by whichever worker ran them) is loaded instead of computed."""
         params = sampling_from(req.sampling)
+        prefix = None
+        if self.pool is not None:
+            have = await self.engine.cached_prefix_tokens(req.prompt_token_ids)
+            prefix = await self.pool.fetch_prefix(req.prompt_token_ids, have)
         outputs = await self.admit(req, self.engine.submit(req.request_id, req.prompt_token_ids, params,
-                                                      priority_of(req.tier)))
+                                                      priority_of(req.tier), prefix=prefix))
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, 0))
 
+    async def handle_migrate(self, req: MigrateRequest) -> MigrateReply:
+        """Move a decoding request to ``req.target_worker``; the reply says where its stream goes on.
+        Coded errors: not_found (not here), unavailable (not between decode steps yet, or
+        already moving: retry), or the failed step's code (the request then goes on here)."""
+        rid = req.request_id
+        held, task = self.held.get(rid), self.tasks.get(rid)
+        if held is None or task is None:
+            raise BusError("not_found", f"{self.worker_id} holds no request {rid!r}")
+        if rid in self.moving:
+            raise BusError("unavailable", f"request {rid} is already moving; retry")
+        if req.target_worker == self.worker_id:
+            raise BusError("bad_request", f"request {rid} already runs on {self.worker_id}")
+        self.moving.add(rid)
+        try:
+            return await self._move(req, held, task)
+        finally:
+            self.moving.discard(rid)
+            if rid not in self.tasks:
+                self.held.pop(rid, None)
+
+    async def _move(self, req: MigrateRequest, held: Held, task: asyncio.Task) -> MigrateReply:
+        rid, target = req.request_id, req.target_worker
+        target_role = self.peer_roles.get(target, "unknown")
+        started = time.monotonic()
+        try:
+            blob = await self.engine.export_for_move(rid)
+        except KeyError:
+            raise BusError("not_found", f"request {rid} is no longer in {self.worker_id}'s engine") from None
+        except ValueError as e:
+            raise BusError("unavailable", f"{e}: not decoding yet (waiting, prefilling or swapped out); "
+                                          "retry") from None
+        await asyncio.wait([task])  # the stream publishes every output from before the export, then ends
+        next_seq = None if task.cancelled() else task.result()
+        if next_seq is None or rid in self.aborted:  # aborted (or its stream failed) meanwhile
+            await self.engine.end_move(rid, moved=True)
+            raise BusError("not_found", f"request {rid} ended while moving")
+        h, _, _ = parse_kv_blob(blob)
+        tokens, n_prompt = h["token_ids"], h["num_prompt_tokens"]
+        tid = f"{rid}-{self.worker_id}-{next_seq}"
+        try:
+            res = await self.sender.send(req.target_data_host, req.target_data_port, tid, blob)
+            metrics.transfer(res.path, res.nbytes, res.seconds)
+            await self.bus.publish(subjects.transfer(self.worker_id), TransferEvent(
+                transfer_id=tid, request_id=rid, nbytes=res.nbytes, seconds=res.seconds, path=res.path,
+                wire_bytes=res.wire_bytes, attempts=res.attempts))
+            handle = TransferHandle(transfer_id=tid, host=req.target_data_host, port=req.target_data_port,
+                                    nbytes=res.nbytes, checksum=res.checksum, path=res.path,
+                                    num_tokens=h["num_computed"])
+            await self.bus.request(subjects.worker_decode(target), DecodeRequest(
+                request_id=rid, handle=handle, prompt_token_ids=tokens[:n_prompt],
+                output_token_ids=tokens[n_prompt:], sampling=h["params"], tier=req.tier,
+                stream_subject=held.stream_subject, next_seq=next_seq, session_id=held.session_id or None))
+        except Exception as e:  # the request is never lost: it goes on here, same stream, same seq
+            metrics.migration(self.role, target_role, "failed")
+            if not await self._stay(rid, held, next_seq):
+                raise BusError("not_found", f"request {rid} was aborted while moving") from None
+            code = getattr(e, "code", "unavailable")
+            log.warning("%s stays on %s: moving it to %s failed: %s", rid, self.worker_id, target, e)
+            raise BusError(code if code in ERROR_STATUS else "unavailable",
+                           f"moving {rid} to {target} failed ({e}); it goes on at {self.worker_id}") from None
+        await self.engine.end_move(rid, moved=True)
+        seconds = time.monotonic() - started
+        metrics.migration(self.role, target_role, "ok", seconds)
+        log.info("%s moved %s -> %s (%s) at seq %d: %d tokens, %d KV bytes over %s in %.1f ms%s", rid,
+                 self.worker_id, target, target_role, next_seq, h["num_computed"], res.nbytes, res.path,
+                 seconds * 1e3, f" ({req.reason})" if req.reason else "")
+        return MigrateReply(request_id=rid, source=self.worker_id, target=target, next_seq=next_seq,
+                            num_tokens=h["num_computed"], nbytes=res.nbytes, seconds=seconds, path=res.path)
+
+    async def _stay(self, rid: str, held: Held, next_seq: int) -> bool:
+        """A failed move: the parked request decodes on here from ``next_seq``; False if it was
+        aborted meanwhile (then it is dropped)."""
+        if rid in self.aborted:
+            await self.engine.end_move(rid, moved=True)
+            return False
+        outputs = await self.engine.end_move(rid, moved=False)
+        if outputs is None:
+            return False
+        self.spawn(rid, self.stream_outputs(rid, held.stream_subject, outputs, next_seq))
+        return True
+
     async def close(self) -> None:
+        for t in self._peer_tasks:
+            t.cancel()
         if self.pool is not None:
             await self.pool.close()
         await super().close()
         await self.receiver.close()
+        await self.sender.close()

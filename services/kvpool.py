@@ -10,7 +10,10 @@ directory) on the bus. Control on NATS, entries on the data plane:
     bundle -> pool receiver (data plane), then
     put(keys, transfer id) -- tandem.kvpool.<id>.put -->     takes it, verifies, stores
 
-Every stored / evicted chunk is published as a ``KVEvent`` on ``tandem.kvpool.events.<id>``.
+KV events (``KVEventPublisher``): every holder of chunks — each pool copy, each worker's
+in-engine prefix cache — publishes the chunk keys it gained and lost as ``KVEvent``s on
+``tandem.kvevents.<holder>``, numbered per holder; the router's prefix index
+(services/prefix_index.py) follows them. A pool copy announces what it holds when it starts.
 
 Client (``PoolClient``, used by prefill and decode workers): ``fetch_prefix`` asks for the
 longest stored prefix of a prompt and returns its decoded KV; ``store`` writes back the chunks
@@ -25,6 +28,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 
 from kvpool.codec import ChunkShape, Codec, CorruptEntry, decode_entry, pack_entries, unpack_entries
 from kvpool.keys import KeyScope, check_key, chunk_keys
@@ -35,14 +39,116 @@ from shared.schemas import (
     KVEvent, PoolGet, PoolGetReply, PoolLookup, PoolLookupReply, PoolPut, PoolPutReply, TransferEvent,
 )
 from shared.settings import PoolSettings, Settings
+from shared.subjects import check_token
 from shared.transfer import make_transport
 from shared.transfer.base import TransferError
+from services.prefix_index import ensure_event_stream
 
 log = logging.getLogger("tandem.kvpool")
 
 
+MAX_EVENT_KEYS = 4096   # keys per KVEvent (about 270 KB encoded, under MAX_PAYLOAD)
+
+
 def _keys(keys: list[str]) -> list[str]:
     return [check_key(k) for k in keys]
+
+
+def key_scope(engine, settings: PoolSettings) -> KeyScope:
+    """The chunk key scope of ``engine``'s KV: the same for the pool and every worker of one
+    model, layout, chunk size, tenant and codec (lossy entries stay apart)."""
+    return KeyScope(engine.model_identity, engine.layout.to_dict(), settings.chunk_tokens,
+                    tenant=f"{settings.tenant}|{settings.codec}")
+
+
+class KVEventPublisher:
+    """One holder's KVEvents, in order. ``add`` (on the loop) merges changes, the last state of
+    a key winning; they go out as one event per loop turn (split past ``MAX_EVENT_KEYS``),
+    numbered 1, 2, ... in this epoch. ``start`` sends event 1 at once: a reader learns of a
+    new epoch (the holder restarted) even before it caches anything."""
+
+    def __init__(self, bus: Bus, holder: str, role: str):
+        self.bus = bus
+        self.holder = check_token(holder, "holder")
+        self.role = subjects.check_role(role)
+        self.subject = subjects.kv_events(holder)
+        self.epoch = time.time_ns()
+        self.seq = 0                                # the last event numbered
+        self.failed = 0                             # events that could not be published
+        self._changes: dict[str, bool] = {}         # key -> stored (True) / evicted (False)
+        self._queue: asyncio.Queue[KVEvent | None] = asyncio.Queue()
+        self._scheduled = False
+        self._task: asyncio.Task | None = None
+
+    async def start(self, stored: Iterable[str] = ()) -> None:
+        """Start sending; the first event announces the epoch and ``stored``, what the holder has.
+        Makes sure the JetStream stream that keeps events for the routers exists first."""
+        try:
+            await ensure_event_stream(self.bus.nc.jetstream())
+        except Exception as e:  # no JetStream: routers follow live events only (they log it)
+            log.debug("KV event stream not ensured: %s", e)
+        self._task = asyncio.create_task(self._send(), name=f"kvevents-{self.holder}")
+        for k in stored:
+            self._changes[k] = True
+        self._flush(always=True)
+
+    def add(self, stored: Iterable[str] = (), evicted: Iterable[str] = ()) -> None:
+        """Record changes (on the loop): ``evicted`` apply before ``stored``."""
+        for k in evicted:
+            self._changes[k] = False
+        for k in stored:
+            self._changes[k] = True
+        if self._changes and not self._scheduled and self._task is not None:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self, always: bool = False) -> None:
+        self._scheduled = False
+        if not self._changes and not always:
+            return
+        items, self._changes = list(self._changes.items()), {}
+        for i in range(0, max(len(items), 1), MAX_EVENT_KEYS):
+            part = items[i:i + MAX_EVENT_KEYS]
+            self.seq += 1
+            self._queue.put_nowait(KVEvent(holder=self.holder, role=self.role, epoch=self.epoch, seq=self.seq,
+                                           stored=[k for k, v in part if v], evicted=[k for k, v in part if not v]))
+
+    async def _send(self) -> None:
+        while (ev := await self._queue.get()) is not None:
+            try:
+                await self.bus.publish(self.subject, ev)
+            except Exception as e:  # a reader sees the gap in seq
+                self.failed += 1
+                log.warning("KVEvent %d of %s not published: %s", ev.seq, self.holder, e)
+            self._queue.task_done()
+
+    async def drain(self) -> None:
+        """Send what is pending now and wait until it is handed to the connection."""
+        self._flush()
+        await self._queue.join()
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Send what is pending, then stop."""
+        if self._task is None:
+            return
+        self._flush()
+        self._queue.put_nowait(None)
+        try:
+            await asyncio.wait_for(self._task, timeout)
+        except asyncio.TimeoutError:
+            log.warning("KV events of %s not all sent within %.0fs", self.holder, timeout)
+        self._task = None
+
+
+async def publish_chunk_events(bus: Bus, engine, holder: str, role: str, scope: KeyScope) -> KVEventPublisher:
+    """Publish which chunks ``engine``'s prefix cache gains and loses (``Engine.watch_chunks``),
+    as ``holder``. Call before the engine takes requests: it is set up from this thread."""
+    events = KVEventPublisher(bus, holder, role)
+    await events.start()
+    loop = asyncio.get_running_loop()
+    engine.watch_chunks(scope.seed(), scope.chunk_tokens,
+                        lambda stored, evicted: loop.call_soon_threadsafe(events.add, stored, evicted))
+    return events
 
 
 class PoolService:
@@ -56,9 +162,9 @@ class PoolService:
         self.receiver = self.transport.receiver(settings.data.host, settings.data.port)
         self.sender = self.transport.sender()
         self.bus: Bus | None = None
+        self.events: KVEventPublisher | None = None
         self.data_host, self.data_port = "", 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -66,6 +172,8 @@ class PoolService:
         host, self.data_port = await self.receiver.listen()
         self.data_host = self.settings.data.advertise_host or host
         self.bus = await Bus.connect(self.settings, name=self.pool_id)
+        self.events = KVEventPublisher(self.bus, self.pool_id, self.role)
+        await self.events.start(sorted(set().union(*(t.keys() for t in self.pool.tiers))))
         await self.bus.serve(subjects.POOL_LOOKUP, self.lookup, queue=subjects.POOL_QUEUE, expected=PoolLookup)
         await self.bus.serve(subjects.kvpool_get(self.pool_id), self.get, expected=PoolGet)
         await self.bus.serve(subjects.kvpool_put(self.pool_id), self.put, expected=PoolPut)
@@ -127,16 +235,18 @@ class PoolService:
         return stored
 
     def _on_event(self, kind: str, tier: str, keys: list[str]) -> None:
-        """From pool threads: publish a KVEvent on the loop."""
-        if self.bus is None or self._loop is None:
-            return
-        msg = KVEvent(pool_id=self.pool_id, kind=kind, storage=tier, keys=keys)
-        self._loop.call_soon_threadsafe(self._spawn, self.bus.publish(subjects.kvpool_events(self.pool_id), msg))
+        """From pool threads (a tier's lock may be held): hand the change to the loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._changed, kind, keys)
 
-    def _spawn(self, coro) -> None:
-        t = asyncio.create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+    def _changed(self, kind: str, keys: list[str]) -> None:
+        """A chunk stored anywhere is held; one evicted from a tier only once no tier has it."""
+        if self.events is None:
+            return
+        if kind == "stored":
+            self.events.add(stored=keys)
+        else:
+            self.events.add(evicted=[k for k in keys if not any(t.contains(k) for t in self.pool.tiers)])
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()
@@ -144,8 +254,8 @@ class PoolService:
         await self.close()
 
     async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=5)
+        if self.events is not None:
+            await self.events.close()
         if self.bus is not None:
             await self.bus.close()
         await self.receiver.close()
@@ -159,8 +269,7 @@ class PoolClient:
                  data_host: str, data_port: int):
         self.bus = bus
         self.settings = settings
-        self.scope = KeyScope(engine.model_identity, engine.layout.to_dict(), settings.chunk_tokens,
-                              tenant=f"{settings.tenant}|{settings.codec}")  # lossy entries stay apart
+        self.scope = key_scope(engine, settings)
         self.shape = ChunkShape.from_layout(engine.layout.to_dict())
         self.chunk_bytes = settings.chunk_tokens * engine.layout.token_bytes
         self.codec = Codec(settings.codec)

@@ -1,13 +1,17 @@
-"""Router: decides per request where it runs — a pure placement policy fed by heartbeats.
+"""Router: decides per request how it runs, and moves sessions between CPU and GPU decode.
 
-``place()`` is the policy (tests call it without a bus). ``sla`` (default): interactive → GPU
-decode, standard and batch → CPU decode (each falling back to the other pool when its own is
-empty); the least-loaded live worker of the pool wins. ``round-robin`` (the replicated
-topology, TANDEM_ROUTER_POLICY): every live decode worker in turn, whatever its pool, the way a
-plain load balancer in front of N replicas spreads requests. Prompts are prefilled on a prefill worker when one
-is live (GPU prefill workers first: prefill is fastest there); without one the decode worker
-runs the prompt itself. The full SLA policy (cache overlap, affinity, migration) builds on
-this seam.
+The policy is pure (services/placement.py); this service feeds it and carries out its output:
+- heartbeats give each worker's load, measured TPOT and the requests it holds;
+- the prefix index (services/prefix_index.py, fed by KV events, rebuilt after a restart from a
+  JetStream snapshot plus replay) gives each holder's cached prefix of a prompt;
+- the session table (tier override, the worker holding the session's KV) is kept the same in
+  every router copy: each decision is published on ``tandem.router.decision`` (RoutePlan, and
+  SessionState for tier changes) and every copy applies the others' — so does its load view
+  (requests routed to a worker since its last heartbeat);
+- moves (services/migrate.py) happen on a session tier change (``tandem.router.session``, from
+  POST /v1/sessions/{id}), when a session's request comes at a better tier than its running
+  ones, and under GPU KV pressure (checked every heartbeat interval by one router copy: the
+  live router with the smallest id).
 """
 
 from __future__ import annotations
@@ -15,108 +19,58 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
+from kvpool.keys import chunk_keys_from_seed
 from shared import metrics, subjects, tracing
-from shared.bus import Bus, BusError
-from shared.schemas import Heartbeat, RoutePlan, RouteRequest
+from shared.bus import Bus
+from shared.engine.sampling import TIER_PRIORITY
+from shared.schemas import Heartbeat, RoutePlan, RouteRequest, SessionState, SessionUpdate
 from shared.settings import Settings
+from services.migrate import migrate, to_target
+from services.placement import POOL, Limits, Move, SessionView, WorkerView, place, rebalance
+from services.prefix_index import IndexFeed, PrefixIndex
 
 log = logging.getLogger("tandem.router")
 
-MAX_QUEUE = 256          # a worker with this many waiting requests takes no more (429 when all do)
-LIVENESS_FACTOR = 3.0    # a worker is gone after this many missed heartbeat intervals
-
-POOLS = {
-    "interactive": (subjects.GPU_DECODE, subjects.CPU_DECODE),
-    "standard": (subjects.CPU_DECODE, subjects.GPU_DECODE),
-    "batch": (subjects.CPU_DECODE, subjects.GPU_DECODE),
-}
-
-
-POLICIES = ("sla", "round-robin")
-
-
-@dataclass
-class WorkerView:
-    beat: Heartbeat
-    seen: float  # router's clock when the last heartbeat arrived
-
-    def alive(self, now: float) -> bool:
-        return self.beat.ready and now - self.seen <= LIVENESS_FACTOR * self.beat.interval
-
-    def load(self) -> tuple:
-        b = self.beat
-        return (b.queue_depth + b.running, -b.free_kv_blocks, b.worker_id)
-
-
-def _open(pool: list[WorkerView], what: str) -> list[WorkerView]:
-    open_ = [w for w in pool if w.beat.queue_depth < MAX_QUEUE]
-    if not open_:
-        raise BusError("overloaded", f"every {what} worker has a full queue; retry later")
-    return open_
-
-
-def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str = "sla",
-          turn: int = 0) -> RoutePlan:
-    """The plan for one request (``turn``: the round-robin counter, the caller's state). Raises
-    BusError("unavailable") with no decode worker, BusError("overloaded") when every
-    candidate's queue is full."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown router policy {policy!r} (one of {', '.join(POLICIES)})")
-    live = [w for w in workers if w.alive(now)]
-    need = req.num_prompt_tokens + 1
-    decode = None
-    if policy == "round-robin":
-        pool = sorted((w for w in live if w.beat.role in (subjects.GPU_DECODE, subjects.CPU_DECODE)
-                       and w.beat.max_context >= need), key=lambda w: w.beat.worker_id)
-        if pool:
-            open_ = _open(pool, "decode")
-            decode = open_[turn % len(open_)]
-            reason = f"round-robin -> {decode.beat.worker_id} (turn {turn} of {len(open_)})"
-    else:
-        for role in POOLS[req.tier]:
-            pool = [w for w in live if w.beat.role == role and w.beat.max_context >= need]
-            if pool:
-                decode = min(_open(pool, role), key=WorkerView.load)
-                break
-        if decode is not None:
-            first = POOLS[req.tier][0]
-            reason = f"{req.tier} -> {decode.beat.role}" + (
-                "" if decode.beat.role == first else f" ({first} pool empty)")
-    if decode is None:
-        raise BusError("unavailable", "no decode worker is ready")
-    prefills = [w for w in live if w.beat.role == subjects.PREFILL and w.beat.max_context >= need
-                and w.beat.queue_depth < MAX_QUEUE]
-    prefill = None
-    if prefills and decode.beat.data_port:
-        prefill = min(prefills, key=lambda w: (not w.beat.device.startswith("cuda"), w.load()))
-        reason += f"; prefill on {prefill.beat.worker_id} ({prefill.beat.device})"
-    else:
-        reason += "; decode worker prefills"
-    return RoutePlan(request_id=req.request_id, prefill_worker=prefill.beat.worker_id if prefill else None,
-                     decode_worker=decode.beat.worker_id, decode_role=decode.beat.role, reason=reason,
-                     decode_data_host=decode.beat.data_host, decode_data_port=decode.beat.data_port)
+FORGET_S = 60.0          # a worker silent this long leaves the view (and the prefix index)
 
 
 class Router:
     def __init__(self, settings: Settings):
         self.settings = settings
+        rs = settings.router
         self.worker_id = settings.worker.resolved_worker_id(subjects.ROUTER)
+        self.policy = rs.policy
+        self.limits = Limits(queue={t: rs.queue_limit(t) for t in ("interactive", "standard", "batch")},
+                             pressure_free=rs.pressure_free, session_idle_s=rs.session_idle_s)
         self.workers: dict[str, WorkerView] = {}
-        self.policy = settings.worker.router_policy
+        self.sessions: dict[str, SessionView] = {}
+        self.moving: set[str] = set()                # request ids being migrated now
+        self.index = PrefixIndex()
         self.turn = 0                                # round-robin counter
         self.metrics_port = 0
         self.bus: Bus | None = None
+        self.feed: IndexFeed | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._moves: set[asyncio.Task] = set()
+        self.started = time.monotonic()
+        self._swept = False                          # stale holders of the restored index dropped
 
     async def start(self) -> None:
         tracing.setup(subjects.ROUTER)
         self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
                                                self.settings.worker.metrics_host) or 0
         self.bus = await Bus.connect(self.settings, name=self.worker_id)
-        self._beats = await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
-        self._beat_task = asyncio.create_task(self._watch(), name="heartbeats")
+        self.feed = IndexFeed(self.bus, self.index, self.settings)
+        await self.feed.start()
+        beats = await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
+        decisions = await self.bus.subscribe(subjects.ROUTER_DECISION, skip_invalid=True)
+        self._tasks = [asyncio.create_task(self._watch(beats), name="heartbeats"),
+                       asyncio.create_task(self._follow(decisions), name="decisions"),
+                       asyncio.create_task(self._tick(), name="rebalance")]
         await self.bus.serve(subjects.ROUTE, self.route, queue=subjects.ROUTE_QUEUE, expected=RouteRequest)
+        await self.bus.serve(subjects.ROUTER_SESSION, self.update_session, queue=subjects.ROUTE_QUEUE,
+                             expected=SessionUpdate)
         self.bus.start_heartbeat(subjects.heartbeat(subjects.ROUTER, self.worker_id), self.heartbeat,
                                  self.settings.worker.heartbeat_interval)
         log.info("router %s ready (policy %s)", self.worker_id, self.policy)
@@ -127,21 +81,157 @@ class Router:
                          data_host="", data_port=0, ts=time.time(),
                          interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port)
 
-    async def _watch(self) -> None:
-        async for beat in self._beats:
+    # ---- what the router knows -------------------------------------------------------
+    async def _watch(self, beats) -> None:
+        async for beat in beats:
             self.workers[beat.worker_id] = WorkerView(beat, time.monotonic())
 
+    def _live(self, now: float) -> list[WorkerView]:
+        for wid, w in list(self.workers.items()):
+            if now - w.seen > FORGET_S:
+                del self.workers[wid]
+                self.index.drop_holder(wid)
+        if now - self.started > FORGET_S and not self._swept:  # holders that died while no router ran
+            self._swept = True
+            for holder in list(self.index.holders):
+                if holder not in self.workers and self.index.role(holder) != subjects.KVPOOL:
+                    self.index.drop_holder(holder)
+        return list(self.workers.values())
+
+    def cached(self, tokens: list[int]) -> tuple[dict[str, int], int]:
+        """Prefix tokens of ``tokens`` each holder has cached (pools under POOL), and the chunk size."""
+        scope = next((w.beat for w in self.workers.values() if w.beat.kv_scope and w.beat.chunk_tokens), None)
+        if scope is None or not tokens:
+            return {}, 256
+        keys = chunk_keys_from_seed(scope.kv_scope, scope.chunk_tokens, tokens, len(tokens) - 1)
+        out: dict[str, int] = {}
+        for holder, chunks in self.index.overlap(keys).items():
+            name = POOL if self.index.role(holder) == subjects.KVPOOL else holder
+            if chunks and (name == POOL or holder in self.workers):
+                out[name] = max(out.get(name, 0), chunks * scope.chunk_tokens)
+        return out, scope.chunk_tokens
+
+    def _session(self, sid: str | None) -> SessionView | None:
+        if sid is None:
+            return None
+        return self.sessions.setdefault(sid, SessionView())
+
+    def _apply(self, plan: RoutePlan, now: float) -> None:
+        """A decision (ours or another copy's): the load it adds, the session it moves."""
+        w = self.workers.get(plan.decode_worker)
+        if w is not None and plan.reason.split(":")[0] not in ("promote", "demote"):
+            w.pending[plan.tier] = w.pending.get(plan.tier, 0) + 1
+        s = self._session(plan.session_id)
+        if s is not None:
+            s.worker, s.last = plan.decode_worker, now
+            if s.tier is None or TIER_PRIORITY[plan.tier] < TIER_PRIORITY[s.tier]:
+                s.tier = plan.tier
+
+    async def _follow(self, decisions) -> None:
+        async for msg in decisions:
+            now = time.monotonic()
+            if isinstance(msg, RoutePlan) and msg.router != self.worker_id:
+                self._apply(msg, now)
+            elif isinstance(msg, SessionState) and msg.router != self.worker_id:
+                s = self._session(msg.session_id)
+                s.tier, s.last = msg.tier, now
+
+    # ---- decisions --------------------------------------------------------------------
     async def route(self, req: RouteRequest) -> RoutePlan:
         now = time.monotonic()
-        self.workers = {k: w for k, w in self.workers.items() if w.alive(now) or now - w.seen < 60}
-        plan = place(req, list(self.workers.values()), now, self.policy, self.turn)
+        session = self._session(req.session_id)
+        before = session.tier if session is not None else None
+        cached, chunk = self.cached(req.prompt_token_ids)
+        plan = place(req, self._live(now), now, self.policy, self.turn, cached=cached, session=session,
+                     limits=self.limits, chunk_tokens=chunk)
+        plan.router = self.worker_id
         self.turn += 1
+        self._apply(plan, now)
         metrics.ROUTES.labels(self.policy, plan.decode_role, "yes" if plan.prefill_worker else "no").inc()
         log.info("%s: %s", req.request_id, plan.reason)
+        await self.bus.publish(subjects.ROUTER_DECISION, plan)
+        if session is not None and session.tier != before and before is not None:
+            self._spawn_moves(req.session_id, pressure=False)  # a better tier came: its running work follows
         return plan
+
+    async def update_session(self, upd: SessionUpdate) -> SessionState:
+        """POST /v1/sessions/{id}: set the session's tier; its running requests move now."""
+        s = self._session(upd.session_id)
+        s.tier, s.last = upd.tier, time.monotonic()
+        await self.bus.publish(subjects.ROUTER_DECISION, SessionState(
+            session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=[], router=self.worker_id))
+        done = await self._run_moves(self._plan_moves(upd.session_id, pressure=False))
+        running = [rid for w in self.workers.values() for rid, sid, _ in w.beat.requests if sid == upd.session_id]
+        log.info("session %s -> %s: %d request(s) moved", upd.session_id, upd.tier, len(done))
+        return SessionState(session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=running,
+                            moved=done, reason=f"tier {upd.tier}", router=self.worker_id)
+
+    def _plan_moves(self, session_id: str | None, pressure: bool) -> list[Move]:
+        now = time.monotonic()
+        moves = rebalance(self._live(now), self.sessions, now, self.limits, self.moving, pressure)
+        return [m for m in moves if session_id is None or m.session_id == session_id]
+
+    def _spawn_moves(self, session_id: str | None, pressure: bool) -> None:
+        moves = self._plan_moves(session_id, pressure)
+        if moves:
+            t = asyncio.create_task(self._run_moves(moves), name="moves")
+            self._moves.add(t)
+            t.add_done_callback(self._moves.discard)
+
+    async def _run_moves(self, moves: list[Move]) -> list[dict]:
+        done = await asyncio.gather(*(self._move(m) for m in moves))
+        return [d for d in done if d is not None]
+
+    async def _move(self, m: Move) -> dict | None:
+        self.moving.add(m.request_id)
+        t0 = time.monotonic()
+        try:
+            reply = await migrate(self.bus, m.source, to_target(m.request_id, m.target.beat, m.tier, m.reason))
+        except Exception as e:  # the request goes on where it was; the next tick may try again
+            log.warning("%s: %s -> %s failed: %s", m.request_id, m.source, m.target.id, e)
+            return None
+        finally:
+            self.moving.discard(m.request_id)
+        src = self.workers.get(m.source)
+        if src is not None:  # until the next heartbeats say so
+            src.beat.requests = [r for r in src.beat.requests if r[0] != m.request_id]
+        m.target.beat.requests = [*m.target.beat.requests, [m.request_id, m.session_id, m.tier]]
+        plan = RoutePlan(request_id=m.request_id, prefill_worker=None, decode_worker=m.target.id,
+                         decode_role=m.target.role, tier=m.tier, session_id=m.session_id or None,
+                         router=self.worker_id,
+                         reason=f"{m.reason}; moved {reply.num_tokens} tokens of KV from {m.source} in "
+                                f"{reply.seconds * 1e3:.0f} ms over {reply.path}")
+        self._apply(plan, time.monotonic())
+        await self.bus.publish(subjects.ROUTER_DECISION, plan)
+        log.info("%s: %s (%.0f ms)", m.request_id, plan.reason, (time.monotonic() - t0) * 1e3)
+        return {"request_id": m.request_id, "source": reply.source, "target": reply.target,
+                "next_seq": reply.next_seq, "num_tokens": reply.num_tokens, "seconds": reply.seconds}
+
+    def _leader(self, now: float) -> bool:
+        routers = [w.id for w in self.workers.values() if w.role == subjects.ROUTER and w.alive(now)]
+        return not routers or min(routers + [self.worker_id]) == self.worker_id
+
+    async def _tick(self) -> None:
+        """Every heartbeat interval, on the leader copy only (no double moves): lapse idle sessions,
+        follow tier changes, relieve GPU pressure."""
+        while True:
+            await asyncio.sleep(self.settings.worker.heartbeat_interval)
+            if self.policy != "sla" or not self._leader(time.monotonic()):
+                continue
+            try:
+                self._spawn_moves(None, pressure=True)
+            except Exception:
+                log.exception("rebalance failed")
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()
         await stop.wait()
-        self._beat_task.cancel()
-        await self.bus.close()
+        await self.close()
+
+    async def close(self) -> None:
+        for t in [*self._tasks, *self._moves]:
+            t.cancel()
+        if self.feed is not None:
+            await self.feed.close()   # writes a last snapshot of the prefix index
+        if self.bus is not None:
+            await self.bus.close()

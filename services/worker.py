@@ -7,7 +7,8 @@ aborted, or failed: a failure is published on the stream as an ``ErrorReply``, n
 
 Metrics (shared/metrics.py, on this process's own /metrics port, announced in heartbeats):
 per tier, queue time = handler received → engine took the request, TTFT = received → first
-output published, TPOT; engine load and KV blocks from each heartbeat.
+output published, TPOT; engine load and KV blocks from each heartbeat. Heartbeats also list
+the requests held (id, session, tier), waiting requests per tier and a moving average TPOT.
 """
 
 from __future__ import annotations
@@ -26,14 +27,20 @@ from shared.engine.engine import Engine, EngineConfig, EngineFull
 from shared.engine.sampling import TIER_PRIORITY, RequestOutput, SamplingParams
 from shared.schemas import Abort, ErrorReply, Heartbeat, StreamChunk
 from shared.settings import Settings
+from services.kvpool import KVEventPublisher, key_scope, publish_chunk_events
 
 log = logging.getLogger("tandem.worker")
 
 
 def engine_config(settings: Settings, device: str) -> EngineConfig:
+    """The engine of a worker on ``device``. A CPU step of 512 prompt tokens takes seconds, and
+    every stream in the engine waits for the step: CPU engines take 128-token steps."""
     w = settings.worker
+    cpu = not device.startswith("cuda")
     return EngineConfig(device=device, threads=w.threads or None, num_kv_blocks=w.kv_blocks or None,
-                        kv_cache_bytes=w.kv_budget_mb << 20, max_context=w.max_context or None)
+                        kv_cache_bytes=w.kv_budget_mb << 20, max_context=w.max_context or None,
+                        max_num_batched_tokens=w.step_tokens or (128 if cpu else 512),
+                        interactive_step_tokens=w.shared_step_tokens or (32 if cpu else 64))
 
 
 def sampling_from(d: dict) -> SamplingParams:
@@ -53,6 +60,19 @@ class _Timing:
     received: float      # time.monotonic() when the handler got it
 
 
+@dataclass
+class Held:
+    """A request in flight on this worker (heartbeat ``requests``; a migration reuses it)."""
+    session_id: str      # "" = none
+    tier: str
+    stream_subject: str
+
+
+TIER_OF_PRIORITY = {p: t for t, p in TIER_PRIORITY.items()}
+ABORTED_TTL = 300.0      # seconds an aborted request id is remembered (a move may still bring it)
+TPOT_ALPHA = 0.05        # weight of the newest inter-token interval in the TPOT moving average
+
+
 class EngineWorker:
     role: str = ""
 
@@ -61,6 +81,8 @@ class EngineWorker:
         self.worker_id = settings.worker.resolved_worker_id(self.role)
         engine = Engine.from_path(settings.worker.model, engine_config(settings, device))
         self.model_name = engine.model_config.name
+        self.kv_scope = key_scope(engine, settings.pool)   # chunk keys of this KV (heartbeats, KV events)
+        self.kv_events: KVEventPublisher | None = None
         self.engine = AsyncEngine(engine)
         self.device = str(self.engine.engine.device)
         self.bus: Bus | None = None
@@ -70,12 +92,18 @@ class EngineWorker:
         on_gpu = self.device.startswith("cuda")  # a GPU worker counts its GPUs (NVML), a CPU one RAPL
         self.energy = EnergyMeter(nvml=on_gpu, rapl=not on_gpu)
         self.timings: dict[str, _Timing] = {}      # request id -> when it arrived, its tier
+        self.held: dict[str, Held] = {}            # requests in flight here (heartbeat ``requests``)
+        self.moving: set[str] = set()              # requests being migrated away (services/decode.py)
+        self.aborted: dict[str, float] = {}        # request id -> when an Abort for it arrived
+        self.tpot = 0.0                            # moving average seconds per output token
 
     async def start(self) -> None:
         tracing.setup(self.role)
         self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
                                                self.settings.worker.metrics_host) or 0
         self.bus = await Bus.connect(self.settings, name=self.worker_id)
+        self.kv_events = await publish_chunk_events(self.bus, self.engine.engine, self.worker_id, self.role,
+                                                    self.kv_scope)
         self._abort_sub = await self.bus.subscribe(subjects.ABORT, Abort, skip_invalid=True)
         self._abort_task = asyncio.create_task(self._abort_loop(), name="abort-listener")
         await self.register()
@@ -97,13 +125,27 @@ class EngineWorker:
                          free_kv_blocks=st["free_kv_blocks"], total_kv_blocks=st["total_kv_blocks"],
                          max_context=self.engine.max_context, data_host=self.data_host,
                          data_port=self.data_port, ts=time.time(),
-                         interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port)
+                         interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port,
+                         requests=[[rid, h.session_id, h.tier] for rid, h in self.held.items()],
+                         waiting_by_tier=self.waiting_by_tier(st), tpot_ms=round(self.tpot * 1e3, 3),
+                         kv_scope=self.kv_scope.seed().hex(), chunk_tokens=self.kv_scope.chunk_tokens)
+
+    @staticmethod
+    def waiting_by_tier(st: dict) -> dict:
+        out = dict.fromkeys(TIER_PRIORITY, 0)
+        for prio, n in st.get("waiting_by_priority", {}).items():
+            tier = TIER_OF_PRIORITY.get(prio, f"priority-{prio}")
+            out[tier] = out.get(tier, 0) + n
+        return out
 
     async def _abort_loop(self) -> None:
         async for msg in self._abort_sub:
             await self._on_abort(msg)
 
     async def _on_abort(self, msg: Abort) -> None:
+        now = time.monotonic()
+        self.aborted = {rid: t for rid, t in self.aborted.items() if now - t < ABORTED_TTL}
+        self.aborted[msg.request_id] = now
         task = self.tasks.pop(msg.request_id, None)
         if task is not None:
             task.cancel()
@@ -113,20 +155,37 @@ class EngineWorker:
     def spawn(self, request_id: str, coro) -> None:
         task = asyncio.create_task(coro, name=f"stream-{request_id}")
         self.tasks[request_id] = task
-        task.add_done_callback(lambda t, rid=request_id: self.tasks.pop(rid, None) if self.tasks.get(rid) is t else None)
+        task.add_done_callback(lambda t, rid=request_id: self._stream_done(rid, t))
+
+    def _stream_done(self, request_id: str, task: asyncio.Task) -> None:
+        if self.tasks.get(request_id) is task:
+            self.tasks.pop(request_id)
+        if request_id not in self.tasks and request_id not in self.moving:
+            self.held.pop(request_id, None)
 
     async def stream_outputs(self, request_id: str, subject: str, outputs: AsyncIterator[RequestOutput],
-                             first_seq: int, on_parked=None) -> None:
+                             first_seq: int, on_parked=None) -> int | None:
         """Publish each output as a StreamChunk; the last one carries finish_reason and usage.
-        ``on_parked`` is awaited with the output that ends a prefill-only request."""
+        ``on_parked`` is awaited with the output that ends a prefill-only request. A request
+        migrated away ends without a chunk: the seq the next worker starts at is returned."""
         seq = first_seq
         timing = self.timings.pop(request_id, None)
         first_at, emitted = None, 0     # this worker's first token, tokens it published
+        last_at = None                  # when the previous output with tokens came
         try:
             async for out in outputs:
-                if first_at is None and out.token_ids:
-                    first_at = time.monotonic()
+                if out.token_ids:
+                    now = time.monotonic()
+                    if last_at is not None:
+                        dt = (now - last_at) / len(out.token_ids)
+                        self.tpot = self.tpot + TPOT_ALPHA * (dt - self.tpot) if self.tpot else dt
+                    if first_at is None:
+                        first_at = now
+                    last_at = now
                 emitted += len(out.token_ids)
+                if out.finish_reason == "migrated":
+                    self._observe(timing, first_at, emitted, "migrated")
+                    return seq
                 if out.finish_reason == "prefilled":
                     await self.bus.publish(subject, self.chunk(out, seq, finish=False))
                     self._observe(timing, first_at, emitted, "parked")
@@ -180,6 +239,7 @@ class EngineWorker:
             raise BusError("overloaded", str(e)) from None
         metrics.observe_request(self.role, req.tier, queue=time.monotonic() - received)
         self.timings[req.request_id] = _Timing(req.tier, received)
+        self.held[req.request_id] = Held(req.session_id or "", req.tier, req.stream_subject)
         return out
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -194,6 +254,8 @@ class EngineWorker:
         for t in list(self.tasks.values()):
             t.cancel()
         self._abort_task.cancel()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self.bus is not None:
             await self.bus.close()
         await self.engine.close()

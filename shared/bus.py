@@ -46,24 +46,26 @@ _CONNECT_ATTEMPTS = 3  # per server, before Bus.connect gives up
 class BusError(Exception):
     """An error with a wire code (a key of schemas.ERROR_STATUS); handlers raise it on purpose."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, retry_after: float = 0.0):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.retry_after = retry_after   # "overloaded": seconds until a retry may succeed
 
     @property
     def status(self) -> int:
         return ERROR_STATUS.get(self.code, 500)
 
     def to_reply(self, request_id: str = "") -> ErrorReply:
-        return ErrorReply.of(self.code, self.message, request_id)
+        return ErrorReply.of(self.code, self.message, request_id, self.retry_after)
 
 
 class RemoteError(BusError):
     """The remote handler answered with an ErrorReply."""
 
-    def __init__(self, code: str, message: str, status: int | None = None, request_id: str = ""):
-        super().__init__(code, message)
+    def __init__(self, code: str, message: str, status: int | None = None, request_id: str = "",
+                 retry_after: float = 0.0):
+        super().__init__(code, message, retry_after)
         self.remote_status = status if status is not None else ERROR_STATUS.get(code, 500)
         self.request_id = request_id
 
@@ -73,13 +75,13 @@ class RemoteError(BusError):
 
     @classmethod
     def from_reply(cls, reply: ErrorReply) -> "RemoteError":
-        return cls(reply.code, reply.message, reply.status, reply.request_id)
+        return cls(reply.code, reply.message, reply.status, reply.request_id, reply.retry_after)
 
 
 def error_reply_for(exc: BaseException, request_id: str = "") -> ErrorReply:
     """The ErrorReply an exception becomes (the coded error envelope)."""
     if isinstance(exc, BusError):
-        return ErrorReply(exc.code, exc.message, exc.status, request_id)
+        return ErrorReply(exc.code, exc.message, exc.status, request_id, exc.retry_after)
     if isinstance(exc, ValueError):
         return ErrorReply.of("bad_request", str(exc), request_id)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):

@@ -12,7 +12,7 @@ How a service feeds them:
     metrics.pool_lookup("cpu", hit=True, nbytes=1 << 20)     # KV pool, per storage tier
     metrics.pool_stored("disk", nbytes=64 << 20)             # bytes the tier now holds
     metrics.transfer("tcp", nbytes=2_000_000, seconds=0.004) # KV moved, per data-plane path
-    metrics.migration("gpu-decode", "cpu-decode")            # a session's KV moved between pools
+    metrics.migration("gpu-decode", "cpu-decode", "ok", 0.02) # a running request moved between workers
 
 Labels: ``service`` is the role (gateway, router, prefill, gpu-decode, cpu-decode, kvpool);
 ``tier`` on request series is the SLA tier (interactive|standard|batch); on pool series it is
@@ -42,7 +42,7 @@ TPOT = Histogram("tandem_tpot_seconds", "mean time per output token after the fi
 QUEUE_TIME = Histogram("tandem_queue_seconds", "time a request waited before its first engine step "
                        "(gateway: before a worker accepted it)", ["service", "tier"], buckets=_LATENCY)
 REQUESTS = Counter("tandem_requests", "requests by outcome (ok, error, aborted; parked = a prefill "
-                   "worker handed it to decode)",
+                   "worker handed it to decode; migrated = moved to another decode worker)",
                    ["service", "tier", "outcome"])
 TOKENS = Counter("tandem_generated_tokens", "output tokens generated", ["service", "tier"])
 
@@ -64,7 +64,10 @@ POOL_BYTES = Gauge("tandem_pool_bytes", "KV bytes the pool holds", ["tier"])
 TRANSFER_BYTES = Counter("tandem_transfer_bytes", "KV bytes moved over the data plane", ["path"])
 TRANSFER_SECONDS = Histogram("tandem_transfer_seconds", "seconds per KV transfer", ["path"],
                              buckets=_LATENCY)
-MIGRATIONS = Counter("tandem_migrations", "sessions whose KV moved between decode pools", ["src", "dst"])
+MIGRATIONS = Counter("tandem_migrations", "running requests moved between decode workers, by outcome "
+                     "(ok; failed: it went on at the source)", ["source_role", "target_role", "outcome"])
+MIGRATION_SECONDS = Histogram("tandem_migration_seconds", "seconds per migration, export to the target's ack",
+                              ["source_role", "target_role"], buckets=_LATENCY)
 
 # -- energy (only where the hardware reports power; see shared/energy.py) ---------------------
 ENERGY = Counter("tandem_energy_joules", "energy the process's power domain used while serving "
@@ -111,8 +114,11 @@ def transfer(path: str, nbytes: int, seconds: float) -> None:
     TRANSFER_SECONDS.labels(path).observe(seconds)
 
 
-def migration(src: str, dst: str) -> None:
-    MIGRATIONS.labels(src, dst).inc()
+def migration(source_role: str, target_role: str, outcome: str = "ok", seconds: float | None = None) -> None:
+    """One migration attempt of a running request; ``seconds`` for a completed one."""
+    MIGRATIONS.labels(source_role, target_role, outcome).inc()
+    if seconds is not None:
+        MIGRATION_SECONDS.labels(source_role, target_role).observe(seconds)
 
 
 def render() -> tuple[bytes, str]:

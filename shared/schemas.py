@@ -94,7 +94,7 @@ class TransferHandle:
     host: str                   # receiver's data-plane host
     port: int                   # receiver's data-plane port
     nbytes: int                 # payload size in bytes
-    checksum: str               # "<algo>:<hex>" of the payload (blake3 or crc32)
+    checksum: str               # "<algo>:<hex>" of the payload (xxh3, blake3 or crc32)
     path: str = "tcp"           # transport: "tcp" (later "rdma", "shm", "bus")
     num_tokens: int = 0         # tokens whose KV the payload holds
     meta: dict = field(default_factory=dict)  # layout (dtype, shapes, block size): small only
@@ -183,6 +183,7 @@ class SessionState:
     running: list[str]           # its requests in flight
     moved: list[dict] = field(default_factory=list)  # MigrateReply fields of each move made now
     reason: str = ""
+    router: str = ""             # the router copy that made the change
 
 
 @message("PrefillRequest", 1)
@@ -292,7 +293,7 @@ class Ack:
     worker: str = ""
 
 
-@message("ErrorReply", 1)
+@message("ErrorReply", 2)
 class ErrorReply:
     """The error envelope: a reply to a failed request, or a message on a stream subject."""
     SCHEMA: ClassVar[str]
@@ -301,11 +302,12 @@ class ErrorReply:
     message: str                 # human-readable, safe to show a client
     status: int = 500            # HTTP status hint for the gateway
     request_id: str = ""
+    retry_after: float = 0.0     # "overloaded": seconds the client should wait (HTTP Retry-After)
 
     @classmethod
-    def of(cls, code: str, message: str, request_id: str = "") -> "ErrorReply":
+    def of(cls, code: str, message: str, request_id: str = "", retry_after: float = 0.0) -> "ErrorReply":
         return cls(code=code, message=message, status=ERROR_STATUS.get(code, 500),
-                   request_id=request_id)
+                   request_id=request_id, retry_after=retry_after)
 
 
 @message("TransferEvent", 2)
@@ -384,15 +386,19 @@ class PoolPutReply:
     stored: int                  # entries stored in at least one tier
 
 
-@message("KVEvent", 1)
+@message("KVEvent", 2)
 class KVEvent:
-    """Chunks stored in or evicted from a pool tier (the router can route by cache overlap)."""
+    """Pool chunks a KV holder (a worker's prefix cache, a pool copy) gained or lost, on
+    ``subjects.kv_events(holder)``. Net changes: a key is in at most one list. A holder numbers
+    its events 1, 2, ... within an epoch (its start), so a reader sees gaps and restarts."""
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
-    pool_id: str
-    kind: str                    # "stored" | "evicted"
-    storage: str                 # storage tier name(s), comma-separated ("ram,disk")
-    keys: list[str]
+    holder: str                  # worker id or pool id
+    role: str                    # the holder's role (subjects.ROLES)
+    epoch: int                   # the holder's start, time.time_ns(): a newer epoch starts from empty
+    seq: int                     # 1, 2, ... per holder and epoch
+    stored: list[str] = field(default_factory=list)   # chunk keys now held
+    evicted: list[str] = field(default_factory=list)  # chunk keys no longer held
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +513,8 @@ def _check(value: Any, tp: Any, path: str) -> Any:
     elif tp is list or origin is list:
         if isinstance(value, list):
             args = typing.get_args(tp)
+            if args and args[0] in (str, int) and all(type(v) is args[0] for v in value):
+                return value  # fast path (KV event keys, token ids); the general check says the same
             if args and args[0] is not Any:
                 return [_check(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
             return value

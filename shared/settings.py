@@ -83,12 +83,14 @@ class WorkerSettings:
     kv_blocks: int = _env("TANDEM_KV_BLOCKS", 0, "KV cache blocks; 0 = from TANDEM_KV_BUDGET_MB")
     kv_budget_mb: int = _env("TANDEM_KV_BUDGET_MB", 512, "KV cache memory budget in MiB")
     max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
+    step_tokens: int = _env("TANDEM_STEP_TOKENS", 0, "tokens per engine step (prefill chunk budget); 0 = "
+                            "128 on CPU (a step stalls every stream in the engine), 512 on CUDA")
+    shared_step_tokens: int = _env("TANDEM_SHARED_STEP_TOKENS", 0, "prefill tokens of worse tiers per step "
+                                   "while interactive work runs; 0 = 32 on CPU, 64 on CUDA")
     heartbeat_interval: float = _env("TANDEM_HEARTBEAT_INTERVAL", 2.0, "seconds between heartbeats")
     metrics_port: int = _env("TANDEM_METRICS_PORT", 0, "Prometheus /metrics HTTP port of a worker or "
                              "router (the gateway uses its own port); 0 = a free one (in heartbeats), -1 = off")
     metrics_host: str = _env("TANDEM_METRICS_HOST", "127.0.0.1", "bind address of that /metrics server")
-    router_policy: str = _env("TANDEM_ROUTER_POLICY", "sla", "router placement: sla (tier -> pool, least "
-                              "load) or round-robin (every decode worker in turn)")
 
     def validate(self) -> None:
         if self.worker_id is not None:
@@ -98,15 +100,16 @@ class WorkerSettings:
             except ValueError as e:
                 raise ValueError(f"TANDEM_WORKER_ID: {e}") from None
         for name, var in (("threads", "TANDEM_THREADS"), ("kv_blocks", "TANDEM_KV_BLOCKS"),
-                          ("max_context", "TANDEM_MAX_CONTEXT")):
+                          ("max_context", "TANDEM_MAX_CONTEXT"), ("step_tokens", "TANDEM_STEP_TOKENS"),
+                          ("shared_step_tokens", "TANDEM_SHARED_STEP_TOKENS")):
             if getattr(self, name) < 0:
                 raise ValueError(f"{var} must be >= 0")
+        if 0 < self.step_tokens < 64:
+            raise ValueError("TANDEM_STEP_TOKENS must be 0 (the device's default) or >= 64 (one token per sequence)")
         if self.kv_blocks == 0 and self.kv_budget_mb <= 0:
             raise ValueError("TANDEM_KV_BLOCKS is 0, so TANDEM_KV_BUDGET_MB must be > 0")
         if self.heartbeat_interval <= 0:
             raise ValueError("TANDEM_HEARTBEAT_INTERVAL must be > 0")
-        if self.router_policy not in ("sla", "round-robin"):
-            raise ValueError(f"TANDEM_ROUTER_POLICY must be sla or round-robin, got {self.router_policy!r}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError("TANDEM_METRICS_PORT must be -1 (off), 0 (a free port) or a port")
 
@@ -116,6 +119,36 @@ class WorkerSettings:
             return self.worker_id
         host = socket.gethostname().split(".")[0].replace(" ", "-") or "host"
         return f"{role}-{host}-{os.getpid()}"
+
+
+@dataclass
+class RouterSettings:
+    """The router: placement policy, admission control, session moves."""
+    policy: str = _env("TANDEM_ROUTER_POLICY", "sla", "placement: sla (tiers: pool, priority, cache, "
+                       "affinity, migration), fifo (one queue, no tiers) or round-robin (every decode "
+                       "worker in turn)")
+    queue_interactive: int = _env("TANDEM_QUEUE_INTERACTIVE", 64, "interactive requests waiting "
+                                  "across their pool before new ones get 429")
+    queue_standard: int = _env("TANDEM_QUEUE_STANDARD", 256, "standard requests waiting before 429")
+    queue_batch: int = _env("TANDEM_QUEUE_BATCH", 1024, "batch requests waiting before 429")
+    pressure_free: float = _env("TANDEM_PRESSURE_FREE", 0.1, "a gpu-decode worker with less than this "
+                                "fraction of its KV blocks free demotes batch/standard work to CPU decode")
+    session_idle_s: float = _env("TANDEM_SESSION_IDLE_S", 300.0, "a session's tier change lapses after "
+                                 "this long without a request")
+
+    def queue_limit(self, tier: str) -> int:
+        return getattr(self, f"queue_{tier}")
+
+    def validate(self) -> None:
+        if self.policy not in ("sla", "fifo", "round-robin"):
+            raise ValueError(f"TANDEM_ROUTER_POLICY must be sla, fifo or round-robin, got {self.policy!r}")
+        for t in ("interactive", "standard", "batch"):
+            if self.queue_limit(t) < 1:
+                raise ValueError(f"TANDEM_QUEUE_{t.upper()} must be >= 1")
+        if not 0 <= self.pressure_free < 1:
+            raise ValueError("TANDEM_PRESSURE_FREE must be in [0, 1)")
+        if self.session_idle_s <= 0:
+            raise ValueError("TANDEM_SESSION_IDLE_S must be > 0")
 
 
 @dataclass
@@ -189,6 +222,8 @@ class GatewaySettings:
     host: str = _env("TANDEM_HOST", "127.0.0.1", "gateway bind address (0.0.0.0: every interface)")
     port: int = _env("TANDEM_PORT", 8000, "gateway HTTP port")
     api_key: str | None = _env("TANDEM_API_KEY", None, "bearer token clients must send; unset: no auth")
+    api_keys: str | None = _env("TANDEM_API_KEYS", None, "more accepted bearer tokens, each with the tier "
+                                "its requests default to: key1=interactive,key2=batch")
     default_tier: str = _env("TANDEM_DEFAULT_TIER", "standard",
                              "SLA tier when a request names none: interactive|standard|batch")
     request_timeout: float = _env("TANDEM_REQUEST_TIMEOUT", 120.0,
@@ -218,7 +253,22 @@ class GatewaySettings:
             raise ValueError("TANDEM_MAX_BODY_BYTES must be >= 1024")
         if self.drain_s < 0:
             raise ValueError("TANDEM_DRAIN_S must be >= 0")
+        self.key_tiers()
         return self
+
+    def key_tiers(self) -> dict[str, str]:
+        """Accepted bearer tokens -> the default tier of their requests (empty: no auth)."""
+        from shared.schemas import TIERS
+        keys = {self.api_key: self.default_tier} if self.api_key else {}
+        for item in (self.api_keys or "").split(","):
+            if not item.strip():
+                continue
+            key, sep, tier = item.strip().rpartition("=")
+            if not sep or not key or tier not in TIERS:
+                raise ValueError(f"TANDEM_API_KEYS entry {item.strip()!r}: expected KEY=TIER with TIER one of "
+                                 f"{', '.join(TIERS)}")
+            keys[key] = tier
+        return keys
 
 
 @dataclass
@@ -226,6 +276,7 @@ class Settings:
     """Everything, one section per concern."""
     nats: NatsSettings = field(default_factory=NatsSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
     data: DataPlaneSettings = field(default_factory=DataPlaneSettings)
     pool: PoolSettings = field(default_factory=PoolSettings)
     gateway: GatewaySettings = field(default_factory=GatewaySettings)

@@ -37,6 +37,7 @@ ROUTER_SESSION = f"{PREFIX}.router.session"    # request/reply, queue group: Ses
 ABORT = f"{PREFIX}.abort"                 # broadcast Abort{request_id}
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"   # watch every heartbeat
 TRANSFER_ALL = f"{PREFIX}.transfer.>"     # watch every KV transfer event
+KV_EVENTS_ALL = f"{PREFIX}.kvevents.>"    # every KVEvent (chunks a holder stored / evicted)
 ALL = f"{PREFIX}.>"                       # everything (tandem tap's default)
 
 # A subject token: printable, no whitespace, no '.', '*' or '>' (NATS separators / wildcards).
@@ -93,7 +94,6 @@ def heartbeat_role(role: str) -> str:
 
 POOL_LOOKUP = f"{PREFIX}.kvpool.lookup"   # request/reply, queue group: PoolLookup -> PoolLookupReply
 POOL_QUEUE = "kvpool"                     # queue group of the pool copies
-POOL_EVENTS_ALL = f"{PREFIX}.kvpool.events.>"  # every KVEvent
 
 
 def kvpool_get(pool_id: str) -> str:
@@ -106,9 +106,9 @@ def kvpool_put(pool_id: str) -> str:
     return f"{PREFIX}.kvpool.{check_token(pool_id, 'pool_id')}.put"
 
 
-def kvpool_events(pool_id: str) -> str:
-    """KVEvent published by one pool copy (chunks stored / evicted)."""
-    return f"{PREFIX}.kvpool.events.{check_token(pool_id, 'pool_id')}"
+def kv_events(holder: str) -> str:
+    """KVEvent published by one KV holder (a worker's prefix cache or a pool copy)."""
+    return f"{PREFIX}.kvevents.{check_token(holder, 'holder')}"
 
 
 def transfer(worker_id: str) -> str:

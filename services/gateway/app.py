@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import math
 import time
 import uuid
 from typing import AsyncIterator
@@ -37,7 +38,7 @@ from shared.settings import GatewaySettings
 
 from .backend import TIERS, Backend, BackendError, GenerationRequest
 from .openai_api import (
-    SESSION_HEADER, SLA_HEADER, SSE_DONE, Accumulator, APIError, ChatCompletionRequest, ChatFormat,
+    SESSION_HEADER, SESSION_RE, SLA_HEADER, SSE_DONE, Accumulator, APIError, ChatCompletionRequest, ChatFormat,
     CompletionFormat, CompletionRequest, TokenStrings, _Format, bad_param, chat_messages, check_unsupported,
     completion_prompt, ignored_fields, model_card, models_list, parse_json, resolve_session, resolve_tier,
     sampling_params, sse, validate_model,
@@ -127,7 +128,10 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
         level = logging.WARNING if err.status >= 500 else logging.INFO
         metrics.observe_request("gateway", getattr(request.state, "tier", "-"), outcome="error")
         log.log(level, "%s rejected %d %s param=%s: %s", rid, err.status, err.code, err.param, err.message)
-        return _json(err.body(), err.status, headers={"X-Request-Id": rid} if rid != "-" else None)
+        headers = {"X-Request-Id": rid} if rid != "-" else {}
+        if err.retry_after > 0:
+            headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
+        return _json(err.body(), err.status, headers=headers or None)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -150,12 +154,19 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
 
     # -- request plumbing --
 
+    key_tiers = settings.key_tiers()
+
     def _check_auth(request: Request) -> None:
-        if settings.api_key is None:
+        """401 unless a configured bearer token is sent; remembers that key's default tier."""
+        request.state.key_tier = settings.default_tier
+        if not key_tiers:
             return
-        auth = request.headers.get("authorization", "")
-        if not hmac.compare_digest(auth.encode(), f"Bearer {settings.api_key}".encode()):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        auth = request.headers.get("authorization", "").encode()
+        for key, tier in key_tiers.items():
+            if hmac.compare_digest(auth, f"Bearer {key}".encode()):
+                request.state.key_tier = tier
+                return
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
     async def _read_body(request: Request) -> dict:
         length = request.headers.get("content-length")
@@ -190,7 +201,7 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
         extra = ignored_fields(req)
         if extra:
             log.info("%s ignoring unsupported fields: %s", rid, ", ".join(extra))
-        tier = resolve_tier(req, request.headers.get(SLA_HEADER), settings.default_tier)
+        tier = resolve_tier(req, request.headers.get(SLA_HEADER), request.state.key_tier)
         session = resolve_session(req, request.headers.get(SESSION_HEADER))
         request.state.tier = tier
         return tier, session
@@ -235,6 +246,26 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
         _check_auth(request)
         _check_model(model_id)
         return _json(model_card(backend.model_name, backend.max_context, started))
+
+    @app.post("/v1/sessions/{session_id:path}")
+    async def update_session(session_id: str, request: Request) -> Response:
+        """Change an agent session's tier: its running requests move between GPU and CPU decode
+        (their streams go on), its next turns run at the new tier."""
+        _check_auth(request)
+        body = await _read_body(request)  # a JSON object, or 400
+        for extra in sorted(set(body) - {"tier", "sla"}):
+            raise bad_param(extra, f"unknown field {extra!r}: the body is {{\"tier\": \"interactive\" | "
+                                   f"\"standard\" | \"batch\"}}")
+        tier = body.get("tier", body.get("sla"))
+        if not isinstance(tier, str) or tier.strip().lower() not in TIERS:
+            raise bad_param("tier", f"invalid SLA tier {tier!r}: expected one of {', '.join(TIERS)}",
+                            code="invalid_tier")
+        if not SESSION_RE.match(session_id):
+            raise bad_param("session_id", "invalid session id: 1-256 visible ASCII characters, no spaces",
+                            code="invalid_session")
+        state = await backend.update_session(session_id, tier.strip().lower())
+        log.info("session %s -> %s: moved %d request(s)", session_id, state["tier"], len(state["moved"]))
+        return _json(state)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

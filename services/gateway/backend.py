@@ -43,12 +43,14 @@ INTERNAL = "internal_error"                  # 500: a bug
 class BackendError(Exception):
     """An error the client should see, with the HTTP status it maps to."""
 
-    def __init__(self, code: str, message: str, status: int = 500, param: str | None = None):
+    def __init__(self, code: str, message: str, status: int = 500, param: str | None = None,
+                 retry_after: float = 0.0):
         super().__init__(message)
         self.code = code          # machine-readable, e.g. "overloaded" (OpenAI error.code)
         self.message = message    # human-readable (OpenAI error.message)
         self.status = status      # HTTP status: 400, 429, 503, ...
         self.param = param        # the request parameter at fault, when there is one
+        self.retry_after = retry_after  # 429/503: seconds the client should wait (Retry-After)
 
     def __repr__(self) -> str:
         return f"BackendError({self.code!r}, {self.message!r}, status={self.status})"
@@ -96,6 +98,11 @@ class Backend(Protocol):
         """Drop the request everywhere it is held. Idempotent."""
         ...
 
+    async def update_session(self, session_id: str, tier: str) -> dict:
+        """Set an agent session's tier; returns {"id", "object": "session", "tier", "worker",
+        "running": [request ids], "moved": [one dict per request moved now]}."""
+        ...
+
 
 class InProcessBackend:
     """The engine's asyncio wrapper (``shared.engine.async_engine.AsyncEngine``) in this process.
@@ -111,6 +118,8 @@ class InProcessBackend:
         self.model_name = model_name or engine.engine.model_config.name
         self.tokenizer = engine.tokenizer
         self.max_context = int(engine.max_context)
+        self.session_tiers: dict[str, str] = {}   # session -> tier set by update_session
+        self.running: dict[str, str | None] = {}   # request id -> its session
 
     def health(self) -> tuple[bool, dict]:
         return True, {"engine": {"ready": True, "where": "in-process"}}
@@ -120,12 +129,23 @@ class InProcessBackend:
             priority = TIER_PRIORITY[req.tier]
         except KeyError:
             raise BackendError(INVALID_REQUEST, f"unknown tier {req.tier!r}", 400, "sla") from None
+        if req.session_id in self.session_tiers:  # one engine: a session's tier only raises priority
+            priority = min(priority, TIER_PRIORITY[self.session_tiers[req.session_id]])
+        self.running[req.request_id] = req.session_id
         try:
             stream = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, priority=priority)
             async for out in stream:
                 yield out
         except ValueError as e:  # the engine validates too (e.g. a prompt longer than its KV)
             raise BackendError(INVALID_REQUEST, str(e), 400) from e
+        finally:
+            self.running.pop(req.request_id, None)
+
+    async def update_session(self, session_id: str, tier: str) -> dict:
+        """One engine, nowhere to move to: the tier applies to the session's next requests."""
+        self.session_tiers[session_id] = tier
+        return {"id": session_id, "object": "session", "tier": tier, "worker": "in-process",
+                "running": [r for r, s in self.running.items() if s == session_id], "moved": []}
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -21,7 +21,7 @@ from shared import subjects, tracing
 from shared.bus import Bus, BusError, RemoteError
 from shared.engine.sampling import RequestOutput, TokenLogprob
 from shared.schemas import (Abort, ErrorReply, GenerateRequest, Heartbeat, PrefillRequest, RoutePlan,
-                            RouteRequest, StreamChunk)
+                            RouteRequest, SessionState, SessionUpdate, StreamChunk)
 from services.gateway.backend import BackendError, GenerationRequest
 
 log = logging.getLogger("tandem.gateway")
@@ -33,9 +33,9 @@ CODE_MAP = {  # bus error code -> (gateway code, HTTP status)
 }
 
 
-def backend_error(code: str, message: str) -> BackendError:
+def backend_error(code: str, message: str, retry_after: float = 0.0) -> BackendError:
     gw_code, status = CODE_MAP.get(code, ("internal_error", 500))
-    return BackendError(gw_code, message, status)
+    return BackendError(gw_code, message, status, retry_after=retry_after)
 
 
 class NatsBackend:
@@ -79,17 +79,18 @@ class NatsBackend:
             with tracing.span("gateway.dispatch", tier=req.tier):  # parent of the router's and workers' spans
                 plan = await self._call(subjects.ROUTE, RouteRequest(
                     request_id=rid, model=req.model, tier=req.tier, session_id=req.session_id,
-                    num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens), RoutePlan)
+                    num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens,
+                    prompt_token_ids=req.prompt_token_ids), RoutePlan)
                 sampling = req.sampling.to_dict()
-                if plan.prefill_worker:
+                if plan.prefill_worker:  # the plan's tier: a session's may raise it, fifo flattens it
                     await self._call(subjects.worker_prefill(plan.prefill_worker), PrefillRequest(
-                        request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=req.tier,
+                        request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=plan.tier,
                         decode_worker=plan.decode_worker, decode_subject=subjects.worker_decode(plan.decode_worker),
                         stream_subject=stream_subject, decode_data_host=plan.decode_data_host,
                         decode_data_port=plan.decode_data_port, session_id=req.session_id))
                 else:
                     await self._call(subjects.worker_generate(plan.decode_worker), GenerateRequest(
-                        request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=req.tier,
+                        request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=plan.tier,
                         stream_subject=stream_subject, session_id=req.session_id))
             log.info("%s: %s", rid, plan.reason)
             next_seq, held = 0, {}
@@ -99,7 +100,7 @@ class NatsBackend:
                 except BusError:
                     raise BackendError("worker_lost", f"no progress for {self.stall_timeout:.0f}s", 502) from None
                 if isinstance(msg, ErrorReply):
-                    raise backend_error(msg.code, msg.message)
+                    raise backend_error(msg.code, msg.message, msg.retry_after)
                 if not isinstance(msg, StreamChunk):
                     continue
                 held[msg.seq] = msg
@@ -115,13 +116,20 @@ class NatsBackend:
             if not finished:
                 await self.abort(rid)
 
+    async def update_session(self, session_id: str, tier: str) -> dict:
+        """Set a session's tier (the router moves its running requests); the new state."""
+        state = await self._call(subjects.ROUTER_SESSION, SessionUpdate(session_id=session_id, tier=tier),
+                                 SessionState)
+        return {"id": state.session_id, "object": "session", "tier": state.tier, "worker": state.worker,
+                "running": state.running, "moved": state.moved}
+
     async def _call(self, subject: str, msg, expected=None):
         try:
             return await self.bus.request(subject, msg, expected=expected)
         except RemoteError as e:
-            raise backend_error(e.code, e.message) from None
+            raise backend_error(e.code, e.message, e.retry_after) from None
         except BusError as e:
-            raise backend_error(e.code, str(e)) from None
+            raise backend_error(e.code, str(e), e.retry_after) from None
 
     async def abort(self, request_id: str) -> None:
         try:

@@ -40,17 +40,18 @@ class APIError(Exception):
     """An error answered in OpenAI's shape with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, retry_after: float = 0.0):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # > 0: sent as the Retry-After header (whole seconds)
         self.type = type or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     @classmethod
     def from_backend(cls, e: BackendError) -> "APIError":
-        return cls(e.status, e.message, param=e.param, code=e.code)
+        return cls(e.status, e.message, param=e.param, code=e.code, retry_after=e.retry_after)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -194,7 +195,7 @@ def ignored_fields(req: BaseModel) -> list[str]:
 
 SLA_HEADER = "x-tandem-sla"
 SESSION_HEADER = "x-tandem-session"
-_SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII, no spaces, at most 256
+SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII, no spaces, at most 256
 
 
 def resolve_tier(req: _Sampling, header: str | None, default: str) -> str:
@@ -215,7 +216,7 @@ def resolve_session(req: _Sampling, header: str | None) -> str | None:
     """Body ``session_id`` over header ``X-Tandem-Session``."""
     for param, value in (("session_id", req.session_id), ("X-Tandem-Session", header)):
         if value is not None:
-            if not _SESSION_RE.match(value):
+            if not SESSION_RE.match(value):
                 raise bad_param(param, "invalid session id: 1-256 visible ASCII characters, no spaces",
                                 code="invalid_session")
             return value

@@ -3,6 +3,8 @@
 Commands (add, abort, export, import) are queued to the engine thread and run between
 steps, so the engine is only ever touched by that thread. The thread sleeps when idle.
 A consumer that stops iterating ``generate`` (a client went away) aborts its request.
+A migration (``export_for_move`` then ``end_move``) parks a decoding request between two steps;
+its stream ends with a "migrated" output, after every output produced before.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class AsyncEngine:
                             loop.call_soon_threadsafe(_settle, fut, res, None)
             except queue.Empty:
                 pass
+            self._stats = self.engine.stats()
             if not self.engine.has_work():
                 continue
             try:
@@ -124,6 +127,40 @@ class AsyncEngine:
     async def export_kv(self, request_id: str) -> bytes:
         return await self._call(lambda: self.engine.export_kv(request_id))
 
+    async def export_for_move(self, request_id: str) -> bytes:
+        """Park a decoding request and serialise it (``Engine.export_kv(keep=True)``); its stream
+        ends with a "migrated" output. KeyError: unknown; ValueError: not between decode steps.
+        Always follow with ``end_move``."""
+        def export() -> bytes:
+            blob = self.engine.export_kv(request_id, keep=True)
+            seq = self.engine.seqs[request_id]
+            entry = self._streams.pop(request_id, None)
+            if entry is not None:
+                loop, q = entry
+                loop.call_soon_threadsafe(q.put_nowait, RequestOutput(
+                    request_id, [], "", True, "migrated", None, seq.num_prompt_tokens,
+                    seq.num_cached_tokens, seq.num_output_tokens))
+            return blob
+
+        return await self._call(export)
+
+    async def end_move(self, request_id: str, moved: bool) -> AsyncIterator[RequestOutput] | None:
+        """After ``export_for_move``: ``moved`` drops the parked request; else it decodes on here
+        and its new output stream is returned (None if it was aborted meanwhile)."""
+        if moved:
+            await self._call(lambda: self.engine.settle_export(request_id, True))
+            return None
+        q = self._open(request_id)
+        try:
+            resumed = await self._call(lambda: self.engine.settle_export(request_id, False))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        if not resumed:
+            self._streams.pop(request_id, None)
+            return None
+        return self._drain(request_id, q)
+
     async def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids))
 
@@ -150,7 +187,8 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id, (None, None))[1] is q:  # not a later stream of the same id
+                self._streams.pop(request_id, None)
             if not finished:  # the consumer left early: free the request's KV
                 self._commands.put((lambda: self.engine.abort(request_id), None, None))
 

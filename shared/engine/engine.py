@@ -16,7 +16,7 @@ import orjson
 import torch
 
 from shared.engine import sampler
-from shared.engine.kv_cache import KV_DTYPE, KV_LAYOUT_VERSION, BlockManager, KVLayout, block_hash
+from shared.engine.kv_cache import KV_DTYPE, KV_LAYOUT_VERSION, BlockManager, ChunkEvents, KVLayout, block_hash
 from shared.engine.loader import LoadedModel, release_freed_memory, load_model
 from shared.engine.model import AttnChunk, StepContext, Transformer
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
@@ -45,6 +45,7 @@ class EngineConfig:
     max_context: int | None = None      # cap below the model's context length
     enable_prefix_caching: bool = True
     swap_bytes: int = 256 << 20         # host memory for preempted sequences' KV (0: recompute)
+    interactive_step_tokens: int = 64   # prefill tokens of worse tiers per step while interactive work runs
 
     def validate(self) -> "EngineConfig":
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -100,7 +101,7 @@ class Engine:
             self.kv = torch.zeros((num_blocks, *self.layout.block_shape), dtype=KV_DTYPE, device=self.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.kv, config.swap_bytes)
+                                   self.kv, config.swap_bytes, config.interactive_step_tokens)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
         # Called (on the engine's thread) with (request_id, token_ids, kv bytes) when a request
@@ -108,6 +109,10 @@ class Engine:
         # write-back of a finished session). None: not called.
         self.finished_kv_hook: Callable[[str, list[int], bytes], None] | None = None
         self.finished_kv_align = config.block_size
+        # Chunk events (``watch_chunks``): called on the engine's thread with (stored, evicted)
+        # pool chunk keys, net, at most once per step. None: not tracked.
+        self.chunk_events: ChunkEvents | None = None
+        self.chunk_hook: Callable[[list[str], list[str]], None] | None = None
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens (%.1f MiB), context %d",
                  cfg.name, self.device, num_blocks, config.block_size,
@@ -158,7 +163,11 @@ class Engine:
         return self.scheduler.has_work() or bool(self._pending)
 
     def stats(self) -> dict:
+        by_priority: dict[int, int] = {}
+        for seq in self.scheduler.waiting:
+            by_priority[seq.priority] = by_priority.get(seq.priority, 0) + 1
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "waiting_by_priority": by_priority,
                 "parked": sum(s.status is Status.PARKED for s in self.seqs.values()),
                 "free_kv_blocks": self.blocks.num_free, "total_kv_blocks": self.blocks.num_blocks,
                 "preemptions": self.scheduler.num_preemptions}
@@ -169,10 +178,15 @@ class Engine:
         outputs, self._pending = self._pending, []
         chunks = self.scheduler.schedule()
         if not chunks:
+            self._report_chunks()
             return outputs
         token_ids, ctx = self._build_context(chunks)
         logits = self.model.forward(token_ids, ctx, self.kv)
         self.scheduler.commit(chunks)
+        if self.chunk_events is not None:
+            for c in chunks:
+                self.chunk_events.note_seq(c.seq)
+            self._report_chunks()
         sampled = [c.seq for c in chunks if c.sample]
         tokens, lps = sampler.sample(logits, sampled)
         for seq, tok, lp in zip(sampled, tokens, lps):
@@ -281,6 +295,25 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.drop(seq)
+        if self.chunk_events is not None:
+            self.chunk_events.forget(seq.request_id)
+
+    def watch_chunks(self, seed: bytes, chunk_tokens: int, hook: Callable[[list[str], list[str]], None]) -> None:
+        """Report which KV pool chunks (scope ``seed``, ``chunk_tokens`` tokens) the prefix cache
+        gains and loses: ``hook(stored, evicted)`` after a step that changed any. No-op when
+        prefix caching is off."""
+        if self.blocks.prefix_caching:
+            self.chunk_events = ChunkEvents(self.blocks, seed, chunk_tokens)
+            self.chunk_hook = hook
+
+    def _report_chunks(self) -> None:
+        if self.chunk_events is None or not self.chunk_events.changes:
+            return
+        stored, evicted = self.chunk_events.take()
+        try:
+            self.chunk_hook(stored, evicted)
+        except Exception:  # best effort, like finished_kv_hook
+            log.exception("chunk-event hook failed")
 
     def _report_finished_kv(self, seq: Sequence) -> None:
         n = seq.num_computed // self.finished_kv_align * self.finished_kv_align
@@ -322,17 +355,22 @@ class Engine:
         for b, i in zip(got, missing):
             self.blocks.adopt(b, hashes[i])
         self.blocks.release(got)  # free but hashed: found by the next match_prefix
+        if self.chunk_events is not None:
+            self.chunk_events.note(token_ids, hashes)
         return len(missing) * bs
 
     # ---- KV hand-off ------------------------------------------------------------------
     @torch.inference_mode()
-    def export_kv(self, request_id: str) -> bytes:
+    def export_kv(self, request_id: str, keep: bool = False) -> bytes:
         """Serialise a parked (or decoding) sequence — KV, tokens, sampler and text state — and
-        remove it from this engine. ``import_kv`` on any engine with the same model continues it."""
+        remove it from this engine. ``import_kv`` on any engine with the same model continues it.
+        ``keep`` (a migration that may fail): only a decoding sequence; it stays here, parked with
+        its KV, until ``settle_export`` drops it or puts it back in the batch."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no request {request_id!r} in this engine")
-        if seq.status not in (Status.PARKED, Status.RUNNING) or seq.num_computed != seq.num_tokens - 1:
+        ok = (Status.RUNNING,) if keep else (Status.PARKED, Status.RUNNING)
+        if seq.status not in ok or seq.num_computed != seq.num_tokens - 1:
             raise ValueError(f"request {request_id!r} is not between decode steps (status {seq.status.value})")
         nb = self.layout.blocks_for(seq.num_computed)
         kv = self.read_blocks(seq.block_table[:nb])
@@ -345,9 +383,26 @@ class Engine:
             "detok": [seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars],
             "rng_bytes": len(rng), "kv_blocks": nb,
         })
-        self.seqs.pop(request_id)
-        self._release(seq)
+        if keep:
+            self.scheduler.remove(seq)
+            seq.status = Status.PARKED
+        else:
+            self.seqs.pop(request_id)
+            self._release(seq)
         return b"".join([KV_MAGIC, struct.pack("<I", len(header)), header, rng, kv])
+
+    def settle_export(self, request_id: str, moved: bool) -> bool:
+        """End an ``export_kv(keep=True)``: ``moved`` drops the sequence (no output), else it
+        decodes on here. False when it is gone (aborted meanwhile)."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not Status.PARKED:
+            return False
+        if moved:
+            self.seqs.pop(request_id)
+            self._release(seq)
+        else:
+            self.scheduler.add_running(seq)
+        return True
 
     @torch.inference_mode()
     def import_kv(self, request_id: str, blob: bytes | memoryview, priority: int | None = None) -> None:

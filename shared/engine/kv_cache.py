@@ -13,6 +13,9 @@ serialises as its blocks in order (see ``docs/kv-layout.md``) and moves between 
 Full blocks are content-addressed: the hash of a block chains the hash of the block before it
 with the block's token ids, so two sequences with the same prefix share the same blocks.
 A freed block keeps its hash until it is reused, so a later request can still find it.
+
+``ChunkEvents`` watches the same cache at the KV pool's chunk granularity (``chunk_tokens``,
+keyed like ``kvpool.keys.chunk_keys``): which chunks it holds whole, and which it lost.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from kvpool.keys import next_chunk_key
 
 KV_LAYOUT_VERSION = 1
 KV_DTYPE = torch.float16
@@ -77,6 +83,7 @@ class BlockManager:
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.block_of: dict[bytes, int] = {}
         self.free: deque[int] = deque(range(num_blocks))  # oldest-freed first: cached blocks live longest
+        self.on_uncache: Callable[[bytes], None] | None = None  # a hash left the cache (its block reused)
 
     @property
     def num_free(self) -> int:
@@ -87,6 +94,8 @@ class BlockManager:
         old = self.hash_of[b]
         if old is not None and self.block_of.get(old) == b:
             del self.block_of[old]
+            if self.on_uncache is not None:
+                self.on_uncache(old)
         self.hash_of[b] = None
         self.ref[b] = 1
         return b
@@ -152,3 +161,82 @@ class BlockManager:
         if self.prefix_caching and self.hash_of[block] is None:
             self.hash_of[block] = h
             self.block_of.setdefault(h, block)
+
+
+class ChunkEvents:
+    """The chunks (``chunk_tokens`` tokens, a multiple of the block size) the prefix cache holds
+    whole, as chunk keys: ``note`` a token sequence whose leading blocks are cached to record
+    its complete chunks ("stored"); a block of a recorded chunk leaving the cache drops the
+    chunk ("evicted"). ``take`` returns the net changes since the last call."""
+
+    def __init__(self, blocks: BlockManager, seed: bytes, chunk_tokens: int):
+        if chunk_tokens % blocks.block_size:
+            raise ValueError(f"chunk_tokens {chunk_tokens} must be a multiple of the block size {blocks.block_size}")
+        self.blocks = blocks
+        self.seed = seed                  # the key scope's seed (kvpool.keys.KeyScope.seed())
+        self.chunk_tokens = chunk_tokens
+        self.per_chunk = chunk_tokens // blocks.block_size
+        self.held: dict[bytes, tuple[bytes, tuple[bytes, ...]]] = {}  # last block hash -> (key, block hashes)
+        self.chunk_of: dict[bytes, bytes] = {}   # block hash of a held chunk -> the chunk's last block hash
+        self.changes: dict[str, bool] = {}       # key hex -> stored (True) / evicted (False), net
+        self._seen: dict[str, tuple[list[int], int]] = {}  # request id -> (block table, chunks noted)
+        blocks.on_uncache = self._uncached
+
+    def note(self, token_ids: list[int], hashes: list[bytes], first: int = 0) -> int:
+        """Record the complete chunks from chunk ``first`` of a sequence whose block hashes are
+        ``hashes`` (in order); returns how many chunks ``hashes`` covers."""
+        k, c, cached = self.per_chunk, self.chunk_tokens, self.blocks.block_of
+        n = len(hashes) // k
+        parent = None
+        for i in range(first, n):
+            last = hashes[(i + 1) * k - 1]
+            got = self.held.get(last)
+            if got is not None:
+                parent = got[0]
+                continue
+            if parent is None:  # the key of chunk i - 1: held, or chained from the seed
+                prev = self.held.get(hashes[i * k - 1]) if i else None
+                parent = prev[0] if prev else self._key_before(token_ids, i)
+            key = next_chunk_key(parent, token_ids[i * c:(i + 1) * c])
+            own = tuple(hashes[i * k:(i + 1) * k])
+            if all(h in cached for h in own):
+                self.held[last] = (key, own)
+                for h in own:
+                    self.chunk_of[h] = last
+                self.changes[key.hex()] = True
+            parent = key
+        return n
+
+    def note_seq(self, seq) -> None:
+        """``note`` a running sequence, from the first chunk not recorded for its block table."""
+        table, done = self._seen.get(seq.request_id, (None, 0))
+        if table is not seq.block_table:  # new blocks (scheduled, swapped in, imported): check all
+            done = 0
+        if len(seq.block_hashes) >= (done + 1) * self.per_chunk:
+            done = self.note(seq.token_ids, seq.block_hashes, done)
+        self._seen[seq.request_id] = (seq.block_table, done)
+
+    def forget(self, request_id: str) -> None:
+        self._seen.pop(request_id, None)
+
+    def take(self) -> tuple[list[str], list[str]]:
+        """(stored, evicted) chunk keys since the last call; a key appears once, in its last state."""
+        if not self.changes:
+            return [], []
+        changes, self.changes = self.changes, {}
+        return [k for k, v in changes.items() if v], [k for k, v in changes.items() if not v]
+
+    def _key_before(self, token_ids: list[int], i: int) -> bytes:
+        key = self.seed
+        for j in range(i):
+            key = next_chunk_key(key, token_ids[j * self.chunk_tokens:(j + 1) * self.chunk_tokens])
+        return key
+
+    def _uncached(self, h: bytes) -> None:
+        last = self.chunk_of.get(h)
+        if last is None:
+            return
+        key, own = self.held.pop(last)
+        for b in own:
+            self.chunk_of.pop(b, None)
+        self.changes[key.hex()] = False

@@ -23,6 +23,7 @@ from shared.engine.sampling import TIER_PRIORITY
 from shared.engine.sequence import Sequence, Status
 
 BATCH_PRIORITY = TIER_PRIORITY["batch"]
+INTERACTIVE_PRIORITY = TIER_PRIORITY["interactive"]
 
 
 @dataclass
@@ -35,13 +36,16 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 kv: torch.Tensor, swap_bytes: int):
+                 kv: torch.Tensor, swap_bytes: int, interactive_step_tokens: int | None = None):
         self.blocks = blocks
         self.kv = kv                    # the engine's KV tensor (kv_cache.py layout)
         self.swap_bytes = swap_bytes    # host memory for preempted sequences' KV
         self.swap_used = 0
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
+        # while interactive work is in the engine, worse tiers' prefill gets at most this many
+        # tokens of a step, so that the step (the interactive TTFT and TPOT) stays short
+        self.shared_step_tokens = max_num_batched_tokens if interactive_step_tokens is None else interactive_step_tokens
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -97,7 +101,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks: every running decode (one token each, best tier first), then
         prefill chunks of running and waiting sequences in tier order, so a better tier's
-        prompt is never held back behind a worse tier's long prefill."""
+        prompt is never held back behind a worse tier's long prefill; while interactive work is
+        in the engine, worse tiers' prefill shares at most ``shared_step_tokens`` of the step."""
         budget = self.max_tokens
         out: list[ScheduledChunk] = []
         # Every sequence slot taken and a better tier waiting: the worst running sequence makes
@@ -113,18 +118,29 @@ class Scheduler:
                 break
             budget -= self._run(seq, budget, out)
         admitting = True  # waiting sequences are admitted in queue order until one does not fit
-        for seq in sorted(prefills + self.waiting, key=Sequence.sort_key):
-            if budget == 0:
-                break
+        queue = sorted(prefills + self.waiting, key=Sequence.sort_key)
+        interactive = any(s.priority == INTERACTIVE_PRIORITY for s in running + queue)
+        worse_left = self.shared_step_tokens if interactive else budget
+        for seq in queue:
+            allowed = budget if seq.priority == INTERACTIVE_PRIORITY else min(budget, worse_left)
+            if allowed == 0:
+                if budget == 0:
+                    break
+                admitting = admitting and seq.status is not Status.WAITING
+                continue
             if seq.status is Status.RUNNING:
-                budget -= self._run(seq, budget, out)
+                took = self._run(seq, allowed, out)
             elif admitting and seq.status is Status.WAITING and seq in self.waiting:
                 if len(self.running) >= self.max_num_seqs or seq is not self.waiting[0]:
                     admitting = False
                     continue
-                took = self._admit(seq, budget, out)
+                took = self._admit(seq, allowed, out)
                 admitting = took > 0
-                budget -= took
+            else:
+                continue
+            budget -= took
+            if seq.priority != INTERACTIVE_PRIORITY:
+                worse_left -= took
         return out
 
     def _run(self, seq: Sequence, budget: int, out: list[ScheduledChunk]) -> int:

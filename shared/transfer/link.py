@@ -98,6 +98,12 @@ class Link:
     source: str              # "shm", "rdma", "sysfs", "probe", "unknown"
 
 
+def rdma_link(root: str = "/sys/class/infiniband") -> Link | None:
+    """The link through the fastest ACTIVE RDMA port whose rate is known; None without one."""
+    rates = [p.gbps for p in rdma_ports(root) if p.gbps]
+    return Link(False, max(rates), "rdma") if rates else None
+
+
 def choose_paths(link: Link, codec_gbps: float, compressible: bool, *, shm: bool = True,
                  rdma: bool = False) -> list[str]:
     """Paths to try in order. Compression only pays when the link is slower than the codec."""

@@ -2,8 +2,9 @@
 
 ``DataPlaneSender.send`` learns each peer once (cached): a hello frame exchanges host
 identities (same host → shm), then the link rate comes from RDMA sysfs, the interface's
-reported speed, or a short timed probe. ``link.choose_paths`` orders the paths; a path that
-fails (shm segment refused, checksum, connection lost) is retried on the next one, and the
+reported speed, or a short timed probe. ``link.choose_paths`` orders the paths (rdma only with
+an ACTIVE RDMA port and ``nixl`` importable); a path that fails (shm segment or NIXL refused
+by the receiver, checksum, connection lost) is retried on the next one, and the
 last error is raised only when every path failed. ``PeerUnavailable`` (nobody listening)
 is raised at once: no other path reaches a dead receiver.
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from shared import metrics
 from shared.transfer import link as links
+from shared.transfer import nixl
 from shared.transfer.base import KVSender, KVTransport, PeerUnavailable, SendResult, TransferError
 from shared.transfer.shm import available as shm_available
 from shared.transfer.tcp import MiB, TcpKVReceiver, TcpKVSender, TcpTransport, _compress
@@ -44,9 +46,10 @@ def codec_gbps() -> float:
 
 
 class DataPlaneSender(KVSender):
-    def __init__(self, tcp: TcpKVSender, *, shm: bool = True, probe_bytes: int = 8 * MiB):
+    def __init__(self, tcp: TcpKVSender, *, shm: bool = True, rdma: bool = True, probe_bytes: int = 8 * MiB):
         self.tcp = tcp
         self.shm = shm and shm_available()
+        self.rdma = rdma                  # try NIXL where an RDMA port is ACTIVE and nixl imports
         self.probe_bytes = probe_bytes
         self.identity = links.host_identity()
         self.links: dict[tuple[str, int], links.Link] = {}   # peer -> what its link can do
@@ -64,9 +67,9 @@ class DataPlaneSender(KVSender):
         peer = await self.tcp.hello(host, port, self.identity)
         if links.same_host(self.identity, peer):
             return links.Link(True, None, "shm")
-        ports = links.rdma_ports()
-        if ports and ports[0].gbps:
-            return links.Link(False, ports[0].gbps, "rdma")
+        rdma = links.rdma_link()
+        if rdma is not None:
+            return rdma
         gbps = _interface_gbps_towards(host, port)
         if gbps is not None:
             return links.Link(False, gbps, "sysfs")
@@ -79,7 +82,8 @@ class DataPlaneSender(KVSender):
         """Send over the best path (``mode`` forces one); retried on the next path on failure."""
         if mode is None:
             lk = await self.link(host, port)
-            paths = links.choose_paths(lk, codec_gbps(), compressible, shm=self.shm)
+            paths = links.choose_paths(lk, codec_gbps(), compressible, shm=self.shm,
+                                       rdma=lk.source == "rdma" and self.rdma and nixl.available())
         else:
             paths = [mode]
         error: TransferError | None = None
@@ -118,7 +122,7 @@ def _interface_gbps_towards(host: str, port: int) -> float | None:
 
 
 class DataPlane(KVTransport):
-    """Every path behind one interface: the receiver takes shm, tcp and tcp+zstd frames."""
+    """Every path behind one interface: the receiver takes shm, tcp, tcp+zstd and rdma frames."""
     name = "auto"
 
     def __init__(self, tcp: TcpTransport, shm: bool = True):

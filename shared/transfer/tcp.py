@@ -1,10 +1,14 @@
-"""Data plane v1: KV payloads over TCP with asyncio's low-level socket calls.
+"""Data plane frames: KV payloads over TCP, or named by a TCP frame (shm, NIXL).
 
-``loop.sock_sendall(sock, memoryview)`` / ``loop.sock_recv_into(sock, buf)`` straight into
-preallocated, reused buffers (asyncio streams measured ~3x slower here: they copy through
-their own buffer). Wire format, per frame (a connection may carry several in sequence)::
+A frame's payload moves in this sender's / receiver's worker threads with blocking
+``sock.sendall`` / ``sock.recv_into`` of ``SEGMENT``-sized slices, straight from the caller's
+buffer into a pooled receive buffer; each segment is hashed right before it is sent and right
+after it lands (xxh3-128 by default: ~10 GB/s on one core; blake3 and the socket calls
+release the GIL). Headers and verdicts stay on the
+event loop (``loop.sock_recv_into``). Wire format, per frame (a connection may carry several
+in sequence)::
 
-    header  !4sBBHQ32s  magic b"TKV1", version 1, checksum algo (1 blake3, 2 crc32),
+    header  !4sBBHQ32s  magic b"TKV1", version 1, checksum algo (1 blake3, 2 crc32, 3 xxh3-128),
                         len(transfer_id), nbytes, digest (zero-padded to 32 bytes)
             transfer_id utf-8
     payload nbytes
@@ -18,10 +22,15 @@ of the raw payload, so it is verified after any decoding):
 - ``F_HELLO``: the payload is the sender's host identity (machine-id:boot-id); the reply's
   message is the receiver's (``shared/transfer/link.py`` detects same-host peers with it);
 - ``F_PROBE``: ``nbytes`` of filler the receiver reads and drops (a timed link probe).
+- ``F_NIXL``: the payload is an offer (``nixl.OFFER`` address, length, then the sender agent's
+  NIXL metadata): the receiver READs the sender's registered memory (``shared/transfer/nixl.py``).
+
+Version 3 frames are version 2 frames of a plain payload (flags 0) whose header digest is zero:
+the digest follows the payload (32 bytes), so the sender hashes while sending.
 
 Flow control: the receiver takes a buffer from a bounded ``BufferPool`` before reading a
 payload; while none is free it stops reading, TCP's window fills and the sender's
-``sock_sendall`` waits — no unbounded buffering anywhere. Every read and write has a stall
+``sendall`` waits — no unbounded buffering anywhere. Every read and write has a stall
 timeout; a short read, stall, or checksum mismatch fails the transfer (TransferError) on both
 sides, and the buffer goes back to the pool — a partial KV is never handed out.
 
@@ -36,6 +45,7 @@ import logging
 import socket
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zstandard
@@ -46,10 +56,11 @@ except ImportError:  # pragma: no cover
     _blake3 = None
 
 from shared.transfer.base import (
-    ChecksumError, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, PeerUnavailable,
-    SendResult, TransferError, TransferState, default_checksum,
+    ChecksumError, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, PathUnavailable,
+    PeerUnavailable, SendResult, TransferError, TransferState, default_checksum,
 )
 from shared.transfer.link import host_identity
+from shared.transfer.nixl import MAX_OFFER_BYTES, NixlEndpoint
 from shared.transfer.shm import shm_map, shm_unlink, shm_write
 
 log = logging.getLogger(__name__)
@@ -58,10 +69,10 @@ MAGIC = b"TKV1"
 VERSION = 1
 HEADER = struct.Struct("!4sBBHQ32s")
 EXTRA = struct.Struct("!BQ")           # version 2: flags, raw payload bytes
-F_ZSTD, F_SHM, F_HELLO, F_PROBE = 1, 2, 4, 8
-MODES = ("tcp", "tcp+zstd", "shm")     # how send() moves a payload
+F_ZSTD, F_SHM, F_HELLO, F_PROBE, F_NIXL = 1, 2, 4, 8, 16
+MODES = ("tcp", "tcp+zstd", "shm", "rdma")  # how send() moves a payload
 REPLY = struct.Struct("!BH")
-ALGOS = {"blake3": 1, "crc32": 2}
+ALGOS = {"blake3": 1, "crc32": 2, "xxh3": 3}
 ALGO_NAMES = {v: k for k, v in ALGOS.items()}
 MAX_ID_BYTES = 256
 
@@ -71,14 +82,15 @@ _STATUS_TEXT = {OK: "ok", BAD_HEADER: "bad header", TOO_LARGE: "too large", DUPL
                 CHECKSUM: "checksum mismatch", FAILED: "failed", DISCARDED: "discarded by receiver"}
 
 MiB = 1 << 20
-HASH_STEP = 4 * MiB  # the receiver hashes in a worker thread every HASH_STEP bytes (blake3 drops the GIL)
+SEGMENT = 4 * MiB      # socket I/O unit; each is hashed right before it is sent / after it lands
+MAX_IO_THREADS = 64    # per sender / receiver: transfers moving bytes at once
 
 
 def parse_checksum(value: str) -> tuple[str, bytes]:
     """"blake3:<hex>" -> ("blake3", digest bytes); ValueError naming the problem."""
     algo, _, hexd = value.partition(":")
     if algo not in ALGOS or not hexd:
-        raise ValueError(f"bad checksum {value!r}: expected '<blake3|crc32>:<hex>'")
+        raise ValueError(f"bad checksum {value!r}: expected '<xxh3|blake3|crc32>:<hex>'")
     digest = bytes.fromhex(hexd)
     if len(digest) > 32:
         raise ValueError(f"bad checksum {value!r}: digest longer than 32 bytes")
@@ -108,10 +120,6 @@ def _check_digest(tid: str, algo: str, got: bytes, digest: bytes) -> None:
     if got != digest[:len(got)] or any(digest[len(got):]):
         raise ChecksumError(f"checksum mismatch: got {algo}:{got.hex()}, "
                             f"header says {algo}:{digest[:len(got)].hex()}", tid)
-
-
-class ShmUnavailable(TransferError):
-    """The receiver cannot map the sender's segment (another /dev/shm): retry on another path."""
 
 
 # -- buffers -----------------------------------------------------------------------------------
@@ -189,8 +197,7 @@ class BufferPool:
 
 # -- socket helpers ----------------------------------------------------------------------------
 
-async def _recv_exact(loop, sock: socket.socket, view: memoryview, stall: float,
-                      on_progress=None) -> None:
+async def _recv_exact(loop, sock: socket.socket, view: memoryview, stall: float) -> None:
     """Fill ``view`` completely; ConnectionError on EOF, TimeoutError after ``stall`` s idle."""
     got, n = 0, view.nbytes
     async with asyncio.timeout(stall) as cm:
@@ -200,20 +207,57 @@ async def _recv_exact(loop, sock: socket.socket, view: memoryview, stall: float,
                 raise ConnectionError(f"connection closed after {got} of {n} bytes")
             got += k
             cm.reschedule(loop.time() + stall)
-            if on_progress is not None:
-                on_progress(got)
 
 
-async def _send_all(loop, sock: socket.socket, view: memoryview, chunk: int, stall: float) -> None:
-    """Send ``view`` in ``chunk``-sized pieces, each within ``stall`` seconds."""
-    n = view.nbytes
-    off = 0
-    async with asyncio.timeout(stall) as cm:
-        while off < n:
-            end = min(off + chunk, n)
-            await loop.sock_sendall(sock, view[off:end])
-            off = end
-            cm.reschedule(loop.time() + stall)
+def _blocking_send(sock: socket.socket, parts, hasher: Hasher | None, segment: int, stall: float) -> None:
+    """Send every part (worker thread, blocking socket), ``stall`` seconds per segment at most.
+
+    With ``hasher``, the second part (the payload) is hashed segment by segment just before the
+    segment goes out, while it is in cache; a callable part is called for its bytes when its
+    turn comes (the trailer: the digest of what was hashed).
+    """
+    sock.settimeout(stall)
+    for i, part in enumerate(parts):
+        view = memoryview(part() if callable(part) else part)
+        for off in range(0, view.nbytes, segment):
+            seg = view[off:off + segment]
+            if hasher is not None and i == 1:
+                hasher.update(seg)
+            sock.sendall(seg)
+
+
+def _blocking_recv(sock: socket.socket, view: memoryview, hasher: Hasher | None, segment: int,
+                   stall: float) -> None:
+    """Fill ``view`` (worker thread, blocking socket), hashing each ``segment`` as it lands.
+
+    ConnectionError on EOF, TimeoutError after ``stall`` seconds without a byte.
+    """
+    sock.settimeout(stall)
+    got, hashed, n = 0, 0, view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:min(got + segment, n)])
+        if k == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+        if hasher is not None and (got - hashed >= segment or got == n):
+            hasher.update(view[hashed:got])
+            hashed = got
+
+
+async def _in_thread(executor, sock: socket.socket, fn, *args):
+    """Run blocking socket I/O ``fn(sock, *args)`` in ``executor``; the socket is non-blocking
+    again afterwards. Cancelled: the socket is shut down so the thread's call returns at once."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, sock, *args)
+    except asyncio.CancelledError:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        raise
+    finally:
+        if sock.fileno() >= 0:
+            sock.setblocking(False)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -224,21 +268,33 @@ def _tune(sock: socket.socket) -> None:
 # -- sender ------------------------------------------------------------------------------------
 
 class TcpKVSender(KVSender):
-    """Opens one connection per transfer, sends header + payload, waits for the verdict."""
+    """Opens one connection per transfer, sends header + payload, waits for the verdict.
 
-    def __init__(self, *, chunk_bytes: int = 4 * MiB, timeout: float = 30.0,
+    A frame's socket I/O runs in one of this sender's worker threads (blocking calls, GIL
+    released); the rdma path's NIXL calls stay on the event loop.
+    """
+
+    def __init__(self, *, chunk_bytes: int = SEGMENT, timeout: float = 30.0,
                  connect_timeout: float = 3.0, algo: str | None = None):
-        self.chunk_bytes = chunk_bytes            # bytes per sock_sendall call
+        self.chunk_bytes = chunk_bytes            # bytes per send call, hashed just before it
         self.timeout = timeout                    # stall timeout, and for the receiver's verdict
         self.connect_timeout = connect_timeout    # dead peers fail within this
         self.algo = algo or default_checksum()    # checksum when the caller gives none
+        self._io = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="kv-send")
+        self.nixl = NixlEndpoint("tx")            # the rdma path's agent, started on first use
         self._closed = False
 
     async def send(self, host: str, port: int, transfer_id: str, payload, *,
                    checksum: str | None = None, timeout: float | None = None, mode: str = "tcp",
                    compressible: bool = True) -> SendResult:
-        """``mode``: "tcp" (raw), "tcp+zstd" (compressed on the wire) or "shm" (same host only).
-        ``compressible`` is a hint for path selection (``DataPlaneSender``); unused here."""
+        """``mode``: "tcp" (raw), "tcp+zstd" (compressed on the wire), "shm" (same host only) or
+        "rdma" (NIXL; the receiver reads the payload from this process's memory).
+        ``compressible`` is a hint for path selection (``DataPlaneSender``); unused here.
+
+        Over plain tcp an unknown checksum is computed while the payload goes out (version-3
+        frame: the digest follows the payload); the other paths hash beside compressing or
+        writing the segment.
+        """
         if self._closed:
             raise TransferError("sender closed", transfer_id)
         if mode not in MODES:
@@ -247,35 +303,69 @@ class TcpKVSender(KVSender):
         if not tid or len(tid) > MAX_ID_BYTES:
             raise ValueError(f"transfer_id must be 1..{MAX_ID_BYTES} bytes, got {transfer_id!r}")
         view = memoryview(payload).cast("B")  # raises for non-contiguous buffers
+        if mode == "rdma" and not view.nbytes:
+            mode = "tcp"  # nothing to register
         stall = self.timeout if timeout is None else timeout
         t0 = time.perf_counter()
-        if checksum is None:
-            h = Hasher(self.algo)
-            if view.nbytes >= MiB:
-                await asyncio.to_thread(h.update, view)  # blake3 releases the GIL
-            else:
-                h.update(view)
-            checksum = h.hexdigest()
-        algo, digest = parse_checksum(checksum)
-        body, flags, segment = view, 0, None
-        if mode == "tcp+zstd":
-            body, flags = memoryview(await asyncio.to_thread(_compress, view)), F_ZSTD
-        elif mode == "shm":
-            segment = await asyncio.to_thread(shm_write, view)
-            body, flags = memoryview(segment.encode()), F_SHM
+        hasher = None
+        if checksum is not None:
+            algo, digest = parse_checksum(checksum)
+        elif mode == "tcp":
+            hasher = Hasher(self.algo)
+            algo, digest = hasher.name, b""
+        body, flags, segment, release = view, 0, None, None
+        if mode == "rdma":
+            if checksum is None:
+                checksum = await self._hash(view)
+            body, release = self.nixl.offer(view)
+            body, flags = memoryview(body), F_NIXL
+            algo, digest = parse_checksum(checksum)
+        elif mode != "tcp":
+            body, flags, segment, checksum = await self._prepare(view, mode, checksum)
+            algo, digest = parse_checksum(checksum)
         status = FAILED
         try:
             status, message = await self._exchange(host, port, transfer_id, algo, digest, body, flags,
-                                                   view.nbytes, stall)
+                                                   view.nbytes, stall, hasher)
         finally:
             if segment is not None and status != OK:
                 shm_unlink(segment)  # the receiver unlinks what it took; nothing is left behind
+            if release is not None:
+                release()            # the receiver has read the memory (or failed): deregister it
         if status == CHECKSUM:
             raise ChecksumError(f"receiver {host}:{port} reports {message}", transfer_id)
         if status != OK:
             raise TransferError(f"receiver {host}:{port} refused: {message}", transfer_id)
+        if hasher is not None:
+            checksum = hasher.hexdigest()
         return SendResult(transfer_id, view.nbytes, checksum, time.perf_counter() - t0, mode,
                           wire_bytes=body.nbytes if mode == "tcp+zstd" else view.nbytes)
+
+    async def _hash(self, view: memoryview) -> str:
+        hasher = Hasher(self.algo)
+        await asyncio.get_running_loop().run_in_executor(self._io, hasher.update, view)
+        return hasher.hexdigest()
+
+    async def _prepare(self, view: memoryview, mode: str, checksum: str | None):
+        """(body, flags, shm segment, checksum) for a zstd or shm frame; hashing runs in a
+        second thread beside the compression or the segment write."""
+        loop = asyncio.get_running_loop()
+        work = _compress if mode == "tcp+zstd" else shm_write
+        jobs = [loop.run_in_executor(self._io, work, view)]
+        if checksum is None:
+            hasher = Hasher(self.algo)
+            jobs.append(loop.run_in_executor(self._io, hasher.update, view))  # blake3 drops the GIL
+        done = await asyncio.gather(*jobs, return_exceptions=True)
+        if mode == "shm" and isinstance(done[-1], BaseException) and isinstance(done[0], str):
+            shm_unlink(done[0])
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
+        if checksum is None:
+            checksum = hasher.hexdigest()
+        if mode == "tcp+zstd":
+            return memoryview(done[0]), F_ZSTD, None, checksum
+        return memoryview(done[0].encode()), F_SHM, done[0], checksum
 
     async def hello(self, host: str, port: int, identity: str) -> str:
         """Exchange host identities with a receiver; returns the receiver's."""
@@ -295,19 +385,23 @@ class TcpKVSender(KVSender):
         return time.perf_counter() - t0
 
     async def _exchange(self, host: str, port: int, transfer_id: str, algo: str, digest: bytes,
-                        body: memoryview, flags: int, raw_nbytes: int, stall: float) -> tuple[int, str]:
-        """One frame on a fresh connection: header, body, then the receiver's verdict."""
+                        body: memoryview, flags: int, raw_nbytes: int, stall: float,
+                        hasher: Hasher | None = None) -> tuple[int, str]:
+        """One frame on a fresh connection: header, body, then the receiver's verdict.
+        With ``hasher`` (version 3) the body is hashed as it is sent and the digest follows it."""
         tid = transfer_id.encode()
-        version = 2 if flags else VERSION
+        version = 3 if hasher is not None else 2 if flags else VERSION
         header = HEADER.pack(MAGIC, version, ALGOS[algo], len(tid), body.nbytes, digest.ljust(32, b"\0")) + tid
-        if flags:
+        if version > 1:
             header += EXTRA.pack(flags, raw_nbytes)
+        parts = [header, body]
+        if hasher is not None:
+            parts.append(lambda: hasher.digest().ljust(32, b"\0"))
         loop = asyncio.get_running_loop()
         sock = await self._connect(loop, host, port, transfer_id)
         try:
-            await _send_all(loop, sock, memoryview(header), len(header), stall)
-            await _send_all(loop, sock, body, self.chunk_bytes, stall)
-            return await self._read_reply(loop, sock, stall)
+            io = _in_thread(self._io, sock, _blocking_exchange, parts, hasher, self.chunk_bytes, stall)
+            return await (self.nixl.progressing(io) if flags & F_NIXL else io)
         except TimeoutError:
             raise TransferError(f"stalled for {stall}s sending to {host}:{port}", transfer_id) from None
         except OSError as e:
@@ -336,17 +430,32 @@ class TcpKVSender(KVSender):
                                   transfer_id) from None
         return sock
 
-    async def _read_reply(self, loop, sock, stall: float) -> tuple[int, str]:
-        head = bytearray(REPLY.size)
-        await _recv_exact(loop, sock, memoryview(head), stall)
-        status, mlen = REPLY.unpack(head)
-        msg = bytearray(mlen)
-        if mlen:
-            await _recv_exact(loop, sock, memoryview(msg), stall)
-        return status, msg.decode(errors="replace") or _STATUS_TEXT.get(status, str(status))
-
     async def close(self) -> None:
         self._closed = True
+        self._io.shutdown(wait=False)
+
+
+def _blocking_exchange(sock: socket.socket, parts, hasher: Hasher | None, segment: int,
+                       stall: float) -> tuple[int, str]:
+    """Send a frame's parts, then read the receiver's verdict: (status, message)."""
+    try:
+        _blocking_send(sock, parts, hasher, segment, stall)
+    except (BrokenPipeError, ConnectionResetError) as e:  # a refusing receiver replies, then closes
+        try:
+            return _blocking_reply(sock, stall)
+        except OSError:
+            raise e from None
+    return _blocking_reply(sock, stall)
+
+
+def _blocking_reply(sock: socket.socket, stall: float) -> tuple[int, str]:
+    head = bytearray(REPLY.size)
+    _blocking_recv(sock, memoryview(head), None, REPLY.size, stall)
+    status, mlen = REPLY.unpack(head)
+    msg = bytearray(mlen)
+    if mlen:
+        _blocking_recv(sock, memoryview(msg), None, mlen, stall)
+    return status, msg.decode(errors="replace") or _STATUS_TEXT.get(status, str(status))
 
 
 # -- receiver ----------------------------------------------------------------------------------
@@ -372,6 +481,8 @@ class TcpKVReceiver(KVReceiver):
         self.unclaimed_ttl = unclaimed_ttl    # seconds a received-but-untaken payload is kept
         self.pool = BufferPool(max_bytes)     # bounded, reused receive buffers
         self.identity = host_identity()       # answered to hello frames (same-host detection)
+        self._io = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="kv-recv")  # payload reads
+        self.nixl = NixlEndpoint("rx")        # pulls F_NIXL payloads; started on the first one
         self._entries: dict[str, _Entry] = {}
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()  # accept loop, janitor, one per connection
@@ -442,6 +553,7 @@ class TcpKVReceiver(KVReceiver):
             self.discard(tid)
         self._entries.clear()
         self.pool.clear()
+        self._io.shutdown(wait=False)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -493,17 +605,21 @@ class TcpKVReceiver(KVReceiver):
                 except ConnectionError:
                     return
                 magic, version, algo_id, id_len, nbytes, digest = HEADER.unpack(head)
-                if magic != MAGIC or version not in (1, 2) or algo_id not in ALGO_NAMES \
+                if magic != MAGIC or version not in (1, 2, 3) or algo_id not in ALGO_NAMES \
                         or not 0 < id_len <= MAX_ID_BYTES:
                     await self._reply(loop, conn, BAD_HEADER, f"bad header from {peer}")
                     return
-                tid_buf = bytearray(id_len + (EXTRA.size if version == 2 else 0))
+                tid_buf = bytearray(id_len + (EXTRA.size if version > 1 else 0))
                 await _recv_exact(loop, conn, memoryview(tid_buf), self.timeout)
                 tid = tid_buf[:id_len].decode(errors="replace")
-                flags, raw_n = EXTRA.unpack(tid_buf[id_len:]) if version == 2 else (0, nbytes)
+                flags, raw_n = EXTRA.unpack(tid_buf[id_len:]) if version > 1 else (0, nbytes)
+                if version == 3 and (flags or raw_n != nbytes):  # a digest trailer only on plain payloads
+                    await self._reply(loop, conn, BAD_HEADER, f"bad version-3 header from {peer}")
+                    return
                 if flags & (F_HELLO | F_PROBE):
                     await self._control(loop, conn, flags, nbytes)
                     continue
+                digest = None if version == 3 else digest  # None: it follows the payload
                 if not await self._receive(loop, conn, tid, nbytes, ALGO_NAMES[algo_id], digest, flags, raw_n):
                     return  # the frame could not be consumed; the connection is unusable
         except (ConnectionError, TimeoutError, OSError) as e:
@@ -523,9 +639,10 @@ class TcpKVReceiver(KVReceiver):
             left -= n
         await self._reply(loop, conn, OK, self.identity if flags & F_HELLO else "")
 
-    async def _receive(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes,
+    async def _receive(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes | None,
                        flags: int = 0, raw_n: int | None = None) -> bool:
-        """One frame's payload. Returns False when the connection must be closed."""
+        """One frame's payload (``digest`` None: it follows the payload). Returns False when
+        the connection must be closed."""
         raw_n = nbytes if raw_n is None else raw_n
         entry = self._entries.setdefault(tid, _Entry())
         if entry.state in (TransferState.TRANSFERRING, TransferState.SUCCESS):
@@ -539,13 +656,15 @@ class TcpKVReceiver(KVReceiver):
         entry.state = TransferState.TRANSFERRING
         t0 = time.perf_counter()
         try:
-            if flags & F_SHM:
+            if flags & F_NIXL:
+                view, got, release = await self._read_nixl(loop, conn, tid, nbytes, raw_n, algo, digest)
+            elif flags & F_SHM:
                 view, got, release = await self._read_shm(loop, conn, tid, nbytes, raw_n, algo, digest)
             elif flags & F_ZSTD:
                 view, got, release = await self._read_zstd(loop, conn, tid, nbytes, raw_n, algo, digest)
             else:
                 view, got, release = await self._read_plain(loop, conn, tid, nbytes, algo, digest)
-        except ShmUnavailable as e:  # nothing was received: the sender retries on another path
+        except PathUnavailable as e:  # nothing was received: the sender retries on another path
             entry.state = TransferState.PENDING
             log.info("KV %s; waiting for another path", e)
             await self._reply(loop, conn, FAILED, str(e))
@@ -575,8 +694,9 @@ class TcpKVReceiver(KVReceiver):
         await self._reply(loop, conn, OK, "")
         return True
 
-    async def _read_plain(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes):
-        """Raw payload into a pooled buffer: (view, digest, release)."""
+    async def _read_plain(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes | None):
+        """Raw payload into a pooled buffer, hashed segment by segment as it lands (worker
+        thread), then checked against ``digest`` or the trailer after it: (view, digest, release)."""
         buf: bytearray | None = None
         view: memoryview | None = None
         try:
@@ -586,7 +706,17 @@ class TcpKVReceiver(KVReceiver):
             except TimeoutError:
                 raise TransferError(f"no receive buffer free within {self.timeout}s", tid) from None
             view = memoryview(buf)[:nbytes]
-            got = await self._read_verified(loop, conn, tid, view, algo, digest)
+            hasher = Hasher(algo)
+            try:
+                await _in_thread(self._io, conn, _blocking_recv, view, hasher, SEGMENT, self.timeout)
+                if digest is None:
+                    trailer = bytearray(32)
+                    await _recv_exact(loop, conn, memoryview(trailer), self.timeout)
+                    digest = bytes(trailer)
+            except (ConnectionError, TimeoutError) as e:
+                raise TransferError(f"short read: {e}", tid) from None
+            got = hasher.digest()
+            _check_digest(tid, algo, got, digest)
         except TransferError:
             self._give_back(view, buf)
             raise
@@ -605,12 +735,40 @@ class TcpKVReceiver(KVReceiver):
         """Compressed payload: receive, decompress (in a thread), verify the raw bytes."""
         wire = await self._recv_bytes(loop, conn, tid, nbytes)
         try:
-            raw = await asyncio.to_thread(_decompress, wire, raw_n)
+            raw = await loop.run_in_executor(self._io, _decompress, wire, raw_n)
         except zstandard.ZstdError as e:
             raise TransferError(f"payload does not decompress: {e}", tid) from None
-        got = await asyncio.to_thread(_digest, algo, raw)
+        got = await loop.run_in_executor(self._io, _digest, algo, raw)
         _check_digest(tid, algo, got, digest)
         return memoryview(raw), got, None
+
+    async def _read_nixl(self, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, digest: bytes):
+        """RDMA payload: READ the sender's registered memory into a pooled buffer, verify it."""
+        if nbytes > MAX_OFFER_BYTES:
+            raise TransferError(f"NIXL offer of {nbytes} bytes", tid)
+        offer = await self._recv_bytes(loop, conn, tid, nbytes)
+        self.nixl.agent()  # PathUnavailable (no NIXL here) before taking a buffer: retry elsewhere
+        try:
+            async with asyncio.timeout(self.timeout):
+                buf = await self.pool.acquire(raw_n)
+        except TimeoutError:
+            raise TransferError(f"no receive buffer free within {self.timeout}s", tid) from None
+        view = memoryview(buf)[:raw_n]
+        try:
+            await self.nixl.pull(offer, view, self.timeout, tid)
+        except TransferError:
+            if any(v is view for v in self.nixl.stuck):
+                self.pool.release(buf, reuse=False)  # RDMA may still write into it
+            else:
+                self._give_back(view, buf)
+            raise
+        got = await loop.run_in_executor(self._io, _digest, algo, view)
+        try:
+            _check_digest(tid, algo, got, digest)
+        except ChecksumError:
+            self._give_back(view, buf)
+            raise
+        return view, got, lambda reuse, b=buf: self.pool.release(b, reuse)
 
     async def _read_shm(self, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, digest: bytes):
         """Same-host payload: map the sender's /dev/shm file, unlink it, verify it."""
@@ -620,9 +778,9 @@ class TcpKVReceiver(KVReceiver):
         try:
             mm = shm_map(name.decode(errors="replace"), raw_n)
         except (OSError, ValueError) as e:
-            raise ShmUnavailable(f"shared memory: {e}", tid) from None
+            raise PathUnavailable(f"shared memory: {e}", tid) from None
         view = memoryview(mm)
-        got = await asyncio.to_thread(_digest, algo, view)
+        got = await loop.run_in_executor(self._io, _digest, algo, view)
         try:
             _check_digest(tid, algo, got, digest)
         except ChecksumError:
@@ -631,35 +789,12 @@ class TcpKVReceiver(KVReceiver):
             raise
 
         def release(reuse: bool, m=mm) -> None:
-            if reuse:
-                m.close()
+            if reuse:  # unmapping frees the segment's pages (~15 ms for 64 MiB): off the caller's path
+                try:
+                    self._io.submit(m.close)
+                except RuntimeError:  # receiver closed
+                    m.close()
         return view, got, release
-
-    async def _read_verified(self, loop, conn, tid: str, view: memoryview, algo: str,
-                             digest: bytes) -> bytes:
-        """Receive into ``view`` while hashing behind the reads in a worker thread."""
-        hasher = Hasher(algo)
-        state: list = [None, 0]  # in-flight hash future, bytes handed to the hasher
-
-        def progress(got: int) -> None:
-            fut, hashed = state
-            if got - hashed >= HASH_STEP and (fut is None or fut.done()):
-                if fut is not None:
-                    fut.result()
-                state[0] = loop.run_in_executor(None, hasher.update, view[hashed:got])
-                state[1] = got
-
-        try:
-            await _recv_exact(loop, conn, view, self.timeout, progress)
-        except (ConnectionError, TimeoutError) as e:
-            raise TransferError(f"short read: {e}", tid) from None
-        finally:
-            if state[0] is not None:
-                await state[0]
-        hasher.update(view[state[1]:])
-        got = hasher.digest()
-        _check_digest(tid, algo, got, digest)
-        return got
 
     def _give_back(self, view: memoryview | None, buf: bytearray | None) -> None:
         if view is not None:

@@ -113,15 +113,27 @@ def test_interactive_preempts_running_batch_and_batch_still_finishes(bundled_mod
 
 def test_interactive_prompt_is_not_held_behind_a_batch_prefill(bundled_model):
     """A long batch prompt is in chunked prefill; an interactive prompt that arrives gets the
-    step's token budget first and its first token comes out while the batch prefill goes on."""
+    step's token budget first and its first token comes out while the batch prefill goes on;
+    while the interactive request decodes, the batch prefill takes at most
+    ``interactive_step_tokens`` of each step; once it is done, the whole budget again."""
     tok = bundled_model.tokenizer
-    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64))
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=128,
+                                             interactive_step_tokens=16))
     eng.add("batch", tok.encode(" ".join(PROMPTS) * 8)[:600], greedy(4), priority=2)
     eng.step()
     eng.add("inter", tok.encode(PROMPTS[3]), greedy(4), priority=0)
     first = eng.step()
     assert [o.request_id for o in first if o.token_ids] == ["inter"]
-    assert eng.seqs["batch"].num_computed < 600 - 64   # still prefilling
+    batch = eng.seqs["batch"]
+    grew = []
+    while "inter" in eng.seqs:
+        before = batch.num_computed
+        eng.step()
+        grew.append(batch.num_computed - before)
+    assert grew and max(grew) <= 16
+    before = batch.num_computed
+    eng.step()
+    assert batch.num_computed - before == 128      # interactive gone: the full budget
     while eng.has_work():
         eng.step()
     assert eng.blocks.num_free == 256

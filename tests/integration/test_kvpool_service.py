@@ -46,14 +46,18 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
     await pool.start()
     a, bus_a, rx_a = await client(s, "worker-a")
     b, bus_b, rx_b = await client(s, "worker-b")
-    events = await bus_b.subscribe(subjects.POOL_EVENTS_ALL, KVEvent)
+    events = await bus_b.subscribe(subjects.KV_EVENTS_ALL, KVEvent)
     try:
         prompt = list(range(100))
         kv = kv_for(96)
         assert await a.store(prompt[:96], kv) == 3          # three 32-token chunks
         assert await a.store(prompt[:96], kv) == 0          # already there: nothing sent
-        ev = await events.next(timeout=5)
-        assert ev.kind == "stored" and ev.storage == "ram,disk" and len(ev.keys) == 1
+        stored = []
+        while len(stored) < 3:
+            ev = await events.next(timeout=5)
+            assert (ev.holder, ev.role, ev.epoch, ev.evicted) == (pool.pool_id, subjects.KVPOOL, pool.events.epoch, [])
+            stored += ev.stored
+        assert stored == a.keys(prompt[:96])
 
         tokens, got = await b.fetch_prefix(prompt)
         assert tokens == prompt[:96] and bytes(got) == kv
@@ -66,10 +70,14 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
             await rx.close()
         await pool.close()
 
+    watcher = await Bus.connect(s, name="watcher")
+    events = await watcher.subscribe(subjects.KV_EVENTS_ALL, KVEvent)
     restarted = PoolService(s)   # the disk tier's index is rebuilt: the pool survives a restart
     await restarted.start()
     c, bus_c, rx_c = await client(s, "worker-c")
     try:
+        hello = await events.next(timeout=5)              # a new epoch, announcing what it holds
+        assert hello.seq == 1 and hello.epoch > 0 and sorted(hello.stored) == sorted(c.keys(prompt[:96]))
         tokens, got = await c.fetch_prefix(prompt)
         assert tokens == prompt[:96] and bytes(got) == kv
     finally:
@@ -77,6 +85,7 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
         await bus_c.close()
         await rx_c.close()
         await restarted.close()
+        await watcher.close()
 
 
 async def test_no_pool_running_is_a_miss(tmp_path):

@@ -1,4 +1,5 @@
-"""Data plane v1 (TCP): byte-exact transfers, ordering of bytes vs handle, failures, throughput."""
+"""Data plane (TCP frames): byte-exact transfers, ordering of bytes vs handle, failures,
+corruption, throughput, every path and retries (the rdma path: test_nixl.py)."""
 
 from __future__ import annotations
 
@@ -127,6 +128,51 @@ async def test_corrupted_checksum_detected(rx, tx):
     assert rx.pool.allocated <= 8 * MiB  # the buffer went back to the pool
 
 
+def _v3_frame(tid: bytes, payload: bytes, trailer: bytes) -> bytes:
+    """A version-3 frame by hand: digest field zero, the digest after the payload."""
+    from shared.transfer.tcp import EXTRA
+    return HEADER.pack(MAGIC, 3, 1, len(tid), len(payload), b"\0" * 32) + tid + EXTRA.pack(0, len(payload)) \
+        + payload + trailer
+
+
+async def test_sender_hashes_while_sending(rx, tx):
+    """No checksum given: a version-3 frame, hashed as it goes, digest in the trailer."""
+    host, port = rx.address
+    payload = os.urandom(5 * MiB + 3)
+    sent, got = await asyncio.gather(tx.send(host, port, "v3", payload), rx.take("v3", 10))
+    with got:
+        assert bytes(got.data) == payload and got.checksum == sent.checksum == checksum(payload)
+
+
+@pytest.mark.parametrize("where", ["payload", "trailer"])
+async def test_corrupted_byte_in_v3_frame_detected(rx, where):
+    host, port = rx.address
+    payload = bytearray(os.urandom(3 * MiB))
+    digest = bytes.fromhex(checksum(bytes(payload), "blake3").partition(":")[2])   # the frame says algo 1
+    if where == "payload":
+        payload[MiB + 17] ^= 0x40        # one bit flipped on the wire
+    else:
+        digest = digest[:-1] + bytes([digest[-1] ^ 1])
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(_v3_frame(b"flip", bytes(payload), digest))
+    status = (await reader.readexactly(3))[0]
+    writer.close()
+    assert status == 4  # CHECKSUM
+    assert rx.poll("flip") is TransferState.FAILED
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        await rx.take("flip", 1)
+    assert rx.pool.allocated <= 4 * MiB  # the buffer went back to the pool
+
+
+async def test_v3_frame_without_trailer_fails(rx):
+    host, port = rx.address
+    s = socket.create_connection((host, port))
+    s.sendall(_v3_frame(b"notrailer", b"x" * 1000, b"\0" * 10))  # trailer cut short
+    s.close()
+    with pytest.raises(TransferError, match="short read"):
+        await rx.take("notrailer", 5)
+
+
 async def test_short_read_fails_not_partial(rx):
     """A sender that dies mid-payload: take() raises, never returns partial bytes."""
     host, port = rx.address
@@ -136,6 +182,50 @@ async def test_short_read_fails_not_partial(rx):
     s.close()
     with pytest.raises(TransferError, match="short read"):
         await rx.take("cut", 5)
+
+
+async def test_stalled_sender_times_out_and_close_does_not_hang():
+    """A sender that stops mid-payload but keeps the connection: FAILED after the stall
+    timeout, buffer back; a receiver closed while a payload read is blocked closes at once."""
+    r = TcpKVReceiver("127.0.0.1", 0, max_bytes=16 * MiB, timeout=0.5)
+    host, port = await r.listen()
+    stalled = []
+    try:
+        for tid in (b"stall", b"open"):
+            s = socket.create_connection((host, port))
+            s.sendall(HEADER.pack(MAGIC, 1, 1, len(tid), 4 * MiB, b"\0" * 32) + tid + b"x" * MiB)
+            stalled.append(s)
+        t0 = time.perf_counter()
+        with pytest.raises(TransferError, match="short read"):
+            await r.take("stall", 5)
+        assert time.perf_counter() - t0 < 2
+        assert r.pool.allocated <= 2 * size_class(4 * MiB)
+        r.timeout = 30.0                  # the next read would block for 30 s
+        s = socket.create_connection((host, port))
+        s.sendall(HEADER.pack(MAGIC, 1, 1, 4, 4 * MiB, b"\0" * 32) + b"held" + b"x" * MiB)
+        stalled.append(s)
+        await asyncio.sleep(0.2)
+        assert r.poll("held") is TransferState.TRANSFERRING
+    finally:
+        t0 = time.perf_counter()
+        await r.close()
+        assert time.perf_counter() - t0 < 2
+        for s in stalled:
+            s.close()
+
+
+async def test_receiver_that_stops_reading_fails_the_sender_after_its_stall_timeout():
+    srv = socket.create_server(("127.0.0.1", 0))   # accepts, never reads
+    port = srv.getsockname()[1]
+    t = TcpKVSender(timeout=0.5)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(TransferError, match="stalled for 0.5s"):
+            await t.send("127.0.0.1", port, "never-read", os.urandom(64 * MiB))
+        assert time.perf_counter() - t0 < 5
+    finally:
+        await t.close()
+        srv.close()
 
 
 async def test_dead_port_fails_fast(tx):
@@ -247,7 +337,7 @@ async def test_throughput_vs_raw_socket(rx, tx, capsys):
         got.release()
     with capsys.disabled():
         print(f"\n64 MiB loopback, one process, best of 3: raw sock_sendall/recv_into "
-              f"{best['raw']:.2f} GB/s; TcpKV (receiver verifies blake3) {best['tcp']:.2f} GB/s; "
+              f"{best['raw']:.2f} GB/s; TcpKV (receiver verifies the checksum) {best['tcp']:.2f} GB/s; "
               f"TcpKV + sender hashing {best['tcp+hash']:.2f} GB/s")
     assert all(v > 0 for v in best.values())
 
@@ -332,11 +422,3 @@ async def test_dead_peer_is_reported_not_retried():
         port = s.getsockname()[1]
     with pytest.raises(PeerUnavailable):
         await DataPlaneSender(TcpKVSender(connect_timeout=1.0)).send("127.0.0.1", port, "x", b"abc", mode="tcp")
-
-
-def test_nixl_rdma_path():
-    from shared.transfer.link import rdma_ports
-    if not rdma_ports():
-        pytest.skip("no ACTIVE port under /sys/class/infiniband: no RDMA link on this machine")
-    pytest.importorskip("nixl", reason="nixl is an optional extra (pip install --no-deps nixl nixl-cu12)")
-    pytest.skip("an RDMA link exists but Tandem has no NIXL transport yet (docs/kvpool.md)")

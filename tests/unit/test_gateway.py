@@ -69,6 +69,7 @@ class FakeBackend:
         self.mid_error: BackendError | None = None   # raised after 3 outputs
         self.hang_after = None                       # outputs sent before waiting forever (0 = none)
         self.endless = False                         # stream "x" every 2 ms until aborted
+        self.sessions: dict[str, str] = {}          # update_session calls
 
     def health(self) -> tuple[bool, dict]:
         return self.ready, {"router": {"ready": True, "workers": 1},
@@ -106,6 +107,10 @@ class FakeBackend:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def update_session(self, session_id: str, tier: str) -> dict:
+        self.sessions[session_id] = tier
+        return {"id": session_id, "object": "session", "tier": tier, "worker": "w", "running": [], "moved": []}
 
 
 # ---- server ---------------------------------------------------------------------------------
@@ -183,7 +188,7 @@ MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 def test_fake_and_in_process_backend_match_the_protocol():
     for cls in (FakeBackend, InProcessBackend):
-        for name in ("health", "generate", "abort"):
+        for name in ("health", "generate", "abort", "update_session"):
             proto = inspect.signature(getattr(Backend, name))
             impl = inspect.signature(getattr(cls, name))
             assert list(proto.parameters) == list(impl.parameters), (cls.__name__, name)
@@ -438,7 +443,8 @@ def test_errors(url, backend, name, path, body, headers, status, param, code):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("error,status,exc", [
-    (BackendError(OVERLOADED, "too many requests in the batch tier", 429), 429, openai.RateLimitError),
+    (BackendError(OVERLOADED, "too many requests in the batch tier", 429, retry_after=2.5), 429,
+     openai.RateLimitError),
     (BackendError(NO_WORKERS, "no cpu-decode worker is ready", 503), 503, openai.InternalServerError),
 ])
 def test_backend_errors_map_through(client, url, backend, stream, error, status, exc):
@@ -448,6 +454,7 @@ def test_backend_errors_map_through(client, url, backend, stream, error, status,
     assert info.value.status_code == status
     body = info.value.response.json()["error"]
     assert (body["code"], body["message"]) == (error.code, error.message)
+    assert info.value.response.headers.get("retry-after") == ("3" if error.retry_after else None)
     assert backend.aborted == []  # the backend ended it itself
     backend.error = None
     still_serving(url)
@@ -547,6 +554,39 @@ async def test_api_key():
         r = await http.get("/v1/models", headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 200
         assert (await http.get("/health")).status_code == 200  # health needs no key
+
+
+async def test_api_keys_carry_default_tiers():
+    backend = FakeBackend()
+    app = create_app(backend, GatewaySettings(api_key="main", api_keys="agent=batch,human=interactive"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        for key, tier in (("main", "standard"), ("agent", "batch"), ("human", "interactive")):
+            r = await http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200 and r.headers["x-tandem-sla"] == tier
+        r = await http.post("/v1/chat/completions", json={**body, "tier": "interactive"},
+                            headers={"Authorization": "Bearer agent"})
+        assert r.headers["x-tandem-sla"] == "interactive"   # the request's own tier wins
+        r = await http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+    with pytest.raises(ValueError, match="TANDEM_API_KEYS"):
+        GatewaySettings(api_keys="k=gold").validate()
+
+
+async def test_session_tier_endpoint():
+    backend = FakeBackend()
+    app = create_app(backend, GatewaySettings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        r = await http.post("/v1/sessions/agent-7", json={"tier": "Interactive"})
+        assert r.status_code == 200 and r.json()["tier"] == "interactive" and r.json()["object"] == "session"
+        assert backend.sessions == {"agent-7": "interactive"}
+        for bad, param in (({"tier": "gold"}, "tier"), ({"tier": 3}, "tier"), ({"color": "red"}, "color"),
+                           ([1], None)):
+            r = await http.post("/v1/sessions/agent-7", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = await http.post("/v1/sessions/agent-7", content=b"{not json")
+        assert r.status_code == 400
+    assert backend.sessions == {"agent-7": "interactive"}
 
 
 def test_settings_from_env():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from shared.transfer.link import Link, choose_paths, interface_gbps, rdma_ports, same_host
+from shared.transfer.link import Link, choose_paths, interface_gbps, rdma_link, rdma_ports, same_host
 
 
 def test_same_host_needs_both_ids_equal():
@@ -40,3 +40,25 @@ def test_sysfs_readers(tmp_path):
     (tmp_path / "net" / "eth0" / "speed").write_text("25000\n")
     assert interface_gbps("eth0", str(tmp_path / "net")) == 25.0
     assert interface_gbps("lo", str(tmp_path / "net")) is None
+
+
+def _port(root, dev: str, state: str, rate: str | None) -> None:
+    port = root / dev / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text(state)
+    if rate is not None:
+        (port / "rate").write_text(rate)
+
+
+def test_rdma_link_from_fake_sysfs(tmp_path):
+    """The fastest ACTIVE port with a known rate makes an rdma link, and rdma goes first."""
+    assert rdma_link(str(tmp_path / "none")) is None                  # no /sys/class/infiniband
+    _port(tmp_path, "mlx5_0", "1: DOWN\n", "400 Gb/sec (4X NDR)\n")
+    _port(tmp_path, "mlx5_1", "4: ACTIVE\n", None)                    # rate unknown: not used
+    assert rdma_link(str(tmp_path)) is None
+    _port(tmp_path, "mlx5_2", "4: ACTIVE\n", "100 Gb/sec (4X EDR)\n")
+    _port(tmp_path, "rocep1s0", "4: ACTIVE\n", "200 Gb/sec (2X HDR)\n")
+    link = rdma_link(str(tmp_path))
+    assert link == Link(False, 200.0, "rdma")
+    assert choose_paths(link, 8.0, True, rdma=True) == ["rdma", "tcp"]
+    assert choose_paths(link, 8.0, True, rdma=False) == ["tcp"]       # nixl missing: never rdma

@@ -33,8 +33,9 @@ def test_helpers_feed_the_named_series():
     metrics.transfer("test-path", nbytes=1000, seconds=0.002)
     assert value("tandem_transfer_seconds_count", path="test-path") == n + 1
     assert value("tandem_transfer_bytes_total", path="test-path") >= 1000
-    metrics.migration("gpu-decode", "cpu-decode")
-    assert value("tandem_migrations_total", src="gpu-decode", dst="cpu-decode") >= 1
+    metrics.migration("gpu-decode", "cpu-decode", "ok", 0.02)
+    assert value("tandem_migrations_total", source_role="gpu-decode", target_role="cpu-decode", outcome="ok") >= 1
+    assert value("tandem_migration_seconds_count", source_role="gpu-decode", target_role="cpu-decode") >= 1
     metrics.set_engine_load("test-role", queue_depth=3, running=5, kv_used=10, kv_free=90)
     assert value("tandem_queue_depth", service="test-role") == 3
     assert value("tandem_running_sequences", service="test-role") == 5

@@ -1,4 +1,4 @@
-"""The placement policy as a pure function over a table of cases."""
+"""The placement policy (services/placement.py) as pure functions over tables of cases."""
 
 from __future__ import annotations
 
@@ -6,44 +6,78 @@ import pytest
 
 from shared.bus import BusError
 from shared.schemas import Heartbeat, RouteRequest
-from services.router import MAX_QUEUE, WorkerView, place
+from services.placement import POOL, Limits, SessionView, WorkerView, place, rebalance
 
 NOW = 1000.0
 
 
-def w(wid, role, *, queue=0, running=0, free=100, device="cpu", ctx=8192, seen=NOW, port=9000):
+def w(wid, role, *, queue=0, running=0, free=100, total=100, device="cpu", ctx=8192, seen=NOW, port=9000,
+      waiting=None, tpot=0.0, requests=(), pending=None):
     beat = Heartbeat(worker_id=wid, role=role, device=device, model="m", ready=True, queue_depth=queue,
-                     running=running, free_kv_blocks=free, total_kv_blocks=100, max_context=ctx,
-                     data_host="127.0.0.1", data_port=port, ts=0.0, interval=1.0)
-    return WorkerView(beat, seen)
+                     running=running, free_kv_blocks=free, total_kv_blocks=total, max_context=ctx,
+                     data_host="127.0.0.1", data_port=port, ts=0.0, interval=1.0,
+                     waiting_by_tier=waiting or {}, tpot_ms=tpot, requests=[list(r) for r in requests])
+    return WorkerView(beat, seen, dict(pending or {}))
 
 
-def req(tier="standard", n=100):
-    return RouteRequest(request_id="r1", model="m", tier=tier, session_id=None, num_prompt_tokens=n, max_tokens=16)
+def req(tier="standard", n=100, session=None, max_tokens=16):
+    return RouteRequest(request_id="r1", model="m", tier=tier, session_id=session, num_prompt_tokens=n,
+                        max_tokens=max_tokens)
 
 
 GPU, CPU, CPU2 = w("g1", "gpu-decode", device="cuda:0"), w("c1", "cpu-decode"), w("c2", "cpu-decode", running=3)
 PRE_CPU, PRE_GPU = w("p1", "prefill"), w("p2", "prefill", device="cuda:0", running=1)
+BUSY_CPU = w("c1", "cpu-decode", running=4)
 
 
-@pytest.mark.parametrize("tier,workers,decode,prefill", [
-    ("interactive", [GPU, CPU], "g1", None),
-    ("standard", [GPU, CPU], "c1", None),
-    ("batch", [GPU, CPU], "c1", None),
-    ("interactive", [CPU], "c1", None),                 # no GPU pool: fall back to CPU
-    ("batch", [GPU], "g1", None),                       # no CPU pool: fall back to GPU
-    ("standard", [CPU, CPU2], "c1", None),              # least loaded wins
-    ("standard", [CPU2, w("c3", "cpu-decode", running=3, free=200)], "c3", None),  # tie: more free KV
-    ("standard", [CPU, PRE_CPU], "c1", "p1"),           # two-phase when a prefill worker lives
-    ("interactive", [GPU, PRE_CPU, PRE_GPU], "g1", "p2"),  # prefill where it is fastest (GPU)
-    ("standard", [CPU, w("p9", "prefill", seen=NOW - 10)], "c1", None),  # stale heartbeat: gone
-    ("standard", [CPU, w("c8", "cpu-decode", ctx=50)], "c1", None),       # context too small
+@pytest.mark.parametrize("tier,workers,cached,session,decode,prefill", [
+    # the tier picks the pool
+    ("interactive", [GPU, CPU], {}, None, "g1", None),
+    ("standard", [GPU, CPU], {}, None, "c1", None),
+    ("batch", [GPU, CPU], {}, None, "c1", None),
+    ("interactive", [CPU], {}, None, "c1", None),                 # no GPU pool: fall back to CPU
+    ("batch", [GPU], {}, None, "g1", None),                       # no CPU pool: fall back to GPU
+    # batch overflows to an idle GPU, never while interactive work waits there
+    ("batch", [GPU, BUSY_CPU], {}, None, "g1", None),
+    ("batch", [w("g1", "gpu-decode", waiting={"interactive": 1}, queue=1), BUSY_CPU], {}, None, "c1", None),
+    ("batch", [w("g1", "gpu-decode", running=3), BUSY_CPU], {}, None, "c1", None),  # GPU busy too
+    # load inside the pool
+    ("standard", [CPU, CPU2], {}, None, "c1", None),              # least loaded wins
+    ("standard", [CPU2, w("c3", "cpu-decode", running=3, free=200)], {}, None, "c3", None),  # tie: more free KV
+    ("standard", [CPU, w("c2", "cpu-decode", pending={"batch": 2})], {}, None, "c1", None),  # routed, not yet beaten
+    # cache overlap and session affinity
+    ("standard", [CPU, w("c2", "cpu-decode", running=1)], {"c2": 512}, None, "c2", None),
+    ("standard", [CPU, w("c2", "cpu-decode", running=5)], {"c2": 512}, None, "c1", None),  # holder too busy
+    ("standard", [CPU, w("c2", "cpu-decode", running=2)], {}, SessionView(worker="c2"), "c2", None),
+    ("standard", [CPU, w("c2", "cpu-decode", running=2)], {"c1": 256}, SessionView(worker="c2"), "c2", None),
+    ("standard", [CPU, w("c2", "cpu-decode", running=9)], {}, SessionView(worker="c2"), "c1", None),
+    ("batch", [GPU, CPU], {}, SessionView(tier="interactive", worker="c1"), "g1", None),  # promoted session
+    # prefill: where it is fastest, unless the decode worker holds the prefix
+    ("standard", [CPU, PRE_CPU], {}, None, "c1", "p1"),
+    ("interactive", [GPU, PRE_CPU, PRE_GPU], {}, None, "g1", "p2"),
+    ("standard", [CPU, PRE_CPU], {"c1": 256}, None, "c1", None),   # 100-token prompt: all cached but the tail
+    ("standard", [CPU, PRE_CPU, w("p3", "prefill")], {"p3": 256}, None, "c1", "p3"),  # prefill holder
+    ("standard", [CPU, w("p9", "prefill", seen=NOW - 10)], {}, None, "c1", None),   # stale heartbeat: gone
+    ("standard", [CPU, w("c8", "cpu-decode", ctx=50)], {}, None, "c1", None),        # context too small
 ])
-def test_placement_table(tier, workers, decode, prefill):
-    plan = place(req(tier), workers, NOW)
-    assert plan.decode_worker == decode
-    assert plan.prefill_worker == prefill
-    assert plan.reason
+def test_placement_table(tier, workers, cached, session, decode, prefill):
+    plan = place(req(tier), workers, NOW, cached=cached, session=session)
+    assert (plan.decode_worker, plan.prefill_worker) == (decode, prefill), plan.reason
+    assert plan.reason and plan.tier in ("interactive", "standard", "batch")
+
+
+def test_plan_reports_the_cache_it_uses():
+    plan = place(req(n=600), [CPU, w("c2", "cpu-decode")], NOW, cached={"c2": 512, POOL: 256})
+    assert (plan.decode_worker, plan.cached_tokens, plan.cached_at) == ("c2", 512, "c2")
+    plan = place(req(n=600), [CPU], NOW, cached={POOL: 512})
+    assert (plan.cached_tokens, plan.cached_at) == (512, POOL)
+    plan = place(req(n=600), [CPU], NOW)
+    assert (plan.cached_tokens, plan.cached_at) == (0, "")
+
+
+def test_session_tier_raises_the_request_tier_not_lowers_it():
+    assert place(req("batch"), [GPU, CPU], NOW, session=SessionView(tier="interactive")).tier == "interactive"
+    assert place(req("interactive"), [GPU, CPU], NOW, session=SessionView(tier="batch")).tier == "interactive"
 
 
 def test_no_decode_worker_is_unavailable():
@@ -52,10 +86,20 @@ def test_no_decode_worker_is_unavailable():
     assert e.value.code == "unavailable"
 
 
-def test_full_queues_are_overloaded():
+def test_full_tier_queue_is_overloaded_with_retry_after_and_other_tiers_pass():
+    limits = Limits(queue={"interactive": 2, "standard": 4, "batch": 4})
+    flooded = [w("c1", "cpu-decode", running=8, queue=4, waiting={"batch": 4}, tpot=50.0), GPU]
     with pytest.raises(BusError) as e:
-        place(req(), [w("c1", "cpu-decode", queue=MAX_QUEUE)], NOW)
-    assert e.value.code == "overloaded"
+        place(req("batch", max_tokens=64), flooded, NOW, limits=limits)
+    assert e.value.code == "overloaded" and e.value.retry_after >= 1
+    assert place(req("interactive"), flooded, NOW, limits=limits).decode_worker == "g1"
+    assert place(req("standard"), flooded, NOW, limits=limits).decode_worker == "g1"  # overflow
+
+
+def test_fifo_ignores_tiers():
+    workers = [GPU, w("c1", "cpu-decode", running=1)]
+    plans = [place(req(t), workers, NOW, "fifo") for t in ("interactive", "batch")]
+    assert [(p.decode_worker, p.tier) for p in plans] == [("g1", "standard"), ("g1", "standard")]
 
 
 def test_decode_without_data_plane_gets_no_prefill_worker():
@@ -69,12 +113,9 @@ def test_round_robin_takes_every_decode_worker_in_turn():
     assert picked == ["c1", "c2", "g1", "c1", "c2", "g1"]  # by id, load and tier ignored
 
 
-def test_round_robin_skips_dead_and_full_workers():
-    workers = [w("c1", "cpu-decode"), w("c2", "cpu-decode", queue=MAX_QUEUE), w("c3", "cpu-decode", seen=NOW - 10)]
+def test_round_robin_skips_dead_workers():
+    workers = [w("c1", "cpu-decode"), w("c3", "cpu-decode", seen=NOW - 10)]
     assert {place(req(), workers, NOW, "round-robin", turn=t).decode_worker for t in range(4)} == {"c1"}
-    with pytest.raises(BusError) as e:
-        place(req(), [w("c2", "cpu-decode", queue=MAX_QUEUE)], NOW, "round-robin")
-    assert e.value.code == "overloaded"
 
 
 def test_round_robin_still_uses_a_prefill_worker():
@@ -85,3 +126,39 @@ def test_round_robin_still_uses_a_prefill_worker():
 def test_unknown_policy_is_a_value_error():
     with pytest.raises(ValueError, match="policy"):
         place(req(), [CPU], NOW, "random")
+
+
+# ---- rebalance: promotion, demotion, pressure -------------------------------------------------
+
+def test_promotion_and_demotion_follow_the_session_tier():
+    workers = [w("g1", "gpu-decode", requests=[("r-gpu", "s2", "interactive")]),
+               w("c1", "cpu-decode", requests=[("r-cpu", "s1", "batch"), ("r-free", "", "batch")]),
+               w("c2", "cpu-decode", running=3)]
+    sessions = {"s1": SessionView(tier="interactive", last=NOW), "s2": SessionView(tier="batch", last=NOW)}
+    moves = {m.request_id: (m.source, m.target.id, m.tier) for m in rebalance(workers, sessions, NOW)}
+    assert moves == {"r-cpu": ("c1", "g1", "interactive"), "r-gpu": ("g1", "c1", "batch")}
+
+
+def test_no_move_without_a_tier_change_or_while_moving():
+    workers = [w("g1", "gpu-decode", requests=[("r1", "s1", "batch")]), CPU]   # batch overflowed to GPU
+    assert rebalance(workers, {"s1": SessionView(tier="batch", last=NOW)}, NOW) == []
+    workers = [GPU, w("c1", "cpu-decode", requests=[("r1", "s1", "batch")])]
+    assert rebalance(workers, {"s1": SessionView(tier="interactive", last=NOW)}, NOW, moving={"r1"}) == []
+    assert rebalance([w("c1", "cpu-decode", requests=[("r1", "s1", "batch")])],
+                     {"s1": SessionView(tier="interactive", last=NOW)}, NOW) == []   # no GPU to go to
+
+
+def test_gpu_memory_pressure_demotes_the_lowest_tier_first():
+    hot = w("g1", "gpu-decode", free=5, total=100,
+            requests=[("ri", "", "interactive"), ("rs", "", "standard"), ("rb", "", "batch")])
+    moves = rebalance([hot, CPU], {}, NOW)
+    assert [(m.request_id, m.target.id) for m in moves] == [("rb", "c1")]
+    assert rebalance([hot, CPU], {}, NOW, pressure=False) == []
+    assert rebalance([w("g1", "gpu-decode", free=50, requests=[("rb", "", "batch")]), CPU], {}, NOW) == []
+
+
+def test_idle_session_override_lapses():
+    sessions = {"s1": SessionView(tier="interactive", last=NOW - 301)}
+    workers = [GPU, w("c1", "cpu-decode", requests=[("r1", "s1", "batch")])]
+    assert rebalance(workers, sessions, NOW, Limits(session_idle_s=300)) == []
+    assert sessions["s1"].tier is None

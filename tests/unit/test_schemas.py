@@ -44,7 +44,7 @@ EXAMPLES = [
     schemas.PoolGetReply(1, 2_000_000, "shm"),
     schemas.PoolPut(["ab" * 32], "p-2"),
     schemas.PoolPutReply(1),
-    schemas.KVEvent("kvpool-0", "stored", "ram,disk", ["ab" * 32]),
+    schemas.KVEvent("kvpool-0", subjects.KVPOOL, 1_700_000_000_000_000_000, 3, ["ab" * 32], ["cd" * 32]),
     schemas.MigrateRequest("r1", "gpu-0", "127.0.0.1", 4000, "interactive", reason="session promoted"),
     schemas.MigrateReply("r1", "cpu-0", "gpu-0", 17, 300, 3_000_000, 0.02, "shm"),
     schemas.SessionUpdate("s1", "interactive"),

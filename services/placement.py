@@ -1,0 +1,264 @@
+"""The router's placement policy: pure functions of what the router knows, tested over tables.
+
+``place(req, workers, now, ...)`` decides how one request runs; ``rebalance(workers, sessions,
+now, ...)`` lists the moves of running requests the router should make now. Neither does I/O.
+
+Inputs: the request (tier, prompt length, session), the live workers' heartbeats (queue depth
+per tier, running sequences, free KV blocks, measured TPOT, the requests they hold), the
+cached-prefix overlap of the prompt per holder (worker ids and "pool", in tokens: the prefix
+index), the session's state (its tier override, the worker that last held its KV) and the
+router's own count of requests it sent each worker since that worker's last heartbeat.
+
+Policies:
+- ``sla``: the tier picks the pool (interactive -> gpu-decode, standard and batch -> cpu-decode;
+  each falls back to the other pool when its own has no open worker; standard and batch
+  overflow to the GPU pool when every CPU worker is ``OVERFLOW`` requests busier and the GPU has
+  no interactive work waiting — the GPU engine's scheduler preempts them when interactive work
+  comes). In the pool: the session's worker when it is not much busier than the best
+  (affinity), else the worker holding the longest cached prefix among the nearly least loaded,
+  else the least loaded. Admission: each tier has a bounded queue across its pools; full ->
+  "overloaded" with a Retry-After estimate.
+- ``fifo``: no tiers — every request runs at the standard tier on the least-loaded decode
+  worker of either pool (the baseline the tiers are measured against).
+- ``round-robin``: every decode worker in turn (the replicated topology: N plain replicas).
+Prefill: none when the decode worker already holds all but the last partial chunk of the
+prompt; else a prefill worker when one is live (GPU first, then cache overlap, then load) and
+the decode worker has a data plane; else the decode worker prefills.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shared import subjects
+from shared.bus import BusError
+from shared.engine.sampling import TIER_PRIORITY
+from shared.schemas import Heartbeat, RoutePlan, RouteRequest
+
+LIVENESS_FACTOR = 3.0    # a worker is gone after this many missed heartbeat intervals
+OVERFLOW = 2             # standard/batch use the GPU pool when every CPU worker is this much busier
+AFFINITY_SLACK = 2       # a session's (or a cache holder's) worker wins unless this much busier
+DEFAULT_TPOT_S = 0.05    # per output token, for Retry-After, before any worker measured one
+POLICIES = ("sla", "fifo", "round-robin")
+POOLS = {
+    "interactive": (subjects.GPU_DECODE, subjects.CPU_DECODE),
+    "standard": (subjects.CPU_DECODE, subjects.GPU_DECODE),
+    "batch": (subjects.CPU_DECODE, subjects.GPU_DECODE),
+}
+POOL = "pool"            # the KV pool's key in the overlap map
+
+
+@dataclass
+class Limits:
+    """Admission and move thresholds (shared.settings.RouterSettings)."""
+    queue: dict[str, int] = field(default_factory=lambda: {"interactive": 64, "standard": 256, "batch": 1024})
+    pressure_free: float = 0.1    # gpu-decode below this free-KV fraction demotes batch/standard work
+    session_idle_s: float = 300.0  # a session's tier override lapses after this long idle
+
+
+@dataclass
+class WorkerView:
+    beat: Heartbeat
+    seen: float                    # router's clock when the last heartbeat arrived
+    pending: dict[str, int] = field(default_factory=dict)  # tier -> routed here since that beat
+
+    def alive(self, now: float) -> bool:
+        return self.beat.ready and now - self.seen <= LIVENESS_FACTOR * self.beat.interval
+
+    @property
+    def id(self) -> str:
+        return self.beat.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.beat.role
+
+    def load(self) -> int:
+        return self.beat.queue_depth + self.beat.running + sum(self.pending.values())
+
+    def waiting(self, tier: str) -> int:
+        return self.beat.waiting_by_tier.get(tier, 0) + self.pending.get(tier, 0)
+
+    def key(self) -> tuple:
+        """Least loaded first, then more free KV, then id (deterministic)."""
+        return (self.load(), -self.beat.free_kv_blocks, self.id)
+
+
+@dataclass
+class SessionView:
+    tier: str | None = None        # tier override (POST /v1/sessions/{id}, or raised by a request)
+    worker: str | None = None      # decode worker that last held the session's KV
+    last: float = 0.0              # router clock of the session's last request or update
+
+
+@dataclass
+class Move:
+    """Move a running request to another decode worker (migration at a step boundary)."""
+    request_id: str
+    session_id: str
+    source: str
+    target: WorkerView
+    tier: str
+    reason: str
+
+
+def effective_tier(tier: str, session: SessionView | None) -> str:
+    """The better of the request's tier and its session's override."""
+    if session is None or session.tier is None:
+        return tier
+    return min(tier, session.tier, key=TIER_PRIORITY.__getitem__)
+
+
+def _decoders(workers: list[WorkerView], now: float, need: int = 0) -> list[WorkerView]:
+    return [w for w in workers if w.alive(now) and w.role in subjects.DECODE_ROLES
+            and w.beat.max_context >= need]
+
+
+def _retry_after(pool: list[WorkerView], tier: str, max_tokens: int) -> float:
+    """Seconds until the tier's queue has likely drained by one request: the waiting requests
+    times their output over the pool's decode rate, at least 1 s."""
+    waiting = sum(w.waiting(tier) for w in pool)
+    tpot = max((w.beat.tpot_ms / 1e3 for w in pool if w.beat.tpot_ms > 0), default=DEFAULT_TPOT_S)
+    slots = max(1, sum(w.beat.running for w in pool))
+    return float(min(60, max(1, math.ceil(waiting * min(max_tokens, 256) * tpot / slots))))
+
+
+def admit(req: RouteRequest, tier: str, pool: list[WorkerView], limit: int) -> None:
+    """Raise BusError("overloaded", retry_after=...) when the tier's queue over ``pool`` is full."""
+    waiting = sum(w.waiting(tier) for w in pool)
+    if waiting >= limit:
+        raise BusError("overloaded", f"{waiting} {tier} requests are waiting (limit {limit}); retry later",
+                       retry_after=_retry_after(pool, tier, req.max_tokens))
+
+
+def _choose_pool(tier: str, decoders: list[WorkerView]) -> tuple[list[WorkerView], str]:
+    first, second = POOLS[tier]
+    own = [w for w in decoders if w.role == first]
+    other = [w for w in decoders if w.role == second]
+    if not own:
+        return other, f"{tier} -> {second} ({first} pool empty)"
+    if tier != "interactive" and other and not any(w.waiting("interactive") for w in other):
+        best_own, best_other = min(w.load() for w in own), min(w.load() for w in other)
+        if best_own >= best_other + OVERFLOW:
+            return other, f"{tier} -> {second} (overflow: {first} load {best_own}, {second} {best_other})"
+    return own, f"{tier} -> {first}"
+
+
+def _pick(pool: list[WorkerView], cached: dict[str, int], session: SessionView | None) -> tuple[WorkerView, str]:
+    best = min(pool, key=WorkerView.key)
+    near = [w for w in pool if w.load() <= best.load() + AFFINITY_SLACK]
+    if session is not None and session.worker is not None:
+        mine = next((w for w in near if w.id == session.worker), None)
+        if mine is not None:
+            return mine, "session affinity"
+    holder = max(near, key=lambda w: (cached.get(w.id, 0), -w.load(), w.beat.free_kv_blocks))
+    if cached.get(holder.id, 0) > 0:
+        return holder, f"holds {cached[holder.id]} prefix tokens"
+    return best, "least loaded"
+
+
+def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str = "sla", turn: int = 0,
+          cached: dict[str, int] | None = None, session: SessionView | None = None,
+          limits: Limits | None = None, chunk_tokens: int = 256) -> RoutePlan:
+    """The plan for one request. ``cached``: prefix tokens of the prompt each holder (worker id,
+    or POOL) has cached; ``turn``: the round-robin counter (the caller's state). Raises
+    BusError("unavailable") with no decode worker, BusError("overloaded") when the tier's queue
+    is full or every candidate's is."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown router policy {policy!r} (one of {', '.join(POLICIES)})")
+    cached = cached or {}
+    limits = limits or Limits()
+    decoders = _decoders(workers, now, req.num_prompt_tokens + 1)
+    if not decoders:
+        raise BusError("unavailable", "no decode worker is ready")
+    tier = "standard" if policy == "fifo" else effective_tier(req.tier, session)
+    if policy == "round-robin":
+        pool = sorted(decoders, key=lambda w: w.id)
+        admit(req, tier, pool, limits.queue[tier])
+        decode = pool[turn % len(pool)]
+        why = f"round-robin -> {decode.id} (turn {turn} of {len(pool)})"
+    elif policy == "fifo":
+        admit(req, tier, decoders, limits.queue[tier])
+        decode = min(decoders, key=WorkerView.key)
+        why = f"fifo -> {decode.id} (least loaded)"
+    else:
+        pool, why = _choose_pool(tier, decoders)
+        admit(req, tier, decoders, limits.queue[tier])
+        decode, pick = _pick(pool, cached, session)
+        why += f" {decode.id} ({pick})"
+        if tier != req.tier:
+            why += f"; session tier {tier}"
+
+    have = cached.get(decode.id, 0)
+    prefills = [w for w in workers if w.alive(now) and w.role == subjects.PREFILL
+                and w.beat.max_context >= req.num_prompt_tokens + 1]
+    prefill = None
+    if req.num_prompt_tokens - have < chunk_tokens and have > 0:
+        why += f"; decode worker holds {have} prefix tokens, no prefill"
+    elif prefills and decode.beat.data_port:
+        prefill = min(prefills, key=lambda w: (not w.beat.device.startswith("cuda"), -cached.get(w.id, 0),
+                                               w.load(), w.id))
+        have = cached.get(prefill.id, 0)
+        why += f"; prefill on {prefill.id} ({prefill.beat.device})"
+    else:
+        why += "; decode worker prefills"
+    at = (prefill or decode).id if have else ""
+    if cached.get(POOL, 0) > have:
+        have, at = cached[POOL], POOL
+    return RoutePlan(request_id=req.request_id, prefill_worker=prefill.id if prefill else None,
+                     decode_worker=decode.id, decode_role=decode.role, reason=why,
+                     decode_data_host=decode.beat.data_host, decode_data_port=decode.beat.data_port,
+                     tier=tier, session_id=req.session_id, cached_tokens=have, cached_at=at)
+
+
+def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: float,
+              limits: Limits | None = None, moving: set[str] = frozenset(),
+              pressure: bool = True) -> list[Move]:
+    """Moves to make now: requests running at another tier than their session's, whose new tier
+    wants the other pool (promotion to GPU decode, demotion to CPU decode), and — with ``pressure`` — the lowest-tier request of a
+    GPU worker short of free KV blocks, to the CPU worker with the most free blocks. Requests in
+    ``moving`` are left alone. Also lapses idle sessions' tier overrides (mutates ``sessions``)."""
+    limits = limits or Limits()
+    for s in sessions.values():
+        if s.tier is not None and now - s.last > limits.session_idle_s:
+            s.tier = None
+    live = _decoders(workers, now)
+    moves: list[Move] = []
+    taken: dict[str, int] = {}          # target id -> moves planned onto it here
+
+    def target(role: str) -> WorkerView | None:
+        pool = [w for w in live if w.role == role]
+        if not pool:
+            return None
+        return min(pool, key=lambda w: (w.load() + taken.get(w.id, 0), -w.beat.free_kv_blocks, w.id))
+
+    for w in live:
+        for rid, sid, tier in w.beat.requests:
+            s = sessions.get(sid) if sid else None
+            if rid in moving or s is None or s.tier is None or s.tier == tier:
+                continue  # only a tier change moves a request (overflow placements stay put)
+            want = POOLS[s.tier][0]
+            if w.role == want:
+                continue
+            t = target(want)
+            if t is not None:
+                taken[t.id] = taken.get(t.id, 0) + 1
+                kind = "promote" if want == subjects.GPU_DECODE else "demote"
+                moves.append(Move(rid, sid, w.id, t, s.tier, f"{kind}: session {sid} is {s.tier}"))
+    if pressure:
+        planned = {m.request_id for m in moves}
+        for w in live:
+            if w.role != subjects.GPU_DECODE or not w.beat.total_kv_blocks:
+                continue
+            free = w.beat.free_kv_blocks / w.beat.total_kv_blocks
+            if free >= limits.pressure_free:
+                continue
+            cands = [(TIER_PRIORITY[tier], rid, sid, tier) for rid, sid, tier in w.beat.requests
+                     if tier != "interactive" and rid not in moving and rid not in planned]
+            t = target(subjects.CPU_DECODE)
+            if cands and t is not None:
+                _, rid, sid, tier = max(cands)
+                taken[t.id] = taken.get(t.id, 0) + 1
+                moves.append(Move(rid, sid, w.id, t, tier, f"demote: {w.id} has {free:.0%} KV free"))
+    return moves

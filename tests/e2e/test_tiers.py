@@ -1,0 +1,143 @@
+"""SLA tiers through the whole stack (`tandem up`, real NATS, the bundled model, the official
+openai client): a session promoted to GPU decode and demoted back mid-stream through
+POST /v1/sessions/{id} without a gap or a repeated token, interactive latency under a batch
+flood, and 429 + Retry-After when the batch queue is full — with no accepted request lost."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.test_stack import start_stack
+
+PROMPT = "Write a long story about a lighthouse keeper and a storm."
+FLOOD = "Summarize the history of the printing press in detail. " * 12
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server):
+    s = start_stack(nats_server, ["--prefill", "0", "--gpu-decode", "1", "--cpu-decode", "1", "--kvpool", "0"],
+                    env={"TANDEM_QUEUE_BATCH": "3"})
+    try:
+        s.wait_workers({"gpu-decode": 1, "cpu-decode": 1}, 180)
+        yield s
+    finally:
+        rc = s.stop()
+        assert rc == 0, s.tail()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def stream_text(client, model, tier, session=None, on_chunk=None, max_tokens=48) -> tuple[str, int]:
+    """Greedy streamed chat: (text, completion tokens); ``on_chunk(n)`` after the n-th content chunk."""
+    headers = {"X-Tandem-SLA": tier, **({"X-Tandem-Session": session} if session else {})}
+    text, n, usage = "", 0, None
+    for ch in client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                             max_tokens=max_tokens, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}, extra_headers=headers,
+                                             extra_body={"ignore_eos": True}):
+        if ch.choices and ch.choices[0].delta.content:
+            text += ch.choices[0].delta.content
+            n += 1
+            if on_chunk:
+                on_chunk(n)
+        if ch.usage:
+            usage = ch.usage
+    return text, usage.completion_tokens
+
+
+def test_session_promoted_and_demoted_mid_stream(stack, client, model):
+    want, want_n = stream_text(client, model, "standard")
+    moves = []
+
+    def set_tier(session: str, tier: str, at: int):
+        def on_chunk(n):
+            if n == at:
+                r = httpx.post(f"{stack.url}/v1/sessions/{session}", json={"tier": tier}, timeout=60)
+                assert r.status_code == 200, r.text
+                moves.append(r.json())
+        return on_chunk
+
+    up, up_n = stream_text(client, model, "batch", "agent-up", set_tier("agent-up", "interactive", 6))
+    down, down_n = stream_text(client, model, "interactive", "agent-down", set_tier("agent-down", "batch", 6))
+    assert (up, up_n) == (want, want_n) == (down, down_n)   # no gap, no repeat, same greedy tokens
+    assert [len(m["moved"]) for m in moves] == [1, 1], moves
+    promoted, demoted = moves[0]["moved"][0], moves[1]["moved"][0]
+    assert promoted["source"].startswith("cpu-decode") and promoted["target"].startswith("gpu-decode")
+    assert demoted["source"].startswith("gpu-decode") and demoted["target"].startswith("cpu-decode")
+    assert moves[0]["tier"] == "interactive" and moves[1]["tier"] == "batch"
+
+
+def test_interactive_meets_its_slo_under_a_batch_flood(stack, model):
+    async def go():
+        ac = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+        async def batch():
+            try:
+                r = await ac.chat.completions.create(model=model, messages=[{"role": "user", "content": FLOOD}],
+                                                     max_tokens=24, temperature=0, extra_body={"ignore_eos": True},
+                                                     extra_headers={"X-Tandem-SLA": "batch"})
+                return r.usage.completion_tokens
+            except openai.RateLimitError:
+                return "429"
+
+        async def interactive():
+            await asyncio.sleep(3.0)   # the flood is in the engines
+            t0 = time.perf_counter()
+            stream = await ac.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0,
+                stream=True, extra_headers={"X-Tandem-SLA": "interactive"})
+            ttft = None
+            async for ch in stream:
+                if ttft is None and ch.choices and ch.choices[0].delta.content:
+                    ttft = time.perf_counter() - t0
+            return ttft
+
+        *flood, ttft = await asyncio.gather(*(batch() for _ in range(3)), interactive())
+        return flood, ttft
+
+    flood, ttft = asyncio.run(go())
+    assert ttft is not None and ttft < 2.0, ttft    # the interactive SLO in this small run: 2 s to first token
+    assert all(n == 24 for n in flood if n != "429"), flood   # admitted batch work is never lost
+
+
+def test_full_batch_queue_gets_429_with_retry_after_and_loses_nothing(stack, model):
+    statuses, retry_after, done = [], [], []
+
+    def batch():
+        body = {"model": model, "messages": [{"role": "user", "content": FLOOD}], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers={"X-Tandem-SLA": "batch"},
+                       timeout=600)
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            retry_after.append(r.headers.get("retry-after"))
+            assert r.json()["error"]["code"] == "overloaded"
+        elif r.status_code == 200:
+            done.append(r.json()["usage"]["completion_tokens"])
+
+    threads = [threading.Thread(target=batch) for _ in range(10)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    r = httpx.post(f"{stack.url}/v1/chat/completions", headers={"X-Tandem-SLA": "interactive"}, timeout=600,
+                   json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    for t in threads:
+        t.join()
+    assert r.status_code == 200                               # other tiers still get in
+    assert 429 in statuses and set(statuses) <= {200, 429}, statuses
+    assert all(ra is not None and int(ra) >= 1 for ra in retry_after), retry_after
+    assert done and all(n == 8 for n in done)                 # every admitted request finished whole

@@ -1,0 +1,251 @@
+"""Live migration between decode workers, in-process on a real NATS server with the real model
+and the real data plane: a greedy request moves gpu-decode -> cpu-decode -> gpu-decode mid-
+generation and its stream is exactly an unmigrated run's; failed moves leave it running at the
+source; bad moves get coded errors; an Abort during a move leaks nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import pytest_asyncio
+from prometheus_client import REGISTRY
+
+from services.decode import DecodeWorker
+from services.migrate import migrate
+from shared import subjects
+from shared.bus import Bus, RemoteError
+from shared.engine.engine import Engine, EngineConfig, run_to_completion
+from shared.engine.sampling import SamplingParams
+from shared.nats_server import free_port
+from shared.schemas import TIERS, Abort, GenerateRequest, MigrateRequest, StreamChunk
+from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings, WorkerSettings
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+
+PROMPT = ("Write a short essay about the history of the printing press in Europe, from Gutenberg's "
+          "workshop in Mainz to the spread of newspapers, and what it changed for ordinary readers.")
+LONG_PROMPT = " ".join(f"item {i}," for i in range(120))  # > 512 tokens: prefill takes two steps
+MAX_TOKENS = 48
+
+
+def worker_settings(url: str, worker_id: str, kv_blocks: int) -> Settings:
+    return Settings(nats=NatsSettings(url=url), data=DataPlaneSettings(timeout=10.0), pool=PoolSettings(enabled=False),
+                    worker=WorkerSettings(worker_id=worker_id, threads=1, kv_blocks=kv_blocks,
+                                          heartbeat_interval=0.3, metrics_port=-1))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def workers(nats_server):
+    """gpu-decode (on the CPU here), cpu-decode, and a cpu-decode whose KV holds 32 tokens."""
+    tag = uuid.uuid4().hex[:6]
+    gpu = DecodeWorker(worker_settings(nats_server, f"mig-gpu-{tag}", 96), subjects.GPU_DECODE)
+    cpu = DecodeWorker(worker_settings(nats_server, f"mig-cpu-{tag}", 96), subjects.CPU_DECODE)
+    tiny = DecodeWorker(worker_settings(nats_server, f"mig-tiny-{tag}", 2), subjects.CPU_DECODE)
+    for w in (gpu, cpu, tiny):
+        await w.start()
+    bus = await Bus.connect(url=nats_server, name="migration-test")
+    try:
+        for _ in range(100):  # each knows the others' roles (metric labels) from their heartbeats
+            if all(len(w.peer_roles) == 3 for w in (gpu, cpu)):
+                break
+            await asyncio.sleep(0.1)
+        yield gpu, cpu, tiny, bus
+    finally:
+        await bus.close()
+        for w in (gpu, cpu, tiny):
+            await w.close()
+
+
+@pytest.fixture(scope="module")
+def reference(bundled_model):
+    """Unmigrated greedy runs: prompt -> Completion."""
+    engine = Engine(bundled_model, EngineConfig(num_kv_blocks=96))
+    tok = engine.tokenizer
+    out = {}
+    for name, prompt, n in (("short", PROMPT, MAX_TOKENS), ("long", LONG_PROMPT, 8)):
+        ids = tok.encode(prompt)
+        out[name] = (ids, run_to_completion(engine, {name: (ids, greedy(n))})[name])
+    assert len(out["short"][0]) > 32 and len(out["long"][0]) > 512  # more than the tiny KV / one step holds
+    return out
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+class Stream:
+    """Every message on one request's stream subject, as it arrives."""
+
+    def __init__(self, bus: Bus, rid: str):
+        self.bus, self.rid, self.chunks = bus, rid, []
+        self.arrived = asyncio.Event()
+
+    async def start(self, worker: DecodeWorker, prompt_ids: list[int], n: int, session: str = "") -> "Stream":
+        self.sub = await self.bus.subscribe(subjects.stream(self.rid))
+        self.task = asyncio.create_task(self._collect())
+        await self.bus.request(subjects.worker_generate(worker.worker_id), GenerateRequest(
+            request_id=self.rid, prompt_token_ids=prompt_ids, sampling=greedy(n).to_dict(), tier="standard",
+            stream_subject=subjects.stream(self.rid), session_id=session or None))
+        return self
+
+    async def _collect(self) -> None:
+        async for msg in self.sub:
+            assert isinstance(msg, StreamChunk), msg
+            self.chunks.append(msg)
+            self.arrived.set()
+
+    async def wait_for(self, pred, timeout: float = 60.0) -> None:
+        async def until() -> None:
+            while not pred(self.chunks):
+                self.arrived.clear()
+                await self.arrived.wait()
+        await asyncio.wait_for(until(), timeout)
+
+    async def finish(self, timeout: float = 120.0) -> list[StreamChunk]:
+        await self.wait_for(lambda cs: any(c.finish_reason for c in cs), timeout)
+        await asyncio.sleep(0.3)  # anything published after the finish would show up now
+        self.task.cancel()
+        await self.sub.unsubscribe()
+        return self.chunks
+
+
+def check_stream(chunks: list[StreamChunk], want) -> None:
+    """Seqs 0..n-1 exactly once, one finish chunk (the last), tokens and text as unmigrated."""
+    ordered = sorted(chunks, key=lambda c: c.seq)
+    assert [c.seq for c in ordered] == list(range(len(chunks)))
+    assert [c.finish_reason is not None for c in ordered] == [False] * (len(chunks) - 1) + [True]
+    assert [t for c in ordered for t in c.token_ids] == want.token_ids
+    assert "".join(c.text for c in ordered) == want.text
+    assert ordered[-1].finish_reason == want.finish_reason
+    assert ordered[-1].usage["completion_tokens"] == want.num_output_tokens
+
+
+def move(rid: str, target: DecodeWorker, tier: str = "standard") -> MigrateRequest:
+    return MigrateRequest(request_id=rid, target_worker=target.worker_id, target_data_host=target.data_host,
+                          target_data_port=target.data_port, tier=tier, reason="test")
+
+
+def migrations(source: str, target: str, outcome: str) -> float:
+    return REGISTRY.get_sample_value("tandem_migrations_total", {"source_role": source, "target_role": target,
+                                                                 "outcome": outcome}) or 0.0
+
+
+def idle(*ws: DecodeWorker) -> bool:
+    return all(not w.engine.engine.seqs and not w.held and not w.tasks and not w.moving for w in ws)
+
+
+async def test_migrate_there_and_back_matches_unmigrated(workers, reference):
+    gpu, cpu, _, bus = workers
+    ids, want = reference["short"]
+    rid = f"mig-{uuid.uuid4().hex[:8]}"
+    before = migrations(subjects.GPU_DECODE, subjects.CPU_DECODE, "ok")
+    s = await Stream(bus, rid).start(gpu, ids, MAX_TOKENS, session="sess-1")
+    assert [rid, "sess-1", "standard"] in gpu.heartbeat().requests
+
+    await s.wait_for(lambda cs: len(cs) >= 4)
+    there = await migrate(bus, gpu.worker_id, move(rid, cpu, tier="batch"))
+    assert (there.source, there.target) == (gpu.worker_id, cpu.worker_id)
+    assert 4 <= there.next_seq < MAX_TOKENS and there.nbytes > 0 and there.num_tokens == len(ids) + there.next_seq - 1
+    assert rid not in gpu.engine.engine.seqs and rid not in gpu.held
+    assert [rid, "sess-1", "batch"] in cpu.heartbeat().requests  # the target holds it, at the new tier
+    assert [rid, "sess-1", "standard"] not in gpu.heartbeat().requests
+    assert migrations(subjects.GPU_DECODE, subjects.CPU_DECODE, "ok") == before + 1
+
+    await s.wait_for(lambda cs: sum(c.worker == cpu.worker_id for c in cs) >= 4)
+    back = await migrate(bus, cpu.worker_id, move(rid, gpu))
+    assert (back.source, back.target) == (cpu.worker_id, gpu.worker_id) and back.next_seq > there.next_seq
+
+    chunks = await s.finish()
+    check_stream(chunks, want)
+    by_seq = {c.seq: c.worker for c in chunks}
+    assert {by_seq[q] for q in range(there.next_seq)} == {gpu.worker_id}
+    assert {by_seq[q] for q in range(there.next_seq, back.next_seq)} == {cpu.worker_id}
+    assert {by_seq[q] for q in range(back.next_seq, len(chunks))} == {gpu.worker_id}
+    await asyncio.sleep(0.2)
+    assert idle(gpu, cpu)
+    beat = gpu.heartbeat()
+    assert beat.tpot_ms > 0 and beat.requests == [] and beat.waiting_by_tier == {t: 0 for t in TIERS}
+
+
+@pytest.mark.parametrize("failure", ["no_receiver", "target_full"])
+async def test_failed_move_goes_on_at_the_source(workers, reference, failure):
+    gpu, cpu, tiny, bus = workers
+    ids, want = reference["short"]
+    rid = f"mig-{failure}-{uuid.uuid4().hex[:8]}"
+    s = await Stream(bus, rid).start(gpu, ids, MAX_TOKENS)
+    await s.wait_for(lambda cs: len(cs) >= 3)
+    if failure == "no_receiver":  # nothing listens on the target's data port
+        req, code, target_role = move(rid, cpu), "unavailable", subjects.CPU_DECODE
+        req.target_data_port = free_port()
+    else:  # the target's KV holds 32 tokens: it refuses the import
+        req, code, target_role = move(rid, tiny), "overloaded", subjects.CPU_DECODE
+    before = migrations(subjects.GPU_DECODE, target_role, "failed")
+    with pytest.raises(RemoteError) as e:
+        await migrate(bus, gpu.worker_id, req)
+    assert e.value.code == code and "goes on at" in e.value.message
+    assert migrations(subjects.GPU_DECODE, target_role, "failed") == before + 1
+    chunks = await s.finish()
+    check_stream(chunks, want)
+    assert {c.worker for c in chunks} == {gpu.worker_id}
+    await asyncio.sleep(0.2)
+    assert idle(gpu, cpu, tiny)
+
+
+async def test_bad_moves_get_coded_errors(workers, reference):
+    gpu, cpu, _, bus = workers
+    with pytest.raises(RemoteError) as e:
+        await migrate(bus, gpu.worker_id, move("no-such-request", cpu))
+    assert e.value.code == "not_found"
+
+    ids, want = reference["long"]  # 512 tokens per step: after the first chunk it is still prefilling
+    rid = f"mig-prefill-{uuid.uuid4().hex[:8]}"
+    s = await Stream(bus, rid).start(gpu, ids, 8)
+    with pytest.raises(RemoteError) as e:
+        await migrate(bus, gpu.worker_id, move(rid, cpu))
+    assert e.value.code == "unavailable" and "not decoding yet" in e.value.message
+    with pytest.raises(RemoteError) as e:  # the request's own worker is no target
+        await migrate(bus, gpu.worker_id, move(rid, gpu))
+    assert e.value.code == "bad_request"
+    chunks = await s.finish()
+    check_stream(chunks, want)
+    assert {c.worker for c in chunks} == {gpu.worker_id}
+
+
+# when the Abort is published: with the MigrateRequest; once the source's stream has drained
+# (parked, KV on its way); once the target took it (the source may not have settled yet)
+MOMENTS = {"at_once": lambda rid, src, dst: True,
+           "while_sending": lambda rid, src, dst: rid in src.moving and rid not in src.tasks,
+           "target_has_it": lambda rid, src, dst: rid in dst.held}
+
+
+@pytest.mark.parametrize("moment", list(MOMENTS))
+async def test_abort_during_a_move_leaks_nothing(workers, reference, moment):
+    gpu, cpu, _, bus = workers
+    ids, _ = reference["short"]
+    rid = f"mig-abort-{uuid.uuid4().hex[:8]}"
+    s = await Stream(bus, rid).start(gpu, ids, 1000)  # a leaked copy would run for many seconds
+    await s.wait_for(lambda cs: len(cs) >= 2)
+    moving = asyncio.create_task(migrate(bus, gpu.worker_id, move(rid, cpu)))
+    for _ in range(5000):
+        if MOMENTS[moment](rid, gpu, cpu):
+            break
+        await asyncio.sleep(0.001)
+    else:
+        pytest.fail(f"the move never reached {moment}")
+    await bus.publish(subjects.ABORT, Abort(request_id=rid, reason="test"))
+    try:
+        await moving
+    except RemoteError as e:
+        assert e.code == "not_found", e
+    for _ in range(30):  # wherever it was when the Abort came, it ends everywhere
+        if idle(gpu, cpu):
+            break
+        await asyncio.sleep(0.1)
+    assert idle(gpu, cpu), (gpu.engine.engine.seqs, cpu.engine.engine.seqs, gpu.held, cpu.held)
+    n = len(s.chunks)
+    await asyncio.sleep(0.5)
+    assert len(s.chunks) == n and sum(len(c.token_ids) for c in s.chunks) < 100  # nothing ran on
+    s.task.cancel()
+    await s.sub.unsubscribe()
