@@ -1,6 +1,6 @@
 """``tandem bench tiers``: a mixed agent workload with the SLA tiers on vs one FIFO queue.
 
-    tandem bench tiers [--batch-sessions 6] [--turns 4] [--interactive 16] [--rate 0.5]
+    tandem bench tiers [--batch-sessions 4] [--turns 3] [--interactive 12] [--rate 0.5]
                        [--max-tokens 32] [--interactive-tokens 16] [--policies fifo sla] [--json F]
 
 For each router policy in turn, the same stack (``tandem up --prefill 0 --gpu-decode 1
@@ -44,10 +44,10 @@ POLICIES = ("fifo", "sla")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
                    help="router policies to compare, in this order (default: fifo sla)")
-    p.add_argument("--batch-sessions", type=int, default=6, help="background agent sessions (default 6)")
-    p.add_argument("--turns", type=int, default=4, help="turns per agent session (default 4)")
-    p.add_argument("--turn-words", type=int, default=150, help="words a tool result adds per turn (default 150)")
-    p.add_argument("--interactive", type=int, default=16, help="interactive requests (default 16)")
+    p.add_argument("--batch-sessions", type=int, default=4, help="background agent sessions (default 4)")
+    p.add_argument("--turns", type=int, default=3, help="turns per agent session (default 3)")
+    p.add_argument("--turn-words", type=int, default=100, help="words a tool result adds per turn (default 100)")
+    p.add_argument("--interactive", type=int, default=12, help="interactive requests (default 12)")
     p.add_argument("--rate", type=float, default=0.5, help="interactive arrivals per second (default 0.5)")
     p.add_argument("--max-tokens", type=int, default=32, help="batch output tokens per turn (default 32)")
     p.add_argument("--interactive-tokens", type=int, default=16,

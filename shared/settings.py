@@ -84,9 +84,12 @@ class WorkerSettings:
     kv_budget_mb: int = _env("TANDEM_KV_BUDGET_MB", 512, "KV cache memory budget in MiB")
     max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
     step_tokens: int = _env("TANDEM_STEP_TOKENS", 0, "tokens per engine step (prefill chunk budget); 0 = "
-                            "128 on CPU (a step stalls every stream in the engine), 512 on CUDA")
+                            "64 on CPU (a step stalls every stream in the engine), 512 on CUDA")
     shared_step_tokens: int = _env("TANDEM_SHARED_STEP_TOKENS", 0, "prefill tokens of worse tiers per step "
-                                   "while interactive work runs; 0 = 32 on CPU, 64 on CUDA")
+                                   "while interactive work runs; 0 = 8 on CPU, 64 on CUDA")
+    guest_step_tokens: int = _env("TANDEM_GUEST_STEP_TOKENS", 0, "prefill tokens of standard/batch work per step "
+                                  "on a gpu-decode worker (overflow guests of the interactive pool); 0 = 16 "
+                                  "when it runs on the CPU, no cap on CUDA")
     heartbeat_interval: float = _env("TANDEM_HEARTBEAT_INTERVAL", 2.0, "seconds between heartbeats")
     metrics_port: int = _env("TANDEM_METRICS_PORT", 0, "Prometheus /metrics HTTP port of a worker or "
                              "router (the gateway uses its own port); 0 = a free one (in heartbeats), -1 = off")
@@ -101,7 +104,8 @@ class WorkerSettings:
                 raise ValueError(f"TANDEM_WORKER_ID: {e}") from None
         for name, var in (("threads", "TANDEM_THREADS"), ("kv_blocks", "TANDEM_KV_BLOCKS"),
                           ("max_context", "TANDEM_MAX_CONTEXT"), ("step_tokens", "TANDEM_STEP_TOKENS"),
-                          ("shared_step_tokens", "TANDEM_SHARED_STEP_TOKENS")):
+                          ("shared_step_tokens", "TANDEM_SHARED_STEP_TOKENS"),
+                          ("guest_step_tokens", "TANDEM_GUEST_STEP_TOKENS")):
             if getattr(self, name) < 0:
                 raise ValueError(f"{var} must be >= 0")
         if 0 < self.step_tokens < 64:

@@ -46,6 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     swap_bytes: int = 256 << 20         # host memory for preempted sequences' KV (0: recompute)
     interactive_step_tokens: int = 64   # prefill tokens of worse tiers per step while interactive work runs
+    worse_step_tokens: int | None = None  # prefill tokens of worse tiers per step, always (None: no cap)
 
     def validate(self) -> "EngineConfig":
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -101,7 +102,8 @@ class Engine:
             self.kv = torch.zeros((num_blocks, *self.layout.block_shape), dtype=KV_DTYPE, device=self.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.kv, config.swap_bytes, config.interactive_step_tokens)
+                                   self.kv, config.swap_bytes, config.interactive_step_tokens,
+                                   config.worse_step_tokens)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
         # Called (on the engine's thread) with (request_id, token_ids, kv bytes) when a request

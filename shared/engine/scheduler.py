@@ -36,7 +36,8 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 kv: torch.Tensor, swap_bytes: int, interactive_step_tokens: int | None = None):
+                 kv: torch.Tensor, swap_bytes: int, interactive_step_tokens: int | None = None,
+                 worse_step_tokens: int | None = None):
         self.blocks = blocks
         self.kv = kv                    # the engine's KV tensor (kv_cache.py layout)
         self.swap_bytes = swap_bytes    # host memory for preempted sequences' KV
@@ -46,6 +47,9 @@ class Scheduler:
         # while interactive work is in the engine, worse tiers' prefill gets at most this many
         # tokens of a step, so that the step (the interactive TTFT and TPOT) stays short
         self.shared_step_tokens = max_num_batched_tokens if interactive_step_tokens is None else interactive_step_tokens
+        # worse tiers' prefill per step at any time: guests on a latency worker run in small slices,
+        # so an interactive arrival waits at most one short step
+        self.worse_step_tokens = max_num_batched_tokens if worse_step_tokens is None else worse_step_tokens
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,7 +106,8 @@ class Scheduler:
         """This step's chunks: every running decode (one token each, best tier first), then
         prefill chunks of running and waiting sequences in tier order, so a better tier's
         prompt is never held back behind a worse tier's long prefill; while interactive work is
-        in the engine, worse tiers' prefill shares at most ``shared_step_tokens`` of the step."""
+        in the engine, worse tiers' prefill shares at most ``shared_step_tokens`` of the step (and
+        ``worse_step_tokens`` at any time)."""
         budget = self.max_tokens
         out: list[ScheduledChunk] = []
         # Every sequence slot taken and a better tier waiting: the worst running sequence makes
@@ -120,7 +125,7 @@ class Scheduler:
         admitting = True  # waiting sequences are admitted in queue order until one does not fit
         queue = sorted(prefills + self.waiting, key=Sequence.sort_key)
         interactive = any(s.priority == INTERACTIVE_PRIORITY for s in running + queue)
-        worse_left = self.shared_step_tokens if interactive else budget
+        worse_left = min(self.shared_step_tokens if interactive else budget, self.worse_step_tokens)
         for seq in queue:
             allowed = budget if seq.priority == INTERACTIVE_PRIORITY else min(budget, worse_left)
             if allowed == 0:
