@@ -62,6 +62,7 @@ class WorkerView:
     beat: Heartbeat
     seen: float                    # router's clock when the last heartbeat arrived
     pending: dict[str, int] = field(default_factory=dict)  # tier -> routed here since that beat
+    routed: list = field(default_factory=list)  # [request id, session id, tier] routed here since it
 
     def alive(self, now: float) -> bool:
         return self.beat.ready and now - self.seen <= LIVENESS_FACTOR * self.beat.interval
@@ -76,6 +77,11 @@ class WorkerView:
 
     def load(self) -> int:
         return self.beat.queue_depth + self.beat.running + sum(self.pending.values())
+
+    def held(self) -> list:
+        """The requests this worker holds: its heartbeat's, and those routed here since."""
+        seen = {r[0] for r in self.beat.requests}
+        return self.beat.requests + [r for r in self.routed if r[0] not in seen]
 
     def waiting(self, tier: str) -> int:
         return self.beat.waiting_by_tier.get(tier, 0) + self.pending.get(tier, 0)
@@ -234,7 +240,7 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
         return min(pool, key=lambda w: (w.load() + taken.get(w.id, 0), -w.beat.free_kv_blocks, w.id))
 
     for w in live:
-        for rid, sid, tier in w.beat.requests:
+        for rid, sid, tier in w.held():
             s = sessions.get(sid) if sid else None
             if rid in moving or s is None or s.tier is None or s.tier == tier:
                 continue  # only a tier change moves a request (overflow placements stay put)
@@ -254,7 +260,7 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
             free = w.beat.free_kv_blocks / w.beat.total_kv_blocks
             if free >= limits.pressure_free:
                 continue
-            cands = [(TIER_PRIORITY[tier], rid, sid, tier) for rid, sid, tier in w.beat.requests
+            cands = [(TIER_PRIORITY[tier], rid, sid, tier) for rid, sid, tier in w.held()
                      if tier != "interactive" and rid not in moving and rid not in planned]
             t = target(subjects.CPU_DECODE)
             if cands and t is not None:

@@ -121,6 +121,7 @@ class Router:
         w = self.workers.get(plan.decode_worker)
         if w is not None and plan.reason.split(":")[0] not in ("promote", "demote"):
             w.pending[plan.tier] = w.pending.get(plan.tier, 0) + 1
+            w.routed.append([plan.request_id, plan.session_id or "", plan.tier])
         s = self._session(plan.session_id)
         if s is not None:
             s.worker, s.last = plan.decode_worker, now
@@ -161,7 +162,7 @@ class Router:
         await self.bus.publish(subjects.ROUTER_DECISION, SessionState(
             session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=[], router=self.worker_id))
         done = await self._run_moves(self._plan_moves(upd.session_id, pressure=False))
-        running = [rid for w in self.workers.values() for rid, sid, _ in w.beat.requests if sid == upd.session_id]
+        running = [rid for w in self.workers.values() for rid, sid, _ in w.held() if sid == upd.session_id]
         log.info("session %s -> %s: %d request(s) moved", upd.session_id, upd.tier, len(done))
         return SessionState(session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=running,
                             moved=done, reason=f"tier {upd.tier}", router=self.worker_id)
@@ -195,6 +196,7 @@ class Router:
         src = self.workers.get(m.source)
         if src is not None:  # until the next heartbeats say so
             src.beat.requests = [r for r in src.beat.requests if r[0] != m.request_id]
+            src.routed = [r for r in src.routed if r[0] != m.request_id]
         m.target.beat.requests = [*m.target.beat.requests, [m.request_id, m.session_id, m.tier]]
         plan = RoutePlan(request_id=m.request_id, prefill_worker=None, decode_worker=m.target.id,
                          decode_role=m.target.role, tier=m.tier, session_id=m.session_id or None,

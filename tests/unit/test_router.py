@@ -139,6 +139,13 @@ def test_promotion_and_demotion_follow_the_session_tier():
     assert moves == {"r-cpu": ("c1", "g1", "interactive"), "r-gpu": ("g1", "c1", "batch")}
 
 
+def test_requests_routed_since_the_last_heartbeat_move_too():
+    cpu = w("c1", "cpu-decode")
+    cpu.routed.append(["r-new", "s1", "batch"])   # routed a moment ago, not in a heartbeat yet
+    moves = rebalance([GPU, cpu], {"s1": SessionView(tier="interactive", last=NOW)}, NOW)
+    assert [(m.request_id, m.source, m.target.id) for m in moves] == [("r-new", "c1", "g1")]
+
+
 def test_no_move_without_a_tier_change_or_while_moving():
     workers = [w("g1", "gpu-decode", requests=[("r1", "s1", "batch")]), CPU]   # batch overflowed to GPU
     assert rebalance(workers, {"s1": SessionView(tier="batch", last=NOW)}, NOW) == []
