@@ -119,7 +119,7 @@ class Router:
     def _apply(self, plan: RoutePlan, now: float) -> None:
         """A decision (ours or another copy's): the load it adds, the session it moves."""
         w = self.workers.get(plan.decode_worker)
-        if w is not None and plan.reason.split(":")[0] not in ("promote", "demote"):
+        if w is not None and not plan.moved_from:
             w.pending[plan.tier] = w.pending.get(plan.tier, 0) + 1
             w.routed.append([plan.request_id, plan.session_id or "", plan.tier])
         s = self._session(plan.session_id)
@@ -200,7 +200,7 @@ class Router:
         m.target.beat.requests = [*m.target.beat.requests, [m.request_id, m.session_id, m.tier]]
         plan = RoutePlan(request_id=m.request_id, prefill_worker=None, decode_worker=m.target.id,
                          decode_role=m.target.role, tier=m.tier, session_id=m.session_id or None,
-                         router=self.worker_id,
+                         router=self.worker_id, moved_from=m.source,
                          reason=f"{m.reason}; moved {reply.num_tokens} tokens of KV from {m.source} in "
                                 f"{reply.seconds * 1e3:.0f} ms over {reply.path}")
         self._apply(plan, time.monotonic())

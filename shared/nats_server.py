@@ -11,6 +11,7 @@ Life cycle: find binary -> pick a free loopback port -> start ``-js -sd <tmpdir>
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class EmbeddedNats:
         self.extra_args = list(extra_args or [])  # e.g. ["--user", "u", "--pass", "p"]
         self.startup_timeout = startup_timeout    # seconds to wait for it to accept connections
         self.log_file = log_file                  # server output; None: discarded
+        self.name = ""                            # the server name it is started with (-n)
         self.store_dir: Path | None = None
         self.proc: subprocess.Popen | None = None
         self._log_fh = None
@@ -88,8 +91,9 @@ class EmbeddedNats:
 
     def _start_once(self, binary: Path) -> str:
         self.store_dir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
+        self.name = f"tandem-{uuid.uuid4().hex[:12]}"
         cmd = [str(binary), "-js", "-sd", str(self.store_dir), "-a", self.host,
-               "-p", str(self.port), *self.extra_args]
+               "-p", str(self.port), "-n", self.name, *self.extra_args]
         out = subprocess.DEVNULL
         if self.log_file is not None:
             self._log_fh = open(self.log_file, "ab")
@@ -105,8 +109,11 @@ class EmbeddedNats:
                 raise RuntimeError(f"nats-server exited with code {code} during start-up "
                                    f"(command: {' '.join(cmd)})")
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
+                if self._answers_as_ours():
                     break
+            except RuntimeError:
+                self.stop()
+                raise
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
@@ -114,6 +121,24 @@ class EmbeddedNats:
                                        f"{self.port} within {self.startup_timeout}s") from None
                 time.sleep(0.05)
         return self.url
+
+    def _answers_as_ours(self) -> bool:
+        """Whether the server on our port is this child (its INFO names it). A port taken
+        between the probe and the bind would otherwise hand out another server's URL."""
+        with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+            s.settimeout(2.0)
+            line = b""
+            while not line.endswith(b"\r\n") and len(line) < 65536:
+                chunk = s.recv(4096)
+                if not chunk:
+                    raise OSError("connection closed before INFO")
+                line += chunk
+        if not line.startswith(b"INFO "):
+            raise OSError(f"not a NATS server on port {self.port}")
+        name = json.loads(line[5:].strip()).get("server_name")
+        if name != self.name:
+            raise RuntimeError(f"port {self.port} is served by another nats-server ({name!r})")
+        return True
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, wait, then kill; remove the store directory. Safe to call twice."""

@@ -132,6 +132,7 @@ class RoutePlan:
     cached_tokens: int = 0      # prompt tokens the chosen path finds cached (worker or pool)
     cached_at: str = ""         # where: a worker id, "pool", or "" (nothing cached)
     router: str = ""            # the router copy that decided
+    moved_from: str = ""        # a move of a running request: the worker it left ("" = a placement)
 
 
 @message("MigrateRequest", 1)

@@ -216,7 +216,8 @@ async def test_close_lets_running_handler_finish(private_nats):
 
     await server.serve("tandem.test.drain", handler)
     pending = asyncio.create_task(client.request("tandem.test.drain", Abort("r6"), timeout=5))
-    await started.wait()
+    await asyncio.wait({pending, asyncio.ensure_future(started.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    assert started.is_set(), f"the handler never ran: {pending.exception() if pending.done() else 'no reply yet'}"
     await server.close()
     assert (await pending) == Ack(request_id="r6")
     await client.close()
