@@ -9,7 +9,7 @@
 - transfers per path (tcp, tcp+zstd, shm, and rdma where ``nixl`` imports), each warmed up and timed
   alternating with a raw-socket transfer, against a raw memcpy
   and a raw socket of the same bytes, GB/s, with the process CPU seconds each took (sender and
-  receiver share the process), one-thread blake3, and the raw socket hashing every 1 MiB slice
+  receiver share the process), the wire checksum on one thread, and the raw socket hashing every 1 MiB slice
   on both ends (the ceiling for a path that checksums every byte).
   ``--transfers-only`` runs just these (seconds instead of minutes).
 """
