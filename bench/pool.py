@@ -157,7 +157,7 @@ async def _transfers(nbytes: int) -> list[dict]:
     t = _best(lambda: _hash(algo, payload))
     rows.append({"bench": "transfer", "path": f"{algo} (1 thread)", "GBps": nbytes / t / 1e9})
     rows.append({"bench": "transfer", "path": f"raw socket + {algo}",
-                 "GBps": nbytes / _raw_socket_hashed(payload, algo) / 1e9})
+                 "GBps": nbytes / _raw_socket(payload, buf=raw_buf, algo=algo) / 1e9})
     rx_loop = asyncio.new_event_loop()
     rx_thread = threading.Thread(target=rx_loop.run_forever, name="bench-receiver", daemon=True)
     rx_thread.start()
@@ -201,19 +201,31 @@ async def _transfers(nbytes: int) -> list[dict]:
     return rows
 
 
-def _raw_socket(payload: bytes, reps: int = TRANSFER_REPS, buf: bytearray | None = None) -> float:
-    """Best of ``reps``: blocking sendall / recv_into over loopback, no framing, no checksum,
-    into ``buf`` (pass one already written to: no page faults, like the paths' pooled buffers)."""
+def _raw_socket(payload: bytes, reps: int = TRANSFER_REPS, buf: bytearray | None = None,
+                algo: str | None = None, segment: int = MiB) -> float:
+    """Best of ``reps``: blocking sendall / recv_into over loopback, no framing, into ``buf``
+    (pass one already written to: no page faults, like the paths' pooled buffers). With
+    ``algo``: in ``segment`` slices, each hashed just before it is sent and just after it lands —
+    the ceiling for any path that checksums every byte on both ends, with no framing, pools or
+    event loop."""
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
     buf = bytearray(payload) if buf is None else buf
+    n, src = len(payload), memoryview(payload)
+    seg = segment if algo else n
+    digests = []
 
     def serve():
         for _ in range(reps):
             c, _ = srv.accept()
-            view, got = memoryview(buf), 0
-            while got < len(buf):
-                got += c.recv_into(view[got:])
+            view, got, hashed, h = memoryview(buf), 0, 0, Hasher(algo) if algo else None
+            while got < n:
+                got += c.recv_into(view[got:min(got + seg, n)])
+                if h is not None and (got - hashed >= seg or got == n):
+                    h.update(view[hashed:got])
+                    hashed = got
+            if h is not None:
+                digests.append(h.digest())
             c.sendall(b"k")
             c.close()
 
@@ -222,12 +234,19 @@ def _raw_socket(payload: bytes, reps: int = TRANSFER_REPS, buf: bytearray | None
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
+        h = Hasher(algo) if algo else None
         with socket.create_connection(("127.0.0.1", port)) as s:
-            s.sendall(payload)
+            for off in range(0, n, seg):
+                if h is not None:
+                    h.update(src[off:off + seg])
+                s.sendall(src[off:off + seg])
             s.recv(1)
         best = min(best, time.perf_counter() - t0)
+        if h is not None:
+            digests.append(h.digest())
     th.join()
     srv.close()
+    assert len(set(digests)) <= 1, f"raw socket + {algo}: digests differ"
     return best
 
 
@@ -237,46 +256,6 @@ def _hash(algo: str, data) -> bytes:
     return h.digest()
 
 
-def _raw_socket_hashed(payload: bytes, algo: str, segment: int = MiB) -> float:
-    """Best of TRANSFER_REPS: the raw socket's sendall / recv_into in ``segment`` slices, each slice hashed
-    (``algo``, one thread) just before it is sent and just after it lands — the ceiling for any
-    path that checksums every byte on both ends, with no framing, pools or event loop."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
-    buf = bytearray(len(payload))
-    n, src = len(payload), memoryview(payload)
-    digests = []
-
-    def serve():
-        for _ in range(TRANSFER_REPS):
-            c, _ = srv.accept()
-            view, got, hashed, h = memoryview(buf), 0, 0, Hasher(algo)
-            while got < n:
-                got += c.recv_into(view[got:min(got + segment, n)])
-                if got - hashed >= segment or got == n:
-                    h.update(view[hashed:got])
-                    hashed = got
-            digests.append(h.digest())
-            c.sendall(b"k")
-            c.close()
-
-    th = threading.Thread(target=serve)
-    th.start()
-    best = float("inf")
-    for _ in range(TRANSFER_REPS):
-        t0 = time.perf_counter()
-        h = Hasher(algo)
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            for off in range(0, n, segment):
-                h.update(src[off:off + segment])
-                s.sendall(src[off:off + segment])
-            s.recv(1)
-        best = min(best, time.perf_counter() - t0)
-        digests.append(h.digest())
-    th.join()
-    srv.close()
-    assert len(set(digests)) == 1, f"raw socket + {algo}: digests differ"
-    return best
 
 
 def _print(rows: list[dict]) -> list[dict]:

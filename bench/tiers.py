@@ -35,7 +35,7 @@ import time
 
 from bench import report
 from bench.loadgen import RequestResult, client_for, make_jobs, percentile, send, served_model
-from bench.serve import Server, bench_env
+from bench.serve import Server, bench_env, run_cli
 from shared.nats_server import free_port
 
 POLICIES = ("fifo", "sla")
@@ -191,9 +191,4 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        out = run(args)
-    except (ValueError, RuntimeError, TimeoutError) as e:
-        sys.stderr.write(f"bench tiers: {e}\n")
-        return 1
-    return 0 if all(r["errors"] == 0 for r in out["runs"]) else 1
+    return run_cli("tiers", run, args)

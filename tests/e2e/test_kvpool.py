@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.test_stack import start_stack
+from tests.e2e.test_stack import running_stack
 
 SYSTEM = ("You are a careful assistant for a shipping company. Rules: answer briefly; cite the "
           "manifest line you used; never invent a port. Manifest: ") + " ".join(
@@ -30,19 +30,9 @@ def chat(client: openai.OpenAI):
 def run_stack(nats_server, pool_dir: str, fn):
     """Run ``fn(client)`` against a fresh stack; returns (its result, the pool's log lines)."""
     env = {"TANDEM_POOL_DIR": pool_dir, "TANDEM_POOL_TIMEOUT": "60"}  # a loaded CI machine is slow
-    os.environ.update(env)
-    try:
-        s = start_stack(nats_server, ["--gpu-decode", "0"])
-    finally:
-        for k in env:
-            del os.environ[k]
-    try:
-        s.wait_healthy(300)
+    with running_stack(nats_server, ["--gpu-decode", "0"], env=env, timeout=300) as s:
         return fn(openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)), \
             [line for line in s.tail(400).splitlines() if "pool" in line.lower()]
-    finally:
-        rc = s.stop()
-        assert rc == 0, s.tail()
 
 
 def entries(pool_dir: str) -> int:

@@ -14,7 +14,7 @@ from services.migrate import migrate, to_target
 from shared import subjects
 from shared.bus import Bus
 from shared.schemas import Heartbeat, StreamChunk
-from tests.e2e.test_stack import start_stack
+from tests.e2e.test_stack import running_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,13 +24,8 @@ MAX_TOKENS = 96
 
 @pytest.fixture(scope="module")
 def stack(nats_server):
-    s = start_stack(nats_server, ["--prefill", "0"])
-    try:
-        s.wait_healthy(180)
+    with running_stack(nats_server, ["--prefill", "0"]) as s:
         yield s
-    finally:
-        rc = s.stop()
-        assert rc == 0, s.tail()
 
 
 async def chat(client: openai.AsyncOpenAI, model: str, on_chunk=None) -> tuple[str, str, str | None]:

@@ -4,6 +4,7 @@ with the official openai client over real HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -33,15 +34,26 @@ def start_stack(nats_url: str | None, extra_args=(), env: dict | None = None) ->
     return Server("stack", [sys.executable, "-m", "services.cli", "up", *extra_args], env, port)
 
 
-@pytest.fixture(scope="module")
-def stack(nats_server):
-    s = start_stack(nats_server)
+@contextlib.contextmanager
+def running_stack(nats_url: str | None, extra_args=(), env: dict | None = None, workers: dict | None = None,
+                  timeout: float = 180):
+    """A started stack, healthy (or with ``workers`` per role live); stopped cleanly after."""
+    s = start_stack(nats_url, extra_args, env)
     try:
-        s.wait_healthy(180)
+        if workers:
+            s.wait_workers(workers, timeout)
+        else:
+            s.wait_healthy(timeout)
         yield s
     finally:
         rc = s.stop()
         assert rc == 0, s.tail()
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server):
+    with running_stack(nats_server) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

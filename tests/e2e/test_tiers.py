@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_stack import start_stack
+from tests.e2e.test_stack import running_stack
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 FLOOD = "Summarize the history of the printing press in detail. " * 12
@@ -21,14 +21,9 @@ FLOOD = "Summarize the history of the printing press in detail. " * 12
 
 @pytest.fixture(scope="module")
 def stack(nats_server):
-    s = start_stack(nats_server, ["--prefill", "0", "--gpu-decode", "1", "--cpu-decode", "1", "--kvpool", "0"],
-                    env={"TANDEM_QUEUE_BATCH": "3"})
-    try:
-        s.wait_workers({"gpu-decode": 1, "cpu-decode": 1}, 180)
+    with running_stack(nats_server, ["--prefill", "0", "--gpu-decode", "1", "--cpu-decode", "1", "--kvpool", "0"],
+                       env={"TANDEM_QUEUE_BATCH": "3"}, workers={"gpu-decode": 1, "cpu-decode": 1}) as s:
         yield s
-    finally:
-        rc = s.stop()
-        assert rc == 0, s.tail()
 
 
 @pytest.fixture(scope="module")
