@@ -14,7 +14,8 @@ Policies:
   each falls back to the other pool when its own has no open worker; standard and batch
   overflow to the GPU pool when every CPU worker is ``OVERFLOW`` requests busier and the GPU has
   no interactive work waiting — the GPU engine's scheduler preempts them when interactive work
-  comes). In the pool: the session's worker when it is not much busier than the best
+  comes; a session that overflowed stays on its GPU worker while that is no busier than the
+  best CPU worker and has no interactive work waiting, as going back recomputes its context). In the pool: the session's worker when it is not much busier than the best
   (affinity), else the worker holding the longest cached prefix among the nearly least loaded,
   else the least loaded. Admission: each tier has a bounded queue across its pools; full ->
   "overloaded" with a Retry-After estimate.
@@ -61,8 +62,23 @@ class Limits:
 class WorkerView:
     beat: Heartbeat
     seen: float                    # router's clock when the last heartbeat arrived
-    pending: dict[str, int] = field(default_factory=dict)  # tier -> routed here since that beat
-    routed: list = field(default_factory=list)  # [request id, session id, tier] routed here since it
+    routed: list = field(default_factory=list)  # [request id, session id, tier, router clock] routed
+                                                # here and not in a heartbeat yet
+
+    def renewed(self, beat: Heartbeat, now: float) -> WorkerView:
+        """The view after a new heartbeat. A request routed here less than one heartbeat interval
+        ago that the beat does not list may still be on its way (the beat was built before it
+        arrived): it stays counted until the next beat, which was built after it arrived."""
+        listed = {r[0] for r in beat.requests}
+        return WorkerView(beat, now, [r for r in self.routed if r[0] not in listed and now - r[3] < beat.interval])
+
+    @property
+    def pending(self) -> dict[str, int]:
+        """Tier -> requests routed here that no heartbeat lists yet."""
+        out: dict[str, int] = {}
+        for r in self.routed:
+            out[r[2]] = out.get(r[2], 0) + 1
+        return out
 
     def alive(self, now: float) -> bool:
         return self.beat.ready and now - self.seen <= LIVENESS_FACTOR * self.beat.interval
@@ -76,12 +92,11 @@ class WorkerView:
         return self.beat.role
 
     def load(self) -> int:
-        return self.beat.queue_depth + self.beat.running + sum(self.pending.values())
+        return self.beat.queue_depth + self.beat.running + len(self.routed)
 
     def held(self) -> list:
         """The requests this worker holds: its heartbeat's, and those routed here since."""
-        seen = {r[0] for r in self.beat.requests}
-        return self.beat.requests + [r for r in self.routed if r[0] not in seen]
+        return self.beat.requests + [r[:3] for r in self.routed]
 
     def waiting(self, tier: str) -> int:
         return self.beat.waiting_by_tier.get(tier, 0) + self.pending.get(tier, 0)
@@ -138,7 +153,8 @@ def admit(req: RouteRequest, tier: str, pool: list[WorkerView], limit: int) -> N
                        retry_after=_retry_after(pool, tier, req.max_tokens))
 
 
-def _choose_pool(tier: str, decoders: list[WorkerView]) -> tuple[list[WorkerView], str]:
+def _choose_pool(tier: str, decoders: list[WorkerView], home: WorkerView | None = None) -> tuple[list[WorkerView], str]:
+    """The pool for ``tier``; ``home``: the live worker holding the session's KV."""
     first, second = POOLS[tier]
     own = [w for w in decoders if w.role == first]
     other = [w for w in decoders if w.role == second]
@@ -146,6 +162,10 @@ def _choose_pool(tier: str, decoders: list[WorkerView]) -> tuple[list[WorkerView
         return other, f"{tier} -> {second} ({first} pool empty)"
     if tier != "interactive" and other and not any(w.waiting("interactive") for w in other):
         best_own, best_other = min(w.load() for w in own), min(w.load() for w in other)
+        if home is not None and home.role == second and home.load() <= best_own:
+            # an overflowed session stays where its KV is while that is no busier: going back
+            # would recompute its whole context
+            return other, f"{tier} -> {second} (session's KV on {home.id}, load {home.load()} <= {first} {best_own})"
         if best_own >= best_other + OVERFLOW:
             return other, f"{tier} -> {second} (overflow: {first} load {best_own}, {second} {best_other})"
     return own, f"{tier} -> {first}"
@@ -189,7 +209,8 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
         decode = min(decoders, key=WorkerView.key)
         why = f"fifo -> {decode.id} (least loaded)"
     else:
-        pool, why = _choose_pool(tier, decoders)
+        home = next((w for w in decoders if session is not None and w.id == session.worker), None)
+        pool, why = _choose_pool(tier, decoders, home)
         admit(req, tier, decoders, limits.queue[tier])
         decode, pick = _pick(pool, cached, session)
         why += f" {decode.id} ({pick})"

@@ -84,7 +84,8 @@ class Router:
     # ---- what the router knows -------------------------------------------------------
     async def _watch(self, beats) -> None:
         async for beat in beats:
-            self.workers[beat.worker_id] = WorkerView(beat, time.monotonic())
+            old, now = self.workers.get(beat.worker_id), time.monotonic()
+            self.workers[beat.worker_id] = old.renewed(beat, now) if old else WorkerView(beat, now)
 
     def _live(self, now: float) -> list[WorkerView]:
         for wid, w in list(self.workers.items()):
@@ -120,8 +121,7 @@ class Router:
         """A decision (ours or another copy's): the load it adds, the session it moves."""
         w = self.workers.get(plan.decode_worker)
         if w is not None and not plan.moved_from:
-            w.pending[plan.tier] = w.pending.get(plan.tier, 0) + 1
-            w.routed.append([plan.request_id, plan.session_id or "", plan.tier])
+            w.routed.append([plan.request_id, plan.session_id or "", plan.tier, now])
         s = self._session(plan.session_id)
         if s is not None:
             s.worker, s.last = plan.decode_worker, now
@@ -159,18 +159,23 @@ class Router:
         """POST /v1/sessions/{id}: set the session's tier; its running requests move now."""
         s = self._session(upd.session_id)
         s.tier, s.last = upd.tier, time.monotonic()
+        moves = self._plan_moves(upd.session_id, pressure=False)  # before any await: the tick cannot take them
         await self.bus.publish(subjects.ROUTER_DECISION, SessionState(
             session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=[], router=self.worker_id))
-        done = await self._run_moves(self._plan_moves(upd.session_id, pressure=False))
+        done = await self._run_moves(moves)
         running = [rid for w in self.workers.values() for rid, sid, _ in w.held() if sid == upd.session_id]
         log.info("session %s -> %s: %d request(s) moved", upd.session_id, upd.tier, len(done))
         return SessionState(session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=running,
                             moved=done, reason=f"tier {upd.tier}", router=self.worker_id)
 
     def _plan_moves(self, session_id: str | None, pressure: bool) -> list[Move]:
+        """Moves to make now (of ``session_id``'s requests, or all); they count as moving at once,
+        so a second plan made before they run leaves them alone."""
         now = time.monotonic()
         moves = rebalance(self._live(now), self.sessions, now, self.limits, self.moving, pressure)
-        return [m for m in moves if session_id is None or m.session_id == session_id]
+        moves = [m for m in moves if session_id is None or m.session_id == session_id]
+        self.moving.update(m.request_id for m in moves)
+        return moves
 
     def _spawn_moves(self, session_id: str | None, pressure: bool) -> None:
         moves = self._plan_moves(session_id, pressure)
@@ -184,7 +189,6 @@ class Router:
         return [d for d in done if d is not None]
 
     async def _move(self, m: Move) -> dict | None:
-        self.moving.add(m.request_id)
         t0 = time.monotonic()
         try:
             reply = await migrate(self.bus, m.source, to_target(m.request_id, m.target.beat, m.tier, m.reason))

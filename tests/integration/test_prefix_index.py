@@ -116,12 +116,24 @@ async def wait_seq(feed: IndexFeed, seq: int, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def last_seq(bus: Bus, *pubs: KVEventPublisher) -> int:
-    """The stream's last sequence once ``pubs`` sent everything."""
+async def last_seq(bus: Bus, *pubs: KVEventPublisher, timeout: float = 20.0) -> int:
+    """The stream's last sequence once it holds every event ``pubs`` numbered (all the stream's
+    publishers, closed ones included). JetStream stores a plain publish after the server answered
+    the flush, so the stream is polled until the count is reached, and must not pass it."""
     for p in pubs:
-        await p.drain()
+        if p._task is not None:
+            await p.drain()
     await bus.flush()
-    return (await bus.nc.jetstream().stream_info("TANDEM_KVEVENTS")).state.last_seq
+    want = sum(p.seq for p in pubs)
+    assert not any(p.failed for p in pubs)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        state = (await bus.nc.jetstream().stream_info("TANDEM_KVEVENTS")).state
+        if state.messages >= want or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    assert state.messages == want, f"the stream holds {state.messages} events, the publishers sent {want}"
+    return state.last_seq
 
 
 async def test_router_restart_rebuilds_the_prefix_index(nats_js):
@@ -165,7 +177,7 @@ async def test_router_restart_rebuilds_the_prefix_index(nats_js):
         await w2b.start()
         w2b.add(stored=[key(5000), key(5001)])
         await asyncio.sleep(0)
-        s2 = await last_seq(pubs_bus, w1, w2b, pool)
+        s2 = await last_seq(pubs_bus, w1, w2, w2b, pool)
         assert s2 > s1 + 30
 
         feed_b = IndexFeed(b_bus, PrefixIndex())                      # the new router: a fresh index
@@ -177,7 +189,7 @@ async def test_router_restart_rebuilds_the_prefix_index(nats_js):
         assert ref_ix.keys_of("gpu-1") == {key(5000), key(5001)}       # the restart emptied it first
 
         w1.add(stored=[key(9999)], evicted=[key(207)])                # and both go on live alike
-        s3 = await last_seq(pubs_bus, w1)
+        s3 = await last_seq(pubs_bus, w1, w2, w2b, pool)
         await wait_seq(feed_b, s3)
         await wait_seq(ref, s3)
         assert state(feed_b.index) == state(ref_ix)

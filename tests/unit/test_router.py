@@ -17,7 +17,8 @@ def w(wid, role, *, queue=0, running=0, free=100, total=100, device="cpu", ctx=8
                      running=running, free_kv_blocks=free, total_kv_blocks=total, max_context=ctx,
                      data_host="127.0.0.1", data_port=port, ts=0.0, interval=1.0,
                      waiting_by_tier=waiting or {}, tpot_ms=tpot, requests=[list(r) for r in requests])
-    return WorkerView(beat, seen, dict(pending or {}))
+    routed = [[f"p-{tier}-{i}", "", tier, seen] for tier, n in (pending or {}).items() for i in range(n)]
+    return WorkerView(beat, seen, routed)
 
 
 def req(tier="standard", n=100, session=None, max_tokens=16):
@@ -41,6 +42,12 @@ BUSY_CPU = w("c1", "cpu-decode", running=4)
     ("batch", [GPU, BUSY_CPU], {}, None, "g1", None),
     ("batch", [w("g1", "gpu-decode", waiting={"interactive": 1}, queue=1), BUSY_CPU], {}, None, "c1", None),
     ("batch", [w("g1", "gpu-decode", running=3), BUSY_CPU], {}, None, "c1", None),  # GPU busy too
+    # an overflowed session stays with its KV on the GPU while that is no busier and has no
+    # interactive work waiting
+    ("batch", [GPU, w("c1", "cpu-decode", running=1)], {}, SessionView(worker="g1"), "g1", None),
+    ("batch", [w("g1", "gpu-decode", running=1), CPU], {}, SessionView(worker="g1"), "c1", None),
+    ("batch", [w("g1", "gpu-decode", waiting={"interactive": 1}, queue=1), BUSY_CPU], {}, SessionView(worker="g1"),
+     "c1", None),
     # load inside the pool
     ("standard", [CPU, CPU2], {}, None, "c1", None),              # least loaded wins
     ("standard", [CPU2, w("c3", "cpu-decode", running=3, free=200)], {}, None, "c3", None),  # tie: more free KV
@@ -141,9 +148,20 @@ def test_promotion_and_demotion_follow_the_session_tier():
 
 def test_requests_routed_since_the_last_heartbeat_move_too():
     cpu = w("c1", "cpu-decode")
-    cpu.routed.append(["r-new", "s1", "batch"])   # routed a moment ago, not in a heartbeat yet
+    cpu.routed.append(["r-new", "s1", "batch", NOW])   # routed a moment ago, not in a heartbeat yet
     moves = rebalance([GPU, cpu], {"s1": SessionView(tier="interactive", last=NOW)}, NOW)
     assert [(m.request_id, m.source, m.target.id) for m in moves] == [("r-new", "c1", "g1")]
+
+
+def test_a_routed_request_outlives_a_heartbeat_built_before_it_arrived():
+    cpu = w("c1", "cpu-decode")
+    cpu.routed.append(["r-new", "s1", "batch", NOW])
+    early = cpu.renewed(w("c1", "cpu-decode").beat, NOW + 0.1)       # the beat does not list it yet
+    assert early.held() == [["r-new", "s1", "batch"]] and early.load() == 1 and early.pending == {"batch": 1}
+    listed = early.renewed(w("c1", "cpu-decode", running=1, requests=[("r-new", "s1", "batch")]).beat, NOW + 1.1)
+    assert listed.routed == [] and listed.held() == [["r-new", "s1", "batch"]] and listed.load() == 1
+    gone = early.renewed(w("c1", "cpu-decode").beat, NOW + 1.1)       # finished before any beat listed it
+    assert gone.held() == [] and gone.load() == 0
 
 
 def test_no_move_without_a_tier_change_or_while_moving():
