@@ -9,19 +9,27 @@
 // Threads: ONE OpenMP team for the whole step; stages are separated by barriers and every
 // stage splits its work into items whose arithmetic does not depend on which thread runs them
 // (matmul: 4-row weight tiles; norms / activations: rows; rope + KV write: (token, head);
-// attention: (token, query head), dealt round-robin because causal rows differ in length).
-// So the result is bitwise the same for any thread count, and a sequence's numbers do not
-// depend on its batch neighbours.
+// attention: (query-row tile of a chunk, kv head), dealt round-robin because causal tiles
+// differ in length). So the result is bitwise the same for any thread count, and a sequence's
+// numbers do not depend on its batch neighbours. Attention goes further: a row's arithmetic
+// does not depend on its tile either, so a token gets the same bits whether its sequence is
+// prefilled in one pass, in chunks, or decoded a token at a time.
 //
 // Vector code: the element-wise loops below are written over fixed 16-lane accumulators with
 // explicit fma and no reassociation; `target_clones` builds them for AVX-512, AVX2+FMA and
 // baseline x86-64, and the vectoriser may not reorder them (-ffp-contract=off, no fast-math),
-// so every clone gives the same bits.
+// so every clone gives the same bits. Where the vectoriser would not (fp16 -> f32 loads), the
+// code picks an intrinsics path at run time; those steps are exact, so the path changes no bit.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -146,46 +154,186 @@ TQ_CLONES void to_half(const float* x, uint16_t* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = f2h(x[i]);
 }
 
-// One query head over keys/values 0..L-1 of its sequence, read in place from the paged cache.
-// k(j) = kv + table[j / bs] * block_stride + (j % bs) * slot_stride (v at + v_off).
-TQ_CLONES void attend(const float* q, const uint16_t* kv, const int64_t* table, int64_t L, int64_t bs,
-                      int64_t block_stride, int64_t slot_stride, int64_t v_off, int64_t hd,
-                      float scale, float* scores, float* out) {
-    float m = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) {
-        const uint16_t* k = kv + table[j / bs] * block_stride + (j % bs) * slot_stride;
-        float acc[LANES] = {};
-        for (int64_t d = 0; d < hd; d += LANES)
-            for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[d + l], h2f(k[d + l]), acc[l]);
-        const float s = hsum16(acc) * scale;
-        scores[j] = s;
-        m = s > m ? s : m;
+// ---- attention ----------------------------------------------------------------------------
+// One work item: the query rows of up to `tile` tokens of one chunk times the `group` query
+// heads sharing one kv head (row r = token i * group + head), against that sequence's keys
+// 0..pos, read in place from the paged cache in key blocks of KB at absolute positions
+// [KB*b, KB*b + KB). Per block: K and V rows converted to f32 once for all rows of the item,
+// scores as a small GEMM (lanes = query rows), an online-softmax update (lanes = rows), then
+// V accumulated (lanes = head dims). Every row's arithmetic is the same whatever tile, chunk
+// length or thread it lands in: scores are a sequential fma chain over the head dims, keys
+// past a row's position are skipped (a block with none of its keys leaves the row untouched:
+// max unchanged, alpha = exp(0) = 1 exactly), and block edges are absolute positions.
+
+constexpr int KB = 16;        // keys per attention block
+constexpr int KG = 8;         // keys per score pass (independent fma chains)
+constexpr int MAX_ROWS = 64;  // query rows per work item (tokens per item = MAX_ROWS / group)
+
+// fp16 -> f32 for n values (n a multiple of 8): exact, so which path runs does not change a bit.
+void half_row_plain(const uint16_t* in, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = h2f(in[i]);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx,f16c"))) void half_row_f16c(const uint16_t* in, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + i))));
+}
+#endif
+
+using HalfRowFn = void (*)(const uint16_t*, float*, int64_t);
+
+HalfRowFn half_row_fn() {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return half_row_f16c;
+#endif
+    return half_row_plain;
+}
+
+// dst[k][0..hd) = f32 of key/value j0 + k of one kv head for k < n (n <= KB; rows up to the
+// next multiple of KG zeroed), read through the block table; `src` points at the head in slot 0
+// of block 0 of this layer (+ v_off for V).
+void load_block(HalfRowFn cvt, const uint16_t* src, const int64_t* table, int64_t j0, int64_t n, int64_t bs,
+                int64_t block_stride, int64_t slot_stride, int64_t hd, float* dst) {
+    int64_t bi = j0 / bs, slot = j0 % bs;
+    for (int64_t k = 0; k < n; ++k) {
+        cvt(src + table[bi] * block_stride + slot * slot_stride, dst + k * hd, hd);
+        if (++slot == bs) slot = 0, ++bi;
     }
-    float sum[LANES] = {};
-    int64_t j = 0;
-    for (; j + LANES <= L; j += LANES)
-        for (int l = 0; l < LANES; ++l) {
-            scores[j + l] = exp_fixed(scores[j + l] - m);
-            sum[l] += scores[j + l];
+    std::memset(dst + n * hd, 0, ((n + KG - 1) / KG * KG - n) * hd * sizeof(float));
+}
+
+// Scores of keys k < n for the RL rows at r0 (lanes = rows); see block_scores.
+template <int RL>
+__attribute__((always_inline)) inline void block_scores_rows(const float* __restrict qt, const float* __restrict kf,
+                                                             int64_t hd, int64_t nqp, int64_t n, float scale,
+                                                             float* __restrict s) {
+    for (int k0 = 0; k0 < n; k0 += KG) {
+        float acc[KG][RL] = {};
+        for (int64_t d = 0; d < hd; ++d) {
+            const float* q = qt + d * nqp;
+            for (int k = 0; k < KG; ++k) {
+                const float kv = kf[(k0 + k) * hd + d];
+#pragma omp simd
+                for (int l = 0; l < RL; ++l) acc[k][l] = std::fma(kv, q[l], acc[k][l]);
+            }
         }
-    for (; j < L; ++j) {
-        scores[j] = exp_fixed(scores[j] - m);
-        sum[j % LANES] += scores[j];
+        for (int k = 0; k < KG; ++k)
+#pragma omp simd
+            for (int l = 0; l < RL; ++l) s[(k0 + k) * nqp + l] = acc[k][l] * scale;
     }
-    const float inv = 1.0f / hsum16(sum);
-    for (int64_t d = 0; d < hd; ++d) out[d] = 0.0f;
-    for (j = 0; j < L; ++j) {
-        const uint16_t* v = kv + table[j / bs] * block_stride + (j % bs) * slot_stride + v_off;
-        const float p = scores[j];
-        for (int64_t d = 0; d < hd; ++d) out[d] = std::fma(p, h2f(v[d]), out[d]);
+}
+
+// s[k * nqp + r] = scale * (q_r . k_k) for keys k < n (rounded up to KG), the dot a sequential
+// fma chain over d = 0..hd-1; qt is the item's queries transposed, qt[d * nqp + r]; nqp a
+// multiple of 8 (rows in 16-lane passes, then an 8-lane one: a decode item's 1 x group rows).
+TQ_CLONES void block_scores(const float* qt, const float* kf, int64_t hd, int64_t nqp, int64_t n, float scale,
+                            float* s) {
+    int64_t r0 = 0;
+    for (; r0 + LANES <= nqp; r0 += LANES) block_scores_rows<LANES>(qt + r0, kf, hd, nqp, n, scale, s + r0);
+    if (r0 < nqp) block_scores_rows<LANES / 2>(qt + r0, kf, hd, nqp, n, scale, s + r0);
+}
+
+// The softmax update for the RL rows at r0; see block_softmax.
+template <int RL>
+__attribute__((always_inline)) inline void block_softmax_rows(float* __restrict s, const int32_t* __restrict last,
+                                                              int32_t j0, int64_t n, int64_t nqp, float* __restrict m,
+                                                              float* __restrict l, float* __restrict alpha) {
+    float mx[RL], sum[RL];
+    for (int i = 0; i < RL; ++i) mx[i] = m[i];
+    for (int64_t k = 0; k < n; ++k)
+#pragma omp simd
+        for (int i = 0; i < RL; ++i) {
+            const float v = s[k * nqp + i];
+            mx[i] = j0 + k <= last[i] && v > mx[i] ? v : mx[i];
+        }
+    for (int i = 0; i < RL; ++i) {
+        alpha[i] = exp_fixed(m[i] - mx[i]);
+        sum[i] = l[i] * alpha[i];
+        m[i] = mx[i];
     }
-    for (int64_t d = 0; d < hd; ++d) out[d] *= inv;
+    for (int64_t k = 0; k < n; ++k)
+#pragma omp simd
+        for (int i = 0; i < RL; ++i) {
+            float* v = s + k * nqp + i;
+            *v = j0 + k <= last[i] ? exp_fixed(*v - mx[i]) : 0.0f;
+            sum[i] += *v;
+        }
+    for (int i = 0; i < RL; ++i) l[i] = sum[i];
+}
+
+// Online softmax over keys j0 + k, k < n, per row (lanes = rows): keys past last[r] are masked;
+// m (running max) and l (running sum) updated, alpha = exp(m_old - m_new) for rescaling the
+// output, s overwritten with the weights exp(s - m_new) (0 where masked; +0 keeps a sum exact).
+TQ_CLONES void block_softmax(float* s, const int32_t* last, int32_t j0, int64_t n, int64_t nqp, float* m, float* l,
+                             float* alpha) {
+    int64_t r0 = 0;
+    for (; r0 + LANES <= nqp; r0 += LANES)
+        block_softmax_rows<LANES>(s + r0, last + r0, j0, n, nqp, m + r0, l + r0, alpha + r0);
+    if (r0 < nqp) block_softmax_rows<LANES / 2>(s + r0, last + r0, j0, n, nqp, m + r0, l + r0, alpha + r0);
+}
+
+// o[r] = o[r] * alpha[r] + sum_{k < nk} p[k][r] v_k (keys in order) for NR rows (o stride hd),
+// lanes = head dims, W of them per pass (NR * W / 16 independent fma chains).
+template <int NR, int W>
+__attribute__((always_inline)) inline void block_values_rows(float* __restrict o, const float* __restrict p, const float* __restrict alpha,
+                              const float* __restrict vf, int64_t nqp, int64_t nk, int64_t hd) {
+    for (int64_t d0 = 0; d0 < hd; d0 += W) {
+        float acc[NR][W];
+        for (int r = 0; r < NR; ++r)
+#pragma omp simd
+            for (int i = 0; i < W; ++i) acc[r][i] = o[r * hd + d0 + i] * alpha[r];
+        for (int64_t k = 0; k < nk; ++k)
+            for (int r = 0; r < NR; ++r) {
+                const float pk = p[k * nqp + r];
+#pragma omp simd
+                for (int i = 0; i < W; ++i) acc[r][i] = std::fma(pk, vf[k * hd + d0 + i], acc[r][i]);
+            }
+        for (int r = 0; r < NR; ++r)
+#pragma omp simd
+            for (int i = 0; i < W; ++i) o[r * hd + d0 + i] = acc[r][i];
+    }
+}
+
+template <int NR>
+__attribute__((always_inline)) inline void block_values_rows(float* o, const float* p, const float* alpha, const float* vf, int64_t nqp,
+                              int64_t nk, int64_t hd) {
+    if (hd % (2 * LANES) == 0)
+        block_values_rows<NR, 2 * LANES>(o, p, alpha, vf, nqp, nk, hd);
+    else
+        block_values_rows<NR, LANES>(o, p, alpha, vf, nqp, nk, hd);
+}
+
+// The V step of one block for rows 0..nq-1: runs of rows with the same number of unmasked keys
+// (a token's heads; every row off the diagonal) in groups of up to 4 rows; rows with none skip.
+TQ_CLONES void block_values(float* o, const float* p, const float* alpha, const float* vf,
+                            const int32_t* last, int32_t j0, int64_t nq, int64_t nqp, int64_t hd) {
+    auto keys = [&](int64_t r) -> int64_t {
+        const int64_t n = (int64_t)last[r] - j0 + 1;
+        return n < 0 ? 0 : (n > KB ? KB : n);
+    };
+    for (int64_t r = 0; r < nq;) {
+        const int64_t nk = keys(r);
+        int64_t e = r + 1;
+        while (e < nq && e - r < 4 && keys(e) == nk) ++e;
+        if (nk) {
+            float* orow = o + r * hd;
+            const float *pr = p + r, *ar = alpha + r;
+            switch (e - r) {
+                case 4: block_values_rows<4>(orow, pr, ar, vf, nqp, nk, hd); break;
+                case 3: block_values_rows<3>(orow, pr, ar, vf, nqp, nk, hd); break;
+                case 2: block_values_rows<2>(orow, pr, ar, vf, nqp, nk, hd); break;
+                default: block_values_rows<1>(orow, pr, ar, vf, nqp, nk, hd); break;
+            }
+        }
+        r = e;
+    }
 }
 
 // Per-call scratch, grown as needed and kept (one forward runs at a time per calling thread).
 struct Scratch {
-    std::vector<float> x, h, qkv, attn, tmp, gu, act, scores;
-    std::vector<int64_t> pos, chunk_of;
+    std::vector<float> x, h, qkv, attn, tmp, gu, act;
+    std::vector<int64_t> pos, chunk_of, tiles;
 };
 
 template <class T>
@@ -205,9 +353,11 @@ struct Step {
     int isa;
     int64_t T, D, hd, nh, nkv, F, qkv_n;
     float *x, *h, *qkv, *attn, *tmp, *gu, *act;
-    std::vector<float>* scores;  // one per thread
+    std::vector<float>* scratch;  // one per thread
     const int64_t *pos, *chunk_of;
     int64_t layer_stride, block_stride, slot_stride, v_off;
+    const int64_t* tiles;  // attention items: [n_tiles, 2] (chunk, first token)
+    int64_t n_tiles, tile;
 
     // out[M, N] = in @ W.T, this thread's tiles; with `residual`, residual[:, tiles] += out.
     void matmul(const float* in, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
@@ -232,8 +382,7 @@ struct Step {
         const int64_t heads = nh + 2 * nkv, half = hd / 2;
         int64_t a, e;
         split(T * heads, tid, nt, &a, &e);
-        std::vector<float>& tmp_head = scores[tid];
-        float* normed = grow(tmp_head, hd);
+        float* normed = grow(scratch[tid], hd);
         for (int64_t it = a; it < e; ++it) {
             const int64_t t = it / heads, hh = it % heads;
             float* v = qkv + t * qkv_n + hh * hd;
@@ -257,15 +406,46 @@ struct Step {
         }
     }
 
+    // Items: (query tile of a chunk, kv head), from `tiles` (chunk, first token of the tile),
+    // dealt round-robin (causal tiles differ in length).
     void attention(int64_t li, int tid, int nt) const {
-        const int64_t group = nh / nkv;
-        float* sc = grow(scores[tid], m.max_ctx);
-        for (int64_t it = tid; it < T * nh; it += nt) {  // round-robin: causal rows differ in length
-            const int64_t t = it / nh, hh = it % nh;
-            const int64_t* ch = b.chunks + chunk_of[t] * 4;
-            const uint16_t* base = b.kv + li * layer_stride + (hh / group) * hd;
-            attend(qkv + t * qkv_n + hh * hd, base, b.tables + ch[3], pos[t] + 1, b.block_size,
-                   block_stride, slot_stride, v_off, hd, m.scale, sc, attn + t * nh * hd + hh * hd);
+        // rows padded to a multiple of 8 (the score / softmax lanes); buffers sized for a full tile
+        const int64_t group = nh / nkv, nq_max = tile * group, np_max = (nq_max + 7) / 8 * 8;
+        float* buf = grow(scratch[tid], hd * np_max + 2 * KB * hd + KB * np_max + nq_max * hd + 4 * np_max);
+        float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KB * hd, *s = vf + KB * hd, *o = s + KB * np_max;
+        float *mx = o + nq_max * hd, *sum = mx + np_max, *alpha = sum + np_max;
+        int32_t* last = (int32_t*)(alpha + np_max);  // one float's room per row
+        static const HalfRowFn cvt = half_row_fn();
+        for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
+            const int64_t c = tiles[2 * (it / nkv)], t0 = tiles[2 * (it / nkv) + 1], g = it % nkv;
+            const int64_t* ch = b.chunks + c * 4;
+            const int64_t nt_tok = std::min(tile, ch[2] + ch[1] - t0), nq = nt_tok * group, nqp = (nq + 7) / 8 * 8;
+            for (int64_t r = 0; r < nqp; ++r) {  // rows past nq repeat row 0 (finite, never stored)
+                const int64_t rr = r < nq ? r : 0, t = t0 + rr / group, hh = g * group + rr % group;
+                const float* q = qkv + t * qkv_n + hh * hd;
+                for (int64_t d = 0; d < hd; ++d) qt[d * nqp + r] = q[d];
+                last[r] = (int32_t)pos[t];
+                mx[r] = -INFINITY;
+                sum[r] = 0.0f;
+            }
+            for (int64_t i = 0; i < nq * hd; ++i) o[i] = 0.0f;
+            const int64_t end = pos[t0 + nt_tok - 1] + 1;  // keys of the tile's last token
+            const uint16_t* kbase = b.kv + li * layer_stride + g * hd;
+            const int64_t* table = b.tables + ch[3];
+            for (int64_t j0 = 0; j0 < end; j0 += KB) {
+                const int64_t n = std::min<int64_t>(KB, end - j0);
+                load_block(cvt, kbase, table, j0, n, b.block_size, block_stride, slot_stride, hd, kf);
+                load_block(cvt, kbase + v_off, table, j0, n, b.block_size, block_stride, slot_stride, hd, vf);
+                block_scores(qt, kf, hd, nqp, n, m.scale, s);
+                block_softmax(s, last, (int32_t)j0, n, nqp, mx, sum, alpha);
+                block_values(o, s, alpha, vf, last, (int32_t)j0, nq, nqp, hd);
+            }
+            for (int64_t r = 0; r < nq; ++r) {
+                const int64_t t = t0 + r / group, hh = g * group + r % group;
+                const float inv = 1.0f / sum[r];
+                float* out = attn + t * nh * hd + hh * hd;
+                for (int64_t d = 0; d < hd; ++d) out[d] = o[r * hd + d] * inv;
+            }
         }
     }
 
@@ -320,6 +500,16 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
             chunk_of[ch[2] + i] = c;
         }
     }
+    // attention tiles: up to MAX_ROWS query rows (tokens x the heads of one kv head) each
+    const int64_t tile = std::max<int64_t>(1, MAX_ROWS / (nh / nkv));
+    int64_t n_tiles = 0;
+    for (int64_t c = 0; c < b->n_chunks; ++c) n_tiles += (b->chunks[c * 4 + 1] + tile - 1) / tile;
+    int64_t* tiles = grow(s.tiles, 2 * n_tiles);
+    for (int64_t c = 0, i = 0; c < b->n_chunks; ++c)
+        for (int64_t t = 0; t < b->chunks[c * 4 + 1]; t += tile, ++i) {
+            tiles[2 * i] = c;
+            tiles[2 * i + 1] = b->chunks[c * 4 + 2] + t;
+        }
     const int64_t S = b->n_sample > T ? b->n_sample : T;
     float* x = grow(s.x, T * D);
     tq::embedding_rows(b->token_ids, T, m->embed, D, x);
@@ -331,7 +521,8 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
     Step st{*m, *b, tq::resolve_isa(isa), T, D, hd, nh, nkv, F, qkv_n, x,
             grow(s.h, S * D), grow(s.qkv, T * qkv_n), grow(s.attn, T * nh * hd), grow(s.tmp, T * D),
             grow(s.gu, T * 2 * F), grow(s.act, T * F), per_thread.data(), pos, chunk_of,
-            layer_stride, m->n_layers * layer_stride, slot_stride, b->block_size * slot_stride};
+            layer_stride, m->n_layers * layer_stride, slot_stride, b->block_size * slot_stride,
+            tiles, n_tiles, tile};
 #ifdef _OPENMP
     if (nt > 1) {
 #pragma omp parallel num_threads(nt)
