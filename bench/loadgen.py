@@ -80,6 +80,7 @@ class RequestResult:
     error: str | None = None
     tier: str = "standard"          # the SLA tier it was sent with
     prompt_tokens: int = 0          # from the usage chunk
+    cached_tokens: int = 0          # of those, served from a prefix cache (usage.prompt_tokens_details)
     start: float = 0.0              # send time, seconds after the run began
 
 
@@ -235,7 +236,7 @@ async def send(client, url: str, model: str, req: Request, t_run: float = 0.0) -
     if req.session:
         headers["X-Tandem-Session"] = req.session
     chunk_times: list[float] = []
-    tokens, prompt_tokens = None, 0
+    tokens, prompt_tokens, cached_tokens = None, 0, 0
     t_send = time.perf_counter()
     meta = {"tier": req.tier, "start": t_send - t_run}
     try:
@@ -258,10 +259,11 @@ async def send(client, url: str, model: str, req: Request, t_run: float = 0.0) -
                 if d.get("usage"):
                     tokens = d["usage"].get("completion_tokens")
                     prompt_tokens = d["usage"].get("prompt_tokens") or 0
+                    cached_tokens = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         return RequestResult(ok=False, error=f"{type(e).__name__}: {e}", **meta)
     r = request_metrics(t_send, chunk_times, time.perf_counter(), tokens)
-    r.tier, r.start, r.prompt_tokens = req.tier, meta["start"], prompt_tokens
+    r.tier, r.start, r.prompt_tokens, r.cached_tokens = req.tier, meta["start"], prompt_tokens, cached_tokens
     return r
 
 

@@ -96,3 +96,13 @@ def test_tier_table_plot_and_json(tmp_path):
     back = json.loads((tmp_path / "r.json").read_text())
     assert back["runs"][0]["tpot_p50_ms"] is None and back["runs"][1]["per_tier"]["batch"]["requests"] == 1
     assert not (tmp_path / "r.json.tmp").exists()
+
+
+def test_tiers_counts_batch_tokens_streamed_within_the_mixed_window():
+    from bench.loadgen import RequestResult
+    from bench.tiers import tokens_by
+    r = RequestResult(ok=True, tokens=4, ttft=1.0, itl=[0.5, 0.5, 0.5], start=10.0)  # tokens at 11 .. 12.5
+    assert [tokens_by(r, t) for t in (5.0, 11.0, 12.0, 13.0)] == [0, 1, 3, 4]
+    two_per_chunk = RequestResult(ok=True, tokens=4, ttft=1.0, itl=[1.0], start=0.0)
+    assert tokens_by(two_per_chunk, 1.5) == 2
+    assert tokens_by(RequestResult(ok=False, error="x"), 99.0) == 0
