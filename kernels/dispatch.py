@@ -2,8 +2,9 @@
 
 - CPU: the compiled kernels (``kernels.cpu``) when they build and load, else the torch
   reference; ``TANDEM_KERNELS=reference`` forces the reference.
-- CUDA (and anything else): the torch reference, which runs on CUDA tensors as is (a GPU
-  kernel is later work).
+- CUDA: the Triton kernels (``kernels.gpu``) when triton imports, else the torch reference,
+  which runs on CUDA tensors as is; ``TANDEM_KERNELS=reference`` forces the reference.
+- anything else: the torch reference.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ def get_ops(device: torch.device | str) -> ModuleType:
     choice = os.environ.get("TANDEM_KERNELS", "auto").lower()
     if choice not in ("auto", "reference"):
         raise ValueError(f"TANDEM_KERNELS must be 'auto' or 'reference', got {choice!r}")
-    if choice == "reference" or dev.type != "cpu":
+    if choice == "reference":
         return q4_0
-    return cpu if cpu.available() else q4_0
+    if dev.type == "cpu":
+        return cpu if cpu.available() else q4_0
+    if dev.type == "cuda":
+        from kernels import gpu
+        return gpu if gpu.available() else q4_0
+    return q4_0
 
 
 def describe(device: torch.device | str) -> str:
@@ -32,4 +38,6 @@ def describe(device: torch.device | str) -> str:
     ops = get_ops(device)
     if ops is cpu:
         return f"cpu kernels ({cpu.isa()}, {cpu.act()} activations, {cpu.get_num_threads()} threads)"
+    if ops.__name__ == "kernels.gpu":
+        return "triton kernels (f32 activations)"
     return "torch reference"

@@ -1,7 +1,7 @@
 """The engine on CUDA: same Q4_0 bytes, greedy tokens vs CPU, KV hand-off across devices.
 
-Numerics differ between the devices (CUDA: torch reference dequantize-and-matmul with f32
-activations; CPU: the compiled kernel with Q8_0 activations), so greedy tokens are compared
+Numerics differ between the devices (CUDA: the Triton kernels, or the torch reference; CPU: the
+fused C++ step; all with f32 activations but different summation orders), so greedy tokens are compared
 as an agreement rate over the first 32 tokens, and exactly only up to the first divergence.
 Hand-off tests continue on the *importing* device and compare with an uninterrupted run there.
 """

@@ -210,10 +210,12 @@ def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
 
 
 def test_dispatch(monkeypatch):
-    assert dispatch.get_ops("cuda") is q4_0
+    from kernels import gpu
+    assert dispatch.get_ops("cuda") is (gpu if gpu.available() else q4_0)   # Triton where a GPU is
+    assert dispatch.get_ops("meta") is q4_0
     assert dispatch.get_ops(torch.device("cpu")) is (cpu if cpu.available() else q4_0)
     monkeypatch.setenv("TANDEM_KERNELS", "reference")
-    assert dispatch.get_ops("cpu") is q4_0
+    assert dispatch.get_ops("cpu") is q4_0 and dispatch.get_ops("cuda") is q4_0
     monkeypatch.setenv("TANDEM_KERNELS", "fastest")
     with pytest.raises(ValueError, match="TANDEM_KERNELS"):
         dispatch.get_ops("cpu")
