@@ -2,10 +2,11 @@
 
 A frame's payload moves in this sender's / receiver's worker threads with blocking
 ``sock.sendall`` / ``sock.recv_into`` of ``SEGMENT``-sized slices, straight from the caller's
-buffer into a pooled receive buffer; each segment is hashed right before it is sent and right
-after it lands (xxh3-128 by default: ~10 GB/s on one core; blake3 and the socket calls
-release the GIL). Headers and verdicts stay on the
-event loop (``loop.sock_recv_into``). Wire format, per frame (a connection may carry several
+buffer into a pooled receive buffer; a second thread hashes the payload in ``HASH_UNIT`` pieces
+a step behind the bytes sent / landed (xxh3-128 by default: ~18 GB/s on one core; it holds the
+GIL, the socket calls release it, so hashing overlaps the copy on another core — payloads of
+at most two units are hashed inline). Headers and verdicts stay on the event loop
+(``loop.sock_recv_into``); a numeric host is dialled without a resolver thread. Wire format, per frame (a connection may carry several
 in sequence)::
 
     header  !4sBBHQ32s  magic b"TKV1", version 1, checksum algo (1 blake3, 2 crc32, 3 xxh3-128),
@@ -44,6 +45,7 @@ import asyncio
 import logging
 import socket
 import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -84,6 +86,7 @@ _STATUS_TEXT = {OK: "ok", BAD_HEADER: "bad header", TOO_LARGE: "too large", DUPL
 MiB = 1 << 20
 SEGMENT = 4 * MiB      # socket I/O unit; each is hashed right before it is sent / after it lands
 MAX_IO_THREADS = 64    # per sender / receiver: transfers moving bytes at once
+HASH_UNIT = 1 * MiB    # hashed per GIL hold (~50 us with xxh3) while the socket thread waits on I/O
 
 
 def parse_checksum(value: str) -> tuple[str, bytes]:
@@ -209,39 +212,118 @@ async def _recv_exact(loop, sock: socket.socket, view: memoryview, stall: float)
             cm.reschedule(loop.time() + stall)
 
 
+class _HashBehind:
+    """Hashes a buffer in order, in its own thread, up to where the caller says bytes are ready
+    (``advance``): the payload is hashed while the socket call of the next bytes runs — the
+    hash holds the GIL, the socket call releases it, so on two cores they overlap. ``finish``
+    waits for the rest; ``stop`` abandons it (a failed transfer)."""
+
+    def __init__(self, hasher: Hasher, view: memoryview, segment: int):
+        self.hasher, self.view = hasher, view
+        self.segment = min(segment, HASH_UNIT)  # bytes per update: the GIL is held that long
+        self.ready = 0                       # bytes of view that may be hashed
+        self._want = 0                       # the ready count the hashing thread waits for
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kv-hash", daemon=True)
+        self._thread.start()
+
+    def advance(self, ready: int) -> None:
+        with self._cv:
+            self.ready = ready
+            if ready >= self._want:          # wake the hashing thread only when it has a unit to do
+                self._cv.notify()
+
+    def _run(self) -> None:
+        done, n = 0, self.view.nbytes
+        try:
+            while done < n:
+                with self._cv:
+                    self._want = min(done + self.segment, n)
+                    while not self._stopped and self.ready < self._want:
+                        self._cv.wait()
+                    if self._stopped:
+                        return
+                    upto = self.ready
+                self.hasher.update(self.view[done:upto])
+                done = upto
+        except BaseException as e:  # noqa: BLE001 - handed to finish()
+            self._error = e
+
+    def finish(self) -> None:
+        self.advance(self.view.nbytes)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+
+
 def _blocking_send(sock: socket.socket, parts, hasher: Hasher | None, segment: int, stall: float) -> None:
     """Send every part (worker thread, blocking socket), ``stall`` seconds per segment at most.
 
-    With ``hasher``, the second part (the payload) is hashed segment by segment just before the
-    segment goes out, while it is in cache; a callable part is called for its bytes when its
-    turn comes (the trailer: the digest of what was hashed).
+    With ``hasher``, the second part (the payload) is hashed in a second thread a segment behind
+    the one going out (``_HashBehind``); a callable part is called for its bytes when its turn
+    comes (the trailer: the digest of what was hashed, once the hashing caught up).
     """
     sock.settimeout(stall)
-    for i, part in enumerate(parts):
-        view = memoryview(part() if callable(part) else part)
-        for off in range(0, view.nbytes, segment):
-            seg = view[off:off + segment]
+    behind = None
+    try:
+        for i, part in enumerate(parts):
+            if callable(part):
+                if behind is not None:
+                    behind.finish()
+                    behind = None
+                part = part()
+            view = memoryview(part)
             if hasher is not None and i == 1:
-                hasher.update(seg)
-            sock.sendall(seg)
+                if view.nbytes <= 2 * HASH_UNIT:   # too small to pay for a thread: hash, then send
+                    hasher.update(view)
+                else:
+                    behind = _HashBehind(hasher, view, segment)
+            for off in range(0, view.nbytes, segment):
+                if behind is not None and i == 1:
+                    behind.advance(off)          # everything before this segment may be hashed
+                sock.sendall(view[off:off + segment])
+        if behind is not None:
+            behind.finish()
+            behind = None
+    finally:
+        if behind is not None:
+            behind.stop()
 
 
 def _blocking_recv(sock: socket.socket, view: memoryview, hasher: Hasher | None, segment: int,
                    stall: float) -> None:
-    """Fill ``view`` (worker thread, blocking socket), hashing each ``segment`` as it lands.
+    """Fill ``view`` (worker thread, blocking socket); with ``hasher``, a second thread hashes
+    what landed while the next bytes arrive (``_HashBehind``), caught up before returning.
 
     ConnectionError on EOF, TimeoutError after ``stall`` seconds without a byte.
     """
     sock.settimeout(stall)
-    got, hashed, n = 0, 0, view.nbytes
-    while got < n:
-        k = sock.recv_into(view[got:min(got + segment, n)])
-        if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
-        if hasher is not None and (got - hashed >= segment or got == n):
-            hasher.update(view[hashed:got])
-            hashed = got
+    got, n = 0, view.nbytes
+    behind = _HashBehind(hasher, view, segment) if hasher is not None and n > 2 * HASH_UNIT else None
+    try:
+        while got < n:
+            k = sock.recv_into(view[got:min(got + segment, n)])
+            if k == 0:
+                raise ConnectionError(f"connection closed after {got} of {n} bytes")
+            got += k
+            if behind is not None:
+                behind.advance(got)
+        if behind is not None:
+            behind.finish()
+            behind = None
+        elif hasher is not None:
+            hasher.update(view)
+    finally:
+        if behind is not None:
+            behind.stop()
 
 
 async def _in_thread(executor, sock: socket.socket, fn, *args):
@@ -258,6 +340,18 @@ async def _in_thread(executor, sock: socket.socket, fn, *args):
     finally:
         if sock.fileno() >= 0:
             sock.setblocking(False)
+
+
+def _ip_literal(host: str, port: int):
+    """A getaddrinfo-style entry for a numeric IPv4 / IPv6 host, else None."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        addr = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
+        return family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", addr
+    return None
 
 
 def _tune(sock: socket.socket) -> None:
@@ -410,8 +504,9 @@ class TcpKVSender(KVSender):
             sock.close()
 
     async def _connect(self, loop, host: str, port: int, transfer_id: str) -> socket.socket:
+        literal = _ip_literal(host, port)  # an address needs no resolver thread
         try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            infos = [literal] if literal else await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as e:
             raise PeerUnavailable(f"cannot resolve {host}: {e}", transfer_id) from None
         family, type_, proto, _, addr = infos[0]
