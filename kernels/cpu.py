@@ -10,20 +10,27 @@ Same signatures as the reference (``kernels.q4_0``): ``matmul(x, q, out=None)`` 
 3. no compiler, a failed build or a failed load → one warning, and every call here runs
    the torch reference instead (``available()`` is then False).
 
-Numerics: two activation modes. ``f32`` (default): each weight block is dequantized to f32
-and FMA'd against the f32 activations (no activation rounding; only fp32 summation order differs
-from the reference). ``q8``: activations are quantized to Q8_0 per call (as llama.cpp does), so
-results differ from the f32 reference by that rounding (docs/kernels.md has the tolerance).
+Numerics: three activation modes (``TANDEM_CPU_ACT``, ``set_act``):
+
+- ``q16`` (default): the engine repacks each weight matrix once at load (``prepare`` →
+  ``PackedQ4``: the same Q4_0 values in groups of 16 rows, so SIMD lanes are rows) and every
+  matmul quantizes its activations per 32 values to int16 (scale amax/32767): exact integer dot
+  products (VNNI ``vpdpwssd`` / AVX2 ``vpmaddwd``), then one f32 fma per block. The int16 rounding
+  is ~2^-16 of a block's largest activation; on the bundled model the greedy tokens equal the f32
+  reference's and the logits stay within a few 0.01 (docs/kernels.md).
+- ``f32``: each weight block dequantized to f32 and FMA'd against the f32 activations (no
+  activation rounding; only the fp32 summation order differs from the reference). Also what a
+  plain (unpacked) weight tensor gets in ``q16`` mode.
+- ``q8``: activations quantized to Q8_0 per call (as llama.cpp does): fast, but near-ties flip.
+
 The same library holds the fused forward step (``forward_cpu.cpp``, driven by ``cpu_forward.py``).
 Every output element is computed in the same order whatever M and the thread count, so a
 row of a batched result is bitwise equal to the same row computed alone.
 
 Environment: ``CXX`` (compiler, default ``g++``), ``TANDEM_CACHE_DIR``,
 ``TANDEM_CPU_ISA`` (``scalar``, ``avx2`` or ``avx512vnni``: cap the instruction set used;
-default: the best the CPU has). Every path gives the same bits. ``TANDEM_CPU_ACT`` (``q8`` or
-``f32``: the activation mode, default ``f32``; see ``set_act``). f32 activations keep the
-logits within 0.07 of transformers fp32 on the bundled model (top-1 100 %); llama.cpp's Q8_0
-activations are faster for prefill (~9 %) but flip near-ties (top-1 96 %): docs/kernels.md.
+default: the best the CPU has). Every path gives the same bits. ``TANDEM_CPU_ACT`` (``q16``,
+``f32`` or ``q8``: the activation mode, default ``q16``).
 """
 
 from __future__ import annotations
@@ -48,8 +55,9 @@ _HERE = Path(__file__).parent
 SOURCES = (_HERE / "q4_0_cpu.cpp", _HERE / "forward_cpu.cpp")  # compiled into one library
 HEADERS = (_HERE / "q4_0_cpu.h",)
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
-ABI_VERSION = 3
-ACT_MODES = ("q8", "f32")
+ABI_VERSION = 4
+ACT_MODES = ("q16", "f32", "q8")
+GROUP = 16  # rows per group of the packed layout (tq::GROUP)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni"}  # the C++ ``Isa`` enum
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 
@@ -110,6 +118,15 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.tq_quantize_q8_0.restype = None
     lib.tq_embedding.argtypes = [vp, i64, vp, i64, vp]
     lib.tq_embedding.restype = None
+    lib.tq_matmul_q16.argtypes = [vp, vp, vp, i64, i64, i64, cint, cint]
+    lib.tq_matmul_q16.restype = None
+    lib.tq_quantize_q16.argtypes = [vp, vp, vp, vp, i64, i64]
+    lib.tq_quantize_q16.restype = None
+    for name in ("tq_pack_q4_0", "tq_unpack_q4_0"):
+        getattr(lib, name).argtypes = [vp, i64, i64, vp]
+        getattr(lib, name).restype = None
+    lib.tq_embedding_packed.argtypes = [vp, i64, vp, i64, vp]
+    lib.tq_embedding_packed.restype = None
     lib.tq_best_isa.restype = cint
     lib.tq_forward.argtypes = [vp, vp, cint, cint]
     lib.tq_forward.restype = None
@@ -169,22 +186,25 @@ def _act_from_env() -> str:
     v = os.environ.get("TANDEM_CPU_ACT", "").strip().lower()
     if v in ("q8", "q8_0"):
         return "q8"
-    if v in ("", "f32", "fp32", "float32"):
+    if v in ("f32", "fp32", "float32"):
         return "f32"
-    log.warning("ignoring TANDEM_CPU_ACT=%r (expected q8 or f32); using f32", v)
-    return "f32"
+    if v in ("", "q16", "int16"):
+        return "q16"
+    log.warning("ignoring TANDEM_CPU_ACT=%r (expected q16, f32 or q8); using q16", v)
+    return "q16"
 
 
 _act_choice = _act_from_env()
 
 
 def act() -> str:
-    """The activation mode matmuls use: ``q8`` (Q8_0-quantized) or ``f32``."""
+    """The activation mode: ``q16`` (packed weights, int16 activations), ``f32`` or ``q8``."""
     return _act_choice
 
 
 def set_act(mode: str | None) -> None:
-    """Set the activation mode (``q8`` or ``f32``); None re-reads ``TANDEM_CPU_ACT``."""
+    """Set the activation mode (``q16``, ``f32`` or ``q8``); None re-reads ``TANDEM_CPU_ACT``.
+    Weights packed by ``prepare`` keep running q16 whatever the mode."""
     global _act_choice
     if mode is None:
         _act_choice = _act_from_env()
@@ -229,22 +249,94 @@ def _describe(t: object) -> str:
     return f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (non-contiguous)'}"
 
 
-def matmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T`` for float32 x [M, K] and Q4_0 bytes q [N, K/32*18] → float32 [M, N]."""
+class PackedQ4:
+    """A Q4_0 matrix [N, K] in the q16 kernels' layout (``tq_pack_q4_0``): per group of 16 rows
+    and block of 32 weights, the 16 fp16 scales, then byte j of each of the 16 rows for j < 16.
+    The same values and the same number of bytes as the row-major Q4_0 tensor it came from
+    (plus padding rows up to a multiple of 16); ``unpack`` gives that tensor back. ``shape`` is
+    the row-major tensor's, so code that reads sizes needs no change."""
+
+    __slots__ = ("data", "n", "k")
+
+    def __init__(self, data: torch.Tensor, n: int, k: int):
+        self.data, self.n, self.k = data, n, k
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n, self.k // q4_0.QK * q4_0.BLOCK_BYTES))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def element_size(self) -> int:
+        return 1
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
+
+    def unpack(self) -> torch.Tensor:
+        """The row-major Q4_0 bytes [N, K/32*18]."""
+        out = torch.empty(self.shape, dtype=torch.uint8)
+        if self.n:
+            _checked_library().tq_unpack_q4_0(self.data.data_ptr(), self.n, self.k, out.data_ptr())
+        return out
+
+    def __repr__(self) -> str:
+        return f"PackedQ4(n={self.n}, k={self.k}, {self.data.numel()} bytes)"
+
+
+def _checked_library() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the compiled Q4_0 CPU kernels are not available")
+    return lib
+
+
+def pack(q: torch.Tensor) -> PackedQ4:
+    """Row-major Q4_0 bytes [N, K/32*18] → ``PackedQ4`` (RuntimeError without the library)."""
+    _check_q(q)
+    n, k = q.shape[0], q.shape[1] // q4_0.BLOCK_BYTES * q4_0.QK
+    groups = -(-n // GROUP)
+    data = torch.empty(groups * GROUP * q.shape[1], dtype=torch.uint8)
+    if n:
+        _checked_library().tq_pack_q4_0(q.data_ptr(), n, k, data.data_ptr())
+    return PackedQ4(data, n, k)
+
+
+def prepare(q: torch.Tensor) -> torch.Tensor | PackedQ4:
+    """The form ``matmul`` runs fastest on in the current mode: a ``PackedQ4`` in ``q16`` mode
+    (when the library is loaded), else ``q`` itself. The engine calls it once per weight matrix."""
+    if _act_choice == "q16" and available() and isinstance(q, torch.Tensor) and q.device.type == "cpu":
+        return pack(q.contiguous())
+    return q
+
+
+def matmul(x: torch.Tensor, q: torch.Tensor | PackedQ4, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` for float32 x [M, K] and Q4_0 weights (bytes [N, K/32*18] or ``PackedQ4``) → float32 [M, N]."""
     return matmul_with(x, q, out, isa=None, num_threads=None)
 
 
-def matmul_with(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None, *,
+def matmul_with(x: torch.Tensor, q: torch.Tensor | PackedQ4, out: torch.Tensor | None = None, *,
                 isa: str | None = None, num_threads: int | None = None,
                 act: str | None = None) -> torch.Tensor:
-    """``matmul`` on a named instruction-set path, thread count and activation mode (``q8`` or
-    ``f32``; tests, benchmarks); None keeps the configured one. A path the CPU lacks runs the
-    best one it has."""
+    """``matmul`` on a named instruction-set path, thread count and activation mode (tests,
+    benchmarks); None keeps the configured one. A ``PackedQ4`` always runs q16; a row-major
+    tensor runs ``f32`` or ``q8`` (``q16`` → ``f32``). A path the CPU lacks runs the best one it has."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"x must be a 2-D float32 tensor, got {_describe(x)}")
     if x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous CPU tensor, got {_describe(x)}")
-    _check_q(q)
+    packed = isinstance(q, PackedQ4)
+    if not packed:
+        _check_q(q)
     m, k = x.shape
     n = q.shape[0]
     if k % q4_0.QK or q.shape[1] != k // q4_0.QK * q4_0.BLOCK_BYTES:
@@ -256,23 +348,29 @@ def matmul_with(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = Non
         raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {(m, n)}, got {_describe(out)}")
     lib = _library()
     if lib is None:
-        return q4_0.matmul(x, q, out=out)
+        return q4_0.matmul(x, q, out=out)   # a PackedQ4 exists only where the library loaded
     if isa is not None and isa not in _ISA_IDS:
         raise ValueError(f"isa must be one of {sorted(_ISA_IDS)}, got {isa!r}")
     if act is not None and act not in ACT_MODES:
         raise ValueError(f"act must be one of {ACT_MODES}, got {act!r}")
-    fn = lib.tq_matmul_f32 if (act or _act_choice) == "f32" else lib.tq_matmul
+    if packed:
+        fn = lib.tq_matmul_q16
+    else:
+        fn = lib.tq_matmul if (act or _act_choice) == "q8" else lib.tq_matmul_f32
     if m and n:
         fn(x.data_ptr(), q.data_ptr(), out.data_ptr(), m, n, k,
            num_threads or get_num_threads(), _isa_arg() if isa is None else _ISA_IDS[isa])
     return out
 
 
-def embedding(ids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of a Q4_0 table as float32 [len(ids), K] (bitwise equal to the reference)."""
+def embedding(ids: torch.Tensor, q: torch.Tensor | PackedQ4) -> torch.Tensor:
+    """Rows ``ids`` of a Q4_0 table (row-major or ``PackedQ4``) as float32 [len(ids), K]
+    (bitwise equal to the reference)."""
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.device.type != "cpu":
         raise ValueError(f"ids must be an int64/int32 CPU tensor, got {_describe(ids)}")
-    _check_q(q)
+    packed = isinstance(q, PackedQ4)
+    if not packed:
+        _check_q(q)
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     n = q.shape[0]
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
@@ -283,7 +381,8 @@ def embedding(ids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     k = q.shape[1] // q4_0.BLOCK_BYTES * q4_0.QK
     out = torch.empty(flat.numel(), k, dtype=torch.float32)
     if flat.numel():
-        lib.tq_embedding(flat.data_ptr(), flat.numel(), q.data_ptr(), k, out.data_ptr())
+        fn = lib.tq_embedding_packed if packed else lib.tq_embedding
+        fn(flat.data_ptr(), flat.numel(), q.data_ptr(), k, out.data_ptr())
     return out
 
 
@@ -304,3 +403,23 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = torch.empty(m, k // q4_0.QK, dtype=torch.float32)
     lib.tq_quantize_q8_0(x.data_ptr(), qs.data_ptr(), d.data_ptr(), m, k, _isa_arg())
     return qs, d
+
+
+def quantize_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q16 activation quantization: x [M, K] f32 → (int16 [M, K], f32 scales [M, K/32],
+    int32 block sums [M, K/32]), unpacked from the kernel's pair layout. Exposed for tests;
+    RuntimeError when the compiled library is unavailable."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous 2-D float32 tensor, got {_describe(x)}")
+    m, k = x.shape
+    if k % q4_0.QK:
+        raise ValueError(f"x width must be a multiple of {q4_0.QK}, got {k}")
+    lib = _checked_library()
+    nb = k // q4_0.QK
+    pairs = torch.empty(m, nb, 16, dtype=torch.int32)
+    d = torch.empty(m, nb, dtype=torch.float32)
+    sums = torch.empty(m, nb, dtype=torch.int32)
+    lib.tq_quantize_q16(x.data_ptr(), pairs.data_ptr(), d.data_ptr(), sums.data_ptr(), m, k)
+    lo = (pairs & 0xFFFF).to(torch.int16)        # xq[j]: the low half, as int16
+    hi = (pairs >> 16).to(torch.int16)           # xq[j + 16]
+    return torch.cat([lo, hi], dim=-1).reshape(m, k), d, sums

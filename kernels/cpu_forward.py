@@ -2,7 +2,9 @@
 
 ``FusedForward.build(model)`` returns a callable with ``Transformer.forward``'s signature, or
 None where the fused step does not apply (library unavailable, Q8_0 activations, a head width
-that is not a multiple of 16, ``TANDEM_CPU_FUSED=0``); the model then runs op by op. The C++
+that is not a multiple of 16 — of 32 with packed q16 weights —, ``TANDEM_CPU_FUSED=0``); the
+model then runs op by op. With packed weights (``kernels.cpu.prepare``, the q16 default) every
+matmul input is quantized by the stage that writes it, so q16 adds no barrier. The C++
 side reads the paged KV in place, runs one OpenMP team for the step and gives the same bits
 for any thread count; numerics vs the op-by-op path are in docs/kernels.md.
 """
@@ -28,7 +30,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [*[(n, _i64) for n in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn",
-                                      "vocab", "max_ctx")],
+                                      "vocab", "max_ctx", "packed", "embed_packed")],
                 ("eps", _f32), ("scale", _f32),
                 *[(n, _vp) for n in ("layers", "embed", "output", "output_norm", "cos", "sin")]]
 
@@ -45,9 +47,11 @@ def enabled() -> bool:
     return v not in ("0", "false", "no", "off")
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def _ptr(t: torch.Tensor | cpu.PackedQ4 | None) -> int | None:
     if t is None:
         return None
+    if isinstance(t, cpu.PackedQ4):
+        return t.data_ptr()
     if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in (torch.float32, torch.uint8):
         raise ValueError(f"fused forward needs contiguous f32/u8 CPU weights, got {t.dtype} {tuple(t.shape)}")
     return t.data_ptr()
@@ -63,8 +67,10 @@ class FusedForward:
         self._layers = (_Layer * cfg.n_layers)()
         for i, L in enumerate(model.layers):
             self._layers[i] = _Layer(*(_ptr(L.get(n)) for n in LAYER_FIELDS))
+        self.packed = isinstance(model.output, cpu.PackedQ4)   # q16 (build: all matrices or none)
         self._model = _Model(cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                             cfg.ffn_size, model.output.shape[0], model.cos.shape[0], cfg.rms_eps, model.scale,
+                             cfg.ffn_size, model.output.shape[0], model.cos.shape[0], int(self.packed),
+                             int(isinstance(model.embed, cpu.PackedQ4)), cfg.rms_eps, model.scale,
                              ctypes.cast(self._layers, _vp), _ptr(model.embed), _ptr(model.output),
                              _ptr(model.output_norm), self._keep[0].data_ptr(), self._keep[1].data_ptr())
         self._lib = cpu._library()
@@ -73,9 +79,13 @@ class FusedForward:
     def build(cls, model) -> "FusedForward | None":
         cfg = model.cfg
         if (not enabled() or model.device.type != "cpu" or model.ops is not cpu or not cpu.available()
-                or cpu.act() != "f32" or cfg.head_dim % 16 or cfg.hidden_size % 32):
+                or cfg.head_dim % 16 or cfg.hidden_size % 32):
             return None
-        return cls(model)
+        mats = [L[k] for L in model.layers for k in ("qkv", "o", "gate_up", "down")] + [model.output]
+        packed = [isinstance(w, cpu.PackedQ4) for w in mats]
+        if any(packed):   # q16: every matrix packed, heads of whole blocks (each is quantized alone)
+            return cls(model) if all(packed) and cfg.head_dim % 32 == 0 else None
+        return cls(model) if cpu.act() == "f32" else None
 
     def __call__(self, token_ids: torch.Tensor, ctx, kv: torch.Tensor) -> torch.Tensor:
         """``Transformer.forward``: write the batch's KV into ``kv``, return logits [S, vocab]."""

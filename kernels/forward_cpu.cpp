@@ -61,6 +61,8 @@ struct Layer {  // mirrors kernels/cpu_forward.py _Layer; optional tensors are n
 
 struct Model {  // mirrors _Model
     int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, ffn, vocab, max_ctx;
+    int64_t packed;        // 1: the matrices are packed (q16 activations), 0: row-major (f32)
+    int64_t embed_packed;  // 1: embed is packed too (tied with the packed output)
     float eps, scale;
     const Layer* layers;
     const uint8_t* embed;
@@ -334,6 +336,8 @@ TQ_CLONES void block_values(float* o, const float* p, const float* alpha, const 
 struct Scratch {
     std::vector<float> x, h, qkv, attn, tmp, gu, act;
     std::vector<int64_t> pos, chunk_of, tiles;
+    std::vector<int32_t> xp, xs;   // q16 activations of the next matmul's input rows
+    std::vector<float> dx;
 };
 
 template <class T>
@@ -358,14 +362,35 @@ struct Step {
     int64_t layer_stride, block_stride, slot_stride, v_off;
     const int64_t* tiles;  // attention items: [n_tiles, 2] (chunk, first token)
     int64_t n_tiles, tile;
+    // q16 (m.packed): the next matmul's input rows quantized by the stage that wrote them,
+    // at that matmul's row stride of K / 32 blocks ([rows, K/32, 16] pairs, [rows, K/32] scales, sums)
+    int32_t *xp, *xs;
+    float* dx;
+
+    // q16-quantize `nb` blocks of row t of a matmul input of width K, from block b0 of the row.
+    void quantize(const float* v, int64_t t, int64_t K, int64_t b0, int64_t nb) const {
+        if (!m.packed) return;
+        const int64_t at = t * (K / tq::QK) + b0;
+        tq::quantize_rows_q16(v, xp + at * 16, dx + at, xs + at, 0, 1, nb * tq::QK);
+    }
 
     // out[M, N] = in @ W.T, this thread's tiles; with `residual`, residual[:, tiles] += out.
+    // Packed weights read the rows' q16 form (`quantize`) instead of `in`.
     void matmul(const float* in, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K,
                 float* residual, int tid, int nt) const {
         int64_t r0, r1;
-        tq::thread_rows(N, tid, nt, &r0, &r1);
-        if (r0 >= r1) return;
-        tq::matmul_f32_rows(in, w, out, M, N, K, r0, r1, isa);
+        if (m.packed) {
+            int64_t g0, g1;
+            tq::thread_groups((N + tq::GROUP - 1) / tq::GROUP, tid, nt, &g0, &g1);
+            r0 = std::min(N, g0 * tq::GROUP);
+            r1 = std::min(N, g1 * tq::GROUP);
+            if (r0 >= r1) return;
+            tq::matmul_q16_groups(xp, dx, xs, w, out, M, N, K, g0, g1, isa);
+        } else {
+            tq::thread_rows(N, tid, nt, &r0, &r1);
+            if (r0 >= r1) return;
+            tq::matmul_f32_rows(in, w, out, M, N, K, r0, r1, isa);
+        }
         if (residual)
             for (int64_t i = 0; i < M; ++i)
                 for (int64_t n = r0; n < r1; ++n) residual[i * N + n] += out[i * N + n];
@@ -374,7 +399,10 @@ struct Step {
     void norm_rows(const float* w, int tid, int nt) const {
         int64_t a, e;
         split(T, tid, nt, &a, &e);
-        for (int64_t t = a; t < e; ++t) rms_norm(x + t * D, w, h + t * D, D, m.eps);
+        for (int64_t t = a; t < e; ++t) {
+            rms_norm(x + t * D, w, h + t * D, D, m.eps);
+            quantize(h + t * D, t, D, 0, D / tq::QK);
+        }
     }
 
     // bias, q/k norms, rope; k and v written to the cache. Items: (token, head of q|k|v).
@@ -445,6 +473,7 @@ struct Step {
                 const float inv = 1.0f / sum[r];
                 float* out = attn + t * nh * hd + hh * hd;
                 for (int64_t d = 0; d < hd; ++d) out[d] = o[r * hd + d] * inv;
+                quantize(out, t, nh * hd, hh * hd / tq::QK, hd / tq::QK);  // head = whole blocks (checked)
             }
         }
     }
@@ -468,14 +497,20 @@ struct Step {
 #pragma omp barrier
             int64_t a, e;
             split(T, tid, nt, &a, &e);
-            for (int64_t t = a; t < e; ++t) silu_mul(gu + t * 2 * F, act + t * F, F);
+            for (int64_t t = a; t < e; ++t) {
+                silu_mul(gu + t * 2 * F, act + t * F, F);
+                quantize(act + t * F, t, F, 0, F / tq::QK);
+            }
 #pragma omp barrier
             matmul(act, L.down, tmp, T, D, F, x, tid, nt);
 #pragma omp barrier
         }
         int64_t a, e;
         split(b.n_sample, tid, nt, &a, &e);
-        for (int64_t s = a; s < e; ++s) rms_norm(x + b.sample_rows[s] * D, m.output_norm, h + s * D, D, m.eps);
+        for (int64_t s = a; s < e; ++s) {
+            rms_norm(x + b.sample_rows[s] * D, m.output_norm, h + s * D, D, m.eps);
+            quantize(h + s * D, s, D, 0, D / tq::QK);
+        }
 #pragma omp barrier
         matmul(h, m.output, b.logits, b.n_sample, m.vocab, D, nullptr, tid, nt);
     }
@@ -512,7 +547,14 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
         }
     const int64_t S = b->n_sample > T ? b->n_sample : T;
     float* x = grow(s.x, T * D);
-    tq::embedding_rows(b->token_ids, T, m->embed, D, x);
+    if (m->embed_packed)
+        tq::embedding_rows_packed(b->token_ids, T, m->embed, D, x);
+    else
+        tq::embedding_rows(b->token_ids, T, m->embed, D, x);
+    const int64_t max_nb = std::max(std::max(D, nh * hd), F) / tq::QK;
+    int32_t* xp = m->packed ? grow(s.xp, S * max_nb * 16) : nullptr;
+    int32_t* xs = m->packed ? grow(s.xs, S * max_nb) : nullptr;
+    float* dx = m->packed ? grow(s.dx, S * max_nb) : nullptr;
     const int nt = nthreads < 1 ? 1 : nthreads;
     static thread_local std::vector<std::vector<float>> per_thread;
     if ((int)per_thread.size() < nt) per_thread.resize(nt);
@@ -522,7 +564,7 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
             grow(s.h, S * D), grow(s.qkv, T * qkv_n), grow(s.attn, T * nh * hd), grow(s.tmp, T * D),
             grow(s.gu, T * 2 * F), grow(s.act, T * F), per_thread.data(), pos, chunk_of,
             layer_stride, m->n_layers * layer_stride, slot_stride, b->block_size * slot_stride,
-            tiles, n_tiles, tile};
+            tiles, n_tiles, tile, xp, xs, dx};
 #ifdef _OPENMP
     if (nt > 1) {
 #pragma omp parallel num_threads(nt)

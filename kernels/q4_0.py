@@ -80,3 +80,37 @@ def matmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
 def embedding(ids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a Q4_0 embedding table, as float32 [len(ids), K]."""
     return dequantize(q.index_select(0, ids.reshape(-1)))
+
+
+Q16_MAX = 32767  # int16 activations: per 32 values, scale amax / Q16_MAX
+
+
+def quantize_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q16 activation quantization (the CPU kernels' default mode), as the oracle: x [M, K]
+    float32 → (int16 [M, K], float32 scales [M, K/32]). Per block of 32: d = amax / 32767,
+    q = round-half-even(x * (1 / d)) clamped to ±32767 (d = 0: q = 0)."""
+    m, k = x.shape
+    row_bytes(k)
+    b = x.to(torch.float32).reshape(m, k // QK, QK)
+    d = b.abs().amax(-1) / Q16_MAX
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(b * inv[..., None]).clamp(-Q16_MAX, Q16_MAX)   # torch.round: half to even
+    return q.to(torch.int16).reshape(m, k), d
+
+
+def matmul_q16(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` the way the q16 kernels define it (the oracle for ``kernels.cpu`` on packed
+    weights): per block, the exact integer dot of the weights' nibbles - 8 with ``quantize_q16(x)``,
+    times d_w * d_x, summed over blocks — here in float64, so the kernels' f32 result differs
+    from it only by the f32 rounding of the block sums (~1e-7 relative)."""
+    m, k = x.shape
+    if q.shape[1] != row_bytes(k):
+        raise ValueError(f"activation width {k} does not match Q4_0 row of {q.shape[1]} bytes")
+    xq, dx = quantize_q16(x)
+    n, nb = q.shape[0], k // QK
+    blk = q.reshape(n, nb, BLOCK_BYTES)
+    dw = blk[..., :2].contiguous().view(torch.float16).to(torch.float32).reshape(n, nb)
+    w = torch.cat([(blk[..., 2:] & 0x0F).to(torch.int64) - 8, (blk[..., 2:] >> 4).to(torch.int64) - 8], dim=-1)
+    dots = torch.einsum("nbj,mbj->mnb", w, xq.to(torch.int64).reshape(m, nb, QK))   # exact integers
+    scale = (dw[None, :, :] * dx[:, None, :]).to(torch.float64)                     # d_w * d_x in f32
+    return (dots.to(torch.float64) * scale).sum(-1).to(torch.float32)

@@ -21,6 +21,7 @@
 // Threading: one OpenMP region per call (quantize the rows, barrier, then the output
 // rows split into contiguous ranges of 4-row tiles); libgomp is the one torch loaded.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -491,6 +492,241 @@ void rows_f32_512(const uint8_t* q, int64_t row_bytes, const float* x,
 #pragma GCC pop_options
 #endif  // TQ_X86
 
+// ---------------------------------------------------------------- q16: packed weights x int16 activations
+// The default CPU matmul. Weights are repacked once at load (tq_pack_q4_0; same Q4_0 values and
+// bytes, another order): groups of GROUP = 16 rows, per group and block 288 bytes = the 16 rows'
+// fp16 scales, then byte j (weights j and j+16) of rows 0..15 for j = 0..15. So one 16-byte load
+// holds the same weight pair of 16 rows: lanes are rows, no horizontal sums.
+// Activations are quantized per row and block of 32 to int16: dx = amax / 32767, xq =
+// round-half-even(x * (1 / dx)) (|xq| <= 32767), xs = sum of xq; the pairs (xq[j], xq[j+16])
+// go into one dword each, matching the weight bytes. Arithmetic of one output element (every
+// path, M, tile, thread count):
+//   dp  = -8 * xs[b] + sum_j lo_j * xq[j] + hi_j * xq[j+16]     (exact int32; |dp| < 2^24)
+//   acc = fma(float(dp), d_w[b] * dx[b], acc)                    for blocks in order, acc = 0
+// float(dp) is exact, so the paths differ in nothing: AVX-512 VNNI (vpdpwssd), AVX2 (vpmaddwd)
+// and scalar give the same bits.
+
+constexpr int GROUP = tq::GROUP;
+constexpr int GBYTES = tq::GROUP_BLOCK_BYTES;
+constexpr int64_t Q16_ROW_BLOCK_BYTES = 16 * 4 + 4 + 4;  // one activation block: pairs, scale, sum
+
+// Activation rows per pass over the weights: ~128 KB of quantized activations (stays in L2).
+inline int64_t q16_chunk_rows(int64_t nb) {
+    const int64_t rows = (128 * 1024) / (nb * Q16_ROW_BLOCK_BYTES);
+    return rows < 4 ? 4 : rows / 4 * 4;
+}
+
+#if defined(TQ_X86) && defined(__GNUC__) && !defined(__clang__)
+#define TQ_Q16_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TQ_Q16_CLONES
+#endif
+
+// One activation row to q16 (layout above). Only exact IEEE operations (max, divide, multiply,
+// round-half-even), so every clone gives the same bits.
+TQ_Q16_CLONES void quantize_row_q16(const float* x, int32_t* xp, float* dx, int32_t* xs, int64_t nb) {
+    for (int64_t b = 0; b < nb; ++b) {
+        const float* v = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; ++j) {
+            const float a = std::fabs(v[j]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 32767.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t q[QK];
+        for (int j = 0; j < QK; ++j) {
+            float r = std::nearbyint(v[j] * id);
+            r = r > 32767.0f ? 32767.0f : (r < -32767.0f ? -32767.0f : r);
+            q[j] = (int32_t)r;
+        }
+        int32_t s = 0;
+        for (int j = 0; j < QK; ++j) s += q[j];
+        for (int j = 0; j < 16; ++j)
+            xp[b * 16 + j] = (int32_t)(((uint32_t)q[j] & 0xffffu) | ((uint32_t)q[j + 16] << 16));
+        dx[b] = d;
+        xs[b] = s;
+    }
+}
+
+void q16_rows_scalar(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p,
+                     float* out, int64_t M, int64_t N, int64_t nb, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+        for (int r = 0; r < GROUP && g * GROUP + r < N; ++r)
+            for (int64_t m = 0; m < M; ++m) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; ++b) {
+                    const uint8_t* blk = p + (g * nb + b) * GBYTES;
+                    const int32_t* x = xp + (m * nb + b) * 16;
+                    int32_t dp = -8 * xs[m * nb + b];
+                    for (int j = 0; j < 16; ++j) {
+                        const int32_t byte = blk[32 + j * 16 + r];
+                        dp += (byte & 15) * (int32_t)(int16_t)(x[j] & 0xffff) + (byte >> 4) * (x[j] >> 16);
+                    }
+                    const float s = fp16_to_fp32(load_u16(blk + 2 * r)) * dx[m * nb + b];
+                    acc = std::fma((float)dp, s, acc);
+                }
+                out[m * N + g * GROUP + r] = acc;
+            }
+}
+
+#ifdef TQ_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// 16 rows x C activations of groups g (rows as two 8-lane halves).
+template <int C>
+inline __attribute__((always_inline)) void q16_tile_avx2(const int32_t* xp, const float* dx, const int32_t* xs,
+                                                         const uint8_t* w, float* out, int64_t N, int64_t nb,
+                                                         int64_t rows) {
+    const __m256i mask = _mm256_set1_epi32(0x000F000F);
+    __m256 acc[2][C];
+    for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < C; ++c) acc[h][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * GBYTES;
+        __m256i ia[2][C];
+        for (int c = 0; c < C; ++c) ia[0][c] = ia[1][c] = _mm256_set1_epi32(-8 * xs[c * nb + b]);
+        for (int j = 0; j < 16; ++j) {
+            __m256i v[2];
+            for (int h = 0; h < 2; ++h) {
+                const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 32 + j * 16 + 8 * h)));
+                v[h] = _mm256_and_si256(_mm256_or_si256(u, _mm256_slli_epi32(u, 12)), mask);
+            }
+            for (int c = 0; c < C; ++c) {
+                const __m256i x = _mm256_set1_epi32(xp[(c * nb + b) * 16 + j]);
+                for (int h = 0; h < 2; ++h) ia[h][c] = _mm256_add_epi32(ia[h][c], _mm256_madd_epi16(v[h], x));
+            }
+        }
+        for (int h = 0; h < 2; ++h) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * h)));
+            for (int c = 0; c < C; ++c)
+                acc[h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[h][c]), _mm256_mul_ps(d, _mm256_set1_ps(dx[c * nb + b])),
+                                            acc[h][c]);
+        }
+    }
+    for (int c = 0; c < C; ++c) {
+        alignas(32) float tmp[GROUP];
+        _mm256_store_ps(tmp, acc[0][c]);
+        _mm256_store_ps(tmp + 8, acc[1][c]);
+        std::memcpy(out + c * N, tmp, rows * sizeof(float));
+    }
+}
+
+void q16_rows_avx2(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p,
+                   float* out, int64_t M, int64_t N, int64_t nb, int64_t g0, int64_t g1) {
+    const int64_t mc = q16_chunk_rows(nb);
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m1 = std::min(M, m0 + mc);
+        for (int64_t g = g0; g < g1; ++g) {
+            const uint8_t* w = p + g * nb * GBYTES;
+            const int64_t rows = std::min<int64_t>(GROUP, N - g * GROUP);
+            float* o = out + g * GROUP;
+            int64_t m = m0;
+            for (; m + 4 <= m1; m += 4)
+                q16_tile_avx2<4>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
+            for (; m < m1; ++m) q16_tile_avx2<1>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
+        }
+    }
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+
+// GR groups (16 rows each) x C activations. With C == 1 each group's sum runs in two int32
+// chains (even / odd j; integer addition is exact, so the split changes no bit).
+template <int GR, int C>
+inline __attribute__((always_inline)) void q16_tile_512(const int32_t* xp, const float* dx, const int32_t* xs,
+                                                        const uint8_t* w, int64_t gstride, float* out, int64_t N,
+                                                        int64_t nb, int64_t rows_last) {
+    constexpr int S = C == 1 ? 2 : 1;
+    const __m512i mask = _mm512_set1_epi32(0x000F000F);
+    __m512 acc[GR][C];
+    for (int g = 0; g < GR; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i ia[S][GR][C];
+        for (int c = 0; c < C; ++c) {
+            const __m512i seed = _mm512_set1_epi32(-8 * xs[c * nb + b]);
+            for (int g = 0; g < GR; ++g) {
+                ia[0][g][c] = seed;
+                if (S == 2) ia[S - 1][g][c] = _mm512_setzero_si512();
+            }
+        }
+        for (int j = 0; j < 16; ++j) {
+            __m512i v[GR];
+            for (int g = 0; g < GR; ++g) {
+                const __m512i u = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i*)(w + g * gstride + b * GBYTES + 32 + j * 16)));
+                v[g] = _mm512_ternarylogic_epi32(u, _mm512_slli_epi32(u, 12), mask, 0xA8);  // (a | b) & c
+            }
+            for (int c = 0; c < C; ++c) {
+                const __m512i x = _mm512_set1_epi32(xp[(c * nb + b) * 16 + j]);
+                for (int g = 0; g < GR; ++g) ia[j % S][g][c] = _mm512_dpwssd_epi32(ia[j % S][g][c], v[g], x);
+            }
+        }
+        for (int g = 0; g < GR; ++g) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + g * gstride + b * GBYTES)));
+            for (int c = 0; c < C; ++c) {
+                const __m512i t = S == 2 ? _mm512_add_epi32(ia[0][g][c], ia[S - 1][g][c]) : ia[0][g][c];
+                acc[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(dx[c * nb + b])),
+                                            acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < GR; ++g) {
+        const __mmask16 k = g == GR - 1 && rows_last < GROUP ? (__mmask16)((1u << rows_last) - 1) : (__mmask16)0xffff;
+        for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + c * N + g * GROUP, k, acc[g][c]);
+    }
+}
+
+template <int GR>
+inline void q16_groups_512(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* w, int64_t gstride,
+                           float* out, int64_t M, int64_t N, int64_t nb, int64_t rows_last) {
+    int64_t m = 0;
+    if (M == 1) {
+        q16_tile_512<GR, 1>(xp, dx, xs, w, gstride, out, N, nb, rows_last);
+        return;
+    }
+    for (; m + 4 <= M; m += 4)
+        q16_tile_512<GR, 4>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, gstride, out + m * N, N, nb, rows_last);
+    switch (M - m) {
+        case 3: q16_tile_512<GR, 3>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, gstride, out + m * N, N, nb, rows_last); break;
+        case 2: q16_tile_512<GR, 2>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, gstride, out + m * N, N, nb, rows_last); break;
+        case 1: q16_tile_512<GR, 1>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, gstride, out + m * N, N, nb, rows_last); break;
+        default: break;
+    }
+}
+
+void q16_rows_512(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p,
+                  float* out, int64_t M, int64_t N, int64_t nb, int64_t g0, int64_t g1) {
+    const int64_t gstride = nb * GBYTES;
+    const int64_t G = (N + GROUP - 1) / GROUP;
+    auto last_rows = [&](int64_t g_end) { return g_end == G ? N - (G - 1) * GROUP : (int64_t)GROUP; };
+    // decode (M == 1): 4 groups per pass, two chains each; batches: 2 groups x 4 activations, the
+    // activations in chunks that stay in L2 while the groups' weights (L1) pass over them
+    const int GR = M == 1 ? 4 : 2;
+    const int64_t mc = q16_chunk_rows(nb);
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t mm = std::min(mc, M - m0);
+        const int32_t *xpc = xp + m0 * nb * 16, *xsc = xs + m0 * nb;
+        const float* dxc = dx + m0 * nb;
+        float* oc = out + m0 * N;
+        int64_t g = g0;
+        for (; g + GR <= g1; g += GR) {
+            if (GR == 4)
+                q16_groups_512<4>(xpc, dxc, xsc, p + g * gstride, gstride, oc + g * GROUP, mm, N, nb, last_rows(g + 4));
+            else
+                q16_groups_512<2>(xpc, dxc, xsc, p + g * gstride, gstride, oc + g * GROUP, mm, N, nb, last_rows(g + 2));
+        }
+        for (; g < g1; ++g)
+            q16_groups_512<1>(xpc, dxc, xsc, p + g * gstride, gstride, oc + g * GROUP, mm, N, nb, last_rows(g + 1));
+    }
+}
+#pragma GCC pop_options
+#endif  // TQ_X86
+
 // ---------------------------------------------------------------- dispatch
 
 int detect_isa() {
@@ -540,6 +776,18 @@ RowsF32Fn rows_f32_fn(int isa) {
     return rows_f32_scalar;
 }
 
+using RowsQ16Fn = void (*)(const int32_t*, const float*, const int32_t*, const uint8_t*, float*,
+                           int64_t, int64_t, int64_t, int64_t, int64_t);
+
+RowsQ16Fn rows_q16_fn(int isa) {
+#ifdef TQ_X86
+    if (isa == ISA_AVX512VNNI) return q16_rows_512;
+    if (isa == ISA_AVX2) return q16_rows_avx2;
+#endif
+    (void)isa;
+    return q16_rows_scalar;
+}
+
 // threads: at most one per tile, and one per ~32 KB of weight bytes x activation rows, so
 // tiny matmuls do not pay a thread wake-up (the split never changes the results)
 inline int thread_count(int nthreads, int64_t M, int64_t N, int64_t row_bytes) {
@@ -565,6 +813,66 @@ void matmul_f32_rows(const float* x, const uint8_t* q, float* out, int64_t M, in
     rows_f32_fn(isa)(q, K / QK * BLOCK_BYTES, x, out, M, N, K, r0, r1);
 }
 
+void quantize_rows_q16(const float* x, int32_t* xp, float* dx, int32_t* xs, int64_t m0, int64_t m1, int64_t K) {
+    const int64_t nb = K / QK;
+    for (int64_t m = m0; m < m1; ++m) quantize_row_q16(x + m * K, xp + m * nb * 16, dx + m * nb, xs + m * nb, nb);
+}
+
+void matmul_q16_groups(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p, float* out,
+                       int64_t M, int64_t N, int64_t K, int64_t g0, int64_t g1, int isa) {
+    rows_q16_fn(isa)(xp, dx, xs, p, out, M, N, K / QK, g0, g1);
+}
+
+void pack_q4_0(const uint8_t* q, int64_t N, int64_t K, uint8_t* out) {
+    const int64_t nb = K / QK, G = (N + GROUP - 1) / GROUP;
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* d = out + (g * nb + b) * GBYTES;
+            for (int r = 0; r < GROUP; ++r) {
+                const int64_t n = g * GROUP + r;
+                if (n < N) {
+                    const uint8_t* src = q + (n * nb + b) * BLOCK_BYTES;
+                    d[2 * r] = src[0];
+                    d[2 * r + 1] = src[1];
+                    for (int j = 0; j < 16; ++j) d[32 + j * 16 + r] = src[2 + j];
+                } else {  // padding rows: scale 0, weights (8 - 8) * 0 = 0
+                    d[2 * r] = d[2 * r + 1] = 0;
+                    for (int j = 0; j < 16; ++j) d[32 + j * 16 + r] = 0x88;
+                }
+            }
+        }
+}
+
+void unpack_q4_0(const uint8_t* p, int64_t N, int64_t K, uint8_t* out) {
+    const int64_t nb = K / QK;
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* src = p + ((n / GROUP) * nb + b) * GBYTES;
+            const int r = (int)(n % GROUP);
+            uint8_t* d = out + (n * nb + b) * BLOCK_BYTES;
+            d[0] = src[2 * r];
+            d[1] = src[2 * r + 1];
+            for (int j = 0; j < 16; ++j) d[2 + j] = src[32 + j * 16 + r];
+        }
+}
+
+void embedding_rows_packed(const int64_t* ids, int64_t n_ids, const uint8_t* p, int64_t K, float* out) {
+    const int64_t nb = K / QK;
+    for (int64_t i = 0; i < n_ids; ++i) {
+        const int64_t n = ids[i], r = n % GROUP;
+        float* o = out + i * K;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = p + ((n / GROUP) * nb + b) * GBYTES;
+            const float d = fp16_to_fp32(load_u16(blk + 2 * r));
+            for (int j = 0; j < 16; ++j) {
+                const int byte = blk[32 + j * 16 + r];
+                o[b * QK + j] = (float)((byte & 0x0f) - 8) * d;
+                o[b * QK + j + 16] = (float)((byte >> 4) - 8) * d;
+            }
+        }
+    }
+}
+
 void embedding_rows(const int64_t* ids, int64_t n_ids, const uint8_t* q, int64_t K, float* out) {
     const int64_t nb = K / QK;
     const int64_t row_bytes = nb * BLOCK_BYTES;
@@ -586,7 +894,7 @@ void embedding_rows(const int64_t* ids, int64_t n_ids, const uint8_t* q, int64_t
 
 extern "C" {
 
-int tq_abi_version() { return 3; }
+int tq_abi_version() { return 4; }
 
 // The best path this CPU runs: 2 AVX-512 VNNI (256-bit), 1 AVX2/FMA/F16C, 0 scalar.
 int tq_best_isa() { return g_best_isa; }
@@ -661,6 +969,51 @@ void tq_matmul_f32(const float* x, const uint8_t* q, float* out, int64_t M, int6
     }
 #endif
     rf(q, row_bytes, x, out, M, N, K, 0, N);
+}
+
+// q16: out[M, N] = x[M, K] @ W.T with W packed (tq_pack_q4_0) and x quantized to int16 per block.
+void tq_matmul_q16(const float* x, const uint8_t* p, float* out, int64_t M, int64_t N, int64_t K,
+                   int nthreads, int isa) {
+    isa = tq::resolve_isa(isa);
+    const int64_t nb = K / QK, G = (N + GROUP - 1) / GROUP;
+    thread_local std::vector<int32_t> xp_buf, xs_buf;
+    thread_local std::vector<float> dx_buf;
+    if ((int64_t)xp_buf.size() < M * nb * 16) xp_buf.resize(M * nb * 16);
+    if ((int64_t)xs_buf.size() < M * nb) xs_buf.resize(M * nb);
+    if ((int64_t)dx_buf.size() < M * nb) dx_buf.resize(M * nb);
+    int32_t *xp = xp_buf.data(), *xs = xs_buf.data();
+    float* dx = dx_buf.data();
+    const int nt = thread_count(nthreads, M, N, nb * BLOCK_BYTES);
+#ifdef _OPENMP
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            const int tid = omp_get_thread_num(), T = omp_get_num_threads();
+            tq::quantize_rows_q16(x, xp, dx, xs, M * tid / T, M * (tid + 1) / T, K);
+#pragma omp barrier
+            int64_t g0, g1;
+            tq::thread_groups(G, tid, T, &g0, &g1);
+            if (g0 < g1) tq::matmul_q16_groups(xp, dx, xs, p, out, M, N, K, g0, g1, isa);
+        }
+        return;
+    }
+#endif
+    tq::quantize_rows_q16(x, xp, dx, xs, 0, M, K);
+    tq::matmul_q16_groups(xp, dx, xs, p, out, M, N, K, 0, G, isa);
+}
+
+// The q16 activation quantization, exposed so tests can compare it with torch exactly.
+void tq_quantize_q16(const float* x, int32_t* xp, float* dx, int32_t* xs, int64_t M, int64_t K) {
+    tq::quantize_rows_q16(x, xp, dx, xs, 0, M, K);
+}
+
+// Q4_0 rows q[N, K/32*18] -> packed groups out[ceil(N/16) * K/32 * 288], and back.
+void tq_pack_q4_0(const uint8_t* q, int64_t N, int64_t K, uint8_t* out) { tq::pack_q4_0(q, N, K, out); }
+void tq_unpack_q4_0(const uint8_t* p, int64_t N, int64_t K, uint8_t* out) { tq::unpack_q4_0(p, N, K, out); }
+
+// out[n_ids, K] = dequantized rows ids of a packed table (bitwise tq_embedding of the unpacked one).
+void tq_embedding_packed(const int64_t* ids, int64_t n_ids, const uint8_t* p, int64_t K, float* out) {
+    tq::embedding_rows_packed(ids, n_ids, p, K, out);
 }
 
 // out[n_ids, K] = dequantized rows ids of q[N, K/32*18] (ids validated by the caller).

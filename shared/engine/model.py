@@ -79,12 +79,16 @@ class Transformer:
         separate copies can be freed one by one (the caller's dict ends up empty)."""
         self.cfg = cfg
         self.device = device
-        self.ops = ops  # matmul(x, q) / embedding(ids, q) with Q4_0 weights
+        self.ops = ops  # matmul(x, q) / embedding(ids, q) with Q4_0 weights (optional: prepare(q))
         src = weights if consume else dict(weights)
 
         def take(name: str, default=None) -> torch.Tensor | None:
             t = src.pop(name, default)
             return t.to(device) if t is not None else None
+
+        # the layout the device's kernels run fastest on (CPU q16: rows packed in groups of 16;
+        # the same Q4_0 values), one matrix at a time so the loader's copy is freed as we go
+        prepare = getattr(ops, "prepare", lambda q: q)
 
         # fuse q|k|v and gate|up: one matmul each (row concatenation is exact on Q4_0 bytes)
         self.layers = []
@@ -92,11 +96,11 @@ class Transformer:
             p = f"blk.{i}."
             layer = {
                 "attn_norm": take(p + "attn_norm").float(),
-                "qkv": torch.cat([take(p + "attn_q"), take(p + "attn_k"), take(p + "attn_v")]),
-                "o": take(p + "attn_output"),
+                "qkv": prepare(torch.cat([take(p + "attn_q"), take(p + "attn_k"), take(p + "attn_v")])),
+                "o": prepare(take(p + "attn_output")),
                 "ffn_norm": take(p + "ffn_norm").float(),
-                "gate_up": torch.cat([take(p + "ffn_gate"), take(p + "ffn_up")]),
-                "down": take(p + "ffn_down"),
+                "gate_up": prepare(torch.cat([take(p + "ffn_gate"), take(p + "ffn_up")])),
+                "down": prepare(take(p + "ffn_down")),
             }
             if cfg.attn_bias:
                 layer["qkv_bias"] = torch.cat([take(p + "attn_q_bias"), take(p + "attn_k_bias"),
@@ -109,7 +113,9 @@ class Transformer:
                 release_freed_memory()
         tied = src.get("output") is None or src.get("output") is src.get("token_embd")
         self.embed = take("token_embd")
-        self.output = self.embed if tied else take("output")
+        self.output = prepare(self.embed if tied else take("output"))
+        if tied:  # one copy: the embedding reads rows of the prepared lm head
+            self.embed = self.output
         src.pop("output", None)
         self.output_norm = take("output_norm").float()
         inv = rope_inv_freq(cfg, take("rope_freqs", None))

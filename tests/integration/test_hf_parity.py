@@ -29,12 +29,13 @@ DECISIVE = 0.5  # a position is "decisive" when HF's top-1 logit leads its top-2
 
 # Bounds per kernel path: (min top-1 agreement, min top-1 agreement on decisive positions,
 # max |dlogit|, mean |dlogit|). Measured figures are in docs/benchmarks.md ("Numerics").
-# The issue asks for top-1 >= 99 %: the engine's default CPU path (the kernel with f32
-# activations) and the torch reference meet it. The opt-in Q8_0 activations (llama.cpp's
+# The issue asks for top-1 >= 99 %: the engine's default CPU path (packed weights, int16
+# activations), the kernel with f32 activations and the torch reference meet it. The opt-in Q8_0 activations (llama.cpp's
 # scheme, TANDEM_CPU_ACT=q8) flip near-ties (HF margin < 0.3 logit) on ~2-4 % of positions of
 # this text, so its overall bound is lower and the 99 % is asserted on decisive positions.
 BOUNDS = {
-    "auto": (0.99, 0.99, 0.10, 0.004),     # the default: CPU kernel, f32 activations
+    "auto": (0.99, 0.99, 0.10, 0.004),     # the default: CPU kernel, q16 (int16 activations)
+    "auto-f32": (0.99, 0.99, 0.10, 0.004),  # CPU kernel, f32 activations (TANDEM_CPU_ACT=f32)
     "auto-q8": (0.95, 0.99, 5.0, 0.20),    # CPU kernel, Q8_0 activations (TANDEM_CPU_ACT=q8)
     "reference": (0.99, 0.99, 0.10, 0.004),
 }
@@ -122,13 +123,13 @@ def cpu_act():
     cpu.set_act(before)
 
 
-@pytest.mark.parametrize("kernels", ["auto", "auto-q8", "reference"])
+@pytest.mark.parametrize("kernels", ["auto", "auto-f32", "auto-q8", "reference"])
 def test_logits_match_transformers(kernels, q4_model, ids, hf_logits, bundled_model, monkeypatch, cpu_act):
     assert q4_model.identity == bundled_model.identity  # the Q4_0 GGUF holds exactly the weights we run
     path, _, act = kernels.partition("-")
     monkeypatch.setenv("TANDEM_KERNELS", path)  # read by kernels.dispatch.get_ops in Engine()
     if path == "auto":
-        cpu_act(act or "f32")  # "auto": the default f32 activations; "auto-q8": Q8_0 activations
+        cpu_act(act or "q16")  # "auto": the default (q16); "auto-f32" / "auto-q8": those activations
     engine = Engine(q4_model, EngineConfig(num_kv_blocks=(len(ids) + 15) // 16, block_size=16))
     ours = engine.prompt_logits(ids)
     assert ours.shape == hf_logits.shape

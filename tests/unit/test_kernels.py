@@ -266,6 +266,7 @@ def test_act_mode_selection(monkeypatch):
     cpu.set_act(None)
     try:
         assert cpu.act() == "f32" and torch.equal(cpu.matmul(x, q), f32)
+        assert isinstance(cpu.prepare(q), torch.Tensor)          # only q16 packs
         cpu.set_act("q8")
         assert cpu.act() == "q8" and torch.equal(cpu.matmul(x, q), q8)
         with pytest.raises(ValueError, match="act"):
@@ -277,6 +278,74 @@ def test_act_mode_selection(monkeypatch):
         assert cpu.act() == "q8"
         monkeypatch.delenv("TANDEM_CPU_ACT")
         cpu.set_act(None)
-        assert cpu.act() == "f32"  # the default: accuracy first (docs/kernels.md)
+        assert cpu.act() == "q16"  # the default (docs/kernels.md)
+        assert torch.equal(cpu.matmul(x, q), f32)                # a row-major tensor runs f32 in q16 mode
+        assert isinstance(cpu.prepare(q), cpu.PackedQ4)
+        assert torch.equal(cpu.matmul(x, cpu.prepare(q)), cpu.matmul_with(x, cpu.pack(q), act="q8"))  # packed: q16 always
     finally:
         cpu.set_act(before)
+
+
+# ---------------------------------------------------------------- q16: packed weights, int16 activations
+
+# The kernel sums the exact integer block dots in f32 (one fma per block); the oracle
+# (q4_0.matmul_q16) in float64: measured <= 3.7e-7 of the largest output
+Q16_ORACLE_TOL = 2e-6
+# Against the f32 reference: the int16 rounding of the activations, measured <= 2.3e-5 relative
+Q16_REL_TOL = 1e-4
+
+
+@needs_lib
+def test_q16_quantization_is_the_oracles_exactly():
+    x = torch.cat([acts(5, 576), torch.zeros(1, 576), acts(1, 576) * 1e-30, acts(1, 576) * 1e30])
+    x[0, 5] = 0.5 * x[0, :32].abs().max()        # ties and exact halves take the even side
+    xq, d, sums = cpu.quantize_q16(x)
+    want_q, want_d = q4_0.quantize_q16(x)
+    assert torch.equal(xq, want_q) and torch.equal(d, want_d)
+    assert torch.equal(sums, want_q.to(torch.int32).reshape(x.shape[0], -1, 32).sum(-1))
+    assert int(xq.abs().max()) == 32767
+
+
+@needs_lib
+@pytest.mark.parametrize("n,k", SHAPES + [(100, 96), (3, 64)])   # N not a multiple of the 16-row group
+def test_pack_round_trip_and_packed_embedding(n, k):
+    q = q4(n, k)
+    p = cpu.pack(q)
+    assert p.shape == q.shape and p.numel() == -(-n // 16) * 16 * q.shape[1]
+    assert torch.equal(p.unpack(), q)
+    ids = torch.tensor([0, n - 1, n // 2])
+    assert torch.equal(cpu.embedding(ids, p), q4_0.embedding(ids, q))
+
+
+@needs_lib
+@pytest.mark.parametrize("n,k", SHAPES + [(100, 96)])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 64])
+def test_q16_matmul_against_its_oracle_and_the_f32_reference(m, n, k):
+    q, x = q4(n, k), acts(m, k)
+    got = cpu.matmul(x, cpu.pack(q))
+    oracle = q4_0.matmul_q16(x, q)
+    assert float((got - oracle).abs().max()) <= Q16_ORACLE_TOL * float(oracle.abs().max())
+    assert rel_err(got, q4_0.matmul(x, q)) < Q16_REL_TOL
+
+
+@needs_lib
+def test_q16_same_bits_on_every_path_thread_count_and_batch():
+    q, x = q4(576, 1536), acts(37, 1536)
+    p = cpu.pack(q)
+    want = cpu.matmul_with(x, p, isa="scalar", num_threads=1)
+    for isa in paths():
+        for t in (1, 2, 3):
+            assert torch.equal(cpu.matmul_with(x, p, isa=isa, num_threads=t), want), (isa, t)
+    rows = torch.cat([cpu.matmul(x[i:i + 1].contiguous(), p) for i in range(x.shape[0])])
+    assert torch.equal(rows, want)   # a row of a batch is that row alone
+
+
+@needs_lib
+@pytest.mark.parametrize("name", ["blk.0.attn_q", "blk.7.ffn_up", "blk.29.ffn_down", "token_embd"])
+def test_q16_real_weights(real_weights, name):
+    q = real_weights[name]
+    k = q.shape[1] // q4_0.BLOCK_BYTES * q4_0.QK
+    p = cpu.pack(q)
+    for m in (1, 16):
+        x = acts(m, k, seed=m)
+        assert rel_err(cpu.matmul(x, p), q4_0.matmul(x, q)) < Q16_REL_TOL
