@@ -407,7 +407,7 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The q16 activation quantization: x [M, K] f32 → (int16 [M, K], f32 scales [M, K/32],
-    int32 block sums [M, K/32]), unpacked from the kernel's pair layout. Exposed for tests;
+    int32 block sums [M, K/32]), unpacked from the kernel's byte-quad layout. Exposed for tests;
     RuntimeError when the compiled library is unavailable."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D float32 tensor, got {_describe(x)}")
@@ -416,10 +416,12 @@ def quantize_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         raise ValueError(f"x width must be a multiple of {q4_0.QK}, got {k}")
     lib = _checked_library()
     nb = k // q4_0.QK
-    pairs = torch.empty(m, nb, 16, dtype=torch.int32)
+    quads = torch.empty(m, nb, 16, dtype=torch.int32)
     d = torch.empty(m, nb, dtype=torch.float32)
     sums = torch.empty(m, nb, dtype=torch.int32)
-    lib.tq_quantize_q16(x.data_ptr(), pairs.data_ptr(), d.data_ptr(), sums.data_ptr(), m, k)
-    lo = (pairs & 0xFFFF).to(torch.int16)        # xq[j]: the low half, as int16
-    hi = (pairs >> 16).to(torch.int16)           # xq[j + 16]
-    return torch.cat([lo, hi], dim=-1).reshape(m, k), d, sums
+    lib.tq_quantize_q16(x.data_ptr(), quads.data_ptr(), d.data_ptr(), sums.data_ptr(), m, k)
+    # per block: 8 dwords of high bytes, 8 of low bytes; byte c of step s is weight 2s + c%2 + 16 (c//2)
+    parts = quads.view(torch.int8).reshape(m, nb, 2, 8, 4).to(torch.int32)
+    xq = (256 * parts[:, :, 0] + parts[:, :, 1]).reshape(m, nb, 8, 2, 2)     # [s, c//2, c%2]
+    xq = xq.permute(0, 1, 3, 2, 4).reshape(m, nb, 32)                          # k = 16 (c//2) + 2s + c%2
+    return xq.to(torch.int16).reshape(m, k), d, sums

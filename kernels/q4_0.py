@@ -82,13 +82,13 @@ def embedding(ids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return dequantize(q.index_select(0, ids.reshape(-1)))
 
 
-Q16_MAX = 32767  # int16 activations: per 32 values, scale amax / Q16_MAX
+Q16_MAX = 32639  # q16 activations: per 32 values, scale amax / Q16_MAX (= 127 * 257: two signed bytes)
 
 
 def quantize_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The q16 activation quantization (the CPU kernels' default mode), as the oracle: x [M, K]
-    float32 → (int16 [M, K], float32 scales [M, K/32]). Per block of 32: d = amax / 32767,
-    q = round-half-even(x * (1 / d)) clamped to ±32767 (d = 0: q = 0)."""
+    float32 → (int16 [M, K], float32 scales [M, K/32]). Per block of 32: d = amax / Q16_MAX,
+    q = round-half-even(x * (1 / d)) clamped to ±Q16_MAX (d = 0: q = 0)."""
     m, k = x.shape
     row_bytes(k)
     b = x.to(torch.float32).reshape(m, k // QK, QK)

@@ -493,28 +493,35 @@ void rows_f32_512(const uint8_t* q, int64_t row_bytes, const float* x,
 #endif  // TQ_X86
 
 // ---------------------------------------------------------------- q16: packed weights x int16 activations
-// The default CPU matmul. Weights are repacked once at load (tq_pack_q4_0; same Q4_0 values and
-// bytes, another order): groups of GROUP = 16 rows, per group and block 288 bytes = the 16 rows'
-// fp16 scales, then byte j (weights j and j+16) of rows 0..15 for j = 0..15. So one 16-byte load
-// holds the same weight pair of 16 rows: lanes are rows, no horizontal sums.
-// Activations are quantized per row and block of 32 to int16: dx = amax / 32767, xq =
-// round-half-even(x * (1 / dx)) (|xq| <= 32767), xs = sum of xq; the pairs (xq[j], xq[j+16])
-// go into one dword each, matching the weight bytes. Arithmetic of one output element (every
-// path, M, tile, thread count):
-//   dp  = -8 * xs[b] + sum_j lo_j * xq[j] + hi_j * xq[j+16]     (exact int32; |dp| < 2^24)
-//   acc = fma(float(dp), d_w[b] * dx[b], acc)                    for blocks in order, acc = 0
-// float(dp) is exact, so the paths differ in nothing: AVX-512 VNNI (vpdpwssd), AVX2 (vpmaddwd)
-// and scalar give the same bits.
+// The default CPU matmul. Weights are repacked once at load (tq_pack_q4_0; the same Q4_0 values
+// and bytes, another order): groups of GROUP = 16 rows; per group and block, 288 bytes = the 16
+// rows' fp16 scales, then for step s = 0..7 the 16 rows' bytes 2s and 2s+1 as one 16-bit word
+// per row. Zero-extending such a word to a dword and moving the high nibbles up gives, per row,
+// the four weights k = 2s, 2s+1, 2s+16, 2s+17 as bytes (nibble values 0..15): lanes are rows,
+// 64 weights per 512-bit register, and no horizontal sums.
+// Activations are quantized per row and block of 32: dx = amax / Q16_MAX, xq = round-half-even(
+// x * (1 / dx)), |xq| <= Q16_MAX = 32639 = 127 * 257, so xq = 256 * xh + xl with both halves
+// signed bytes (xh = (xq + 128) >> 8); per block 8 dwords of xh quads and 8 of xl quads, in the
+// weights' k order, and xs = the sum of xq. One output element (every path, M, tile, thread):
+//   dp  = 256 * sum_k n_k * xh_k + sum_k n_k * xl_k - 8 * xs = sum_k (n_k - 8) * xq_k
+//                                                              (exact int32; |dp| < 2^23)
+//   acc = fma(float(dp), d_w[b] * dx[b], acc)                   for blocks in order, acc = 0
+// float(dp) is exact, so the paths differ in nothing: AVX-512 VNNI (vpdpbusd), AVX2
+// (vpmaddubsw + vpmaddwd: no int16 saturation, |pair| <= 2 * 15 * 128) and scalar give the same bits.
 
 constexpr int GROUP = tq::GROUP;
 constexpr int GBYTES = tq::GROUP_BLOCK_BYTES;
-constexpr int64_t Q16_ROW_BLOCK_BYTES = 16 * 4 + 4 + 4;  // one activation block: pairs, scale, sum
+constexpr int32_t Q16_MAX = 32639;
+constexpr int64_t Q16_ROW_BLOCK_BYTES = 16 * 4 + 4 + 4;  // one activation block: quads, scale, sum
 
 // Activation rows per pass over the weights: ~128 KB of quantized activations (stays in L2).
 inline int64_t q16_chunk_rows(int64_t nb) {
     const int64_t rows = (128 * 1024) / (nb * Q16_ROW_BLOCK_BYTES);
     return rows < 4 ? 4 : rows / 4 * 4;
 }
+
+// Weight k of the block that byte `c` (0..3) of step s's dword holds.
+inline int q16_k(int s, int c) { return 2 * s + (c & 1) + (c >> 1) * 16; }
 
 #if defined(TQ_X86) && defined(__GNUC__) && !defined(__clang__)
 #define TQ_Q16_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -532,20 +539,28 @@ TQ_Q16_CLONES void quantize_row_q16(const float* x, int32_t* xp, float* dx, int3
             const float a = std::fabs(v[j]);
             amax = a > amax ? a : amax;
         }
-        const float d = amax / 32767.0f;
+        const float d = amax / (float)Q16_MAX;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         int32_t q[QK];
         for (int j = 0; j < QK; ++j) {
             float r = std::nearbyint(v[j] * id);
-            r = r > 32767.0f ? 32767.0f : (r < -32767.0f ? -32767.0f : r);
+            r = r > (float)Q16_MAX ? (float)Q16_MAX : (r < -(float)Q16_MAX ? -(float)Q16_MAX : r);
             q[j] = (int32_t)r;
         }
-        int32_t s = 0;
-        for (int j = 0; j < QK; ++j) s += q[j];
-        for (int j = 0; j < 16; ++j)
-            xp[b * 16 + j] = (int32_t)(((uint32_t)q[j] & 0xffffu) | ((uint32_t)q[j + 16] << 16));
+        int32_t sum = 0;
+        for (int j = 0; j < QK; ++j) sum += q[j];
+        for (int s = 0; s < 8; ++s) {
+            uint32_t hi = 0, lo = 0;
+            for (int c = 0; c < 4; ++c) {
+                const int32_t xq = q[q16_k(s, c)], xh = (xq + 128) >> 8, xl = xq - 256 * xh;
+                hi |= (uint32_t)(uint8_t)(int8_t)xh << (8 * c);
+                lo |= (uint32_t)(uint8_t)(int8_t)xl << (8 * c);
+            }
+            xp[b * 16 + s] = (int32_t)hi;
+            xp[b * 16 + 8 + s] = (int32_t)lo;
+        }
         dx[b] = d;
-        xs[b] = s;
+        xs[b] = sum;
     }
 }
 
@@ -559,12 +574,16 @@ void q16_rows_scalar(const int32_t* xp, const float* dx, const int32_t* xs, cons
                     const uint8_t* blk = p + (g * nb + b) * GBYTES;
                     const int32_t* x = xp + (m * nb + b) * 16;
                     int32_t dp = -8 * xs[m * nb + b];
-                    for (int j = 0; j < 16; ++j) {
-                        const int32_t byte = blk[32 + j * 16 + r];
-                        dp += (byte & 15) * (int32_t)(int16_t)(x[j] & 0xffff) + (byte >> 4) * (x[j] >> 16);
+                    for (int s = 0; s < 8; ++s) {
+                        const uint8_t a = blk[32 + s * 32 + 2 * r], e = blk[32 + s * 32 + 2 * r + 1];
+                        const int32_t n[4] = {a & 15, e & 15, a >> 4, e >> 4};  // k order of the quads
+                        for (int c = 0; c < 4; ++c) {
+                            const int32_t xh = (int8_t)(x[s] >> (8 * c)), xl = (int8_t)(x[8 + s] >> (8 * c));
+                            dp += n[c] * (256 * xh + xl);
+                        }
                     }
-                    const float s = fp16_to_fp32(load_u16(blk + 2 * r)) * dx[m * nb + b];
-                    acc = std::fma((float)dp, s, acc);
+                    const float sc = fp16_to_fp32(load_u16(blk + 2 * r)) * dx[m * nb + b];
+                    acc = std::fma((float)dp, sc, acc);
                 }
                 out[m * N + g * GROUP + r] = acc;
             }
@@ -574,35 +593,43 @@ void q16_rows_scalar(const int32_t* xp, const float* dx, const int32_t* xs, cons
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-// 16 rows x C activations of groups g (rows as two 8-lane halves).
+// 16 rows x C activations of one group (rows as two 8-lane halves).
 template <int C>
 inline __attribute__((always_inline)) void q16_tile_avx2(const int32_t* xp, const float* dx, const int32_t* xs,
                                                          const uint8_t* w, float* out, int64_t N, int64_t nb,
                                                          int64_t rows) {
-    const __m256i mask = _mm256_set1_epi32(0x000F000F);
+    const __m256i mask = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
     __m256 acc[2][C];
     for (int h = 0; h < 2; ++h)
         for (int c = 0; c < C; ++c) acc[h][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * GBYTES;
-        __m256i ia[2][C];
-        for (int c = 0; c < C; ++c) ia[0][c] = ia[1][c] = _mm256_set1_epi32(-8 * xs[c * nb + b]);
-        for (int j = 0; j < 16; ++j) {
+        __m256i ih[2][C], il[2][C];
+        for (int h = 0; h < 2; ++h)
+            for (int c = 0; c < C; ++c) ih[h][c] = il[h][c] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s) {
             __m256i v[2];
             for (int h = 0; h < 2; ++h) {
-                const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 32 + j * 16 + 8 * h)));
+                const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(blk + 32 + s * 32 + 16 * h)));
                 v[h] = _mm256_and_si256(_mm256_or_si256(u, _mm256_slli_epi32(u, 12)), mask);
             }
             for (int c = 0; c < C; ++c) {
-                const __m256i x = _mm256_set1_epi32(xp[(c * nb + b) * 16 + j]);
-                for (int h = 0; h < 2; ++h) ia[h][c] = _mm256_add_epi32(ia[h][c], _mm256_madd_epi16(v[h], x));
+                const __m256i xh = _mm256_set1_epi32(xp[(c * nb + b) * 16 + s]);
+                const __m256i xl = _mm256_set1_epi32(xp[(c * nb + b) * 16 + 8 + s]);
+                for (int h = 0; h < 2; ++h) {
+                    ih[h][c] = _mm256_add_epi32(ih[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(v[h], xh), ones));
+                    il[h][c] = _mm256_add_epi32(il[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(v[h], xl), ones));
+                }
             }
         }
         for (int h = 0; h < 2; ++h) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * h)));
-            for (int c = 0; c < C; ++c)
-                acc[h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[h][c]), _mm256_mul_ps(d, _mm256_set1_ps(dx[c * nb + b])),
+            for (int c = 0; c < C; ++c) {
+                const __m256i t = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(ih[h][c], 8), il[h][c]),
+                                                   _mm256_set1_epi32(8 * xs[c * nb + b]));
+                acc[h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(dx[c * nb + b])),
                                             acc[h][c]);
+            }
         }
     }
     for (int c = 0; c < C; ++c) {
@@ -634,42 +661,41 @@ void q16_rows_avx2(const int32_t* xp, const float* dx, const int32_t* xs, const 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 
-// GR groups (16 rows each) x C activations. With C == 1 each group's sum runs in two int32
-// chains (even / odd j; integer addition is exact, so the split changes no bit).
+// GR groups (16 rows each) x C activations; per group and activation two int32 chains (the
+// high and low activation bytes), combined exactly per block.
 template <int GR, int C>
 inline __attribute__((always_inline)) void q16_tile_512(const int32_t* xp, const float* dx, const int32_t* xs,
                                                         const uint8_t* w, int64_t gstride, float* out, int64_t N,
                                                         int64_t nb, int64_t rows_last) {
-    constexpr int S = C == 1 ? 2 : 1;
-    const __m512i mask = _mm512_set1_epi32(0x000F000F);
+    const __m512i mask = _mm512_set1_epi32(0x0F0F0F0F);
     __m512 acc[GR][C];
     for (int g = 0; g < GR; ++g)
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        __m512i ia[S][GR][C];
-        for (int c = 0; c < C; ++c) {
-            const __m512i seed = _mm512_set1_epi32(-8 * xs[c * nb + b]);
-            for (int g = 0; g < GR; ++g) {
-                ia[0][g][c] = seed;
-                if (S == 2) ia[S - 1][g][c] = _mm512_setzero_si512();
-            }
-        }
-        for (int j = 0; j < 16; ++j) {
+        __m512i ih[GR][C], il[GR][C];
+        for (int g = 0; g < GR; ++g)
+            for (int c = 0; c < C; ++c) ih[g][c] = il[g][c] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; ++s) {
             __m512i v[GR];
             for (int g = 0; g < GR; ++g) {
-                const __m512i u = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i*)(w + g * gstride + b * GBYTES + 32 + j * 16)));
+                const __m512i u = _mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i*)(w + g * gstride + b * GBYTES + 32 + s * 32)));
                 v[g] = _mm512_ternarylogic_epi32(u, _mm512_slli_epi32(u, 12), mask, 0xA8);  // (a | b) & c
             }
             for (int c = 0; c < C; ++c) {
-                const __m512i x = _mm512_set1_epi32(xp[(c * nb + b) * 16 + j]);
-                for (int g = 0; g < GR; ++g) ia[j % S][g][c] = _mm512_dpwssd_epi32(ia[j % S][g][c], v[g], x);
+                const __m512i xh = _mm512_set1_epi32(xp[(c * nb + b) * 16 + s]);
+                const __m512i xl = _mm512_set1_epi32(xp[(c * nb + b) * 16 + 8 + s]);
+                for (int g = 0; g < GR; ++g) {
+                    ih[g][c] = _mm512_dpbusd_epi32(ih[g][c], v[g], xh);
+                    il[g][c] = _mm512_dpbusd_epi32(il[g][c], v[g], xl);
+                }
             }
         }
         for (int g = 0; g < GR; ++g) {
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + g * gstride + b * GBYTES)));
             for (int c = 0; c < C; ++c) {
-                const __m512i t = S == 2 ? _mm512_add_epi32(ia[0][g][c], ia[S - 1][g][c]) : ia[0][g][c];
+                const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ih[g][c], 8), il[g][c]),
+                                                   _mm512_set1_epi32(8 * xs[c * nb + b]));
                 acc[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(dx[c * nb + b])),
                                             acc[g][c]);
             }
@@ -685,10 +711,6 @@ template <int GR>
 inline void q16_groups_512(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* w, int64_t gstride,
                            float* out, int64_t M, int64_t N, int64_t nb, int64_t rows_last) {
     int64_t m = 0;
-    if (M == 1) {
-        q16_tile_512<GR, 1>(xp, dx, xs, w, gstride, out, N, nb, rows_last);
-        return;
-    }
     for (; m + 4 <= M; m += 4)
         q16_tile_512<GR, 4>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, gstride, out + m * N, N, nb, rows_last);
     switch (M - m) {
@@ -704,8 +726,8 @@ void q16_rows_512(const int32_t* xp, const float* dx, const int32_t* xs, const u
     const int64_t gstride = nb * GBYTES;
     const int64_t G = (N + GROUP - 1) / GROUP;
     auto last_rows = [&](int64_t g_end) { return g_end == G ? N - (G - 1) * GROUP : (int64_t)GROUP; };
-    // decode (M == 1): 4 groups per pass, two chains each; batches: 2 groups x 4 activations, the
-    // activations in chunks that stay in L2 while the groups' weights (L1) pass over them
+    // decode (M == 1): 4 groups per pass; batches: 2 groups x 4 activations, the activations in
+    // chunks that stay in L2 while the groups' weights (L1) pass over them
     const int GR = M == 1 ? 4 : 2;
     const int64_t mc = q16_chunk_rows(nb);
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
@@ -823,6 +845,9 @@ void matmul_q16_groups(const int32_t* xp, const float* dx, const int32_t* xs, co
     rows_q16_fn(isa)(xp, dx, xs, p, out, M, N, K / QK, g0, g1);
 }
 
+// Offset, in a packed group-block, of original byte j (0..15) of row r: step j / 2, word r, byte j % 2.
+inline int64_t packed_byte(int j, int r) { return 32 + (j / 2) * 32 + 2 * r + (j & 1); }
+
 void pack_q4_0(const uint8_t* q, int64_t N, int64_t K, uint8_t* out) {
     const int64_t nb = K / QK, G = (N + GROUP - 1) / GROUP;
     for (int64_t g = 0; g < G; ++g)
@@ -834,10 +859,10 @@ void pack_q4_0(const uint8_t* q, int64_t N, int64_t K, uint8_t* out) {
                     const uint8_t* src = q + (n * nb + b) * BLOCK_BYTES;
                     d[2 * r] = src[0];
                     d[2 * r + 1] = src[1];
-                    for (int j = 0; j < 16; ++j) d[32 + j * 16 + r] = src[2 + j];
+                    for (int j = 0; j < 16; ++j) d[packed_byte(j, r)] = src[2 + j];
                 } else {  // padding rows: scale 0, weights (8 - 8) * 0 = 0
                     d[2 * r] = d[2 * r + 1] = 0;
-                    for (int j = 0; j < 16; ++j) d[32 + j * 16 + r] = 0x88;
+                    for (int j = 0; j < 16; ++j) d[packed_byte(j, r)] = 0x88;
                 }
             }
         }
@@ -852,20 +877,21 @@ void unpack_q4_0(const uint8_t* p, int64_t N, int64_t K, uint8_t* out) {
             uint8_t* d = out + (n * nb + b) * BLOCK_BYTES;
             d[0] = src[2 * r];
             d[1] = src[2 * r + 1];
-            for (int j = 0; j < 16; ++j) d[2 + j] = src[32 + j * 16 + r];
+            for (int j = 0; j < 16; ++j) d[2 + j] = src[packed_byte(j, r)];
         }
 }
 
 void embedding_rows_packed(const int64_t* ids, int64_t n_ids, const uint8_t* p, int64_t K, float* out) {
     const int64_t nb = K / QK;
     for (int64_t i = 0; i < n_ids; ++i) {
-        const int64_t n = ids[i], r = n % GROUP;
+        const int64_t n = ids[i];
+        const int r = (int)(n % GROUP);
         float* o = out + i * K;
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* blk = p + ((n / GROUP) * nb + b) * GBYTES;
             const float d = fp16_to_fp32(load_u16(blk + 2 * r));
             for (int j = 0; j < 16; ++j) {
-                const int byte = blk[32 + j * 16 + r];
+                const int byte = blk[packed_byte(j, r)];
                 o[b * QK + j] = (float)((byte & 0x0f) - 8) * d;
                 o[b * QK + j + 16] = (float)((byte >> 4) - 8) * d;
             }

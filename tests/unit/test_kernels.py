@@ -303,7 +303,7 @@ def test_q16_quantization_is_the_oracles_exactly():
     want_q, want_d = q4_0.quantize_q16(x)
     assert torch.equal(xq, want_q) and torch.equal(d, want_d)
     assert torch.equal(sums, want_q.to(torch.int32).reshape(x.shape[0], -1, 32).sum(-1))
-    assert int(xq.abs().max()) == 32767
+    assert int(xq.abs().max()) == q4_0.Q16_MAX
 
 
 @needs_lib
