@@ -420,8 +420,8 @@ def quantize_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     d = torch.empty(m, nb, dtype=torch.float32)
     sums = torch.empty(m, nb, dtype=torch.int32)
     lib.tq_quantize_q16(x.data_ptr(), quads.data_ptr(), d.data_ptr(), sums.data_ptr(), m, k)
-    # per block: 8 dwords of high bytes, 8 of low bytes; byte c of step s is weight 2s + c%2 + 16 (c//2)
-    parts = quads.view(torch.int8).reshape(m, nb, 2, 8, 4).to(torch.int32)
-    xq = (256 * parts[:, :, 0] + parts[:, :, 1]).reshape(m, nb, 8, 2, 2)     # [s, c//2, c%2]
-    xq = xq.permute(0, 1, 3, 2, 4).reshape(m, nb, 32)                          # k = 16 (c//2) + 2s + c%2
+    # per block and step s: 4 dwords (xh, xl of k = 4s..4s+3, then xh, xl of k = 4s+16..4s+19)
+    b = quads.view(torch.int8).reshape(m, nb, 4, 2, 2, 4).to(torch.int32)   # [s, low/high quad, xh/xl, c]
+    xq = 256 * b[..., 0, :] + b[..., 1, :]                                  # [m, nb, s, quad, c]
+    xq = xq.permute(0, 1, 3, 2, 4).reshape(m, nb, 32)                       # k = 16 quad + 4s + c
     return xq.to(torch.int16).reshape(m, k), d, sums

@@ -495,14 +495,15 @@ void rows_f32_512(const uint8_t* q, int64_t row_bytes, const float* x,
 // ---------------------------------------------------------------- q16: packed weights x int16 activations
 // The default CPU matmul. Weights are repacked once at load (tq_pack_q4_0; the same Q4_0 values
 // and bytes, another order): groups of GROUP = 16 rows; per group and block, 288 bytes = the 16
-// rows' fp16 scales, then for step s = 0..7 the 16 rows' bytes 2s and 2s+1 as one 16-bit word
-// per row. Zero-extending such a word to a dword and moving the high nibbles up gives, per row,
-// the four weights k = 2s, 2s+1, 2s+16, 2s+17 as bytes (nibble values 0..15): lanes are rows,
-// 64 weights per 512-bit register, and no horizontal sums.
+// rows' fp16 scales, then for step s = 0..3 the 16 rows' bytes 4s..4s+3 (4 bytes per row). One
+// 64-byte load of a step, masked, holds per row (a dword lane) the four weights k = 4s..4s+3 as
+// bytes 0..15; shifted right by 4 and masked, the weights k = 4s+16..4s+19: lanes are rows, 128
+// weights per load and three ops, no horizontal sums.
 // Activations are quantized per row and block of 32: dx = amax / Q16_MAX, xq = round-half-even(
 // x * (1 / dx)), |xq| <= Q16_MAX = 32639 = 127 * 257, so xq = 256 * xh + xl with both halves
-// signed bytes (xh = (xq + 128) >> 8); per block 8 dwords of xh quads and 8 of xl quads, in the
-// weights' k order, and xs = the sum of xq. One output element (every path, M, tile, thread):
+// signed bytes (xh = (xq + 128) >> 8); per block and step 4 dwords — the xh and the xl bytes of
+// k = 4s..4s+3, then of k = 4s+16..4s+19 — and xs = the sum of xq. One output element (every
+// path, M, tile, thread count):
 //   dp  = 256 * sum_k n_k * xh_k + sum_k n_k * xl_k - 8 * xs = sum_k (n_k - 8) * xq_k
 //                                                              (exact int32; |dp| < 2^23)
 //   acc = fma(float(dp), d_w[b] * dx[b], acc)                   for blocks in order, acc = 0
@@ -520,8 +521,9 @@ inline int64_t q16_chunk_rows(int64_t nb) {
     return rows < 4 ? 4 : rows / 4 * 4;
 }
 
-// Weight k of the block that byte `c` (0..3) of step s's dword holds.
-inline int q16_k(int s, int c) { return 2 * s + (c & 1) + (c >> 1) * 16; }
+// Weight k of the block that byte c (0..3) of activation dword i (0..3) of step s holds
+// (dwords: xh and xl of the low-nibble quad, then of the high-nibble quad).
+inline int q16_k(int s, int i, int c) { return 4 * s + c + (i >> 1) * 16; }
 
 #if defined(TQ_X86) && defined(__GNUC__) && !defined(__clang__)
 #define TQ_Q16_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -549,16 +551,15 @@ TQ_Q16_CLONES void quantize_row_q16(const float* x, int32_t* xp, float* dx, int3
         }
         int32_t sum = 0;
         for (int j = 0; j < QK; ++j) sum += q[j];
-        for (int s = 0; s < 8; ++s) {
-            uint32_t hi = 0, lo = 0;
-            for (int c = 0; c < 4; ++c) {
-                const int32_t xq = q[q16_k(s, c)], xh = (xq + 128) >> 8, xl = xq - 256 * xh;
-                hi |= (uint32_t)(uint8_t)(int8_t)xh << (8 * c);
-                lo |= (uint32_t)(uint8_t)(int8_t)xl << (8 * c);
+        for (int st = 0; st < 4; ++st)
+            for (int i = 0; i < 4; ++i) {
+                uint32_t word = 0;
+                for (int c = 0; c < 4; ++c) {
+                    const int32_t xq = q[q16_k(st, i, c)], xh = (xq + 128) >> 8, xl = xq - 256 * xh;
+                    word |= (uint32_t)(uint8_t)(int8_t)(i & 1 ? xl : xh) << (8 * c);
+                }
+                xp[b * 16 + 4 * st + i] = (int32_t)word;
             }
-            xp[b * 16 + s] = (int32_t)hi;
-            xp[b * 16 + 8 + s] = (int32_t)lo;
-        }
         dx[b] = d;
         xs[b] = sum;
     }
@@ -574,14 +575,14 @@ void q16_rows_scalar(const int32_t* xp, const float* dx, const int32_t* xs, cons
                     const uint8_t* blk = p + (g * nb + b) * GBYTES;
                     const int32_t* x = xp + (m * nb + b) * 16;
                     int32_t dp = -8 * xs[m * nb + b];
-                    for (int s = 0; s < 8; ++s) {
-                        const uint8_t a = blk[32 + s * 32 + 2 * r], e = blk[32 + s * 32 + 2 * r + 1];
-                        const int32_t n[4] = {a & 15, e & 15, a >> 4, e >> 4};  // k order of the quads
+                    for (int st = 0; st < 4; ++st)
                         for (int c = 0; c < 4; ++c) {
-                            const int32_t xh = (int8_t)(x[s] >> (8 * c)), xl = (int8_t)(x[8 + s] >> (8 * c));
-                            dp += n[c] * (256 * xh + xl);
+                            const int32_t byte = blk[32 + st * 64 + 4 * r + c];
+                            const int32_t* xq = x + 4 * st;     // xh, xl of the low quad, then the high
+                            const int32_t lo = 256 * (int8_t)(xq[0] >> (8 * c)) + (int8_t)(xq[1] >> (8 * c));
+                            const int32_t hi = 256 * (int8_t)(xq[2] >> (8 * c)) + (int8_t)(xq[3] >> (8 * c));
+                            dp += (byte & 15) * lo + (byte >> 4) * hi;
                         }
-                    }
                     const float sc = fp16_to_fp32(load_u16(blk + 2 * r)) * dx[m * nb + b];
                     acc = std::fma((float)dp, sc, acc);
                 }
@@ -607,18 +608,22 @@ inline __attribute__((always_inline)) void q16_tile_avx2(const int32_t* xp, cons
         __m256i ih[2][C], il[2][C];
         for (int h = 0; h < 2; ++h)
             for (int c = 0; c < C; ++c) ih[h][c] = il[h][c] = _mm256_setzero_si256();
-        for (int s = 0; s < 8; ++s) {
-            __m256i v[2];
+        for (int s = 0; s < 4; ++s) {
+            __m256i wl[2], wh[2];
             for (int h = 0; h < 2; ++h) {
-                const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(blk + 32 + s * 32 + 16 * h)));
-                v[h] = _mm256_and_si256(_mm256_or_si256(u, _mm256_slli_epi32(u, 12)), mask);
+                const __m256i u = _mm256_loadu_si256((const __m256i*)(blk + 32 + s * 64 + 32 * h));
+                wl[h] = _mm256_and_si256(u, mask);
+                wh[h] = _mm256_and_si256(_mm256_srli_epi16(u, 4), mask);
             }
             for (int c = 0; c < C; ++c) {
-                const __m256i xh = _mm256_set1_epi32(xp[(c * nb + b) * 16 + s]);
-                const __m256i xl = _mm256_set1_epi32(xp[(c * nb + b) * 16 + 8 + s]);
+                const int32_t* x = xp + (c * nb + b) * 16 + 4 * s;
+                const __m256i x0 = _mm256_set1_epi32(x[0]), x1 = _mm256_set1_epi32(x[1]);
+                const __m256i x2 = _mm256_set1_epi32(x[2]), x3 = _mm256_set1_epi32(x[3]);
                 for (int h = 0; h < 2; ++h) {
-                    ih[h][c] = _mm256_add_epi32(ih[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(v[h], xh), ones));
-                    il[h][c] = _mm256_add_epi32(il[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(v[h], xl), ones));
+                    ih[h][c] = _mm256_add_epi32(ih[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wl[h], x0), ones));
+                    il[h][c] = _mm256_add_epi32(il[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wl[h], x1), ones));
+                    ih[h][c] = _mm256_add_epi32(ih[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wh[h], x2), ones));
+                    il[h][c] = _mm256_add_epi32(il[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wh[h], x3), ones));
                 }
             }
         }
@@ -675,19 +680,22 @@ inline __attribute__((always_inline)) void q16_tile_512(const int32_t* xp, const
         __m512i ih[GR][C], il[GR][C];
         for (int g = 0; g < GR; ++g)
             for (int c = 0; c < C; ++c) ih[g][c] = il[g][c] = _mm512_setzero_si512();
-        for (int s = 0; s < 8; ++s) {
-            __m512i v[GR];
+        for (int s = 0; s < 4; ++s) {
+            __m512i wl[GR], wh[GR];
             for (int g = 0; g < GR; ++g) {
-                const __m512i u = _mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256((const __m256i*)(w + g * gstride + b * GBYTES + 32 + s * 32)));
-                v[g] = _mm512_ternarylogic_epi32(u, _mm512_slli_epi32(u, 12), mask, 0xA8);  // (a | b) & c
+                const __m512i u = _mm512_loadu_si512((const void*)(w + g * gstride + b * GBYTES + 32 + s * 64));
+                wl[g] = _mm512_and_si512(u, mask);
+                wh[g] = _mm512_and_si512(_mm512_srli_epi16(u, 4), mask);
             }
             for (int c = 0; c < C; ++c) {
-                const __m512i xh = _mm512_set1_epi32(xp[(c * nb + b) * 16 + s]);
-                const __m512i xl = _mm512_set1_epi32(xp[(c * nb + b) * 16 + 8 + s]);
+                const int32_t* x = xp + (c * nb + b) * 16 + 4 * s;
+                const __m512i x0 = _mm512_set1_epi32(x[0]), x1 = _mm512_set1_epi32(x[1]);
+                const __m512i x2 = _mm512_set1_epi32(x[2]), x3 = _mm512_set1_epi32(x[3]);
                 for (int g = 0; g < GR; ++g) {
-                    ih[g][c] = _mm512_dpbusd_epi32(ih[g][c], v[g], xh);
-                    il[g][c] = _mm512_dpbusd_epi32(il[g][c], v[g], xl);
+                    ih[g][c] = _mm512_dpbusd_epi32(ih[g][c], wl[g], x0);
+                    il[g][c] = _mm512_dpbusd_epi32(il[g][c], wl[g], x1);
+                    ih[g][c] = _mm512_dpbusd_epi32(ih[g][c], wh[g], x2);
+                    il[g][c] = _mm512_dpbusd_epi32(il[g][c], wh[g], x3);
                 }
             }
         }
@@ -845,8 +853,8 @@ void matmul_q16_groups(const int32_t* xp, const float* dx, const int32_t* xs, co
     rows_q16_fn(isa)(xp, dx, xs, p, out, M, N, K / QK, g0, g1);
 }
 
-// Offset, in a packed group-block, of original byte j (0..15) of row r: step j / 2, word r, byte j % 2.
-inline int64_t packed_byte(int j, int r) { return 32 + (j / 2) * 32 + 2 * r + (j & 1); }
+// Offset, in a packed group-block, of original byte j (0..15) of row r: step j / 4, row r, byte j % 4.
+inline int64_t packed_byte(int j, int r) { return 32 + (j / 4) * 64 + 4 * r + (j & 3); }
 
 void pack_q4_0(const uint8_t* q, int64_t N, int64_t K, uint8_t* out) {
     const int64_t nb = K / QK, G = (N + GROUP - 1) / GROUP;
