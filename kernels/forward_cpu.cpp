@@ -171,38 +171,61 @@ constexpr int KB = 16;        // keys per attention block
 constexpr int KG = 8;         // keys per score pass (independent fma chains)
 constexpr int MAX_ROWS = 64;  // query rows per work item (tokens per item = MAX_ROWS / group)
 
-// fp16 -> f32 for n values (n a multiple of 8): exact, so which path runs does not change a bit.
-void half_row_plain(const uint16_t* in, float* out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) out[i] = h2f(in[i]);
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx,f16c"))) void half_row_f16c(const uint16_t* in, float* out, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + i))));
-}
-#endif
-
-using HalfRowFn = void (*)(const uint16_t*, float*, int64_t);
-
-HalfRowFn half_row_fn() {
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return half_row_f16c;
-#endif
-    return half_row_plain;
-}
-
-// dst[k][0..hd) = f32 of key/value j0 + k of one kv head for k < n (n <= KB; rows up to the
-// next multiple of KG zeroed), read through the block table; `src` points at the head in slot 0
-// of block 0 of this layer (+ v_off for V).
-void load_block(HalfRowFn cvt, const uint16_t* src, const int64_t* table, int64_t j0, int64_t n, int64_t bs,
-                int64_t block_stride, int64_t slot_stride, int64_t hd, float* dst) {
+// kf[k][0..hd) / vf[k][0..hd) = f32 of key / value j0 + k of one kv head for k < n (n <= KB;
+// rows up to the next multiple of KG zeroed), read through the block table; `src` points at the
+// head in slot 0 of block 0 of this layer, V at src + v_off. fp16 -> f32 is exact, so which
+// loader runs (F16C where the CPU has it, chosen once) changes no bit; the conversion is inlined
+// in the key loop (a call per key row cost more than the conversion).
+template <class Cvt>
+inline __attribute__((always_inline)) void load_kv_block(Cvt cvt, const uint16_t* src, int64_t v_off,
+                                                         const int64_t* table, int64_t j0, int64_t n, int64_t bs,
+                                                         int64_t block_stride, int64_t slot_stride, int64_t hd,
+                                                         float* kf, float* vf) {
     int64_t bi = j0 / bs, slot = j0 % bs;
     for (int64_t k = 0; k < n; ++k) {
-        cvt(src + table[bi] * block_stride + slot * slot_stride, dst + k * hd, hd);
+        const uint16_t* row = src + table[bi] * block_stride + slot * slot_stride;
+        cvt(row, kf + k * hd, hd);
+        cvt(row + v_off, vf + k * hd, hd);
         if (++slot == bs) slot = 0, ++bi;
     }
-    std::memset(dst + n * hd, 0, ((n + KG - 1) / KG * KG - n) * hd * sizeof(float));
+    const int64_t pad = ((n + KG - 1) / KG * KG - n) * hd * sizeof(float);
+    std::memset(kf + n * hd, 0, pad);
+    std::memset(vf + n * hd, 0, pad);
+}
+
+void load_kv_plain(const uint16_t* src, int64_t v_off, const int64_t* table, int64_t j0, int64_t n, int64_t bs,
+                   int64_t block_stride, int64_t slot_stride, int64_t hd, float* kf, float* vf) {
+    load_kv_block([](const uint16_t* in, float* out, int64_t m) { for (int64_t i = 0; i < m; ++i) out[i] = h2f(in[i]); },
+                  src, v_off, table, j0, n, bs, block_stride, slot_stride, hd, kf, vf);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx,f16c"))) void load_kv_f16c(const uint16_t* src, int64_t v_off, const int64_t* table,
+                                                       int64_t j0, int64_t n, int64_t bs, int64_t block_stride,
+                                                       int64_t slot_stride, int64_t hd, float* kf, float* vf) {
+    int64_t bi = j0 / bs, slot = j0 % bs;
+    for (int64_t k = 0; k < n; ++k) {  // hd is a multiple of 16 (checked by the caller)
+        const uint16_t* row = src + table[bi] * block_stride + slot * slot_stride;
+        for (int64_t i = 0; i < hd; i += 8) {
+            _mm256_storeu_ps(kf + k * hd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(row + i))));
+            _mm256_storeu_ps(vf + k * hd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(row + v_off + i))));
+        }
+        if (++slot == bs) slot = 0, ++bi;
+    }
+    const int64_t pad = ((n + KG - 1) / KG * KG - n) * hd * sizeof(float);
+    std::memset(kf + n * hd, 0, pad);
+    std::memset(vf + n * hd, 0, pad);
+}
+#endif
+
+using LoadKvFn = void (*)(const uint16_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float*, float*);
+
+LoadKvFn load_kv_fn() {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return load_kv_f16c;
+#endif
+    return load_kv_plain;
 }
 
 // Scores of keys k < n for the RL rows at r0 (lanes = rows); see block_scores.
@@ -443,7 +466,7 @@ struct Step {
         float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KB * hd, *s = vf + KB * hd, *o = s + KB * np_max;
         float *mx = o + nq_max * hd, *sum = mx + np_max, *alpha = sum + np_max;
         int32_t* last = (int32_t*)(alpha + np_max);  // one float's room per row
-        static const HalfRowFn cvt = half_row_fn();
+        static const LoadKvFn load_kv = load_kv_fn();
         for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
             const int64_t c = tiles[2 * (it / nkv)], t0 = tiles[2 * (it / nkv) + 1], g = it % nkv;
             const int64_t* ch = b.chunks + c * 4;
@@ -462,8 +485,7 @@ struct Step {
             const int64_t* table = b.tables + ch[3];
             for (int64_t j0 = 0; j0 < end; j0 += KB) {
                 const int64_t n = std::min<int64_t>(KB, end - j0);
-                load_block(cvt, kbase, table, j0, n, b.block_size, block_stride, slot_stride, hd, kf);
-                load_block(cvt, kbase + v_off, table, j0, n, b.block_size, block_stride, slot_stride, hd, vf);
+                load_kv(kbase, v_off, table, j0, n, b.block_size, block_stride, slot_stride, hd, kf, vf);
                 block_scores(qt, kf, hd, nqp, n, m.scale, s);
                 block_softmax(s, last, (int32_t)j0, n, nqp, mx, sum, alpha);
                 block_values(o, s, alpha, vf, last, (int32_t)j0, nq, nqp, hd);

@@ -521,10 +521,6 @@ inline int64_t q16_chunk_rows(int64_t nb) {
     return rows < 4 ? 4 : rows / 4 * 4;
 }
 
-// Weight k of the block that byte c (0..3) of activation dword i (0..3) of step s holds
-// (dwords: xh and xl of the low-nibble quad, then of the high-nibble quad).
-inline int q16_k(int s, int i, int c) { return 4 * s + c + (i >> 1) * 16; }
-
 #if defined(TQ_X86) && defined(__GNUC__) && !defined(__clang__)
 #define TQ_Q16_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -533,36 +529,107 @@ inline int q16_k(int s, int i, int c) { return 4 * s + c + (i >> 1) * 16; }
 
 // One activation row to q16 (layout above). Only exact IEEE operations (max, divide, multiply,
 // round-half-even), so every clone gives the same bits.
-TQ_Q16_CLONES void quantize_row_q16(const float* x, int32_t* xp, float* dx, int32_t* xs, int64_t nb) {
-    for (int64_t b = 0; b < nb; ++b) {
-        const float* v = x + b * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; ++j) {
-            const float a = std::fabs(v[j]);
-            amax = a > amax ? a : amax;
-        }
-        const float d = amax / (float)Q16_MAX;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t q[QK];
-        for (int j = 0; j < QK; ++j) {
-            float r = std::nearbyint(v[j] * id);
-            r = r > (float)Q16_MAX ? (float)Q16_MAX : (r < -(float)Q16_MAX ? -(float)Q16_MAX : r);
-            q[j] = (int32_t)r;
-        }
-        int32_t sum = 0;
-        for (int j = 0; j < QK; ++j) sum += q[j];
-        for (int st = 0; st < 4; ++st)
-            for (int i = 0; i < 4; ++i) {
-                uint32_t word = 0;
-                for (int c = 0; c < 4; ++c) {
-                    const int32_t xq = q[q16_k(st, i, c)], xh = (xq + 128) >> 8, xl = xq - 256 * xh;
-                    word |= (uint32_t)(uint8_t)(int8_t)(i & 1 ? xl : xh) << (8 * c);
-                }
-                xp[b * 16 + 4 * st + i] = (int32_t)word;
+TQ_Q16_CLONES void quantize_row_q16_generic(const float* x, int32_t* xp, float* dx, int32_t* xs, int64_t nb) {
+    // three passes, so the per-block scalar steps (max, the two divisions) vectorise across blocks
+    float amax[64], inv[64];                 // a row of up to 64 blocks per pass (2048 values)
+    for (int64_t b0 = 0; b0 < nb; b0 += 64) {
+        const int64_t n = nb - b0 < 64 ? nb - b0 : 64;
+        for (int64_t b = 0; b < n; ++b) {
+            const float* v = x + (b0 + b) * QK;
+            float m = 0.0f;
+            for (int j = 0; j < QK; ++j) {
+                const float a = std::fabs(v[j]);
+                m = a > m ? a : m;
             }
-        dx[b] = d;
-        xs[b] = sum;
+            amax[b] = m;
+        }
+        for (int64_t b = 0; b < n; ++b) {
+            const float d = amax[b] / (float)Q16_MAX;
+            dx[b0 + b] = d;
+            inv[b] = d != 0.0f ? 1.0f / d : 0.0f;
+        }
+        for (int64_t b = 0; b < n; ++b) {
+            const float* v = x + (b0 + b) * QK;
+            const float id = inv[b];
+            int32_t q[QK];
+            for (int j = 0; j < QK; ++j) {
+                float r = std::nearbyint(v[j] * id);
+                r = r > (float)Q16_MAX ? (float)Q16_MAX : (r < -(float)Q16_MAX ? -(float)Q16_MAX : r);
+                q[j] = (int32_t)r;
+            }
+            int32_t sum = 0;
+            int8_t hb[QK], lb[QK];  // xq = 256 * hb + lb
+            for (int j = 0; j < QK; ++j) {
+                const int32_t h = (q[j] + 128) >> 8;
+                sum += q[j];
+                hb[j] = (int8_t)h;
+                lb[j] = (int8_t)(q[j] - 256 * h);
+            }
+            int32_t* o = xp + (b0 + b) * 16;
+            for (int st = 0; st < 4; ++st) {  // byte c of dword i of step s: weight 4s + c (+ 16 for i >= 2)
+                std::memcpy(o + 4 * st + 0, hb + 4 * st, 4);
+                std::memcpy(o + 4 * st + 1, lb + 4 * st, 4);
+                std::memcpy(o + 4 * st + 2, hb + 16 + 4 * st, 4);
+                std::memcpy(o + 4 * st + 3, lb + 16 + 4 * st, 4);
+            }
+            xs[b0 + b] = sum;
+        }
     }
+}
+
+#ifdef TQ_X86
+// The same quantization in AVX-512 intrinsics (the generic loops above do not vectorise the byte
+// split and the quad interleave): the same exact operations, so the same bits.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_q16_512(const float* x, int32_t* xp,
+                                                                               float* dx, int32_t* xs, int64_t nb) {
+    const __m512 qmax = _mm512_set1_ps((float)Q16_MAX), qmin = _mm512_set1_ps(-(float)Q16_MAX);
+    const __m512i c128 = _mm512_set1_epi32(128);
+    // output dword 4s + i: i = 0 hb[s], 1 lb[s], 2 hb[4 + s], 3 lb[4 + s] (hb, lb: 8 dwords of bytes)
+    const __m512i order = _mm512_setr_epi32(0, 8, 4, 12, 1, 9, 5, 13, 2, 10, 6, 14, 3, 11, 7, 15);
+    float inv[64];  // per pass of up to 64 blocks: the maxima first, then both divisions 16 blocks at a time
+    for (int64_t b0 = 0; b0 < nb; b0 += 64) {
+        const int64_t n = nb - b0 < 64 ? nb - b0 : 64;
+        for (int64_t b = 0; b < n; ++b) {
+            const float* v = x + (b0 + b) * QK;
+            inv[b] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v)), _mm512_abs_ps(_mm512_loadu_ps(v + 16))));
+        }
+        for (int64_t b = 0; b < n; b += 16) {
+            const __mmask16 k = n - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - b)) - 1);
+            const __m512 d = _mm512_div_ps(_mm512_maskz_loadu_ps(k, inv + b), qmax);
+            _mm512_mask_storeu_ps(dx + b0 + b, k, d);
+            const __mmask16 nz = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+            _mm512_mask_storeu_ps(inv + b, k, _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0f), d));
+        }
+        for (int64_t bb = 0; bb < n; ++bb) {
+            const int64_t b = b0 + bb;
+            const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+            const float id = inv[bb];
+            const __m512 s = _mm512_set1_ps(id);
+            // round half to even (the default rounding mode), then clamp: exact on integral values
+            const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, s), rnd);
+            const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, s), rnd);
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r0, qmin), qmax));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r1, qmin), qmax));
+            const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(q0, c128), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(q1, c128), 8);
+            const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 8)), l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 8));
+            const __m256i hb = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(h0)), _mm512_cvtepi32_epi8(h1), 1);
+            const __m256i lb = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(l0)), _mm512_cvtepi32_epi8(l1), 1);
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(hb), lb, 1);   // dwords: hb 0..7, lb 8..15
+            _mm512_storeu_si512((void*)(xp + b * 16), _mm512_permutexvar_epi32(order, both));
+            xs[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+    }
+}
+#endif
+
+void quantize_row_q16(const float* x, int32_t* xp, float* dx, int32_t* xs, int64_t nb) {
+#ifdef TQ_X86
+    static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                               __builtin_cpu_supports("avx512vl");
+    if (avx512) return quantize_row_q16_512(x, xp, dx, xs, nb);
+#endif
+    quantize_row_q16_generic(x, xp, dx, xs, nb);
 }
 
 void q16_rows_scalar(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p,
