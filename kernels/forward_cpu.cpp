@@ -144,11 +144,11 @@ TQ_CLONES void rope(float* x, const float* c, const float* s, int64_t half) {
     }
 }
 
-// silu(g) * u for one row of gate|up.
-TQ_CLONES void silu_mul(const float* gu, float* out, int64_t ffn) {
-    for (int64_t i = 0; i < ffn; ++i) {
-        const float g = gu[i];
-        out[i] = g / (1.0f + exp_fixed(-g)) * gu[ffn + i];
+// silu(g) * u, element by element (a row of gate|up is split over threads in whole blocks).
+TQ_CLONES void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float g = gate[i];
+        out[i] = g / (1.0f + exp_fixed(-g)) * up[i];
     }
 }
 
@@ -517,11 +517,17 @@ struct Step {
 #pragma omp barrier
             matmul(h, L.gate_up, gu, T, 2 * F, D, nullptr, tid, nt);
 #pragma omp barrier
+            // SiLU * up in whole 32-value blocks dealt over the threads (a decode step's one row
+            // would otherwise be one thread's work), each block quantized for down as it is done
+            const int64_t nbf = F / tq::QK;
             int64_t a, e;
-            split(T, tid, nt, &a, &e);
-            for (int64_t t = a; t < e; ++t) {
-                silu_mul(gu + t * 2 * F, act + t * F, F);
-                quantize(act + t * F, t, F, 0, F / tq::QK);
+            split(T * nbf, tid, nt, &a, &e);
+            while (a < e) {
+                const int64_t t = a / nbf, b0 = a % nbf, n = std::min(nbf - b0, e - a);
+                const float* g = gu + t * 2 * F + b0 * tq::QK;
+                silu_mul(g, g + F, act + t * F + b0 * tq::QK, n * tq::QK);
+                quantize(act + t * F + b0 * tq::QK, t, F, b0, n);
+                a += n;
             }
 #pragma omp barrier
             matmul(act, L.down, tmp, T, D, F, x, tid, nt);
