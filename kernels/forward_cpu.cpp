@@ -485,6 +485,15 @@ struct Step {
             const int64_t* table = b.tables + ch[3];
             for (int64_t j0 = 0; j0 < end; j0 += KB) {
                 const int64_t n = std::min<int64_t>(KB, end - j0);
+                // the next block's K/V rows: strided reads through the block table that the
+                // hardware prefetcher does not see coming (decode attention waited on them)
+                for (int64_t j = j0 + KB; j < std::min<int64_t>(end, j0 + 2 * KB); ++j) {
+                    const uint16_t* row = kbase + table[j / b.block_size] * block_stride + (j % b.block_size) * slot_stride;
+                    for (int64_t i = 0; i < hd; i += 32) {  // 64-byte lines
+                        __builtin_prefetch(row + i);
+                        __builtin_prefetch(row + v_off + i);
+                    }
+                }
                 load_kv(kbase, v_off, table, j0, n, b.block_size, block_stride, slot_stride, hd, kf, vf);
                 block_scores(qt, kf, hd, nqp, n, m.scale, s);
                 block_softmax(s, last, (int32_t)j0, n, nqp, mx, sum, alpha);
