@@ -386,19 +386,23 @@ def embedding(ids: torch.Tensor, q: torch.Tensor | PackedQ4) -> torch.Tensor:
     return out
 
 
-def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activation quantization the matmul uses: x [M, K] f32 → (int8 [M, K], f32 scales [M, K/32]).
-
-    Exposed for tests; raises RuntimeError when the compiled library is unavailable.
-    """
+def _check_activations(x: torch.Tensor) -> tuple[int, int]:
+    """(M, K) of a contiguous 2-D float32 activation tensor whose width is whole blocks."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D float32 tensor, got {_describe(x)}")
     m, k = x.shape
     if k % q4_0.QK:
         raise ValueError(f"x width must be a multiple of {q4_0.QK}, got {k}")
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the compiled Q4_0 CPU kernels are not available")
+    return m, k
+
+
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantization the matmul uses: x [M, K] f32 → (int8 [M, K], f32 scales [M, K/32]).
+
+    Exposed for tests; raises RuntimeError when the compiled library is unavailable.
+    """
+    m, k = _check_activations(x)
+    lib = _checked_library()
     qs = torch.empty(m, k, dtype=torch.int8)
     d = torch.empty(m, k // q4_0.QK, dtype=torch.float32)
     lib.tq_quantize_q8_0(x.data_ptr(), qs.data_ptr(), d.data_ptr(), m, k, _isa_arg())
@@ -409,11 +413,7 @@ def quantize_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """The q16 activation quantization: x [M, K] f32 → (int16 [M, K], f32 scales [M, K/32],
     int32 block sums [M, K/32]), unpacked from the kernel's byte-quad layout. Exposed for tests;
     RuntimeError when the compiled library is unavailable."""
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous 2-D float32 tensor, got {_describe(x)}")
-    m, k = x.shape
-    if k % q4_0.QK:
-        raise ValueError(f"x width must be a multiple of {q4_0.QK}, got {k}")
+    m, k = _check_activations(x)
     lib = _checked_library()
     nb = k // q4_0.QK
     quads = torch.empty(m, nb, 16, dtype=torch.int32)

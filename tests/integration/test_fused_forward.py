@@ -85,16 +85,20 @@ def test_greedy_tokens_identical_to_reference(fast, reference):
     assert len(ties) <= 2, ties
 
 
+def fused_and_op_by_op(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one prompt from the fused step and from the op-by-op path (same kernels)."""
+    with torch.inference_mode():
+        a = engine.prompt_logits(ids)
+        fused, engine.model.fused = engine.model.fused, None
+        try:
+            return a, engine.prompt_logits(ids)
+        finally:
+            engine.model.fused = fused
+
+
 def test_fused_close_to_op_by_op(mode_engine):
     mode, fast = mode_engine
-    ids = prompt_ids(fast)[1] * 8
-    with torch.inference_mode():
-        a = fast.prompt_logits(ids)
-        fused, fast.model.fused = fast.model.fused, None
-        try:
-            b = fast.prompt_logits(ids)
-        finally:
-            fast.model.fused = fused
+    a, b = fused_and_op_by_op(fast, prompt_ids(fast)[1] * 8)
     assert (a - b).abs().max() < LOGIT_TOL[mode]
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
@@ -139,13 +143,7 @@ def test_long_context_chunks_match_one_pass_and_op_by_op(mode_engine):
     ids = [t for p in prompt_ids(fast) for t in p] * 12
     ids = ids[:600]
     assert len(ids) == 600
-    with torch.inference_mode():
-        one_pass = fast.prompt_logits(ids)
-        fused, fast.model.fused = fast.model.fused, None
-        try:
-            op_by_op = fast.prompt_logits(ids)
-        finally:
-            fast.model.fused = fused
+    one_pass, op_by_op = fused_and_op_by_op(fast, ids)
     diff = (one_pass - op_by_op).abs()
     assert diff.max() < LONG_LOGIT_TOL[mode] and diff.mean() < 0.005  # measured mean 0.003
     assert (one_pass.argmax(-1) == op_by_op.argmax(-1)).float().mean() > 0.99
