@@ -28,8 +28,8 @@ Every output element is computed in the same order whatever M and the thread cou
 row of a batched result is bitwise equal to the same row computed alone.
 
 Environment: ``CXX`` (compiler, default ``g++``), ``TANDEM_CACHE_DIR``,
-``TANDEM_CPU_ISA`` (``scalar``, ``avx2`` or ``avx512vnni``: cap the instruction set used;
-default: the best the CPU has). Every path gives the same bits. ``TANDEM_CPU_ACT`` (``q16``,
+``TANDEM_CPU_ISA`` (``scalar``, ``avx2``, ``avx512vnni`` or, on ARM, ``neon``: cap the instruction
+set used; default: the best the CPU has). Every path gives the same bits. ``TANDEM_CPU_ACT`` (``q16``,
 ``f32`` or ``q8``: the activation mode, default ``q16``).
 """
 
@@ -58,7 +58,7 @@ CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract
 ABI_VERSION = 4
 ACT_MODES = ("q16", "f32", "q8")
 GROUP = 16  # rows per group of the packed layout (tq::GROUP)
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni"}  # the C++ ``Isa`` enum
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni", 3: "neon"}  # the C++ ``Isa`` enum
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 
 _lock = threading.Lock()
@@ -128,6 +128,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.tq_embedding_packed.argtypes = [vp, i64, vp, i64, vp]
     lib.tq_embedding_packed.restype = None
     lib.tq_best_isa.restype = cint
+    lib.tq_resolve_isa.argtypes = [cint]
+    lib.tq_resolve_isa.restype = cint
     lib.tq_forward.argtypes = [vp, vp, cint, cint]
     lib.tq_forward.restype = None
     return lib
@@ -215,11 +217,10 @@ def set_act(mode: str | None) -> None:
 
 
 def isa() -> str:
-    """The path the kernels use here: ``avx512vnni``, ``avx2``, ``scalar`` or ``reference``."""
+    """The path the kernels use here: ``avx512vnni``, ``avx2``, ``neon``, ``scalar`` or ``reference``."""
     if _library() is None:
         return "reference"
-    best = _lib.tq_best_isa()
-    return ISA_NAMES[best if _isa_arg() < 0 else min(_isa_arg(), best)]
+    return ISA_NAMES[_lib.tq_resolve_isa(_isa_arg())]
 
 
 def set_num_threads(n: int | None) -> None:

@@ -85,14 +85,20 @@ struct Batch {  // mirrors _Batch
     float* logits;              // [n_sample, vocab]
 };
 
+#if defined(__aarch64__) || defined(__arm__)
+using half_t = __fp16;    // ARM's IEEE half (GCC's C++ has no _Float16 there)
+#else
+using half_t = _Float16;
+#endif
+
 inline float h2f(uint16_t h) {
-    _Float16 v;
+    half_t v;
     std::memcpy(&v, &h, 2);
     return (float)v;
 }
 
 inline uint16_t f2h(float f) {  // round to nearest even, as torch's .to(float16)
-    const _Float16 v = (_Float16)f;
+    const half_t v = (half_t)f;
     uint16_t h;
     std::memcpy(&h, &v, 2);
     return h;

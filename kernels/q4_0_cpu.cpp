@@ -35,6 +35,14 @@
 #define TQ_X86 1
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__) && defined(__GNUC__)
+#define TQ_ARM 1
+#include <arm_neon.h>
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
 
 #include "q4_0_cpu.h"
 
@@ -46,7 +54,7 @@ using tq::TILE_ROWS;
 using tq::thread_rows;
 constexpr int64_t MIN_BYTES_PER_THREAD = 32 * 1024;  // weight bytes x M worth a thread
 
-enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
+enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_NEON = 3 };  // NEON: with dot product
 
 // ---------------------------------------------------------------- portable scalar path
 
@@ -824,6 +832,78 @@ void q16_rows_512(const int32_t* xp, const float* dx, const int32_t* xs, const u
 #pragma GCC pop_options
 #endif  // TQ_X86
 
+#ifdef TQ_ARM
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod+fp16")
+
+// 16 rows (four 4-lane quarters) x C activations of one group; `vdotq_s32` (s8 x s8, four products
+// per lane) computes the same exact sums as vpdpbusd: the nibbles 0..15 fit a signed byte.
+template <int C>
+inline __attribute__((always_inline)) void q16_tile_neon(const int32_t* xp, const float* dx, const int32_t* xs,
+                                                         const uint8_t* w, float* out, int64_t N, int64_t nb,
+                                                         int64_t rows) {
+    const uint8x16_t mask = vdupq_n_u8(0x0F);
+    float32x4_t acc[4][C];
+    for (int q = 0; q < 4; ++q)
+        for (int c = 0; c < C; ++c) acc[q][c] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * GBYTES;
+        int32x4_t ih[4][C], il[4][C];
+        for (int q = 0; q < 4; ++q)
+            for (int c = 0; c < C; ++c) ih[q][c] = il[q][c] = vdupq_n_s32(0);
+        for (int s = 0; s < 4; ++s) {
+            int8x16_t lo[4], hi[4];
+            for (int q = 0; q < 4; ++q) {
+                const uint8x16_t u = vld1q_u8(blk + 32 + s * 64 + 16 * q);   // rows 4q..4q+3
+                lo[q] = vreinterpretq_s8_u8(vandq_u8(u, mask));
+                hi[q] = vreinterpretq_s8_u8(vshrq_n_u8(u, 4));
+            }
+            for (int c = 0; c < C; ++c) {
+                const int32_t* x = xp + (c * nb + b) * 16 + 4 * s;
+                const int8x16_t x0 = vreinterpretq_s8_s32(vdupq_n_s32(x[0])), x1 = vreinterpretq_s8_s32(vdupq_n_s32(x[1]));
+                const int8x16_t x2 = vreinterpretq_s8_s32(vdupq_n_s32(x[2])), x3 = vreinterpretq_s8_s32(vdupq_n_s32(x[3]));
+                for (int q = 0; q < 4; ++q) {
+                    ih[q][c] = vdotq_s32(ih[q][c], lo[q], x0);
+                    il[q][c] = vdotq_s32(il[q][c], lo[q], x1);
+                    ih[q][c] = vdotq_s32(ih[q][c], hi[q], x2);
+                    il[q][c] = vdotq_s32(il[q][c], hi[q], x3);
+                }
+            }
+        }
+        for (int q = 0; q < 4; ++q) {
+            const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t*)(blk + 8 * q))));
+            for (int c = 0; c < C; ++c) {
+                const int32x4_t t = vsubq_s32(vaddq_s32(vshlq_n_s32(ih[q][c], 8), il[q][c]), vdupq_n_s32(8 * xs[c * nb + b]));
+                acc[q][c] = vfmaq_f32(acc[q][c], vcvtq_f32_s32(t), vmulq_f32(d, vdupq_n_f32(dx[c * nb + b])));
+            }
+        }
+    }
+    for (int c = 0; c < C; ++c) {
+        float tmp[GROUP];
+        for (int q = 0; q < 4; ++q) vst1q_f32(tmp + 4 * q, acc[q][c]);
+        std::memcpy(out + c * N, tmp, rows * sizeof(float));
+    }
+}
+
+void q16_rows_neon(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p,
+                   float* out, int64_t M, int64_t N, int64_t nb, int64_t g0, int64_t g1) {
+    const int64_t mc = q16_chunk_rows(nb);
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m1 = std::min(M, m0 + mc);
+        for (int64_t g = g0; g < g1; ++g) {
+            const uint8_t* w = p + g * nb * GBYTES;
+            const int64_t rows = std::min<int64_t>(GROUP, N - g * GROUP);
+            float* o = out + g * GROUP;
+            int64_t m = m0;
+            for (; m + 2 <= m1; m += 2)
+                q16_tile_neon<2>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
+            for (; m < m1; ++m) q16_tile_neon<1>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
+        }
+    }
+}
+#pragma GCC pop_options
+#endif  // TQ_ARM
+
 // ---------------------------------------------------------------- dispatch
 
 int detect_isa() {
@@ -834,6 +914,9 @@ int detect_isa() {
         return ISA_AVX512VNNI;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ISA_AVX2;
+#endif
+#ifdef TQ_ARM
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) return ISA_NEON;
 #endif
     return ISA_SCALAR;
 }
@@ -881,6 +964,9 @@ RowsQ16Fn rows_q16_fn(int isa) {
     if (isa == ISA_AVX512VNNI) return q16_rows_512;
     if (isa == ISA_AVX2) return q16_rows_avx2;
 #endif
+#ifdef TQ_ARM
+    if (isa == ISA_NEON) return q16_rows_neon;
+#endif
     (void)isa;
     return q16_rows_scalar;
 }
@@ -901,8 +987,12 @@ inline int thread_count(int nthreads, int64_t M, int64_t N, int64_t row_bytes) {
 namespace tq {
 
 int resolve_isa(int isa) {
+#ifdef TQ_ARM
+    return isa < 0 || isa >= ISA_NEON ? g_best_isa : ISA_SCALAR;  // the x86 paths do not exist here
+#else
     if (isa < 0 || isa > g_best_isa) return g_best_isa;
     return isa;
+#endif
 }
 
 void matmul_f32_rows(const float* x, const uint8_t* q, float* out, int64_t M, int64_t N, int64_t K,
@@ -997,8 +1087,11 @@ extern "C" {
 
 int tq_abi_version() { return 4; }
 
-// The best path this CPU runs: 2 AVX-512 VNNI (256-bit), 1 AVX2/FMA/F16C, 0 scalar.
+// The best path this CPU runs: 2 AVX-512 VNNI, 1 AVX2/FMA/F16C, 3 NEON with dot product, 0 scalar.
 int tq_best_isa() { return g_best_isa; }
+
+// The path a request for `isa` runs (-1: the best).
+int tq_resolve_isa(int isa) { return tq::resolve_isa(isa); }
 
 int tq_max_threads() {
 #ifdef _OPENMP
