@@ -640,6 +640,30 @@ void quantize_row_q16(const float* x, int32_t* xp, float* dx, int32_t* xs, int64
     quantize_row_q16_generic(x, xp, dx, xs, nb);
 }
 
+// A q16 tile: 16 rows (one group) x C activation rows.
+using Q16Tile = void (*)(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* w, float* out,
+                         int64_t N, int64_t nb, int64_t rows);
+
+// Groups [g0, g1) one at a time, activation rows `wide` at a time through `tile_wide` (the rest one
+// at a time), in chunks of activations that stay in L2 (the AVX2 and NEON paths).
+void q16_rows_grouped(Q16Tile tile_wide, int64_t wide, Q16Tile tile_one, const int32_t* xp, const float* dx,
+                      const int32_t* xs, const uint8_t* p, float* out, int64_t M, int64_t N, int64_t nb,
+                      int64_t g0, int64_t g1) {
+    const int64_t mc = q16_chunk_rows(nb);
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m1 = std::min(M, m0 + mc);
+        for (int64_t g = g0; g < g1; ++g) {
+            const uint8_t* w = p + g * nb * GBYTES;
+            const int64_t rows = std::min<int64_t>(GROUP, N - g * GROUP);
+            float* o = out + g * GROUP;
+            int64_t m = m0;
+            for (; m + wide <= m1; m += wide)
+                tile_wide(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
+            for (; m < m1; ++m) tile_one(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
+        }
+    }
+}
+
 void q16_rows_scalar(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p,
                      float* out, int64_t M, int64_t N, int64_t nb, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
@@ -671,9 +695,8 @@ void q16_rows_scalar(const int32_t* xp, const float* dx, const int32_t* xs, cons
 
 // 16 rows x C activations of one group (rows as two 8-lane halves).
 template <int C>
-inline __attribute__((always_inline)) void q16_tile_avx2(const int32_t* xp, const float* dx, const int32_t* xs,
-                                                         const uint8_t* w, float* out, int64_t N, int64_t nb,
-                                                         int64_t rows) {
+void q16_tile_avx2(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* w, float* out,
+                   int64_t N, int64_t nb, int64_t rows) {
     const __m256i mask = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
     __m256 acc[2][C];
     for (int h = 0; h < 2; ++h)
@@ -722,19 +745,7 @@ inline __attribute__((always_inline)) void q16_tile_avx2(const int32_t* xp, cons
 
 void q16_rows_avx2(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p,
                    float* out, int64_t M, int64_t N, int64_t nb, int64_t g0, int64_t g1) {
-    const int64_t mc = q16_chunk_rows(nb);
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-        const int64_t m1 = std::min(M, m0 + mc);
-        for (int64_t g = g0; g < g1; ++g) {
-            const uint8_t* w = p + g * nb * GBYTES;
-            const int64_t rows = std::min<int64_t>(GROUP, N - g * GROUP);
-            float* o = out + g * GROUP;
-            int64_t m = m0;
-            for (; m + 4 <= m1; m += 4)
-                q16_tile_avx2<4>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
-            for (; m < m1; ++m) q16_tile_avx2<1>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
-        }
-    }
+    q16_rows_grouped(q16_tile_avx2<4>, 4, q16_tile_avx2<1>, xp, dx, xs, p, out, M, N, nb, g0, g1);
 }
 #pragma GCC pop_options
 
@@ -839,9 +850,8 @@ void q16_rows_512(const int32_t* xp, const float* dx, const int32_t* xs, const u
 // 16 rows (four 4-lane quarters) x C activations of one group; `vdotq_s32` (s8 x s8, four products
 // per lane) computes the same exact sums as vpdpbusd: the nibbles 0..15 fit a signed byte.
 template <int C>
-inline __attribute__((always_inline)) void q16_tile_neon(const int32_t* xp, const float* dx, const int32_t* xs,
-                                                         const uint8_t* w, float* out, int64_t N, int64_t nb,
-                                                         int64_t rows) {
+void q16_tile_neon(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* w, float* out,
+                   int64_t N, int64_t nb, int64_t rows) {
     const uint8x16_t mask = vdupq_n_u8(0x0F);
     float32x4_t acc[4][C];
     for (int q = 0; q < 4; ++q)
@@ -887,19 +897,7 @@ inline __attribute__((always_inline)) void q16_tile_neon(const int32_t* xp, cons
 
 void q16_rows_neon(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p,
                    float* out, int64_t M, int64_t N, int64_t nb, int64_t g0, int64_t g1) {
-    const int64_t mc = q16_chunk_rows(nb);
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-        const int64_t m1 = std::min(M, m0 + mc);
-        for (int64_t g = g0; g < g1; ++g) {
-            const uint8_t* w = p + g * nb * GBYTES;
-            const int64_t rows = std::min<int64_t>(GROUP, N - g * GROUP);
-            float* o = out + g * GROUP;
-            int64_t m = m0;
-            for (; m + 2 <= m1; m += 2)
-                q16_tile_neon<2>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
-            for (; m < m1; ++m) q16_tile_neon<1>(xp + m * nb * 16, dx + m * nb, xs + m * nb, w, o + m * N, N, nb, rows);
-        }
-    }
+    q16_rows_grouped(q16_tile_neon<2>, 2, q16_tile_neon<1>, xp, dx, xs, p, out, M, N, nb, g0, g1);
 }
 #pragma GCC pop_options
 #endif  // TQ_ARM
