@@ -36,6 +36,8 @@ BENCHES = {
                   _module_arguments("bench.migration"), _module_main("bench.migration")),
     "tiers": ("mixed agent workload: SLA tiers vs one FIFO queue, side by side (bench/tiers.py)",
               _module_arguments("bench.tiers"), _module_main("bench.tiers")),
+    "chaos": ("steady load while engine workers and NATS are killed: lost, resumed, exact (bench/chaos.py)",
+              _module_arguments("bench.chaos"), _module_main("bench.chaos")),
 }
 
 

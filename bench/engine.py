@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     max_seqs = max(args.concurrency)
     engine = Engine.from_path(args.model, EngineConfig(
         threads=args.threads, enable_prefix_caching=False, max_num_seqs=max(max_seqs, 1),
-        max_num_batched_tokens=max(args.prompt_tokens, max_seqs), kv_cache_bytes=128 << 20))
+        step_tokens=max(args.prompt_tokens, max_seqs), kv_cache_bytes=128 << 20))
     load_s = time.perf_counter() - t0
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

@@ -175,7 +175,7 @@ def run_model(args: argparse.Namespace) -> dict:
     seqs = max(args.batch_seqs_tandem, 1)
     engine = Engine.from_path(path, EngineConfig(
         threads=threads, enable_prefix_caching=False, max_num_seqs=seqs,
-        max_num_batched_tokens=max(args.pp, seqs), kv_cache_bytes=256 << 20))
+        step_tokens=max(args.pp, seqs), kv_cache_bytes=256 << 20))
     res: dict = {"gguf": path, "threads": threads, "tandem_path": describe("cpu"),
                  "fused_forward": engine.model.fused is not None,
                  "weight_mb_per_token": decode_weight_bytes(engine.model) / 1e6,

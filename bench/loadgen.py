@@ -31,7 +31,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-TIERS = ("interactive", "standard", "batch")
+from shared.tier import TIERS
+
 WORKLOADS = ("chat", "agent", "long")
 # the SLO each tier is held to by default: (TTFT ms, TPOT ms)
 DEFAULT_SLOS = {"interactive": (1000.0, 100.0), "standard": (5000.0, 250.0), "batch": (60000.0, 1000.0)}

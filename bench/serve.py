@@ -34,9 +34,10 @@ import threading
 import time
 
 from bench import report
-from bench.loadgen import (DEFAULT_SLOS, TIERS, WORKLOADS, RequestResult, make_jobs, parse_mix, run_level,
+from bench.loadgen import (DEFAULT_SLOS, WORKLOADS, RequestResult, make_jobs, parse_mix, run_level,
                            summarize)
 from shared.nats_server import free_port
+from shared.tier import TIERS
 
 STACK_TOPOLOGY = "tandem up --gpu-decode 0: embedded NATS, KV pool, router, prefill, cpu-decode, gateway"
 
@@ -75,6 +76,15 @@ class Server:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not healthy in {timeout:.0f} s:\n{self.tail()}")
+
+    def health(self) -> dict:
+        """The gateway's /health body ({} while it does not answer)."""
+        import httpx
+
+        try:
+            return httpx.get(self.url + "/health", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
 
     def wait_workers(self, want: dict[str, int], timeout: float = 300) -> None:
         """Wait until /health lists at least ``want[role]`` live workers of each role (healthy

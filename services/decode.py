@@ -24,18 +24,17 @@ import torch
 
 from shared import metrics, subjects
 from shared.bus import BusError
-from shared.engine.engine import parse_kv_blob
-from shared.schemas import (ERROR_STATUS, DecodeRequest, GenerateRequest, Heartbeat, MigrateReply, MigrateRequest,
-                            TransferEvent, TransferHandle)
+from shared.schemas import (ERROR_STATUS, DecodeRequest, GenerateRequest, Heartbeat, MigrateReply, MigrateRequest)
 from shared.settings import Settings
-from shared.transfer import make_transport
-from services.kvpool import PoolClient
 from services.worker import EngineWorker, Held, priority_of, sampling_from
 
 log = logging.getLogger("tandem.decode")
 
 
 class DecodeWorker(EngineWorker):
+    takes_kv = True
+    writes_back = True
+
     def __init__(self, settings: Settings, role: str):
         self.role = role
         device = settings.worker.device or ("cuda" if role == subjects.GPU_DECODE else "cpu")
@@ -43,24 +42,10 @@ class DecodeWorker(EngineWorker):
             log.warning("%s: no CUDA device visible to torch; running on the CPU instead", role)
             device = "cpu"
         super().__init__(settings, device)
-        self.transport = make_transport(settings.data)
-        self.receiver = self.transport.receiver(settings.data.host, settings.data.port)
-        self.sender = self.transport.sender()  # migrations out
-        self.pool: PoolClient | None = None   # set in register() when the pool is enabled
         self.peer_roles: dict[str, str] = {}  # decode worker id -> role (from heartbeats; metric labels)
         self._peer_tasks: list[asyncio.Task] = []
 
     async def register(self) -> None:
-        host, port = await self.receiver.listen()
-        self.data_host = self.settings.data.advertise_host or host
-        self.data_port = port
-        if self.settings.pool.enabled:
-            self.pool = PoolClient(self.bus, self.settings.pool, self.engine.engine, self.worker_id,
-                                   self.transport.sender(), self.receiver, self.data_host, port)
-            loop = asyncio.get_running_loop()
-            self.engine.engine.finished_kv_align = self.settings.pool.chunk_tokens
-            self.engine.engine.finished_kv_hook = lambda rid, tokens, kv: loop.call_soon_threadsafe(
-                self.pool.store_later, tokens, kv)  # called on the engine thread
         await self.bus.serve(subjects.worker_decode(self.worker_id), self.handle_decode, expected=DecodeRequest)
         await self.bus.serve(subjects.worker_generate(self.worker_id), self.handle_generate,
                              expected=GenerateRequest)
@@ -74,30 +59,29 @@ class DecodeWorker(EngineWorker):
             self.peer_roles[beat.worker_id] = beat.role
 
     async def handle_decode(self, req: DecodeRequest) -> None:
-        if req.request_id in self.aborted:  # aborted while its KV was on the way (hand-off or migration)
-            self.receiver.discard(req.handle.transfer_id)
+        if self.is_aborted(req.request_id, req.attempt):  # aborted while its KV was on the way
+            self.kv.discard(req.handle.transfer_id)
             raise BusError("not_found", f"request {req.request_id} was aborted")
-        payload = await self.receiver.take(req.handle.transfer_id, timeout=self.settings.data.timeout)
-        try:
-            blob = bytes(payload.data)  # the engine copies it into its KV cache; the buffer goes back
-        finally:
-            payload.release()
-        outputs = await self.admit(req, self.engine.submit_kv(req.request_id, blob, priority_of(req.tier)))
-        if req.request_id in self.aborted:  # the Abort came while it was imported: it ends now
-            await self.engine.abort(req.request_id)
-        self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, req.next_seq))
+        blob = await self.kv.receive(req.handle)
+        outputs = await self.admit(req, self.engine.submit_kv(req.request_id, blob, priority_of(req.tier)),
+                                   req.attempt)
+        self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, req.next_seq,
+                                                       attempt=req.attempt))
 
     async def handle_generate(self, req: GenerateRequest) -> None:
         """Run the prompt here; a prefix the KV pool holds (a session's earlier turns, written
-        back by whichever worker ran them) is loaded instead of computed."""
+        back by whichever worker ran them) is loaded instead of computed. With ``req.resume`` the
+        request continues where its client is (its worker was lost)."""
         params = sampling_from(req.sampling)
-        prefix = None
-        if self.pool is not None:
-            have = await self.engine.cached_prefix_tokens(req.prompt_token_ids)
-            prefix = await self.pool.fetch_prefix(req.prompt_token_ids, have)
-        outputs = await self.admit(req, self.engine.submit(req.request_id, req.prompt_token_ids, params,
-                                                      priority_of(req.tier), prefix=prefix))
-        self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, 0))
+        resume = req.resume
+        outputs_so_far = resume.output_token_ids if resume else []
+        prefix = await self.kv.fetch_prefix(req.prompt_token_ids + outputs_so_far)
+        attempt = resume.attempt if resume else 0
+        outputs = await self.admit(req, self.engine.submit(
+            req.request_id, req.prompt_token_ids, params, priority_of(req.tier), prefix=prefix,
+            resume_token_ids=outputs_so_far, emitted_chars=resume.emitted_chars if resume else 0), attempt)
+        self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs,
+                                                       resume.next_seq if resume else 0, attempt=attempt))
 
     async def handle_migrate(self, req: MigrateRequest) -> MigrateReply:
         """Move a decoding request to ``req.target_worker``; the reply says where its stream goes on.
@@ -132,25 +116,16 @@ class DecodeWorker(EngineWorker):
                                           "retry") from None
         await asyncio.wait([task])  # the stream publishes every output from before the export, then ends
         next_seq = None if task.cancelled() else task.result()
-        if next_seq is None or rid in self.aborted:  # aborted (or its stream failed) meanwhile
+        if next_seq is None or self.is_aborted(rid, held.attempt):  # aborted (or its stream failed) meanwhile
             await self.engine.end_move(rid, moved=True)
             raise BusError("not_found", f"request {rid} ended while moving")
-        h, _, _ = parse_kv_blob(blob)
-        tokens, n_prompt = h["token_ids"], h["num_prompt_tokens"]
         tid = f"{rid}-{self.worker_id}-{next_seq}"
         try:
-            res = await self.sender.send(req.target_data_host, req.target_data_port, tid, blob)
-            metrics.transfer(res.path, res.nbytes, res.seconds)
-            await self.bus.publish(subjects.transfer(self.worker_id), TransferEvent(
-                transfer_id=tid, request_id=rid, nbytes=res.nbytes, seconds=res.seconds, path=res.path,
-                wire_bytes=res.wire_bytes, attempts=res.attempts))
-            handle = TransferHandle(transfer_id=tid, host=req.target_data_host, port=req.target_data_port,
-                                    nbytes=res.nbytes, checksum=res.checksum, path=res.path,
-                                    num_tokens=h["num_computed"])
-            await self.bus.request(subjects.worker_decode(target), DecodeRequest(
-                request_id=rid, handle=handle, prompt_token_ids=tokens[:n_prompt],
-                output_token_ids=tokens[n_prompt:], sampling=h["params"], tier=req.tier,
-                stream_subject=held.stream_subject, next_seq=next_seq, session_id=held.session_id or None))
+            h, res = await self.kv.hand_off(blob, subject=subjects.worker_decode(target), host=req.target_data_host,
+                                            port=req.target_data_port, transfer_id=tid, tier=req.tier,
+                                            stream_subject=held.stream_subject, next_seq=next_seq,
+                                            session_id=held.session_id or None, attempt=held.attempt,
+                                            origin=held.origin)
         except Exception as e:  # the request is never lost: it goes on here, same stream, same seq
             metrics.migration(self.role, target_role, "failed")
             if not await self._stay(rid, held, next_seq):
@@ -160,31 +135,28 @@ class DecodeWorker(EngineWorker):
             raise BusError(code if code in ERROR_STATUS else "unavailable",
                            f"moving {rid} to {target} failed ({e}); it goes on at {self.worker_id}") from None
         await self.engine.end_move(rid, moved=True)
+        self.hand_over(rid, target)
         seconds = time.monotonic() - started
         metrics.migration(self.role, target_role, "ok", seconds)
         log.info("%s moved %s -> %s (%s) at seq %d: %d tokens, %d KV bytes over %s in %.1f ms%s", rid,
-                 self.worker_id, target, target_role, next_seq, h["num_computed"], res.nbytes, res.path,
+                 self.worker_id, target, target_role, next_seq, h.num_computed, res.nbytes, res.path,
                  seconds * 1e3, f" ({req.reason})" if req.reason else "")
         return MigrateReply(request_id=rid, source=self.worker_id, target=target, next_seq=next_seq,
-                            num_tokens=h["num_computed"], nbytes=res.nbytes, seconds=seconds, path=res.path)
+                            num_tokens=h.num_computed, nbytes=res.nbytes, seconds=seconds, path=res.path)
 
     async def _stay(self, rid: str, held: Held, next_seq: int) -> bool:
         """A failed move: the parked request decodes on here from ``next_seq``; False if it was
         aborted meanwhile (then it is dropped)."""
-        if rid in self.aborted:
+        if self.is_aborted(rid, held.attempt):
             await self.engine.end_move(rid, moved=True)
             return False
         outputs = await self.engine.end_move(rid, moved=False)
         if outputs is None:
             return False
-        self.spawn(rid, self.stream_outputs(rid, held.stream_subject, outputs, next_seq))
+        self.spawn(rid, self.stream_outputs(rid, held.stream_subject, outputs, next_seq, attempt=held.attempt))
         return True
 
     async def close(self) -> None:
         for t in self._peer_tasks:
             t.cancel()
-        if self.pool is not None:
-            await self.pool.close()
         await super().close()
-        await self.receiver.close()
-        await self.sender.close()

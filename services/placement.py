@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from shared import subjects
 from shared.bus import BusError
-from shared.engine.sampling import TIER_PRIORITY
+from shared.tier import Tier
 from shared.schemas import Heartbeat, RoutePlan, RouteRequest
 
 LIVENESS_FACTOR = 3.0    # a worker is gone after this many missed heartbeat intervals
@@ -128,7 +128,7 @@ def effective_tier(tier: str, session: SessionView | None) -> str:
     """The better of the request's tier and its session's override."""
     if session is None or session.tier is None:
         return tier
-    return min(tier, session.tier, key=TIER_PRIORITY.__getitem__)
+    return min(tier, session.tier, key=lambda t: Tier(t).priority)
 
 
 def _decoders(workers: list[WorkerView], now: float, need: int = 0) -> list[WorkerView]:
@@ -281,7 +281,7 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
             free = w.beat.free_kv_blocks / w.beat.total_kv_blocks
             if free >= limits.pressure_free:
                 continue
-            cands = [(TIER_PRIORITY[tier], rid, sid, tier) for rid, sid, tier in w.held()
+            cands = [(Tier(tier).priority, rid, sid, tier) for rid, sid, tier in w.held()
                      if tier != "interactive" and rid not in moving and rid not in planned]
             t = target(subjects.CPU_DECODE)
             if cands and t is not None:

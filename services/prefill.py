@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 
-from shared import metrics, subjects
-from shared.engine.engine import parse_kv_blob
+from shared import subjects
+from shared.bus import BusError
+from shared.engine.kv_cache import KVBlobHeader
 from shared.engine.sampling import RequestOutput
-from shared.schemas import DecodeRequest, PrefillRequest, TransferEvent, TransferHandle
-from shared.settings import Settings
-from shared.transfer import make_transport
-from services.kvpool import PoolClient
+from shared.schemas import PrefillRequest
+from shared.transfer import TransferError
 from services.worker import EngineWorker, priority_of, sampling_from
 
 log = logging.getLogger("tandem.prefill")
@@ -28,60 +27,39 @@ log = logging.getLogger("tandem.prefill")
 class PrefillWorker(EngineWorker):
     role = subjects.PREFILL
 
-    def __init__(self, settings: Settings, device: str):
-        super().__init__(settings, device)
-        self.transport = make_transport(settings.data)
-        self.sender = self.transport.sender()
-        self.pool: PoolClient | None = None       # set in register() when the pool is enabled
-        self.pool_rx = None                        # receives pool entries (not advertised)
-
     async def register(self) -> None:
-        if self.settings.pool.enabled:
-            self.pool_rx = self.transport.receiver(self.settings.data.host, self.settings.data.port)
-            host, port = await self.pool_rx.listen()
-            self.pool = PoolClient(self.bus, self.settings.pool, self.engine.engine, self.worker_id, self.sender,
-                                   self.pool_rx, self.settings.data.advertise_host or host, port)
         await self.bus.serve(subjects.worker_prefill(self.worker_id), self.handle, expected=PrefillRequest)
 
     async def handle(self, req: PrefillRequest) -> None:
         params = sampling_from(req.sampling)
         prio = req.priority if req.priority is not None else priority_of(req.tier)
-        prefix = None
-        if self.pool is not None:
-            have = await self.engine.cached_prefix_tokens(req.prompt_token_ids)
-            prefix = await self.pool.fetch_prefix(req.prompt_token_ids, have)
-        outputs = await self.admit(req, self.engine.submit(req.request_id, req.prompt_token_ids, params, prio,
-                                                           prefill_only=True, prefix=prefix))
+        resume = req.resume
+        outputs_so_far = resume.output_token_ids if resume else []
+        prefix = await self.kv.fetch_prefix(req.prompt_token_ids + outputs_so_far)
+        attempt = resume.attempt if resume else 0
+        outputs = await self.admit(req, self.engine.submit(
+            req.request_id, req.prompt_token_ids, params, prio, prefill_only=True, prefix=prefix,
+            resume_token_ids=outputs_so_far, emitted_chars=resume.emitted_chars if resume else 0), attempt)
+        first_seq = resume.next_seq if resume else 0
 
         async def hand_off(first: RequestOutput) -> None:
-            await self.hand_off(req, first)
+            await self.hand_off(req, first_seq + 1, attempt)
 
-        self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, 0, hand_off))
+        self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, first_seq,
+                                                       hand_off, attempt))
 
-    async def hand_off(self, req: PrefillRequest, first: RequestOutput) -> None:
+    async def hand_off(self, req: PrefillRequest, next_seq: int, attempt: int) -> None:
         blob = await self.engine.export_kv(req.request_id)
-        tid = req.request_id
-        res = await self.sender.send(req.decode_data_host, req.decode_data_port, tid, blob)
-        metrics.transfer(res.path, res.nbytes, res.seconds)
-        await self.bus.publish(subjects.transfer(self.worker_id), TransferEvent(
-            transfer_id=tid, request_id=req.request_id, nbytes=res.nbytes, seconds=res.seconds, path=res.path,
-            wire_bytes=res.wire_bytes, attempts=res.attempts))
-        handle = TransferHandle(transfer_id=tid, host=req.decode_data_host, port=req.decode_data_port,
-                                nbytes=res.nbytes, checksum=res.checksum, path=res.path,
-                                num_tokens=len(req.prompt_token_ids))
-        await self.bus.request(req.decode_subject, DecodeRequest(
-            request_id=req.request_id, handle=handle, prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=list(first.token_ids), sampling=req.sampling, tier=req.tier,
-            stream_subject=req.stream_subject, next_seq=1, session_id=req.session_id))
+        h, kv = KVBlobHeader.parse(blob)
+        # the prompt's chunks go to the pool whatever happens next: a retry or a resume finds them
+        self.kv.store_later(h.token_ids[:h.num_computed], kv)
+        try:
+            _, res = await self.kv.hand_off(blob, subject=req.decode_subject, host=req.decode_data_host,
+                                            port=req.decode_data_port, transfer_id=f"{req.request_id}-{attempt}",
+                                            tier=req.tier, stream_subject=req.stream_subject, next_seq=next_seq,
+                                            session_id=req.session_id, attempt=attempt, origin=req.origin)
+        except (TransferError, BusError) as e:  # the gateway resumes the request on another worker
+            raise BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}") from None
+        self.hand_over(req.request_id, req.decode_worker)
         log.info("%s handed to %s: %d KV bytes over %s in %.1f ms", req.request_id, req.decode_worker,
                  res.nbytes, res.path, res.seconds * 1e3)
-        if self.pool is not None:  # off the critical path: the decode worker already continues
-            h, _, kv = parse_kv_blob(blob)
-            self.pool.store_later(h["token_ids"][:h["num_computed"]], kv)
-
-    async def close(self) -> None:
-        if self.pool is not None:
-            await self.pool.close()
-        await super().close()
-        if self.pool_rx is not None:
-            await self.pool_rx.close()

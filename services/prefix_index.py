@@ -2,7 +2,7 @@
 
 Every holder — a worker's in-engine prefix cache, a pool copy — names what it holds in one key
 space, the pool's chunk keys (kvpool/keys.py), and publishes the keys it gains and loses as
-``KVEvent``s (services/kvpool.py ``KVEventPublisher``). The router keys a prompt the same way
+``KVEvent``s (shared/kv_events.py ``KVEventPublisher``). The router keys a prompt the same way
 (``chunk_keys_from_seed`` with a heartbeat's ``kv_scope`` and ``chunk_tokens``) and asks
 ``PrefixIndex.overlap`` how many leading chunks each holder has.
 
@@ -40,6 +40,7 @@ from nats.js import api
 
 from shared import schemas, subjects
 from shared.bus import Bus
+from shared.kv_events import STREAM, ensure_event_stream
 from shared.schemas import KVEvent, SchemaError
 from shared.settings import Settings
 
@@ -47,7 +48,6 @@ log = logging.getLogger("tandem.router.index")
 
 REORDER_WINDOW = 64          # events a holder's out-of-order event waits behind, at most
 SNAPSHOT_VERSION = 1
-STREAM = "TANDEM_KVEVENTS"   # JetStream stream of every KVEvent
 BUCKET = "tandem_prefix_index"
 HEAD = "head"
 
@@ -188,23 +188,6 @@ class PrefixIndex:
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a prefix index snapshot: {type(e).__name__}: {e}") from None
         self.holders, self.where = holders, where
-
-
-async def ensure_event_stream(js, name: str = STREAM, max_age: float = 3600.0,
-                              max_bytes: int = 256 << 20) -> api.StreamInfo:
-    """The JetStream stream capturing every KVEvent, created if missing (by the first router or
-    KV holder to start: events sent before any router runs are kept too)."""
-    try:
-        return await js.stream_info(name)
-    except nats.js.errors.NotFoundError:
-        pass
-    try:
-        return await js.add_stream(api.StreamConfig(
-            name=name, subjects=[subjects.KV_EVENTS_ALL], storage=api.StorageType.FILE,
-            retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD,
-            max_age=max_age, max_bytes=max_bytes))
-    except nats.js.errors.BadRequestError:  # someone else created it meanwhile
-        return await js.stream_info(name)
 
 
 class IndexFeed:

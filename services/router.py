@@ -23,12 +23,13 @@ import time
 from kvpool.keys import chunk_keys_from_seed
 from shared import metrics, subjects, tracing
 from shared.bus import Bus
-from shared.engine.sampling import TIER_PRIORITY
 from shared.schemas import Heartbeat, RoutePlan, RouteRequest, SessionState, SessionUpdate
 from shared.settings import Settings
+from shared.tier import Tier
 from services.migrate import migrate, to_target
 from services.placement import POOL, Limits, Move, SessionView, WorkerView, place, rebalance
 from services.prefix_index import IndexFeed, PrefixIndex
+from services.sessions import SessionStore
 
 log = logging.getLogger("tandem.router")
 
@@ -41,7 +42,7 @@ class Router:
         rs = settings.router
         self.worker_id = settings.worker.resolved_worker_id(subjects.ROUTER)
         self.policy = rs.policy
-        self.limits = Limits(queue={t: rs.queue_limit(t) for t in ("interactive", "standard", "batch")},
+        self.limits = Limits(queue={str(t): rs.queue_limit(t) for t in Tier},
                              pressure_free=rs.pressure_free, session_idle_s=rs.session_idle_s)
         self.workers: dict[str, WorkerView] = {}
         self.sessions: dict[str, SessionView] = {}
@@ -51,6 +52,7 @@ class Router:
         self.metrics_port = 0
         self.bus: Bus | None = None
         self.feed: IndexFeed | None = None
+        self.store: SessionStore | None = None           # the session table in JetStream (services/sessions.py)
         self._tasks: list[asyncio.Task] = []
         self._moves: set[asyncio.Task] = set()
         self.started = time.monotonic()
@@ -63,6 +65,8 @@ class Router:
         self.bus = await Bus.connect(self.settings, name=self.worker_id)
         self.feed = IndexFeed(self.bus, self.index, self.settings)
         await self.feed.start()
+        self.store = SessionStore(self.bus)
+        self.sessions.update(await self.store.start())
         beats = await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
         decisions = await self.bus.subscribe(subjects.ROUTER_DECISION, skip_invalid=True)
         self._tasks = [asyncio.create_task(self._watch(beats), name="heartbeats"),
@@ -125,8 +129,10 @@ class Router:
         s = self._session(plan.session_id)
         if s is not None:
             s.worker, s.last = plan.decode_worker, now
-            if s.tier is None or TIER_PRIORITY[plan.tier] < TIER_PRIORITY[s.tier]:
+            if s.tier is None or Tier(plan.tier).priority < Tier(s.tier).priority:
                 s.tier = plan.tier
+            if plan.router == self.worker_id and self.store is not None:
+                self.store.changed(plan.session_id, s)
 
     async def _follow(self, decisions) -> None:
         async for msg in decisions:
@@ -143,7 +149,8 @@ class Router:
         session = self._session(req.session_id)
         before = session.tier if session is not None else None
         cached, chunk = self.cached(req.prompt_token_ids)
-        plan = place(req, self._live(now), now, self.policy, self.turn, cached=cached, session=session,
+        live = [w for w in self._live(now) if w.id not in req.exclude]  # found dead for this request
+        plan = place(req, live, now, self.policy, self.turn, cached=cached, session=session,
                      limits=self.limits, chunk_tokens=chunk)
         plan.router = self.worker_id
         self.turn += 1
@@ -159,6 +166,8 @@ class Router:
         """POST /v1/sessions/{id}: set the session's tier; its running requests move now."""
         s = self._session(upd.session_id)
         s.tier, s.last = upd.tier, time.monotonic()
+        if self.store is not None:
+            self.store.changed(upd.session_id, s)
         moves = self._plan_moves(upd.session_id, pressure=False)  # before any await: the tick cannot take them
         await self.bus.publish(subjects.ROUTER_DECISION, SessionState(
             session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=[], router=self.worker_id))
@@ -239,5 +248,7 @@ class Router:
             t.cancel()
         if self.feed is not None:
             await self.feed.close()   # writes a last snapshot of the prefix index
+        if self.store is not None:
+            await self.store.close()
         if self.bus is not None:
             await self.bus.close()

@@ -29,25 +29,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _run(args: argparse.Namespace, settings: Settings) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    if args.service != "gateway":  # uvicorn installs its own handlers for the gateway
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+    if args.service == "gateway":  # uvicorn installs its own signal handlers
+        await _run_gateway(args, settings)
+        return
+    # Building the service loads the model: until it is built, SIGTERM ends the process at once
+    # (the default action; nothing is in flight yet). Then SIGINT / SIGTERM drain it.
     if args.service == "router":
         from services.router import Router
-        await Router(settings).run(stop)
+        service = Router(settings)
     elif args.service == "prefill":
         from services.prefill import PrefillWorker
-        await PrefillWorker(settings, settings.worker.device or "cpu").run(stop)
+        service = PrefillWorker(settings, settings.worker.device or "cpu")
     elif args.service == subjects.KVPOOL:
         from services.kvpool import PoolService
-        await PoolService(settings).run(stop)
-    elif args.service in (subjects.GPU_DECODE, subjects.CPU_DECODE):
-        from services.decode import DecodeWorker
-        await DecodeWorker(settings, args.service).run(stop)
+        service = PoolService(settings)
     else:
-        await _run_gateway(args, settings)
+        from services.decode import DecodeWorker
+        service = DecodeWorker(settings, args.service)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await service.run(stop)
 
 
 async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
@@ -63,8 +66,9 @@ async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
     name, ctx = cfg.name, cfg.max_context
     if settings.worker.max_context:
         ctx = min(ctx, settings.worker.max_context)
-    bus = await Bus.connect(settings, name="gateway")
-    backend = NatsBackend(bus, name, ctx, tokenizer, stall_timeout=gw.request_timeout)
+    gateway_id = settings.worker.resolved_worker_id("gateway")
+    bus = await Bus.connect(settings, name=gateway_id)
+    backend = NatsBackend(bus, name, ctx, tokenizer, gw, gateway_id)
     await backend.start()
     try:
         await serve(backend, gw)

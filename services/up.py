@@ -1,9 +1,16 @@
 """``tandem up``: the whole stack on one machine — NATS (embedded unless TANDEM_NATS_URL is set)
 and one process per service copy, with prefixed logs; Ctrl-C / SIGTERM stops it all cleanly.
 
-Start order: NATS → KV pool → decode and prefill workers → router → gateway. Shutdown: SIGTERM to the
-gateway first (it drains in-flight requests), then the workers (they finish what they hold),
-then NATS.
+Start order: NATS → KV pool → decode and prefill workers → router → gateway. Shutdown (SIGINT /
+SIGTERM only): the gateway first (it drains in-flight requests), then the engine workers (they
+finish what they hold and hand their KV write-backs to the pool), then router and KV pool (which
+stores what it was handed), then NATS.
+
+Supervision: a copy that exits, whatever its code, is restarted with a backoff (0.5 s doubling
+to 10 s) under a new worker id; more than 5 exits within 60 s and that copy is given up, loudly,
+while the rest keeps serving. The embedded nats-server is restarted on the same address with its
+JetStream store. Each restart is one log line and ``tandem_restarts_total{service}`` on the
+supervisor's own /metrics (its address is in the start-up line).
 
 Topologies on one budget: ``TOPOLOGY_HELP`` below (also in ``tandem up --help``).
 """
@@ -12,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import signal
 import sys
+import time
 
+from shared import metrics
 from shared.nats_server import EmbeddedNats
 
 log = logging.getLogger("tandem.up")
@@ -98,57 +108,154 @@ async def _pump(name: str, stream: asyncio.StreamReader) -> None:
         sys.stderr.flush()
 
 
+RESTART_LIMIT = 5         # restarts of one copy within RESTART_WINDOW_S before it is given up
+RESTART_WINDOW_S = 60.0
+BACKOFF_S = (0.5, 10.0)   # first and longest wait before a restart (doubling in between)
+STOP_ORDER = ("gateway", "prefill", "gpu-decode", "cpu-decode", "router", "kvpool")  # see the module doc
+
+
+class Child:
+    """One service copy under supervision: started, restarted when it exits (with backoff and a
+    crash-loop limit), stopped on request. Each start gets a new worker id (``<name>-<pid>-<n>``),
+    so messages from a dead incarnation are never taken for the new one's."""
+
+    def __init__(self, name: str, service: str, env: dict[str, str]):
+        self.name, self.service, self.env = name, service, env
+        self.proc: asyncio.subprocess.Process | None = None
+        self.starts = 0
+        self.exits: list[float] = []          # monotonic times of unexpected exits
+        self.stopping = False
+        self.gave_up = False
+        self.wake = asyncio.Event()           # set by stop(): cut a backoff short
+
+    async def start(self) -> None:
+        wid = f"{self.name}-{os.getpid()}" + (f"-{self.starts}" if self.starts else "")
+        self.starts += 1
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.cli", "serve", self.service, env=dict(self.env, TANDEM_WORKER_ID=wid),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent)
+        self.pump = asyncio.create_task(_pump(self.name, self.proc.stdout))
+
+    async def supervise(self) -> None:
+        """Restart the copy whenever it exits, until stop() or the crash-loop limit."""
+        while True:
+            code = await self.proc.wait()
+            await asyncio.gather(self.pump, return_exceptions=True)
+            if self.stopping:
+                return
+            now = time.monotonic()
+            self.exits = [t for t in self.exits if now - t < RESTART_WINDOW_S] + [now]
+            if len(self.exits) > RESTART_LIMIT:
+                self.gave_up = True
+                log.error("!!! %s exited with code %s, its %d%s exit in %.0f s: GIVING UP on this copy; the "
+                          "rest of the stack keeps serving", self.name, code, len(self.exits),
+                          _nth(len(self.exits)), RESTART_WINDOW_S)
+                return
+            wait = min(BACKOFF_S[0] * 2 ** (len(self.exits) - 1), BACKOFF_S[1])
+            metrics.RESTARTS.labels(self.service).inc()
+            log.warning("%s exited with code %s; restarting in %.1f s (restart %d in %.0f s)", self.name, code, wait,
+                        len(self.exits), RESTART_WINDOW_S)
+            try:
+                await asyncio.wait_for(self.wake.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+            if self.stopping:
+                return
+            await self.start()
+
+    async def stop(self, timeout: float) -> None:
+        self.stopping = True
+        self.wake.set()
+        p = self.proc
+        if p is None or p.returncode is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(p.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("%s did not stop in %.0f s; killing it", self.name, timeout)
+            p.kill()
+            await p.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when `tandem up` dies, however it dies (kill -9
+    included), so no service copy outlives its supervisor (Linux's PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the services' own leases clean up instead
+        pass
+
+
+def _nth(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+
+
+async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
+    """The embedded nats-server is supervised too: restarted on the same address with its
+    JetStream store, so every service reconnects to it and streams and buckets survive."""
+    failures: list[float] = []
+    while not stop.is_set():
+        await asyncio.sleep(0.2)
+        code = nats.exited()
+        if code is None or stop.is_set():
+            continue
+        now = time.monotonic()
+        failures = [t for t in failures if now - t < RESTART_WINDOW_S] + [now]
+        metrics.RESTARTS.labels("nats").inc()
+        log.warning("embedded nats-server exited with code %s; restarting it on %s", code, nats.url)
+        try:
+            await asyncio.to_thread(nats.restart)
+            log.info("embedded nats-server back on %s", nats.url)
+        except Exception as e:
+            log.error("embedded nats-server did not restart: %s", e)
+            if len(failures) > RESTART_LIMIT:
+                log.error("!!! GIVING UP on the embedded nats-server: no service can talk to another now")
+                return
+            await asyncio.sleep(min(BACKOFF_S[0] * 2 ** len(failures), BACKOFF_S[1]))
+
+
 async def _up(args: argparse.Namespace) -> int:
     env = dict(os.environ, **topology(args))
-    children = plan(args)
     nats = None
     if not env.get("TANDEM_NATS_URL"):
         nats = EmbeddedNats()
-        env["TANDEM_NATS_URL"] = nats.start()
+        env["TANDEM_NATS_URL"] = await asyncio.to_thread(nats.start)
         log.info("embedded NATS (JetStream) at %s", env["TANDEM_NATS_URL"])
     if args.port:
         env["TANDEM_PORT"] = str(args.port)
     if args.model:
         env["TANDEM_MODEL"] = args.model
-    procs: dict[str, asyncio.subprocess.Process] = {}
-    pumps = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    port = metrics.serve_http(0, "127.0.0.1")
+    children = [Child(name, service, env) for name, service in plan(args)]
+    tasks = []
     try:
-        for name, service in children:
-            child_env = dict(env, TANDEM_WORKER_ID=f"{name}-{os.getpid()}")
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "services.cli", "serve", service, env=child_env,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
-            procs[name] = proc
-            pumps.append(asyncio.create_task(_pump(name, proc.stdout)))
-        log.info("started %s%s; gateway on port %s", ", ".join(procs),
-                 f" (topology {args.topology}, {env['TANDEM_THREADS']} thread(s) per engine)" if args.topology else "",
-                 env.get("TANDEM_PORT", "8000"))
-        waits = {asyncio.create_task(p.wait()): n for n, p in procs.items()}
-        stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([stopper, *waits], return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if t in waits:
-                log.error("%s exited with code %s; stopping the stack", waits[t], t.result())
-        return 0 if stopper in done else 1
-    finally:
-        # gateway first (drains HTTP), then workers, then NATS
-        for name in ["gateway"] + [n for n in procs if n != "gateway"]:
-            p = procs.get(name)
-            if p is not None and p.returncode is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(p.wait(), 40)
-                except asyncio.TimeoutError:
-                    log.warning("%s did not stop in time; killing it", name)
-                    p.kill()
-                    await p.wait()
-        await asyncio.gather(*pumps, return_exceptions=True)
+        for c in children:
+            await c.start()
+        tasks = [asyncio.create_task(c.supervise(), name=f"supervise-{c.name}") for c in children]
         if nats is not None:
-            nats.stop()
+            tasks.append(asyncio.create_task(_watch_nats(nats, stop), name="supervise-nats"))
+        log.info("started %s%s; gateway on port %s; supervisor metrics on http://127.0.0.1:%s/metrics",
+                 ", ".join(c.name for c in children),
+                 f" (topology {args.topology}, {env['TANDEM_THREADS']} thread(s) per engine)" if args.topology else "",
+                 env.get("TANDEM_PORT", "8000"), port)
+        await stop.wait()
+        return 0
+    finally:
+        # gateway first (drains HTTP), then the engines (finish or hand over what they hold, write
+        # KV back to the pool), then router and pool, then NATS
+        for service in STOP_ORDER:
+            await asyncio.gather(*(c.stop(40) for c in children if c.service == service))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if nats is not None:
+            await asyncio.to_thread(nats.stop)
         log.info("stack stopped")
 
 

@@ -24,10 +24,11 @@ from shared.energy import EnergyMeter
 from shared.bus import Bus, BusError
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineConfig, EngineFull
-from shared.engine.sampling import TIER_PRIORITY, RequestOutput, SamplingParams
-from shared.schemas import Abort, ErrorReply, Heartbeat, StreamChunk
+from shared.engine.sampling import RequestOutput, SamplingParams
+from shared.kv_connector import KVConnector
+from shared.tier import Tier
+from shared.schemas import Abort, Ack, ErrorReply, Heartbeat, StreamChunk, Where, WhereReply
 from shared.settings import Settings
-from services.kvpool import KVEventPublisher, key_scope, publish_chunk_events
 
 log = logging.getLogger("tandem.worker")
 
@@ -43,10 +44,10 @@ def engine_config(settings: Settings, device: str, role: str = "") -> EngineConf
     cpu = not device.startswith("cuda")
     return EngineConfig(device=device, threads=w.threads or None, num_kv_blocks=w.kv_blocks or None,
                         kv_cache_bytes=w.kv_budget_mb << 20, max_context=w.max_context or None,
-                        max_num_batched_tokens=w.step_tokens or (64 if cpu else 512),
-                        interactive_step_tokens=w.shared_step_tokens or (8 if cpu else 64),
-                        worse_step_tokens=(w.guest_step_tokens or (16 if cpu else None))
-                        if role == subjects.GPU_DECODE else None)
+                        step_tokens=w.step_tokens or (64 if cpu else 512),
+                        shared_step_tokens=w.shared_step_tokens or (8 if cpu else 64),
+                        guest_step_tokens=(w.guest_step_tokens or (16 if cpu else None))
+                        if role == subjects.GPU_DECODE else None, max_waiting=w.max_waiting)
 
 
 def sampling_from(d: dict) -> SamplingParams:
@@ -55,9 +56,7 @@ def sampling_from(d: dict) -> SamplingParams:
 
 
 def priority_of(tier: str) -> int:
-    if tier not in TIER_PRIORITY:
-        raise ValueError(f"unknown tier {tier!r}")
-    return TIER_PRIORITY[tier]
+    return Tier.parse(tier).priority
 
 
 @dataclass
@@ -72,26 +71,29 @@ class Held:
     session_id: str      # "" = none
     tier: str
     stream_subject: str
+    attempt: int = 0     # its attempt (a resume after a lost worker starts a new one)
+    origin: str = ""     # the gateway waiting for it ("" = unknown: no lease)
 
 
-TIER_OF_PRIORITY = {p: t for t, p in TIER_PRIORITY.items()}
 ABORTED_TTL = 300.0      # seconds an aborted request id is remembered (a move may still bring it)
+HANDED_TTL = 120.0       # seconds a request handed to another worker is remembered (Where replies)
 TPOT_ALPHA = 0.05        # weight of the newest inter-token interval in the TPOT moving average
+ALL_ATTEMPTS = 1 << 62   # Abort.below_attempt 0: every attempt
 
 
 class EngineWorker:
     role: str = ""
+    takes_kv = False      # other workers send KV here (decode): the data-plane address is advertised
+    writes_back = False   # finished sequences' KV goes back to the pool (decode)
 
     def __init__(self, settings: Settings, device: str):
         self.settings = settings
         self.worker_id = settings.worker.resolved_worker_id(self.role)
-        engine = Engine.from_path(settings.worker.model, engine_config(settings, device, self.role))
-        self.model_name = engine.model_config.name
-        self.kv_scope = key_scope(engine, settings.pool)   # chunk keys of this KV (heartbeats, KV events)
-        self.kv_events: KVEventPublisher | None = None
-        self.engine = AsyncEngine(engine)
-        self.device = str(self.engine.engine.device)
+        self.engine = AsyncEngine(Engine.from_path(settings.worker.model, engine_config(settings, device, self.role)))
+        self.model_name = self.engine.model_name
+        self.device = self.engine.device
         self.bus: Bus | None = None
+        self.kv: KVConnector | None = None         # hand-off, migration, the KV pool, chunk events
         self.tasks: dict[str, asyncio.Task] = {}   # request id -> its streaming task
         self.data_host, self.data_port = "", 0
         self.metrics_port = 0
@@ -100,18 +102,25 @@ class EngineWorker:
         self.timings: dict[str, _Timing] = {}      # request id -> when it arrived, its tier
         self.held: dict[str, Held] = {}            # requests in flight here (heartbeat ``requests``)
         self.moving: set[str] = set()              # requests being migrated away (services/decode.py)
-        self.aborted: dict[str, float] = {}        # request id -> when an Abort for it arrived
+        self.aborted: dict[str, tuple[float, int]] = {}  # request id -> (when, attempts below this) aborted
+        self.handed: dict[str, tuple[str, float]] = {}    # request id -> (worker it went to, when)
         self.tpot = 0.0                            # moving average seconds per output token
+        self._lease_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         tracing.setup(self.role)
         self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
                                                self.settings.worker.metrics_host) or 0
         self.bus = await Bus.connect(self.settings, name=self.worker_id)
-        self.kv_events = await publish_chunk_events(self.bus, self.engine.engine, self.worker_id, self.role,
-                                                    self.kv_scope)
+        self.kv = KVConnector(self.settings, self.bus, self.engine, self.worker_id, self.role,
+                              write_back=self.writes_back)
+        await self.kv.start()
+        if self.takes_kv:
+            self.data_host, self.data_port = self.kv.data_host, self.kv.data_port
         self._abort_sub = await self.bus.subscribe(subjects.ABORT, Abort, skip_invalid=True)
         self._abort_task = asyncio.create_task(self._abort_loop(), name="abort-listener")
+        await self.bus.serve(subjects.worker_where(self.worker_id), self.where, expected=Where)
+        self._lease_task = asyncio.create_task(self._leases(), name="gateway-leases")
         await self.register()
         self.bus.start_heartbeat(subjects.heartbeat(self.role, self.worker_id), self.heartbeat,
                                  self.settings.worker.heartbeat_interval)
@@ -127,36 +136,87 @@ class EngineWorker:
         metrics.set_engine_load(self.role, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
                                 kv_used=st["total_kv_blocks"] - st["free_kv_blocks"], kv_free=st["free_kv_blocks"])
         return Heartbeat(worker_id=self.worker_id, role=self.role, device=self.device, model=self.model_name,
-                         ready=True, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
+                         ready=self.ready(), queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
                          free_kv_blocks=st["free_kv_blocks"], total_kv_blocks=st["total_kv_blocks"],
                          max_context=self.engine.max_context, data_host=self.data_host,
                          data_port=self.data_port, ts=time.time(),
                          interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port,
                          requests=[[rid, h.session_id, h.tier] for rid, h in self.held.items()],
                          waiting_by_tier=self.waiting_by_tier(st), tpot_ms=round(self.tpot * 1e3, 3),
-                         kv_scope=self.kv_scope.seed().hex(), chunk_tokens=self.kv_scope.chunk_tokens)
+                         kv_scope=self.kv.scope.seed().hex(), chunk_tokens=self.kv.scope.chunk_tokens)
 
     @staticmethod
     def waiting_by_tier(st: dict) -> dict:
-        out = dict.fromkeys(TIER_PRIORITY, 0)
+        out = {str(t): 0 for t in Tier}
         for prio, n in st.get("waiting_by_priority", {}).items():
-            tier = TIER_OF_PRIORITY.get(prio, f"priority-{prio}")
+            tier = str(Tier.of_priority(prio) or f"priority-{prio}")
             out[tier] = out.get(tier, 0) + n
         return out
+
+    def ready(self) -> bool:
+        """Takes work: the engine is not stuck in a step (TANDEM_STEP_DEADLINE_S)."""
+        return not self.engine.stalled(self.settings.worker.step_deadline_s)
+
+    # ---- where a request is, who still wants it ----------------------------------------
+    async def where(self, req: Where) -> WhereReply:
+        """Does this worker hold the request (or where did it send it)? The gateway asks when a
+        stream goes quiet; no responders tells it this worker is gone."""
+        held = self.held.get(req.request_id)
+        handed = self.handed.get(req.request_id)
+        return WhereReply(worker=self.worker_id, holds=held is not None and req.request_id not in self.moving,
+                          handed_to=handed[0] if handed and held is None else "", ready=self.ready(),
+                          attempt=held.attempt if held else 0)
+
+    def hand_over(self, request_id: str, worker: str) -> None:
+        """``request_id`` now runs on ``worker`` (hand-off or migration): Where replies say so."""
+        now = time.monotonic()
+        self.handed = {rid: v for rid, v in self.handed.items() if now - v[1] < HANDED_TTL}
+        self.handed[request_id] = (worker, now)
+
+    async def _leases(self) -> None:
+        """Every second: a request whose gateway is gone (no responders on its alive subject)
+        is aborted, so no generation runs on for nobody (a dead gateway's KV is freed)."""
+        interval = max(0.5, self.settings.worker.heartbeat_interval)
+        while True:
+            await asyncio.sleep(interval)
+            origins = {h.origin for h in self.held.values() if h.origin}
+            for origin in origins:
+                try:
+                    await self.bus.request(subjects.gateway_alive(origin), Ack(worker=self.worker_id), timeout=interval)
+                except BusError as e:
+                    if e.code != "unavailable":  # a timeout: busy or a network blip, not proof
+                        continue
+                    gone = [rid for rid, h in self.held.items() if h.origin == origin]
+                    log.warning("gateway %s is gone: aborting its %d request(s)", origin, len(gone))
+                    for rid in gone:
+                        await self._on_abort(Abort(request_id=rid, reason=f"gateway {origin} gone"))
+                except Exception:
+                    log.exception("lease check of gateway %s failed", origin)
+
+    def is_aborted(self, request_id: str, attempt: int) -> bool:
+        entry = self.aborted.get(request_id)
+        return entry is not None and attempt < entry[1]
 
     async def _abort_loop(self) -> None:
         async for msg in self._abort_sub:
             await self._on_abort(msg)
 
     async def _on_abort(self, msg: Abort) -> None:
+        """Drop the request (all attempts, or those below ``msg.below_attempt``: a resume fences them)."""
         now = time.monotonic()
-        self.aborted = {rid: t for rid, t in self.aborted.items() if now - t < ABORTED_TTL}
-        self.aborted[msg.request_id] = now
+        self.aborted = {rid: v for rid, v in self.aborted.items() if now - v[0] < ABORTED_TTL}
+        below = msg.below_attempt or ALL_ATTEMPTS
+        self.aborted[msg.request_id] = (now, max(below, self.aborted.get(msg.request_id, (0, 0))[1]))
+        held = self.held.get(msg.request_id)
+        if held is not None and held.attempt >= below:
+            return  # a newer attempt runs here: the abort fences older ones only
         task = self.tasks.pop(msg.request_id, None)
         if task is not None:
             task.cancel()
+            await asyncio.wait([task], timeout=5)  # its stream is closed before a new attempt opens one
         if await self.engine.abort(msg.request_id):
             log.info("%s aborted (%s)", msg.request_id, msg.reason or "client gone")
+        self.held.pop(msg.request_id, None)
 
     def spawn(self, request_id: str, coro) -> None:
         task = asyncio.create_task(coro, name=f"stream-{request_id}")
@@ -170,7 +230,7 @@ class EngineWorker:
             self.held.pop(request_id, None)
 
     async def stream_outputs(self, request_id: str, subject: str, outputs: AsyncIterator[RequestOutput],
-                             first_seq: int, on_parked=None) -> int | None:
+                             first_seq: int, on_parked=None, attempt: int = 0) -> int | None:
         """Publish each output as a StreamChunk; the last one carries finish_reason and usage.
         ``on_parked`` is awaited with the output that ends a prefill-only request. A request
         migrated away ends without a chunk: the seq the next worker starts at is returned."""
@@ -192,12 +252,16 @@ class EngineWorker:
                 if out.finish_reason == "migrated":
                     self._observe(timing, first_at, emitted, "migrated")
                     return seq
+                if out.reused_tokens >= 0:
+                    metrics.resumed(self.role, out.reused_tokens, out.recomputed_tokens)
+                    log.info("%s resumed (attempt %d): %d token(s) of KV reused, %d recomputed", request_id,
+                             attempt, out.reused_tokens, out.recomputed_tokens)
                 if out.finish_reason == "prefilled":
-                    await self.bus.publish(subject, self.chunk(out, seq, finish=False))
+                    await self.bus.publish(subject, self.chunk(out, seq, finish=False, attempt=attempt))
                     self._observe(timing, first_at, emitted, "parked")
                     await on_parked(out)
                     return
-                await self.bus.publish(subject, self.chunk(out, seq, finish=out.finished))
+                await self.bus.publish(subject, self.chunk(out, seq, finish=out.finished, attempt=attempt))
                 seq += 1
                 if out.finished:
                     self._observe(timing, first_at, emitted, "aborted" if out.finish_reason == "abort" else "ok")
@@ -208,9 +272,14 @@ class EngineWorker:
             log.exception("%s failed", request_id)
             await self.engine.abort(request_id)
             code = "overloaded" if isinstance(e, EngineFull) else getattr(e, "code", "internal")
-            await self.bus.publish(subject, ErrorReply.of(code, f"{self.role} {self.worker_id}: {e}", request_id))
+            try:
+                reply = ErrorReply.of(code, f"{self.role} {self.worker_id}: {e}", request_id)
+                reply.attempt = attempt
+                await self.bus.publish(subject, reply)
+            except Exception:  # the bus is gone too: the gateway finds the request gone (Where) and resumes it
+                log.warning("%s: could not publish the error", request_id)
 
-    def chunk(self, out: RequestOutput, seq: int, finish: bool) -> StreamChunk:
+    def chunk(self, out: RequestOutput, seq: int, finish: bool, attempt: int = 0) -> StreamChunk:
         lps = None
         if out.logprobs is not None:
             lps = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
@@ -221,7 +290,8 @@ class EngineWorker:
                      "cached_tokens": out.num_cached_tokens}
         return StreamChunk(request_id=out.request_id, seq=seq, token_ids=out.token_ids, text=out.text,
                            worker=self.worker_id, logprobs=lps,
-                           finish_reason=out.finish_reason if finish else None, usage=usage)
+                           finish_reason=out.finish_reason if finish else None, usage=usage, attempt=attempt,
+                           reused_tokens=out.reused_tokens, recomputed_tokens=out.recomputed_tokens)
 
     def _observe(self, timing: _Timing | None, first_at: float | None, emitted: int, outcome: str) -> None:
         """Per-tier metrics of a request that ended here: finished (ok / aborted), handed on
@@ -234,9 +304,18 @@ class EngineWorker:
         log.info("%s %s: %d token(s), ttft %s", self.role, outcome, emitted,
                  f"{ttft:.3f}s" if ttft is not None else "-")
 
-    async def admit(self, req, coro):
-        """Run the engine admission of ``req`` (a message with request_id and tier); engine errors
-        become coded bus errors for the requester. Records the request's queue time."""
+    async def admit(self, req, coro, attempt: int = 0):
+        """Run the engine admission of ``req`` (a message with request_id, tier, stream subject,
+        session and origin); engine errors become coded bus errors for the requester. Records the
+        request's queue time. An older attempt of the same request still here is dropped first;
+        an Abort that came before the engine took it ends it at once."""
+        rid = req.request_id
+        if self.is_aborted(rid, attempt):
+            coro.close()
+            raise BusError("not_found", f"request {rid} was aborted")
+        old = self.held.get(rid)
+        if old is not None and old.attempt < attempt:
+            await self._on_abort(Abort(request_id=rid, reason="superseded by a resume", below_attempt=attempt))
         received = time.monotonic()
         try:
             out = await coro
@@ -244,8 +323,11 @@ class EngineWorker:
             metrics.observe_request(self.role, req.tier, outcome="error")
             raise BusError("overloaded", str(e)) from None
         metrics.observe_request(self.role, req.tier, queue=time.monotonic() - received)
-        self.timings[req.request_id] = _Timing(req.tier, received)
-        self.held[req.request_id] = Held(req.session_id or "", req.tier, req.stream_subject)
+        self.timings[rid] = _Timing(req.tier, received)
+        self.held[rid] = Held(req.session_id or "", req.tier, req.stream_subject, attempt, req.origin)
+        self.handed.pop(rid, None)
+        if self.is_aborted(rid, attempt):  # the Abort came while the engine took it
+            await self.engine.abort(rid)
         return out
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -260,8 +342,10 @@ class EngineWorker:
         for t in list(self.tasks.values()):
             t.cancel()
         self._abort_task.cancel()
-        if self.kv_events is not None:
-            await self.kv_events.close()
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+        if self.kv is not None:
+            await self.kv.close()
         if self.bus is not None:
             await self.bus.close()
         await self.engine.close()

@@ -26,6 +26,7 @@ import asyncio
 import inspect
 import logging
 import ssl
+import time
 from typing import Any, Awaitable, Callable
 
 import nats
@@ -155,6 +156,7 @@ class Bus:
         self._heartbeats: set[asyncio.Task] = set()
         self._subs: list = []                     # serve() subscriptions
         self._closing = False                     # close() called: disconnects are expected
+        self.connected_since: float | None = None  # monotonic time of the last (re)connect; None: down
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -185,6 +187,7 @@ class Bus:
         try:
             bus.nc = await nats.connect(**opts)
             bus.nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
+            bus.connected_since = time.monotonic()
         except Exception as e:
             raise BusError("unavailable", f"cannot connect to NATS at {', '.join(servers)}: "
                            f"{type(e).__name__}: {e}") from e
@@ -360,8 +363,14 @@ class Bus:
             log.warning("NATS error: %s: %s", type(e).__name__, e)
 
     async def _on_disconnected(self) -> None:
+        self.connected_since = None
         if not self._closing:
             log.warning("NATS disconnected; reconnecting")
 
     async def _on_reconnected(self) -> None:
+        self.connected_since = time.monotonic()
         log.info("NATS reconnected")
+
+    def connected_for(self) -> float:
+        """Seconds since this connection was (re)established; 0 while it is down."""
+        return 0.0 if self.connected_since is None else time.monotonic() - self.connected_since

@@ -64,6 +64,11 @@ POOL_BYTES = Gauge("tandem_pool_bytes", "KV bytes the pool holds", ["tier"])
 TRANSFER_BYTES = Counter("tandem_transfer_bytes", "KV bytes moved over the data plane", ["path"])
 TRANSFER_SECONDS = Histogram("tandem_transfer_seconds", "seconds per KV transfer", ["path"],
                              buckets=_LATENCY)
+RESUMES = Counter("tandem_resumes", "requests resumed on this role after the worker holding them was lost",
+                  ["role"])
+RESUME_TOKENS = Counter("tandem_resume_tokens", "tokens of resumed requests: KV reused (prefix cache, KV pool) "
+                        "or recomputed", ["role", "kind"])
+RESTARTS = Counter("tandem_restarts", "service copies restarted by `tandem up` after they exited", ["service"])
 MIGRATIONS = Counter("tandem_migrations", "running requests moved between decode workers, by outcome "
                      "(ok; failed: it went on at the source)", ["source_role", "target_role", "outcome"])
 MIGRATION_SECONDS = Histogram("tandem_migration_seconds", "seconds per migration, export to the target's ack",
@@ -106,6 +111,13 @@ def pool_lookup(tier: str, hit: bool, nbytes: int = 0) -> None:
 def pool_stored(tier: str, nbytes: int) -> None:
     """The bytes storage ``tier`` holds now."""
     POOL_BYTES.labels(tier).set(nbytes)
+
+
+def resumed(role: str, reused: int, recomputed: int) -> None:
+    """A request resumed here after its worker was lost: tokens of KV reused and recomputed."""
+    RESUMES.labels(role).inc()
+    RESUME_TOKENS.labels(role, "reused").inc(reused)
+    RESUME_TOKENS.labels(role, "recomputed").inc(recomputed)
 
 
 def transfer(path: str, nbytes: int, seconds: float) -> None:

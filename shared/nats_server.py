@@ -6,6 +6,8 @@
 
 Life cycle: find binary -> pick a free loopback port -> start ``-js -sd <tmpdir> -a 127.0.0.1
 -p PORT`` -> wait until it accepts TCP -> ... -> SIGTERM (then kill) -> remove the store dir.
+``restart()`` starts a stopped (or dead) server again on the same address with the same store
+directory, so clients reconnect to it and JetStream state (streams, KV buckets) survives.
 """
 
 from __future__ import annotations
@@ -82,15 +84,24 @@ class EmbeddedNats:
             self.port = free_port(self.host)
             try:
                 return self._start_once(binary)
-            except RuntimeError:
+            except (RuntimeError, TimeoutError):
                 self.port = None
+                self.stop()
                 if attempt == 2:
                     raise
                 log.warning("nats-server failed to start; retrying on another port")
         raise AssertionError("unreachable")
 
+    def restart(self) -> str:
+        """Start again on the same port with the same JetStream store (after ``kill`` / a crash)."""
+        if self.port is None or self.store_dir is None:
+            raise RuntimeError("EmbeddedNats.restart needs a server that was started")
+        self.stop(remove_store=False)
+        return self._start_once(find_nats_server())
+
     def _start_once(self, binary: Path) -> str:
-        self.store_dir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
+        if self.store_dir is None:
+            self.store_dir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
         self.name = f"tandem-{uuid.uuid4().hex[:12]}"
         cmd = [str(binary), "-js", "-sd", str(self.store_dir), "-a", self.host,
                "-p", str(self.port), "-n", self.name, *self.extra_args]
@@ -105,18 +116,18 @@ class EmbeddedNats:
         while True:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
-                self.stop()
+                self.stop(remove_store=False)
                 raise RuntimeError(f"nats-server exited with code {code} during start-up "
                                    f"(command: {' '.join(cmd)})")
             try:
                 if self._answers_as_ours():
                     break
             except RuntimeError:
-                self.stop()
+                self.stop(remove_store=False)
                 raise
             except OSError:
                 if time.monotonic() > deadline:
-                    self.stop()
+                    self.stop(remove_store=False)
                     raise TimeoutError(f"nats-server did not accept connections on {self.host}:"
                                        f"{self.port} within {self.startup_timeout}s") from None
                 time.sleep(0.05)
@@ -140,8 +151,9 @@ class EmbeddedNats:
             raise RuntimeError(f"port {self.port} is served by another nats-server ({name!r})")
         return True
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, wait, then kill; remove the store directory. Safe to call twice."""
+    def stop(self, timeout: float = 5.0, remove_store: bool = True) -> None:
+        """SIGTERM, wait, then kill; remove the store directory (unless ``remove_store`` is False).
+        Safe to call twice."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -154,9 +166,13 @@ class EmbeddedNats:
         if self._log_fh is not None:
             self._log_fh.close()
             self._log_fh = None
-        if self.store_dir is not None:
+        if self.store_dir is not None and remove_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
+
+    def exited(self) -> int | None:
+        """The exit code of a server that died on its own (None: running, or never started)."""
+        return self.proc.poll() if self.proc is not None else None
 
     @property
     def running(self) -> bool:

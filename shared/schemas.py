@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 
 import orjson
 
+from shared.tier import TIERS
+
 MAX_PAYLOAD = 512 * 1024  # bytes; NATS's default max_payload is 1 MiB including headers
-TIERS: tuple[str, ...] = ("interactive", "standard", "batch")
 
 # error code -> HTTP status the gateway answers with
 ERROR_STATUS: dict[str, int] = {
@@ -100,7 +101,7 @@ class TransferHandle:
     meta: dict = field(default_factory=dict)  # layout (dtype, shapes, block size): small only
 
 
-@message("RouteRequest", 2)
+@message("RouteRequest", 3)
 class RouteRequest:
     """gateway -> router: how should this request run?"""
     SCHEMA: ClassVar[str]
@@ -112,6 +113,8 @@ class RouteRequest:
     num_prompt_tokens: int      # prompt length after the chat template
     max_tokens: int             # new tokens at most
     prompt_token_ids: list[int] = field(default_factory=list)  # the prompt: the router keys its chunks
+    exclude: list[str] = field(default_factory=list)  # workers not to use (found dead for this request)
+    attempt: int = 0            # 0: a new request; k > 0: its k-th resume (tokens so far in the prompt)
 
 
 @message("RoutePlan", 2)
@@ -187,7 +190,20 @@ class SessionState:
     router: str = ""             # the router copy that made the change
 
 
-@message("PrefillRequest", 1)
+@message("Resume", 1)
+class Resume:
+    """What a worker needs to continue a request exactly where the client is: the tokens the
+    client has seen are appended to the prompt and computed (from the prefix cache / KV pool where
+    they are), the next draw is number ``len(output_token_ids)`` of the request's seed."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    output_token_ids: list[int]  # tokens the client has received, in order
+    emitted_chars: int           # characters of their text the client has received
+    next_seq: int                # StreamChunk.seq of the first chunk of this attempt
+    attempt: int                 # k-th resume (k >= 1); chunks and aborts of older attempts are ignored
+
+
+@message("PrefillRequest", 2)
 class PrefillRequest:
     """gateway -> one prefill worker (reply Ack); it streams the first token, then hands off."""
     SCHEMA: ClassVar[str]
@@ -203,9 +219,11 @@ class PrefillRequest:
     decode_data_port: int = 0
     session_id: str | None = None
     priority: int | None = None  # explicit scheduler priority; None = from tier
+    resume: Resume | None = None  # continue a request whose worker was lost (first chunk: resume.next_seq)
+    origin: str = ""             # the gateway that waits for the stream (workers drop the request if it dies)
 
 
-@message("DecodeRequest", 1)
+@message("DecodeRequest", 2)
 class DecodeRequest:
     """prefill worker -> decode worker: import the KV in ``handle`` and continue decoding."""
     SCHEMA: ClassVar[str]
@@ -219,9 +237,11 @@ class DecodeRequest:
     stream_subject: str
     next_seq: int = 1            # StreamChunk.seq the decode worker starts at
     session_id: str | None = None
+    attempt: int = 0             # the request's attempt (StreamChunk.attempt)
+    origin: str = ""             # the gateway that waits for the stream
 
 
-@message("GenerateRequest", 1)
+@message("GenerateRequest", 2)
 class GenerateRequest:
     """gateway -> decode worker: run prefill and decode here (plan without a prefill worker)."""
     SCHEMA: ClassVar[str]
@@ -232,9 +252,11 @@ class GenerateRequest:
     tier: str
     stream_subject: str
     session_id: str | None = None
+    resume: Resume | None = None  # continue a request whose worker was lost
+    origin: str = ""             # the gateway that waits for the stream
 
 
-@message("StreamChunk", 1)
+@message("StreamChunk", 2)
 class StreamChunk:
     """worker -> gateway on subjects.stream(request_id): new tokens, in seq order."""
     SCHEMA: ClassVar[str]
@@ -247,15 +269,39 @@ class StreamChunk:
     logprobs: list | None = None  # per token {"token_id", "logprob", "top": [[id, lp], ...]}
     finish_reason: str | None = None  # set on the last chunk: "stop" | "length" | "abort"
     usage: dict | None = None    # last chunk: {"prompt_tokens", "completion_tokens", "cached_tokens"}
+    attempt: int = 0             # the request's attempt that produced it (a resume starts a new one)
+    reused_tokens: int = -1      # first chunk of a resumed attempt: tokens of KV reused (-1: not a resume)
+    recomputed_tokens: int = 0   # ... and recomputed
 
 
-@message("Abort", 1)
+@message("Abort", 2)
 class Abort:
     """broadcast on subjects.ABORT: every service holding the request drops it."""
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     request_id: str
     reason: str = ""
+    below_attempt: int = 0       # > 0: drop only copies of attempts before this one (a resume fences them)
+
+
+@message("Where", 1)
+class Where:
+    """gateway -> subjects.worker_where(id): does this worker still hold the request? No
+    responders means the worker is gone (the server drops a dead client's subscriptions at once)."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+
+
+@message("WhereReply", 1)
+class WhereReply:
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    worker: str
+    holds: bool                  # the request runs (or waits, or is parked) here
+    handed_to: str = ""          # not here: the worker it was handed to or moved to ("" = finished/unknown)
+    ready: bool = True           # the engine makes progress (False: a step has hung)
+    attempt: int = 0             # the attempt it holds
 
 
 @message("Heartbeat", 3)
@@ -294,7 +340,7 @@ class Ack:
     worker: str = ""
 
 
-@message("ErrorReply", 2)
+@message("ErrorReply", 3)
 class ErrorReply:
     """The error envelope: a reply to a failed request, or a message on a stream subject."""
     SCHEMA: ClassVar[str]
@@ -304,6 +350,7 @@ class ErrorReply:
     status: int = 500            # HTTP status hint for the gateway
     request_id: str = ""
     retry_after: float = 0.0     # "overloaded": seconds the client should wait (HTTP Retry-After)
+    attempt: int = 0             # on a stream: the request's attempt that failed (older ones are ignored)
 
     @classmethod
     def of(cls, code: str, message: str, request_id: str = "", retry_after: float = 0.0) -> "ErrorReply":

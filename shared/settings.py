@@ -90,7 +90,12 @@ class WorkerSettings:
     guest_step_tokens: int = _env("TANDEM_GUEST_STEP_TOKENS", 0, "prefill tokens of standard/batch work per step "
                                   "on a gpu-decode worker (overflow guests of the interactive pool); 0 = 16 "
                                   "when it runs on the CPU, no cap on CUDA")
-    heartbeat_interval: float = _env("TANDEM_HEARTBEAT_INTERVAL", 2.0, "seconds between heartbeats")
+    max_waiting: int = _env("TANDEM_MAX_WAITING", 256, "requests queued in one engine at most; more get "
+                            "'overloaded' (429 at the gateway)")
+    step_deadline_s: float = _env("TANDEM_STEP_DEADLINE_S", 30.0, "an engine step running longer than this "
+                                  "marks the worker not ready (a hung engine gets no work; its requests resume elsewhere)")
+    heartbeat_interval: float = _env("TANDEM_HEARTBEAT_INTERVAL", 1.0, "seconds between heartbeats (a worker "
+                                     "silent for 3 of them is taken for gone)")
     metrics_port: int = _env("TANDEM_METRICS_PORT", 0, "Prometheus /metrics HTTP port of a worker or "
                              "router (the gateway uses its own port); 0 = a free one (in heartbeats), -1 = off")
     metrics_host: str = _env("TANDEM_METRICS_HOST", "127.0.0.1", "bind address of that /metrics server")
@@ -114,6 +119,8 @@ class WorkerSettings:
             raise ValueError("TANDEM_KV_BLOCKS is 0, so TANDEM_KV_BUDGET_MB must be > 0")
         if self.heartbeat_interval <= 0:
             raise ValueError("TANDEM_HEARTBEAT_INTERVAL must be > 0")
+        if self.max_waiting < 1 or self.step_deadline_s <= 0:
+            raise ValueError("TANDEM_MAX_WAITING must be >= 1 and TANDEM_STEP_DEADLINE_S > 0")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError("TANDEM_METRICS_PORT must be -1 (off), 0 (a free port) or a port")
 
@@ -146,7 +153,8 @@ class RouterSettings:
     def validate(self) -> None:
         if self.policy not in ("sla", "fifo", "round-robin"):
             raise ValueError(f"TANDEM_ROUTER_POLICY must be sla, fifo or round-robin, got {self.policy!r}")
-        for t in ("interactive", "standard", "batch"):
+        from shared.tier import TIERS
+        for t in TIERS:
             if self.queue_limit(t) < 1:
                 raise ValueError(f"TANDEM_QUEUE_{t.upper()} must be >= 1")
         if not 0 <= self.pressure_free < 1:
@@ -200,7 +208,10 @@ class PoolSettings:
                       "chunk codec: shuffle-zstd (lossless) or int8-zstd (lossy, opt-in)")
     chunk_tokens: int = _env("TANDEM_POOL_CHUNK_TOKENS", 256, "tokens per pool chunk (a multiple of the block size)")
     tenant: str = _env("TANDEM_POOL_TENANT", "", "tenant salt: tenants never share pool entries")
-    timeout: float = _env("TANDEM_POOL_TIMEOUT", 10.0, "seconds a worker waits for the pool before computing")
+    timeout: float = _env("TANDEM_POOL_TIMEOUT", 2.0, "seconds a worker waits, at most, for the pool to deliver "
+                          "a prompt's cached prefix before it computes the prompt instead")
+    backoff_s: float = _env("TANDEM_POOL_BACKOFF_S", 5.0, "after the pool failed or was too slow, seconds during "
+                            "which workers compute prompts without asking it")
 
     def validate(self) -> None:
         from kvpool.codec import CODECS
@@ -208,8 +219,9 @@ class PoolSettings:
             raise ValueError(f"TANDEM_POOL_CODEC must be one of {', '.join(CODECS)}, got {self.codec!r}")
         if self.ram_mb < 0 or self.disk_gb < 0 or self.shared_gb < 0:
             raise ValueError("TANDEM_POOL_RAM_MB, TANDEM_POOL_DISK_GB and TANDEM_POOL_SHARED_GB must be >= 0")
-        if self.chunk_tokens < 1 or self.timeout <= 0:
-            raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1 and TANDEM_POOL_TIMEOUT > 0")
+        if self.chunk_tokens < 1 or self.timeout <= 0 or self.backoff_s < 0:
+            raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0 and "
+                             "TANDEM_POOL_BACKOFF_S >= 0")
 
     def pool_config(self):
         """The kvpool.pool.PoolConfig these settings describe."""
@@ -230,8 +242,13 @@ class GatewaySettings:
                                 "its requests default to: key1=interactive,key2=batch")
     default_tier: str = _env("TANDEM_DEFAULT_TIER", "standard",
                              "SLA tier when a request names none: interactive|standard|batch")
-    request_timeout: float = _env("TANDEM_REQUEST_TIMEOUT", 120.0,
-                                  "seconds without progress before the gateway gives up on a request")
+    liveness_check_s: float = _env("TANDEM_LIVENESS_CHECK_S", 0.5, "a stream quiet this long: the gateway asks "
+                                   "the request's worker whether it still holds it (a dead one is found in one "
+                                   "round trip and the request resumes elsewhere)")
+    resume_attempts: int = _env("TANDEM_RESUME_ATTEMPTS", 3, "times one request is resumed after losing its "
+                                "worker before the client gets an error")
+    resume_wait_s: float = _env("TANDEM_RESUME_WAIT_S", 30.0, "seconds a lost request waits for a worker that "
+                                "can take it over before the client gets an error")
     max_body_bytes: int = _env("TANDEM_MAX_BODY_BYTES", 32 << 20, "larger request bodies get 413")
     drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long")
 
@@ -246,13 +263,14 @@ class GatewaySettings:
         return s
 
     def validate(self) -> "GatewaySettings":
-        from shared.schemas import TIERS
+        from shared.tier import TIERS
         if not 0 < self.port <= 65535:
             raise ValueError(f"TANDEM_PORT must be in 1..65535, got {self.port}")
         if self.default_tier not in TIERS:
             raise ValueError(f"TANDEM_DEFAULT_TIER must be one of {', '.join(TIERS)}, got {self.default_tier!r}")
-        if self.request_timeout <= 0:
-            raise ValueError("TANDEM_REQUEST_TIMEOUT must be > 0")
+        if self.liveness_check_s <= 0 or self.resume_wait_s <= 0 or self.resume_attempts < 0:
+            raise ValueError("TANDEM_LIVENESS_CHECK_S and TANDEM_RESUME_WAIT_S must be > 0, "
+                             "TANDEM_RESUME_ATTEMPTS >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("TANDEM_MAX_BODY_BYTES must be >= 1024")
         if self.drain_s < 0:
@@ -262,7 +280,7 @@ class GatewaySettings:
 
     def key_tiers(self) -> dict[str, str]:
         """Accepted bearer tokens -> the default tier of their requests (empty: no auth)."""
-        from shared.schemas import TIERS
+        from shared.tier import TIERS
         keys = {self.api_key: self.default_tier} if self.api_key else {}
         for item in (self.api_keys or "").split(","):
             if not item.strip():

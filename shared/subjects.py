@@ -77,6 +77,18 @@ def worker_migrate(worker_id: str) -> str:
     return f"{PREFIX}.worker.{check_token(worker_id, 'worker_id')}.migrate"
 
 
+def worker_where(worker_id: str) -> str:
+    """Directed request to one engine worker: Where -> WhereReply. No responders: the worker is
+    gone (how a gateway learns, within a round trip, that a request's holder died)."""
+    return f"{PREFIX}.worker.{check_token(worker_id, 'worker_id')}.where"
+
+
+def gateway_alive(gateway_id: str) -> str:
+    """Directed request to one gateway copy: Ack while it runs. Workers ask it for the requests
+    it waits on; no responders: the gateway is gone, its requests are dropped."""
+    return f"{PREFIX}.gateway.{check_token(gateway_id, 'gateway_id')}.alive"
+
+
 def stream(request_id: str) -> str:
     """Token stream of one request (worker -> gateway): StreamChunk in seq order, or ErrorReply."""
     return f"{PREFIX}.stream.{check_token(request_id, 'request_id')}"

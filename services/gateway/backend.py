@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, runtime_checkable
 
-from shared.engine.sampling import TIER_PRIORITY, RequestOutput, SamplingParams
+from shared.engine.sampling import RequestOutput, SamplingParams
+from shared.tier import Tier
 
-TIERS: tuple[str, ...] = tuple(TIER_PRIORITY)  # "interactive" | "standard" | "batch"
 
 # Error codes a backend raises (BackendError.code) and the HTTP status the gateway answers with.
 OVERLOADED = "overloaded"                    # 429: admission control said no; retry later
@@ -126,11 +126,11 @@ class InProcessBackend:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         try:
-            priority = TIER_PRIORITY[req.tier]
-        except KeyError:
-            raise BackendError(INVALID_REQUEST, f"unknown tier {req.tier!r}", 400, "sla") from None
+            priority = Tier.parse(req.tier).priority
+        except ValueError as e:
+            raise BackendError(INVALID_REQUEST, str(e), 400, "sla") from None
         if req.session_id in self.session_tiers:  # one engine: a session's tier only raises priority
-            priority = min(priority, TIER_PRIORITY[self.session_tiers[req.session_id]])
+            priority = min(priority, Tier(self.session_tiers[req.session_id]).priority)
         self.running[req.request_id] = req.session_id
         try:
             stream = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, priority=priority)

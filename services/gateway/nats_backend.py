@@ -1,4 +1,5 @@
-"""The gateway's backend over the bus: router → prefill → decode, tokens back on a stream subject.
+"""The gateway's backend over the bus: router → prefill → decode, tokens back on a stream subject,
+and every request carried through the death of the worker that holds it.
 
 Per request (docs/architecture.md numbers these steps):
 1. subscribe to ``tandem.stream.<request_id>`` (before anything can be published there);
@@ -7,21 +8,42 @@ Per request (docs/architecture.md numbers these steps):
    worker's generate subject); the worker acks once its engine took the request;
 4. yield the StreamChunks in ``seq`` order (prefill sends seq 0, decode continues from 1);
 5. if the client goes away first, broadcast ``tandem.abort`` so every service drops it.
+
+Resuming (docs/reliability.md). The gateway keeps what a request needs to go on anywhere: the
+prompt, the tokens and characters the client has received, the next seq, and the sampling
+parameters with a seed (one is drawn here when the client gave none; draws are keyed by
+(seed, output index), so a resumed request draws what the lost worker would have). When a
+stream goes quiet for ``TANDEM_LIVENESS_CHECK_S`` the gateway asks the request's holder
+``Where`` it is (following hand-offs and migrations): *no responders* means the holder's process
+is gone (the NATS server drops a dead client's subscriptions at once); a holder that no longer
+has it, a stale heartbeat, a hung engine, a gap in the seqs that does not fill, or a worker's
+"unavailable" error mean the same. Then the request resumes: a new attempt is routed (the dead
+worker excluded) and continues from the next token the client has not seen, computing its KV
+from the prefix cache / KV pool where it can; chunks of older attempts are ignored and an
+``Abort(below_attempt=...)`` fences any copy still running. No worker able to take it within
+``TANDEM_RESUME_WAIT_S`` (or more than ``TANDEM_RESUME_ATTEMPTS`` losses) ends the stream with an
+OpenAI-shaped error, never a silently closed stream. While the gateway's own NATS connection is
+down it waits (outages of a few seconds are ridden out), then checks every request.
+
 Health comes from heartbeats: ready when a router and a decode worker are live.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import random
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from shared import subjects, tracing
+from shared import metrics, subjects, tracing
 from shared.bus import Bus, BusError, RemoteError
-from shared.engine.sampling import RequestOutput, TokenLogprob
-from shared.schemas import (Abort, ErrorReply, GenerateRequest, Heartbeat, PrefillRequest, RoutePlan,
-                            RouteRequest, SessionState, SessionUpdate, StreamChunk)
+from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
+from shared.schemas import (Abort, Ack, ErrorReply, GenerateRequest, Heartbeat, PrefillRequest, Resume, RoutePlan,
+                            RouteRequest, SessionState, SessionUpdate, StreamChunk, Where, WhereReply)
+from shared.settings import GatewaySettings
 from services.gateway.backend import BackendError, GenerationRequest
 
 log = logging.getLogger("tandem.gateway")
@@ -31,6 +53,10 @@ CODE_MAP = {  # bus error code -> (gateway code, HTTP status)
     "not_found": ("not_found", 404), "overloaded": ("overloaded", 429), "unavailable": ("no_workers", 503),
     "timeout": ("timeout", 504), "internal": ("internal_error", 500),
 }
+RESUMABLE = {"unavailable", "timeout"}   # a worker's stream error that another worker may not hit
+LIVENESS_FACTOR = 3.0    # a holder whose heartbeat is older than this many intervals is taken for gone
+GAP_S = 1.0              # a missing seq not filled for this long (chunks lost in a NATS outage): resume
+HOPS = 4                 # Where replies followed (prefill -> decode -> migration targets) per check
 
 
 def backend_error(code: str, message: str, retry_after: float = 0.0) -> BackendError:
@@ -38,16 +64,35 @@ def backend_error(code: str, message: str, retry_after: float = 0.0) -> BackendE
     return BackendError(gw_code, message, status, retry_after=retry_after)
 
 
+@dataclass
+class _Flight:
+    """One request on its way: what it takes to resume it anywhere."""
+    req: GenerationRequest
+    sampling: SamplingParams             # the request's, with a seed
+    attempt: int = 0                     # 0, then one more per resume
+    next_seq: int = 0                    # the next chunk the client gets
+    token_ids: list[int] = field(default_factory=list)   # tokens the client got
+    chars: int = 0                       # characters of text the client got
+    holder: str = ""                     # the worker believed to hold it (last chunk's, or dispatched to)
+    exclude: set[str] = field(default_factory=set)       # workers found dead for it
+    held: dict[int, StreamChunk] = field(default_factory=dict)  # chunks ahead of next_seq
+    gap_since: float | None = None       # when a chunk ahead of a missing seq arrived
+    suspect_since: float | None = None   # when the holder said it no longer has it (grace before resuming)
+    stalled_since: float | None = None   # when the holder reported a hung engine
+
+
 class NatsBackend:
     def __init__(self, bus: Bus, model_name: str, max_context: int, tokenizer,
-                 stall_timeout: float = 120.0):
+                 settings: GatewaySettings | None = None, gateway_id: str = "gateway"):
         self.bus = bus
         self.model_name = model_name
         self.max_context = max_context
         self.tokenizer = tokenizer
-        self.stall_timeout = stall_timeout   # no chunk for this long: the worker is gone
+        self.settings = settings or GatewaySettings()
+        self.gateway_id = subjects.check_token(gateway_id, "gateway_id")
         self.beats: dict[str, tuple[Heartbeat, float]] = {}
         self._watch_task: asyncio.Task | None = None
+        self.resumes = 0                 # requests resumed by this gateway (tests, logs)
 
     async def start(self) -> None:
         sub = await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
@@ -57,12 +102,17 @@ class NatsBackend:
                 self.beats[beat.worker_id] = (beat, time.monotonic())
 
         self._watch_task = asyncio.create_task(watch(), name="gateway-heartbeats")
+        await self.bus.serve(subjects.gateway_alive(self.gateway_id), self._alive, expected=Ack)
+
+    async def _alive(self, _: Ack) -> Ack:
+        """Workers ask whether the gateway their requests stream to still runs (their lease)."""
+        return Ack(worker=self.gateway_id)
 
     def health(self) -> tuple[bool, dict]:
         now = time.monotonic()
         roles: dict[str, list[str]] = {}
         for beat, seen in self.beats.values():
-            if beat.ready and now - seen <= 3 * beat.interval:
+            if beat.ready and now - seen <= LIVENESS_FACTOR * beat.interval:
                 roles.setdefault(beat.role, []).append(beat.worker_id)
         decode = roles.get(subjects.GPU_DECODE, []) + roles.get(subjects.CPU_DECODE, [])
         ready = bool(roles.get(subjects.ROUTER)) and bool(decode)
@@ -70,43 +120,20 @@ class NatsBackend:
                    for r in (subjects.ROUTER, subjects.PREFILL, subjects.GPU_DECODE, subjects.CPU_DECODE)}
         return ready, details
 
+    # ---- a request ------------------------------------------------------------------------
     async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         rid = req.request_id
-        stream_subject = subjects.stream(rid)
-        sub = await self.bus.subscribe(stream_subject)
+        sampling = req.sampling
+        if sampling.seed is None:  # a resumed request must draw what the lost worker would have
+            sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
+        st = _Flight(req, sampling)
+        sub = await self.bus.subscribe(subjects.stream(rid))
         finished = False
         try:
             with tracing.span("gateway.dispatch", tier=req.tier):  # parent of the router's and workers' spans
-                plan = await self._call(subjects.ROUTE, RouteRequest(
-                    request_id=rid, model=req.model, tier=req.tier, session_id=req.session_id,
-                    num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens,
-                    prompt_token_ids=req.prompt_token_ids), RoutePlan)
-                sampling = req.sampling.to_dict()
-                if plan.prefill_worker:  # the plan's tier: a session's may raise it, fifo flattens it
-                    await self._call(subjects.worker_prefill(plan.prefill_worker), PrefillRequest(
-                        request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=plan.tier,
-                        decode_worker=plan.decode_worker, decode_subject=subjects.worker_decode(plan.decode_worker),
-                        stream_subject=stream_subject, decode_data_host=plan.decode_data_host,
-                        decode_data_port=plan.decode_data_port, session_id=req.session_id))
-                else:
-                    await self._call(subjects.worker_generate(plan.decode_worker), GenerateRequest(
-                        request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=sampling, tier=plan.tier,
-                        stream_subject=stream_subject, session_id=req.session_id))
-            log.info("%s: %s", rid, plan.reason)
-            next_seq, held = 0, {}
+                await self._dispatch(st)
             while not finished:
-                try:
-                    msg = await sub.next(timeout=self.stall_timeout)
-                except BusError:
-                    raise BackendError("worker_lost", f"no progress for {self.stall_timeout:.0f}s", 502) from None
-                if isinstance(msg, ErrorReply):
-                    raise backend_error(msg.code, msg.message, msg.retry_after)
-                if not isinstance(msg, StreamChunk):
-                    continue
-                held[msg.seq] = msg
-                while next_seq in held:  # prefill and decode publish from different connections
-                    chunk = held.pop(next_seq)
-                    next_seq += 1
+                for chunk in await self._next_chunks(st, sub):
                     finished = chunk.finish_reason is not None
                     yield to_output(chunk)
                     if finished:
@@ -115,6 +142,155 @@ class NatsBackend:
             await sub.unsubscribe()
             if not finished:
                 await self.abort(rid)
+
+    async def _next_chunks(self, st: _Flight, sub) -> list[StreamChunk]:
+        """The next chunks in seq order (at least one); resumes the request when its holder is lost."""
+        check = self.settings.liveness_check_s
+        while True:
+            try:
+                msg = await sub.next(timeout=check)
+            except BusError:  # quiet for a while: is the holder still there?
+                await self._check(st)
+                continue
+            if isinstance(msg, ErrorReply):
+                if msg.attempt != st.attempt:
+                    continue  # a fenced attempt's last words
+                if msg.code in RESUMABLE:
+                    await self._resume(st, f"its worker failed: {msg.message}", st.holder)
+                    continue
+                raise backend_error(msg.code, msg.message, msg.retry_after)
+            if not isinstance(msg, StreamChunk) or msg.attempt != st.attempt or msg.seq < st.next_seq:
+                continue  # not a chunk, an older attempt's, or one already delivered
+            st.holder, st.suspect_since, st.stalled_since = msg.worker, None, None
+            st.held[msg.seq] = msg
+            ready = []
+            while st.next_seq in st.held:  # prefill and decode publish from different connections
+                chunk = st.held.pop(st.next_seq)
+                st.next_seq += 1
+                st.token_ids += chunk.token_ids
+                st.chars += len(chunk.text)
+                ready.append(chunk)
+                if chunk.finish_reason is not None:
+                    return ready
+            st.gap_since = None if not st.held else (st.gap_since or time.monotonic())
+            if ready:
+                return ready
+            if st.gap_since is not None and time.monotonic() - st.gap_since > GAP_S:
+                await self._resume(st, f"chunk {st.next_seq} never came (lost in a bus outage?)", "")
+
+    async def _check(self, st: _Flight) -> None:
+        """The stream is quiet: find the request's holder; resume when it is gone."""
+        if self.bus.connected_for() < self.settings.liveness_check_s:
+            return  # our own connection is down or just back: wait for it, then look
+        now = time.monotonic()
+        if st.gap_since is not None and now - st.gap_since > GAP_S:
+            await self._resume(st, f"chunk {st.next_seq} never came (lost in a bus outage?)", "")
+            return
+        worker = st.holder
+        for _ in range(HOPS):
+            try:
+                where = await self.bus.request(subjects.worker_where(worker), Where(request_id=st.req.request_id),
+                                               timeout=max(1.0, self.settings.liveness_check_s), expected=WhereReply)
+            except BusError as e:
+                if e.code == "unavailable":  # no responders: the process is gone
+                    await self._resume(st, f"worker {worker} is gone", worker)
+                elif self._stale(worker, now):
+                    await self._resume(st, f"worker {worker} stopped answering (no heartbeat)", worker)
+                return  # a slow answer from a live worker: it is busy, not gone
+            if where.holds and where.attempt == st.attempt:
+                if where.ready:
+                    st.suspect_since = st.stalled_since = None
+                    return
+                st.stalled_since = st.stalled_since or now  # its engine is stuck in a step
+                if now - st.stalled_since > self.settings.liveness_check_s:
+                    await self._resume(st, f"worker {worker}'s engine is not making progress", worker)
+                return
+            if where.handed_to and not where.holds:
+                worker = where.handed_to  # follow the hand-off / migration
+                continue
+            break
+        # nobody holds it: its last chunks may still be on the way; give them a moment
+        if st.suspect_since is None:
+            st.suspect_since = now
+        elif now - st.suspect_since >= self.settings.liveness_check_s:
+            await self._resume(st, f"no worker holds it any more (last seen on {worker})", "")
+
+    def _stale(self, worker: str, now: float) -> bool:
+        seen = self.beats.get(worker)
+        return seen is None or now - seen[1] > LIVENESS_FACTOR * seen[0].interval
+
+    async def _resume(self, st: _Flight, why: str, dead: str) -> None:
+        """Go on from the next token the client has not seen, on another worker (module doc)."""
+        rid = st.req.request_id
+        if st.attempt >= self.settings.resume_attempts:
+            raise BackendError("worker_lost", f"the request was lost {st.attempt + 1} times ({why}); giving up", 502)
+        st.attempt += 1
+        self.resumes += 1
+        metrics.RESUMES.labels("gateway").inc()
+        if dead:
+            st.exclude.add(dead)
+        st.held.clear()
+        st.gap_since = st.suspect_since = st.stalled_since = None
+        log.warning("%s: %s; resuming at token %d (seq %d, attempt %d)", rid, why, len(st.token_ids), st.next_seq,
+                    st.attempt)
+        try:  # fence whatever still runs of older attempts
+            await self.bus.publish(subjects.ABORT, Abort(request_id=rid, reason=f"resumed: {why}",
+                                                         below_attempt=st.attempt))
+        except Exception:
+            log.warning("%s: could not fence older attempts", rid, exc_info=True)
+        deadline = time.monotonic() + self.settings.resume_wait_s
+        while True:
+            try:
+                await self._dispatch(st)
+                return
+            except BackendError as e:
+                if e.code not in ("no_workers", "overloaded", "timeout") or time.monotonic() > deadline:
+                    raise BackendError("worker_lost", f"{why}; no worker could take the request over: {e.message}",
+                                       502) from None
+            await asyncio.sleep(min(1.0, self.settings.liveness_check_s * 2))
+
+    async def _dispatch(self, st: _Flight) -> None:
+        """Route the request (its current attempt) and hand it to the planned worker; a planned
+        worker that turns out to be gone is excluded and the request routed again."""
+        req = st.req
+        resume = None
+        if st.attempt:
+            resume = Resume(output_token_ids=list(st.token_ids), emitted_chars=st.chars, next_seq=st.next_seq,
+                            attempt=st.attempt)
+        for _ in range(3):
+            plan = await self._call(subjects.ROUTE, RouteRequest(
+                request_id=req.request_id, model=req.model, tier=req.tier, session_id=req.session_id,
+                num_prompt_tokens=len(req.prompt_token_ids) + len(st.token_ids), max_tokens=req.sampling.max_tokens,
+                prompt_token_ids=req.prompt_token_ids + st.token_ids, exclude=sorted(st.exclude),
+                attempt=st.attempt), RoutePlan)
+            target = plan.prefill_worker or plan.decode_worker
+            sampling = st.sampling.to_dict()
+            stream_subject = subjects.stream(req.request_id)
+            try:
+                if plan.prefill_worker:  # the plan's tier: a session's may raise it, fifo flattens it
+                    await self.bus.request(subjects.worker_prefill(plan.prefill_worker), PrefillRequest(
+                        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling,
+                        tier=plan.tier, decode_worker=plan.decode_worker,
+                        decode_subject=subjects.worker_decode(plan.decode_worker), stream_subject=stream_subject,
+                        decode_data_host=plan.decode_data_host, decode_data_port=plan.decode_data_port,
+                        session_id=req.session_id, resume=resume, origin=self.gateway_id))
+                else:
+                    await self.bus.request(subjects.worker_generate(plan.decode_worker), GenerateRequest(
+                        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling,
+                        tier=plan.tier, stream_subject=stream_subject, session_id=req.session_id, resume=resume,
+                        origin=self.gateway_id))
+            except RemoteError as e:
+                raise backend_error(e.code, e.message, e.retry_after) from None
+            except BusError as e:
+                if e.code != "unavailable":
+                    raise backend_error(e.code, str(e), e.retry_after) from None
+                log.info("%s: planned worker %s is gone; routing again", req.request_id, target)
+                st.exclude.add(target)
+                continue
+            st.holder = target
+            log.info("%s: %s%s", req.request_id, plan.reason, f" (attempt {st.attempt})" if st.attempt else "")
+            return
+        raise BackendError("no_workers", "every worker the router chose was gone", 503)
 
     async def update_session(self, session_id: str, tier: str) -> dict:
         """Set a session's tier (the router moves its running requests); the new state."""
@@ -130,11 +306,13 @@ class NatsBackend:
             raise backend_error(e.code, e.message, e.retry_after) from None
         except BusError as e:
             raise backend_error(e.code, str(e), e.retry_after) from None
+        except Exception as e:  # e.g. a flush timeout while the connection is down: still a clear 503
+            raise backend_error("unavailable", f"the bus is unavailable: {type(e).__name__}: {e}") from None
 
     async def abort(self, request_id: str) -> None:
         try:
             await self.bus.publish(subjects.ABORT, Abort(request_id=request_id, reason="client gone"))
-        except Exception:  # the bus is gone: the workers' stall timeouts will clean up
+        except Exception:  # the bus is gone: the workers' gateway leases will clean up
             log.warning("%s: could not broadcast abort", request_id, exc_info=True)
 
     async def close(self) -> None:
@@ -150,4 +328,5 @@ def to_output(c: StreamChunk) -> RequestOutput:
     return RequestOutput(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
                          finished=c.finish_reason is not None, finish_reason=c.finish_reason, logprobs=lps,
                          num_prompt_tokens=u.get("prompt_tokens", 0), num_cached_tokens=u.get("cached_tokens", 0),
-                         num_output_tokens=u.get("completion_tokens", 0))
+                         num_output_tokens=u.get("completion_tokens", 0), reused_tokens=c.reused_tokens,
+                         recomputed_tokens=c.recomputed_tokens)

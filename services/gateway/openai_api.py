@@ -1,7 +1,7 @@
 """OpenAI's wire format: request models and their validation, response and chunk shapes, SSE
 framing, and errors in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
-Pure functions and data; no I/O. ``app.py`` strings these together per request.
+Pure functions and data; no I/O. ``handlers.py`` and ``streaming.py`` string these together per request.
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.engine.sampling import RequestOutput, SamplingParams
+from shared.tier import TIERS
 
-from .backend import TIERS, BackendError, Tokenizer
+from .backend import BackendError, Tokenizer
 
 # ---- errors ---------------------------------------------------------------------------------
 
@@ -308,6 +310,10 @@ def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: bool, top_logp
 
 # ---- responses ------------------------------------------------------------------------------
 
+def json_response(obj: dict, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(content=orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
+
+
 def sse(obj: dict) -> bytes:
     """One server-sent event carrying a JSON object."""
     return b"data: " + orjson.dumps(obj) + b"\n\n"
@@ -348,8 +354,15 @@ class Accumulator:
     cached_tokens: int = 0
     engine_output_tokens: int = 0             # the engine's count (includes a stop token it dropped)
     first_token_at: float | None = None
+    resumes: int = 0                          # times the request went on elsewhere after losing its worker
+    reused_tokens: int = 0                    # ... tokens of KV those resumes found cached
+    recomputed_tokens: int = 0                # ... and computed again
 
     def add(self, out: RequestOutput) -> None:
+        if out.reused_tokens >= 0:
+            self.resumes += 1
+            self.reused_tokens += out.reused_tokens
+            self.recomputed_tokens += out.recomputed_tokens
         if out.token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.text.append(out.text)
@@ -366,12 +379,16 @@ class Accumulator:
         return max(self.engine_output_tokens, len(self.token_ids))
 
     def usage(self) -> dict:
-        return {
+        u = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.resumes:  # Tandem's extension: the request survived the loss of its worker
+            u["tandem"] = {"resumes": self.resumes, "reused_tokens": self.reused_tokens,
+                           "recomputed_tokens": self.recomputed_tokens}
+        return u
 
 
 class _Format:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,9 +28,14 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_context = engine.max_context
+        self.model_identity = engine.model_identity   # what the KV belongs to (pool keys, blobs)
+        self.layout = engine.layout
+        self.model_name = engine.model_config.name
+        self.device = str(engine.device)
         self._commands: queue.Queue[tuple[Callable[[], Any], asyncio.Future | None, asyncio.AbstractEventLoop | None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = engine.stats()
+        self.step_started: float | None = None   # monotonic time the running step began (None: between steps)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -57,6 +63,7 @@ class AsyncEngine:
             self._stats = self.engine.stats()
             if not self.engine.has_work():
                 continue
+            self.step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a failed step fails the requests in it, not the service
@@ -65,15 +72,27 @@ class AsyncEngine:
                     self.engine.abort(rid)
                     self._deliver(rid, e)
                 continue
+            finally:
+                self.step_started = None
             self._stats = self.engine.stats()
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_step(outputs)
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         entry = self._streams.get(rid)
         if entry is not None:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams with one wake-up per event loop, not one per
+        output (a step of 16 sequences would otherwise wake the loop 16 times)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -86,19 +105,27 @@ class AsyncEngine:
         """Load figures as of the last step (for heartbeats)."""
         return dict(self._stats, queued_commands=self._commands.qsize())
 
+    def stalled(self, limit: float) -> bool:
+        """A step has run for more than ``limit`` seconds (a hung engine: not ready for work)."""
+        started = self.step_started
+        return started is not None and time.monotonic() - started > limit
+
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      priority: int = 1, prefill_only: bool = False,
-                     prefix: tuple[list[int], bytes] | None = None) -> AsyncIterator[RequestOutput]:
+                     prefix: tuple[list[int], bytes] | None = None, resume_token_ids: list[int] | None = None,
+                     emitted_chars: int = 0) -> AsyncIterator[RequestOutput]:
         """Queue a request; once the engine has taken it, return the stream of its outputs.
         ``prefix``: (token ids, KV bytes) of a prefix from the KV pool, loaded into the prefix
-        cache in the same engine command, so the request reuses it. Raises ValueError (bad
-        input) here, before any output."""
+        cache in the same engine command, so the request reuses it. ``resume_token_ids`` /
+        ``emitted_chars``: continue a request that ran elsewhere (``Engine.add``). Raises
+        ValueError (bad input) or EngineFull here, before any output."""
         q = self._open(request_id)
 
         def add() -> None:
             if prefix is not None:
                 self.engine.load_prefix(*prefix)
-            self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only)
+            self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only,
+                            resume_token_ids=resume_token_ids, emitted_chars=emitted_chars)
 
         try:
             await self._call(add)
@@ -161,6 +188,21 @@ class AsyncEngine:
             return None
         return self._drain(request_id, q)
 
+    async def watch_chunks(self, seed: bytes, chunk_tokens: int,
+                           hook: Callable[[list[str], list[str]], None]) -> None:
+        """``Engine.watch_chunks``: ``hook(stored, evicted)`` runs on the engine thread after a
+        step that changed which pool chunks the prefix cache holds (hand results to a loop with
+        ``call_soon_threadsafe``)."""
+        await self._call(lambda: self.engine.watch_chunks(seed, chunk_tokens, hook))
+
+    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes], None]) -> None:
+        """``hook(token_ids, kv)`` on the engine thread when a request finishes, with its first
+        ``align``-multiple computed tokens and their KV (the KV pool's write-back)."""
+        def install() -> None:
+            self.engine.finished_kv_align = align
+            self.engine.finished_kv_hook = lambda rid, tokens, kv: hook(tokens, kv)
+        await self._call(install)
+
     async def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids))
 
@@ -196,6 +238,11 @@ class AsyncEngine:
         self._closed = True
         self._commands.put((lambda: None, None, None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

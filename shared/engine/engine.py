@@ -8,15 +8,13 @@
 from __future__ import annotations
 
 import logging
-import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
-import orjson
 import torch
 
 from shared.engine import sampler
-from shared.engine.kv_cache import KV_DTYPE, KV_LAYOUT_VERSION, BlockManager, ChunkEvents, KVLayout, block_hash
+from shared.engine.kv_cache import KV_DTYPE, BlockManager, ChunkEvents, KVBlobHeader, KVLayout, block_hash
 from shared.engine.loader import LoadedModel, release_freed_memory, load_model
 from shared.engine.model import AttnChunk, StepContext, Transformer
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
@@ -25,9 +23,6 @@ from shared.engine.sequence import Sequence, Status
 from shared.engine.tokenizer import decode_step
 
 log = logging.getLogger("tandem.engine")
-
-KV_MAGIC = b"TKV1"
-
 
 class EngineFull(RuntimeError):
     """The KV cache cannot take this sequence now (retry later or elsewhere)."""
@@ -41,20 +36,21 @@ class EngineConfig:
     kv_cache_bytes: int = 256 << 20     # KV budget; ignored when num_kv_blocks is set
     num_kv_blocks: int | None = None    # exact number of KV blocks (tests use tiny budgets)
     max_num_seqs: int = 64              # running sequences at most
-    max_num_batched_tokens: int = 512   # tokens per step (prefill chunk budget)
+    step_tokens: int = 512   # tokens per step (prefill chunk budget)
     max_context: int | None = None      # cap below the model's context length
     enable_prefix_caching: bool = True
     swap_bytes: int = 256 << 20         # host memory for preempted sequences' KV (0: recompute)
-    interactive_step_tokens: int = 64   # prefill tokens of worse tiers per step while interactive work runs
-    worse_step_tokens: int | None = None  # prefill tokens of worse tiers per step, always (None: no cap)
+    max_waiting: int = 256              # queued requests at most; more: EngineFull (the caller gets "overloaded")
+    shared_step_tokens: int = 64   # prefill tokens of worse tiers per step while interactive work runs
+    guest_step_tokens: int | None = None  # prefill tokens of worse tiers per step, always (None: no cap)
 
     def validate(self) -> "EngineConfig":
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.step_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and step_tokens must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (each decode needs a token)")
+        if self.step_tokens < self.max_num_seqs:
+            raise ValueError("step_tokens must be >= max_num_seqs (each decode needs a token)")
         return self
 
 
@@ -101,9 +97,9 @@ class Engine:
             self.model = Transformer(cfg, model.weights, self.device, ops, consume)
             self.kv = torch.zeros((num_blocks, *self.layout.block_shape), dtype=KV_DTYPE, device=self.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.kv, config.swap_bytes, config.interactive_step_tokens,
-                                   config.worse_step_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.step_tokens,
+                                   self.kv, config.swap_bytes, config.shared_step_tokens,
+                                   config.guest_step_tokens)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
         # Called (on the engine's thread) with (request_id, token_ids, kv bytes) when a request
@@ -131,10 +127,20 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            priority: int = 1, prefill_only: bool = False) -> None:
-        """Queue a request. Raises ValueError for bad input (nothing is queued then)."""
+            priority: int = 1, prefill_only: bool = False, resume_token_ids: list[int] | None = None,
+            emitted_chars: int = 0) -> None:
+        """Queue a request. Raises ValueError for bad input (nothing is queued then).
+
+        ``resume_token_ids``: continue a request that ran elsewhere (its worker was lost): the
+        output tokens its client has received, ``emitted_chars`` characters of their text. They
+        are computed like prompt tokens (cached blocks reused), and the next token is drawn as
+        output number ``len(resume_token_ids)`` of the request's seed — what the lost worker would
+        have drawn. Its first output says how many tokens were reused and recomputed."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineFull(f"{len(self.scheduler.waiting)} requests already wait in this engine "
+                             f"(TANDEM_MAX_WAITING={self.config.max_waiting})")
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -149,8 +155,28 @@ class Engine:
             raise ValueError(f"prompt of {n} tokens needs {self.layout.blocks_for(n + 1)} KV blocks; "
                              f"this engine has {self.blocks.num_blocks}")
         seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only)
+        if resume_token_ids:
+            self._resume(seq, resume_token_ids, emitted_chars)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _resume(self, seq: Sequence, outputs: list[int], emitted_chars: int) -> None:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in outputs):
+            raise ValueError(f"resumed output token ids must be in [0, {vocab})")
+        if seq.num_tokens + len(outputs) >= self.max_context:
+            raise ValueError(f"{seq.num_tokens} prompt + {len(outputs)} output tokens leave no room in "
+                             f"the context of {self.max_context} tokens")
+        if len(outputs) >= seq.params.max_tokens:
+            raise ValueError(f"{len(outputs)} output tokens already reach max_tokens={seq.params.max_tokens}")
+        for tok in outputs:  # the text state exactly as the first worker built it, token by token
+            seq.token_ids.append(tok)
+            self._detokenize(seq)
+        if not 0 <= emitted_chars <= len(seq.output_text):
+            raise ValueError(f"emitted_chars={emitted_chars} is outside the resumed text "
+                             f"({len(seq.output_text)} characters)")
+        seq.emitted_chars = emitted_chars
+        seq.resumed = True
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its last output says finish_reason "abort"."""
@@ -288,8 +314,13 @@ class Engine:
         seq.output_text += delta
 
     def _output(self, seq, ids, text, lps, finish) -> RequestOutput:
-        return RequestOutput(seq.request_id, ids, text, finish is not None, finish, lps,
-                             seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+        out = RequestOutput(seq.request_id, ids, text, finish is not None, finish, lps,
+                            seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+        if seq.resumed and seq.resume_reused is not None and not seq.resume_reported:
+            seq.resume_reported = True   # the first output of a resumed request says what it cost
+            out.reused_tokens = seq.resume_reused
+            out.recomputed_tokens = seq.num_tokens - 1 - seq.resume_reused
+        return out
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens of ``token_ids`` this engine's prefix cache holds now."""
@@ -364,10 +395,11 @@ class Engine:
     # ---- KV hand-off ------------------------------------------------------------------
     @torch.inference_mode()
     def export_kv(self, request_id: str, keep: bool = False) -> bytes:
-        """Serialise a parked (or decoding) sequence — KV, tokens, sampler and text state — and
-        remove it from this engine. ``import_kv`` on any engine with the same model continues it.
-        ``keep`` (a migration that may fail): only a decoding sequence; it stays here, parked with
-        its KV, until ``settle_export`` drops it or puts it back in the batch."""
+        """Serialise a parked (or decoding) sequence — KV, tokens, sampler and text state — as a
+        KV blob (``KVBlobHeader``) and remove it from this engine. ``import_kv`` on any engine with
+        the same model continues it. ``keep`` (a migration that may fail): only a decoding
+        sequence; it stays here, parked with its KV, until ``settle_export`` drops it or puts it
+        back in the batch."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no request {request_id!r} in this engine")
@@ -375,23 +407,20 @@ class Engine:
         if seq.status not in ok or seq.num_computed != seq.num_tokens - 1:
             raise ValueError(f"request {request_id!r} is not between decode steps (status {seq.status.value})")
         nb = self.layout.blocks_for(seq.num_computed)
-        kv = self.read_blocks(seq.block_table[:nb])
-        rng = seq.generator.get_state().numpy().tobytes()
-        header = orjson.dumps({
-            "layout": self.layout.to_dict(), "model": self.model_identity,
-            "request_id": request_id, "token_ids": seq.token_ids, "num_prompt_tokens": seq.num_prompt_tokens,
-            "num_computed": seq.num_computed, "num_cached_tokens": seq.num_cached_tokens,
-            "params": seq.params.to_dict(), "priority": seq.priority,
-            "detok": [seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars],
-            "rng_bytes": len(rng), "kv_blocks": nb,
-        })
+        header = KVBlobHeader(
+            layout=self.layout.to_dict(), model=self.model_identity, request_id=request_id,
+            token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+            num_computed=seq.num_computed, num_cached_tokens=seq.num_cached_tokens,
+            params=seq.params.to_dict(), priority=seq.priority, kv_blocks=nb,
+            detok=[seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars])
+        blob = header.pack(self.read_blocks(seq.block_table[:nb]))
         if keep:
             self.scheduler.remove(seq)
             seq.status = Status.PARKED
         else:
             self.seqs.pop(request_id)
             self._release(seq)
-        return b"".join([KV_MAGIC, struct.pack("<I", len(header)), header, rng, kv])
+        return blob
 
     def settle_export(self, request_id: str, moved: bool) -> bool:
         """End an ``export_kv(keep=True)``: ``moved`` drops the sequence (no output), else it
@@ -409,29 +438,28 @@ class Engine:
     @torch.inference_mode()
     def import_kv(self, request_id: str, blob: bytes | memoryview, priority: int | None = None) -> None:
         """Take over a sequence exported by ``export_kv`` and continue decoding it here."""
-        h, rng, kv_bytes = parse_kv_blob(blob)
-        if h["layout"] != self.layout.to_dict():
-            raise ValueError(f"KV layout {h['layout']} does not match this engine's {self.layout.to_dict()}")
-        if h["model"] != self.model_identity:
+        h, kv_bytes = KVBlobHeader.parse(blob)
+        if h.layout != self.layout.to_dict():
+            raise ValueError(f"KV layout {h.layout} does not match this engine's {self.layout.to_dict()}")
+        if h.model != self.model_identity:
             raise ValueError("KV was computed by a different model (identity mismatch)")
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        tokens = h["token_ids"]
+        tokens = h.token_ids
         if len(tokens) > self.max_context:
             raise ValueError(f"sequence of {len(tokens)} tokens exceeds this engine's context {self.max_context}")
-        nb = h["kv_blocks"]
-        seq = Sequence(request_id, tokens[:h["num_prompt_tokens"]], SamplingParams.from_dict(h["params"]),
-                       h["priority"] if priority is None else priority)
+        nb = h.kv_blocks
+        seq = Sequence(request_id, h.prompt_token_ids, SamplingParams.from_dict(h.params).validate(),
+                       h.priority if priority is None else priority)
         seq.token_ids = list(tokens)
-        seq.generator.set_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
-        seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars = h["detok"]
-        seq.num_cached_tokens = h["num_cached_tokens"]
+        seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars = h.detok
+        seq.num_cached_tokens = h.num_cached_tokens
         got = self.blocks.allocate(nb)
         if got is None:
             raise EngineFull(f"needs {nb} KV blocks, {self.blocks.num_free} free")
         data = torch.frombuffer(bytearray(kv_bytes), dtype=torch.uint8).view(KV_DTYPE)
         self.kv[torch.tensor(got, device=self.device)] = data.view(nb, *self.layout.block_shape).to(self.device)
-        seq.block_table, seq.num_computed = got, h["num_computed"]
+        seq.block_table, seq.num_computed = got, h.num_computed
         bs = self.layout.block_size
         parent = None
         for i in range(seq.num_computed // bs):
@@ -439,26 +467,6 @@ class Engine:
             seq.block_hashes.append(parent)
         self.seqs[request_id] = seq
         self.scheduler.add_running(seq)
-
-
-def parse_kv_blob(blob: bytes | memoryview) -> tuple[dict, bytes, memoryview]:
-    """Split an exported KV blob into (header, rng state, KV bytes); ValueError if malformed."""
-    mv = memoryview(blob)
-    if len(mv) < 8 or bytes(mv[:4]) != KV_MAGIC:
-        raise ValueError("not a Tandem KV blob (bad magic)")
-    (hlen,) = struct.unpack("<I", mv[4:8])
-    try:
-        h = orjson.loads(mv[8:8 + hlen])
-    except orjson.JSONDecodeError as e:
-        raise ValueError(f"corrupt KV blob header: {e}") from None
-    if h.get("layout", {}).get("version") != KV_LAYOUT_VERSION:
-        raise ValueError(f"unsupported KV layout version {h.get('layout', {}).get('version')}")
-    rng_end = 8 + hlen + h["rng_bytes"]
-    block_bytes = KVLayout(**{k: h["layout"][k] for k in ("n_layers", "n_kv_heads", "head_dim",
-                                                           "block_size")}).block_bytes
-    if len(mv) != rng_end + h["kv_blocks"] * block_bytes:
-        raise ValueError(f"KV blob is {len(mv)} bytes, header says {rng_end + h['kv_blocks'] * block_bytes}")
-    return h, bytes(mv[8 + hlen:rng_end]), mv[rng_end:]
 
 
 def _stop_holdback(text: str, stops: list[str]) -> int:

@@ -21,10 +21,12 @@ keyed like ``kvpool.keys.chunk_keys``): which chunks it holds whole, and which i
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
+import orjson
 import torch
 
 from kvpool.keys import next_chunk_key
@@ -61,6 +63,80 @@ class KVLayout:
     def to_dict(self) -> dict:
         return {"version": KV_LAYOUT_VERSION, "n_layers": self.n_layers, "n_kv_heads": self.n_kv_heads,
                 "head_dim": self.head_dim, "block_size": self.block_size, "dtype": "float16"}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVLayout":
+        """The layout ``to_dict`` described; ValueError for another version or dtype."""
+        if d.get("version") != KV_LAYOUT_VERSION or d.get("dtype") != "float16":
+            raise ValueError(f"unsupported KV layout {d!r} (this build reads version {KV_LAYOUT_VERSION}, float16)")
+        try:
+            return cls(int(d["n_layers"]), int(d["n_kv_heads"]), int(d["head_dim"]), int(d["block_size"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad KV layout {d!r}: {e}") from None
+
+
+# ---- a sequence's KV as one blob (hand-off, migration, resume) -----------------------------
+
+KV_BLOB_MAGIC = b"TKVB"        # a KV blob; the data plane's frames have their own magic
+KV_BLOB_VERSION = 2            # 1: the untyped header with torch RNG bytes (before position-keyed sampling)
+_BLOB_PREFIX = struct.Struct("<4sHI")   # magic, version, header length
+
+
+@dataclass
+class KVBlobHeader:
+    """Everything an engine needs to continue a sequence somewhere else, besides its KV bytes.
+
+    Blob = ``magic "TKVB" | u16 version | u32 header length | header (JSON) | KV``, the KV being
+    the sequence's first ``kv_blocks`` blocks in ``layout`` (``read_blocks`` order). The sampler
+    keeps no hidden state: seeded draws are keyed by (seed, output index) (``sampler.draw``), so
+    the seed and the tokens so far rebuild it exactly; grammar state is rebuilt by replaying the
+    output tokens into a fresh matcher."""
+    layout: dict                 # KVLayout.to_dict() of the KV that follows
+    model: str                   # model identity (loader): KV of another model is refused
+    request_id: str
+    token_ids: list[int]         # prompt + output so far
+    num_prompt_tokens: int
+    num_computed: int            # tokens whose KV follows (the newest token is computed by the next step)
+    num_cached_tokens: int       # prompt tokens the request reused from a cache (usage.cached_tokens)
+    params: dict                 # SamplingParams.to_dict(), seed included
+    priority: int                # scheduler priority (lower first)
+    kv_blocks: int               # blocks of KV after the header
+    detok: list = field(default_factory=list)  # [prefix_offset, read_offset, output_text, emitted_chars]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def pack(self, kv) -> bytes:
+        """The blob: this header followed by ``kv`` (bytes-like, ``kv_blocks`` blocks)."""
+        header = orjson.dumps(asdict(self))
+        return b"".join([_BLOB_PREFIX.pack(KV_BLOB_MAGIC, KV_BLOB_VERSION, len(header)), header, kv])
+
+    @classmethod
+    def parse(cls, blob) -> tuple["KVBlobHeader", memoryview]:
+        """(header, KV bytes) of a blob; ValueError naming what is wrong (magic, version, size)."""
+        mv = memoryview(blob).cast("B")
+        if mv.nbytes < _BLOB_PREFIX.size:
+            raise ValueError(f"KV blob of {mv.nbytes} bytes is shorter than its prefix")
+        magic, version, hlen = _BLOB_PREFIX.unpack(mv[:_BLOB_PREFIX.size])
+        if magic != KV_BLOB_MAGIC:
+            raise ValueError(f"not a Tandem KV blob (magic {bytes(magic)!r})")
+        if version != KV_BLOB_VERSION:
+            raise ValueError(f"KV blob version {version} not supported (this build reads {KV_BLOB_VERSION})")
+        end = _BLOB_PREFIX.size + hlen
+        try:
+            d = orjson.loads(mv[_BLOB_PREFIX.size:end])
+            h = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        except (orjson.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"corrupt KV blob header: {e}") from None
+        want = end + h.kv_blocks * KVLayout.from_dict(h.layout).block_bytes
+        if mv.nbytes != want:
+            raise ValueError(f"KV blob is {mv.nbytes} bytes, its header says {want}")
+        return h, mv[end:]
 
 
 def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:

@@ -1,12 +1,16 @@
 """Token selection: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
 
-Each sequence is processed on its own row with its own torch.Generator, so a seeded request
-draws the same tokens whatever it is batched with. Logprobs are those of the model's raw
-distribution (before penalties and temperature), as vLLM reports by default.
+Each sequence is processed on its own row. Random draws are **position-keyed**: the uniform
+number behind output token ``i`` comes from a counter-based generator (Philox) keyed by the
+request's seed with counter ``i`` (``draw``), so it does not depend on what ran before in
+this process — a request moved to another worker, or resumed after its worker died, draws
+exactly what it would have drawn where it started, and whatever it is batched with. Logprobs
+are those of the model's raw distribution (before penalties and temperature), as vLLM reports.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from shared.engine.sampling import TokenLogprob
@@ -45,6 +49,26 @@ def _filter(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return row
 
 
+_SEED_MASK = (1 << 64) - 1
+
+
+def uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) of draw ``index`` of a request seeded ``seed`` (Philox-4x64
+    keyed by the seed, counter = index): the same on every machine and in every process."""
+    return float(np.random.Generator(np.random.Philox(key=seed & _SEED_MASK, counter=index)).random())
+
+
+def draw(probs: torch.Tensor, seed: int, index: int) -> int:
+    """Sample a token from ``probs`` [vocab] (need not sum exactly to 1) by inverse CDF with the
+    ``uniform(seed, index)`` number. A token of probability 0 is never drawn."""
+    p = probs.double().numpy() if probs.device.type == "cpu" else probs.double().cpu().numpy()
+    cdf = np.cumsum(p)
+    tok = int(np.searchsorted(cdf, uniform(seed, index) * cdf[-1], side="right"))
+    if tok >= len(p) or p[tok] <= 0:  # u * total rounded up to the total: the last possible token
+        tok = int(np.flatnonzero(p > 0)[-1])
+    return tok
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """One next token per row of ``logits`` [S, vocab] (float32), for ``seqs`` in row order."""
     tokens: list[int] = []
@@ -57,8 +81,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         if p.greedy:  # numpy's argmax on a CPU row: ~3 us for 49k logits, torch's ~44 us (1 thread)
             tok = int(row.numpy().argmax()) if row.device.type == "cpu" else int(torch.argmax(row))
         else:
-            probs = _filter(row, seq).softmax(-1).cpu()
-            tok = int(torch.multinomial(probs, 1, generator=seq.generator))
+            probs = _filter(row, seq).softmax(-1)
+            tok = draw(probs, seq.seed, seq.num_output_tokens)
         lp = None
         if p.logprobs or p.top_logprobs:
             logp = raw.float().log_softmax(-1)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-# SLA tier -> scheduling priority (lower runs first, is preempted last)
-TIER_PRIORITY = {"interactive": 0, "standard": 1, "batch": 2}
 
 
 @dataclass
@@ -99,3 +97,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0           # prompt tokens whose KV was reused, not computed
     num_output_tokens: int = 0           # generated so far, in total
+    reused_tokens: int = -1              # first output of a resumed request: tokens of KV found cached
+    recomputed_tokens: int = 0           # ... and computed again (-1 above: not a resume)

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.kv_cache import BlockManager
-from shared.engine.sampling import TIER_PRIORITY
+from shared.tier import Tier
 from shared.engine.sequence import Sequence, Status
 
-BATCH_PRIORITY = TIER_PRIORITY["batch"]
-INTERACTIVE_PRIORITY = TIER_PRIORITY["interactive"]
+BATCH_PRIORITY = Tier.BATCH.priority
+INTERACTIVE_PRIORITY = Tier.INTERACTIVE.priority
 
 
 @dataclass
@@ -35,21 +35,21 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 kv: torch.Tensor, swap_bytes: int, interactive_step_tokens: int | None = None,
-                 worse_step_tokens: int | None = None):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, step_tokens: int,
+                 kv: torch.Tensor, swap_bytes: int, shared_step_tokens: int | None = None,
+                 guest_step_tokens: int | None = None):
         self.blocks = blocks
         self.kv = kv                    # the engine's KV tensor (kv_cache.py layout)
         self.swap_bytes = swap_bytes    # host memory for preempted sequences' KV
         self.swap_used = 0
         self.max_num_seqs = max_num_seqs
-        self.max_tokens = max_num_batched_tokens
+        self.max_tokens = step_tokens
         # while interactive work is in the engine, worse tiers' prefill gets at most this many
         # tokens of a step, so that the step (the interactive TTFT and TPOT) stays short
-        self.shared_step_tokens = max_num_batched_tokens if interactive_step_tokens is None else interactive_step_tokens
+        self.shared_step_tokens = step_tokens if shared_step_tokens is None else shared_step_tokens
         # worse tiers' prefill per step at any time: guests on a latency worker run in small slices,
         # so an interactive arrival waits at most one short step
-        self.worse_step_tokens = max_num_batched_tokens if worse_step_tokens is None else worse_step_tokens
+        self.guest_step_tokens = step_tokens if guest_step_tokens is None else guest_step_tokens
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -107,7 +107,7 @@ class Scheduler:
         prefill chunks of running and waiting sequences in tier order, so a better tier's
         prompt is never held back behind a worse tier's long prefill; while interactive work is
         in the engine, worse tiers' prefill shares at most ``shared_step_tokens`` of the step (and
-        ``worse_step_tokens`` at any time)."""
+        ``guest_step_tokens`` at any time)."""
         budget = self.max_tokens
         out: list[ScheduledChunk] = []
         # Every sequence slot taken and a better tier waiting: the worst running sequence makes
@@ -125,7 +125,7 @@ class Scheduler:
         admitting = True  # waiting sequences are admitted in queue order until one does not fit
         queue = sorted(prefills + self.waiting, key=Sequence.sort_key)
         interactive = any(s.priority == INTERACTIVE_PRIORITY for s in running + queue)
-        worse_left = min(self.shared_step_tokens if interactive else budget, self.worse_step_tokens)
+        worse_left = min(self.shared_step_tokens if interactive else budget, self.guest_step_tokens)
         for seq in queue:
             allowed = budget if seq.priority == INTERACTIVE_PRIORITY else min(budget, worse_left)
             if allowed == 0:
@@ -173,6 +173,8 @@ class Scheduler:
             seq.num_computed = len(cached) * self.blocks.block_size
             if seq.num_cached_tokens == 0 and seq.num_output_tokens == 0:
                 seq.num_cached_tokens = seq.num_computed
+            if seq.resumed and seq.resume_reused is None:
+                seq.resume_reused = seq.num_computed
         n = min(seq.num_tokens - seq.num_computed, budget)
         lower = lambda s, me=seq: s.priority > me.priority  # noqa: E731
         if not self._grow(seq, seq.num_computed + n, lower):

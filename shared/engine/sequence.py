@@ -7,6 +7,7 @@ asked only for prefill and waits for its KV to be exported to a decode worker.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import random
@@ -42,9 +43,14 @@ class Sequence:
         self.num_cached_tokens = 0            # prompt tokens reused from the prefix cache
         self.swapped: torch.Tensor | None = None  # KV blocks held in host memory while preempted
         self.finish_reason: str | None = None
-        # sampling state
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.resumed = False                  # continues a request that ran elsewhere (Engine.add)
+        self.resume_reused: int | None = None  # ... tokens of its KV found cached when it started
+        self.resume_reported = False
+        # sampling state: draws are keyed by (seed, output index) (sampler.draw); an unseeded
+        # request gets a random seed here, kept in its params so an export carries it
+        if params.seed is None:
+            self.params = params = dataclasses.replace(params, seed=random.getrandbits(63))
+        self.seed = params.seed
         # detokenization state: offsets into token_ids (see Detok in engine.py)
         self.prefix_offset = max(0, self.num_prompt_tokens - 6)
         self.read_offset = self.num_prompt_tokens

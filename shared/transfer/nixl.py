@@ -30,7 +30,8 @@ import uuid
 
 import numpy as np
 
-from shared.transfer.base import PathUnavailable, TransferError
+from shared.transfer.base import ChecksumError, PathUnavailable, TransferError
+from shared.transfer.frames import check_digest, digest_of, recv_bytes
 
 log = logging.getLogger(__name__)
 
@@ -145,3 +146,33 @@ class NixlEndpoint:
                     log.error("NIXL READ of %s could not be cancelled (%s): its buffer is kept", transfer_id, e)
                     raise TransferError(f"NIXL READ stuck: {e}", transfer_id) from None
             agent.deregister_memory(reg)
+
+
+async def read(rx, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, digest: bytes):
+    """RDMA payload: READ the sender's registered memory into a pooled buffer, verify it."""
+    if nbytes > MAX_OFFER_BYTES:
+        raise TransferError(f"NIXL offer of {nbytes} bytes", tid)
+    offer = await recv_bytes(loop, conn, tid, nbytes, rx.timeout)
+    rx.nixl.agent()  # PathUnavailable (no NIXL here) before taking a buffer: retry elsewhere
+    try:
+        async with asyncio.timeout(rx.timeout):
+            buf = await rx.pool.acquire(raw_n)
+    except TimeoutError:
+        raise TransferError(f"no receive buffer free within {rx.timeout}s", tid) from None
+    view = memoryview(buf)[:raw_n]
+    try:
+        await rx.nixl.pull(offer, view, rx.timeout, tid)
+    except TransferError:
+        if any(v is view for v in rx.nixl.stuck):
+            rx.pool.release(buf, reuse=False)  # RDMA may still write into it
+        else:
+            rx.give_back(view, buf)
+        raise
+    got = await loop.run_in_executor(rx.io, digest_of, algo, view)
+    try:
+        check_digest(tid, algo, got, digest)
+    except ChecksumError:
+        rx.give_back(view, buf)
+        raise
+    return view, got, lambda reuse, b=buf: rx.pool.release(b, reuse)
+

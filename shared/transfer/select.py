@@ -27,7 +27,9 @@ from shared.transfer import link as links
 from shared.transfer import nixl
 from shared.transfer.base import KVSender, KVTransport, PeerUnavailable, SendResult, TransferError
 from shared.transfer.shm import available as shm_available
-from shared.transfer.tcp import MiB, TcpKVReceiver, TcpKVSender, TcpTransport, _compress
+from shared.transfer.frames import MiB
+from shared.transfer.tcp import TcpKVReceiver, TcpKVSender, TcpTransport
+from shared.transfer.zstd import compress
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ def codec_gbps() -> float:
     if _codec_gbps is None:
         sample = np.random.default_rng(0).normal(0, 1, 2 * MiB).astype(np.float16)
         t0 = time.perf_counter()
-        _compress(memoryview(sample.tobytes()))
+        compress(memoryview(sample.tobytes()))
         _codec_gbps = sample.nbytes * 8 / 1e9 / (time.perf_counter() - t0)
     return _codec_gbps
 

@@ -1,39 +1,16 @@
-"""Data plane frames: KV payloads over TCP, or named by a TCP frame (shm, NIXL).
+"""The TCP data plane: a sender that frames payloads (``frames.py``) over one connection per
+transfer, and a receiver that accepts frames and keeps verified payloads until ``take()``.
 
-A frame's payload moves in this sender's / receiver's worker threads with blocking
-``sock.sendall`` / ``sock.recv_into`` of ``SEGMENT``-sized slices, straight from the caller's
-buffer into a pooled receive buffer; a second thread hashes the payload in ``HASH_UNIT`` pieces
-a step behind the bytes sent / landed (xxh3-128 by default: ~18 GB/s on one core; it holds the
-GIL, the socket calls release it, so hashing overlaps the copy on another core — payloads of
-at most two units are hashed inline). Headers and verdicts stay on the event loop
-(``loop.sock_recv_into``); a numeric host is dialled without a resolver thread. Wire format, per frame (a connection may carry several
-in sequence)::
-
-    header  !4sBBHQ32s  magic b"TKV1", version 1, checksum algo (1 blake3, 2 crc32, 3 xxh3-128),
-                        len(transfer_id), nbytes, digest (zero-padded to 32 bytes)
-            transfer_id utf-8
-    payload nbytes
-    reply   !BH status, len(message), then the message (receiver -> sender, after verifying)
-
-Version 2 frames add ``!BQ flags, raw bytes`` after the transfer id (the digest is always that
-of the raw payload, so it is verified after any decoding):
-- ``F_ZSTD``: the payload on the wire is zstd-compressed (the link is slower than the codec);
-- ``F_SHM``: the payload is the name of a file in /dev/shm holding the raw bytes (same host:
-  the receiver maps it, unlinks it and verifies it — one copy instead of a socket's two);
-- ``F_HELLO``: the payload is the sender's host identity (machine-id:boot-id); the reply's
-  message is the receiver's (``shared/transfer/link.py`` detects same-host peers with it);
-- ``F_PROBE``: ``nbytes`` of filler the receiver reads and drops (a timed link probe).
-- ``F_NIXL``: the payload is an offer (``nixl.OFFER`` address, length, then the sender agent's
-  NIXL metadata): the receiver READs the sender's registered memory (``shared/transfer/nixl.py``).
-
-Version 3 frames are version 2 frames of a plain payload (flags 0) whose header digest is zero:
-the digest follows the payload (32 bytes), so the sender hashes while sending.
+The sender's ``mode`` picks the path: "tcp" (raw; hashed while it is sent, the digest follows),
+"tcp+zstd" (``zstd.py``), "shm" (``shm.py``: same host, the frame names a /dev/shm file) or
+"rdma" (``nixl.py``: the frame carries an offer the receiver READs). The receiver reads plain
+payloads itself and hands each other flag to its path's reader.
 
 Flow control: the receiver takes a buffer from a bounded ``BufferPool`` before reading a
-payload; while none is free it stops reading, TCP's window fills and the sender's
-``sendall`` waits — no unbounded buffering anywhere. Every read and write has a stall
-timeout; a short read, stall, or checksum mismatch fails the transfer (TransferError) on both
-sides, and the buffer goes back to the pool — a partial KV is never handed out.
+payload; while none is free it stops reading, TCP's window fills and the sender's ``sendall``
+waits — no unbounded buffering anywhere. Every read and write has a stall timeout; a short
+read, stall, or checksum mismatch fails the transfer (TransferError) on both sides, and the
+buffer goes back to the pool — a partial KV is never handed out.
 
 Receiver life cycle per transfer: PENDING -> TRANSFERRING -> SUCCESS (until take()) | FAILED.
 Unclaimed payloads are dropped after ``unclaimed_ttl`` seconds (logged).
@@ -44,320 +21,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import struct
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import zstandard
-
-try:
-    import blake3 as _blake3
-except ImportError:  # pragma: no cover
-    _blake3 = None
-
+from shared.transfer import nixl, shm, zstd
 from shared.transfer.base import (
     ChecksumError, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, PathUnavailable,
     PeerUnavailable, SendResult, TransferError, TransferState, default_checksum,
 )
+from shared.transfer.frames import (
+    ALGO_NAMES, ALGOS, BAD_HEADER, CHECKSUM, DISCARDED, DUPLICATE, EXTRA, F_HELLO, F_NIXL, F_PROBE, F_SHM,
+    F_ZSTD, FAILED, HEADER, MAGIC, MAX_ID_BYTES, MAX_IO_THREADS, MODES, OK, REPLY, SEGMENT, TOO_LARGE, VERSION,
+    BufferPool, MiB, blocking_exchange, blocking_recv, check_digest, in_thread, ip_literal, parse_checksum, recv_exact, tune,
+)
 from shared.transfer.link import host_identity
-from shared.transfer.nixl import MAX_OFFER_BYTES, NixlEndpoint
-from shared.transfer.shm import shm_map, shm_unlink, shm_write
+from shared.transfer.nixl import NixlEndpoint
+from shared.transfer.shm import shm_unlink, shm_write
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"TKV1"
-VERSION = 1
-HEADER = struct.Struct("!4sBBHQ32s")
-EXTRA = struct.Struct("!BQ")           # version 2: flags, raw payload bytes
-F_ZSTD, F_SHM, F_HELLO, F_PROBE, F_NIXL = 1, 2, 4, 8, 16
-MODES = ("tcp", "tcp+zstd", "shm", "rdma")  # how send() moves a payload
-REPLY = struct.Struct("!BH")
-ALGOS = {"blake3": 1, "crc32": 2, "xxh3": 3}
-ALGO_NAMES = {v: k for k, v in ALGOS.items()}
-MAX_ID_BYTES = 256
-
-# reply status codes
-OK, BAD_HEADER, TOO_LARGE, DUPLICATE, CHECKSUM, FAILED, DISCARDED = range(7)
-_STATUS_TEXT = {OK: "ok", BAD_HEADER: "bad header", TOO_LARGE: "too large", DUPLICATE: "duplicate id",
-                CHECKSUM: "checksum mismatch", FAILED: "failed", DISCARDED: "discarded by receiver"}
-
-MiB = 1 << 20
-SEGMENT = 4 * MiB      # socket I/O unit; each is hashed right before it is sent / after it lands
-MAX_IO_THREADS = 64    # per sender / receiver: transfers moving bytes at once
-HASH_UNIT = 1 * MiB    # hashed per GIL hold (~50 us with xxh3) while the socket thread waits on I/O
-
-
-def parse_checksum(value: str) -> tuple[str, bytes]:
-    """"blake3:<hex>" -> ("blake3", digest bytes); ValueError naming the problem."""
-    algo, _, hexd = value.partition(":")
-    if algo not in ALGOS or not hexd:
-        raise ValueError(f"bad checksum {value!r}: expected '<xxh3|blake3|crc32>:<hex>'")
-    digest = bytes.fromhex(hexd)
-    if len(digest) > 32:
-        raise ValueError(f"bad checksum {value!r}: digest longer than 32 bytes")
-    return algo, digest
-
-
-def _compress(view: memoryview) -> bytes:
-    return zstandard.ZstdCompressor(level=1, threads=2 if view.nbytes > MiB else 0).compress(view)
-
-
-def _decompress(wire, raw_n: int) -> bytearray:
-    out = zstandard.ZstdDecompressor().decompress(wire, max_output_size=raw_n)
-    if len(out) != raw_n:
-        raise zstandard.ZstdError(f"decompressed to {len(out)} bytes, header says {raw_n}")
-    return bytearray(out)
-
-
-def _digest(algo: str, data) -> bytes:
-    if algo == "blake3" and _blake3 is not None:  # one-shot: every core
-        return _blake3.blake3(data, max_threads=_blake3.blake3.AUTO).digest()
-    h = Hasher(algo)
-    h.update(data)
-    return h.digest()
-
-
-def _check_digest(tid: str, algo: str, got: bytes, digest: bytes) -> None:
-    if got != digest[:len(got)] or any(digest[len(got):]):
-        raise ChecksumError(f"checksum mismatch: got {algo}:{got.hex()}, "
-                            f"header says {algo}:{digest[:len(got)].hex()}", tid)
-
-
-# -- buffers -----------------------------------------------------------------------------------
-
-def size_class(n: int, min_block: int = 64 * 1024) -> int:
-    """Round up to a quarter-power-of-two step (waste <= 25%), at least ``min_block``."""
-    if n <= min_block:
-        return min_block
-    top = 1 << (n - 1).bit_length()          # next power of two >= n
-    step = top // 8                           # classes: top/2 * (1, 1.25, 1.5, 1.75, 2)
-    return -(-n // step) * step
-
-
-class BufferPool:
-    """Reused receive buffers, at most ``max_bytes`` allocated in total (free + in use).
-
-    ``acquire`` waits while the budget is spent (that wait is the backpressure); free buffers
-    of other sizes are dropped first to make room.
-    """
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes                       # budget for all buffers together
-        self._free: dict[int, list[bytearray]] = {}      # size class -> free buffers
-        self._allocated = 0                              # bytes of every live buffer
-        self._changed = asyncio.Event()                  # set on release
-
-    @property
-    def allocated(self) -> int:
-        return self._allocated
-
-    def fits(self, n: int) -> bool:
-        return n <= self.max_bytes
-
-    async def acquire(self, n: int) -> bytearray:
-        cap = size_class(n)
-        if cap > self.max_bytes:
-            cap = n  # an exact-size buffer when the rounded one would not fit the budget
-        if cap > self.max_bytes:
-            raise ValueError(f"{n} bytes exceed the receive budget of {self.max_bytes}")
-        while True:
-            free = self._free.get(cap)
-            if free:
-                return free.pop()
-            if self._allocated + cap > self.max_bytes:
-                self._drop_free(self._allocated + cap - self.max_bytes)
-            if self._allocated + cap <= self.max_bytes:
-                self._allocated += cap
-                return bytearray(cap)
-            self._changed.clear()
-            await self._changed.wait()
-
-    def release(self, buf: bytearray, reuse: bool = True) -> None:
-        """Return ``buf``; ``reuse=False`` when something still aliases it (it is forgotten)."""
-        if reuse:
-            self._free.setdefault(len(buf), []).append(buf)
-        else:
-            self._allocated -= len(buf)
-        self._changed.set()
-
-    def _drop_free(self, need: int) -> None:
-        for cap in sorted(self._free, reverse=True):
-            bufs = self._free[cap]
-            while bufs and need > 0:
-                bufs.pop()
-                self._allocated -= cap
-                need -= cap
-            if need <= 0:
-                return
-
-    def clear(self) -> None:
-        for cap, bufs in self._free.items():
-            self._allocated -= cap * len(bufs)
-        self._free.clear()
-
-
-# -- socket helpers ----------------------------------------------------------------------------
-
-async def _recv_exact(loop, sock: socket.socket, view: memoryview, stall: float) -> None:
-    """Fill ``view`` completely; ConnectionError on EOF, TimeoutError after ``stall`` s idle."""
-    got, n = 0, view.nbytes
-    async with asyncio.timeout(stall) as cm:
-        while got < n:
-            k = await loop.sock_recv_into(sock, view[got:])
-            if k == 0:
-                raise ConnectionError(f"connection closed after {got} of {n} bytes")
-            got += k
-            cm.reschedule(loop.time() + stall)
-
-
-class _HashBehind:
-    """Hashes a buffer in order, in its own thread, up to where the caller says bytes are ready
-    (``advance``): the payload is hashed while the socket call of the next bytes runs — the
-    hash holds the GIL, the socket call releases it, so on two cores they overlap. ``finish``
-    waits for the rest; ``stop`` abandons it (a failed transfer)."""
-
-    def __init__(self, hasher: Hasher, view: memoryview, segment: int):
-        self.hasher, self.view = hasher, view
-        self.segment = min(segment, HASH_UNIT)  # bytes per update: the GIL is held that long
-        self.ready = 0                       # bytes of view that may be hashed
-        self._want = 0                       # the ready count the hashing thread waits for
-        self._stopped = False
-        self._error: BaseException | None = None
-        self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="kv-hash", daemon=True)
-        self._thread.start()
-
-    def advance(self, ready: int) -> None:
-        with self._cv:
-            self.ready = ready
-            if ready >= self._want:          # wake the hashing thread only when it has a unit to do
-                self._cv.notify()
-
-    def _run(self) -> None:
-        done, n = 0, self.view.nbytes
-        try:
-            while done < n:
-                with self._cv:
-                    self._want = min(done + self.segment, n)
-                    while not self._stopped and self.ready < self._want:
-                        self._cv.wait()
-                    if self._stopped:
-                        return
-                    upto = self.ready
-                self.hasher.update(self.view[done:upto])
-                done = upto
-        except BaseException as e:  # noqa: BLE001 - handed to finish()
-            self._error = e
-
-    def finish(self) -> None:
-        self.advance(self.view.nbytes)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify()
-        self._thread.join()
-
-
-def _blocking_send(sock: socket.socket, parts, hasher: Hasher | None, segment: int, stall: float) -> None:
-    """Send every part (worker thread, blocking socket), ``stall`` seconds per segment at most.
-
-    With ``hasher``, the second part (the payload) is hashed in a second thread a segment behind
-    the one going out (``_HashBehind``); a callable part is called for its bytes when its turn
-    comes (the trailer: the digest of what was hashed, once the hashing caught up).
-    """
-    sock.settimeout(stall)
-    behind = None
-    try:
-        for i, part in enumerate(parts):
-            if callable(part):
-                if behind is not None:
-                    behind.finish()
-                    behind = None
-                part = part()
-            view = memoryview(part)
-            if hasher is not None and i == 1:
-                if view.nbytes <= 2 * HASH_UNIT:   # too small to pay for a thread: hash, then send
-                    hasher.update(view)
-                else:
-                    behind = _HashBehind(hasher, view, segment)
-            for off in range(0, view.nbytes, segment):
-                if behind is not None and i == 1:
-                    behind.advance(off)          # everything before this segment may be hashed
-                sock.sendall(view[off:off + segment])
-        if behind is not None:
-            behind.finish()
-            behind = None
-    finally:
-        if behind is not None:
-            behind.stop()
-
-
-def _blocking_recv(sock: socket.socket, view: memoryview, hasher: Hasher | None, segment: int,
-                   stall: float) -> None:
-    """Fill ``view`` (worker thread, blocking socket); with ``hasher``, a second thread hashes
-    what landed while the next bytes arrive (``_HashBehind``), caught up before returning.
-
-    ConnectionError on EOF, TimeoutError after ``stall`` seconds without a byte.
-    """
-    sock.settimeout(stall)
-    got, n = 0, view.nbytes
-    behind = _HashBehind(hasher, view, segment) if hasher is not None and n > 2 * HASH_UNIT else None
-    try:
-        while got < n:
-            k = sock.recv_into(view[got:min(got + segment, n)])
-            if k == 0:
-                raise ConnectionError(f"connection closed after {got} of {n} bytes")
-            got += k
-            if behind is not None:
-                behind.advance(got)
-        if behind is not None:
-            behind.finish()
-            behind = None
-        elif hasher is not None:
-            hasher.update(view)
-    finally:
-        if behind is not None:
-            behind.stop()
-
-
-async def _in_thread(executor, sock: socket.socket, fn, *args):
-    """Run blocking socket I/O ``fn(sock, *args)`` in ``executor``; the socket is non-blocking
-    again afterwards. Cancelled: the socket is shut down so the thread's call returns at once."""
-    try:
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, sock, *args)
-    except asyncio.CancelledError:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        raise
-    finally:
-        if sock.fileno() >= 0:
-            sock.setblocking(False)
-
-
-def _ip_literal(host: str, port: int):
-    """A getaddrinfo-style entry for a numeric IPv4 / IPv6 host, else None."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            socket.inet_pton(family, host)
-        except OSError:
-            continue
-        addr = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
-        return family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", addr
-    return None
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
+READERS = {F_NIXL: nixl.read, F_SHM: shm.read, F_ZSTD: zstd.read}   # a path's flag -> its reader
 
 # -- sender ------------------------------------------------------------------------------------
 
@@ -444,7 +128,7 @@ class TcpKVSender(KVSender):
         """(body, flags, shm segment, checksum) for a zstd or shm frame; hashing runs in a
         second thread beside the compression or the segment write."""
         loop = asyncio.get_running_loop()
-        work = _compress if mode == "tcp+zstd" else shm_write
+        work = zstd.compress if mode == "tcp+zstd" else shm_write
         jobs = [loop.run_in_executor(self._io, work, view)]
         if checksum is None:
             hasher = Hasher(self.algo)
@@ -494,7 +178,7 @@ class TcpKVSender(KVSender):
         loop = asyncio.get_running_loop()
         sock = await self._connect(loop, host, port, transfer_id)
         try:
-            io = _in_thread(self._io, sock, _blocking_exchange, parts, hasher, self.chunk_bytes, stall)
+            io = in_thread(self._io, sock, blocking_exchange, parts, hasher, self.chunk_bytes, stall)
             return await (self.nixl.progressing(io) if flags & F_NIXL else io)
         except TimeoutError:
             raise TransferError(f"stalled for {stall}s sending to {host}:{port}", transfer_id) from None
@@ -504,7 +188,7 @@ class TcpKVSender(KVSender):
             sock.close()
 
     async def _connect(self, loop, host: str, port: int, transfer_id: str) -> socket.socket:
-        literal = _ip_literal(host, port)  # an address needs no resolver thread
+        literal = ip_literal(host, port)  # an address needs no resolver thread
         try:
             infos = [literal] if literal else await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as e:
@@ -512,7 +196,7 @@ class TcpKVSender(KVSender):
         family, type_, proto, _, addr = infos[0]
         sock = socket.socket(family, type_, proto)
         try:
-            _tune(sock)
+            tune(sock)
             async with asyncio.timeout(self.connect_timeout):
                 await loop.sock_connect(sock, addr)
         except TimeoutError:
@@ -529,28 +213,6 @@ class TcpKVSender(KVSender):
         self._closed = True
         self._io.shutdown(wait=False)
 
-
-def _blocking_exchange(sock: socket.socket, parts, hasher: Hasher | None, segment: int,
-                       stall: float) -> tuple[int, str]:
-    """Send a frame's parts, then read the receiver's verdict: (status, message)."""
-    try:
-        _blocking_send(sock, parts, hasher, segment, stall)
-    except (BrokenPipeError, ConnectionResetError) as e:  # a refusing receiver replies, then closes
-        try:
-            return _blocking_reply(sock, stall)
-        except OSError:
-            raise e from None
-    return _blocking_reply(sock, stall)
-
-
-def _blocking_reply(sock: socket.socket, stall: float) -> tuple[int, str]:
-    head = bytearray(REPLY.size)
-    _blocking_recv(sock, memoryview(head), None, REPLY.size, stall)
-    status, mlen = REPLY.unpack(head)
-    msg = bytearray(mlen)
-    if mlen:
-        _blocking_recv(sock, memoryview(msg), None, mlen, stall)
-    return status, msg.decode(errors="replace") or _STATUS_TEXT.get(status, str(status))
 
 
 # -- receiver ----------------------------------------------------------------------------------
@@ -576,7 +238,7 @@ class TcpKVReceiver(KVReceiver):
         self.unclaimed_ttl = unclaimed_ttl    # seconds a received-but-untaken payload is kept
         self.pool = BufferPool(max_bytes)     # bounded, reused receive buffers
         self.identity = host_identity()       # answered to hello frames (same-host detection)
-        self._io = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="kv-recv")  # payload reads
+        self.io = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="kv-recv")  # payload reads
         self.nixl = NixlEndpoint("rx")        # pulls F_NIXL payloads; started on the first one
         self._entries: dict[str, _Entry] = {}
         self._sock: socket.socket | None = None
@@ -648,7 +310,7 @@ class TcpKVReceiver(KVReceiver):
             self.discard(tid)
         self._entries.clear()
         self.pool.clear()
-        self._io.shutdown(wait=False)
+        self.io.shutdown(wait=False)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -673,7 +335,7 @@ class TcpKVReceiver(KVReceiver):
                 log.warning("KV receiver accept failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            _tune(conn)
+            tune(conn)
             self._spawn(self._serve_conn(conn, peer), f"kv-conn:{peer}")
 
     async def _janitor(self) -> None:
@@ -696,7 +358,7 @@ class TcpKVReceiver(KVReceiver):
         try:
             while not self._closed:
                 try:  # idle between frames: wait longer, EOF here is a clean end
-                    await _recv_exact(loop, conn, memoryview(head), self.timeout * 10)
+                    await recv_exact(loop, conn, memoryview(head), self.timeout * 10)
                 except ConnectionError:
                     return
                 magic, version, algo_id, id_len, nbytes, digest = HEADER.unpack(head)
@@ -705,7 +367,7 @@ class TcpKVReceiver(KVReceiver):
                     await self._reply(loop, conn, BAD_HEADER, f"bad header from {peer}")
                     return
                 tid_buf = bytearray(id_len + (EXTRA.size if version > 1 else 0))
-                await _recv_exact(loop, conn, memoryview(tid_buf), self.timeout)
+                await recv_exact(loop, conn, memoryview(tid_buf), self.timeout)
                 tid = tid_buf[:id_len].decode(errors="replace")
                 flags, raw_n = EXTRA.unpack(tid_buf[id_len:]) if version > 1 else (0, nbytes)
                 if version == 3 and (flags or raw_n != nbytes):  # a digest trailer only on plain payloads
@@ -730,7 +392,7 @@ class TcpKVReceiver(KVReceiver):
         left = nbytes
         while left:
             n = min(left, len(buf))
-            await _recv_exact(loop, conn, memoryview(buf)[:n], self.timeout)
+            await recv_exact(loop, conn, memoryview(buf)[:n], self.timeout)
             left -= n
         await self._reply(loop, conn, OK, self.identity if flags & F_HELLO else "")
 
@@ -751,12 +413,9 @@ class TcpKVReceiver(KVReceiver):
         entry.state = TransferState.TRANSFERRING
         t0 = time.perf_counter()
         try:
-            if flags & F_NIXL:
-                view, got, release = await self._read_nixl(loop, conn, tid, nbytes, raw_n, algo, digest)
-            elif flags & F_SHM:
-                view, got, release = await self._read_shm(loop, conn, tid, nbytes, raw_n, algo, digest)
-            elif flags & F_ZSTD:
-                view, got, release = await self._read_zstd(loop, conn, tid, nbytes, raw_n, algo, digest)
+            path = next((flag for flag in READERS if flags & flag), None)
+            if path is not None:
+                view, got, release = await READERS[path](self, loop, conn, tid, nbytes, raw_n, algo, digest)
             else:
                 view, got, release = await self._read_plain(loop, conn, tid, nbytes, algo, digest)
         except PathUnavailable as e:  # nothing was received: the sender retries on another path
@@ -803,95 +462,22 @@ class TcpKVReceiver(KVReceiver):
             view = memoryview(buf)[:nbytes]
             hasher = Hasher(algo)
             try:
-                await _in_thread(self._io, conn, _blocking_recv, view, hasher, SEGMENT, self.timeout)
+                await in_thread(self.io, conn, blocking_recv, view, hasher, SEGMENT, self.timeout)
                 if digest is None:
                     trailer = bytearray(32)
-                    await _recv_exact(loop, conn, memoryview(trailer), self.timeout)
+                    await recv_exact(loop, conn, memoryview(trailer), self.timeout)
                     digest = bytes(trailer)
             except (ConnectionError, TimeoutError) as e:
                 raise TransferError(f"short read: {e}", tid) from None
             got = hasher.digest()
-            _check_digest(tid, algo, got, digest)
+            check_digest(tid, algo, got, digest)
         except TransferError:
-            self._give_back(view, buf)
+            self.give_back(view, buf)
             raise
         release = (lambda reuse, b=buf: self.pool.release(b, reuse)) if nbytes else None
         return view, got, release
 
-    async def _recv_bytes(self, loop, conn, tid: str, nbytes: int) -> bytearray:
-        buf = bytearray(nbytes)
-        try:
-            await _recv_exact(loop, conn, memoryview(buf), self.timeout)
-        except (ConnectionError, TimeoutError) as e:
-            raise TransferError(f"short read: {e}", tid) from None
-        return buf
-
-    async def _read_zstd(self, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, digest: bytes):
-        """Compressed payload: receive, decompress (in a thread), verify the raw bytes."""
-        wire = await self._recv_bytes(loop, conn, tid, nbytes)
-        try:
-            raw = await loop.run_in_executor(self._io, _decompress, wire, raw_n)
-        except zstandard.ZstdError as e:
-            raise TransferError(f"payload does not decompress: {e}", tid) from None
-        got = await loop.run_in_executor(self._io, _digest, algo, raw)
-        _check_digest(tid, algo, got, digest)
-        return memoryview(raw), got, None
-
-    async def _read_nixl(self, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, digest: bytes):
-        """RDMA payload: READ the sender's registered memory into a pooled buffer, verify it."""
-        if nbytes > MAX_OFFER_BYTES:
-            raise TransferError(f"NIXL offer of {nbytes} bytes", tid)
-        offer = await self._recv_bytes(loop, conn, tid, nbytes)
-        self.nixl.agent()  # PathUnavailable (no NIXL here) before taking a buffer: retry elsewhere
-        try:
-            async with asyncio.timeout(self.timeout):
-                buf = await self.pool.acquire(raw_n)
-        except TimeoutError:
-            raise TransferError(f"no receive buffer free within {self.timeout}s", tid) from None
-        view = memoryview(buf)[:raw_n]
-        try:
-            await self.nixl.pull(offer, view, self.timeout, tid)
-        except TransferError:
-            if any(v is view for v in self.nixl.stuck):
-                self.pool.release(buf, reuse=False)  # RDMA may still write into it
-            else:
-                self._give_back(view, buf)
-            raise
-        got = await loop.run_in_executor(self._io, _digest, algo, view)
-        try:
-            _check_digest(tid, algo, got, digest)
-        except ChecksumError:
-            self._give_back(view, buf)
-            raise
-        return view, got, lambda reuse, b=buf: self.pool.release(b, reuse)
-
-    async def _read_shm(self, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, digest: bytes):
-        """Same-host payload: map the sender's /dev/shm file, unlink it, verify it."""
-        if nbytes > 255:
-            raise TransferError(f"shm segment name of {nbytes} bytes", tid)
-        name = await self._recv_bytes(loop, conn, tid, nbytes)
-        try:
-            mm = shm_map(name.decode(errors="replace"), raw_n)
-        except (OSError, ValueError) as e:
-            raise PathUnavailable(f"shared memory: {e}", tid) from None
-        view = memoryview(mm)
-        got = await loop.run_in_executor(self._io, _digest, algo, view)
-        try:
-            _check_digest(tid, algo, got, digest)
-        except ChecksumError:
-            view.release()
-            mm.close()
-            raise
-
-        def release(reuse: bool, m=mm) -> None:
-            if reuse:  # unmapping frees the segment's pages (~15 ms for 64 MiB): off the caller's path
-                try:
-                    self._io.submit(m.close)
-                except RuntimeError:  # receiver closed
-                    m.close()
-        return view, got, release
-
-    def _give_back(self, view: memoryview | None, buf: bytearray | None) -> None:
+    def give_back(self, view: memoryview | None, buf: bytearray | None) -> None:
         if view is not None:
             view.release()
         if buf:
@@ -906,6 +492,7 @@ class TcpKVReceiver(KVReceiver):
     async def _reply(self, loop, conn, status: int, message: str) -> None:
         m = message.encode()[:4096]
         await asyncio.wait_for(loop.sock_sendall(conn, REPLY.pack(status, len(m)) + m), self.timeout)
+
 
 
 class TcpTransport(KVTransport):

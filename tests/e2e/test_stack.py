@@ -3,6 +3,7 @@ with the official openai client over real HTTP."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from bench.serve import Server
+from services import up
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import free_port
@@ -34,16 +36,26 @@ def start_stack(nats_url: str | None, extra_args=(), env: dict | None = None) ->
     return Server("stack", [sys.executable, "-m", "services.cli", "up", *extra_args], env, port)
 
 
+def planned_workers(extra_args=()) -> dict[str, int]:
+    """Live workers per role (as /health lists them) that `tandem up extra_args` starts."""
+    p = argparse.ArgumentParser()
+    up.add_arguments(p)
+    args = p.parse_known_args(list(extra_args))[0]
+    up.topology(args)
+    counts = {"router": args.router, "prefill": args.prefill, "gpu-decode": args.gpu_decode,
+              "cpu-decode": args.cpu_decode}
+    return {role: n for role, n in counts.items() if n}
+
+
 @contextlib.contextmanager
 def running_stack(nats_url: str | None, extra_args=(), env: dict | None = None, workers: dict | None = None,
                   timeout: float = 180):
-    """A started stack, healthy (or with ``workers`` per role live); stopped cleanly after."""
+    """A started stack with every worker it plans live (or ``workers`` per role); stopped cleanly
+    after. Waiting for each worker, not just for /health's "ready" (one router and one decode
+    worker), keeps a test from racing a worker that is still loading on a busy machine."""
     s = start_stack(nats_url, extra_args, env)
     try:
-        if workers:
-            s.wait_workers(workers, timeout)
-        else:
-            s.wait_healthy(timeout)
+        s.wait_workers(workers or planned_workers(extra_args), timeout)
         yield s
     finally:
         rc = s.stop()

@@ -78,7 +78,7 @@ def test_preemption_under_tiny_kv_budget(bundled_model):
 
 
 def test_priority_orders_the_queue(bundled_model):
-    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_seqs=1, max_num_batched_tokens=64))
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_seqs=1, step_tokens=64))
     tok = eng.tokenizer
     eng.add("batch", tok.encode(PROMPTS[1]), greedy(4), priority=2)
     eng.add("inter", tok.encode(PROMPTS[2]), greedy(4), priority=0)
@@ -115,10 +115,10 @@ def test_interactive_prompt_is_not_held_behind_a_batch_prefill(bundled_model):
     """A long batch prompt is in chunked prefill; an interactive prompt that arrives gets the
     step's token budget first and its first token comes out while the batch prefill goes on;
     while the interactive request decodes, the batch prefill takes at most
-    ``interactive_step_tokens`` of each step; once it is done, the whole budget again."""
+    ``shared_step_tokens`` of each step; once it is done, the whole budget again."""
     tok = bundled_model.tokenizer
-    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=128,
-                                             interactive_step_tokens=16))
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, step_tokens=128,
+                                             shared_step_tokens=16))
     eng.add("batch", tok.encode(" ".join(PROMPTS) * 8)[:600], greedy(4), priority=2)
     eng.step()
     eng.add("inter", tok.encode(PROMPTS[3]), greedy(4), priority=0)

@@ -4,15 +4,17 @@ pool is a miss, never an error."""
 
 from __future__ import annotations
 
-import types
+import asyncio
+import time
 
 import numpy as np
 import pytest
 
-from services.kvpool import PoolClient, PoolService
+from services.kvpool import PoolService
 from shared import subjects
 from shared.bus import Bus
 from shared.engine.kv_cache import KVLayout
+from shared.kv_connector import PoolClient, key_scope
 from shared.nats_server import EmbeddedNats
 from shared.schemas import KVEvent
 from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings
@@ -20,12 +22,12 @@ from shared.transfer import make_transport
 
 pytestmark = pytest.mark.timeout(120)
 LAYOUT = KVLayout(n_layers=2, n_kv_heads=2, head_dim=8, block_size=16)
-ENGINE = types.SimpleNamespace(model_identity="test-model", layout=LAYOUT)  # identity only: no weights needed
 
 
 def settings(url: str, tmp_path, **pool) -> Settings:
+    pool = {"timeout": 10.0, **pool}
     return Settings(nats=NatsSettings(url=url), data=DataPlaneSettings(timeout=10.0),
-                    pool=PoolSettings(dir=str(tmp_path / "pool"), ram_mb=64, chunk_tokens=32, timeout=10.0, **pool))
+                    pool=PoolSettings(dir=str(tmp_path / "pool"), ram_mb=64, chunk_tokens=32, **pool))
 
 
 async def client(s: Settings, name: str) -> tuple[PoolClient, Bus, object]:
@@ -33,7 +35,8 @@ async def client(s: Settings, name: str) -> tuple[PoolClient, Bus, object]:
     transport = make_transport(s.data)
     rx = transport.receiver()
     host, port = await rx.listen()
-    return PoolClient(bus, s.pool, ENGINE, name, transport.sender(), rx, host, port), bus, rx
+    scope = key_scope("test-model", LAYOUT.to_dict(), s.pool)  # identity only: no weights needed
+    return PoolClient(bus, s.pool, scope, LAYOUT, name, transport.sender(), rx, host, port), bus, rx
 
 
 def kv_for(tokens: int) -> bytes:
@@ -97,6 +100,36 @@ async def test_no_pool_running_is_a_miss(tmp_path):
         assert await c.store(list(range(64)), kv_for(64)) == 0
         assert c.errors == 2 and c.hits == 0
     finally:
+        await c.close()
+        await bus.close()
+        await rx.close()
+        server.stop()
+
+
+async def test_a_hung_pool_costs_one_budget_then_nothing(tmp_path):
+    """A pool that takes requests and never answers (SIGSTOP, a dead disk): the first prompt waits
+    TANDEM_POOL_TIMEOUT at most and is computed; the next ones do not wait on it at all."""
+    server = EmbeddedNats()
+    s = settings(server.start(), tmp_path, timeout=0.3, backoff_s=30.0)
+    c, bus, rx = await client(s, "patient")
+    hung = await Bus.connect(s, name="hung-pool")
+    stuck = asyncio.Event()
+    asked = []
+
+    async def never(msg):
+        asked.append(msg)
+        await stuck.wait()
+
+    await hung.serve(subjects.POOL_LOOKUP, never, queue=subjects.POOL_QUEUE)
+    try:
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(c.fetch_prefix(list(range(100))), 30) is None  # 30 s: a hang only
+        assert time.monotonic() - t0 >= 0.3 and len(asked) == 1  # it waited its budget for the one lookup
+        assert await c.fetch_prefix(list(range(200))) is None
+        assert len(asked) == 1 and c.errors == 1                 # the next prompt did not ask the pool
+    finally:
+        stuck.set()
+        await hung.close()
         await c.close()
         await bus.close()
         await rx.close()

@@ -19,7 +19,8 @@ from shared.bus import Bus, RemoteError
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import free_port
-from shared.schemas import TIERS, Abort, GenerateRequest, MigrateRequest, StreamChunk
+from shared.schemas import Abort, Ack, GenerateRequest, MigrateRequest, StreamChunk
+from shared.tier import TIERS
 from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings, WorkerSettings
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
@@ -82,12 +83,13 @@ class Stream:
         self.bus, self.rid, self.chunks = bus, rid, []
         self.arrived = asyncio.Event()
 
-    async def start(self, worker: DecodeWorker, prompt_ids: list[int], n: int, session: str = "") -> "Stream":
+    async def start(self, worker: DecodeWorker, prompt_ids: list[int], n: int, session: str = "",
+                    origin: str = "") -> "Stream":
         self.sub = await self.bus.subscribe(subjects.stream(self.rid))
         self.task = asyncio.create_task(self._collect())
         await self.bus.request(subjects.worker_generate(worker.worker_id), GenerateRequest(
             request_id=self.rid, prompt_token_ids=prompt_ids, sampling=greedy(n).to_dict(), tier="standard",
-            stream_subject=subjects.stream(self.rid), session_id=session or None))
+            stream_subject=subjects.stream(self.rid), session_id=session or None, origin=origin))
         return self
 
     async def _collect(self) -> None:
@@ -132,6 +134,18 @@ def migrations(source: str, target: str, outcome: str) -> float:
                                                                  "outcome": outcome}) or 0.0
 
 
+def transfers() -> tuple[float, float]:
+    """(transfers, bytes) the data plane has counted in this process, every path together."""
+    n = b = 0.0
+    for metric in REGISTRY.collect():
+        for smp in metric.samples:
+            if smp.name == "tandem_transfer_seconds_count":
+                n += smp.value
+            elif smp.name == "tandem_transfer_bytes_total":
+                b += smp.value
+    return n, b
+
+
 def idle(*ws: DecodeWorker) -> bool:
     return all(not w.engine.engine.seqs and not w.held and not w.tasks and not w.moving for w in ws)
 
@@ -141,6 +155,7 @@ async def test_migrate_there_and_back_matches_unmigrated(workers, reference):
     ids, want = reference["short"]
     rid = f"mig-{uuid.uuid4().hex[:8]}"
     before = migrations(subjects.GPU_DECODE, subjects.CPU_DECODE, "ok")
+    moved_before = transfers()
     s = await Stream(bus, rid).start(gpu, ids, MAX_TOKENS, session="sess-1")
     assert [rid, "sess-1", "standard"] in gpu.heartbeat().requests
 
@@ -159,6 +174,8 @@ async def test_migrate_there_and_back_matches_unmigrated(workers, reference):
 
     chunks = await s.finish()
     check_stream(chunks, want)
+    n, nbytes = transfers()  # each move counted once, with its bytes (the pool is off: nothing else moves)
+    assert (n - moved_before[0], nbytes - moved_before[1]) == (2, there.nbytes + back.nbytes)
     by_seq = {c.seq: c.worker for c in chunks}
     assert {by_seq[q] for q in range(there.next_seq)} == {gpu.worker_id}
     assert {by_seq[q] for q in range(there.next_seq, back.next_seq)} == {cpu.worker_id}
@@ -249,3 +266,29 @@ async def test_abort_during_a_move_leaks_nothing(workers, reference, moment):
     assert len(s.chunks) == n and sum(len(c.token_ids) for c in s.chunks) < 100  # nothing ran on
     s.task.cancel()
     await s.sub.unsubscribe()
+
+
+async def test_the_requests_of_a_dead_gateway_are_dropped(workers, reference, nats_server):
+    """A worker asks the gateway its requests stream to whether it still runs (its lease); once
+    nobody answers, the request is aborted and its KV freed — no generation runs on for nobody."""
+    _, cpu, _, bus = workers
+    ids, _ = reference["short"]
+    gw = await Bus.connect(url=nats_server, name="lease-gateway")
+    await gw.serve(subjects.gateway_alive("gw-lease"), lambda _: asyncio.sleep(0, Ack(worker="gw-lease")),
+                   expected=Ack)
+    rid = f"lease-{uuid.uuid4().hex[:8]}"
+    s = await Stream(bus, rid).start(cpu, ids, 4000, origin="gw-lease")
+    try:
+        await s.wait_for(lambda cs: len(cs) >= 3)
+        await asyncio.sleep(1.5)                      # leases checked while the gateway lives: it goes on
+        assert rid in cpu.held
+        await gw.close()                              # the gateway dies
+        for _ in range(100):
+            if idle(cpu):
+                break
+            await asyncio.sleep(0.1)
+        assert idle(cpu), (cpu.engine.engine.seqs, cpu.held)
+        assert not any(c.finish_reason == "length" for c in s.chunks)
+    finally:
+        s.task.cancel()
+        await s.sub.unsubscribe()

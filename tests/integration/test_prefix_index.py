@@ -12,7 +12,8 @@ import logging
 import pytest
 
 from kvpool.keys import chunk_keys
-from services.kvpool import KVEventPublisher, key_scope, publish_chunk_events
+from shared.kv_connector import KVConnector
+from shared.kv_events import KVEventPublisher
 from services.prefix_index import IndexFeed, PrefixIndex
 from shared import subjects
 from shared.bus import Bus
@@ -21,7 +22,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import EmbeddedNats
 from shared.schemas import KVEvent
-from shared.settings import PoolSettings
+from shared.settings import PoolSettings, Settings
 
 pytestmark = pytest.mark.timeout(180)
 CHUNK = 256
@@ -61,16 +62,16 @@ async def test_engine_chunk_events_are_the_pool_keys(nats_js, bundled_model):
     prompt = bundled_model.tokenizer.encode(TEXT * 40, add_special_tokens=False)[:3 * CHUNK + 10]
     other = bundled_model.tokenizer.encode(OTHER * 40, add_special_tokens=False)[:2 * CHUNK + 80]
     # 64 blocks of 16 tokens: the prompt (49 blocks) fits; the other prompt then needs 23 of its blocks
-    engine = Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=1))
-    scope = key_scope(engine, PoolSettings(chunk_tokens=CHUNK))
-    keys, other_keys = chunk_keys(scope, prompt), chunk_keys(scope, other)
-    assert len(prompt) > 512 and len(keys) == 3 and len(other_keys) == 2
+    aeng = AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=1)))
     bus = await Bus.connect(url=nats_js, name="w-test")
     sub = await bus.subscribe(subjects.kv_events("w-1"), KVEvent)
-    aeng = None
+    conn = KVConnector(Settings(pool=PoolSettings(chunk_tokens=CHUNK, enabled=False)), bus, aeng, "w-1",
+                       subjects.CPU_DECODE)
+    keys, other_keys = chunk_keys(conn.scope, prompt), chunk_keys(conn.scope, other)
+    assert len(prompt) > 512 and len(keys) == 3 and len(other_keys) == 2
     try:
-        pub = await publish_chunk_events(bus, engine, "w-1", subjects.CPU_DECODE, scope)
-        aeng = AsyncEngine(engine)
+        await conn.start()
+        pub = conn.events
         index = PrefixIndex()
         hello = await sub.next(timeout=10)
         assert (hello.seq, hello.stored, hello.evicted, hello.role) == (1, [], [], subjects.CPU_DECODE)
@@ -97,10 +98,9 @@ async def test_engine_chunk_events_are_the_pool_keys(nats_js, bundled_model):
             held = await aeng.cached_prefix_tokens(ids)
             assert index.overlap(ks).get("w-1", 0) == held // CHUNK
         assert index.overlap(keys) == {"w-1": 1} and index.overlap(other_keys) == {"w-1": 2}
-        await pub.close()
     finally:
-        if aeng is not None:
-            await aeng.close()
+        await conn.close()
+        await aeng.close()
         await sub.unsubscribe()
         await bus.close()
 

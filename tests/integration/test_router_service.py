@@ -149,3 +149,33 @@ async def test_restarted_router_knows_the_cached_prefixes(nats_url):
         assert (plan.decode_worker, plan.cached_tokens, plan.cached_at) == ("c2", 4 * CHUNK, "c2")
     finally:
         await stop(bus, [b])
+
+
+async def test_a_new_router_copy_takes_over_the_session_table(nats_url):
+    """The session table lives in JetStream: a router that starts after the one that made the
+    decisions died (and after a NATS restart on the same store) keeps each session's tier and home."""
+    c1, c2, g1 = beat("c1", subjects.CPU_DECODE), beat("c2", subjects.CPU_DECODE), beat("g1", subjects.GPU_DECODE)
+    bus, (a,) = await start(nats_url, c1, c2, g1)
+    home = (await a.route(req("r1", session="agent-7"))).decode_worker
+    await bus.request(subjects.ROUTER_SESSION, SessionUpdate(session_id="agent 8/ü", tier="interactive"),
+                      expected=SessionState)  # any visible id, spaces and slashes included
+    await stop(bus, [a])
+    bus, (b,) = await start(nats_url, c1, c2, g1, ids=("router-b",))
+    try:
+        assert b.sessions["agent-7"].worker == home and b.sessions["agent 8/ü"].tier == "interactive"
+        plan = await b.route(req("r2", "batch", session="agent 8/ü"))
+        assert (plan.decode_worker, plan.tier) == ("g1", "interactive")
+        assert (await b.route(req("r3", session="agent-7"))).decode_worker == home
+    finally:
+        await stop(bus, [b])
+
+
+async def test_routes_avoid_workers_excluded_by_the_gateway(nats_url):
+    bus, routers = await start(nats_url, beat("c1", subjects.CPU_DECODE), beat("c2", subjects.CPU_DECODE))
+    try:
+        for i in range(4):  # a worker the gateway found dead is never planned for that request
+            r = req(f"r{i}")
+            r.exclude = ["c1"]
+            assert (await bus.request(subjects.ROUTE, r, expected=RoutePlan)).decode_worker == "c2"
+    finally:
+        await stop(bus, routers)

@@ -15,7 +15,7 @@ from shared.transfer import (
     ChecksumError, PeerUnavailable, TcpKVReceiver, TcpKVSender, TcpTransport, TransferError,
     TransferState, checksum,
 )
-from shared.transfer.tcp import HEADER, MAGIC, BufferPool, size_class
+from shared.transfer.frames import HEADER, MAGIC, BufferPool, size_class
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
@@ -130,7 +130,7 @@ async def test_corrupted_checksum_detected(rx, tx):
 
 def _v3_frame(tid: bytes, payload: bytes, trailer: bytes) -> bytes:
     """A version-3 frame by hand: digest field zero, the digest after the payload."""
-    from shared.transfer.tcp import EXTRA
+    from shared.transfer.frames import EXTRA
     return HEADER.pack(MAGIC, 3, 1, len(tid), len(payload), b"\0" * 32) + tid + EXTRA.pack(0, len(payload)) \
         + payload + trailer
 
@@ -370,7 +370,7 @@ async def test_every_path_is_byte_exact(rx, tx, mode, n):
 
 async def test_shm_segment_names_are_checked(rx):
     """A peer cannot make the receiver map an arbitrary file."""
-    from shared.transfer.tcp import EXTRA, F_SHM
+    from shared.transfer.frames import EXTRA, F_SHM
     host, port = rx.address
     name = b"../../etc/passwd"
     reader, writer = await asyncio.open_connection(host, port)
@@ -384,7 +384,7 @@ async def test_shm_segment_names_are_checked(rx):
 
 
 async def test_selector_uses_shm_on_same_host_and_retries_on_tcp(rx, monkeypatch):
-    from shared.transfer import DataPlaneSender, tcp
+    from shared.transfer import DataPlaneSender, shm
     sender = DataPlaneSender(TcpKVSender(timeout=5.0))
     host, port = rx.address
     link = await sender.link(host, port)
@@ -397,7 +397,7 @@ async def test_selector_uses_shm_on_same_host_and_retries_on_tcp(rx, monkeypatch
     def broken_map(name, n):  # e.g. another /dev/shm namespace: the segment is not visible
         raise OSError("No such file or directory")
 
-    monkeypatch.setattr(tcp, "shm_map", broken_map)
+    monkeypatch.setattr(shm, "shm_map", broken_map)
     before = _shm_files()
     res, got = await asyncio.gather(sender.send(host, port, "b", payload), rx.take("b", 10))
     with got:

@@ -600,7 +600,7 @@ def test_settings_from_env():
     assert gateway_app.GatewaySettings().port == 8000
     parser = argparse.ArgumentParser()
     gateway_app.add_arguments(parser)
-    s = gateway_app.settings_from_args(parser.parse_args(["--port", "9100", "--default-sla", "interactive"]))
+    s = gateway_app.settings_from_args(parser.parse_args(["--port", "9100", "--default-tier", "interactive"]))
     assert (s.port, s.default_tier, s.api_key) == (9100, "interactive", None)
 
 

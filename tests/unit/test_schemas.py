@@ -53,6 +53,15 @@ EXAMPLES = [
               4000, 1700000000.5, waiting_by_tier={"batch": 1}, tpot_ms=12.5,
               requests=[["r1", "s1", "interactive"]], kv_scope="ab" * 32, chunk_tokens=256),
     HANDLE,
+    GenerateRequest("r1", [1, 2, 3], SAMPLING, "batch", subjects.stream("r1"), origin="gateway-1",
+                    resume=schemas.Resume([4, 5], 7, 3, 1)),
+    PrefillRequest("r1", [1, 2, 3], SAMPLING, "standard", "cpu-0", subjects.worker_decode("cpu-0"),
+                   subjects.stream("r1"), resume=schemas.Resume([4], 2, 1, 2), origin="gateway-1"),
+    schemas.Resume([4, 5], 7, 3, 1),
+    schemas.Where("r1"),
+    schemas.WhereReply("cpu-0", False, handed_to="gpu-0", ready=True, attempt=1),
+    Abort("r1", "resumed", below_attempt=2),
+    StreamChunk("r1", 3, [9], "x", "cpu-1", attempt=1, reused_tokens=256, recomputed_tokens=12),
 ]
 
 
@@ -95,7 +104,7 @@ def _raw(msg, **change):
 
 def test_version_mismatch():
     with pytest.raises(SchemaError, match="version") as e:
-        decode(_raw(Abort("r1"), v=2))
+        decode(_raw(Abort("r1"), v=Abort.VERSION + 1))
     assert e.value.field == "v"
 
 

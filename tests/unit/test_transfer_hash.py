@@ -1,5 +1,5 @@
 """Hashing a payload in a second thread behind the socket calls (shared/transfer/tcp.py
-``_HashBehind``): the digest of every byte in order, whatever the pieces the bytes arrive in;
+``HashBehind``): the digest of every byte in order, whatever the pieces the bytes arrive in;
 a failed transfer stops the thread."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from shared.transfer.base import Hasher
-from shared.transfer.tcp import HASH_UNIT, _HashBehind
+from shared.transfer.frames import HASH_UNIT, HashBehind
 
 MiB = 1 << 20
 
@@ -27,7 +27,7 @@ def test_digest_of_every_byte_whatever_the_pieces(n):
     data = os.urandom(n)
     rng = random.Random(n)
     h = Hasher("xxh3")
-    behind = _HashBehind(h, memoryview(data), 4 * MiB)
+    behind = HashBehind(h, memoryview(data), 4 * MiB)
     ready = 0
     while ready < n:                        # bytes landing in uneven pieces, as recv_into returns them
         ready = min(n, ready + rng.randint(1, 300_000))
@@ -39,13 +39,13 @@ def test_digest_of_every_byte_whatever_the_pieces(n):
 def test_finish_hashes_what_was_never_advanced():
     data = os.urandom(2 * HASH_UNIT + 7)
     h = Hasher("xxh3")
-    _HashBehind(h, memoryview(data), HASH_UNIT).finish()
+    HashBehind(h, memoryview(data), HASH_UNIT).finish()
     assert h.digest() == digest(data)
 
 
 def test_stop_ends_the_thread_of_a_failed_transfer():
     h = Hasher("xxh3")
-    behind = _HashBehind(h, memoryview(bytes(8 * MiB)), MiB)
+    behind = HashBehind(h, memoryview(bytes(8 * MiB)), MiB)
     behind.advance(MiB + 1)                 # a few bytes landed, then the connection broke
     behind.stop()
     assert not behind._thread.is_alive()

@@ -1,0 +1,249 @@
+"""The gateway's endpoints, one module-level handler each, and the request plumbing they share.
+
+Life of a generation request:
+1. read + parse the JSON body (413 past the size limit, chunked uploads included), validate it
+   (400 naming the parameter), check the model (404);
+2. resolve SLA tier and session (body ``sla``/``tier``/``session_id`` over the
+   ``X-Tandem-SLA``/``X-Tandem-Session`` headers over the API key's default tier);
+3. tokenize (chat template for chat; long inputs in a worker thread, so the event loop and every
+   other stream keep going), check prompt + max_tokens against the context (400
+   ``context_length_exceeded``), build ``SamplingParams`` and a ``GenerationRequest``;
+4. ``streaming.run``: one response, or SSE chunks; a client gone -> the request is aborted.
+
+Each handler finds the gateway's state (backend, settings, ...) as ``request.app.state.gw``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from jinja2 import TemplateError
+
+from shared import metrics, tracing
+from shared.settings import GatewaySettings
+from shared.tier import TIERS
+
+from . import streaming
+from .backend import Backend, GenerationRequest
+from .openai_api import (
+    SESSION_HEADER, SESSION_RE, SLA_HEADER, APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
+    CompletionRequest, TokenStrings, bad_param, chat_messages, check_unsupported, completion_prompt,
+    ignored_fields, json_response, model_card, models_list, parse_json, resolve_session, resolve_tier,
+    sampling_params, validate_model,
+)
+
+log = logging.getLogger("tandem.gateway")
+
+OFFLOAD_CHARS = 16384     # prompts longer than this are templated + tokenized in a worker thread
+
+router = APIRouter()
+
+
+@dataclass
+class GatewayState:
+    """What every handler needs; one per app (``app.state.gw``)."""
+    backend: Backend
+    settings: GatewaySettings
+    started: int = field(default_factory=lambda: int(time.time()))
+    token_str: TokenStrings = field(init=False)
+    key_tiers: dict[str, str] = field(init=False)   # accepted bearer tokens -> their default tier
+
+    def __post_init__(self) -> None:
+        self.token_str = TokenStrings(self.backend.tokenizer)
+        self.key_tiers = self.settings.key_tiers()
+
+
+def state(request: Request) -> GatewayState:
+    return request.app.state.gw
+
+
+# ---- request plumbing -----------------------------------------------------------------------
+
+def check_auth(request: Request) -> None:
+    """401 unless a configured bearer token is sent; remembers that key's default tier."""
+    gw = state(request)
+    request.state.key_tier = gw.settings.default_tier
+    if not gw.key_tiers:
+        return
+    auth = request.headers.get("authorization", "").encode()
+    for key, tier in gw.key_tiers.items():
+        if hmac.compare_digest(auth, f"Bearer {key}".encode()):
+            request.state.key_tier = tier
+            return
+    raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+
+async def read_body(request: Request) -> dict:
+    """The JSON object in the body; 413 as soon as more than the limit arrived (a declared
+    Content-Length is checked first, a chunked upload while it is read: never buffered whole)."""
+    limit = state(request).settings.max_body_bytes
+    too_large = APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return parse_json(b"".join(parts))
+
+
+def check_model(request: Request, model: str) -> None:
+    backend = state(request).backend
+    if model != backend.model_name:
+        raise APIError(404, f"The model `{model}` does not exist. This server serves `{backend.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+def check_context(request: Request, n_prompt: int, max_tokens: int | None, prompt_param: str,
+                  max_param: str) -> int:
+    """The request's max_tokens (the rest of the context when not given), or a 400."""
+    ctx = state(request).backend.max_context
+    if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
+        asked = n_prompt + (max_tokens or 0)
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                            f"{asked} tokens ({n_prompt} in the {prompt_param}, {max_tokens or 0} in the "
+                            f"completion). Please reduce the length of the {prompt_param} or completion.",
+                       param=prompt_param if n_prompt >= ctx else max_param, code="context_length_exceeded")
+    return ctx - n_prompt if max_tokens is None else max_tokens
+
+
+def common(request: Request, req, rid: str) -> tuple[str, str | None]:
+    """Trace context, model, unsupported fields, tier and session of a generation request."""
+    tracing.start(rid, request.headers.get(tracing.TRACEPARENT))
+    check_model(request, req.model)
+    check_unsupported(req)
+    extra = ignored_fields(req)
+    if extra:
+        log.info("%s ignoring unsupported fields: %s", rid, ", ".join(extra))
+    tier = resolve_tier(req, request.headers.get(SLA_HEADER), request.state.key_tier)
+    session = resolve_session(req, request.headers.get(SESSION_HEADER))
+    request.state.tier = tier
+    return tier, session
+
+
+def chat_prompt(backend: Backend, messages: list[dict]) -> list[int]:
+    try:
+        text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except (ValueError, TemplateError) as e:  # the template's raise_exception, or no template
+        raise bad_param("messages", f"could not apply the chat template: {e}") from None
+    # the template already holds BOS where the model wants one (as transformers tokenizes it)
+    return backend.tokenizer.encode(text, add_special_tokens=False)
+
+
+def max_tokens_param(value, name: str) -> int | None:
+    if value is not None and value < 1:
+        raise bad_param(name, f"invalid parameter {name}={value}: must be an integer >= 1")
+    return value
+
+
+# ---- endpoints ------------------------------------------------------------------------------
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    backend = state(request).backend
+    try:
+        ready, details = backend.health()
+    except Exception as e:  # a broken health check is "not ready", with the reason
+        log.exception("health check failed")
+        ready, details = False, {"error": f"{type(e).__name__}: {e}"}
+    body = {"status": "ready" if ready else "unavailable", "model": backend.model_name, "details": details}
+    return json_response(body, 200 if ready else 503)
+
+
+@router.get("/metrics")
+async def prometheus_metrics() -> Response:
+    body, content_type = metrics.render()
+    return Response(body, media_type=content_type)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    check_auth(request)
+    gw = state(request)
+    return json_response(models_list(gw.backend.model_name, gw.backend.max_context, gw.started))
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> Response:
+    check_auth(request)
+    check_model(request, model_id)
+    gw = state(request)
+    return json_response(model_card(gw.backend.model_name, gw.backend.max_context, gw.started))
+
+
+@router.post("/v1/sessions/{session_id:path}")
+async def update_session(session_id: str, request: Request) -> Response:
+    """Change an agent session's tier: its running requests move between GPU and CPU decode
+    (their streams go on), its next turns run at the new tier."""
+    check_auth(request)
+    body = await read_body(request)  # a JSON object, or 400
+    for extra in sorted(set(body) - {"tier", "sla"}):
+        raise bad_param(extra, f"unknown field {extra!r}: the body is {{\"tier\": \"interactive\" | "
+                               f"\"standard\" | \"batch\"}}")
+    tier = body.get("tier", body.get("sla"))
+    if not isinstance(tier, str) or tier.strip().lower() not in TIERS:
+        raise bad_param("tier", f"invalid SLA tier {tier!r}: expected one of {', '.join(TIERS)}",
+                        code="invalid_tier")
+    if not SESSION_RE.match(session_id):
+        raise bad_param("session_id", "invalid session id: 1-256 visible ASCII characters, no spaces",
+                        code="invalid_session")
+    state_ = await state(request).backend.update_session(session_id, tier.strip().lower())
+    log.info("session %s -> %s: moved %d request(s)", session_id, state_["tier"], len(state_["moved"]))
+    return json_response(state_)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    rid = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    check_auth(request)
+    gw = state(request)
+    req = validate_model(ChatCompletionRequest, await read_body(request))
+    tier, session = common(request, req, rid)
+    messages = chat_messages(req.messages)
+    if sum(len(m["content"]) for m in messages) > OFFLOAD_CHARS:  # long: keep the event loop free
+        prompt = await anyio.to_thread.run_sync(chat_prompt, gw.backend, messages)
+    else:
+        prompt = chat_prompt(gw.backend, messages)
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    asked = max_tokens_param(req.max_completion_tokens if req.max_completion_tokens is not None
+                             else req.max_tokens, max_param)
+    max_tokens = check_context(request, len(prompt), asked, "messages", max_param)
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise bad_param("top_logprobs", f"invalid parameter top_logprobs={req.top_logprobs}: must be in [0, 20]")
+    want_lp = bool(req.logprobs)
+    sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.top_logprobs or 0)
+    fmt = ChatFormat(rid, req.model, gw.token_str, (req.top_logprobs or 0) if want_lp else None)
+    return await streaming.run(request, gw.backend, GenerationRequest(rid, req.model, prompt, sampling, tier, session),
+                               fmt, req.stream, req.user)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    rid = request.state.request_id = f"cmpl-{uuid.uuid4().hex}"
+    check_auth(request)
+    gw = state(request)
+    req = validate_model(CompletionRequest, await read_body(request))
+    tier, session = common(request, req, rid)
+    if isinstance(req.prompt, str) and len(req.prompt) > OFFLOAD_CHARS:
+        prompt = await anyio.to_thread.run_sync(completion_prompt, req.prompt, gw.backend.tokenizer)
+    else:
+        prompt = completion_prompt(req.prompt, gw.backend.tokenizer)
+    asked = max_tokens_param(req.max_tokens if req.max_tokens is not None else 16, "max_tokens")
+    max_tokens = check_context(request, len(prompt), asked, "prompt", "max_tokens")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise bad_param("logprobs", f"invalid parameter logprobs={req.logprobs}: must be in [0, 20]")
+    want_lp = req.logprobs is not None
+    sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.logprobs or 0)
+    fmt = CompletionFormat(rid, req.model, gw.token_str, req.logprobs if want_lp else None)
+    return await streaming.run(request, gw.backend, GenerationRequest(rid, req.model, prompt, sampling, tier, session),
+                               fmt, req.stream, req.user)

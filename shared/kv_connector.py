@@ -1,0 +1,294 @@
+"""The worker side of KV movement: one connector per engine worker.
+
+Every way KV leaves or enters a worker goes through here:
+
+    hand-off (prefill -> decode)   export -> ``hand_off``: send on the data plane, report the
+    migration (decode -> decode)     transfer once, DecodeRequest to the receiving worker
+    resume                         (the same call with a blob rebuilt from the request's tokens)
+    receive                        ``receive(handle)``: the verified bytes of a DecodeRequest
+    KV pool                        ``fetch_prefix`` (lookup + get + decode) before a prompt runs,
+                                   ``store_later`` (write-back) when a prompt or session finishes
+    chunk events                   the engine's prefix cache announces the pool chunks it gains
+                                   and loses (``KVEventPublisher``), for the routers' prefix index
+
+A transfer is reported once: ``DataPlaneSender`` counts it in the metrics; ``send_and_report``
+publishes one ``TransferEvent`` (failed ones too, for tap). The KV pool service uses
+``send_and_report`` for the entries it sends; everything else here is the worker's.
+
+The pool can make a request faster, never make it fail: any pool error is logged and the
+worker computes instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kvpool.codec import ChunkShape, Codec, CorruptEntry, decode_entry, pack_entries, unpack_entries
+from kvpool.keys import KeyScope, chunk_keys
+from shared import subjects
+from shared.bus import Bus, BusError
+from shared.engine.kv_cache import KVBlobHeader
+from shared.kv_events import KVEventPublisher
+from shared.schemas import (
+    DecodeRequest, PoolGet, PoolLookup, PoolLookupReply, PoolPut, TransferEvent, TransferHandle,
+)
+from shared.settings import PoolSettings, Settings
+from shared.transfer import make_transport
+from shared.transfer.base import KVSender, SendResult, TransferError
+
+if TYPE_CHECKING:
+    from shared.engine.async_engine import AsyncEngine
+
+log = logging.getLogger("tandem.kv")
+
+
+def key_scope(model_identity: str, layout: dict, settings: PoolSettings) -> KeyScope:
+    """The chunk key scope of an engine's KV: the same for the pool and every worker of one
+    model, layout, chunk size, tenant and codec (lossy entries stay apart)."""
+    return KeyScope(model_identity, layout, settings.chunk_tokens, tenant=f"{settings.tenant}|{settings.codec}")
+
+
+async def send_and_report(bus: Bus, sender: KVSender, reporter: str, host: str, port: int, transfer_id: str,
+                          payload, *, request_id: str = "", compressible: bool = True) -> SendResult:
+    """Send ``payload`` over the data plane and publish one TransferEvent on
+    ``tandem.transfer.<reporter>`` (also when it failed; the error is raised after)."""
+    try:
+        res = await sender.send(host, port, transfer_id, payload, compressible=compressible)
+    except TransferError as e:
+        await _report(bus, reporter, TransferEvent(transfer_id=transfer_id, request_id=request_id,
+                                                   nbytes=memoryview(payload).nbytes, seconds=0.0, path="",
+                                                   ok=False, error=str(e)))
+        raise
+    await _report(bus, reporter, TransferEvent(
+        transfer_id=transfer_id, request_id=request_id, nbytes=res.nbytes, seconds=res.seconds, path=res.path,
+        wire_bytes=res.wire_bytes, attempts=res.attempts))
+    return res
+
+
+async def _report(bus: Bus, reporter: str, event: TransferEvent) -> None:
+    try:
+        await bus.publish(subjects.transfer(reporter), event)
+    except Exception as e:  # an event for tap: never worth failing the transfer for
+        log.debug("transfer event %s not published: %s", event.transfer_id, e)
+
+
+class KVConnector:
+    """One worker's KV door (see the module doc). ``start`` binds the data-plane receiver (its
+    address goes in heartbeats when the worker takes KV from others), starts the chunk events and,
+    with the pool enabled, the pool client and the engine's write-back of finished sequences."""
+
+    def __init__(self, settings: Settings, bus: Bus, engine: "AsyncEngine", worker_id: str, role: str,
+                 *, write_back: bool = False):
+        self.settings = settings
+        self.bus = bus
+        self.engine = engine
+        self.worker_id = worker_id
+        self.role = role
+        self.scope = key_scope(engine.model_identity, engine.layout.to_dict(), settings.pool)
+        self.transport = make_transport(settings.data)
+        self.sender = self.transport.sender()
+        self.receiver = self.transport.receiver(settings.data.host, settings.data.port)
+        self.data_host, self.data_port = "", 0
+        self.events: KVEventPublisher | None = None
+        self.pool: PoolClient | None = None
+        self._write_back = write_back
+
+    async def start(self) -> None:
+        host, self.data_port = await self.receiver.listen()
+        self.data_host = self.settings.data.advertise_host or host
+        self.events = KVEventPublisher(self.bus, self.worker_id, self.role)
+        await self.events.start()
+        loop = asyncio.get_running_loop()
+        events = self.events
+        await self.engine.watch_chunks(self.scope.seed(), self.scope.chunk_tokens,
+                                       lambda stored, evicted: loop.call_soon_threadsafe(events.add, stored, evicted))
+        if self.settings.pool.enabled:
+            self.pool = PoolClient(self.bus, self.settings.pool, self.scope, self.engine.layout, self.worker_id,
+                                   self.sender, self.receiver, self.data_host, self.data_port)
+            if self._write_back:  # a finished sequence's full chunks go to the pool (the session's next turn)
+                pool = self.pool
+                await self.engine.on_finished_kv(self.settings.pool.chunk_tokens,
+                                                 lambda tokens, kv: loop.call_soon_threadsafe(pool.store_later,
+                                                                                              tokens, kv))
+
+    # -- sending --------------------------------------------------------------------------------
+
+    async def send(self, host: str, port: int, transfer_id: str, payload, request_id: str = "") -> SendResult:
+        return await send_and_report(self.bus, self.sender, self.worker_id, host, port, transfer_id, payload,
+                                     request_id=request_id)
+
+    async def hand_off(self, blob: bytes, *, subject: str, host: str, port: int, transfer_id: str, tier: str,
+                       stream_subject: str, next_seq: int, session_id: str | None, attempt: int = 0,
+                       origin: str = "", timeout: float | None = None) -> tuple[KVBlobHeader, SendResult]:
+        """Move an exported sequence to the worker serving ``subject`` (its decode subject), whose
+        receiver is ``host:port``: the KV over the data plane, then a DecodeRequest carrying the
+        handle; the receiver continues the stream at ``next_seq``. Raises TransferError /
+        BusError (RemoteError with the receiver's code) when it did not take it."""
+        h, _ = KVBlobHeader.parse(blob)
+        res = await self.send(host, port, transfer_id, blob, request_id=h.request_id)
+        handle = TransferHandle(transfer_id=transfer_id, host=host, port=port, nbytes=res.nbytes,
+                                checksum=res.checksum, path=res.path, num_tokens=h.num_computed)
+        await self.bus.request(subject, DecodeRequest(
+            request_id=h.request_id, handle=handle, prompt_token_ids=h.prompt_token_ids,
+            output_token_ids=h.output_token_ids, sampling=h.params, tier=tier, stream_subject=stream_subject,
+            next_seq=next_seq, session_id=session_id, attempt=attempt, origin=origin), timeout=timeout)
+        return h, res
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def receive(self, handle: TransferHandle) -> bytes:
+        """The verified bytes of a transfer addressed to this worker (waits for them)."""
+        payload = await self.receiver.take(handle.transfer_id, timeout=self.settings.data.timeout)
+        try:
+            return bytes(payload.data)  # the engine copies it into its KV cache; the buffer goes back
+        finally:
+            payload.release()
+
+    def discard(self, transfer_id: str) -> None:
+        self.receiver.discard(transfer_id)
+
+    # -- the KV pool ----------------------------------------------------------------------------
+
+    async def fetch_prefix(self, prompt: list[int]) -> tuple[list[int], bytearray] | None:
+        """The longest prefix of ``prompt`` the pool holds beyond what the engine's own prefix
+        cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better."""
+        if self.pool is None:
+            return None
+        have = await self.engine.cached_prefix_tokens(prompt)
+        return await self.pool.fetch_prefix(prompt, have)
+
+    def store_later(self, token_ids: list[int], kv) -> None:
+        """Write the full chunks of (``token_ids``, their KV) back to the pool, in the background."""
+        if self.pool is not None:
+            self.pool.store_later(token_ids, kv)
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+        if self.events is not None:
+            await self.events.close()
+        await self.receiver.close()
+        await self.sender.close()
+
+
+class PoolClient:
+    """A worker's side of the pool: fetch a cached prefix, write chunks back.
+
+    Control on NATS, entries on the data plane (services/kvpool.py has the other side)::
+
+        lookup(keys)  -- tandem.kvpool.lookup (queue group) -->  hits, tiers, pool id, data address
+        get(keys, my receiver) -- tandem.kvpool.<id>.get -->     the pool sends a bundle of entries
+        bundle -> pool receiver, then put(keys, transfer id) -- tandem.kvpool.<id>.put --> stored
+    """
+
+    def __init__(self, bus: Bus, settings: PoolSettings, scope: KeyScope, layout, worker_id: str,
+                 sender: KVSender, receiver, data_host: str, data_port: int):
+        self.bus = bus
+        self.settings = settings
+        self.scope = scope
+        self.shape = ChunkShape.from_layout(layout.to_dict())
+        self.chunk_bytes = settings.chunk_tokens * layout.token_bytes
+        self.codec = Codec(settings.codec)
+        self.worker_id = worker_id
+        self.sender, self.receiver = sender, receiver
+        self.data_host, self.data_port = data_host, data_port
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self._skip_until = 0.0    # after a pool failure, prompts do not wait on it until then
+        self.hits = self.misses = self.errors = self.stored = 0
+
+    def keys(self, token_ids: list[int], limit: int | None = None) -> list[str]:
+        return chunk_keys(self.scope, token_ids, limit)
+
+    async def _lookup(self, keys: list[str]) -> PoolLookupReply:
+        return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys), timeout=self.settings.timeout)
+
+    async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0) -> tuple[list[int], bytearray] | None:
+        """(tokens, KV) of the longest stored prefix of ``prompt`` (at most len − 1 tokens: the
+        last one is always computed), or None when the pool has no more than ``have_tokens``."""
+        keys = self.keys(prompt, len(prompt) - 1)
+        if len(keys) * self.settings.chunk_tokens <= have_tokens:
+            return None
+        if time.monotonic() < self._skip_until:  # the pool failed just now: do not wait on it again
+            return None
+        tid = f"{self.worker_id}-pool-{next(self._ids)}"
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.settings.timeout):  # the whole fetch, not each step
+                found = await self._lookup(keys)
+                if found.hits * self.settings.chunk_tokens <= have_tokens:
+                    self.misses += 1
+                    return None
+                reply = await self.bus.request(subjects.kvpool_get(found.pool_id), PoolGet(
+                    keys=keys[:found.hits], transfer_id=tid, host=self.data_host, port=self.data_port),
+                    timeout=self.settings.timeout)
+                if reply.found == 0:
+                    self.receiver.discard(tid)
+                    return None
+                payload = await self.receiver.take(tid, timeout=self.settings.timeout)
+                with payload:
+                    kv = await asyncio.to_thread(self._decode, keys[:reply.found], payload.data)
+        except (BusError, TransferError, CorruptEntry, TimeoutError) as e:
+            self.receiver.discard(tid)
+            self.errors += 1
+            self._skip_until = time.monotonic() + self.settings.backoff_s
+            log.warning("KV pool unavailable for this prompt (%s); computing it, and not asking the pool "
+                        "for %.0f s", str(e) or f"no answer within {self.settings.timeout:.1f} s", self.settings.backoff_s)
+            return None
+        self.hits += 1
+        n = reply.found * self.settings.chunk_tokens
+        log.info("KV pool: %d prefix tokens (%s) in %.1f ms", n, ",".join(sorted(set(found.tiers))),
+                 (time.perf_counter() - t0) * 1e3)
+        return prompt[:n], kv
+
+    def _decode(self, keys: list[str], bundle) -> bytearray:
+        entries = unpack_entries(bundle)
+        out = bytearray(len(entries) * self.chunk_bytes)
+        for i, (k, e) in enumerate(zip(keys, entries)):
+            raw = decode_entry(e, k)
+            if len(raw) != self.chunk_bytes:
+                raise CorruptEntry(f"entry {k[:16]} holds {len(raw)} bytes, a chunk is {self.chunk_bytes}")
+            out[i * self.chunk_bytes:(i + 1) * self.chunk_bytes] = raw
+        return out
+
+    def store_later(self, token_ids: list[int], kv) -> None:
+        """Write back the full chunks of (``token_ids``, their KV) in the background."""
+        if len(token_ids) < self.settings.chunk_tokens:
+            return
+        t = asyncio.create_task(self.store(token_ids, kv), name="pool-store")
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def store(self, token_ids: list[int], kv) -> int:
+        """Put the chunks the pool lacks; returns how many it stored (0 on any failure)."""
+        keys = self.keys(token_ids)
+        try:
+            found = await self._lookup(keys)
+            missing = keys[found.hits:]
+            if not missing or not found.data_port:
+                return 0
+            entries = await asyncio.to_thread(self._encode, missing, kv, found.hits)
+            tid = f"{self.worker_id}-put-{next(self._ids)}"
+            await send_and_report(self.bus, self.sender, self.worker_id, found.data_host, found.data_port, tid,
+                                  pack_entries(entries), compressible=False)
+            reply = await self.bus.request(subjects.kvpool_put(found.pool_id),
+                                           PoolPut(keys=missing, transfer_id=tid), timeout=self.settings.timeout)
+        except (BusError, TransferError, TimeoutError) as e:
+            self.errors += 1
+            log.warning("KV pool write-back failed: %s", e)
+            return 0
+        self.stored += reply.stored
+        return reply.stored
+
+    def _encode(self, keys: list[str], kv, first: int) -> list[bytes]:
+        mv = memoryview(kv).cast("B")
+        c = self.chunk_bytes
+        return [self.codec.encode(k, mv[(first + i) * c:(first + i + 1) * c], self.shape) for i, k in enumerate(keys)]
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=30)

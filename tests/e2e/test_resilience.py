@@ -1,0 +1,278 @@
+"""Nothing lost when a process dies (docs/reliability.md), as a user sees it: `tandem up` with two
+cpu-decode workers, the official openai client streaming; `kill -9` of the worker holding a
+stream, of the prefill worker during a long prompt, and of the embedded nats-server. Every
+stream ends with exactly the text of an undisturbed run (greedy and seeded), nothing is
+repeated or skipped, the dead copy comes back, and new requests are served."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shared import subjects
+from shared.bus import Bus
+from shared.schemas import Heartbeat
+from tests.e2e.test_stack import running_stack
+
+pytestmark = pytest.mark.timeout(600)
+
+STORY = "Write a long story about a lighthouse keeper, number {}."
+MAX_TOKENS = 72
+LONG = " ".join(f"Fact {i}: the harbour has {i} boats and {i * 3} gulls." for i in range(120))
+
+
+def pid_of(worker_id: str) -> int:
+    """The pid of the service process running as ``worker_id`` (its TANDEM_WORKER_ID)."""
+    want = f"TANDEM_WORKER_ID={worker_id}".encode()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if want in (d / "environ").read_bytes().split(b"\0"):
+                    return int(d.name)
+            except OSError:
+                continue
+    raise LookupError(f"no process runs as {worker_id}")
+
+
+def nats_pid(stack) -> int:
+    """The embedded nats-server started by this stack's `tandem up` (its direct child)."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if "(nats-server)" in stat and int(stat.rsplit(")", 1)[1].split()[1]) == stack.proc.pid:
+                return int(d.name)
+    raise LookupError("no embedded nats-server under this stack")
+
+
+class Watch:
+    """Heartbeats on the stack's bus: which worker holds which request."""
+
+    def __init__(self, bus: Bus):
+        self.bus, self.beats = bus, {}
+
+    async def start(self) -> "Watch":
+        sub = await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
+        self.task = asyncio.create_task(self._run(sub))
+        return self
+
+    async def _run(self, sub) -> None:
+        async for b in sub:
+            self.beats[b.worker_id] = b
+
+    def holder(self, rid: str, roles=subjects.DECODE_ROLES) -> str | None:
+        for b in self.beats.values():
+            if b.role in roles and any(r[0] == rid for r in b.requests):
+                return b.worker_id
+        return None
+
+    async def wait_holder_role(self, role: str, timeout: float = 60) -> str:
+        """The first worker of ``role`` seen holding any request."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            w = next((b.worker_id for b in list(self.beats.values()) if b.role == role and b.requests), None)
+            if w:
+                return w
+            await asyncio.sleep(0.02)
+        raise TimeoutError(f"no {role} worker ever held a request")
+
+    async def wait_holder(self, rid: str, roles=subjects.DECODE_ROLES, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            w = self.holder(rid, roles)
+            if w:
+                return w
+            await asyncio.sleep(0.05)
+        seen = {w: (b.role, b.requests) for w, b in self.beats.items()}
+        raise TimeoutError(f"no {roles} worker lists {rid}; heartbeats: {seen}")
+
+
+async def stream(client, model, prompt: str, *, temperature: float = 0.0, seed: int | None = None,
+                 on_chunk=None, max_tokens: int = MAX_TOKENS) -> dict:
+    """One streamed chat completion: its id, text, finish reason, usage, content chunk count."""
+    s = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=temperature, seed=seed, stream=True, extra_body={"ignore_eos": True})
+    out = {"id": "", "text": "", "finish": None, "usage": None, "chunks": 0}
+    async for ch in s:
+        out["id"] = ch.id
+        if ch.usage:
+            out["usage"] = ch.usage
+        if ch.choices:
+            out["text"] += ch.choices[0].delta.content or ""
+            out["finish"] = ch.choices[0].finish_reason or out["finish"]
+            out["chunks"] += 1
+            if on_chunk is not None:
+                await on_chunk(out)
+    return out
+
+
+def restarted(stack, name: str) -> bool:
+    return re.search(rf"{re.escape(name)}\S* exited with code -9; restarting", stack.tail(400)) is not None
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server):
+    with running_stack(nats_server, ["--cpu-decode", "2", "--kvpool", "1"]) as s:
+        yield s
+
+
+async def test_streams_survive_a_killed_decode_worker(stack, nats_server):
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    bus = await Bus.connect(url=nats_server, name="e2e-resilience")
+    watch = await Watch(bus).start()
+    try:
+        jobs = [(STORY.format(i), 0.0, None) for i in range(3)] + [(STORY.format(9), 0.9, 1234)]
+        n = 400  # long enough that a heartbeat sees them running on the fastest CPU here
+        want = [await stream(client, model, p, temperature=t, seed=s, max_tokens=n) for p, t, s in jobs]  # undisturbed
+        assert all(w["finish"] == "length" and w["text"] for w in want)
+
+        started = {i: asyncio.Event() for i in range(len(jobs))}
+
+        ids = set()
+
+        def noting(i):
+            async def on_chunk(out):
+                ids.add(out["id"])
+                if out["chunks"] >= 4:
+                    started[i].set()
+            return on_chunk
+
+        runs = [asyncio.create_task(stream(client, model, p, temperature=t, seed=s, on_chunk=noting(i), max_tokens=n))
+                for i, (p, t, s) in enumerate(jobs)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
+        # the decode worker holding the most of these streams dies, mid-stream (a heartbeat shows it)
+        deadline, holders = time.monotonic() + 30, []
+        while not holders and time.monotonic() < deadline:
+            holders = [b for b in list(watch.beats.values()) if b.role in subjects.DECODE_ROLES
+                       and any(r[0] in ids for r in b.requests)]
+            await asyncio.sleep(0.02)
+        assert holders, f"no decode worker's heartbeat lists a stream: {watch.beats}"
+        victim_beat = max(holders, key=lambda b: len(b.requests))
+        victim, role = victim_beat.worker_id, victim_beat.role
+        os.kill(pid_of(victim), signal.SIGKILL)
+        got = await asyncio.wait_for(asyncio.gather(*runs), 240)
+
+        for g, w in zip(got, want):
+            assert g["text"] == w["text"] and g["finish"] == w["finish"] == "length"
+            assert g["usage"].completion_tokens == n
+        resumed = [g for g in got if (g["usage"].model_extra or {}).get("tandem")]
+        assert resumed, "no stream says it was resumed, though its worker died"
+        for g in resumed:
+            t = g["usage"].model_extra["tandem"]
+            assert t["resumes"] >= 1 and t["reused_tokens"] + t["recomputed_tokens"] > 0
+
+        after = await stream(client, model, STORY.format(0), max_tokens=n)   # served after the kill
+        assert after["text"] == want[0]["text"]
+        deadline = time.monotonic() + 120                       # the dead copy is back
+        while time.monotonic() < deadline and not restarted(stack, role):
+            await asyncio.sleep(0.5)
+        assert restarted(stack, role), stack.tail()
+        stack.wait_workers({"cpu-decode": 2, "gpu-decode": 1}, 180)
+    finally:
+        watch.task.cancel()
+        await bus.close()
+
+
+async def test_a_killed_prefill_worker_loses_nothing(stack, nats_server):
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    bus = await Bus.connect(url=nats_server, name="e2e-resilience-prefill")
+    watch = await Watch(bus).start()
+    try:
+        prompt = LONG + " Now tell a story about them."
+        run = asyncio.create_task(stream(client, model, prompt, max_tokens=24))
+        victim = await watch.wait_holder_role(subjects.PREFILL)
+        os.kill(pid_of(victim), signal.SIGKILL)
+        got = await asyncio.wait_for(run, 240)
+        want = await stream(client, model, prompt, max_tokens=24)  # undisturbed, after the fact
+        assert got["text"] == want["text"] and got["finish"] == "length"
+    finally:
+        watch.task.cancel()
+        await bus.close()
+
+
+def test_the_bus_dies_and_comes_back():
+    """The embedded nats-server is killed mid-stream: `tandem up` restarts it on the same address;
+    the stream in flight ends with the undisturbed text (or, never silently, an error event), and
+    new requests are served within 5 s of the server being back."""
+    with running_stack(None, ["--prefill", "0", "--gpu-decode", "0", "--kvpool", "0"]) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        args = dict(model=model, messages=[{"role": "user", "content": STORY.format(5)}], max_tokens=MAX_TOKENS,
+                    temperature=0, extra_body={"ignore_eos": True})
+        want = client.chat.completions.create(**args).choices[0].message.content
+        text, n = "", 0
+        for ch in client.chat.completions.create(**args, stream=True):
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                n += 1
+                if n == 5:
+                    os.kill(nats_pid(s), signal.SIGKILL)
+        assert text == want
+        # back: a new request is served within 5 s of the restarted server accepting connections
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "embedded nats-server back on" not in s.tail(200):
+            time.sleep(0.1)
+        back = time.monotonic()
+        assert "embedded nats-server back on" in s.tail(200), s.tail()
+        served = None
+        while time.monotonic() - back < 30:
+            try:
+                r = httpx.post(s.url + "/v1/chat/completions", json={**args, "max_tokens": 4}, timeout=10)
+                if r.status_code == 200:
+                    served = time.monotonic() - back
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert served is not None and served <= 5.0, (served, s.tail())
+
+
+async def test_a_client_that_leaves_frees_the_kv_at_once(stack, nats_server):
+    """The client closes its stream: within a second (plus one heartbeat to see it) the worker
+    that held the request holds nothing and its free KV blocks are back at their idle count."""
+    interval = 0.5  # TANDEM_HEARTBEAT_INTERVAL of the test stacks
+    bus = await Bus.connect(url=nats_server, name="e2e-client-gone")
+    watch = await Watch(bus).start()
+    http = httpx.AsyncClient(base_url=stack.url, timeout=120)
+    try:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        await asyncio.sleep(3 * interval)
+        idle = {w: b.free_kv_blocks for w, b in watch.beats.items() if b.role in subjects.DECODE_ROLES}
+        body = {"model": model, "messages": [{"role": "user", "content": STORY.format(42)}], "max_tokens": 1000,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            rid, holder = None, None
+            async for line in r.aiter_lines():  # read until a heartbeat shows who decodes it
+                if line.startswith("data: {"):
+                    rid = rid or line.split('"id":"', 1)[1].split('"', 1)[0]
+                    holder = watch.holder(rid)
+                    if holder:
+                        break
+            assert holder, f"the stream ended before any heartbeat listed {rid}"
+            await r.aclose()
+        closed, closed_at = time.monotonic(), time.time()
+        while time.monotonic() - closed < 30:
+            b = watch.beats[holder]  # a heartbeat sent after the client left, showing it all freed
+            if b.ts > closed_at and not any(q[0] == rid for q in b.requests) and b.free_kv_blocks == idle[holder]:
+                break
+            await asyncio.sleep(0.02)
+        freed = time.monotonic() - closed
+        assert b.free_kv_blocks == idle[holder] and not any(q[0] == rid for q in b.requests)
+        assert freed <= 1.0 + 2 * interval, f"KV freed {freed:.2f} s after the client left"
+    finally:
+        await http.aclose()
+        watch.task.cancel()
+        await bus.close()
