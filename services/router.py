@@ -80,6 +80,7 @@ class Router:
         log.info("router %s ready (policy %s)", self.worker_id, self.policy)
 
     def heartbeat(self) -> Heartbeat:
+        metrics.set_ready(subjects.ROUTER, self.bus.nc.is_connected)
         return Heartbeat(worker_id=self.worker_id, role=subjects.ROUTER, device="cpu", model="", ready=True,
                          queue_depth=0, running=0, free_kv_blocks=0, total_kv_blocks=0, max_context=0,
                          data_host="", data_port=0, ts=time.time(),

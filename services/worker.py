@@ -135,8 +135,10 @@ class EngineWorker:
             metrics.ENERGY.labels(self.role, domain).inc(j)
         metrics.set_engine_load(self.role, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
                                 kv_used=st["total_kv_blocks"] - st["free_kv_blocks"], kv_free=st["free_kv_blocks"])
+        ready = self.ready()
+        metrics.set_ready(self.role, ready and self.bus.nc.is_connected)
         return Heartbeat(worker_id=self.worker_id, role=self.role, device=self.device, model=self.model_name,
-                         ready=self.ready(), queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
+                         ready=ready, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
                          free_kv_blocks=st["free_kv_blocks"], total_kv_blocks=st["total_kv_blocks"],
                          max_context=self.engine.max_context, data_host=self.data_host,
                          data_port=self.data_port, ts=time.time(),

@@ -53,6 +53,8 @@ ROUTES = Counter("tandem_routes", "router placements by policy, decode pool and 
 QUEUE_DEPTH = Gauge("tandem_queue_depth", "requests waiting for an engine step", ["service"])
 RUNNING = Gauge("tandem_running_sequences", "sequences in the running batch", ["service"])
 KV_BLOCKS = Gauge("tandem_kv_blocks", "paged KV cache blocks by state (used, free)", ["service", "state"])
+READY = Gauge("tandem_ready", "1 while the service takes work: connected to NATS and (engines) not stuck "
+              "in a step; `tandem health` checks it", ["service"])
 
 # -- KV pool, per storage tier ----------------------------------------------------------------
 POOL_LOOKUPS = Counter("tandem_pool_lookups", "KV pool lookups by storage tier and result (hit, miss)",
@@ -99,6 +101,10 @@ def set_engine_load(service: str, *, queue_depth: int, running: int, kv_used: in
     RUNNING.labels(service).set(running)
     KV_BLOCKS.labels(service, "used").set(kv_used)
     KV_BLOCKS.labels(service, "free").set(kv_free)
+
+
+def set_ready(service: str, ready: bool) -> None:
+    READY.labels(service).set(1 if ready else 0)
 
 
 def pool_lookup(tier: str, hit: bool, nbytes: int = 0) -> None:
