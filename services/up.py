@@ -28,6 +28,7 @@ import time
 
 from shared import metrics
 from shared.nats_server import EmbeddedNats
+from shared.settings import Settings
 
 log = logging.getLogger("tandem.up")
 
@@ -220,7 +221,7 @@ async def _up(args: argparse.Namespace) -> int:
     env = dict(os.environ, **topology(args))
     nats = None
     if not env.get("TANDEM_NATS_URL"):
-        nats = EmbeddedNats()
+        nats = EmbeddedNats(store_dir=Settings.from_env(env).nats.store_dir)
         env["TANDEM_NATS_URL"] = await asyncio.to_thread(nats.start)
         log.info("embedded NATS (JetStream) at %s", env["TANDEM_NATS_URL"])
     if args.port:

@@ -56,14 +56,15 @@ class EmbeddedNats:
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None,
                  extra_args: list[str] | None = None, startup_timeout: float = 10.0,
-                 log_file: Path | None = None):
+                 log_file: Path | None = None, store_dir: str | Path | None = None):
         self.host = host                          # bind address (loopback by default)
         self.port = port                          # None: a free port at start()
         self.extra_args = list(extra_args or [])  # e.g. ["--user", "u", "--pass", "p"]
         self.startup_timeout = startup_timeout    # seconds to wait for it to accept connections
         self.log_file = log_file                  # server output; None: discarded
         self.name = ""                            # the server name it is started with (-n)
-        self.store_dir: Path | None = None
+        self.store_dir: Path | None = Path(store_dir).expanduser() if store_dir else None
+        self.keep_store = self.store_dir is not None  # a given store is the user's: never removed
         self.proc: subprocess.Popen | None = None
         self._log_fh = None
 
@@ -102,6 +103,7 @@ class EmbeddedNats:
     def _start_once(self, binary: Path) -> str:
         if self.store_dir is None:
             self.store_dir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
+        self.store_dir.mkdir(parents=True, exist_ok=True)
         self.name = f"tandem-{uuid.uuid4().hex[:12]}"
         cmd = [str(binary), "-js", "-sd", str(self.store_dir), "-a", self.host,
                "-p", str(self.port), "-n", self.name, *self.extra_args]
@@ -166,7 +168,7 @@ class EmbeddedNats:
         if self._log_fh is not None:
             self._log_fh.close()
             self._log_fh = None
-        if self.store_dir is not None and remove_store:
+        if self.store_dir is not None and remove_store and not self.keep_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
 

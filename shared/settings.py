@@ -35,6 +35,9 @@ class NatsSettings:
     url: str | None = _env("TANDEM_NATS_URL", None,
                            "NATS server URL(s), comma-separated (nats://, tls://); unset: "
                            "`tandem up` starts an embedded nats-server")
+    store_dir: str | None = _env("TANDEM_NATS_STORE_DIR", None,
+                                 "JetStream store of `tandem up`'s embedded nats-server, kept across runs "
+                                 "(stored Responses, sessions, the prefix index); unset: a temporary one")
     user: str | None = _env("TANDEM_NATS_USER", None, "NATS user name (with TANDEM_NATS_PASSWORD)")
     password: str | None = _env("TANDEM_NATS_PASSWORD", None, "NATS password")
     token: str | None = _env("TANDEM_NATS_TOKEN", None, "NATS auth token (instead of user/password)")
@@ -250,6 +253,8 @@ class GatewaySettings:
     resume_wait_s: float = _env("TANDEM_RESUME_WAIT_S", 30.0, "seconds a lost request waits for a worker that "
                                 "can take it over before the client gets an error")
     max_body_bytes: int = _env("TANDEM_MAX_BODY_BYTES", 32 << 20, "larger request bodies get 413")
+    responses_retention_s: float = _env("TANDEM_RESPONSES_RETENTION_S", 30 * 86400.0, "stored Responses "
+                                        "(/v1/responses with store) are kept this long")
     drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long")
 
     @classmethod

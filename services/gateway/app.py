@@ -24,6 +24,7 @@ from shared.tier import TIERS
 
 from .backend import Backend, BackendError
 from .handlers import GatewayState, router
+from .responses import router as responses_router
 from .openai_api import APIError, json_response
 
 log = logging.getLogger("tandem.gateway")
@@ -87,6 +88,7 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     app.include_router(router)
+    app.include_router(responses_router)
     return app
 
 

@@ -15,11 +15,13 @@ Each handler finds the gateway's state (backend, settings, ...) as ``request.app
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
@@ -54,6 +56,7 @@ class GatewayState:
     started: int = field(default_factory=lambda: int(time.time()))
     token_str: TokenStrings = field(init=False)
     key_tiers: dict[str, str] = field(init=False)   # accepted bearer tokens -> their default tier
+    responses: Any = None                           # stored Responses (responses.ResponseStore), made at first use
 
     def __post_init__(self) -> None:
         self.token_str = TokenStrings(self.backend.tokenizer)
@@ -67,15 +70,18 @@ def state(request: Request) -> GatewayState:
 # ---- request plumbing -----------------------------------------------------------------------
 
 def check_auth(request: Request) -> None:
-    """401 unless a configured bearer token is sent; remembers that key's default tier."""
+    """401 unless a configured bearer token is sent; remembers that key's default tier and its
+    tenant (what it stores, e.g. Responses, only that key reads: ``public`` without keys)."""
     gw = state(request)
     request.state.key_tier = gw.settings.default_tier
+    request.state.tenant = "public"
     if not gw.key_tiers:
         return
     auth = request.headers.get("authorization", "").encode()
     for key, tier in gw.key_tiers.items():
         if hmac.compare_digest(auth, f"Bearer {key}".encode()):
             request.state.key_tier = tier
+            request.state.tenant = hashlib.sha256(key.encode()).hexdigest()[:24]
             return
     raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
@@ -202,12 +208,10 @@ async def update_session(session_id: str, request: Request) -> Response:
     return json_response(state_)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    rid = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    check_auth(request)
+async def prepare_chat(request: Request, req: ChatCompletionRequest, rid: str) -> tuple[GenerationRequest, ChatFormat]:
+    """A validated chat request -> the backend request and its response format (the Responses
+    API comes through here too: one request path)."""
     gw = state(request)
-    req = validate_model(ChatCompletionRequest, await read_body(request))
     tier, session = common(request, req, rid)
     messages = chat_messages(req.messages)
     if sum(len(m["content"]) for m in messages) > OFFLOAD_CHARS:  # long: keep the event loop free
@@ -223,8 +227,16 @@ async def chat_completions(request: Request) -> Response:
     want_lp = bool(req.logprobs)
     sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.top_logprobs or 0)
     fmt = ChatFormat(rid, req.model, gw.token_str, (req.top_logprobs or 0) if want_lp else None)
-    return await streaming.run(request, gw.backend, GenerationRequest(rid, req.model, prompt, sampling, tier, session),
-                               fmt, req.stream, req.user)
+    return GenerationRequest(rid, req.model, prompt, sampling, tier, session), fmt
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    rid = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    check_auth(request)
+    req = validate_model(ChatCompletionRequest, await read_body(request))
+    g, fmt = await prepare_chat(request, req, rid)
+    return await streaming.run(request, state(request).backend, g, fmt, req.stream, req.user)
 
 
 @router.post("/v1/completions")

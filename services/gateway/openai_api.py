@@ -90,7 +90,7 @@ def validate_model(model_cls: type[BaseModel], data: dict) -> BaseModel:
     except ValidationError as e:
         err = e.errors()[0]
         # pydantic appends a union member's type to loc ("stop", "str"); keep the field path only
-        loc = tuple(p for p in err["loc"] if isinstance(p, int) or p in _FIELD_NAMES)
+        loc = tuple(p for p in err["loc"] if isinstance(p, int) or p in _FIELD_NAMES or p in model_cls.model_fields)
         param = _loc_to_param(loc) or None
         raise bad_param(param, f"invalid parameter {param}: {err['msg']}") from None
 
@@ -392,9 +392,31 @@ class Accumulator:
 
 
 class _Format:
-    """Shared state of one response: id, created time, model, logprob spelling."""
+    """Shared state of one response: id, created time, model, logprob spelling; how its stream
+    is framed. ``streaming.run`` calls ``first_chunks``, ``delta_chunks`` per output, ``finish``
+    (async, once the request is complete), then ``final_chunks`` or ``response``; a failure
+    mid-stream sends ``error_chunks``; each chunk goes out through ``frame``, then ``done``."""
     object_full: str
     object_chunk: str
+    done: bytes | None = SSE_DONE       # the stream's last event (chat, completions: [DONE])
+
+    @staticmethod
+    def frame(chunk: dict) -> bytes:
+        return sse(chunk)
+
+    def delta_chunks(self, out: RequestOutput) -> list[dict]:
+        chunk = self.delta_chunk(out)
+        return [] if chunk is None else [chunk]
+
+    def final_chunks(self, acc: Accumulator) -> list[dict]:
+        return [self.final_chunk(acc), self.usage_chunk(acc)]
+
+    @staticmethod
+    def error_chunks(error: APIError) -> list[dict]:
+        return [error.body()]
+
+    async def finish(self, acc: Accumulator) -> None:
+        """Hook once the request is complete (the Responses API stores the response here)."""
 
     def __init__(self, request_id: str, model: str, token_str: TokenStrings, top_logprobs: int | None):
         self.id = request_id

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from shared import metrics
 
 from .backend import Backend, BackendError, GenerationRequest
-from .openai_api import SSE_DONE, Accumulator, APIError, _Format, json_response, sse
+from .openai_api import Accumulator, APIError, _Format, json_response
 
 log = logging.getLogger("tandem.gateway")
 
@@ -158,6 +158,7 @@ async def _collect(request: Request, backend: Backend, g: GenerationRequest, it,
     finally:
         await _close(it)
     _done(g, acc, t0)
+    await fmt.finish(acc)
     return json_response(fmt.response(acc), headers=headers)
 
 
@@ -167,13 +168,12 @@ async def _events(backend: Backend, g: GenerationRequest, it, first, acc: Accumu
     finished = False
     try:
         for chunk in fmt.first_chunks():
-            yield sse(chunk)
+            yield fmt.frame(chunk)
         out = first
         while True:
             acc.add(out)
-            chunk = fmt.delta_chunk(out)
-            if chunk is not None:
-                yield sse(chunk)
+            for chunk in fmt.delta_chunks(out):
+                yield fmt.frame(chunk)
             if out.finished:
                 finished = True
                 break
@@ -181,20 +181,26 @@ async def _events(backend: Backend, g: GenerationRequest, it, first, acc: Accumu
                 out = await it.__anext__()
             except StopAsyncIteration:
                 raise BackendError("internal_error", "the backend ended the stream without finishing", 502) from None
-        yield sse(fmt.final_chunk(acc))
-        yield sse(fmt.usage_chunk(acc))
-        yield SSE_DONE
+        await fmt.finish(acc)
+        for chunk in fmt.final_chunks(acc):
+            yield fmt.frame(chunk)
+        if fmt.done:
+            yield fmt.done
         _done(g, acc, t0)
     except BackendError as e:  # mid-stream: the status is sent already; an error event instead
         finished = True
         metrics.observe_request("gateway", g.tier, outcome="error")
         log.warning("%s failed mid-stream %d %s: %s", rid, e.status, e.code, e.message)
-        yield sse(APIError.from_backend(e).body())
-        yield SSE_DONE
+        for chunk in fmt.error_chunks(APIError.from_backend(e)):
+            yield fmt.frame(chunk)
+        if fmt.done:
+            yield fmt.done
     except Exception as e:  # a bug: tell the client, abort (in finally), keep serving
         log.exception("%s internal error mid-stream", rid)
-        yield sse(APIError(500, f"internal error: {type(e).__name__}", code="internal_error").body())
-        yield SSE_DONE
+        for chunk in fmt.error_chunks(APIError(500, f"internal error: {type(e).__name__}", code="internal_error")):
+            yield fmt.frame(chunk)
+        if fmt.done:
+            yield fmt.done
     finally:
         if not finished:
             await abort(backend, rid, "client disconnected mid-stream")

@@ -1,0 +1,492 @@
+"""OpenAI's Responses API (``/v1/responses``) on the chat-completions request path.
+
+A Responses request is translated into a ``ChatCompletionRequest`` — ``input`` items become chat
+messages (``function_call`` → an assistant ``tool_calls`` entry, ``function_call_output`` → a
+``tool`` message), ``instructions`` the system message, function ``tools`` / ``tool_choice`` /
+``text.format`` their chat spellings — and runs through ``handlers.prepare_chat`` and
+``streaming.run`` like any chat request: same auth, limits, tiers, metrics, traces, cancellation.
+``ResponsesFormat`` turns the chat deltas into the Responses event sequence and the final chat
+message into ``output`` items.
+
+Stored responses (``store``, default true) keep the response, its input items and the whole
+conversation as chat messages, per tenant (the API key): ``previous_response_id`` continues that
+conversation, and since the prompt is the same conversation rendered by the same template, the
+workers' prefix caches and the KV pool hold its prefix (``cached_tokens``). The conversation's
+session id (``prompt_cache_key``, else the first response's id) steers the router to the worker
+holding it. Where they are kept: ``ResponseStore`` below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict
+
+from . import streaming
+from .handlers import check_auth, prepare_chat, read_body, state
+from .openai_api import (
+    SESSION_RE, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
+    validate_model,
+)
+
+log = logging.getLogger("tandem.gateway")
+
+router = APIRouter()
+
+BUCKET = "tandem_responses"      # JetStream KV bucket of stored responses (key: <tenant>.<response id>)
+DEFAULT_RETENTION_S = 30 * 86400
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    include: list[str] | None = None           # accepted; nothing to include beyond the defaults
+    store: bool = True
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    truncation: str | None = None               # "disabled" (default) or "auto": accepted, never truncates
+    reasoning: dict[str, Any] | None = None     # accepted; the model has no reasoning mode
+    stream: bool = False
+    # Tandem extensions, as on the chat endpoint
+    sla: str | None = None
+    tier: str | None = None
+    session_id: str | None = None
+    ignore_eos: bool = False
+
+
+# ---- request translation -----------------------------------------------------------------------
+
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_param(where, "content must be a string or a list of content parts")
+    parts = []
+    for j, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS or not isinstance(p.get("text"), str):
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            raise bad_param(f"{where}[{j}]", f"unsupported content part {kind!r}: only input_text and "
+                                             f"output_text are supported", code="unsupported_parameter")
+        parts.append(p["text"])
+    return "\n".join(parts)
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """Responses ``input`` -> chat messages (OpenAI chat shape). ``reasoning`` items are dropped
+    (the model has no reasoning mode; their text is not the model's to see again)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for i, it in enumerate(items):
+        kind = it.get("type", "message" if "role" in it else None)
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_param(f"input[{i}].role", f"unsupported role {role!r}: expected user, system, "
+                                                    f"developer or assistant")
+            out.append({"role": role, "content": _text(it.get("content", ""), f"input[{i}].content")})
+        elif kind == "function_call":
+            call = {"id": it.get("call_id") or it.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": it.get("name", ""), "arguments": it.get("arguments", "")}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)   # parallel calls of one assistant turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = it.get("output", "")
+            out.append({"role": "tool", "tool_call_id": it.get("call_id", ""),
+                        "content": output if isinstance(output, str) else _text(output, f"input[{i}].output")})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise bad_param(f"input[{i}].type", f"unsupported input item type {kind!r}: expected message, "
+                                                f"function_call, function_call_output or reasoning",
+                            code="unsupported_parameter")
+    return out
+
+
+def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[str]]:
+    """Function tools in the chat shape, and the kinds left out (hosted tools the server cannot
+    run: web_search, file_search, mcp, image_generation, code_interpreter, namespace groups...)."""
+    kept, dropped = [], []
+    for t in tools or []:
+        if t.get("type") == "function" and t.get("name"):
+            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+            kept.append({"type": "function", "function": fn})
+        else:
+            dropped.append(str(t.get("type")))
+    return kept or None, dropped
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict):  # a hosted tool type, or allowed_tools: let the model choose
+        return "auto"
+    return choice
+
+
+def chat_response_format(text: dict | None) -> dict | None:
+    fmt = (text or {}).get("format")
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": fmt.get("type")}
+
+
+def item_of(m: dict) -> dict:
+    """A chat message of this request's input as a Responses input item (``input_items``)."""
+    if m.get("tool_calls"):
+        tc = m["tool_calls"][0]
+        return {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": tc["id"],
+                "name": tc["function"]["name"], "arguments": tc["function"]["arguments"], "status": "completed"}
+    if m["role"] == "tool":
+        return {"id": f"fco_{uuid.uuid4().hex}", "type": "function_call_output", "call_id": m["tool_call_id"],
+                "output": m["content"], "status": "completed"}
+    part = "output_text" if m["role"] == "assistant" else "input_text"
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": m["role"], "status": "completed",
+            "content": [{"type": part, "text": m.get("content") or ""}]}
+
+
+def session_of(key: str) -> str:
+    """A prompt_cache_key as a session id (any string; hashed when it is not a valid id)."""
+    if SESSION_RE.match(key):
+        return key
+    return "pck-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+# ---- the stored conversation ----------------------------------------------------------------------
+
+class ResponseStore:
+    """Stored responses: a JetStream KV bucket on the bus when there is one (durable on the NATS
+    server's store, so they outlive the gateway — and the stack, when the store is kept: compose's
+    volume, or ``TANDEM_NATS_STORE_DIR`` for ``tandem up``), else this process's memory.
+    Keys are ``<tenant>.<id>``: another API key's lookup misses."""
+
+    def __init__(self, bus=None, retention_s: float = DEFAULT_RETENTION_S):
+        self.bus, self.retention_s = bus, retention_s
+        self._kv = None
+        self._mem: dict[str, bytes] = {}
+        self._lock = asyncio.Lock()
+
+    async def _bucket(self):
+        async with self._lock:
+            if self._kv is None:
+                from nats.js.api import KeyValueConfig
+                js = self.bus.nc.jetstream()
+                try:
+                    self._kv = await js.key_value(BUCKET)
+                except Exception:
+                    self._kv = await js.create_key_value(KeyValueConfig(bucket=BUCKET, ttl=self.retention_s,
+                                                                        max_value_size=8 << 20))
+            return self._kv
+
+    async def put(self, tenant: str, rid: str, record: dict) -> None:
+        data = orjson.dumps(record)
+        if self.bus is None:
+            self._mem[f"{tenant}.{rid}"] = data
+            return
+        await (await self._bucket()).put(f"{tenant}.{rid}", data)
+
+    async def get(self, tenant: str, rid: str) -> dict | None:
+        if self.bus is None:
+            data = self._mem.get(f"{tenant}.{rid}")
+            return None if data is None else orjson.loads(data)
+        from nats.js.errors import KeyNotFoundError
+        try:
+            entry = await (await self._bucket()).get(f"{tenant}.{rid}")
+        except KeyNotFoundError:
+            return None
+        return orjson.loads(entry.value) if entry.value else None
+
+    async def delete(self, tenant: str, rid: str) -> bool:
+        if await self.get(tenant, rid) is None:
+            return False
+        if self.bus is None:
+            self._mem.pop(f"{tenant}.{rid}", None)
+        else:
+            await (await self._bucket()).purge(f"{tenant}.{rid}")
+        return True
+
+
+def store_of(request: Request) -> ResponseStore:
+    gw = state(request)
+    if gw.responses is None:
+        gw.responses = ResponseStore(getattr(gw.backend, "bus", None), gw.settings.responses_retention_s)
+    return gw.responses
+
+
+_RID_RE = SESSION_RE
+
+
+def check_id(rid: str) -> None:
+    if not rid.startswith("resp_") or not _RID_RE.match(rid) or "." in rid:
+        raise APIError(404, f"No response found with id '{rid}'.", param="response_id", code="not_found")
+
+
+async def load(request: Request, rid: str) -> dict:
+    check_id(rid)
+    record = await store_of(request).get(request.state.tenant, rid)
+    if record is None:
+        raise APIError(404, f"No response found with id '{rid}'.", param="response_id", code="not_found")
+    return record
+
+
+# ---- the response object and its events -----------------------------------------------------------
+
+class ResponsesFormat(_Format):
+    """The Responses shape of one chat request: ``output`` items from the chat message, events
+    from the chat deltas (each with a ``sequence_number``)."""
+    done = None   # the stream ends with response.completed / incomplete / failed, no [DONE]
+
+    def __init__(self, chat: ChatFormat, rid: str, req: ResponsesRequest, echo: dict, on_finish):
+        super().__init__(rid, chat.model, chat.token_str, None)
+        self.chat, self.req, self.echo, self.on_finish = chat, req, echo, on_finish
+        self.created_at = int(time.time())
+        self.seq = 0
+        self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.items: list[dict] = []            # output items opened so far, in order
+        self.text_item: dict | None = None     # the open message item
+        self.calls: dict[int, dict] = {}       # chat tool-call index -> its function_call item
+        self.final: dict | None = None
+
+    @staticmethod
+    def frame(chunk: dict) -> bytes:
+        return b"event: " + chunk["type"].encode() + b"\ndata: " + orjson.dumps(chunk) + b"\n\n"
+
+    def _event(self, kind: str, **fields) -> dict:
+        ev = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return ev
+
+    def _object(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None,
+                incomplete: str | None = None) -> dict:
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "model": self.model, "output": output, "usage": usage, "error": error,
+                "incomplete_details": {"reason": incomplete} if incomplete else None, **self.echo}
+
+    # -- streaming
+    def first_chunks(self) -> list[dict]:
+        obj = self._object("in_progress", [])
+        return [self._event("response.created", response=obj), self._event("response.in_progress", response=obj)]
+
+    def delta_chunks(self, out) -> list[dict]:
+        chunk = self.chat.delta_chunk(out)
+        if chunk is None:
+            return []
+        delta = chunk["choices"][0]["delta"]
+        events = []
+        if delta.get("content"):
+            if self.text_item is None:
+                self.text_item = {"type": "message", "id": self.msg_id, "status": "in_progress",
+                                  "role": "assistant", "content": []}
+                self.items.append(self.text_item)
+                idx = len(self.items) - 1
+                events += [self._event("response.output_item.added", output_index=idx, item=dict(self.text_item)),
+                           self._event("response.content_part.added", item_id=self.msg_id, output_index=idx,
+                                       content_index=0, part={"type": "output_text", "text": "",
+                                                              "annotations": []})]
+            self.text_item.setdefault("_text", []).append(delta["content"])
+            events.append(self._event("response.output_text.delta", item_id=self.msg_id,
+                                      output_index=self.items.index(self.text_item), content_index=0,
+                                      delta=delta["content"], logprobs=[]))
+        for tc in delta.get("tool_calls") or []:
+            item = self.calls.get(tc.get("index", 0))
+            fn = tc.get("function") or {}
+            if item is None:
+                item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+                        "call_id": tc.get("id") or f"call_{uuid.uuid4().hex[:24]}", "name": fn.get("name", ""),
+                        "arguments": "", "status": "in_progress"}
+                self.calls[tc.get("index", 0)] = item
+                self.items.append(item)
+                events.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
+                                          item=dict(item)))
+            if fn.get("arguments"):
+                item["arguments"] += fn["arguments"]
+                events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                          output_index=self.items.index(item), delta=fn["arguments"]))
+        return events
+
+    async def finish(self, acc: Accumulator) -> None:
+        full = self._full(acc)
+        self.final = public(full)
+        await self.on_finish(full)
+
+    def final_chunks(self, acc: Accumulator) -> list[dict]:
+        final = self.final or self.response(acc)
+        events = []
+        for idx, item in enumerate(self.items):
+            done = final["output"][idx] if idx < len(final["output"]) else item
+            if item["type"] == "message":
+                text = done["content"][0]["text"] if done.get("content") else ""
+                events += [self._event("response.output_text.done", item_id=item["id"], output_index=idx,
+                                       content_index=0, text=text, logprobs=[]),
+                           self._event("response.content_part.done", item_id=item["id"], output_index=idx,
+                                       content_index=0, part=done["content"][0])]
+            else:
+                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                          output_index=idx, arguments=done["arguments"]))
+            events.append(self._event("response.output_item.done", output_index=idx, item=done))
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        return events + [self._event(kind, response=final)]
+
+    def error_chunks(self, error: APIError) -> list[dict]:
+        err = {"code": error.code or "server_error", "message": error.message}
+        return [self._event("response.failed", response=self._object("failed", [], error=err)),
+                self._event("error", code=err["code"], message=error.message, param=error.param)]
+
+    # -- the whole response
+    def output_items(self, message: dict) -> list[dict]:
+        """The chat message as output items, with the ids the stream used."""
+        items = []
+        text = message.get("content")
+        if text:
+            items.append({"type": "message", "id": self.msg_id, "status": "completed", "role": "assistant",
+                          "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+        streamed = list(self.calls.values())
+        for i, tc in enumerate(message.get("tool_calls") or []):
+            fn = tc.get("function") or {}
+            known = streamed[i] if i < len(streamed) else None
+            items.append({"type": "function_call", "id": known["id"] if known else f"fc_{uuid.uuid4().hex}",
+                          "call_id": tc.get("id") or (known or {}).get("call_id") or f"call_{uuid.uuid4().hex[:24]}",
+                          "name": fn.get("name", ""), "arguments": fn.get("arguments", ""), "status": "completed"})
+        if self.items and [it["type"] for it in self.items] != [it["type"] for it in items]:
+            # keep the streamed order (text first or calls first) for output_index consistency
+            by_type = {t: [it for it in items if it["type"] == t] for t in ("message", "function_call")}
+            items = [by_type[it["type"]].pop(0) for it in self.items if by_type[it["type"]]] + \
+                [it for t in by_type.values() for it in t]
+        return items
+
+    def response(self, acc: Accumulator) -> dict:
+        return self.final or public(self._full(acc))
+
+    def _full(self, acc: Accumulator) -> dict:
+        chat = self.chat.response(acc)
+        choice = chat["choices"][0]
+        u = chat["usage"]
+        usage = {"input_tokens": u["prompt_tokens"],
+                 "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                 "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": u["total_tokens"]}
+        if "tandem" in u:
+            usage["tandem"] = u["tandem"]
+        incomplete = "max_output_tokens" if choice["finish_reason"] == "length" else None
+        obj = self._object("incomplete" if incomplete else "completed", self.output_items(choice["message"]),
+                           usage=usage, incomplete=incomplete)
+        obj["_message"] = choice["message"]   # the assistant turn as a chat message (never sent)
+        return obj
+
+
+def public(obj: dict) -> dict:
+    return {k: v for k, v in obj.items() if not k.startswith("_")}
+
+
+# ---- endpoints ------------------------------------------------------------------------------------
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    rid = request.state.request_id = f"resp_{uuid.uuid4().hex}"
+    check_auth(request)
+    body = await read_body(request)
+    req = validate_model(ResponsesRequest, body)
+    if req.truncation not in (None, "disabled", "auto"):
+        raise bad_param("truncation", "truncation must be 'disabled' or 'auto'")
+    previous = await load(request, req.previous_response_id) if req.previous_response_id else None
+    history = list(previous["messages"]) if previous else []
+    new_messages = input_messages(req.input)
+    conversation = history + new_messages            # what is stored and continued next turn
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+    if not messages:
+        raise bad_param("input", "input must not be empty")
+    tools, dropped = chat_tools(req.tools)
+    if dropped:
+        log.info("%s leaving out tools the server cannot run: %s", rid, ", ".join(dropped))
+    # the conversation's session: its turns go to the worker holding its prefix
+    session = req.session_id or (session_of(req.prompt_cache_key) if req.prompt_cache_key else None) \
+        or (previous or {}).get("session") or (rid if req.store else None)
+    chat_body = {
+        "model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "user": req.user,
+        "sla": req.sla, "tier": req.tier, "session_id": session, "ignore_eos": req.ignore_eos,
+        "tools": tools, "tool_choice": chat_tool_choice(req.tool_choice) if tools else None,
+        "response_format": chat_response_format(req.text),
+    }
+    if req.parallel_tool_calls is not None and tools:
+        chat_body["parallel_tool_calls"] = req.parallel_tool_calls
+    chat_req = validate_model(ChatCompletionRequest, {k: v for k, v in chat_body.items() if v is not None})
+    g, chat_fmt = await prepare_chat(request, chat_req, rid)
+    echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature if req.temperature is not None else 1.0,
+            "top_p": req.top_p if req.top_p is not None else 1.0, "tools": req.tools or [],
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+            "previous_response_id": req.previous_response_id, "store": req.store, "metadata": req.metadata or {},
+            "text": req.text or {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
+            "user": req.user, "reasoning": {"effort": None, "summary": None}, "prompt_cache_key": req.prompt_cache_key}
+    tenant, store = request.state.tenant, store_of(request)
+    input_items = [item_of(m) for m in new_messages]
+
+    async def on_finish(final: dict) -> None:
+        if not req.store:
+            return
+        message = final.get("_message") or {"role": "assistant", "content": ""}
+        turn = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            turn["tool_calls"] = message["tool_calls"]
+        record = {"response": public(final), "input_items": input_items, "messages": conversation + [turn],
+                  "session": session}
+        try:
+            await store.put(tenant, rid, record)
+        except Exception:  # the answer still goes out; a later previous_response_id gets a clear 404
+            log.exception("%s could not be stored", rid)
+
+    fmt = ResponsesFormat(chat_fmt, rid, req, echo, on_finish)
+    return await streaming.run(request, state(request).backend, g, fmt, req.stream, req.user)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> Response:
+    check_auth(request)
+    return json_response((await load(request, response_id))["response"])
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def get_input_items(response_id: str, request: Request) -> Response:
+    check_auth(request)
+    items = (await load(request, response_id))["input_items"]
+    return json_response({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                          "last_id": items[-1]["id"] if items else None, "has_more": False})
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    check_auth(request)
+    check_id(response_id)
+    if not await store_of(request).delete(request.state.tenant, response_id):
+        raise APIError(404, f"No response found with id '{response_id}'.", param="response_id", code="not_found")
+    return json_response({"id": response_id, "object": "response", "deleted": True})

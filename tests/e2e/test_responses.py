@@ -1,0 +1,99 @@
+"""The Responses API through the whole stack, with the official openai client: string and item
+inputs, streamed events that assemble to the non-streamed text, a conversation continued by
+previous_response_id from cached KV (and after the whole stack restarted: slow), stored responses
+per API key."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.e2e.test_stack import running_stack
+
+pytestmark = pytest.mark.timeout(600)
+
+ARGS = ["--prefill", "0", "--gpu-decode", "0", "--kvpool", "1"]
+KEYS = "alice=standard,bob=standard"
+INSTRUCTIONS = "You are a helpful assistant. Answer in one short paragraph."
+
+
+def env_for(tmp) -> dict:
+    # pool chunks of one KV block: a short conversation's KV reaches the pool's disk tier too
+    return {"TANDEM_API_KEYS": KEYS, "TANDEM_NATS_STORE_DIR": str(tmp / "nats"),
+            "TANDEM_POOL_DIR": str(tmp / "pool"), "TANDEM_POOL_CHUNK_TOKENS": "16"}
+
+
+def client(stack, key="alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(None, ARGS, env_for(tmp_path_factory.mktemp("responses"))) as s:
+        yield s
+
+
+def turn(c, model, text, previous=None, **kw):
+    return c.responses.create(model=model, input=text, instructions=INSTRUCTIONS, previous_response_id=previous,
+                              temperature=0, max_output_tokens=24, **kw)
+
+
+def whole_history(c, model, turns: list[tuple[str, str]], last: str) -> str:
+    """The same conversation sent whole (nothing stored): the reference text."""
+    items = []
+    for user, answer in turns:
+        items += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    r = c.responses.create(model=model, input=items + [{"role": "user", "content": last}],
+                           instructions=INSTRUCTIONS, temperature=0, max_output_tokens=24, store=False)
+    return r.output_text
+
+
+def test_create_stream_and_items(stack):
+    c = client(stack)
+    model = c.models.list().data[0].id
+    r = turn(c, model, "Name three colours.")
+    assert r.status in ("completed", "incomplete") and r.output_text and r.usage.output_tokens > 0
+    events = list(c.responses.create(model=model, input="Name three colours.", instructions=INSTRUCTIONS,
+                                     temperature=0, max_output_tokens=24, stream=True))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    items = c.responses.create(model=model, instructions=INSTRUCTIONS, temperature=0, max_output_tokens=24,
+                               input=[{"type": "message", "role": "user",
+                                       "content": [{"type": "input_text", "text": "Name three colours."}]}])
+    assert items.output_text == r.output_text
+
+
+def test_previous_response_id_continues_from_cached_kv(stack):
+    c = client(stack)
+    model = c.models.list().data[0].id
+    first = turn(c, model, "My name is Ada. Say hello.")
+    second = turn(c, model, "What is my name?", previous=first.id)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens, second.usage
+    assert second.output_text == whole_history(c, model, [("My name is Ada. Say hello.", first.output_text)],
+                                               "What is my name?")
+    # stored per API key: alice reads and deletes it, bob gets 404
+    assert c.responses.retrieve(second.id).output_text == second.output_text
+    assert [i.content[0].text for i in c.responses.input_items.list(second.id).data] == ["What is my name?"]
+    with pytest.raises(openai.NotFoundError):
+        client(stack, "bob").responses.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError):
+        turn(client(stack, "bob"), model, "And now?", previous=second.id)
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)
+
+
+@pytest.mark.slow
+def test_a_conversation_continues_after_the_stack_restarts(tmp_path):
+    env = env_for(tmp_path)
+    with running_stack(None, ARGS, env) as s:
+        c = client(s)
+        model = c.models.list().data[0].id
+        # exactly 24 tokens, so the written-back chunks reach past the first prompt
+        first = turn(c, model, "My name is Ada. Say hello.", extra_body={"ignore_eos": True})
+    with running_stack(None, ARGS, env) as s:  # everything stopped; the stores kept
+        c = client(s)
+        second = turn(c, model, "What is my name?", previous=first.id)
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens, second.usage
+        assert second.output_text == whole_history(c, model, [("My name is Ada. Say hello.", first.output_text)],
+                                                   "What is my name?")

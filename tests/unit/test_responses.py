@@ -1,0 +1,134 @@
+"""The Responses API on the gateway with a fake backend (the official openai client): request
+translation, the non-streamed object, the streamed event sequence, stored responses per tenant,
+previous_response_id continuing the conversation. End to end on the real stack:
+tests/e2e/test_responses.py."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from shared.settings import GatewaySettings
+from tests.unit.test_gateway import MODEL, REPLY, FakeBackend, FakeTokenizer, Server
+
+
+@pytest.fixture(scope="module")
+def served():
+    backend = FakeBackend()
+    settings = GatewaySettings(api_keys="alice=standard,bob=batch")
+    with Server(backend, settings) as server:
+        yield server, backend
+
+
+@pytest.fixture
+def backend(served):
+    served[1].reset()
+    return served[1]
+
+
+def client(served, key="alice"):
+    return openai.OpenAI(base_url=f"{served[0].url}/v1", api_key=key, max_retries=0, timeout=10)
+
+
+def prompt_text(backend) -> str:
+    return FakeTokenizer().decode(backend.requests[-1].prompt_token_ids)
+
+
+def test_a_string_input_gives_a_response_object(served, backend):
+    r = client(served).responses.create(model=MODEL, input="Hi there", instructions="Be brief.")
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+    assert r.output_text == REPLY and r.output[0].type == "message" and r.output[0].role == "assistant"
+    assert r.usage.input_tokens == len(backend.requests[-1].prompt_token_ids) and r.usage.output_tokens == len(REPLY)
+    assert r.usage.input_tokens_details.cached_tokens == 3
+    assert prompt_text(backend) == "<|system|>Be brief.\n<|user|>Hi there\n<|assistant|>"
+    assert r.instructions == "Be brief." and r.store is True
+
+
+def test_items_map_to_chat_messages(served, backend):
+    client(served).responses.create(model=MODEL, input=[
+        {"role": "developer", "content": "Rules."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                          {"type": "input_text", "text": "b"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+        {"role": "user", "content": "c"}])
+    assert prompt_text(backend) == "<|system|>Rules.\n<|user|>a\nb\n<|assistant|>ok\n<|user|>c\n<|assistant|>"
+
+
+def test_max_output_tokens_gives_incomplete(served, backend):
+    r = client(served).responses.create(model=MODEL, input="Hi", max_output_tokens=4)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == REPLY[:4]
+
+
+def test_streamed_events_assemble_to_the_response(served, backend):
+    events = list(client(served).responses.create(model=MODEL, input="Hi", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text == REPLY == final.output_text and events[-4].text == REPLY
+    assert events[2].item.id == final.output[0].id
+
+
+def test_stored_turns_continue_and_belong_to_their_tenant(served, backend):
+    alice, bob = client(served), client(served, "bob")
+    first = alice.responses.create(model=MODEL, input="One", instructions="Sys.")
+    second = alice.responses.create(model=MODEL, input="Two", instructions="Sys.", previous_response_id=first.id)
+    assert prompt_text(backend) == f"<|system|>Sys.\n<|user|>One\n<|assistant|>{REPLY}\n<|user|>Two\n<|assistant|>"
+    # the turns share a session: the router keeps them on the worker holding the prefix
+    assert backend.requests[-1].session_id == backend.requests[-2].session_id == first.id
+    got = alice.responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == REPLY and got.previous_response_id == first.id
+    items = alice.responses.input_items.list(second.id)
+    assert [i.content[0].text for i in items.data] == ["Two"]
+    for call in (lambda: bob.responses.retrieve(first.id),
+                 lambda: bob.responses.create(model=MODEL, input="x", previous_response_id=first.id),
+                 lambda: bob.responses.delete(first.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    alice.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(first.id)
+
+
+def test_store_false_keeps_nothing(served, backend):
+    r = client(served).responses.create(model=MODEL, input="Hi", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client(served).responses.retrieve(r.id)
+
+
+def test_prompt_cache_key_is_the_session(served, backend):
+    client(served).responses.create(model=MODEL, input="Hi", prompt_cache_key="codex session 42")
+    sid = backend.requests[-1].session_id
+    assert sid.startswith("pck-")
+    client(served).responses.create(model=MODEL, input="Hi", prompt_cache_key="codex session 42")
+    assert backend.requests[-1].session_id == sid
+
+
+def test_bad_input_is_an_openai_400(served, backend):
+    h = {"Authorization": "Bearer alice"}
+    url = served[0].url + "/v1/responses"
+    for body, param in (({"model": MODEL, "input": [{"type": "bogus"}]}, "input[0].type"),
+                        ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+                         "input[0].content[0]"),
+                        ({"model": MODEL, "input": []}, "input"),
+                        ({"model": MODEL}, "input")):
+        r = httpx.post(url, json=body, headers=h)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.post(url, json={"model": "other", "input": "x"}, headers=h).status_code == 404
+    assert httpx.get(served[0].url + "/v1/responses/resp_nope", headers=h).status_code == 404
+    assert httpx.post(url, json={"model": MODEL, "input": "x"}).status_code == 401
+
+
+def test_a_failure_mid_stream_is_a_failed_event(served, backend):
+    from services.gateway.backend import BackendError
+    backend.mid_error = BackendError("worker_lost", "the worker died", 502)
+    events = list(client(served).responses.create(model=MODEL, input="Hi", stream=True))
+    assert events[-2].type == "response.failed" and events[-2].response.error.code == "worker_lost"
+    assert events[-1].type == "error"
