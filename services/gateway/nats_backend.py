@@ -282,6 +282,12 @@ class NatsBackend:
             except RemoteError as e:
                 raise backend_error(e.code, e.message, e.retry_after) from None
             except BusError as e:
+                if e.code == "timeout":
+                    # no ack: the worker may have died holding the message, or be slow to admit it.
+                    # Either way the liveness check decides (Where): it holds it, or it is resumed.
+                    log.warning("%s: no ack from %s in time; the liveness check decides", req.request_id, target)
+                    st.holder = target
+                    return
                 if e.code != "unavailable":
                     raise backend_error(e.code, str(e), e.retry_after) from None
                 log.info("%s: planned worker %s is gone; routing again", req.request_id, target)
