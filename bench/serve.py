@@ -143,15 +143,16 @@ def serve_in_process(port: int) -> None:
     from services.worker import engine_config
     from shared.engine.async_engine import AsyncEngine
     from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
+    from shared.engine.loader import load_model, served_model_name
     from shared.settings import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings.from_env()
     loaded = load_model(settings.worker.model)
     engine = AsyncEngine(Engine(loaded, engine_config(settings, "cpu")))
-    backend = InProcessBackend(engine, model_name=loaded.config.name)
-    asyncio.run(serve(backend, GatewaySettings.from_env(host="127.0.0.1", port=port), log_level="warning"))
+    gw = GatewaySettings.from_env(host="127.0.0.1", port=port)
+    backend = InProcessBackend(engine, model_name=gw.served_model_name or served_model_name(settings.worker.model))
+    asyncio.run(serve(backend, gw, log_level="warning"))
 
 
 def split_rounds(total: int, rounds: int) -> list[int]:
