@@ -149,6 +149,9 @@ LIBS = [LLGuidance, XGrammar, OutlinesCore]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per library (medians reported)")
+    p.add_argument("--engine", action="store_true", help="also: the engine's decode step with and without a "
+                   "JSON schema (bundled model, greedy, c=1 and c=16, alternating rounds)")
+    p.add_argument("--threads", type=int, default=2, help="--engine: kernel threads (default 2)")
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -171,6 +174,36 @@ def _round(lib, doc_tokens: dict[str, list[int]], out: dict) -> None:
                     lib.accept(m, t)
             out.setdefault(f"mask_us_c{c}:{name}", []).append(spent / len(toks) / c * 1e6)
             out.setdefault(f"step_us_c{c}:{name}", []).append(spent / len(toks) * 1e6)
+
+
+def engine_steps(threads: int, rounds: int) -> dict[str, float]:
+    """Median decode step (ms) of the real engine, unconstrained vs a JSON schema, at c=1 and 16."""
+    from bench.loadgen import QUESTIONS, STRUCTURED_SCHEMA
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.sampling import SamplingParams
+
+    e = Engine.from_path(None, EngineConfig(num_kv_blocks=512, threads=threads))
+    guide = {"kind": "json_schema", "value": STRUCTURED_SCHEMA}
+    prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+                                  add_special_tokens=False) for q in QUESTIONS]
+
+    def run(c: int, g) -> list[float]:
+        for i in range(c):
+            e.add(f"r{i}", prompts[i % len(prompts)], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, guide=g))
+        times = []
+        while e.seqs:
+            t0 = time.perf_counter()
+            e.step()
+            if len(e.seqs) == c and all(s.num_computed >= s.num_prompt_tokens for s in e.seqs.values()):
+                times.append(time.perf_counter() - t0)  # decode steps of the whole batch only
+        return times
+
+    out: dict[str, list[float]] = {}
+    for rnd in range(rounds):
+        for c in (1, 16):
+            for name, g in ((("free", None), ("json", guide)) if rnd % 2 == 0 else (("json", guide), ("free", None))):
+                out.setdefault(f"{name}_c{c}", []).extend(run(c, g))
+    return {k: statistics.median(v) * 1e3 for k, v in out.items()}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -202,7 +235,18 @@ def main(args: argparse.Namespace) -> int:
     print("|---" * (len(cols) + 1) + "|")
     for n, r in med.items():
         print(f"| {n} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")
+    steps = None
+    if args.engine:
+        steps = engine_steps(args.threads, args.rounds)
+        print(f"\nengine decode step, bundled model, greedy, {args.threads} kernel threads, CPU ISA {isa}, "
+              f"median over {args.rounds} alternating rounds:")
+        print("| concurrency | step ms, no schema | step ms, JSON schema | decode tok/s ratio |")
+        print("|---|---|---|---|")
+        for c in (1, 16):
+            f, j = steps[f"free_c{c}"], steps[f"json_c{c}"]
+            print(f"| {c} | {f:.2f} | {j:.2f} | {f / j:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"isa": isa, "vocab": tok.vocab_size, "median": med, "raw": results}, f, indent=1)
+            json.dump({"isa": isa, "vocab": tok.vocab_size, "median": med, "raw": results, "engine_steps_ms": steps},
+                      f, indent=1)
     return 0
