@@ -16,7 +16,8 @@ import pytest
 
 from tests.e2e.test_stack import running_stack
 
-pytestmark = pytest.mark.timeout(300)
+# a stack of its own (~45 s here): outside the default run, like the other own-stack modules
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
