@@ -115,7 +115,7 @@ async def one(client, url: str, model: str, job, max_tokens: int) -> dict:
             "stream": True, "ignore_eos": True}
     t0 = time.monotonic()
     out = {"prompt": job.key, "tier": job.tier, "start": time.time(), "text": "", "ok": False, "error": "",
-           "resumes": 0, "reused": 0, "recomputed": 0, "tokens": 0}
+           "resumes": 0, "reused": 0, "recomputed": 0, "tokens": 0, "id": "", "finish": None}
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body,
                                  headers={"X-Tandem-SLA": job.tier}, timeout=600) as r:
@@ -129,8 +129,10 @@ async def one(client, url: str, model: str, job, max_tokens: int) -> dict:
                 if "error" in ev:
                     out["error"] = ev["error"].get("message", "error event")
                     break
+                out["id"] = ev.get("id", out["id"])
                 for ch in ev.get("choices", []):
                     out["text"] += ch.get("delta", {}).get("content") or ""
+                    out["finish"] = ch.get("finish_reason") or out["finish"]
                     out["ok"] = out["ok"] or ch.get("finish_reason") == "length"
                 if ev.get("usage"):
                     out["tokens"] = ev["usage"].get("completion_tokens", 0)
@@ -139,6 +141,9 @@ async def one(client, url: str, model: str, job, max_tokens: int) -> dict:
                                recomputed=t.get("recomputed_tokens", 0))
     except Exception as e:  # a broken connection without an error event: counted as silent loss
         out["error"] = f"connection: {type(e).__name__}: {e}"
+        out["silent"] = True
+    if not out["ok"] and not out["error"]:  # ended, but not as asked (ignore_eos: always "length")
+        out["error"] = f"ended with finish_reason={out['finish']!r} after {out['tokens']} tokens"
         out["silent"] = True
     out["seconds"] = time.monotonic() - t0
     return out
@@ -247,6 +252,8 @@ async def run(args) -> dict:
                 k["heal_s"] = await k.pop("served_task")
     finally:
         stack.stop()
+        if args.json:  # the whole stack's log beside the results, for the failures' story
+            Path(args.json).with_suffix(".stack.log").write_text("".join(stack.log))
     return summarize_chaos(args, refs, results, kills, rss, t0)
 
 

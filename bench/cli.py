@@ -1,4 +1,4 @@
-"""``tandem bench BENCH`` (engine, kernels, serve, crossover, pool, migration, tiers): one module per benchmark.
+"""``tandem bench BENCH`` (engine, kernels, serve, crossover, pool, migration, tiers, chaos, grammar): one module per benchmark.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
 benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
@@ -36,6 +36,8 @@ BENCHES = {
                   _module_arguments("bench.migration"), _module_main("bench.migration")),
     "tiers": ("mixed agent workload: SLA tiers vs one FIFO queue, side by side (bench/tiers.py)",
               _module_arguments("bench.tiers"), _module_main("bench.tiers")),
+    "grammar": ("grammar libraries (llguidance, xgrammar, outlines-core): schema compile and mask time per token",
+                _module_arguments("bench.grammar"), _module_main("bench.grammar")),
     "chaos": ("steady load while engine workers and NATS are killed: lost, resumed, exact (bench/chaos.py)",
               _module_arguments("bench.chaos"), _module_main("bench.chaos")),
 }

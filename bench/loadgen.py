@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from shared.tier import TIERS
 
-WORKLOADS = ("chat", "agent", "long")
+WORKLOADS = ("chat", "agent", "long", "structured")
 # the SLO each tier is held to by default: (TTFT ms, TPOT ms)
 DEFAULT_SLOS = {"interactive": (1000.0, 100.0), "standard": (5000.0, 250.0), "batch": (60000.0, 1000.0)}
 QUANTILES = (50, 90, 99)
@@ -138,6 +138,14 @@ class Request:
     max_tokens: int
     tier: str = "standard"
     session: str | None = None      # X-Tandem-Session (agent sessions)
+    response_format: dict | None = None  # structured output (the "structured" workload)
+
+
+# the "structured" workload: the chat questions, answered as JSON of this schema (grammar-constrained)
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "answer": {"type": "string", "maxLength": 1200},
+    "facts": {"type": "array", "items": {"type": "string", "maxLength": 200}, "maxItems": 8},
+    "confidence": {"type": "number"}}, "required": ["answer", "facts", "confidence"], "additionalProperties": False}
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -174,8 +182,10 @@ def make_jobs(workload: str, num_requests: int, *, max_tokens: int, tiers: dict[
     mix = tiers or {"standard": 1.0}
     names, weights = list(mix), list(mix.values())
     tier = lambda: rng.choices(names, weights)[0]  # noqa: E731
-    if workload == "chat":
-        return [[Request([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], max_tokens, tier())]
+    if workload in ("chat", "structured"):
+        rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": STRUCTURED_SCHEMA, "strict": True}}
+        return [[Request([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], max_tokens, tier(),
+                         response_format=rf if workload == "structured" else None)]
                 for i in range(num_requests)]
     if workload == "long":
         return [[Request([{"role": "user", "content": f"Document:\n{_text(rng, long_words)}\n\nQuestion: "
@@ -233,6 +243,8 @@ async def send(client, url: str, model: str, req: Request, t_run: float = 0.0) -
     """Stream one chat completion; every failure is a result, never an exception."""
     body = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if req.response_format is not None:
+        body["response_format"] = req.response_format
     headers = {"X-Tandem-SLA": req.tier}
     if req.session:
         headers["X-Tandem-Session"] = req.session

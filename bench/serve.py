@@ -143,15 +143,16 @@ def serve_in_process(port: int) -> None:
     from services.worker import engine_config
     from shared.engine.async_engine import AsyncEngine
     from shared.engine.engine import Engine
-    from shared.engine.loader import load_model
+    from shared.engine.loader import load_model, served_model_name
     from shared.settings import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings.from_env()
     loaded = load_model(settings.worker.model)
     engine = AsyncEngine(Engine(loaded, engine_config(settings, "cpu")))
-    backend = InProcessBackend(engine, model_name=loaded.config.name)
-    asyncio.run(serve(backend, GatewaySettings.from_env(host="127.0.0.1", port=port), log_level="warning"))
+    gw = GatewaySettings.from_env(host="127.0.0.1", port=port)
+    backend = InProcessBackend(engine, model_name=gw.served_model_name or served_model_name(settings.worker.model))
+    asyncio.run(serve(backend, gw, log_level="warning"))
 
 
 def split_rounds(total: int, rounds: int) -> list[int]:
@@ -223,6 +224,42 @@ def compare_runs(args: argparse.Namespace) -> list[dict]:
     return runs
 
 
+def structured_runs(args: argparse.Namespace) -> list[dict]:
+    """The structured-output workload: the same chat questions unconstrained ("chat") and as JSON
+    of a schema ("structured"), on one in-process server, alternating the order every round."""
+    server = start_in_process(args)
+    runs: list[dict] = []
+    try:
+        server.wait_healthy()
+        warm_up(args, server.url, "in-process")
+        kinds = ["chat", "structured"]
+        for c, rate in levels(args):
+            parts: dict[str, list[dict]] = {k: [] for k in kinds}
+            for rnd, n in enumerate(split_rounds(args.num_requests, args.rounds)):
+                for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
+                    jobs = make_jobs(kind, n, max_tokens=args.max_tokens, tiers=parse_mix(args.tiers), seed=rnd)
+                    parts[kind].append(run_level(server.url, jobs, system=f"in-process {kind}", workload=kind,
+                                                 mode=args.mode, concurrency=c, rate=rate or 1.0, model=args.model,
+                                                 slos=parse_slos(args.slo), seed=rnd))
+            runs += [merge_runs(parts[k]) for k in kinds]
+    finally:
+        rc = server.stop()
+        if rc not in (0, -signal.SIGTERM):
+            sys.stderr.write(f"[in-process] exited with {rc}:\n{server.tail()}\n")
+    return runs
+
+
+def structured_ratios(runs: list[dict]) -> dict[int, float]:
+    """Decode tok/s constrained / unconstrained (the inverse ratio of TPOT p50) per concurrency."""
+    by = {(r["system"], r["concurrency"]): r for r in runs}
+    out = {}
+    for (system, c), r in by.items():
+        free = by.get(("in-process chat", c))
+        if system == "in-process structured" and free and r["tpot_p50_ms"] and free["tpot_p50_ms"]:
+            out[c] = free["tpot_p50_ms"] / r["tpot_p50_ms"]
+    return out
+
+
 def tpot_ratio(runs: list[dict], concurrency: int = 1) -> float | None:
     """Stack TPOT p50 / in-process TPOT p50 at ``concurrency`` (None when either is missing)."""
     by = {(r["system"], r["concurrency"]): r for r in runs}
@@ -254,7 +291,8 @@ def add_workload_arguments(p: argparse.ArgumentParser, num_requests: int = 16, m
     """What every load-generating bench shares (serve, crossover)."""
     p.add_argument("--workload", choices=WORKLOADS, default="chat",
                    help="chat (short prompt and reply) | agent (multi-turn sessions, shared system prompt, "
-                   "growing context) | long (RAG-like long prompt); default chat")
+                   "growing context) | long (RAG-like long prompt) | structured (chat unconstrained vs "
+                   "answered as JSON of a schema, side by side on one in-process server); default chat")
     p.add_argument("--num-requests", type=int, default=num_requests,
                    help=f"requests per load level (and system; default {num_requests})")
     p.add_argument("--max-tokens", type=int, default=max_tokens,
@@ -307,7 +345,10 @@ def run(args: argparse.Namespace) -> dict:
     config = {k: getattr(args, k) for k in ("mode", "concurrency", "rate", "workload", "num_requests", "max_tokens",
                                             "tiers", "turns", "turn_words", "long_words", "rounds", "threads")}
     config.update(target="compare" if compare else args.url, cpus=os.cpu_count(), slos=parse_slos(args.slo))
-    if compare:
+    if args.workload == "structured":
+        config["in_process"] = "one process: uvicorn gateway + InProcessBackend(AsyncEngine(Engine)) on cpu"
+        runs, compare = structured_runs(args), False
+    elif compare:
         config["in_process"] = "one process: uvicorn gateway + InProcessBackend(AsyncEngine(Engine)) on cpu"
         config["stack"] = STACK_TOPOLOGY
         runs = compare_runs(args)
@@ -330,6 +371,12 @@ def run(args: argparse.Namespace) -> dict:
         print()
         print(f"stack / in-process TPOT p50 at concurrency 1: {ratio:.3f} "
               f"({(ratio - 1) * 100:+.1f} % overhead; target <= +10 %: {'met' if ratio <= 1.10 else 'NOT met'})")
+    if args.workload == "structured":
+        from kernels import cpu
+        print()
+        for c, r in structured_ratios(runs).items():
+            print(f"decode tok/s with a JSON schema / without at concurrency {c}: {r:.3f} (target >= 0.9: "
+                  f"{'met' if r >= 0.9 else 'NOT met'}; CPU ISA {cpu.isa()})")
     if args.plot:
         print(f"plot: {report.plot(runs, args.plot, f'tandem bench serve: {args.workload}, {args.mode} loop')}")
     out = {"config": config, "runs": runs, "tpot_ratio_c1": ratio}

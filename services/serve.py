@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("service", choices=SERVICES, help="which service to run")
     p.add_argument("--port", type=int, default=None, help="gateway HTTP port (TANDEM_PORT, default 8000)")
     p.add_argument("--host", default=None, help="gateway bind address (TANDEM_HOST)")
+    p.add_argument("--served-model-name", default=None,
+                   help="gateway: the model id clients send (TANDEM_SERVED_MODEL_NAME; default the model file's stem)")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = env_help()
 
@@ -56,14 +58,14 @@ async def _run(args: argparse.Namespace, settings: Settings) -> None:
 async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
     from shared import tracing
     from shared.bus import Bus
-    from shared.engine.loader import load_tokenizer
+    from shared.engine.loader import load_tokenizer, served_model_name
     from services.gateway.app import GatewaySettings, serve
     from services.gateway.nats_backend import NatsBackend
 
-    gw = GatewaySettings.from_env(host=args.host, port=args.port)
+    gw = GatewaySettings.from_env(host=args.host, port=args.port, served_model_name=args.served_model_name)
     tracing.setup("gateway")  # span export only when TANDEM_OTLP_ENDPOINT is set
     tokenizer, cfg = load_tokenizer(settings.worker.model)  # metadata only, no weights
-    name, ctx = cfg.name, cfg.max_context
+    name, ctx = gw.served_model_name or served_model_name(settings.worker.model), cfg.max_context
     if settings.worker.max_context:
         ctx = min(ctx, settings.worker.max_context)
     gateway_id = settings.worker.resolved_worker_id("gateway")

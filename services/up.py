@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", type=int, default=1, help="router copies (default 1)")
     p.add_argument("--kvpool", type=int, default=1, help="KV pool service copies (default 1; 0: no pool)")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (TANDEM_MODEL; default bundled)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (TANDEM_SERVED_MODEL_NAME; "
+                   "default the model file's stem, e.g. SmolLM2-135M-Instruct)")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = TOPOLOGY_HELP
 
@@ -228,6 +230,8 @@ async def _up(args: argparse.Namespace) -> int:
         env["TANDEM_PORT"] = str(args.port)
     if args.model:
         env["TANDEM_MODEL"] = args.model
+    if args.served_model_name:
+        env["TANDEM_SERVED_MODEL_NAME"] = args.served_model_name
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -256,6 +256,10 @@ class GatewaySettings:
     responses_retention_s: float = _env("TANDEM_RESPONSES_RETENTION_S", 30 * 86400.0, "stored Responses "
                                         "(/v1/responses with store) are kept this long")
     drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long")
+    served_model_name: str | None = _env("TANDEM_SERVED_MODEL_NAME", None, "the model id clients send and "
+                                         "/v1/models lists; unset: the model file's stem (SmolLM2-135M-Instruct)")
+    tool_parser: str | None = _env("TANDEM_TOOL_PARSER", None, "tool-call format: hermes | llama3_json | mistral; "
+                                   "unset: from the vocabulary's markers, else hermes")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "GatewaySettings":
@@ -280,6 +284,10 @@ class GatewaySettings:
             raise ValueError("TANDEM_MAX_BODY_BYTES must be >= 1024")
         if self.drain_s < 0:
             raise ValueError("TANDEM_DRAIN_S must be >= 0")
+        if self.tool_parser is not None and self.tool_parser not in ("hermes", "llama3_json", "mistral"):
+            raise ValueError(f"TANDEM_TOOL_PARSER must be hermes, llama3_json or mistral, got {self.tool_parser!r}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("TANDEM_SERVED_MODEL_NAME must not be empty")
         self.key_tiers()
         return self
 

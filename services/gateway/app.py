@@ -37,11 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require this bearer token on /v1/* (TANDEM_API_KEY)")
     parser.add_argument("--default-tier", dest="default_tier", choices=TIERS, default=None,
                         help="tier of requests that name none (TANDEM_DEFAULT_TIER, default standard)")
+    parser.add_argument("--served-model-name", dest="served_model_name", default=None,
+                        help="the model id clients send (TANDEM_SERVED_MODEL_NAME; default the model file's stem)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings.from_env(host=args.host, port=args.port, api_key=args.api_key,
-                                    default_tier=args.default_tier)
+                                    default_tier=args.default_tier, served_model_name=args.served_model_name)
 
 
 # ---- errors, all in OpenAI's shape ----------------------------------------------------------
@@ -81,7 +83,8 @@ async def _internal(request: Request, exc: Exception) -> Response:
 def create_app(backend: Backend, settings: GatewaySettings | None = None) -> FastAPI:
     """The gateway's FastAPI app for one backend."""
     settings = settings or GatewaySettings()
-    app = FastAPI(title="Tandem", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Tandem", version="0.1.0", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  description="OpenAI-compatible API of Tandem's gateway (docs/api.md)")
     app.state.gw = GatewayState(backend, settings)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(BackendError, _backend_error)
@@ -89,7 +92,28 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
     app.add_exception_handler(Exception, _internal)
     app.include_router(router)
     app.include_router(responses_router)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema of the routes, plus the request bodies (the handlers read the body
+    themselves, to answer errors in OpenAI's shape, so FastAPI cannot see the models)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        from pydantic.json_schema import models_json_schema
+
+        from .openai_api import ChatCompletionRequest, CompletionRequest
+        spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+        _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                     ref_template="#/components/schemas/{model}")
+        spec.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        for path, model in bodies.items():
+            spec["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = spec
+    return app.openapi_schema
 
 
 async def serve(backend: Backend, settings: GatewaySettings, log_level: str = "info") -> None:

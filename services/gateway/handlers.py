@@ -15,6 +15,7 @@ Each handler finds the gateway's state (backend, settings, ...) as ``request.app
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -32,7 +33,7 @@ from shared import metrics, tracing
 from shared.settings import GatewaySettings
 from shared.tier import TIERS
 
-from . import streaming
+from . import streaming, tools
 from .backend import Backend, GenerationRequest
 from .openai_api import (
     SESSION_HEADER, SESSION_RE, SLA_HEADER, APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
@@ -56,11 +57,28 @@ class GatewayState:
     started: int = field(default_factory=lambda: int(time.time()))
     token_str: TokenStrings = field(init=False)
     key_tiers: dict[str, str] = field(init=False)   # accepted bearer tokens -> their default tier
+    tool_parser: object = field(init=False)         # tools.PARSERS entry for this model family
+    native_tools: bool = field(init=False)          # the chat template renders ``tools`` itself
+    _grammar: object = None                         # GrammarCompiler, built with the first guide
     responses: Any = None                           # stored Responses (responses.ResponseStore), made at first use
 
     def __post_init__(self) -> None:
         self.token_str = TokenStrings(self.backend.tokenizer)
         self.key_tiers = self.settings.key_tiers()
+        self.tool_parser = tools.choose_parser(self.backend.tokenizer, self.settings.tool_parser)
+        self.native_tools = tools.template_takes_tools(getattr(self.backend.tokenizer, "chat_template", None))
+
+    def check_guide(self, guide: dict | None, param: str) -> None:
+        """400 naming ``param`` when the guide does not compile (the engine would refuse it)."""
+        if guide is None:
+            return
+        if self._grammar is None:
+            from shared.engine.grammar import GrammarCompiler
+            self._grammar = GrammarCompiler(self.backend.tokenizer)
+        try:
+            self._grammar.compile(guide)
+        except ValueError as e:
+            raise bad_param(param, str(e), code="invalid_schema") from None
 
 
 def state(request: Request) -> GatewayState:
@@ -137,13 +155,28 @@ def common(request: Request, req, rid: str) -> tuple[str, str | None]:
     return tier, session
 
 
-def chat_prompt(backend: Backend, messages: list[dict]) -> list[int]:
+def chat_prompt(backend: Backend, messages: list[dict], extra: dict | None = None) -> list[int]:
     try:
-        text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(extra or {}))
     except (ValueError, TemplateError) as e:  # the template's raise_exception, or no template
         raise bad_param("messages", f"could not apply the chat template: {e}") from None
     # the template already holds BOS where the model wants one (as transformers tokenizes it)
     return backend.tokenizer.encode(text, add_special_tokens=False)
+
+
+_SEED_STEP = 0x9E3779B97F4A7C15   # golden-ratio stride: choice i of seed s draws from seed s + i*step
+
+
+def choices(g: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """One generation per choice: choice 0 is the request itself (so n=1 and the first of n
+    draw the same tokens), choice i runs as ``<id>-<i>`` with its own seed stream. The prompt's
+    KV blocks are computed once and shared through the engines' prefix cache."""
+    out = [g]
+    for i in range(1, n):
+        seed = g.sampling.seed
+        sp = g.sampling if seed is None else dataclasses.replace(g.sampling, seed=(seed + i * _SEED_STEP) % (1 << 63))
+        out.append(dataclasses.replace(g, request_id=f"{g.request_id}-{i}", sampling=sp))
+    return out
 
 
 def max_tokens_param(value, name: str) -> int | None:
@@ -208,16 +241,23 @@ async def update_session(session_id: str, request: Request) -> Response:
     return json_response(state_)
 
 
-async def prepare_chat(request: Request, req: ChatCompletionRequest, rid: str) -> tuple[GenerationRequest, ChatFormat]:
-    """A validated chat request -> the backend request and its response format (the Responses
+async def prepare_chat(request: Request, req: ChatCompletionRequest,
+                       rid: str) -> tuple[list[GenerationRequest], ChatFormat]:
+    """A validated chat request -> the backend requests (one per choice) and the response format (the Responses
     API comes through here too: one request path)."""
     gw = state(request)
     tier, session = common(request, req, rid)
-    messages = chat_messages(req.messages)
-    if sum(len(m["content"]) for m in messages) > OFFLOAD_CHARS:  # long: keep the event loop free
-        prompt = await anyio.to_thread.run_sync(chat_prompt, gw.backend, messages)
+    plan = tools.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    guide = tools.response_format_guide(req.response_format)
+    if guide is not None and plan.guide() is not None:
+        raise bad_param("response_format", "response_format cannot be combined with a tool_choice that forces a call")
+    guide = guide or plan.guide()
+    gw.check_guide(guide, "response_format" if req.response_format and guide else "tools")
+    messages, extra = tools.render_messages(chat_messages(req.messages), plan, gw.tool_parser, gw.native_tools)
+    if sum(len(m.get("content") or "") for m in messages) > OFFLOAD_CHARS:  # long: keep the event loop free
+        prompt = await anyio.to_thread.run_sync(chat_prompt, gw.backend, messages, extra)
     else:
-        prompt = chat_prompt(gw.backend, messages)
+        prompt = chat_prompt(gw.backend, messages, extra)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = max_tokens_param(req.max_completion_tokens if req.max_completion_tokens is not None
                              else req.max_tokens, max_param)
@@ -225,9 +265,10 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest, rid: str) -
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise bad_param("top_logprobs", f"invalid parameter top_logprobs={req.top_logprobs}: must be in [0, 20]")
     want_lp = bool(req.logprobs)
-    sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.top_logprobs or 0)
-    fmt = ChatFormat(rid, req.model, gw.token_str, (req.top_logprobs or 0) if want_lp else None)
-    return GenerationRequest(rid, req.model, prompt, sampling, tier, session), fmt
+    sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.top_logprobs or 0, guide=guide)
+    fmt = ChatFormat(rid, req.model, gw.token_str, (req.top_logprobs or 0) if want_lp else None, n=req.n or 1,
+                     plan=plan, parser=gw.tool_parser)
+    return choices(GenerationRequest(rid, req.model, prompt, sampling, tier, session), req.n or 1), fmt
 
 
 @router.post("/v1/chat/completions")
@@ -235,8 +276,8 @@ async def chat_completions(request: Request) -> Response:
     rid = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
     check_auth(request)
     req = validate_model(ChatCompletionRequest, await read_body(request))
-    g, fmt = await prepare_chat(request, req, rid)
-    return await streaming.run(request, state(request).backend, g, fmt, req.stream, req.user)
+    gens, fmt = await prepare_chat(request, req, rid)
+    return await streaming.run(request, state(request).backend, gens, fmt, req.stream, req.user)
 
 
 @router.post("/v1/completions")
@@ -256,6 +297,7 @@ async def completions(request: Request) -> Response:
         raise bad_param("logprobs", f"invalid parameter logprobs={req.logprobs}: must be in [0, 20]")
     want_lp = req.logprobs is not None
     sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.logprobs or 0)
-    fmt = CompletionFormat(rid, req.model, gw.token_str, req.logprobs if want_lp else None)
-    return await streaming.run(request, gw.backend, GenerationRequest(rid, req.model, prompt, sampling, tier, session),
+    fmt = CompletionFormat(rid, req.model, gw.token_str, req.logprobs if want_lp else None, n=req.n or 1)
+    return await streaming.run(request, gw.backend, choices(GenerationRequest(rid, req.model, prompt, sampling, tier,
+                                                                              session), req.n or 1),
                                fmt, req.stream, req.user)

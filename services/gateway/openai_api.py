@@ -110,6 +110,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant turn that called tools
+    tool_call_id: str | None = None                  # a "tool" turn: the call it answers
 
 
 class _Sampling(_Request):
@@ -145,6 +147,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -162,21 +165,19 @@ _FIELD_NAMES = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.m
     set(ChatMessage.model_fields) | set(StreamOptions.model_fields)
 
 
+MAX_N = 8   # choices per request at most
+
+
 def check_unsupported(req: _Sampling) -> None:
     """Reject parameters Tandem does not implement instead of silently ignoring them."""
-    if req.n not in (None, 1):
-        raise bad_param("n", "only n=1 is supported", code="unsupported_parameter")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise bad_param("n", f"invalid parameter n={req.n}: must be in [1, {MAX_N}]")
     if req.logit_bias:
         raise bad_param("logit_bias", "logit_bias is not supported", code="unsupported_parameter")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools or req.functions:
-            raise bad_param("tools" if req.tools else "functions", "tool calling is not supported",
-                            code="unsupported_parameter")
-        for name in ("tool_choice", "function_call"):
-            if getattr(req, name) not in (None, "none"):
-                raise bad_param(name, "tool calling is not supported", code="unsupported_parameter")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_param("response_format", "only response_format type 'text' is supported",
+        if req.functions or req.function_call not in (None, "none"):
+            raise bad_param("functions" if req.functions else "function_call",
+                            "the deprecated functions / function_call are not supported: use tools / tool_choice",
                             code="unsupported_parameter")
         if req.top_logprobs and not req.logprobs:
             raise bad_param("top_logprobs", "top_logprobs requires logprobs=true")
@@ -227,11 +228,12 @@ def resolve_session(req: _Sampling, header: str | None) -> str | None:
 
 # ---- prompts --------------------------------------------------------------------------------
 
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI messages -> the ``[{"role", "content"}]`` a chat template takes (text only)."""
+    """OpenAI messages -> the ``[{"role", "content"}]`` a chat template takes (text only), plus
+    ``tool_calls`` of assistant turns and ``tool_call_id`` of tool turns."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
@@ -249,6 +251,17 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_param(f"messages[{i}].tool_calls", "only assistant messages carry tool_calls")
+            for j, c in enumerate(m.tool_calls):
+                fn = c.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise bad_param(f"messages[{i}].tool_calls[{j}]", "a tool call is {\"id\", \"type\": "
+                                    "\"function\", \"function\": {\"name\", \"arguments\"}}")
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
@@ -277,7 +290,8 @@ def completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
 _BAD_FIELD = re.compile(r"invalid sampling parameter (\w+)=")
 
 
-def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: bool, top_logprobs: int) -> SamplingParams:
+def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: bool, top_logprobs: int,
+                    guide: dict | None = None) -> SamplingParams:
     """The request's SamplingParams, validated (APIError 400 naming the parameter)."""
     def given(v, default):
         return default if v is None else v
@@ -300,6 +314,7 @@ def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: bool, top_logp
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        guide=guide,
     )
     try:
         return sp.validate()
@@ -391,11 +406,23 @@ class Accumulator:
         return u
 
 
+def usage(accs: list[Accumulator]) -> dict:
+    """One response's usage over its choices (the prompt counted once, as OpenAI does)."""
+    if len(accs) == 1:
+        return accs[0].usage()
+    u = Accumulator(accs[0].prompt_tokens, engine_output_tokens=sum(a.completion_tokens for a in accs),
+                    cached_tokens=max(a.cached_tokens for a in accs), resumes=sum(a.resumes for a in accs),
+                    reused_tokens=sum(a.reused_tokens for a in accs),
+                    recomputed_tokens=sum(a.recomputed_tokens for a in accs))
+    return u.usage()
+
+
 class _Format:
-    """Shared state of one response: id, created time, model, logprob spelling; how its stream
-    is framed. ``streaming.run`` calls ``first_chunks``, ``delta_chunks`` per output, ``finish``
-    (async, once the request is complete), then ``final_chunks`` or ``response``; a failure
-    mid-stream sends ``error_chunks``; each chunk goes out through ``frame``, then ``done``."""
+    """Shared state of one response: id, created time, model, logprob spelling, choices; how its
+    stream is framed. ``streaming.run`` sends ``first_chunks``, ``delta_chunks`` per output,
+    ``final_chunks`` per finished choice, then (after the async ``finish`` hook, once every choice
+    ended) ``end_chunks``; or, not streamed, ``finish`` and ``response``. A failure mid-stream sends
+    ``error_chunks``. Each chunk goes out through ``frame``; the stream ends with ``done``."""
     object_full: str
     object_chunk: str
     done: bytes | None = SSE_DONE       # the stream's last event (chat, completions: [DONE])
@@ -404,37 +431,46 @@ class _Format:
     def frame(chunk: dict) -> bytes:
         return sse(chunk)
 
-    def delta_chunks(self, out: RequestOutput) -> list[dict]:
-        chunk = self.delta_chunk(out)
+    def delta_chunks(self, index: int, out: RequestOutput) -> list[dict]:
+        chunk = self.delta_chunk(index, out)
         return [] if chunk is None else [chunk]
 
-    def final_chunks(self, acc: Accumulator) -> list[dict]:
-        return [self.final_chunk(acc), self.usage_chunk(acc)]
+    def end_chunks(self, accs: list[Accumulator]) -> list[dict]:
+        return [self.usage_chunk(accs)]
 
     @staticmethod
     def error_chunks(error: APIError) -> list[dict]:
         return [error.body()]
 
-    async def finish(self, acc: Accumulator) -> None:
-        """Hook once the request is complete (the Responses API stores the response here)."""
+    async def finish(self, accs: list[Accumulator]) -> None:
+        """Hook once every choice is complete (the Responses API stores the response here)."""
 
-    def __init__(self, request_id: str, model: str, token_str: TokenStrings, top_logprobs: int | None):
+    def __init__(self, request_id: str, model: str, token_str: TokenStrings, top_logprobs: int | None, n: int = 1):
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.token_str = token_str
         self.top_logprobs = top_logprobs      # None = no logprobs asked for
+        self.n = n                            # choices
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def usage_chunk(self, acc: Accumulator) -> dict:
-        return {**self._head(self.object_chunk), "choices": [], "usage": acc.usage()}
+    def usage_chunk(self, accs: list[Accumulator]) -> dict:
+        return {**self._head(self.object_chunk), "choices": [], "usage": usage(accs)}
 
 
 class ChatFormat(_Format):
+    """Chat responses; with a tool plan (``tools.ToolPlan``) each choice's text goes through a
+    ``tools.ChoiceTools`` that turns calls into ``tool_calls``."""
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+
+    def __init__(self, *args, plan=None, parser=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        from .tools import ChoiceTools, ToolPlan
+        self._tools = lambda: ChoiceTools(plan or ToolPlan("none", []), parser)
+        self._streams = [self._tools() for _ in range(self.n)]
 
     def _entry(self, tid: int, lp: float) -> dict:
         s = self.token_str(tid)
@@ -450,28 +486,48 @@ class ChatFormat(_Format):
             content.append(e)
         return {"content": content, "refusal": None}
 
-    def _chunk(self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    def _chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
         return {**self._head(self.object_chunk),
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    @staticmethod
+    def _delta(content: str, calls: list[dict]) -> dict:
+        d = {"content": content} if content or not calls else {}
+        if calls:
+            d["tool_calls"] = calls
+        return d
 
     def first_chunks(self) -> list[dict]:
-        return [self._chunk({"role": "assistant", "content": ""})]
+        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n)]
 
-    def delta_chunk(self, out: RequestOutput) -> dict | None:
-        if not out.text and not out.logprobs:
+    def delta_chunk(self, index: int, out: RequestOutput) -> dict | None:
+        content, calls = self._streams[index].feed(out.text)
+        if not content and not calls and not out.logprobs:
             return None
-        return self._chunk({"content": out.text}, logprobs=self.logprobs(out.logprobs or []))
+        return self._chunk(index, self._delta(content, calls), logprobs=self.logprobs(out.logprobs or []))
 
-    def final_chunk(self, acc: Accumulator) -> dict:
-        return self._chunk({}, finish_reason=acc.finish_reason)
+    @staticmethod
+    def _finish_reason(acc: Accumulator, tools) -> str:
+        return "tool_calls" if tools.calls and acc.finish_reason == "stop" else acc.finish_reason
 
-    def response(self, acc: Accumulator) -> dict:
-        return {**self._head(self.object_full),
-                "choices": [{"index": 0,
-                             "message": {"role": "assistant", "content": "".join(acc.text)},
-                             "logprobs": self.logprobs(acc.logprobs),
-                             "finish_reason": acc.finish_reason}],
-                "usage": acc.usage()}
+    def final_chunks(self, index: int, acc: Accumulator) -> list[dict]:
+        st = self._streams[index]
+        content, calls = st.finish()
+        out = [self._chunk(index, self._delta(content, calls))] if content or calls else []
+        return out + [self._chunk(index, {}, finish_reason=self._finish_reason(acc, st))]
+
+    def response(self, accs: list[Accumulator]) -> dict:
+        choices = []
+        for i, acc in enumerate(accs):
+            st = self._tools()
+            st.feed("".join(acc.text))
+            st.finish()
+            msg = {"role": "assistant", "content": st.content if st.content or not st.calls else None}
+            if st.calls:
+                msg["tool_calls"] = [c.to_dict() for c in st.calls]
+            choices.append({"index": i, "message": msg, "logprobs": self.logprobs(acc.logprobs),
+                            "finish_reason": self._finish_reason(acc, st)})
+        return {**self._head(self.object_full), "choices": choices, "usage": usage(accs)}
 
 
 class CompletionFormat(_Format):
@@ -480,9 +536,9 @@ class CompletionFormat(_Format):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._offset = 0   # text_offset of the next token, relative to the generated text
+        self._offset = [0] * self.n   # text_offset of each choice's next token, relative to its text
 
-    def logprobs(self, lps: list) -> dict | None:
+    def logprobs(self, lps: list, index: int = 0) -> dict | None:
         if self.top_logprobs is None:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -491,30 +547,31 @@ class CompletionFormat(_Format):
             tokens.append(s)
             token_lps.append(_finite(tl.logprob))
             tops.append({self.token_str(t): _finite(lp) for t, lp in tl.top[: self.top_logprobs]})
-            offsets.append(self._offset)
-            self._offset += len(s)
+            offsets.append(self._offset[index])
+            self._offset[index] += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _chunk(self, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    def _chunk(self, index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
         return {**self._head(self.object_chunk),
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     def first_chunks(self) -> list[dict]:
         return []
 
-    def delta_chunk(self, out: RequestOutput) -> dict | None:
+    def delta_chunk(self, index: int, out: RequestOutput) -> dict | None:
         if not out.text and not out.logprobs:
             return None
-        return self._chunk(out.text, logprobs=self.logprobs(out.logprobs or []))
+        return self._chunk(index, out.text, logprobs=self.logprobs(out.logprobs or [], index))
 
-    def final_chunk(self, acc: Accumulator) -> dict:
-        return self._chunk("", finish_reason=acc.finish_reason)
+    def final_chunks(self, index: int, acc: Accumulator) -> list[dict]:
+        return [self._chunk(index, "", finish_reason=acc.finish_reason)]
 
-    def response(self, acc: Accumulator) -> dict:
+    def response(self, accs: list[Accumulator]) -> dict:
+        self._offset = [0] * self.n
         return {**self._head(self.object_full),
-                "choices": [{"index": 0, "text": "".join(acc.text), "logprobs": self.logprobs(acc.logprobs),
-                             "finish_reason": acc.finish_reason}],
-                "usage": acc.usage()}
+                "choices": [{"index": i, "text": "".join(acc.text), "logprobs": self.logprobs(acc.logprobs, i),
+                             "finish_reason": acc.finish_reason} for i, acc in enumerate(accs)],
+                "usage": usage(accs)}
 
 
 def models_list(model_name: str, max_context: int, created: int) -> dict:

@@ -295,10 +295,16 @@ class ResponsesFormat(_Format):
         obj = self._object("in_progress", [])
         return [self._event("response.created", response=obj), self._event("response.in_progress", response=obj)]
 
-    def delta_chunks(self, out) -> list[dict]:
-        chunk = self.chat.delta_chunk(out)
-        if chunk is None:
-            return []
+    def delta_chunks(self, index: int, out) -> list[dict]:
+        chunk = self.chat.delta_chunk(index, out)
+        return [] if chunk is None else self._translate(chunk)
+
+    def final_chunks(self, index: int, acc: Accumulator) -> list[dict]:
+        """What the chat format still held back (a tool call parsed at the end), as events."""
+        return [ev for chunk in self.chat.final_chunks(index, acc) for ev in self._translate(chunk)]
+
+    def _translate(self, chunk: dict) -> list[dict]:
+        """One chat chunk's delta -> Responses events (opening items as they start)."""
         delta = chunk["choices"][0]["delta"]
         events = []
         if delta.get("content"):
@@ -311,7 +317,6 @@ class ResponsesFormat(_Format):
                            self._event("response.content_part.added", item_id=self.msg_id, output_index=idx,
                                        content_index=0, part={"type": "output_text", "text": "",
                                                               "annotations": []})]
-            self.text_item.setdefault("_text", []).append(delta["content"])
             events.append(self._event("response.output_text.delta", item_id=self.msg_id,
                                       output_index=self.items.index(self.text_item), content_index=0,
                                       delta=delta["content"], logprobs=[]))
@@ -332,13 +337,13 @@ class ResponsesFormat(_Format):
                                           output_index=self.items.index(item), delta=fn["arguments"]))
         return events
 
-    async def finish(self, acc: Accumulator) -> None:
-        full = self._full(acc)
+    async def finish(self, accs: list[Accumulator]) -> None:
+        full = self._full(accs)
         self.final = public(full)
         await self.on_finish(full)
 
-    def final_chunks(self, acc: Accumulator) -> list[dict]:
-        final = self.final or self.response(acc)
+    def end_chunks(self, accs: list[Accumulator]) -> list[dict]:
+        final = self.final or self.response(accs)
         events = []
         for idx, item in enumerate(self.items):
             done = final["output"][idx] if idx < len(final["output"]) else item
@@ -382,11 +387,11 @@ class ResponsesFormat(_Format):
                 [it for t in by_type.values() for it in t]
         return items
 
-    def response(self, acc: Accumulator) -> dict:
-        return self.final or public(self._full(acc))
+    def response(self, accs: list[Accumulator]) -> dict:
+        return self.final or public(self._full(accs))
 
-    def _full(self, acc: Accumulator) -> dict:
-        chat = self.chat.response(acc)
+    def _full(self, accs: list[Accumulator]) -> dict:
+        chat = self.chat.response(accs)
         choice = chat["choices"][0]
         u = chat["usage"]
         usage = {"input_tokens": u["prompt_tokens"],
@@ -439,7 +444,7 @@ async def create_response(request: Request) -> Response:
     if req.parallel_tool_calls is not None and tools:
         chat_body["parallel_tool_calls"] = req.parallel_tool_calls
     chat_req = validate_model(ChatCompletionRequest, {k: v for k, v in chat_body.items() if v is not None})
-    g, chat_fmt = await prepare_chat(request, chat_req, rid)
+    gens, chat_fmt = await prepare_chat(request, chat_req, rid)
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "top_p": req.top_p if req.top_p is not None else 1.0, "tools": req.tools or [],
@@ -466,7 +471,7 @@ async def create_response(request: Request) -> Response:
             log.exception("%s could not be stored", rid)
 
     fmt = ResponsesFormat(chat_fmt, rid, req, echo, on_finish)
-    return await streaming.run(request, state(request).backend, g, fmt, req.stream, req.user)
+    return await streaming.run(request, state(request).backend, gens, fmt, req.stream, req.user)
 
 
 @router.get("/v1/responses/{response_id}")

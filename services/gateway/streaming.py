@@ -70,126 +70,173 @@ class SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-async def abort(backend: Backend, rid: str, why: str) -> None:
-    log.info("%s %s; aborting", rid, why)
-    with anyio.CancelScope(shield=True):
-        try:
-            with anyio.fail_after(ABORT_TIMEOUT_S):
-                await backend.abort(rid)
-        except Exception:
-            log.exception("%s abort failed", rid)
-
-
-async def _close(it) -> None:
-    aclose = getattr(it, "aclose", None)
-    if aclose is not None:
+async def abort(backend: Backend, rids: list[str], why: str) -> None:
+    for rid in rids:
+        log.info("%s %s; aborting", rid, why)
         with anyio.CancelScope(shield=True):
             try:
-                await aclose()
+                with anyio.fail_after(ABORT_TIMEOUT_S):
+                    await backend.abort(rid)
             except Exception:
-                log.exception("closing the backend stream failed")
+                log.exception("%s abort failed", rid)
 
 
-def _done(g: GenerationRequest, acc: Accumulator, t0: float) -> None:
+class Choices:
+    """The outputs of one request's generations (one per choice, ``n``) as ``(index, output)``
+    in arrival order; ``__anext__`` raises StopAsyncIteration when a generation ends unfinished
+    or every one has finished."""
+
+    def __init__(self, backend: Backend, gens: list[GenerationRequest]):
+        self.its = [backend.generate(g).__aiter__() for g in gens]
+        self.pending: dict[int, asyncio.Future] = {}
+        self.finished: set[int] = set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, object]:
+        if len(self.its) == 1:
+            out = await self.its[0].__anext__()
+            return 0, out
+        for i, it in enumerate(self.its):
+            if i not in self.finished and i not in self.pending:
+                self.pending[i] = asyncio.ensure_future(it.__anext__())
+        if not self.pending:
+            raise StopAsyncIteration
+        await asyncio.wait(self.pending.values(), return_when=asyncio.FIRST_COMPLETED)
+        i = min(i for i, t in self.pending.items() if t.done())
+        out = self.pending.pop(i).result()
+        if out.finished:
+            self.finished.add(i)
+        return i, out
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for t in self.pending.values():
+                t.cancel()
+            await asyncio.gather(*self.pending.values(), return_exceptions=True)
+            self.pending.clear()
+            for it in self.its:
+                aclose = getattr(it, "aclose", None)
+                if aclose is not None:
+                    try:
+                        await aclose()
+                    except Exception:
+                        log.exception("closing the backend stream failed")
+
+
+def _done(g: GenerationRequest, accs: list[Accumulator], t0: float) -> None:
     now = time.monotonic()
-    ttft = (acc.first_token_at - t0) if acc.first_token_at else float("nan")
-    tpot = (now - acc.first_token_at) / (acc.completion_tokens - 1) if acc.completion_tokens > 1 else None
-    metrics.observe_request("gateway", g.tier, ttft=ttft if acc.first_token_at else None, tpot=tpot,
-                            tokens=acc.completion_tokens, outcome="ok")
-    log.info("%s done finish=%s prompt=%d completion=%d cached=%d ttft=%.3fs total=%.3fs", g.request_id,
-             acc.finish_reason, acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens, ttft, now - t0)
+    for acc in accs:
+        ttft = (acc.first_token_at - t0) if acc.first_token_at else float("nan")
+        tpot = (now - acc.first_token_at) / (acc.completion_tokens - 1) if acc.completion_tokens > 1 else None
+        metrics.observe_request("gateway", g.tier, ttft=ttft if acc.first_token_at else None, tpot=tpot,
+                                tokens=acc.completion_tokens, outcome="ok")
+        log.info("%s done finish=%s prompt=%d completion=%d cached=%d ttft=%.3fs total=%.3fs", g.request_id,
+                 acc.finish_reason, acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens, ttft, now - t0)
 
 
-async def run(request: Request, backend: Backend, g: GenerationRequest, fmt: _Format, stream: bool,
+async def run(request: Request, backend: Backend, gens: list[GenerationRequest], fmt: _Format, stream: bool,
               user: str | None) -> Response:
-    """Run ``g`` and answer: one JSON response, or an SSE stream (see the module doc)."""
-    rid = g.request_id
-    log.info("%s start model=%s tier=%s session=%s user=%s prompt=%d max_tokens=%d stream=%s", rid, g.model,
-             g.tier, g.session_id, user, len(g.prompt_token_ids), g.sampling.max_tokens, stream)
+    """Run ``gens`` (one per choice) and answer: one JSON response, or an SSE stream (see the
+    module doc)."""
+    g = gens[0]
+    rid, rids = g.request_id, [x.request_id for x in gens]
+    log.info("%s start model=%s tier=%s session=%s user=%s prompt=%d max_tokens=%d n=%d stream=%s", rid, g.model,
+             g.tier, g.session_id, user, len(g.prompt_token_ids), g.sampling.max_tokens, len(gens), stream)
     headers = {"X-Request-Id": rid, "X-Tandem-SLA": g.tier}
     t0 = time.monotonic()
-    acc = Accumulator(prompt_tokens=len(g.prompt_token_ids))
-    it = backend.generate(g).__aiter__()
+    accs = [Accumulator(prompt_tokens=len(g.prompt_token_ids)) for _ in gens]
+    it = Choices(backend, gens)
     if not stream:
-        return await _collect(request, backend, g, it, acc, fmt, headers, t0)
+        return await _collect(request, backend, gens, it, accs, fmt, headers, t0)
 
     # streaming: wait for the first output so that admission errors keep their HTTP status
     try:
         first = await unless_disconnected(request, it.__anext__())
     except ClientGone:
-        await abort(backend, rid, "client disconnected")
-        await _close(it)
+        await abort(backend, rids, "client disconnected")
+        await it.aclose()
         return Response(status_code=499)
     except StopAsyncIteration:
-        await _close(it)
+        await it.aclose()
         raise BackendError("internal_error", "the backend ended the stream without output", 502) from None
     except BackendError:
-        await _close(it)
+        await abort(backend, rids if len(rids) > 1 else [], "a choice failed")
+        await it.aclose()
         raise
     except BaseException as e:
-        await abort(backend, rid, f"request failed ({type(e).__name__})")
-        await _close(it)
+        await abort(backend, rids, f"request failed ({type(e).__name__})")
+        await it.aclose()
         raise
-    return SSEResponse(_events(backend, g, it, first, acc, fmt, t0), media_type="text/event-stream",
+    return SSEResponse(_events(backend, gens, it, first, accs, fmt, t0), media_type="text/event-stream",
                        headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _collect(request: Request, backend: Backend, g: GenerationRequest, it, acc: Accumulator, fmt: _Format,
-                   headers: dict, t0: float) -> Response:
+async def _collect(request: Request, backend: Backend, gens: list[GenerationRequest], it: Choices,
+                   accs: list[Accumulator], fmt: _Format, headers: dict, t0: float) -> Response:
+    rids = [g.request_id for g in gens]
+
     async def collect() -> None:
-        while True:
+        left = len(accs)
+        while left:
             try:
-                out = await it.__anext__()
+                i, out = await it.__anext__()
             except StopAsyncIteration:
                 raise BackendError("internal_error", "the backend ended the stream without finishing", 502) from None
-            acc.add(out)
-            if out.finished:
-                return
+            accs[i].add(out)
+            left -= out.finished
     try:
         await unless_disconnected(request, collect())
     except ClientGone:
-        await abort(backend, g.request_id, "client disconnected")
+        await abort(backend, rids, "client disconnected")
         return Response(status_code=499)
     except BackendError:
-        raise  # the backend ended the request itself
+        if len(rids) > 1:  # the backend ended this choice itself; the others go too
+            await abort(backend, rids, "a choice failed")
+        raise
     except BaseException as e:
-        await abort(backend, g.request_id, f"request failed ({type(e).__name__})")
+        await abort(backend, rids, f"request failed ({type(e).__name__})")
         raise
     finally:
-        await _close(it)
-    _done(g, acc, t0)
-    await fmt.finish(acc)
-    return json_response(fmt.response(acc), headers=headers)
+        await it.aclose()
+    _done(gens[0], accs, t0)
+    await fmt.finish(accs)
+    return json_response(fmt.response(accs), headers=headers)
 
 
-async def _events(backend: Backend, g: GenerationRequest, it, first, acc: Accumulator, fmt: _Format,
-                  t0: float) -> AsyncIterator[bytes]:
-    rid = g.request_id
+async def _events(backend: Backend, gens: list[GenerationRequest], it: Choices, first, accs: list[Accumulator],
+                  fmt: _Format, t0: float) -> AsyncIterator[bytes]:
+    rid, rids = gens[0].request_id, [g.request_id for g in gens]
     finished = False
     try:
         for chunk in fmt.first_chunks():
             yield fmt.frame(chunk)
-        out = first
+        i, out = first
+        left = len(accs)
         while True:
-            acc.add(out)
-            for chunk in fmt.delta_chunks(out):
+            accs[i].add(out)
+            for chunk in fmt.delta_chunks(i, out):
                 yield fmt.frame(chunk)
             if out.finished:
-                finished = True
-                break
+                for chunk in fmt.final_chunks(i, accs[i]):
+                    yield fmt.frame(chunk)
+                left -= 1
+                if not left:
+                    finished = True
+                    break
             try:
-                out = await it.__anext__()
+                i, out = await it.__anext__()
             except StopAsyncIteration:
                 raise BackendError("internal_error", "the backend ended the stream without finishing", 502) from None
-        await fmt.finish(acc)
-        for chunk in fmt.final_chunks(acc):
+        await fmt.finish(accs)
+        for chunk in fmt.end_chunks(accs):
             yield fmt.frame(chunk)
         if fmt.done:
             yield fmt.done
-        _done(g, acc, t0)
+        _done(gens[0], accs, t0)
     except BackendError as e:  # mid-stream: the status is sent already; an error event instead
-        finished = True
-        metrics.observe_request("gateway", g.tier, outcome="error")
+        metrics.observe_request("gateway", gens[0].tier, outcome="error")
         log.warning("%s failed mid-stream %d %s: %s", rid, e.status, e.code, e.message)
         for chunk in fmt.error_chunks(APIError.from_backend(e)):
             yield fmt.frame(chunk)
@@ -203,5 +250,5 @@ async def _events(backend: Backend, g: GenerationRequest, it, first, acc: Accumu
             yield fmt.done
     finally:
         if not finished:
-            await abort(backend, rid, "client disconnected mid-stream")
-        await _close(it)
+            await abort(backend, [r for r, a in zip(rids, accs) if a.finish_reason is None], "stream ended early")
+        await it.aclose()

@@ -8,12 +8,14 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
-from shared.engine import sampler
+from shared.engine import grammar, sampler
 from shared.engine.kv_cache import KV_DTYPE, BlockManager, ChunkEvents, KVBlobHeader, KVLayout, block_hash
 from shared.engine.loader import LoadedModel, release_freed_memory, load_model
 from shared.engine.model import AttnChunk, StepContext, Transformer
@@ -112,6 +114,8 @@ class Engine:
         self.chunk_events: ChunkEvents | None = None
         self.chunk_hook: Callable[[list[str], list[str]], None] | None = None
         self.eos_ids = set(self.tokenizer.eos_token_ids)
+        self._grammar: grammar.GrammarCompiler | None = None  # built with the first guided request
+        self._mask_thread: ThreadPoolExecutor | None = None   # computes grammar masks during the forward
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens (%.1f MiB), context %d",
                  cfg.name, self.device, num_blocks, config.block_size,
                  num_blocks * self.layout.block_bytes / 2**20, self.max_context)
@@ -157,6 +161,7 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only)
         if resume_token_ids:
             self._resume(seq, resume_token_ids, emitted_chars)
+        self._attach_guide(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -209,17 +214,51 @@ class Engine:
             self._report_chunks()
             return outputs
         token_ids, ctx = self._build_context(chunks)
+        sampled = [c.seq for c in chunks if c.sample]
+        masks = self._start_masks(sampled)
         logits = self.model.forward(token_ids, ctx, self.kv)
         self.scheduler.commit(chunks)
         if self.chunk_events is not None:
             for c in chunks:
                 self.chunk_events.note_seq(c.seq)
             self._report_chunks()
-        sampled = [c.seq for c in chunks if c.sample]
+        if masks is not None:
+            for i, mask in masks.result():
+                grammar.apply_mask(logits[i], mask)
         tokens, lps = sampler.sample(logits, sampled)
         for seq, tok, lp in zip(sampled, tokens, lps):
             outputs.append(self._append(seq, tok, lp))
         return outputs
+
+    # ---- grammar ------------------------------------------------------------------------
+    @property
+    def grammar(self) -> grammar.GrammarCompiler:
+        if self._grammar is None:
+            self._grammar = grammar.GrammarCompiler(self.tokenizer)
+        return self._grammar
+
+    def _attach_guide(self, seq: Sequence) -> None:
+        """Build ``seq``'s matcher from its guide and its output so far (ValueError: a guide that
+        does not compile, or an output it rejects)."""
+        if seq.params.guide is not None:
+            seq.matcher = self.grammar.matcher(seq.params.guide, seq.output_token_ids)
+
+    def _start_masks(self, sampled: list[Sequence]) -> Future | None:
+        """The grammar masks of the constrained rows of this step, [(row, mask)], computed on a
+        helper thread while the forward runs (llguidance and the kernels both release the GIL)."""
+        rows = [(i, s.matcher) for i, s in enumerate(sampled) if s.matcher is not None]
+        if not rows:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        words = self.grammar.mask_words
+
+        def fill() -> list[tuple[int, np.ndarray]]:
+            out = np.empty((len(rows), words), dtype=np.int32)
+            for k, (_, m) in enumerate(rows):
+                m.fill_mask(out[k])
+            return [(i, out[k]) for k, (i, _) in enumerate(rows)]
+        return self._mask_thread.submit(fill)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], prefix_kv: bytes | None = None) -> torch.Tensor:
@@ -288,6 +327,10 @@ class Engine:
                 if i != -1:
                     seq.output_text = seq.output_text[:i]
                     finish = "stop"
+            if seq.matcher is not None and (not seq.matcher.accept(tok) or seq.matcher.done):
+                if seq.matcher.error:  # the mask allowed only what the grammar accepts: a bug
+                    log.warning("%s: grammar rejected token %d: %s", seq.request_id, tok, seq.matcher.error)
+                finish = "stop"  # the grammar is complete: nothing but EOS could follow
         if finish is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_context):
             finish = "length"
             self._detokenize(seq, final=True)  # a character cut by the limit shows as U+FFFD
@@ -454,6 +497,7 @@ class Engine:
         seq.token_ids = list(tokens)
         seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars = h.detok
         seq.num_cached_tokens = h.num_cached_tokens
+        self._attach_guide(seq)  # the grammar state: the guide (in params) replayed over the output
         got = self.blocks.allocate(nb)
         if got is None:
             raise EngineFull(f"needs {nb} KV blocks, {self.blocks.num_free} free")

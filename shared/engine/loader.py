@@ -26,6 +26,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import struct
 import sys
 import time
@@ -512,6 +513,19 @@ def release_freed_memory() -> None:
 
 
 # ---- entry points -------------------------------------------------------------------------------
+
+_QUANT_TAG = re.compile(r"[.-](Q\d\w*|F16|F32|BF16|IQ\d\w*)$", re.I)
+
+
+def served_model_name(path: str | None = None) -> str:
+    """The model id clients type: the model file's stem without its quantization tag
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``), or the directory's name."""
+    path = bundled_model_path() if path is None else os.fspath(path)
+    stem = os.path.basename(os.path.normpath(path))
+    if stem.lower().endswith(".gguf"):
+        stem = _QUANT_TAG.sub("", stem[: -len(".gguf")])
+    return stem
+
 
 def load_tokenizer(path: str | None = None) -> tuple[Tokenizer, ModelConfig]:
     """The tokenizer and config of a model without its weights (the gateway needs only these).

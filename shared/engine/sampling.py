@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from shared.engine.grammar import check_guide
 
 
 @dataclass
@@ -23,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False        # keep going past the model's end-of-sequence token
     logprobs: bool = False          # return the chosen token's logprob
     top_logprobs: int = 0           # and the n most likely alternatives, 0..20
+    guide: dict | None = None       # output constraint, {"kind", "value"} (shared/engine/grammar.py)
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError naming the first bad field; return self."""
@@ -60,6 +62,11 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
             bad("top_logprobs", "must be an integer in [0, 20]")
+        if self.guide is not None:
+            try:
+                check_guide(self.guide)
+            except ValueError as e:
+                bad("guide", str(e))
         return self
 
     @property

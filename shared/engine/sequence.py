@@ -51,6 +51,9 @@ class Sequence:
         if params.seed is None:
             self.params = params = dataclasses.replace(params, seed=random.getrandbits(63))
         self.seed = params.seed
+        # grammar state (params.guide): a grammar.Matcher fed every output token; built by the
+        # engine the sequence runs in, from the guide and the output so far
+        self.matcher = None
         # detokenization state: offsets into token_ids (see Detok in engine.py)
         self.prefix_offset = max(0, self.num_prompt_tokens - 6)
         self.read_offset = self.num_prompt_tokens

@@ -246,6 +246,32 @@ def test_chat_streaming(client, backend):
     assert backend.aborted == []
 
 
+def test_n_choices_have_their_own_requests_and_seeds(client, backend):
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, n=3, seed=5, max_tokens=50)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.content == REPLY for c in r.choices)
+    assert r.usage.completion_tokens == 3 * len(REPLY) and r.usage.prompt_tokens == len(chat_prompt_ids(MSGS))
+    reqs = sorted(backend.requests, key=lambda q: q.request_id)
+    assert [q.request_id for q in reqs] == [r.id, f"{r.id}-1", f"{r.id}-2"]
+    assert reqs[0].sampling.seed == 5 and len({q.sampling.seed for q in reqs}) == 3
+    backend.reset()
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, n=2, stream=True))
+    text = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            text[ch.index] += ch.delta.content or ""
+    assert text == {0: REPLY, 1: REPLY}
+    finals = [ch for c in chunks for ch in c.choices if ch.finish_reason]
+    assert sorted(ch.index for ch in finals) == [0, 1] and backend.aborted == []
+
+
+def test_openapi_describes_the_api(url):
+    spec = httpx.get(f"{url}/openapi.json").json()
+    assert spec["openapi"].startswith("3.") and "/v1/chat/completions" in spec["paths"]
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/ChatCompletionRequest")
+    assert "tools" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+
+
 def test_sse_framing(url):
     body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 3}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=10) as r:
@@ -394,9 +420,15 @@ ERRORS = [
      "invalid_parameter"),
     ("top_logprobs range", "/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs",
      "invalid_parameter"),
-    ("n=2", "/v1/chat/completions", _chat(n=2), {}, 400, "n", "unsupported_parameter"),
-    ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400,
-     "tools", "unsupported_parameter"),
+    ("n=9", "/v1/chat/completions", _chat(n=9), {}, 400, "n", "invalid_parameter"),
+    ("tool_choice unknown function", "/v1/chat/completions",
+     _chat(tools=[{"type": "function", "function": {"name": "f"}}],
+           tool_choice={"type": "function", "function": {"name": "g"}}), {}, 400, "tool_choice", "invalid_parameter"),
+    ("bad tool", "/v1/chat/completions", _chat(tools=[{"type": "function"}]), {}, 400, "tools[0]", "invalid_parameter"),
+    ("functions", "/v1/chat/completions", _chat(functions=[{"name": "f"}]), {}, 400, "functions",
+     "unsupported_parameter"),
+    ("response_format type", "/v1/chat/completions", _chat(response_format={"type": "xml"}), {}, 400,
+     "response_format.type", "invalid_parameter"),
     ("unknown model", "/v1/chat/completions", _chat(model="gpt-5"), {}, 404, "model", "model_not_found"),
     ("too long", "/v1/chat/completions", _chat(max_tokens=250), {}, 400, "max_tokens", "context_length_exceeded"),
     ("long chat prompt (tokenized off the loop)", "/v1/chat/completions",

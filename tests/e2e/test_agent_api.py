@@ -1,0 +1,190 @@
+"""The agent API against the real stack (`tandem up --prefill 0`: gpu-decode and cpu-decode prefill
+themselves), with the official openai client: tool calls (named, required, auto, streamed, a
+turn with a tool result), response_format json_schema / json_object, n=2, and a constrained
+request migrated mid-stream (POST /v1/sessions/{id}) that still validates and equals the
+unmigrated output. One stack for the module."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.e2e.test_stack import running_stack
+
+# a stack of its own (~45 s here): outside the default run, like the other own-stack modules
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+TOOLS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+RECIPE = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 60},
+    "steps": {"type": "array", "items": {"type": "string", "maxLength": 80}, "minItems": 3, "maxItems": 4}},
+    "required": ["title", "steps"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server):
+    with running_stack(nats_server, ["--prefill", "0"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    (m,) = client.models.list().data
+    assert m.id == "SmolLM2-135M-Instruct"  # the typeable id the docs use
+    return m.id
+
+
+def check_call(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, TOOLS[call.function.name])
+    return args
+
+
+def test_named_tool_choice_gives_a_valid_call(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    check_call(call)
+
+
+def test_required_tool_choice_gives_valid_calls(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=80, temperature=0.7, seed=1)
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls  # parallel_tool_calls=false: exactly one
+    check_call(call)
+
+
+def test_auto_gives_a_valid_call_or_text(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0)
+    msg = r.choices[0].message
+    if msg.tool_calls:
+        assert r.choices[0].finish_reason == "tool_calls"
+        for call in msg.tool_calls:
+            check_call(call)
+    else:
+        assert msg.content and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_tool_call_deltas_assemble_to_a_valid_call(client, model):
+    for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+        stream = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                                max_tokens=80, stream=True)
+        calls: dict[int, dict] = {}
+        finish, content = None, ""
+        for chunk in stream:
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                finish = ch.finish_reason or finish
+                for d in ch.delta.tool_calls or []:
+                    c = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                    if d.id:  # id and name first, then argument fragments
+                        assert c["id"] is None and not c["arguments"]
+                        c["id"], c["name"] = d.id, d.function.name
+                    c["arguments"] += d.function.arguments or ""
+        assert finish == "tool_calls" and content == "" and calls
+        for c in calls.values():
+            assert c["id"] and (choice == "required" or c["name"] == "get_time")
+            jsonschema.validate(json.loads(c["arguments"]), TOOLS[c["name"]])
+
+
+def test_a_turn_with_a_tool_message_is_served(client, model):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temperature": 18, "sky": "sunny"})}]
+    r = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], max_tokens=40,
+                                       temperature=0)
+    msg = r.choices[0].message
+    assert msg.content or msg.tool_calls
+    assert r.usage.prompt_tokens > 100  # the tools block, the call and its result were all in the prompt
+
+
+def test_json_schema_output_validates(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Give me a short pancake recipe."}], max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "recipe", "schema": RECIPE, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), RECIPE)
+
+
+def test_json_object_parses(client, model):
+    r = client.chat.completions.create(
+        model=model, max_tokens=120, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Return a JSON object with the keys name and age for a cat."}])
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_bad_schema_is_a_400(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}})
+    assert e.value.body["param"] == "response_format"
+
+
+def test_n_2_gives_two_choices(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, n=2, max_tokens=12, temperature=1.0, seed=3)
+    assert sorted(c.index for c in r.choices) == [0, 1] and all(c.message.content for c in r.choices)
+    assert r.usage.completion_tokens >= 2  # both choices counted
+
+
+async def test_constrained_request_migrated_mid_stream_equals_unmigrated(stack, model):
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Give me a recipe for tomato soup."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "recipe", "schema": RECIPE, "strict": True}}
+
+    async def run(session: str | None, on_chunk=None) -> tuple[str, str | None]:
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=200, temperature=0, response_format=fmt, stream=True,
+            extra_headers={"X-Tandem-Session": session} if session else None)
+        text, finish, n = "", None, 0
+        async for ch in stream:
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                finish = ch.choices[0].finish_reason or finish
+                n += 1
+                if on_chunk is not None:
+                    await on_chunk(n)
+        return text, finish
+
+    want, want_finish = await run(None)
+    jsonschema.validate(json.loads(want), RECIPE)
+    session, moves = f"agent-{uuid.uuid4().hex[:8]}", []
+
+    async def promote(n: int) -> None:
+        if n == 4:  # mid-stream: standard (cpu-decode) -> interactive (gpu-decode)
+            async with httpx.AsyncClient() as h:
+                r = await h.post(f"{stack.url}/v1/sessions/{session}", json={"tier": "interactive"}, timeout=30)
+            assert r.status_code == 200, r.text
+            moves.extend(r.json()["moved"])
+    got, finish = await run(session, promote)
+    assert [m["target"].startswith("gpu-decode") for m in moves] == [True]  # it did move, once
+    assert got == want and finish == want_finish == "stop"
+    jsonschema.validate(json.loads(got), RECIPE)

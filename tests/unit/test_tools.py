@@ -1,0 +1,157 @@
+"""Tool calling pieces without a model: parsers per family, tool_choice plans and their guides,
+prompt rendering, the per-choice stream of content and tool_call deltas; served model ids."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from services.gateway.openai_api import APIError
+from services.gateway.tools import (
+    ChoiceTools, HermesParser, Llama3JsonParser, MistralParser, choose_parser, render_messages,
+    response_format_guide, template_takes_tools, tool_plan,
+)
+from shared.engine.grammar import check_guide
+from shared.engine.loader import served_model_name
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather at a place",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def assemble(deltas: list[dict]) -> list[dict]:
+    """OpenAI's client-side assembly of streamed tool_call deltas."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
+        if "id" in d:
+            assert c["id"] is None and c["arguments"] == "", "id and name come first"
+            c["id"], c["name"] = d["id"], d["function"]["name"]
+        c["arguments"] += d["function"].get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
+def run_stream(ct: ChoiceTools, pieces: list[str]) -> tuple[str, list[dict]]:
+    content, deltas = "", []
+    for p in pieces + [None]:
+        c, d = ct.finish() if p is None else ct.feed(p)
+        content += c
+        deltas += d
+    return content, assemble(deltas)
+
+
+def test_hermes_parser_finds_calls_and_keeps_other_text():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = HermesParser().parse(text)
+    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    bad = "<tool_call>{not json}</tool_call> hello"
+    assert HermesParser().parse(bad) == (bad.strip(), [])  # unknown text stays content
+
+
+def test_llama3_and_mistral_parsers():
+    content, calls = Llama3JsonParser().parse('{"name": "get_time", "parameters": {}}; {"name": "get_weather", '
+                                              '"parameters": {"city": "Rome"}}')
+    assert content == "" and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert Llama3JsonParser().parse("Plain answer {x}")[1] == []
+    content, calls = MistralParser().parse('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    assert content == "" and json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert MistralParser().parse("[1, 2]")[1] == []
+
+
+def test_parser_choice():
+    class Vocab:
+        def __init__(self, *toks):
+            self.toks = toks
+
+        def token_to_id(self, t):
+            return 5 if t in self.toks else None
+    assert choose_parser(Vocab()).name == "hermes"
+    assert choose_parser(Vocab("[TOOL_CALLS]")).name == "mistral"
+    assert choose_parser(Vocab("<|python_tag|>")).name == "llama3_json"
+    assert choose_parser(Vocab("[TOOL_CALLS]"), "hermes").name == "hermes"
+    with pytest.raises(ValueError):
+        choose_parser(Vocab(), "xml")
+
+
+def test_plans_and_their_guides():
+    assert tool_plan(None, None, None).mode == "none"
+    assert tool_plan([WEATHER], "none", None).mode == "none"
+    assert tool_plan([WEATHER], None, None).guide() is None  # auto: free text
+    named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named.guide() == {"kind": "json_schema", "value": WEATHER["function"]["parameters"]}
+    req = tool_plan([WEATHER, TIME], "required", False).guide()
+    check_guide(req)
+    schema = req["value"]
+    jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Oslo"}}], schema)
+    for bad in ([], [{"name": "get_weather", "arguments": {"town": "x"}}], [{"name": "nope", "arguments": {}}],
+                [{"name": "get_time", "arguments": {}}] * 2):  # parallel_tool_calls false: one call
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    for tools, choice in (([WEATHER], {"type": "function", "function": {"name": "x"}}), ([WEATHER], "sometimes"),
+                          (None, "required"), ([{"type": "function", "function": {}}], None)):
+        with pytest.raises(APIError):
+            tool_plan(tools, choice, None)
+
+
+def test_response_format_guides():
+    assert response_format_guide(None) is None and response_format_guide({"type": "text"}) is None
+    assert response_format_guide({"type": "json_object"})["kind"] == "json_object"
+    g = response_format_guide({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}, "strict": True}})
+    assert g == {"kind": "json_schema", "value": {"type": "array"}}
+    with pytest.raises(APIError):
+        response_format_guide({"type": "json_schema", "json_schema": "nope"})
+
+
+def test_default_rendering_puts_tools_and_history_in_text():
+    plan = tool_plan([WEATHER], "auto", None)
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'}]
+    msgs, extra = render_messages(history, plan, HermesParser(), native=False)
+    assert extra == {} and msgs[0]["role"] == "system" and '"get_weather"' in msgs[0]["content"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' == msgs[2]["content"]
+    assert msgs[3] == {"role": "user", "content": '<tool_response>\n{"temp": 3}\n</tool_response>'}
+    msgs, extra = render_messages(history, plan, HermesParser(), native=True)
+    assert extra["tools"][0]["function"]["name"] == "get_weather"
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert template_takes_tools("{% for t in tools %}{{ t }}{% endfor %}") and not template_takes_tools("{{ messages }}")
+
+
+def test_streams_per_mode():
+    hermes = HermesParser()
+    text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # the marker split across deltas
+    ct = ChoiceTools(tool_plan([WEATHER], "auto", None), hermes)
+    content, calls = run_stream(ct, pieces)
+    assert content == "Sure. " and [c["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Oslo"} and ct.calls[0].id == calls[0]["id"]
+    content, calls = run_stream(ChoiceTools(tool_plan([WEATHER], "auto", None), hermes), ["Just ", "<tool", " text"])
+    assert content == "Just <tool text" and calls == []
+
+    named = tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
+    content, calls = run_stream(ChoiceTools(named, hermes), ['{"city"', ':"Oslo"}'])
+    assert content == "" and calls == [{"id": calls[0]["id"], "name": "get_weather", "arguments": '{"city":"Oslo"}'}]
+
+    req = tool_plan([WEATHER, TIME], "required", None)
+    out = '[{"name":"get_time","arguments":{}},{"name":"get_weather","arguments":{"city":"Rome"}}]'
+    content, calls = run_stream(ChoiceTools(req, hermes), [out[:10], out[10:]])
+    assert content == "" and [c["name"] for c in calls] == ["get_time", "get_weather"]
+    content, calls = run_stream(ChoiceTools(req, hermes), ['[{"name":"get_ti'])  # cut by max_tokens
+    assert content == '[{"name":"get_ti' and calls == []
+
+    llama = Llama3JsonParser()
+    content, calls = run_stream(ChoiceTools(tool_plan([TIME], "auto", None), llama), [" ", '{"name": "get_time", ', '"parameters": {}}'])
+    assert content == "" and calls[0]["name"] == "get_time"
+    content, calls = run_stream(ChoiceTools(tool_plan([TIME], "auto", None), llama), ["It is ", "{noon}"])
+    assert content == "It is {noon}" and calls == []
+
+
+def test_served_model_name_is_the_file_stem():
+    assert served_model_name() == "SmolLM2-135M-Instruct"
+    assert served_model_name("/m/Meta-Llama-3.1-8B-Instruct-Q4_0.gguf") == "Meta-Llama-3.1-8B-Instruct"
+    assert served_model_name("/m/qwen2.5-0.5b/") == "qwen2.5-0.5b"
