@@ -216,6 +216,8 @@ class EngineWorker:
         if task is not None:
             task.cancel()
             await asyncio.wait([task], timeout=5)  # its stream is closed before a new attempt opens one
+        if self.held.get(msg.request_id) is not held:
+            return  # a newer attempt was admitted while we waited (the engine knows only the id): it stays
         if await self.engine.abort(msg.request_id):
             log.info("%s aborted (%s)", msg.request_id, msg.reason or "client gone")
         self.held.pop(msg.request_id, None)

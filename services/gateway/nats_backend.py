@@ -131,7 +131,7 @@ class NatsBackend:
         finished = False
         try:
             with tracing.span("gateway.dispatch", tier=req.tier):  # parent of the router's and workers' spans
-                await self._dispatch(st)
+                await self._dispatch_patiently(st)
             while not finished:
                 for chunk in await self._next_chunks(st, sub):
                     finished = chunk.finish_reason is not None
@@ -247,6 +247,21 @@ class NatsBackend:
                 if e.code not in ("no_workers", "overloaded", "timeout") or time.monotonic() > deadline:
                     raise BackendError("worker_lost", f"{why}; no worker could take the request over: {e.message}",
                                        502) from None
+            await asyncio.sleep(min(1.0, self.settings.liveness_check_s * 2))
+
+    async def _dispatch_patiently(self, st: _Flight) -> None:
+        """A new request that finds no worker (a bus restart: the workers are reconnecting; a copy
+        restarting) waits for one, up to TANDEM_RESUME_WAIT_S, instead of failing at once."""
+        deadline = time.monotonic() + self.settings.resume_wait_s
+        while True:
+            try:
+                await self._dispatch(st)
+                return
+            except BackendError as e:
+                if e.code != "no_workers" or time.monotonic() > deadline:
+                    raise
+                log.info("%s: %s; waiting for a worker", st.req.request_id, e.message)
+            st.exclude.clear()  # a worker gone a moment ago may be back (reconnected, restarted)
             await asyncio.sleep(min(1.0, self.settings.liveness_check_s * 2))
 
     async def _dispatch(self, st: _Flight) -> None:
