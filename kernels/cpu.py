@@ -320,6 +320,11 @@ def prepare(q: torch.Tensor) -> torch.Tensor | PackedQ4:
     return q
 
 
+def weight_layout() -> str:
+    """What ``prepare`` makes of a weight matrix now: ``q16`` (``PackedQ4``) or ``rows`` (itself)."""
+    return "q16" if _act_choice == "q16" and available() else "rows"
+
+
 def matmul(x: torch.Tensor, q: torch.Tensor | PackedQ4, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` for float32 x [M, K] and Q4_0 weights (bytes [N, K/32*18] or ``PackedQ4``) → float32 [M, N]."""
     return matmul_with(x, q, out, isa=None, num_threads=None)

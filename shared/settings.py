@@ -83,6 +83,11 @@ class WorkerSettings:
     device: str | None = _env("TANDEM_DEVICE", None,
                               "torch device: cpu, cuda, cuda:1; unset: the role's default")
     threads: int = _env("TANDEM_THREADS", 0, "CPU threads for the engine; 0 = torch's default")
+    weight_cache_dir: str = _env("TANDEM_WEIGHT_CACHE_DIR", "~/.cache/tandem/weights",
+                                 "converted weights are cached here and memory-mapped by every engine on the "
+                                 "node (docs/weights.md); empty: convert at every load")
+    load_threads: int = _env("TANDEM_LOAD_THREADS", 0, "threads converting a model on a weight-cache miss; "
+                             "0 = 1 (one conversion at a time per node)")
     kv_blocks: int = _env("TANDEM_KV_BLOCKS", 0, "KV cache blocks; 0 = from TANDEM_KV_BUDGET_MB")
     kv_budget_mb: int = _env("TANDEM_KV_BUDGET_MB", 512, "KV cache memory budget in MiB")
     max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
@@ -111,6 +116,7 @@ class WorkerSettings:
             except ValueError as e:
                 raise ValueError(f"TANDEM_WORKER_ID: {e}") from None
         for name, var in (("threads", "TANDEM_THREADS"), ("kv_blocks", "TANDEM_KV_BLOCKS"),
+                          ("load_threads", "TANDEM_LOAD_THREADS"),
                           ("max_context", "TANDEM_MAX_CONTEXT"), ("step_tokens", "TANDEM_STEP_TOKENS"),
                           ("shared_step_tokens", "TANDEM_SHARED_STEP_TOKENS"),
                           ("guest_step_tokens", "TANDEM_GUEST_STEP_TOKENS")):

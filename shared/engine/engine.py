@@ -17,8 +17,9 @@ import torch
 
 from shared.engine import grammar, sampler
 from shared.engine.kv_cache import KV_DTYPE, BlockManager, ChunkEvents, KVBlobHeader, KVLayout, block_hash
-from shared.engine.loader import LoadedModel, release_freed_memory, load_model
-from shared.engine.model import AttnChunk, StepContext, Transformer
+from shared.engine.loader import LoadedModel, release_freed_memory
+from shared.engine import weight_cache
+from shared.engine.model import AttnChunk, StepContext, Transformer, runtime_weights
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
 from shared.engine.scheduler import ScheduledChunk, Scheduler
 from shared.engine.sequence import Sequence, Status
@@ -45,6 +46,8 @@ class EngineConfig:
     max_waiting: int = 256              # queued requests at most; more: EngineFull (the caller gets "overloaded")
     shared_step_tokens: int = 64   # prefill tokens of worse tiers per step while interactive work runs
     guest_step_tokens: int | None = None  # prefill tokens of worse tiers per step, always (None: no cap)
+    weight_cache_dir: str | None = None  # from_path: converted weights cached here (None: weight_cache.default_dir(); "": off)
+    load_threads: int | None = None     # from_path: threads converting a model on a cache miss (None: weight_cache.LOAD_THREADS)
 
     def validate(self) -> "EngineConfig":
         if self.block_size < 1 or self.max_num_seqs < 1 or self.step_tokens < 1:
@@ -95,8 +98,15 @@ class Engine:
         self.max_context = min(config.max_context or cfg.max_context, cfg.max_context)
         self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, config.block_size)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // self.layout.block_bytes)
+        layout = weight_cache.layout_of(ops)
+        if model.runtime is not None and model.runtime != layout:
+            raise ValueError(f"weights prepared for the {model.runtime!r} layout; the {self.device} kernels "
+                             f"run {layout!r}")
         with torch.inference_mode():
-            self.model = Transformer(cfg, model.weights, self.device, ops, consume)
+            weights = model.weights if model.runtime is not None else \
+                runtime_weights(cfg, model.weights, getattr(ops, "prepare", None), consume)
+            self.model = Transformer(cfg, weights, self.device, ops)
+            del weights
             self.kv = torch.zeros((num_blocks, *self.layout.block_shape), dtype=KV_DTYPE, device=self.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.step_tokens,
@@ -122,10 +132,15 @@ class Engine:
 
     @classmethod
     def from_path(cls, path: str | None = None, config: EngineConfig | None = None) -> "Engine":
-        """Load ``path`` (None: the bundled model) and build an engine that owns the only copy of
-        the weights: the loader's separate q/k/v and gate/up tensors are dropped once the model
-        has fused them, and their heap pages are given back to the OS."""
-        engine = cls(load_model(path), config, consume=True)
+        """Load ``path`` (None: the bundled model) through the weight cache (``weight_cache.py``:
+        a map of the converted weights every engine on the node shares; the first load converts
+        them, with ``config.load_threads`` threads). With the cache off the engine converts and
+        owns the only copy: the loader's separate q/k/v and gate/up tensors are dropped once
+        fused, and their heap pages given back to the OS."""
+        config = (config or EngineConfig()).validate()
+        ops = _get_ops(resolve_device(config.device))
+        model = weight_cache.load(path, ops, config.weight_cache_dir, config.load_threads)
+        engine = cls(model, config, consume=True)
         release_freed_memory()
         return engine
 

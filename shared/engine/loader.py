@@ -58,6 +58,8 @@ class LoadedModel:
     tokenizer: Tokenizer              # encode / decode / chat template
     identity: str                     # hex fingerprint of config + Q4_0 weights: same model, same string
     path: str                         # the file or directory loaded
+    runtime: str | None = None        # None: ``weights`` under the names above; else they are
+                                      # ``model.runtime_weights`` for this kernel layout (weight_cache)
 
 
 def bundled_model_path() -> str:

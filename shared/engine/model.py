@@ -72,53 +72,66 @@ def _fused_forward(model: "Transformer"):
     return FusedForward.build(model)
 
 
+LAYER_WEIGHTS = ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down", "qkv_bias", "q_norm", "k_norm")
+
+
+def runtime_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], prepare=None,
+                    consume: bool = False) -> dict[str, torch.Tensor]:
+    """The loader's weights (``loader.py`` names) in the form the model runs on, on CPU:
+    ``blk.{i}.{LAYER_WEIGHTS}`` (q|k|v and gate|up fused: row concatenation is exact on Q4_0
+    bytes; biases and q/k norms only where the arch has them), ``embed``, ``output`` (the same
+    object when tied), ``output_norm`` and, when the model has one, ``rope_freqs``.
+    ``prepare(q)``: the layout the kernels run fastest on (CPU q16: ``kernels.cpu.PackedQ4``),
+    applied to every matrix. ``consume``: take the tensors out of ``weights`` one matrix at a time,
+    so the loader's separate copies are freed as we go (the caller's dict ends up empty).
+    The weight cache (``weight_cache.py``) stores exactly this dict."""
+    src = weights if consume else dict(weights)
+    prepare = prepare or (lambda q: q)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        out[p + "attn_norm"] = src.pop(p + "attn_norm").float()
+        out[p + "qkv"] = prepare(torch.cat([src.pop(p + "attn_q"), src.pop(p + "attn_k"), src.pop(p + "attn_v")]))
+        out[p + "o"] = prepare(src.pop(p + "attn_output"))
+        out[p + "ffn_norm"] = src.pop(p + "ffn_norm").float()
+        out[p + "gate_up"] = prepare(torch.cat([src.pop(p + "ffn_gate"), src.pop(p + "ffn_up")]))
+        out[p + "down"] = prepare(src.pop(p + "ffn_down"))
+        if cfg.attn_bias:
+            out[p + "qkv_bias"] = torch.cat([src.pop(p + "attn_q_bias"), src.pop(p + "attn_k_bias"),
+                                             src.pop(p + "attn_v_bias")]).float()
+        if cfg.qk_norm:
+            out[p + "q_norm"] = src.pop(p + "attn_q_norm").float()
+            out[p + "k_norm"] = src.pop(p + "attn_k_norm").float()
+        if consume:  # the layer's separate tensors are garbage now: give their pages back
+            release_freed_memory()
+    tied = src.get("output") is None or src.get("output") is src.get("token_embd")
+    embed = src.pop("token_embd")
+    out["output"] = prepare(embed if tied else src.pop("output"))
+    out["embed"] = out["output"] if tied else embed  # tied: the embedding reads rows of the lm head
+    src.pop("output", None)
+    out["output_norm"] = src.pop("output_norm").float()
+    if "rope_freqs" in src:
+        out["rope_freqs"] = src.pop("rope_freqs").float()
+    return out
+
+
 class Transformer:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, ops,
-                 consume: bool = False):
-        """``consume``: take the tensors out of ``weights`` as they are fused, so the loader's
-        separate copies can be freed one by one (the caller's dict ends up empty)."""
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, ops):
+        """``weights``: the ``runtime_weights`` form (CPU tensors, or read-only views of the weight
+        cache's mapping; they are moved to ``device`` where that is not the CPU)."""
         self.cfg = cfg
         self.device = device
         self.ops = ops  # matmul(x, q) / embedding(ids, q) with Q4_0 weights (optional: prepare(q))
-        src = weights if consume else dict(weights)
 
-        def take(name: str, default=None) -> torch.Tensor | None:
-            t = src.pop(name, default)
-            return t.to(device) if t is not None else None
+        def on_device(t):
+            return t if device.type == "cpu" else t.to(device)
 
-        # the layout the device's kernels run fastest on (CPU q16: rows packed in groups of 16;
-        # the same Q4_0 values), one matrix at a time so the loader's copy is freed as we go
-        prepare = getattr(ops, "prepare", lambda q: q)
-
-        # fuse q|k|v and gate|up: one matmul each (row concatenation is exact on Q4_0 bytes)
-        self.layers = []
-        for i in range(cfg.n_layers):
-            p = f"blk.{i}."
-            layer = {
-                "attn_norm": take(p + "attn_norm").float(),
-                "qkv": prepare(torch.cat([take(p + "attn_q"), take(p + "attn_k"), take(p + "attn_v")])),
-                "o": prepare(take(p + "attn_output")),
-                "ffn_norm": take(p + "ffn_norm").float(),
-                "gate_up": prepare(torch.cat([take(p + "ffn_gate"), take(p + "ffn_up")])),
-                "down": prepare(take(p + "ffn_down")),
-            }
-            if cfg.attn_bias:
-                layer["qkv_bias"] = torch.cat([take(p + "attn_q_bias"), take(p + "attn_k_bias"),
-                                               take(p + "attn_v_bias")]).float()
-            if cfg.qk_norm:
-                layer["q_norm"] = take(p + "attn_q_norm").float()
-                layer["k_norm"] = take(p + "attn_k_norm").float()
-            self.layers.append(layer)
-            if consume:  # the layer's separate tensors are garbage now: give their pages back
-                release_freed_memory()
-        tied = src.get("output") is None or src.get("output") is src.get("token_embd")
-        self.embed = take("token_embd")
-        self.output = prepare(self.embed if tied else take("output"))
-        if tied:  # one copy: the embedding reads rows of the prepared lm head
-            self.embed = self.output
-        src.pop("output", None)
-        self.output_norm = take("output_norm").float()
-        inv = rope_inv_freq(cfg, take("rope_freqs", None))
+        self.layers = [{k: on_device(weights[f"blk.{i}.{k}"]) for k in LAYER_WEIGHTS if f"blk.{i}.{k}" in weights}
+                       for i in range(cfg.n_layers)]
+        self.output = on_device(weights["output"])
+        self.embed = self.output if weights["embed"] is weights["output"] else on_device(weights["embed"])
+        self.output_norm = on_device(weights["output_norm"])
+        inv = rope_inv_freq(cfg, weights.get("rope_freqs"))
         pos = torch.arange(cfg.max_context, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # [max_ctx, head_dim/2]
         self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)

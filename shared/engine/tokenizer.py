@@ -166,6 +166,19 @@ class Tokenizer:
                 self.special_strings.setdefault(name, self.id_to_piece(tid))
         self._template = None
 
+    def to_dict(self) -> dict:
+        """Everything ``from_dict`` needs, JSON-serializable (the weight cache stores it)."""
+        return {"backend": self.backend.to_str(), "bos_token_id": self.bos_token_id,
+                "eos_token_id": self.eos_token_id, "eos_token_ids": sorted(self.eos_token_ids),
+                "add_bos": self.add_bos, "chat_template": self.chat_template,
+                "special_strings": self.special_strings}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Tokenizer":
+        return cls(HFTokenizer.from_str(d["backend"]), bos_token_id=d["bos_token_id"],
+                   eos_token_id=d["eos_token_id"], extra_eos_ids=set(d["eos_token_ids"]), add_bos=d["add_bos"],
+                   chat_template=d["chat_template"], special_strings=d["special_strings"])
+
     # ---- encode / decode -------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -4,13 +4,14 @@ Measured in a fresh interpreter (a subprocess), so nothing else this test sessio
 baseline = peak RSS after importing torch and the engine and running each kind of op once on tiny
 tensors (torch maps kernel code lazily; the CPU kernels start their thread team on first use: that
 is the libraries' footprint, not the engine's), before loading; then
-``Engine.from_path(None, EngineConfig(kv_cache_bytes=K))`` (which converts the bundled Q4_1 GGUF
-to Q4_0 at load) and a short generation; peak = the process's high-water mark (VmHWM).
+``Engine.from_path(None, EngineConfig(kv_cache_bytes=K))`` with an empty weight cache (so it converts
+the bundled Q4_1 GGUF to Q4_0, writes the cache file and maps it) and a short generation; peak = the process's high-water mark (VmHWM).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -59,16 +60,17 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def measure(kv_bytes: int = KV_BYTES) -> dict:
-    """Run the child script; its JSON line of byte counts."""
+def measure(cache_dir: str, kv_bytes: int = KV_BYTES) -> dict:
+    """Run the child script with the weight cache in ``cache_dir``; its JSON line of byte counts."""
+    env = dict(os.environ, TANDEM_WEIGHT_CACHE_DIR=cache_dir)
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(kv_bytes)], capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=300, check=False, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_peak_rss_within_budget():
-    m = measure()
+def test_peak_rss_within_budget(tmp_path):
+    m = measure(str(tmp_path))
     used = m["peak"] - m["baseline"]
     budget = 1.5 * m["weight_bytes"] + KV_BYTES
     mib = 1 / 2**20
