@@ -199,7 +199,8 @@ async def run(args) -> dict:
 
             async def back_after(name: str, t_kill: float) -> float | None:
                 """Seconds until a copy of the killed one (its name, a new worker id) runs again."""
-                base = name.rsplit("-", 2)[0] if re.search(r"-\d+-\d+$", name) else name.rsplit("-", 1)[0]
+                # worker ids are <copy name>-<tandem up's pid>[-<restart>]: the same copy, a new id
+                base = name.split(f"-{stack.proc.pid}")[0] + f"-{stack.proc.pid}"
                 while time.monotonic() < t_end + 120:
                     if name == "nats":
                         if "embedded nats-server back on" in "".join(stack.log[-400:]):
