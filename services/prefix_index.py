@@ -230,7 +230,7 @@ class IndexFeed:
                         "events published while no router runs are lost", type(e).__name__, e)
             self.mode = "live"
             self._sub = await self.bus.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self._on_live)
-            await self.bus.nc.flush()
+            await self.bus.flush()
             return
         self._js, self.mode = js, "jetstream"
         try:

@@ -245,7 +245,7 @@ class Bus:
             task.add_done_callback(done)
 
         sub = await self.nc.subscribe(subject, queue=queue or "", cb=on_msg)
-        await self.nc.flush()  # registered at the server before we announce ourselves
+        await self.flush()  # registered at the server before we announce ourselves
         self._subs.append(sub)
         log.debug("serving %s (queue %s)", subject, queue)
         return sub
@@ -307,7 +307,17 @@ class Bus:
     async def publish(self, subject: str, msg: Any) -> None:
         await self.nc.publish(subject, schemas.encode(msg), headers=tracing.headers())
 
-    async def flush(self, timeout: float = 2.0) -> None:
+    async def flush(self, timeout: float = 10.0) -> None:
+        """Return once the server has processed everything this connection sent before the call.
+
+        nats-py's ``flush()`` writes its PING straight to the socket, ahead of the commands still
+        queued for its flusher task (a SUB or PUB made just before), so its PONG alone does not
+        prove the server has them: on a loaded machine another connection's request can reach
+        the server before a SUB "flushed" that way (a "no responders" right after ``serve()``
+        returned). The first round trip lets the flusher write the queue; the second PING goes
+        out after it, and the server answers commands in order.
+        """
+        await self.nc.flush(timeout)
         await self.nc.flush(timeout)
 
     async def subscribe(self, subject: str, expected: type | None = None, queue: str | None = None,
@@ -315,18 +325,18 @@ class Bus:
         """Subscribe and iterate decoded messages.
 
         With ``flush`` (default) the server has registered the subscription when this returns,
-        so nothing any connection publishes afterwards is missed (one round trip). Without it,
+        so nothing any connection publishes afterwards is missed (two round trips: ``flush``). Without it,
         only messages caused by a later request on this same connection are guaranteed.
         """
         sub = await self.nc.subscribe(subject, queue=queue or "")
         if flush:
-            await self.nc.flush()
+            await self.flush()
         return Subscription(sub, expected, skip_invalid)
 
     async def subscribe_raw(self, subject: str):
         """The raw nats-py subscription (tap): iterate ``.messages`` for Msg objects."""
         sub = await self.nc.subscribe(subject)
-        await self.nc.flush()
+        await self.flush()
         return sub
 
     # -- heartbeats ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """SLA tiers through the whole stack (`tandem up`, real NATS, the bundled model, the official
 openai client): a session promoted to GPU decode and demoted back mid-stream through
-POST /v1/sessions/{id} without a gap or a repeated token, interactive latency under a batch
-flood, and 429 + Retry-After when the batch queue is full — with no accepted request lost."""
+POST /v1/sessions/{id} without a gap or a repeated token, an interactive request served while a
+batch flood decodes, and 429 + Retry-After when the batch queue is full — with no accepted request lost."""
 
 from __future__ import annotations
 
@@ -76,37 +76,57 @@ def test_session_promoted_and_demoted_mid_stream(stack, client, model):
     assert moves[0]["tier"] == "interactive" and moves[1]["tier"] == "batch"
 
 
-def test_interactive_meets_its_slo_under_a_batch_flood(stack, model):
+def test_interactive_is_served_during_a_batch_flood(stack, model):
+    """Three batch requests decoding in the engines (each has streamed its first token): an
+    interactive request that arrives then gets its first token while every batch request is
+    still decoding — it does not wait for the flood to drain — and the batch work finishes whole.
+    Event order, not a wall-clock threshold: a loaded machine slows both sides alike."""
+    batch_tokens = 48
+
     async def go():
         ac = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        decoding = asyncio.Semaphore(0)
+        order = []                                    # ("first" | "end", request), as they happened
 
-        async def batch():
+        async def batch(i):
             try:
-                r = await ac.chat.completions.create(model=model, messages=[{"role": "user", "content": FLOOD}],
-                                                     max_tokens=24, temperature=0, extra_body={"ignore_eos": True},
-                                                     extra_headers={"X-Tandem-SLA": "batch"})
-                return r.usage.completion_tokens
+                stream = await ac.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": FLOOD}], max_tokens=batch_tokens,
+                    temperature=0, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True}, extra_headers={"X-Tandem-SLA": "batch"})
             except openai.RateLimitError:
+                decoding.release()
                 return "429"
+            usage = None
+            async for ch in stream:
+                if ch.choices and ch.choices[0].delta.content and ("first", i) not in order:
+                    order.append(("first", i))
+                    decoding.release()
+                usage = ch.usage or usage
+            order.append(("end", i))
+            return usage.completion_tokens
 
         async def interactive():
-            await asyncio.sleep(3.0)   # the flood is in the engines
-            t0 = time.perf_counter()
+            async with asyncio.timeout(300):          # only catches a hang
+                for _ in range(3):
+                    await decoding.acquire()          # every batch request is decoding (or was refused)
             stream = await ac.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0,
                 stream=True, extra_headers={"X-Tandem-SLA": "interactive"})
-            ttft = None
             async for ch in stream:
-                if ttft is None and ch.choices and ch.choices[0].delta.content:
-                    ttft = time.perf_counter() - t0
-            return ttft
+                if ch.choices and ch.choices[0].delta.content:
+                    order.append(("first", "interactive"))
+                    break
+            async for _ in stream:
+                pass
 
-        *flood, ttft = await asyncio.gather(*(batch() for _ in range(3)), interactive())
-        return flood, ttft
+        *flood, _ = await asyncio.gather(*(batch(i) for i in range(3)), interactive())
+        return flood, order
 
-    flood, ttft = asyncio.run(go())
-    assert ttft is not None and ttft < 2.0, ttft    # the interactive SLO in this small run: 2 s to first token
-    assert all(n == 24 for n in flood if n != "429"), flood   # admitted batch work is never lost
+    flood, order = asyncio.run(go())
+    assert flood == [batch_tokens] * 3, flood         # all three admitted (limit 3) and none lost
+    first = order.index(("first", "interactive"))
+    assert not [e for e in order[:first] if e[0] == "end"], order   # no batch request had finished
 
 
 def test_full_batch_queue_gets_429_with_retry_after_and_loses_nothing(stack, model):
@@ -127,7 +147,11 @@ def test_full_batch_queue_gets_429_with_retry_after_and_loses_nothing(stack, mod
     threads = [threading.Thread(target=batch) for _ in range(10)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 300                         # only catches a hang
+    while 429 not in statuses and any(t.is_alive() for t in threads):
+        assert time.monotonic() < deadline, statuses
+        time.sleep(0.02)
+    # the batch queue is full (or the flood is over, which the asserts below catch): other tiers get in
     r = httpx.post(f"{stack.url}/v1/chat/completions", headers={"X-Tandem-SLA": "interactive"}, timeout=600,
                    json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     for t in threads:

@@ -204,6 +204,10 @@ def test_greedy_matches_hf_generate(case, kernels, monkeypatch):
 
 # ---- GGUF round trip ----------------------------------------------------------------------------------
 
+LLAMA_SPECS = [s for s in SPECS if s.arch == "llama"]   # the arch with the Q/K rope permutation on disk
+
+
+@pytest.mark.parametrize("case", LLAMA_SPECS, ids=[s.id for s in LLAMA_SPECS], indirect=True)
 def test_quantized_gguf_same_bytes_and_logits(case, tmp_path, monkeypatch):
     from gguf import GGMLQuantizationType as T
 
@@ -211,8 +215,6 @@ def test_quantized_gguf_same_bytes_and_logits(case, tmp_path, monkeypatch):
     from shared.engine.quantize import quantize_model
 
     spec, d, m, _, ids, *_ = case
-    if spec.arch != "llama":
-        pytest.skip("the llama arch is the one with the Q/K rope permutation on disk")
     dst = str(tmp_path / f"{spec.id}.gguf")
     quantize_model(d, dst)
     g = load_model(dst)

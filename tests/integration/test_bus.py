@@ -25,8 +25,9 @@ def route_req(rid: str = "r1") -> RouteRequest:
 
 @pytest.fixture
 def private_nats():
-    """A server of this test's own: two connections racing on the shared session server lost
-    a message twice in full CI runs (never alone); this isolates those cross-connection tests."""
+    """A server of this test's own for the cross-connection tests. (They lost a message twice in
+    full CI runs on the shared server: nats-py's flush() could return before the server had the
+    SUB — see ``test_flush_covers_the_commands_sent_before_it``.)"""
     with EmbeddedNats() as url:
         yield url
 
@@ -45,6 +46,33 @@ async def test_serve_and_request(bus):
     await bus.serve(subjects.ROUTE, route, queue=subjects.ROUTE_QUEUE, expected=RouteRequest)
     plan = await bus.request(subjects.ROUTE, route_req("r7"), timeout=2, expected=RoutePlan)
     assert plan == RoutePlan("r7", None, "cpu-0", "cpu-decode", "tier standard")
+
+
+async def test_flush_covers_the_commands_sent_before_it(bus):
+    """serve(), subscribe() and flush() return on a PONG that answers a PING sent after the SUB
+    or PUB on the wire, so the server has processed them (nats-py's own flush() writes its PING
+    ahead of commands still queued for its flusher: a SUB 'flushed' that way raced requests from
+    other connections, which got "no responders" under load)."""
+    wire = []
+    transport = bus.nc._transport
+    write, writelines = transport.write, transport.writelines
+    transport.write = lambda b: (wire.append(bytes(b)[:4]), write(b))[1]
+    transport.writelines = lambda bs: (wire.extend(bytes(b)[:4] for b in bs), writelines(bs))[1]
+    try:
+        for i, start in enumerate((lambda: bus.serve("tandem.test.order", _ack, queue="q"),
+                                   lambda: bus.subscribe("tandem.test.order2"),
+                                   lambda: bus.subscribe_raw("tandem.test.order3"))):
+            del wire[:]
+            await start()
+            assert b"SUB " in wire and wire[-1] == b"PING", (i, wire)
+            assert wire.index(b"SUB ") < len(wire) - 1, (i, wire)
+        del wire[:]
+        await bus.publish("tandem.test.order", Abort("x"))
+        await bus.flush()
+        pub = next(i for i, w in enumerate(wire) if w in (b"PUB ", b"HPUB"))
+        assert pub < len(wire) - 1 and wire[-1] == b"PING", wire
+    finally:
+        transport.write, transport.writelines = write, writelines
 
 
 async def test_handler_returning_none_acks(bus):

@@ -96,18 +96,27 @@ def test_interactive_preempts_running_batch_and_batch_still_finishes(bundled_mod
                               {"batch": (tok.encode(PROMPTS[1]), greedy(24))})["batch"]
     eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_seqs=1))
     eng.add("batch", tok.encode(PROMPTS[1]), greedy(24), priority=2)
-    for _ in range(4):  # batch is decoding
-        eng.step()
-    eng.add("inter", tok.encode(PROMPTS[2]), greedy(4), priority=0)
-    done = []
     out = {"batch": [], "inter": []}
-    while eng.has_work():
+    done = []
+
+    def step() -> None:
         for o in eng.step():
-            out[o.request_id] += o.token_ids if o.request_id == "batch" else []
+            out[o.request_id] += o.token_ids
             if o.finished:
                 done.append(o.request_id)
+
+    for _ in range(4):  # batch is decoding
+        step()
+    assert len(out["batch"]) >= 3 and not done
+    eng.add("inter", tok.encode(PROMPTS[2]), greedy(4), priority=0)
+    step()
+    assert len(out["inter"]) == 1                 # the interactive request got a slot at once
+    while eng.has_work():
+        step()
     assert done == ["inter", "batch"]
     assert eng.scheduler.num_preemptions >= 1
+    assert out["batch"] == alone.token_ids        # every step's tokens, the first four included
+    assert len(out["inter"]) == 4
     assert eng.blocks.num_free == 256
 
 

@@ -1,5 +1,10 @@
 """Data plane (TCP frames): byte-exact transfers, ordering of bytes vs handle, failures,
-corruption, throughput, every path and retries (the rdma path: test_nixl.py)."""
+corruption, every path and retries (the rdma path: test_nixl.py). Throughput is measured by
+``tandem bench pool``, not here.
+
+No wall-clock thresholds: a timeout under test is told apart from the test's own deadline by
+the error it raises, and a state is waited for (``until``) with a deadline that only catches a
+hang, so a loaded machine makes a test slower, never red."""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ import asyncio
 import os
 import socket
 import struct
-import time
 
 import pytest
 
@@ -19,6 +23,13 @@ from shared.transfer.frames import HEADER, MAGIC, BufferPool, size_class
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
+
+
+async def until(pred, deadline: float = 30.0) -> None:
+    """Wait for ``pred()`` to hold; AssertionError if it does not within ``deadline`` s (a hang)."""
+    async with asyncio.timeout(deadline):
+        while not pred():
+            await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -91,6 +102,7 @@ async def test_backpressure_bounded_buffers(tx):
         a, b = os.urandom(8 * MiB), os.urandom(8 * MiB)
         await tx.send(host, port, "a", a)
         second = asyncio.create_task(tx.send(host, port, "b", b))
+        await until(lambda: r.poll("b") is TransferState.TRANSFERRING)   # b's header is in
         await asyncio.sleep(0.3)
         assert not second.done()                      # held back by the full budget
         assert r.poll("b") is TransferState.TRANSFERRING
@@ -195,21 +207,18 @@ async def test_stalled_sender_times_out_and_close_does_not_hang():
             s = socket.create_connection((host, port))
             s.sendall(HEADER.pack(MAGIC, 1, 1, len(tid), 4 * MiB, b"\0" * 32) + tid + b"x" * MiB)
             stalled.append(s)
-        t0 = time.perf_counter()
+        # the stall timeout (0.5 s) ends it with a short read, long before take()'s own 60 s
         with pytest.raises(TransferError, match="short read"):
-            await r.take("stall", 5)
-        assert time.perf_counter() - t0 < 2
+            await r.take("stall", 60)
         assert r.pool.allocated <= 2 * size_class(4 * MiB)
-        r.timeout = 30.0                  # the next read would block for 30 s
+        r.timeout = 600.0                 # the next read would block for 10 minutes
         s = socket.create_connection((host, port))
         s.sendall(HEADER.pack(MAGIC, 1, 1, 4, 4 * MiB, b"\0" * 32) + b"held" + b"x" * MiB)
         stalled.append(s)
-        await asyncio.sleep(0.2)
-        assert r.poll("held") is TransferState.TRANSFERRING
+        await until(lambda: r.poll("held") is TransferState.TRANSFERRING)
     finally:
-        t0 = time.perf_counter()
-        await r.close()
-        assert time.perf_counter() - t0 < 2
+        async with asyncio.timeout(60):   # a tenth of the blocked read's timeout: close did not wait for it
+            await r.close()
         for s in stalled:
             s.close()
 
@@ -218,24 +227,24 @@ async def test_receiver_that_stops_reading_fails_the_sender_after_its_stall_time
     srv = socket.create_server(("127.0.0.1", 0))   # accepts, never reads
     port = srv.getsockname()[1]
     t = TcpKVSender(timeout=0.5)
+    payload = bytes(64 * MiB)                       # more than the socket buffers hold
     try:
-        t0 = time.perf_counter()
         with pytest.raises(TransferError, match="stalled for 0.5s"):
-            await t.send("127.0.0.1", port, "never-read", os.urandom(64 * MiB))
-        assert time.perf_counter() - t0 < 5
+            await t.send("127.0.0.1", port, "never-read", payload)
     finally:
         await t.close()
         srv.close()
 
 
-async def test_dead_port_fails_fast(tx):
+async def test_dead_port_fails_fast():
+    """Connection refused is reported at once, not after the connect timeout (60 s here)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: connection refused
-    t0 = time.perf_counter()
-    with pytest.raises(PeerUnavailable, match=f"127.0.0.1:{port}"):
-        await tx.send("127.0.0.1", port, "nobody", b"x" * 100)
-    assert time.perf_counter() - t0 < 1.5
+    tx = TcpKVSender(timeout=5.0, connect_timeout=60.0)
+    with pytest.raises(PeerUnavailable, match=f"cannot connect to 127.0.0.1:{port}"):
+        async with asyncio.timeout(30):
+            await tx.send("127.0.0.1", port, "nobody", b"x" * 100)
 
 
 async def test_take_timeout_and_discard(rx, tx):
@@ -281,65 +290,6 @@ def test_transport_from_settings():
     from shared.settings import DataPlaneSettings
     t = TcpTransport.from_settings(DataPlaneSettings(chunk_mb=2, max_pending_mb=64, timeout=3))
     assert t.name == "tcp" and t.receiver().pool.max_bytes == 64 * MiB
-
-
-# -- throughput (printed, not asserted) ---------------------------------------------------------
-
-async def _raw_socket_gbps(n: int) -> float:
-    loop = asyncio.get_running_loop()
-    payload = memoryview(os.urandom(n))
-    buf = bytearray(n)
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    srv.setblocking(False)
-
-    async def receive():
-        c, _ = await loop.sock_accept(srv)
-        c.setblocking(False)
-        v, got = memoryview(buf), 0
-        while got < n:
-            got += await loop.sock_recv_into(c, v[got:])
-        await loop.sock_sendall(c, b"k")
-        c.close()
-
-    async def send():
-        s = socket.socket()
-        s.setblocking(False)
-        await loop.sock_connect(s, srv.getsockname())
-        await loop.sock_sendall(s, payload)
-        await loop.sock_recv(s, 1)
-        s.close()
-
-    t0 = time.perf_counter()
-    await asyncio.gather(receive(), send())
-    dt = time.perf_counter() - t0
-    srv.close()
-    return n / dt / 1e9
-
-
-async def test_throughput_vs_raw_socket(rx, tx, capsys):
-    n = 64 * MiB
-    payload = os.urandom(n)
-    host, port = rx.address
-    ck = checksum(payload)
-    best = {"raw": 0.0, "tcp": 0.0, "tcp+hash": 0.0}
-    for i in range(3):
-        best["raw"] = max(best["raw"], await _raw_socket_gbps(n))
-        t0 = time.perf_counter()
-        _, got = await asyncio.gather(tx.send(host, port, f"p{i}", payload, checksum=ck),
-                                      rx.take(f"p{i}", 30))
-        best["tcp"] = max(best["tcp"], n / (time.perf_counter() - t0) / 1e9)
-        got.release()
-        t0 = time.perf_counter()
-        _, got = await asyncio.gather(tx.send(host, port, f"h{i}", payload), rx.take(f"h{i}", 30))
-        best["tcp+hash"] = max(best["tcp+hash"], n / (time.perf_counter() - t0) / 1e9)
-        got.release()
-    with capsys.disabled():
-        print(f"\n64 MiB loopback, one process, best of 3: raw sock_sendall/recv_into "
-              f"{best['raw']:.2f} GB/s; TcpKV (receiver verifies the checksum) {best['tcp']:.2f} GB/s; "
-              f"TcpKV + sender hashing {best['tcp+hash']:.2f} GB/s")
-    assert all(v > 0 for v in best.values())
 
 
 def test_header_layout_is_stable():
