@@ -1,4 +1,4 @@
-"""``tandem bench BENCH`` (engine, kernels, serve, crossover, pool, migration, tiers, chaos, grammar, startup): one module per benchmark.
+"""``tandem bench BENCH`` (engine, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, startup): one module per benchmark.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
 benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
@@ -28,6 +28,8 @@ BENCHES = {
                 _module_arguments("bench.kernels"), _module_main("bench.kernels")),
     "serve": ("load generator against any OpenAI-compatible server (bench/serve.py)",
               _module_arguments("bench.serve"), _module_main("bench.serve")),
+    "stack": ("the stack (tandem up, openai client streaming) vs the in-process engine, c=1 and c=16 (bench/stack.py)",
+              _module_arguments("bench.stack"), _module_main("bench.stack")),
     "crossover": ("every topology on one budget at rising concurrency (bench/crossover.py)",
                   _module_arguments("bench.crossover"), _module_main("bench.crossover")),
     "pool": ("KV pool: TTFT cold vs warm, codecs on real KV, lookups/s, transfer GB/s per path",

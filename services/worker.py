@@ -236,11 +236,15 @@ class EngineWorker:
 
     async def stream_outputs(self, request_id: str, subject: str, outputs: AsyncIterator[RequestOutput],
                              first_seq: int, on_parked=None, attempt: int = 0) -> int | None:
-        """Publish each output as a StreamChunk; the last one carries finish_reason and usage.
+        """Publish each output as a StreamChunk; the last one carries finish_reason and usage. An
+        output carries every token made since the previous one was taken (one message for them);
+        batch-tier streams may wait ``TANDEM_BATCH_COALESCE_MS`` between chunks to make that more.
         ``on_parked`` is awaited with the output that ends a prefill-only request. A request
         migrated away ends without a chunk: the seq the next worker starts at is returned."""
         seq = first_seq
         timing = self.timings.pop(request_id, None)
+        held = self.held.get(request_id)
+        coalesce = self.settings.worker.batch_coalesce_ms / 1e3 if held and held.tier == Tier.BATCH else 0.0
         first_at, emitted = None, 0     # this worker's first token, tokens it published
         last_at = None                  # when the previous output with tokens came
         try:
@@ -270,6 +274,8 @@ class EngineWorker:
                 seq += 1
                 if out.finished:
                     self._observe(timing, first_at, emitted, "aborted" if out.finish_reason == "abort" else "ok")
+                elif coalesce:  # the outputs of the steps meanwhile come merged (AsyncEngine._drain)
+                    await asyncio.sleep(coalesce)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the client hears about it, the worker goes on

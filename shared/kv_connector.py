@@ -156,8 +156,8 @@ class KVConnector:
     async def fetch_prefix(self, prompt: list[int]) -> tuple[list[int], bytearray] | None:
         """The longest prefix of ``prompt`` the pool holds beyond what the engine's own prefix
         cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better."""
-        if self.pool is None:
-            return None
+        if self.pool is None or len(prompt) - 1 < self.settings.pool.chunk_tokens:
+            return None  # not one full chunk: no pool entry can match (and no wait for an engine step)
         have = await self.engine.cached_prefix_tokens(prompt)
         return await self.pool.fetch_prefix(prompt, have)
 

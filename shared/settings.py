@@ -100,6 +100,9 @@ class WorkerSettings:
                                   "when it runs on the CPU, no cap on CUDA")
     max_waiting: int = _env("TANDEM_MAX_WAITING", 256, "requests queued in one engine at most; more get "
                             "'overloaded' (429 at the gateway)")
+    batch_coalesce_ms: float = _env("TANDEM_BATCH_COALESCE_MS", 0.0, "batch-tier streams only: wait this long "
+                                    "after each published chunk, so the next carries every token made meanwhile "
+                                    "(fewer bus messages); 0 = off. Interactive and standard never wait")
     step_deadline_s: float = _env("TANDEM_STEP_DEADLINE_S", 30.0, "an engine step running longer than this "
                                   "marks the worker not ready (a hung engine gets no work; its requests resume elsewhere)")
     heartbeat_interval: float = _env("TANDEM_HEARTBEAT_INTERVAL", 1.0, "seconds between heartbeats (a worker "
@@ -115,6 +118,8 @@ class WorkerSettings:
                 check_token(self.worker_id, "worker_id")
             except ValueError as e:
                 raise ValueError(f"TANDEM_WORKER_ID: {e}") from None
+        if self.batch_coalesce_ms < 0:
+            raise ValueError(f"TANDEM_BATCH_COALESCE_MS must be >= 0, got {self.batch_coalesce_ms}")
         for name, var in (("threads", "TANDEM_THREADS"), ("kv_blocks", "TANDEM_KV_BLOCKS"),
                           ("load_threads", "TANDEM_LOAD_THREADS"),
                           ("max_context", "TANDEM_MAX_CONTEXT"), ("step_tokens", "TANDEM_STEP_TOKENS"),

@@ -127,7 +127,9 @@ class NatsBackend:
         if sampling.seed is None:  # a resumed request must draw what the lost worker would have
             sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
         st = _Flight(req, sampling)
-        sub = await self.bus.subscribe(subjects.stream(rid))
+        # no flush round trip: every chunk is caused by a request this connection sends after the
+        # SUB, and the server handles one connection's protocol in order
+        sub = await self.bus.subscribe(subjects.stream(rid), flush=False)
         finished = False
         try:
             with tracing.span("gateway.dispatch", tier=req.tier):  # parent of the router's and workers' spans

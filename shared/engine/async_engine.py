@@ -3,6 +3,8 @@
 Commands (add, abort, export, import) are queued to the engine thread and run between
 steps, so the engine is only ever touched by that thread. The thread sleeps when idle.
 A consumer that stops iterating ``generate`` (a client went away) aborts its request.
+A step's outputs reach each event loop with one wake-up (``_deliver_step``); a consumer that
+fell behind gets the outputs waiting for it merged into one (``_drain``).
 A migration (``export_for_move`` then ``end_move``) parks a decoding request between two steps;
 its stream ends with a "migrated" output, after every output produced before.
 """
@@ -217,13 +219,23 @@ class AsyncEngine:
         return q
 
     async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs in order. Outputs that are already waiting when the consumer
+        comes back for more (it fell a step or more behind) are merged into one, so a consumer
+        that publishes each output sends one message for all of them; nothing is held back."""
         finished = False
+        held = None   # taken from the queue but not mergeable: the next one yielded
         try:
             while True:
-                item = await q.get()
+                item, held = (held if held is not None else await q.get()), None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                while not item.finished and not q.empty():
+                    nxt = q.get_nowait()
+                    if isinstance(nxt, BaseException) or nxt.finish_reason == "migrated":
+                        held = nxt   # an error or a migration ends the stream on its own
+                        break
+                    item = merge_outputs(item, nxt)
                 finished = item.finished
                 yield item
                 if finished:
@@ -238,6 +250,15 @@ class AsyncEngine:
         self._closed = True
         self._commands.put((lambda: None, None, None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5)
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """``a`` then ``b`` (consecutive outputs of one request) as one output."""
+    lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    resumed = a if a.reused_tokens >= 0 else b   # the first output of a resumed request says what it cost
+    return RequestOutput(a.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, lps,
+                         b.num_prompt_tokens, b.num_cached_tokens, b.num_output_tokens, resumed.reused_tokens,
+                         resumed.recomputed_tokens)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
