@@ -248,11 +248,8 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest,
     gw = state(request)
     tier, session = common(request, req, rid)
     plan = tools.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-    guide = tools.response_format_guide(req.response_format)
-    if guide is not None and plan.guide() is not None:
-        raise bad_param("response_format", "response_format cannot be combined with a tool_choice that forces a call")
-    guide = guide or plan.guide()
-    gw.check_guide(guide, "response_format" if req.response_format and guide else "tools")
+    guide, param = tools.turn_guide(plan, req.response_format)
+    gw.check_guide(guide, param)
     messages, extra = tools.render_messages(chat_messages(req.messages), plan, gw.tool_parser, gw.native_tools)
     if sum(len(m.get("content") or "") for m in messages) > OFFLOAD_CHARS:  # long: keep the event loop free
         prompt = await anyio.to_thread.run_sync(chat_prompt, gw.backend, messages, extra)

@@ -204,6 +204,14 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) 
     return ToolPlan("named", fns, name=name, parallel=False)
 
 
+def turn_guide(plan: ToolPlan, rf: dict | None) -> tuple[dict | None, str]:
+    """This turn's guide and the parameter it comes from. A forced call is the turn's whole
+    output, so it wins: ``response_format`` shapes text, which a forced turn has none of (agents
+    send both: a tool first, then the typed answer on a later turn)."""
+    forced = plan.guide()
+    return (forced, "tools") if forced is not None else (response_format_guide(rf), "response_format")
+
+
 def response_format_guide(rf: dict | None) -> dict | None:
     """``response_format`` -> a guide (400 for a bad one)."""
     kind = (rf or {}).get("type", "text")

@@ -8,6 +8,7 @@ import json
 import jsonschema
 import pytest
 
+from services.gateway import tools
 from services.gateway.openai_api import APIError
 from services.gateway.tools import (
     ChoiceTools, HermesParser, Llama3JsonParser, MistralParser, choose_parser, render_messages,
@@ -155,3 +156,12 @@ def test_served_model_name_is_the_file_stem():
     assert served_model_name() == "SmolLM2-135M-Instruct"
     assert served_model_name("/m/Meta-Llama-3.1-8B-Instruct-Q4_0.gguf") == "Meta-Llama-3.1-8B-Instruct"
     assert served_model_name("/m/qwen2.5-0.5b/") == "qwen2.5-0.5b"
+
+
+def test_a_forced_call_wins_over_response_format():
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
+    named = tools.tool_plan([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                            {"type": "function", "function": {"name": "f"}}, None)
+    assert tools.turn_guide(named, rf) == (named.guide(), "tools")
+    auto = tools.tool_plan([{"type": "function", "function": {"name": "f"}}], "auto", None)
+    assert tools.turn_guide(auto, rf) == (tools.response_format_guide(rf), "response_format")
