@@ -240,30 +240,27 @@ class NatsBackend:
                                                          below_attempt=st.attempt))
         except Exception:
             log.warning("%s: could not fence older attempts", rid, exc_info=True)
-        deadline = time.monotonic() + self.settings.resume_wait_s
-        while True:
-            try:
-                await self._dispatch(st)
-                return
-            except BackendError as e:
-                if e.code not in ("no_workers", "overloaded", "timeout") or time.monotonic() > deadline:
-                    raise BackendError("worker_lost", f"{why}; no worker could take the request over: {e.message}",
-                                       502) from None
-            await asyncio.sleep(min(1.0, self.settings.liveness_check_s * 2))
+        try:
+            await self._dispatch_patiently(st, ("no_workers", "overloaded", "timeout"), keep_excluded=True)
+        except BackendError as e:
+            raise BackendError("worker_lost", f"{why}; no worker could take the request over: {e.message}",
+                               502) from None
 
-    async def _dispatch_patiently(self, st: _Flight) -> None:
-        """A new request that finds no worker (a bus restart: the workers are reconnecting; a copy
-        restarting) waits for one, up to TANDEM_RESUME_WAIT_S, instead of failing at once."""
+    async def _dispatch_patiently(self, st: _Flight, retry_on=("no_workers",), keep_excluded: bool = False) -> None:
+        """Dispatch; while the answer is one of ``retry_on`` (no worker: a bus restart, copies
+        reconnecting or restarting), try again, up to TANDEM_RESUME_WAIT_S. A new request forgets
+        the workers it found gone (they may be back); a resumed one keeps its dead worker out."""
         deadline = time.monotonic() + self.settings.resume_wait_s
         while True:
             try:
                 await self._dispatch(st)
                 return
             except BackendError as e:
-                if e.code != "no_workers" or time.monotonic() > deadline:
+                if e.code not in retry_on or time.monotonic() > deadline:
                     raise
                 log.info("%s: %s; waiting for a worker", st.req.request_id, e.message)
-            st.exclude.clear()  # a worker gone a moment ago may be back (reconnected, restarted)
+            if not keep_excluded:
+                st.exclude.clear()
             await asyncio.sleep(min(1.0, self.settings.liveness_check_s * 2))
 
     async def _dispatch(self, st: _Flight) -> None:
