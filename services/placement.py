@@ -197,6 +197,11 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
     limits = limits or Limits()
     decoders = _decoders(workers, now, req.num_prompt_tokens + 1)
     if not decoders:
+        live = _decoders(workers, now)
+        if live:  # ready, but none has the room (a worker's KV budget can cap its context)
+            raise BusError("prompt_too_long", f"a prompt of {req.num_prompt_tokens} tokens does not fit: the "
+                                              f"longest context of a ready decode worker is "
+                                              f"{max(w.beat.max_context for w in live)} tokens")
         raise BusError("unavailable", "no decode worker is ready")
     tier = "standard" if policy == "fifo" else effective_tier(req.tier, session)
     if policy == "round-robin":

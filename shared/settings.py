@@ -246,6 +246,11 @@ class PoolSettings:
                           shared_dir=self.shared_dir, shared_bytes=int(self.shared_gb * 2**30)).validate()
 
 
+# the sampling parameters TANDEM_GENERATION_DEFAULTS may set, with their types
+GENERATION_DEFAULTS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int,
+                       "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float}
+
+
 @dataclass
 class GatewaySettings:
     """The OpenAI-compatible REST gateway."""
@@ -269,6 +274,11 @@ class GatewaySettings:
     drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long")
     served_model_name: str | None = _env("TANDEM_SERVED_MODEL_NAME", None, "the model id clients send and "
                                          "/v1/models lists; unset: the model file's stem (SmolLM2-135M-Instruct)")
+    generation_defaults: str | None = _env("TANDEM_GENERATION_DEFAULTS", None, "what a request leaves out, for "
+                                           "clients that cannot set it (Codex sends no temperature or output cap): "
+                                           "temperature=0,max_tokens=256,repetition_penalty=1.1 (also top_p, top_k, "
+                                           "min_p, presence_penalty, frequency_penalty); unset: OpenAI's defaults, "
+                                           "max_tokens the rest of the context")
     tool_parser: str | None = _env("TANDEM_TOOL_PARSER", None, "tool-call format: hermes | llama3_json | mistral; "
                                    "unset: from the vocabulary's markers, else hermes")
 
@@ -282,10 +292,30 @@ class GatewaySettings:
         s.validate()
         return s
 
+    def defaults(self) -> dict[str, float]:
+        """TANDEM_GENERATION_DEFAULTS parsed: {parameter: value}."""
+        out: dict[str, float] = {}
+        for item in filter(None, (x.strip() for x in (self.generation_defaults or "").split(","))):
+            key, _, raw = item.partition("=")
+            key = key.strip()
+            kind = GENERATION_DEFAULTS.get(key)
+            if kind is None:
+                raise ValueError(f"TANDEM_GENERATION_DEFAULTS: unknown parameter {key!r} (one of "
+                                 f"{', '.join(GENERATION_DEFAULTS)})")
+            try:
+                out[key] = kind(raw)
+            except ValueError:
+                raise ValueError(f"TANDEM_GENERATION_DEFAULTS: {key}={raw!r} is not "
+                                 f"{'an integer' if kind is int else 'a number'}") from None
+        if out.get("max_tokens", 1) < 1:
+            raise ValueError(f"TANDEM_GENERATION_DEFAULTS: max_tokens must be at least 1, got {out['max_tokens']}")
+        return out
+
     def validate(self) -> "GatewaySettings":
         from shared.tier import TIERS
         if not 0 < self.port <= 65535:
             raise ValueError(f"TANDEM_PORT must be in 1..65535, got {self.port}")
+        self.defaults()  # a ValueError naming the bad entry
         if self.default_tier not in TIERS:
             raise ValueError(f"TANDEM_DEFAULT_TIER must be one of {', '.join(TIERS)}, got {self.default_tier!r}")
         if self.liveness_check_s <= 0 or self.resume_wait_s <= 0 or self.resume_attempts < 0:

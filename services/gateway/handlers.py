@@ -65,6 +65,7 @@ class GatewayState:
     def __post_init__(self) -> None:
         self.token_str = TokenStrings(self.backend.tokenizer)
         self.key_tiers = self.settings.key_tiers()
+        self.defaults = self.settings.defaults()
         self.tool_parser = tools.choose_parser(self.backend.tokenizer, self.settings.tool_parser)
         self.native_tools = tools.template_takes_tools(getattr(self.backend.tokenizer, "chat_template", None))
 
@@ -130,7 +131,8 @@ def check_model(request: Request, model: str) -> None:
 
 def check_context(request: Request, n_prompt: int, max_tokens: int | None, prompt_param: str,
                   max_param: str) -> int:
-    """The request's max_tokens (the rest of the context when not given), or a 400."""
+    """The request's max_tokens (when not given: TANDEM_GENERATION_DEFAULTS' max_tokens, at most
+    the rest of the context), or a 400."""
     ctx = state(request).backend.max_context
     if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
         asked = n_prompt + (max_tokens or 0)
@@ -138,7 +140,10 @@ def check_context(request: Request, n_prompt: int, max_tokens: int | None, promp
                             f"{asked} tokens ({n_prompt} in the {prompt_param}, {max_tokens or 0} in the "
                             f"completion). Please reduce the length of the {prompt_param} or completion.",
                        param=prompt_param if n_prompt >= ctx else max_param, code="context_length_exceeded")
-    return ctx - n_prompt if max_tokens is None else max_tokens
+    if max_tokens is None:
+        cap = state(request).defaults.get("max_tokens")
+        return ctx - n_prompt if cap is None else min(cap, ctx - n_prompt)
+    return max_tokens
 
 
 def common(request: Request, req, rid: str) -> tuple[str, str | None]:
@@ -262,7 +267,8 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise bad_param("top_logprobs", f"invalid parameter top_logprobs={req.top_logprobs}: must be in [0, 20]")
     want_lp = bool(req.logprobs)
-    sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.top_logprobs or 0, guide=guide)
+    sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.top_logprobs or 0, guide=guide,
+                               defaults=gw.defaults)
     fmt = ChatFormat(rid, req.model, gw.token_str, (req.top_logprobs or 0) if want_lp else None, n=req.n or 1,
                      plan=plan, parser=gw.tool_parser)
     return choices(GenerationRequest(rid, req.model, prompt, sampling, tier, session), req.n or 1), fmt
@@ -288,12 +294,14 @@ async def completions(request: Request) -> Response:
         prompt = await anyio.to_thread.run_sync(completion_prompt, req.prompt, gw.backend.tokenizer)
     else:
         prompt = completion_prompt(req.prompt, gw.backend.tokenizer)
-    asked = max_tokens_param(req.max_tokens if req.max_tokens is not None else 16, "max_tokens")
+    asked = max_tokens_param(req.max_tokens if req.max_tokens is not None else gw.defaults.get("max_tokens", 16),
+                             "max_tokens")
     max_tokens = check_context(request, len(prompt), asked, "prompt", "max_tokens")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise bad_param("logprobs", f"invalid parameter logprobs={req.logprobs}: must be in [0, 20]")
     want_lp = req.logprobs is not None
-    sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.logprobs or 0)
+    sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.logprobs or 0,
+                               defaults=gw.defaults)
     fmt = CompletionFormat(rid, req.model, gw.token_str, req.logprobs if want_lp else None, n=req.n or 1)
     return await streaming.run(request, gw.backend, choices(GenerationRequest(rid, req.model, prompt, sampling, tier,
                                                                               session), req.n or 1),

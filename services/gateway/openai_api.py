@@ -291,24 +291,25 @@ _BAD_FIELD = re.compile(r"invalid sampling parameter (\w+)=")
 
 
 def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: bool, top_logprobs: int,
-                    guide: dict | None = None) -> SamplingParams:
-    """The request's SamplingParams, validated (APIError 400 naming the parameter)."""
-    def given(v, default):
-        return default if v is None else v
+                    guide: dict | None = None, defaults: dict | None = None) -> SamplingParams:
+    """The request's SamplingParams, validated (APIError 400 naming the parameter); what the
+    request leaves out comes from ``defaults`` (TANDEM_GENERATION_DEFAULTS), then OpenAI's."""
+    def given(v, default, name=None):
+        return (defaults or {}).get(name, default) if v is None else v
 
     if req.top_k is not None and req.top_k < -1:
         raise bad_param("top_k", f"invalid parameter top_k={req.top_k}: must be >= 0 (or -1 for off)")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     sp = SamplingParams(
         max_tokens=max_tokens,
-        temperature=given(req.temperature, 1.0),
-        top_p=given(req.top_p, 1.0),
-        top_k=0 if req.top_k in (None, -1) else req.top_k,  # vLLM spells "off" as -1
-        min_p=given(req.min_p, 0.0),
+        temperature=given(req.temperature, 1.0, "temperature"),
+        top_p=given(req.top_p, 1.0, "top_p"),
+        top_k=max(0, given(req.top_k, 0, "top_k")),  # vLLM spells "off" as -1
+        min_p=given(req.min_p, 0.0, "min_p"),
         seed=req.seed,
-        presence_penalty=given(req.presence_penalty, 0.0),
-        frequency_penalty=given(req.frequency_penalty, 0.0),
-        repetition_penalty=given(req.repetition_penalty, 1.0),
+        presence_penalty=given(req.presence_penalty, 0.0, "presence_penalty"),
+        frequency_penalty=given(req.frequency_penalty, 0.0, "frequency_penalty"),
+        repetition_penalty=given(req.repetition_penalty, 1.0, "repetition_penalty"),
         stop=[s for s in stop if s != ""],
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos),

@@ -72,6 +72,12 @@ class ResponsesRequest(BaseModel):
     tier: str | None = None
     session_id: str | None = None
     ignore_eos: bool = False
+    # sampling extensions, as on the chat endpoint (vLLM's names); unset: TANDEM_GENERATION_DEFAULTS
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
 
 # ---- request translation -----------------------------------------------------------------------
@@ -439,14 +445,16 @@ async def create_response(request: Request) -> Response:
         "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "user": req.user,
         "sla": req.sla, "tier": req.tier, "session_id": session, "ignore_eos": req.ignore_eos,
         "tools": tools, "tool_choice": chat_tool_choice(req.tool_choice) if tools else None,
-        "response_format": chat_response_format(req.text),
+        "response_format": chat_response_format(req.text), "top_k": req.top_k, "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
     }
     if req.parallel_tool_calls is not None and tools:
         chat_body["parallel_tool_calls"] = req.parallel_tool_calls
     chat_req = validate_model(ChatCompletionRequest, {k: v for k, v in chat_body.items() if v is not None})
     gens, chat_fmt = await prepare_chat(request, chat_req, rid)
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature if req.temperature is not None else 1.0,
+            "temperature": gens[0].sampling.temperature,
             "top_p": req.top_p if req.top_p is not None else 1.0, "tools": req.tools or [],
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,

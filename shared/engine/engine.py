@@ -98,6 +98,14 @@ class Engine:
         self.max_context = min(config.max_context or cfg.max_context, cfg.max_context)
         self.layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, config.block_size)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // self.layout.block_bytes)
+        if num_blocks * config.block_size < self.max_context:
+            # one sequence can never outgrow the whole cache: it would preempt itself and recompute
+            # forever. It ends with finish_reason "length" there, and the worker advertises this
+            # context, so the router sends it no prompt that cannot fit.
+            log.warning("the KV cache holds %d tokens, less than the context of %d: the context is capped "
+                        "there (a larger TANDEM_KV_BUDGET_MB lifts it)", num_blocks * config.block_size,
+                        self.max_context)
+            self.max_context = num_blocks * config.block_size
         layout = weight_cache.layout_of(ops)
         if model.runtime is not None and model.runtime != layout:
             raise ValueError(f"weights prepared for the {model.runtime!r} layout; the {self.device} kernels "

@@ -268,6 +268,17 @@ def test_prompt_longer_than_context_rejected(bundled_model):
     assert not eng.has_work()
 
 
+def test_a_sequence_that_fills_the_whole_kv_cache_ends_with_length(bundled_model):
+    # 4 blocks of 16 tokens: the context is capped at 64 (a sequence alone may not outgrow the
+    # cache: before, it preempted itself and recomputed forever)
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=4, enable_prefix_caching=False, swap_bytes=0))
+    assert eng.max_context == 64
+    done = run_to_completion(eng, {"x": (list(range(10, 30)), greedy(500))})["x"]
+    assert done.finish_reason == "length" and len(done.token_ids) == 64 - 20
+    with pytest.raises(ValueError, match="context"):
+        eng.add("long", [1] * 64, greedy(4))
+
+
 def test_abort_frees_blocks(engine):
     tok = engine.tokenizer
     free = engine.blocks.num_free

@@ -230,6 +230,25 @@ def test_chat_default_max_tokens_is_the_rest_of_the_context(client, backend):
     assert backend.requests[0].sampling.max_tokens == backend.max_context - len(chat_prompt_ids(MSGS))
 
 
+def test_deployment_defaults_fill_what_a_request_leaves_out():
+    backend = FakeBackend()
+    env = {"TANDEM_GENERATION_DEFAULTS": "max_tokens=7, temperature=0,repetition_penalty=1.25"}
+    with Server(backend, GatewaySettings.from_env(env)) as server:
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        c.chat.completions.create(model=MODEL, messages=MSGS)
+        c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=9, temperature=0.5)  # the client's win
+        r = c.responses.create(model=MODEL, input="hi")
+        c.responses.create(model=MODEL, input="hi", extra_body={"repetition_penalty": 1.0}, store=False)
+    assert [q.sampling.max_tokens for q in backend.requests] == [7, 9, 7, 7]
+    assert backend.requests.pop().sampling.repetition_penalty == 1.0  # a request's own value wins
+    assert [q.sampling.temperature for q in backend.requests] == [0, 0.5, 0] and r.temperature == 0
+    assert {q.sampling.repetition_penalty for q in backend.requests} == {1.25}
+    for bad, says in [("max_tokens=0", "at least 1"), ("temprature=0", "unknown parameter 'temprature'"),
+                      ("top_k=x", "top_k='x' is not an integer")]:
+        with pytest.raises(ValueError, match=says):
+            GatewaySettings.from_env({"TANDEM_GENERATION_DEFAULTS": bad})
+
+
 def test_chat_streaming(client, backend):
     chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, stream=True,
                                                  stream_options={"include_usage": True}))

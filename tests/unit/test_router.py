@@ -93,6 +93,14 @@ def test_no_decode_worker_is_unavailable():
     assert e.value.code == "unavailable"
 
 
+def test_a_prompt_no_ready_worker_can_hold_is_too_long_not_unavailable():
+    small = w("c1", "cpu-decode", ctx=2048)
+    with pytest.raises(BusError) as e:
+        place(req(n=3000), [small, PRE_CPU], NOW)
+    assert e.value.code == "prompt_too_long" and e.value.status == 400 and "2048 tokens" in e.value.message
+    assert place(req(n=2000), [small], NOW).decode_worker == "c1"
+
+
 def test_full_tier_queue_is_overloaded_with_retry_after_and_other_tiers_pass():
     limits = Limits(queue={"interactive": 2, "standard": 4, "batch": 4})
     flooded = [w("c1", "cpu-decode", running=8, queue=4, waiting={"batch": 4}, tpot=50.0), GPU]
