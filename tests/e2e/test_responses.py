@@ -5,11 +5,13 @@ per API key."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
@@ -89,6 +91,38 @@ def test_previous_response_id_continues_from_cached_kv(stack):
     c.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(first.id)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOL = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": WEATHER}
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                        "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_a_forced_tool_call_its_output_turn_and_a_json_schema(stack):
+    c = client(stack)
+    model = c.models.list().data[0].id
+    ask = "What is the weather like in Paris today?"
+    r = c.responses.create(model=model, input=ask, tools=[TOOL], temperature=0, store=False,
+                           tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    # the tool's result goes back as a function_call_output item: the next turn is served
+    after = c.responses.create(model=model, tools=[TOOL], temperature=0, max_output_tokens=32, store=False,
+                               input=[{"role": "user", "content": ask},
+                                      {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                       "arguments": call.arguments},
+                                      {"type": "function_call_output", "call_id": call.call_id,
+                                       "output": '{"temperature_c": 21, "sky": "clear"}'}])
+    assert after.status in ("completed", "incomplete") and after.output
+    js = c.responses.create(model=model, input="Name a big city and its population.", temperature=0, store=False,
+                            text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}})
+    jsonschema.validate(json.loads(js.output_text), CITY)
 
 
 @pytest.mark.slow

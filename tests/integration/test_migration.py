@@ -186,7 +186,7 @@ async def test_migrate_there_and_back_matches_unmigrated(workers, reference):
     assert beat.tpot_ms > 0 and beat.requests == [] and beat.waiting_by_tier == {t: 0 for t in TIERS}
 
 
-@pytest.mark.parametrize("failure", ["no_receiver", "target_full"])
+@pytest.mark.parametrize("failure", ["no_receiver", "target_too_small"])
 async def test_failed_move_goes_on_at_the_source(workers, reference, failure):
     gpu, cpu, tiny, bus = workers
     ids, want = reference["short"]
@@ -196,8 +196,8 @@ async def test_failed_move_goes_on_at_the_source(workers, reference, failure):
     if failure == "no_receiver":  # nothing listens on the target's data port
         req, code, target_role = move(rid, cpu), "unavailable", subjects.CPU_DECODE
         req.target_data_port = free_port()
-    else:  # the target's KV holds 32 tokens: it refuses the import
-        req, code, target_role = move(rid, tiny), "overloaded", subjects.CPU_DECODE
+    else:  # the target's KV holds 32 tokens, so its context is 32: it refuses the import
+        req, code, target_role = move(rid, tiny), "bad_request", subjects.CPU_DECODE
     before = migrations(subjects.GPU_DECODE, target_role, "failed")
     with pytest.raises(RemoteError) as e:
         await migrate(bus, gpu.worker_id, req)

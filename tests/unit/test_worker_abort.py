@@ -1,0 +1,79 @@
+"""A worker's Abort handling when a resume's new attempt arrives while an older attempt's stream is
+still being cancelled (the engine knows only the request id, so aborting there would end the new
+attempt too). Fakes: no engine, no bus; the real EngineWorker._on_abort and admit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.worker import EngineWorker, Held
+from shared.bus import BusError
+from shared.schemas import Abort
+
+
+class FakeEngine:
+    def __init__(self):
+        self.aborted: list[str] = []
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+
+def bare_worker() -> EngineWorker:
+    w = EngineWorker.__new__(EngineWorker)  # the abort bookkeeping only: no model, no bus
+    w.engine, w.held, w.tasks, w.aborted, w.moving, w.timings, w.handed = FakeEngine(), {}, {}, {}, set(), {}, {}
+    return w
+
+
+async def slow_to_cancel_stream(w: EngineWorker, cancelled: asyncio.Event) -> None:
+    """A stream task: cancelled, it takes a moment to close; its output stream, closed early,
+    aborts the request in the engine (as AsyncEngine's stream does)."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        cancelled.set()
+        await w.engine.abort("r")
+        await asyncio.sleep(0.05)
+        raise
+
+
+def test_a_fencing_abort_spares_the_attempt_admitted_while_it_waited():
+    async def go():
+        w = bare_worker()
+        w.held["r"] = Held("", "standard", "s1", attempt=1)
+        cancelled = asyncio.Event()
+        w.spawn("r", slow_to_cancel_stream(w, cancelled))
+        await asyncio.sleep(0)
+        fence = asyncio.create_task(w._on_abort(Abort(request_id="r", reason="resume", below_attempt=2)))
+        await cancelled.wait()
+        # meanwhile the resume's admission: held, then its stream task (as admit + spawn do)
+        w.held["r"] = Held("", "standard", "s2", attempt=2)
+        w.spawn("r", asyncio.sleep(3600))
+        await fence
+        assert w.engine.aborted == ["r"]  # once, by the old stream; not again for the new attempt
+        assert w.held["r"].attempt == 2 and not w.tasks["r"].done()
+        assert not w.is_aborted("r", 2) and w.is_aborted("r", 1)
+        w.tasks["r"].cancel()
+    asyncio.run(go())
+
+
+def test_an_abort_of_every_attempt_ends_the_request_and_refuses_a_late_admission():
+    async def go():
+        w = bare_worker()
+        w.held["r"] = Held("", "standard", "s1", attempt=1)
+        cancelled = asyncio.Event()
+        w.spawn("r", slow_to_cancel_stream(w, cancelled))
+        await asyncio.sleep(0)
+        await w._on_abort(Abort(request_id="r", reason="client gone"))
+        assert w.engine.aborted == ["r"] and "r" not in w.held and cancelled.is_set()
+
+        async def engine_add():
+            return "admitted"
+        coro = engine_add()
+        with pytest.raises(BusError) as e:
+            await w.admit(type("Req", (), {"request_id": "r"})(), coro, attempt=2)
+        assert e.value.code == "not_found"
+    asyncio.run(go())
