@@ -196,7 +196,8 @@ class Bus:
         return bus
 
     async def close(self, timeout: float = 5.0) -> None:
-        """Stop heartbeats, stop taking messages, let running handlers finish, drain."""
+        """Stop heartbeats, stop taking messages, let running handlers finish (up to ``timeout``),
+        flush what was published, close."""
         self._closing = True
         for t in list(self._heartbeats):
             t.cancel()
@@ -213,10 +214,14 @@ class Bus:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         if not self.nc.is_closed:
+            # flush what was published, then close. Not nc.drain(): it waits until every
+            # subscription's pending messages are read, and an iterator subscription (abort
+            # listener, stream readers) nobody reads any more held every shutdown for ``timeout``.
             try:
-                await asyncio.wait_for(self.nc.drain(), timeout)
-            except (asyncio.TimeoutError, nats.errors.ConnectionClosedError):
-                await self.nc.close()
+                await asyncio.wait_for(self.nc.flush(), timeout)
+            except (asyncio.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.FlushTimeoutError):
+                pass
+            await self.nc.close()
 
     # -- serve --------------------------------------------------------------------------------
 

@@ -251,6 +251,24 @@ async def test_close_lets_running_handler_finish(private_nats):
     await client.close()
 
 
+async def test_close_does_not_wait_on_unread_subscriptions_and_flushes_publishes(private_nats):
+    a = await Bus.connect(NatsSettings(url=private_nats), name="a")
+    b = await Bus.connect(NatsSettings(url=private_nats), name="b")
+    unread = await a.subscribe("tandem.test.unread", Abort)   # like an abort listener nobody reads now
+    got = await b.subscribe("tandem.test.last", Abort)
+    for i in range(3):
+        await b.publish("tandem.test.unread", Abort(f"u{i}"))
+    await b.flush()
+    for i in range(50):
+        await a.publish("tandem.test.last", Abort(f"p{i}"))   # published right before close
+    # nc.drain() waited until every subscription's pending messages were read: the whole timeout
+    await asyncio.wait_for(a.close(timeout=60), 20)
+    seen = [(await asyncio.wait_for(got.__anext__(), 5)).request_id for _ in range(50)]
+    assert seen == [f"p{i}" for i in range(50)]
+    assert unread is not None
+    await b.close()
+
+
 async def test_user_password_credentials():
     with EmbeddedNats(extra_args=["--user", "tandem", "--pass", "s3cret"]) as url:
         env = {"TANDEM_NATS_URL": url, "TANDEM_NATS_USER": "tandem", "TANDEM_NATS_PASSWORD": "s3cret"}
