@@ -280,6 +280,13 @@ def summarize_chaos(args, refs: dict, results: list[dict], kills: list[dict], rs
     }
 
 
+def rss_growth(vals: list[float]) -> float:
+    """MiB from the warmed-up level (median of the second tenth of the samples) to the end
+    (median of the last tenth): about 0 for a service that does not leak."""
+    k = max(1, len(vals) // 10)
+    return statistics.median(vals[-k:]) - statistics.median(vals[k:2 * k] or vals[:k])
+
+
 def print_report(res: dict) -> None:
     rows = [
         ("requests", res["requests"]), ("completed (exact text)", res["completed"] - res["wrong_text"]),
@@ -300,10 +307,11 @@ def print_report(res: dict) -> None:
             print(f"| {k['name']} | {k['t'] - res['t0']:.1f} | {report.fmt(k['back_s'], 1)} | "
                   f"{report.fmt(k['heal_s'], 1)} |")
     if res["rss_mb"]:
-        print("\n| service | RSS first (MiB) | RSS last (MiB) | max |\n|---|---:|---:|---:|")
+        print("\n| service | RSS first (MiB) | RSS last (MiB) | max | growth after warm-up (MiB) |\n"
+              "|---|---:|---:|---:|---:|")
         for name, series in sorted(res["rss_mb"].items()):
             vals = [v for _, v in series]
-            print(f"| {name} | {vals[0]:.0f} | {vals[-1]:.0f} | {max(vals):.0f} |")
+            print(f"| {name} | {vals[0]:.0f} | {vals[-1]:.0f} | {max(vals):.0f} | {rss_growth(vals):+.1f} |")
     if res["errors"]:
         print("\nerrors seen:", *res["errors"], sep="\n  ")
 
