@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from shared.engine.engine import Engine
-from shared.engine.sampling import RequestOutput, SamplingParams
+from shared.engine.sampling import RequestOutput, SamplingParams, merge_outputs
 
 log = logging.getLogger("tandem.engine")
 
@@ -250,15 +250,6 @@ class AsyncEngine:
         self._closed = True
         self._commands.put((lambda: None, None, None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5)
-
-
-def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """``a`` then ``b`` (consecutive outputs of one request) as one output."""
-    lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    resumed = a if a.reused_tokens >= 0 else b   # the first output of a resumed request says what it cost
-    return RequestOutput(a.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, lps,
-                         b.num_prompt_tokens, b.num_cached_tokens, b.num_output_tokens, resumed.reused_tokens,
-                         resumed.recomputed_tokens)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

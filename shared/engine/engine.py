@@ -20,7 +20,7 @@ from shared.engine.kv_cache import KV_DTYPE, BlockManager, ChunkEvents, KVBlobHe
 from shared.engine.loader import LoadedModel, release_freed_memory
 from shared.engine import weight_cache
 from shared.engine.model import AttnChunk, StepContext, Transformer, runtime_weights
-from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
+from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob, merge_outputs
 from shared.engine.scheduler import ScheduledChunk, Scheduler
 from shared.engine.sequence import Sequence, Status
 from shared.engine.tokenizer import decode_step
@@ -246,12 +246,31 @@ class Engine:
                 self.chunk_events.note_seq(c.seq)
             self._report_chunks()
         if masks is not None:
-            for i, mask in masks.result():
-                grammar.apply_mask(logits[i], mask)
+            rows, banned = masks.result()
+            grammar.apply_masks(logits, rows, banned)
         tokens, lps = sampler.sample(logits, sampled)
         for seq, tok, lp in zip(sampled, tokens, lps):
-            outputs.append(self._append(seq, tok, lp))
+            out = self._append(seq, tok, lp)
+            if not out.finished and seq.matcher is not None:
+                out = self._fast_forward(seq, out)
+            outputs.append(out)
         return outputs
+
+    def _fast_forward(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        """Append the tokens the grammar forces after ``seq``'s last one (the only token its mask
+        allows: a JSON key of the schema, a closing quote...) without a decode step each; the
+        next step computes them as one chunk. The output is the same as decoding them one by one
+        (sampling from a row with one allowed token gives that token), in fewer forward passes.
+        Not with logprobs (a forced token's logprob needs its logits), nor on a prefill worker."""
+        p = seq.params
+        if p.logprobs or p.top_logprobs or seq.prefill_only:
+            return out
+        while not out.finished:
+            tok = seq.matcher.forced()
+            if tok is None or tok in self.eos_ids:
+                break
+            out = merge_outputs(out, self._append(seq, tok, None))
+        return out
 
     # ---- grammar ------------------------------------------------------------------------
     @property
@@ -267,20 +286,21 @@ class Engine:
             seq.matcher = self.grammar.matcher(seq.params.guide, seq.output_token_ids)
 
     def _start_masks(self, sampled: list[Sequence]) -> Future | None:
-        """The grammar masks of the constrained rows of this step, [(row, mask)], computed on a
-        helper thread while the forward runs (llguidance and the kernels both release the GIL)."""
+        """The grammar masks of the constrained rows of this step, as (rows, banned [rows, vocab]
+        bool), computed on a helper thread while the forward runs (llguidance and the kernels both
+        release the GIL): the step itself only applies them, in one operation."""
         rows = [(i, s.matcher) for i, s in enumerate(sampled) if s.matcher is not None]
         if not rows:
             return None
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        words = self.grammar.mask_words
+        words, vocab = self.grammar.mask_words, self.model_config.vocab_size
 
-        def fill() -> list[tuple[int, np.ndarray]]:
-            out = np.empty((len(rows), words), dtype=np.int32)
+        def fill() -> tuple[list[int], torch.Tensor]:
+            bits = np.empty((len(rows), words), dtype=np.int32)
             for k, (_, m) in enumerate(rows):
-                m.fill_mask(out[k])
-            return [(i, out[k]) for k, (i, _) in enumerate(rows)]
+                m.fill_mask(bits[k])
+            return [i for i, _ in rows], grammar.banned_tokens(bits, vocab)
         return self._mask_thread.submit(fill)
 
     @torch.inference_mode()
@@ -470,7 +490,9 @@ class Engine:
         if seq is None:
             raise KeyError(f"no request {request_id!r} in this engine")
         ok = (Status.RUNNING,) if keep else (Status.PARKED, Status.RUNNING)
-        if seq.status not in ok or seq.num_computed != seq.num_tokens - 1:
+        # between steps: the prompt computed, at least the last token not (the grammar's forced
+        # tokens may wait to be computed as one chunk)
+        if seq.status not in ok or not seq.num_prompt_tokens <= seq.num_computed < seq.num_tokens:
             raise ValueError(f"request {request_id!r} is not between decode steps (status {seq.status.value})")
         nb = self.layout.blocks_for(seq.num_computed)
         header = KVBlobHeader(

@@ -112,13 +112,37 @@ class Matcher:
     def __init__(self, m, vocab_size: int):
         self.m = m                    # llguidance.LLMatcher
         self.vocab_size = vocab_size
+        self.bits: np.ndarray | None = None  # the mask of the current state, once computed
 
     def fill_mask(self, out: np.ndarray) -> None:
         """Write the allowed-next-token bitmask (int32 words, bit i of word w = token 32w+i)."""
-        self.m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if self.bits is None:
+            self.m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        else:
+            out[:] = self.bits
+
+    def mask(self) -> np.ndarray:
+        """The bitmask of the current state (computed once per state)."""
+        if self.bits is None:
+            bits = np.empty(((self.vocab_size + 31) // 32,), dtype=np.int32)
+            self.m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+            self.bits = bits
+        return self.bits
+
+    def forced(self) -> int | None:
+        """The only token the grammar allows next, or None when it allows several."""
+        bits = self.mask()
+        words = np.flatnonzero(bits)
+        if len(words) != 1:
+            return None
+        w = int(bits[words[0]]) & 0xFFFFFFFF
+        if w & (w - 1):
+            return None
+        return int(words[0]) * 32 + w.bit_length() - 1
 
     def accept(self, token_id: int) -> bool:
         """Feed the sampled token; False when the grammar rejects it (the matcher is then dead)."""
+        self.bits = None
         return self.m.consume_token(token_id)
 
     @property
@@ -131,8 +155,23 @@ class Matcher:
         return self.m.get_error()
 
 
-def apply_mask(row: torch.Tensor, mask: np.ndarray) -> None:
-    """Set the logits of disallowed tokens in ``row`` [vocab] to -inf, in place."""
-    allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[: row.shape[0]].view(bool)
-    t = torch.from_numpy(~allowed)
-    row.masked_fill_(t if row.device.type == "cpu" else t.to(row.device, non_blocking=True), float("-inf"))
+def banned_tokens(bits: np.ndarray, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool, True where a token is not allowed, from bitmasks [rows, words] (int32,
+    bit i of word w = token 32w+i allowed)."""
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    banned = allowed == 0
+    if banned.shape[1] < vocab:  # a padded embedding: ids past the tokenizer's are never allowed
+        banned = np.pad(banned, ((0, 0), (0, vocab - banned.shape[1])), constant_values=True)
+    return torch.from_numpy(banned)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], banned: torch.Tensor) -> None:
+    """Set the logits of banned tokens to -inf, in place: ``logits`` [S, vocab], ``banned`` [len(rows),
+    vocab] for the given rows (one operation for all of them)."""
+    if logits.device.type != "cpu":
+        banned = banned.to(logits.device, non_blocking=True)
+    if len(rows) == logits.shape[0]:  # every row constrained: no gather
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))

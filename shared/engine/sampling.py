@@ -106,3 +106,12 @@ class RequestOutput:
     num_output_tokens: int = 0           # generated so far, in total
     reused_tokens: int = -1              # first output of a resumed request: tokens of KV found cached
     recomputed_tokens: int = 0           # ... and computed again (-1 above: not a resume)
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """``a`` then ``b`` (consecutive outputs of one request) as one output."""
+    lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    resumed = a if a.reused_tokens >= 0 else b   # the first output of a resumed request says what it cost
+    return RequestOutput(a.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, lps,
+                         b.num_prompt_tokens, b.num_cached_tokens, b.num_output_tokens, resumed.reused_tokens,
+                         resumed.recomputed_tokens)

@@ -117,3 +117,49 @@ def test_constrained_request_resumed_elsewhere_equals_unmoved(engines):
     got = _finish(b, "rs", done)
     assert head + got.token_ids == want.token_ids
     assert want.text[:emitted] + got.text == want.text
+
+
+def test_masks_ban_exactly_the_disallowed_tokens_of_each_row():
+    import numpy as np
+    import torch
+
+    from shared.engine import grammar
+
+    vocab = 70  # 3 mask words cover 96 ids; a padded embedding has ids past the tokenizer's too
+    bits = np.zeros((2, 2), dtype=np.int32)  # the tokenizer's 64 ids
+    bits[0, 0] = 0b1010          # row 0 allows tokens 1 and 3
+    bits[1, 1] = 1 << 4          # row 1 allows token 36
+    banned = grammar.banned_tokens(bits, vocab)
+    assert banned.shape == (2, vocab) and (~banned).nonzero().tolist() == [[0, 1], [0, 3], [1, 36]]
+    logits = torch.zeros(3, vocab)
+    grammar.apply_masks(logits, [0, 2], banned)  # rows 0 and 2 constrained, row 1 free
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 3]
+    assert torch.isfinite(logits[1]).all()
+    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [36]
+    everything = torch.zeros(2, vocab)
+    grammar.apply_masks(everything, [0, 1], banned)
+    assert torch.isfinite(everything).sum().item() == 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_forced_tokens_are_fast_forwarded_with_the_same_output(engines, temperature):
+    """Tokens the grammar forces (the schema's keys, quotes) are appended without a decode step
+    each; logprobs turn that off (a forced token's logprob needs its logits): same tokens, more
+    steps."""
+    e, _ = engines
+    ids = prompt(e, "What is the weather in Paris for the next 3 days? Answer in JSON.")
+
+    def run(logprobs: bool):
+        e.add("ff", ids, SamplingParams(max_tokens=60, temperature=temperature, seed=11, logprobs=logprobs,
+                                        guide={"kind": "json_schema", "value": SCHEMA}))
+        outs, steps = [], 0
+        while e.has_work():
+            steps += 1
+            outs += [o for o in e.step() if o.request_id == "ff"]
+        return [t for o in outs for t in o.token_ids], "".join(o.text for o in outs), steps, outs
+
+    fast, text, fast_steps, outs = run(False)
+    slow, slow_text, slow_steps, _ = run(True)
+    assert fast == slow and text == slow_text
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert fast_steps < slow_steps and max(len(o.token_ids) for o in outs) > 1, (fast_steps, slow_steps)
