@@ -251,7 +251,8 @@ def main(args: argparse.Namespace) -> int:
         steps = engine_steps(args.threads, args.rounds)
         print(f"\nengine decode, bundled model, greedy, 48 tokens, {args.threads} kernel threads, CPU ISA {isa}, "
               f"{args.rounds} alternating rounds:")
-        print("| concurrency | tok/s, no schema | tok/s, JSON schema | ratio | tokens per step, JSON | step ms, no schema / JSON |")
+        print("| concurrency | tok/s, no schema | tok/s, JSON schema | ratio | tokens per step, JSON "
+              "| step ms, no schema / JSON |")
         print("|---|---|---|---|---|---|")
         for c in (1, 16):
             f, j = steps[f"free_c{c}"], steps[f"json_c{c}"]
