@@ -213,6 +213,11 @@ class EngineWorker:
         held = self.held.get(msg.request_id)
         if held is not None and held.attempt >= below:
             return  # a newer attempt runs here: the abort fences older ones only
+        if held is None and msg.below_attempt:
+            # a fence, and no older attempt here. The engine knows requests by id only: aborting
+            # there would end the newer attempt whose admission may be under way on this worker
+            # (an older one still being admitted finds itself in ``aborted`` when it is taken).
+            return
         task = self.tasks.pop(msg.request_id, None)
         if task is not None:
             task.cancel()
@@ -289,6 +294,13 @@ class EngineWorker:
                 await self.bus.publish(subject, reply)
             except Exception:  # the bus is gone too: the gateway finds the request gone (Where) and resumes it
                 log.warning("%s: could not publish the error", request_id)
+        finally:
+            # close the engine stream now, inside this task, even when it was cancelled between two
+            # outputs (publishing, or a batch stream's coalescing sleep): a stream left to the
+            # garbage collector aborted the request by id later, after a resume had re-admitted it
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     def chunk(self, out: RequestOutput, seq: int, finish: bool, attempt: int = 0) -> StreamChunk:
         lps = None

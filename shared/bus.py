@@ -108,6 +108,7 @@ class Subscription:
         self._expected = expected        # message class to enforce (None: any registered)
         self._skip_invalid = skip_invalid  # log and skip bad messages instead of raising
         self._it = sub.messages.__aiter__()
+        self._next: asyncio.Future | None = None  # a read still under way when ``next`` timed out
 
     @property
     def subject(self) -> str:
@@ -116,7 +117,7 @@ class Subscription:
     def __aiter__(self) -> "Subscription":
         return self
 
-    async def __anext__(self) -> Any:
+    async def _read(self) -> Any:
         while True:
             msg = await self._it.__anext__()  # StopAsyncIteration when unsubscribed
             try:
@@ -126,14 +127,25 @@ class Subscription:
                     raise
                 log.warning("skipping invalid message on %s: %s", msg.subject, e)
 
+    async def __anext__(self) -> Any:
+        return await self.next()
+
     async def next(self, timeout: float | None = None) -> Any:
-        """The next message; BusError("timeout") after ``timeout`` seconds."""
-        try:
-            return await asyncio.wait_for(self.__anext__(), timeout)
-        except asyncio.TimeoutError:
-            raise BusError("timeout", f"no message on {self.subject} within {timeout}s") from None
+        """The next message; BusError("timeout") after ``timeout`` seconds. A timeout never loses a
+        message: the read goes on and the next call gets its result. (Cancelling nats-py's
+        iterator instead drops a message it took from the queue in the same instant: a stream
+        chunk lost once in thousands under load, the gateway then resumed a healthy request.)"""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._read())
+        done, _ = await asyncio.wait({self._next}, timeout=timeout)
+        if not done:
+            raise BusError("timeout", f"no message on {self.subject} within {timeout}s")
+        fut, self._next = self._next, None
+        return fut.result()
 
     async def unsubscribe(self) -> None:
+        if self._next is not None and not self._next.done():
+            self._next.cancel()
         try:
             await self._sub.unsubscribe()
         except nats.errors.BadSubscriptionError:

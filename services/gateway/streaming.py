@@ -129,7 +129,8 @@ def _done(g: GenerationRequest, accs: list[Accumulator], t0: float) -> None:
     now = time.monotonic()
     for acc in accs:
         ttft = (acc.first_token_at - t0) if acc.first_token_at else float("nan")
-        tpot = (now - acc.first_token_at) / (acc.completion_tokens - 1) if acc.completion_tokens > 1 else None
+        tpot = (now - acc.first_token_at) / (acc.completion_tokens - 1) \
+            if acc.first_token_at is not None and acc.completion_tokens > 1 else None
         metrics.observe_request("gateway", g.tier, ttft=ttft if acc.first_token_at else None, tpot=tpot,
                                 tokens=acc.completion_tokens, outcome="ok")
         log.info("%s done finish=%s prompt=%d completion=%d cached=%d ttft=%.3fs total=%.3fs", g.request_id,

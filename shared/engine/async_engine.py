@@ -241,10 +241,12 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if self._streams.get(request_id, (None, None))[1] is q:  # not a later stream of the same id
+            # only this stream's own request: a generator closed late (after a resume re-added the
+            # id) must not abort the newer one, which the engine knows by the same id
+            if self._streams.get(request_id, (None, None))[1] is q:
                 self._streams.pop(request_id, None)
-            if not finished:  # the consumer left early: free the request's KV
-                self._commands.put((lambda: self.engine.abort(request_id), None, None))
+                if not finished:  # the consumer left early: free the request's KV
+                    self._commands.put((lambda: self.engine.abort(request_id), None, None))
 
     async def close(self) -> None:
         self._closed = True

@@ -269,6 +269,35 @@ async def test_close_does_not_wait_on_unread_subscriptions_and_flushes_publishes
     await b.close()
 
 
+async def test_next_with_timeouts_never_loses_a_message(private_nats):
+    """Reads with timeouts that keep expiring while messages arrive (the gateway's liveness
+    polling under load): every message comes, in order."""
+    a = await Bus.connect(NatsSettings(url=private_nats), name="a")
+    b = await Bus.connect(NatsSettings(url=private_nats), name="b")
+    sub = await a.subscribe("tandem.test.race", Abort)
+    n = 3000
+
+    async def publish():
+        for i in range(n):
+            await b.publish("tandem.test.race", Abort(str(i)))
+            if i % 7 == 0:
+                await asyncio.sleep(0)
+        await b.flush()
+
+    pub = asyncio.create_task(publish())
+    got, timeouts = [], 0
+    while len(got) < n:
+        try:
+            got.append(int((await sub.next(timeout=0.0002)).request_id))
+        except BusError:
+            timeouts += 1
+            assert timeouts < 10 * n, f"stuck after {len(got)} messages"
+    await pub
+    assert got == list(range(n)) and timeouts > 0
+    await a.close()
+    await b.close()
+
+
 async def test_user_password_credentials():
     with EmbeddedNats(extra_args=["--user", "tandem", "--pass", "s3cret"]) as url:
         env = {"TANDEM_NATS_URL": url, "TANDEM_NATS_USER": "tandem", "TANDEM_NATS_PASSWORD": "s3cret"}

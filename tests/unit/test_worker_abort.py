@@ -77,3 +77,24 @@ def test_an_abort_of_every_attempt_ends_the_request_and_refuses_a_late_admission
             await w.admit(type("Req", (), {"request_id": "r"})(), coro, attempt=2)
         assert e.value.code == "not_found"
     asyncio.run(go())
+
+
+def test_a_fence_for_a_request_not_held_here_leaves_the_engine_alone():
+    """The resume's new attempt is being admitted here while the fence for the old one (which
+    ran elsewhere) arrives: the engine, which knows only the id, must not abort it."""
+    async def go():
+        w = bare_worker()
+        await w._on_abort(Abort(request_id="r", reason="resume", below_attempt=1))
+        assert w.engine.aborted == [] and w.is_aborted("r", 0) and not w.is_aborted("r", 1)
+
+        async def engine_add():
+            return "admitted"
+        req = type("Req", (), {"request_id": "r", "tier": "batch", "stream_subject": "s", "session_id": "",
+                               "origin": ""})()
+        assert await w.admit(req, engine_add(), attempt=1) == "admitted"
+        assert w.engine.aborted == [] and w.held["r"].attempt == 1
+        # an older attempt admitted late finds itself fenced: refused before the engine takes it
+        with pytest.raises(BusError):
+            coro = engine_add()
+            await w.admit(req, coro, attempt=0)
+    asyncio.run(go())
