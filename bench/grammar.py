@@ -67,7 +67,6 @@ class LLGuidance(_Lib):
     def __init__(self, tok):
         from shared.engine.grammar import GrammarCompiler
         self.compiler = GrammarCompiler(tok)
-        self.mask = np.zeros((self.compiler.mask_words,), dtype=np.int32)
 
     def compile(self, schema):
         self.compiler._cache.clear()  # measure the compilation, not Tandem's cache
@@ -77,7 +76,7 @@ class LLGuidance(_Lib):
         return self.compiler.matcher_for(compiled)
 
     def fill(self, m):
-        m.fill_mask(self.mask)
+        m.mask()
 
     def accept(self, m, t):
         m.accept(t)

@@ -8,11 +8,9 @@
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
 from shared.engine import grammar, sampler
@@ -133,7 +131,6 @@ class Engine:
         self.chunk_hook: Callable[[list[str], list[str]], None] | None = None
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self._grammar: grammar.GrammarCompiler | None = None  # built with the first guided request
-        self._mask_thread: ThreadPoolExecutor | None = None   # computes grammar masks during the forward
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens (%.1f MiB), context %d",
                  cfg.name, self.device, num_blocks, config.block_size,
                  num_blocks * self.layout.block_bytes / 2**20, self.max_context)
@@ -238,39 +235,46 @@ class Engine:
             return outputs
         token_ids, ctx = self._build_context(chunks)
         sampled = [c.seq for c in chunks if c.sample]
-        masks = self._start_masks(sampled)
+        constrained = [s.matcher for s in sampled if s.matcher is not None]
+        if constrained:  # rows new to the grammar (most masks were computed after the last step)
+            self.grammar.fill_masks(constrained)
         logits = self.model.forward(token_ids, ctx, self.kv)
         self.scheduler.commit(chunks)
         if self.chunk_events is not None:
             for c in chunks:
                 self.chunk_events.note_seq(c.seq)
             self._report_chunks()
-        if masks is not None:
-            rows, banned = masks.result()
-            grammar.apply_masks(logits, rows, banned)
         tokens, lps = sampler.sample(logits, sampled)
-        for seq, tok, lp in zip(sampled, tokens, lps):
-            out = self._append(seq, tok, lp)
-            if not out.finished and seq.matcher is not None:
-                out = self._fast_forward(seq, out)
-            outputs.append(out)
-        return outputs
+        step_out = [self._append(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, lps)]
+        if constrained:
+            self._fast_forward(sampled, step_out)
+        return outputs + step_out
 
-    def _fast_forward(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
-        """Append the tokens the grammar forces after ``seq``'s last one (the only token its mask
-        allows: a JSON key of the schema, a closing quote...) without a decode step each; the
-        next step computes them as one chunk. The output is the same as decoding them one by one
-        (sampling from a row with one allowed token gives that token), in fewer forward passes.
-        Not with logprobs (a forced token's logprob needs its logits), nor on a prefill worker."""
-        p = seq.params
-        if p.logprobs or p.top_logprobs or seq.prefill_only:
-            return out
-        while not out.finished:
-            tok = seq.matcher.forced()
-            if tok is None or tok in self.eos_ids:
-                break
-            out = merge_outputs(out, self._append(seq, tok, None))
-        return out
+    def _fast_forward(self, seqs: list[Sequence], outs: list[RequestOutput]) -> None:
+        """Compute the next masks of the constrained ``seqs`` (all at once, in parallel) and
+        append the tokens a grammar forces (the only token its mask allows: a JSON key of the
+        schema, a closing quote...) without a decode step each; the next step computes them as
+        one chunk. The output is the same as decoding them one by one (sampling from a row with
+        one allowed token gives that token), in fewer forward passes. Not with logprobs (a
+        forced token's logprob needs its logits), nor on a prefill worker. ``outs`` (one per
+        seq) gain the forced tokens."""
+        live = [k for k, s in enumerate(seqs) if s.matcher is not None and not outs[k].finished
+                and s.status is Status.RUNNING]
+        while live:
+            self.grammar.fill_masks([seqs[k].matcher for k in live])
+            forced = []
+            for k in live:
+                seq = seqs[k]
+                p = seq.params
+                if p.logprobs or p.top_logprobs or seq.prefill_only:
+                    continue
+                tok = seq.matcher.forced()
+                if tok is None or tok in self.eos_ids:
+                    continue
+                outs[k] = merge_outputs(outs[k], self._append(seq, tok, None))
+                if not outs[k].finished:
+                    forced.append(k)
+            live = forced
 
     # ---- grammar ------------------------------------------------------------------------
     @property
@@ -284,24 +288,6 @@ class Engine:
         does not compile, or an output it rejects)."""
         if seq.params.guide is not None:
             seq.matcher = self.grammar.matcher(seq.params.guide, seq.output_token_ids)
-
-    def _start_masks(self, sampled: list[Sequence]) -> Future | None:
-        """The grammar masks of the constrained rows of this step, as (rows, banned [rows, vocab]
-        bool), computed on a helper thread while the forward runs (llguidance and the kernels both
-        release the GIL): the step itself only applies them, in one operation."""
-        rows = [(i, s.matcher) for i, s in enumerate(sampled) if s.matcher is not None]
-        if not rows:
-            return None
-        if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        words, vocab = self.grammar.mask_words, self.model_config.vocab_size
-
-        def fill() -> tuple[list[int], torch.Tensor]:
-            bits = np.empty((len(rows), words), dtype=np.int32)
-            for k, (_, m) in enumerate(rows):
-                m.fill_mask(bits[k])
-            return [i for i, _ in rows], grammar.banned_tokens(bits, vocab)
-        return self._mask_thread.submit(fill)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], prefix_kv: bytes | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ allowed only where the grammar accepts; a grammar that is complete stops the seq
 from __future__ import annotations
 
 import json
+import os
 import threading
 from typing import Any
 
@@ -62,6 +63,7 @@ class GrammarCompiler:
         self.lltok = ll.LLTokenizer(tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
         self._cache: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._executor = None  # llguidance's thread pool for the masks of a whole batch (first use)
 
     def compile(self, guide: dict) -> str:
         """The llguidance grammar of ``guide``; ValueError when it does not compile."""
@@ -94,6 +96,23 @@ class GrammarCompiler:
             self._cache[key] = grammar
         return grammar
 
+    def fill_masks(self, matchers: list["Matcher"]) -> None:
+        """Compute the masks of the matchers whose current state has none, in parallel on
+        llguidance's threads (one call for a whole batch; the GIL is released)."""
+        todo = [m for m in matchers if m.bits is None]
+        if not todo:
+            return
+        if len(todo) == 1:
+            todo[0].mask()
+            return
+        if self._executor is None:
+            self._executor = _lib().LLExecutor(num_threads=max(1, min(os.cpu_count() or 1, 8)))
+        bits = np.empty((len(todo), self.mask_words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr([(m.m, k) for k, m in enumerate(todo)], bits.ctypes.data,
+                                               bits[0].nbytes, len(todo))
+        for k, m in enumerate(todo):
+            m.bits = bits[k]
+
     def matcher_for(self, grammar: str) -> "Matcher":
         return Matcher(_lib().LLMatcher(self.lltok, grammar, log_level=0), self.vocab_size)
 
@@ -114,15 +133,9 @@ class Matcher:
         self.vocab_size = vocab_size
         self.bits: np.ndarray | None = None  # the mask of the current state, once computed
 
-    def fill_mask(self, out: np.ndarray) -> None:
-        """Write the allowed-next-token bitmask (int32 words, bit i of word w = token 32w+i)."""
-        if self.bits is None:
-            self.m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-        else:
-            out[:] = self.bits
-
     def mask(self) -> np.ndarray:
-        """The bitmask of the current state (computed once per state)."""
+        """The allowed-next-token bitmask of the current state (int32 words, bit i of word w =
+        token 32w+i; computed once per state)."""
         if self.bits is None:
             bits = np.empty(((self.vocab_size + 31) // 32,), dtype=np.int32)
             self.m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
@@ -155,23 +168,22 @@ class Matcher:
         return self.m.get_error()
 
 
-def banned_tokens(bits: np.ndarray, vocab: int) -> torch.Tensor:
-    """[rows, vocab] bool, True where a token is not allowed, from bitmasks [rows, words] (int32,
-    bit i of word w = token 32w+i allowed)."""
-    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    banned = allowed == 0
-    if banned.shape[1] < vocab:  # a padded embedding: ids past the tokenizer's are never allowed
-        banned = np.pad(banned, ((0, 0), (0, vocab - banned.shape[1])), constant_values=True)
-    return torch.from_numpy(banned)
+def allows(bits: np.ndarray, token_id: int) -> bool:
+    """Does the bitmask allow ``token_id``?"""
+    w = token_id >> 5
+    return w < len(bits) and bool((int(bits[w]) >> (token_id & 31)) & 1)
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], banned: torch.Tensor) -> None:
-    """Set the logits of banned tokens to -inf, in place: ``logits`` [S, vocab], ``banned`` [len(rows),
-    vocab] for the given rows (one operation for all of them)."""
-    if logits.device.type != "cpu":
-        banned = banned.to(logits.device, non_blocking=True)
-    if len(rows) == logits.shape[0]:  # every row constrained: no gather
-        logits.masked_fill_(banned, float("-inf"))
-    else:
-        idx = torch.tensor(rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+_NEG_INF_BITS = -8388608   # 0xFF800000 as int32: the bits of float32 -inf
+
+
+def mask_bias(bits: np.ndarray, vocab: int) -> torch.Tensor:
+    """[vocab] float32: 0 where the bitmask allows the token, -inf elsewhere (ids past the mask,
+    a padded embedding's, too). Adding it to a row of logits applies the mask: one add, where a
+    masked fill with a bool mask costs ~30x more on the CPU."""
+    words = torch.from_numpy(bits)
+    allowed = ((words.unsqueeze(1) >> _SHIFTS) & 1).flatten()[:vocab]
+    if allowed.shape[0] < vocab:
+        allowed = torch.cat([allowed, torch.zeros(vocab - allowed.shape[0], dtype=torch.int32)])
+    return ((allowed - 1) & _NEG_INF_BITS).view(torch.float32)

@@ -119,26 +119,20 @@ def test_constrained_request_resumed_elsewhere_equals_unmoved(engines):
     assert want.text[:emitted] + got.text == want.text
 
 
-def test_masks_ban_exactly_the_disallowed_tokens_of_each_row():
+def test_a_mask_bias_bans_exactly_the_disallowed_tokens():
     import numpy as np
     import torch
 
     from shared.engine import grammar
 
-    vocab = 70  # 3 mask words cover 96 ids; a padded embedding has ids past the tokenizer's too
-    bits = np.zeros((2, 2), dtype=np.int32)  # the tokenizer's 64 ids
-    bits[0, 0] = 0b1010          # row 0 allows tokens 1 and 3
-    bits[1, 1] = 1 << 4          # row 1 allows token 36
-    banned = grammar.banned_tokens(bits, vocab)
-    assert banned.shape == (2, vocab) and (~banned).nonzero().tolist() == [[0, 1], [0, 3], [1, 36]]
-    logits = torch.zeros(3, vocab)
-    grammar.apply_masks(logits, [0, 2], banned)  # rows 0 and 2 constrained, row 1 free
-    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 3]
-    assert torch.isfinite(logits[1]).all()
-    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [36]
-    everything = torch.zeros(2, vocab)
-    grammar.apply_masks(everything, [0, 1], banned)
-    assert torch.isfinite(everything).sum().item() == 3
+    vocab = 70  # 2 mask words cover the tokenizer's 64 ids; a padded embedding has more
+    bits = np.zeros((2,), dtype=np.int32)
+    bits[0] = 0b1010              # tokens 1 and 3
+    bits[1] = np.int32(-2**31)    # token 63 (the sign bit)
+    bias = grammar.mask_bias(bits, vocab)
+    assert bias.shape == (vocab,) and torch.isfinite(bias).nonzero().flatten().tolist() == [1, 3, 63]
+    assert bias[1] == 0 and torch.isneginf(bias[0]) and torch.isneginf(bias[69])
+    assert [t for t in range(vocab) if grammar.allows(bits, t)] == [1, 3, 63]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
