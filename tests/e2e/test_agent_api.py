@@ -16,8 +16,8 @@ import pytest
 
 from tests.e2e.test_stack import running_stack
 
-# a stack of its own (~45 s here): outside the default run, like the other own-stack modules
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+# a stack of its own, 13 s for the whole module with the weight cache: in the default run
+pytestmark = pytest.mark.timeout(300)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
