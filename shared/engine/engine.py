@@ -236,8 +236,8 @@ class Engine:
         token_ids, ctx = self._build_context(chunks)
         sampled = [c.seq for c in chunks if c.sample]
         constrained = [s.matcher for s in sampled if s.matcher is not None]
-        if constrained:  # rows new to the grammar (most masks were computed after the last step)
-            self.grammar.fill_masks(constrained)
+        if constrained:  # the masks sampling needs, computed for the batch at once
+            self.grammar.fill_masks([s.matcher for s in sampled if s.matcher is not None and sampler.needs_mask(s)])
         logits = self.model.forward(token_ids, ctx, self.kv)
         self.scheduler.commit(chunks)
         if self.chunk_events is not None:
@@ -251,23 +251,23 @@ class Engine:
         return outputs + step_out
 
     def _fast_forward(self, seqs: list[Sequence], outs: list[RequestOutput]) -> None:
-        """Compute the next masks of the constrained ``seqs`` (all at once, in parallel) and
-        append the tokens a grammar forces (the only token its mask allows: a JSON key of the
+        """Append the tokens a grammar forces (the only token it allows next: a JSON key of the
         schema, a closing quote...) without a decode step each; the next step computes them as
         one chunk. The output is the same as decoding them one by one (sampling from a row with
-        one allowed token gives that token), in fewer forward passes. Not with logprobs (a
-        forced token's logprob needs its logits), nor on a prefill worker. ``outs`` (one per
-        seq) gain the forced tokens."""
+        one allowed token gives that token), in fewer forward passes. Only states whose next
+        byte is forced can force a token: their masks are computed for the batch at once; the
+        rest (inside a free string, most of the time) cost no mask. Not with logprobs (a forced
+        token's logprob needs its logits), nor on a prefill worker. ``outs`` (one per seq) gain
+        the forced tokens."""
         live = [k for k, s in enumerate(seqs) if s.matcher is not None and not outs[k].finished
-                and s.status is Status.RUNNING]
+                and s.status is Status.RUNNING and not (s.params.logprobs or s.params.top_logprobs
+                                                        or s.prefill_only)]
         while live:
+            live = [k for k in live if seqs[k].matcher.may_force()]
             self.grammar.fill_masks([seqs[k].matcher for k in live])
             forced = []
             for k in live:
                 seq = seqs[k]
-                p = seq.params
-                if p.logprobs or p.top_logprobs or seq.prefill_only:
-                    continue
                 tok = seq.matcher.forced()
                 if tok is None or tok in self.eos_ids:
                     continue

@@ -12,10 +12,13 @@ Life of a constrained sequence (``Engine``): the matcher is built when the seque
 engine — from the guide, then fed the sequence's output tokens so far (none for a new request;
 the tokens already generated for a request imported from another engine or resumed after its
 worker died), so the matcher state is a pure function of (guide, output tokens) and moves
-exactly with the request. Each step: the mask of allowed next tokens is computed on the CPU
-(``fill_mask``, a helper thread while the forward runs), applied to the logits row before
-sampling, and the sampled token is fed back (``accept``). The end-of-sequence tokens are
-allowed only where the grammar accepts; a grammar that is complete stops the sequence.
+exactly with the request. Each step, a row that samples from the whole distribution (a
+temperature, logprobs) gets the mask of allowed next tokens, computed on the CPU for the batch at
+once (``fill_masks``), added to its logits row before sampling. A greedy row needs no mask when
+its best token is allowed — checked by the matcher in ~2 us (``Matcher.allows``), where a mask
+costs 3-80 us — and gets one only when that token is banned. The sampled token is fed back
+(``accept``). The end-of-sequence tokens are allowed only where the grammar accepts; a grammar
+that is complete stops the sequence.
 """
 
 from __future__ import annotations
@@ -141,6 +144,18 @@ class Matcher:
             self.m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
             self.bits = bits
         return self.bits
+
+    def allows(self, token_id: int) -> bool:
+        """May ``token_id`` come next? From the mask when it is computed, else asked of the
+        matcher (no mask needed: ~2 us)."""
+        if self.bits is not None:
+            return allows(self.bits, token_id)
+        return self.m.validate_tokens([token_id]) == 1
+
+    def may_force(self) -> bool:
+        """Can the grammar allow only one token next? Not unless its next byte is forced
+        (~1 us to ask, no mask): otherwise it allows a token for each possible byte."""
+        return self.bits is not None or bool(self.m.compute_ff_bytes())
 
     def forced(self) -> int | None:
         """The only token the grammar allows next, or None when it allows several."""

@@ -80,25 +80,32 @@ def _bias(bits, row: torch.Tensor) -> torch.Tensor:
     return b if row.device.type == "cpu" else b.to(row.device, non_blocking=True)
 
 
+def needs_mask(seq: Sequence) -> bool:
+    """Does a constrained row need its grammar mask before sampling? Yes when it samples from
+    (or reports) the whole distribution; a greedy row only when its best token is banned."""
+    p = seq.params
+    return not p.greedy or bool(p.logprobs or p.top_logprobs)
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """One next token per row of ``logits`` [S, vocab] (float32), for ``seqs`` in row order."""
     tokens: list[int] = []
     lps: list[TokenLogprob | None] = []
     for row, seq in zip(logits, seqs):
         p = seq.params
-        bits = seq.matcher.mask() if seq.matcher is not None else None  # the grammar's allowed tokens
-        if bits is not None and (not p.greedy or p.logprobs or p.top_logprobs):
-            row = row + _bias(bits, row)   # the whole distribution counts: mask every banned token
-            bits = None
+        m = seq.matcher  # the grammar's state, or None
+        if m is not None and needs_mask(seq):
+            row = row + _bias(m.mask(), row)   # the whole distribution counts: mask every banned token
+            m = None
         raw = row
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             row = _apply_penalties(row.clone(), seq)
         if p.greedy:
             tok = _argmax(row)
-            if bits is not None and not grammar.allows(bits, tok):
+            if m is not None and not m.allows(tok):
                 # greedy under a grammar: only when the best token is banned does the row need
-                # the mask (most steps of a JSON string do not; the add costs ~3 us, the check 0)
-                tok = _argmax(row + _bias(bits, row))
+                # the mask (most steps of a JSON string do not; the check costs ~2 us, a mask 3-80)
+                tok = _argmax(row + _bias(m.mask(), row))
         else:
             probs = _filter(row, seq).softmax(-1)
             tok = draw(probs, seq.seed, seq.num_output_tokens)
