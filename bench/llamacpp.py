@@ -9,6 +9,7 @@ in that venv on a GGUF and returns its JSON.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -41,10 +42,21 @@ def _say(msg: str) -> None:
 
 
 def ensure_installed() -> Path:
-    """The venv's python, building llama-cpp-python into it first if needed (RuntimeError on failure)."""
+    """The venv's python, building llama-cpp-python into it first if needed (RuntimeError on
+    failure). Concurrent callers (two benchmarks started together) build it once: the others
+    wait on a lock file beside the venv."""
     if installed():
         return _python()
     venv = venv_dir()
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.with_name(venv.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if installed():  # built by whoever held the lock
+            return _python()
+        return _build(venv)
+
+
+def _build(venv: Path) -> Path:
     log_path = venv.with_name(venv.name + "-build.log")
     _say(f"installing llama-cpp-python=={VERSION} into {venv} (compiles llama.cpp, ~10+ min on 2 cores); "
          f"log: {log_path}")
