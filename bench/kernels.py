@@ -15,6 +15,9 @@
    (a fresh llama.cpp process per round); each side reports its best tok/s, and the ratio
    judged against the issue's targets is the median over the rounds of Tandem's figure over the
    llama.cpp round right after it — this shared machine drifts by ±15 % within minutes.
+   ``--long`` adds long contexts: prefill of 2,048 and 8,192-token prompts (``--long-pp``, both
+   sides in 512-token steps) and decode of one sequence at an 8,192-token context
+   (``--ctx-tg``; the prompt untimed).
 """
 
 from __future__ import annotations
@@ -159,10 +162,25 @@ def decode_weight_bytes(model) -> int:
 def _tandem_round(engine, args: argparse.Namespace) -> dict:
     from bench.engine import bench_decode, bench_prefill
 
-    return {"tg": bench_decode(engine, 1, args.tg + 1, prompt_tokens=1),
-            "pp": bench_prefill(engine, args.pp, 1),
-            "batched": bench_decode(engine, args.batch_seqs_tandem, args.batch_gen + 1,
-                                    prompt_tokens=args.batch_ctx)}
+    res = {"tg": bench_decode(engine, 1, args.tg + 1, prompt_tokens=1),
+           "pp": bench_prefill(engine, args.pp, 1),
+           "batched": bench_decode(engine, args.batch_seqs_tandem, args.batch_gen + 1,
+                                   prompt_tokens=args.batch_ctx)}
+    if args.long:
+        for n in args.long_pp:
+            res[f"pp{n}"] = bench_prefill(engine, n, 1)
+        res[f"tg_ctx{args.ctx_tg}"] = bench_decode(engine, 1, args.ctx_gen + 1, prompt_tokens=args.ctx_tg)
+    return res
+
+
+def targets(args: argparse.Namespace) -> list[tuple[str, str, float]]:
+    """(key, workload, target ratio Tandem / llama.cpp) of this run."""
+    out = list(TARGETS)
+    if args.long:
+        out += [(f"pp{n}", f"prefill, {n} tokens (pp{n}, 512-token steps)", 1.0) for n in args.long_pp]
+        out.append((f"tg_ctx{args.ctx_tg}", f"decode, 1 sequence at a {args.ctx_tg}-token context "
+                    f"({args.ctx_gen} tokens)", 1.0))
+    return out
 
 
 def run_model(args: argparse.Namespace) -> dict:
@@ -173,14 +191,17 @@ def run_model(args: argparse.Namespace) -> dict:
     path = q4_0_gguf(args.model)
     threads = args.threads or torch.get_num_threads()
     seqs = max(args.batch_seqs_tandem, 1)
+    longest = max([args.pp, args.tg + 1, args.batch_ctx + args.batch_gen]
+                  + ([*args.long_pp, args.ctx_tg + args.ctx_gen] if args.long else []))
     engine = Engine.from_path(path, EngineConfig(
         threads=threads, enable_prefix_caching=False, max_num_seqs=seqs,
-        step_tokens=max(args.pp, seqs), kv_cache_bytes=256 << 20))
+        step_tokens=max(args.pp, seqs), kv_cache_bytes=max(256 << 20, 2 * longest * (32 << 10))))
     res: dict = {"gguf": path, "threads": threads, "tandem_path": describe("cpu"),
                  "fused_forward": engine.model.fused is not None,
                  "weight_mb_per_token": decode_weight_bytes(engine.model) / 1e6,
                  "tg_tokens": args.tg, "pp_tokens": args.pp, "batch_ctx": args.batch_ctx,
-                 "batch_gen": args.batch_gen, "batch_seqs_tandem": seqs, "batch_seqs_llama": args.batch_seqs_llama}
+                 "batch_gen": args.batch_gen, "batch_seqs_tandem": seqs, "batch_seqs_llama": args.batch_seqs_llama,
+                 "targets": targets(args)}
     _progress(f"Tandem: {res['tandem_path']}, fused forward {res['fused_forward']}")
     rounds, llama_rounds = [], []
     for i in range(max(args.reps, 1)):   # alternating rounds: drift on a shared machine hits both
@@ -190,16 +211,18 @@ def run_model(args: argparse.Namespace) -> dict:
 
             _progress(f"llama.cpp side, round {i + 1} of {args.reps}")
             llama_rounds.append(llamacpp.run(path, threads, 1, args.tg, args.pp, args.batch_seqs_llama,
-                                             args.batch_ctx, args.batch_gen))
+                                             args.batch_ctx, args.batch_gen,
+                                             long_pp=args.long_pp if args.long else [],
+                                             ctx_tg=args.ctx_tg if args.long else 0, ctx_gen=args.ctx_gen))
             _progress(f"llama.cpp: {llama_rounds[-1]}")
     res["tandem"] = {k: max(r[k] for r in rounds) for k in rounds[0]}
     res["tandem_rounds"] = rounds
     if llama_rounds:
-        res["llama_cpp"] = {**llama_rounds[0], **{k: max(r[k] for r in llama_rounds) for k, _, _ in TARGETS}}
+        res["llama_cpp"] = {**llama_rounds[0], **{k: max(r[k] for r in llama_rounds) for k, _, _ in res["targets"]}}
         res["llama_cpp_rounds"] = llama_rounds
         # each Tandem round against the llama.cpp round right after it; the median is the figure
         res["ratios"] = {k: statistics.median(t[k] / lr[k] for t, lr in zip(rounds, llama_rounds))
-                         for k, _, _ in TARGETS}
+                         for k, _, _ in res["targets"]}
     res["read_gbs"] = read_bandwidth_gbs(threads)
     res["bandwidth_limit_tok_s"] = res["read_gbs"] * 1e3 / res["weight_mb_per_token"]
     return res
@@ -222,7 +245,7 @@ def model_table(res: dict) -> str:
              f"GGUF {res['gguf']}", "",
              "| workload | Tandem tok/s (best) | llama.cpp tok/s (best) | ratio (median of rounds) | target | met |",
              "|---|---:|---:|---:|---:|---|"]
-    for key, name, target in TARGETS:
+    for key, name, target in res["targets"]:
         t = res["tandem"][key]
         if llama:
             ratio = res["ratios"][key]
@@ -238,7 +261,7 @@ def model_table(res: dict) -> str:
         share += f", llama.cpp {llama['tg'] / lim * 100:.0f} %"
     if llama and len(res.get("llama_cpp_rounds", [])) > 1:
         share += ("\nper round (Tandem / llama.cpp): " + "; ".join(
-            ", ".join(f"{k} {t[k]:.0f}/{lr[k]:.0f}" for k, _, _ in TARGETS)
+            ", ".join(f"{k} {t[k]:.0f}/{lr[k]:.0f}" for k, _, _ in res["targets"])
             for t, lr in zip(res["tandem_rounds"], res["llama_cpp_rounds"])))
     return "\n".join(lines + ["", share])
 
@@ -259,6 +282,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-gen", type=int, default=32, help="decode steps timed, batched decode")
     p.add_argument("--batch-seqs-tandem", type=int, default=16, help="Tandem sequences, batched decode")
     p.add_argument("--batch-seqs-llama", type=int, default=8, help="llama.cpp sequences, batched decode")
+    p.add_argument("--long", action=argparse.BooleanOptionalAction, default=False,
+                   help="add long contexts: prefill of --long-pp prompts, decode at a --ctx-tg context")
+    p.add_argument("--long-pp", type=int, nargs="+", default=[2048, 8192], help="long prompt lengths (--long)")
+    p.add_argument("--ctx-tg", type=int, default=8192, help="context of the long-context decode figure (--long)")
+    p.add_argument("--ctx-gen", type=int, default=64, help="decode tokens timed at that context (--long)")
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 512], help="activation rows per call")
     p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per case and path")
     p.add_argument("--skip-big", action=argparse.BooleanOptionalAction, default=True,

@@ -82,12 +82,14 @@ def _build(venv: Path) -> Path:
 
 
 def run(gguf: str, threads: int, reps: int, tg: int, pp: int, batch_seqs: int, batch_ctx: int,
-        batch_gen: int) -> dict:
+        batch_gen: int, long_pp: list[int] = (), ctx_tg: int = 0, ctx_gen: int = 64) -> dict:
     """Run the llama.cpp side on ``gguf`` (installing it first if needed) and return its figures."""
     py = ensure_installed()
     cmd = [str(py), str(RUNNER), gguf, "--threads", str(threads), "--reps", str(reps), "--tg", str(tg),
            "--pp", str(pp), "--batch-seqs", str(batch_seqs), "--batch-ctx", str(batch_ctx),
-           "--batch-gen", str(batch_gen)]
+           "--batch-gen", str(batch_gen), "--ctx-tg", str(ctx_tg), "--ctx-gen", str(ctx_gen)]
+    if long_pp:
+        cmd += ["--long-pp", *map(str, long_pp)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if res.returncode != 0:

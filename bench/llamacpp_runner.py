@@ -7,7 +7,10 @@ Prints one JSON object on stdout: best-of-reps tokens/s for
 - ``pp``: one ``--pp``-token prompt in one batch (llama-bench ``pp512``);
 - ``batched``: ``--batch-seqs`` sequences, each with a ``--batch-ctx``-token prompt, then
   ``--batch-gen`` decode steps of one token per sequence (total tokens/s of those steps; the
-  shape of llama-batched-bench).
+  shape of llama-batched-bench);
+- with ``--long-pp N …``: ``ppN``, one N-token prompt in 512-token batches (long prompts);
+- with ``--ctx-tg C``: ``tg_ctxC``, ``--ctx-gen`` decode steps of one sequence after a C-token
+  prompt (decode at a long context; the prompt is not timed).
 Token ids are fixed pseudo-random ids, as llama-bench uses; logits are computed, never sampled.
 """
 
@@ -82,6 +85,13 @@ class Runner:
             self.decode([(self.token(s + i), s + i, 0, s + i == n - 1) for i in range(m)])
         return n / (time.perf_counter() - t0)
 
+    def tg_at(self, ctx: int, n: int) -> float:
+        self.pp(ctx)
+        t0 = time.perf_counter()
+        for p in range(ctx, ctx + n):
+            self.decode([(self.token(p), p, 0, True)])
+        return n / (time.perf_counter() - t0)
+
     def batched(self, seqs: int, ctx: int, gen: int) -> float:
         self.clear()
         for s in range(seqs):
@@ -104,15 +114,22 @@ def main() -> int:
     ap.add_argument("--batch-seqs", type=int, default=8)
     ap.add_argument("--batch-ctx", type=int, default=128)
     ap.add_argument("--batch-gen", type=int, default=64)
+    ap.add_argument("--long-pp", type=int, nargs="*", default=[])
+    ap.add_argument("--ctx-tg", type=int, default=0)
+    ap.add_argument("--ctx-gen", type=int, default=64)
     a = ap.parse_args()
     n_seq = a.batch_seqs
-    n_ctx = max(a.pp, a.tg, a.batch_ctx + a.batch_gen) * n_seq
+    n_ctx = max(a.pp, a.tg, a.batch_ctx + a.batch_gen, *a.long_pp, a.ctx_tg + a.ctx_gen) * n_seq
     r = Runner(a.model, a.threads, n_ctx, n_seq)
     r.tg(8)  # warm-up
     res = {"version": llama_cpp.__version__, "threads": a.threads,
            "tg": max(r.tg(a.tg) for _ in range(a.reps)),
            "pp": max(r.pp(a.pp) for _ in range(a.reps)),
            "batched": max(r.batched(a.batch_seqs, a.batch_ctx, a.batch_gen) for _ in range(a.reps))}
+    for n in a.long_pp:
+        res[f"pp{n}"] = max(r.pp(n) for _ in range(a.reps))
+    if a.ctx_tg:
+        res[f"tg_ctx{a.ctx_tg}"] = max(r.tg_at(a.ctx_tg, a.ctx_gen) for _ in range(a.reps))
     json.dump(res, sys.stdout)
     print()
     return 0
