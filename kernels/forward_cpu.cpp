@@ -10,10 +10,12 @@
 // stage splits its work into items whose arithmetic does not depend on which thread runs them
 // (matmul: 4-row weight tiles; norms / activations: rows; rope + KV write: (token, head);
 // attention: (query-row tile of a chunk, kv head), dealt round-robin because causal tiles
-// differ in length). So the result is bitwise the same for any thread count, and a sequence's
-// numbers do not depend on its batch neighbours. Attention goes further: a row's arithmetic
-// does not depend on its tile either, so a token gets the same bits whether its sequence is
-// prefilled in one pass, in chunks, or decoded a token at a time.
+// differ in length; a decode step with few tiles splits each into 256-key segments, merged in
+// order after a barrier). So the result is bitwise the same for any thread count, and a
+// sequence's numbers do not depend on its batch neighbours. Attention goes further: a row's
+// arithmetic does not depend on its tile either (keys are taken in segments at absolute
+// positions, whichever item computes them), so a token gets the same bits whether its sequence
+// is prefilled in one pass, in chunks, or decoded a token at a time.
 //
 // Vector code: the element-wise loops below are written over fixed 16-lane accumulators with
 // explicit fma and no reassociation; `target_clones` builds them for AVX-512, AVX2+FMA and
@@ -176,6 +178,7 @@ TQ_CLONES void to_half(const float* x, uint16_t* out, int64_t n) {
 constexpr int KB = 16;        // keys per attention block
 constexpr int KG = 8;         // keys per score pass (independent fma chains)
 constexpr int MAX_ROWS = 64;  // query rows per work item (tokens per item = MAX_ROWS / group)
+constexpr int64_t SEG = 256;  // keys per attention segment (a multiple of KB): see Step::attention
 
 // kf[k][0..hd) / vf[k][0..hd) = f32 of key / value j0 + k of one kv head for k < n (n <= KB;
 // rows up to the next multiple of KG zeroed), read through the block table; `src` points at the
@@ -361,10 +364,26 @@ TQ_CLONES void block_values(float* o, const float* p, const float* alpha, const 
     }
 }
 
+// Merge a segment's softmax state (m2, l2, o2) into the running one (m, l, o) for rows 0..nq-1
+// (o rows of hd): both rescaled to the larger max. A row with no key in the segment (m2 = -inf)
+// is left as it is.
+TQ_CLONES void merge_segment(int64_t nq, int64_t hd, float* m, float* l, float* o, const float* m2,
+                             const float* l2, const float* o2) {
+    for (int64_t r = 0; r < nq; ++r) {
+        if (m2[r] == -INFINITY) continue;
+        const float mn = m[r] > m2[r] ? m[r] : m2[r];
+        const float a = exp_fixed(m[r] - mn), c = exp_fixed(m2[r] - mn);
+        l[r] = std::fma(l2[r], c, l[r] * a);
+        m[r] = mn;
+        for (int64_t d = 0; d < hd; ++d) o[r * hd + d] = std::fma(o2[r * hd + d], c, o[r * hd + d] * a);
+    }
+}
+
 // Per-call scratch, grown as needed and kept (one forward runs at a time per calling thread).
 struct Scratch {
     std::vector<float> x, h, qkv, attn, tmp, gu, act;
-    std::vector<int64_t> pos, chunk_of, tiles;
+    std::vector<int64_t> pos, chunk_of, tiles, split_items, part_off;
+    std::vector<float> parts;
     std::vector<int32_t> xp, xs;   // q16 activations of the next matmul's input rows
     std::vector<float> dx;
 };
@@ -391,6 +410,11 @@ struct Step {
     int64_t layer_stride, block_stride, slot_stride, v_off;
     const int64_t* tiles;  // attention items: [n_tiles, 2] (chunk, first token)
     int64_t n_tiles, tile;
+    // attention_split (null / 0 when the step does not split): [n_split, 3] (tile, kv head,
+    // segment) items, the offset of each tile's segment states in `parts`
+    const int64_t *split_items, *part_off;
+    int64_t n_split;
+    float* parts;
     // q16 (m.packed): the next matmul's input rows quantized by the stage that wrote them,
     // at that matmul's row stride of K / 32 blocks ([rows, K/32, 16] pairs, [rows, K/32] scales, sums)
     int32_t *xp, *xs;
@@ -463,55 +487,120 @@ struct Step {
         }
     }
 
-    // Items: (query tile of a chunk, kv head), from `tiles` (chunk, first token of the tile),
-    // dealt round-robin (causal tiles differ in length).
-    void attention(int64_t li, int tid, int nt) const {
-        // rows padded to a multiple of 8 (the score / softmax lanes); buffers sized for a full tile
-        const int64_t group = nh / nkv, nq_max = tile * group, np_max = (nq_max + 7) / 8 * 8;
-        float* buf = grow(scratch[tid], hd * np_max + 2 * KB * hd + KB * np_max + nq_max * hd + 4 * np_max);
-        float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KB * hd, *s = vf + KB * hd, *o = s + KB * np_max;
-        float *mx = o + nq_max * hd, *sum = mx + np_max, *alpha = sum + np_max;
-        int32_t* last = (int32_t*)(alpha + np_max);  // one float's room per row
+    // The rows of attention tile `ti` for kv head g: its chunk, first token, rows (tokens x the
+    // group's heads; padded to a multiple of 8 for the score / softmax lanes) and key count.
+    struct TileRows { int64_t c, t0, ntok, nq, nqp, end; };
+    TileRows tile_rows(int64_t ti) const {
+        const int64_t c = tiles[2 * ti], t0 = tiles[2 * ti + 1], group = nh / nkv;
+        const int64_t* ch = b.chunks + c * 4;
+        const int64_t ntok = std::min(tile, ch[2] + ch[1] - t0), nq = ntok * group;
+        return {c, t0, ntok, nq, (nq + 7) / 8 * 8, pos[t0 + ntok - 1] + 1};
+    }
+
+    // qt = the rows' queries transposed (qt[d * nqp + r]), last[r] = the row's position.
+    void load_rows(const TileRows& v, int64_t g, float* qt, int32_t* last) const {
+        const int64_t group = nh / nkv;
+        for (int64_t r = 0; r < v.nqp; ++r) {  // rows past nq repeat row 0 (finite, never stored)
+            const int64_t rr = r < v.nq ? r : 0, t = v.t0 + rr / group, hh = g * group + rr % group;
+            const float* q = qkv + t * qkv_n + hh * hd;
+            for (int64_t d = 0; d < hd; ++d) qt[d * v.nqp + r] = q[d];
+            last[r] = (int32_t)pos[t];
+        }
+    }
+
+    // A fresh online softmax of the rows over segment `sg` of the tile's keys ([SEG*sg, ...)),
+    // block by block: mx / sum / o (rows x hd) of the segment alone. A row whose position is
+    // before the segment has no key in it: its mx stays -inf (merge_segment skips it).
+    void attend_segment(const TileRows& v, int64_t g, int64_t li, int64_t sg, const float* qt, const int32_t* last,
+                        float* kf, float* vf, float* s, float* mx, float* sum, float* alpha, float* o) const {
         static const LoadKvFn load_kv = load_kv_fn();
-        for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
-            const int64_t c = tiles[2 * (it / nkv)], t0 = tiles[2 * (it / nkv) + 1], g = it % nkv;
-            const int64_t* ch = b.chunks + c * 4;
-            const int64_t nt_tok = std::min(tile, ch[2] + ch[1] - t0), nq = nt_tok * group, nqp = (nq + 7) / 8 * 8;
-            for (int64_t r = 0; r < nqp; ++r) {  // rows past nq repeat row 0 (finite, never stored)
-                const int64_t rr = r < nq ? r : 0, t = t0 + rr / group, hh = g * group + rr % group;
-                const float* q = qkv + t * qkv_n + hh * hd;
-                for (int64_t d = 0; d < hd; ++d) qt[d * nqp + r] = q[d];
-                last[r] = (int32_t)pos[t];
-                mx[r] = -INFINITY;
-                sum[r] = 0.0f;
-            }
-            for (int64_t i = 0; i < nq * hd; ++i) o[i] = 0.0f;
-            const int64_t end = pos[t0 + nt_tok - 1] + 1;  // keys of the tile's last token
-            const uint16_t* kbase = b.kv + li * layer_stride + g * hd;
-            const int64_t* table = b.tables + ch[3];
-            for (int64_t j0 = 0; j0 < end; j0 += KB) {
-                const int64_t n = std::min<int64_t>(KB, end - j0);
-                // the next block's K/V rows: strided reads through the block table that the
-                // hardware prefetcher does not see coming (decode attention waited on them)
-                for (int64_t j = j0 + KB; j < std::min<int64_t>(end, j0 + 2 * KB); ++j) {
-                    const uint16_t* row = kbase + table[j / b.block_size] * block_stride + (j % b.block_size) * slot_stride;
-                    for (int64_t i = 0; i < hd; i += 32) {  // 64-byte lines
-                        __builtin_prefetch(row + i);
-                        __builtin_prefetch(row + v_off + i);
-                    }
+        for (int64_t r = 0; r < v.nqp; ++r) mx[r] = -INFINITY, sum[r] = 0.0f;
+        std::memset(o, 0, v.nq * hd * sizeof(float));
+        const uint16_t* kbase = b.kv + li * layer_stride + g * hd;
+        const int64_t* table = b.tables + b.chunks[v.c * 4 + 3];
+        const int64_t stop = std::min(v.end, (sg + 1) * SEG);
+        for (int64_t j0 = sg * SEG; j0 < stop; j0 += KB) {
+            const int64_t n = std::min<int64_t>(KB, stop - j0);
+            // the next block's K/V rows: strided reads through the block table that the
+            // hardware prefetcher does not see coming (decode attention waited on them)
+            for (int64_t j = j0 + KB; j < std::min<int64_t>(stop, j0 + 2 * KB); ++j) {
+                const uint16_t* row = kbase + table[j / b.block_size] * block_stride + (j % b.block_size) * slot_stride;
+                for (int64_t i = 0; i < hd; i += 32) {  // 64-byte lines
+                    __builtin_prefetch(row + i);
+                    __builtin_prefetch(row + v_off + i);
                 }
-                load_kv(kbase, v_off, table, j0, n, b.block_size, block_stride, slot_stride, hd, kf, vf);
-                block_scores(qt, kf, hd, nqp, n, m.scale, s);
-                block_softmax(s, last, (int32_t)j0, n, nqp, mx, sum, alpha);
-                block_values(o, s, alpha, vf, last, (int32_t)j0, nq, nqp, hd);
             }
-            for (int64_t r = 0; r < nq; ++r) {
-                const int64_t t = t0 + r / group, hh = g * group + r % group;
-                const float inv = 1.0f / sum[r];
-                float* out = attn + t * nh * hd + hh * hd;
-                for (int64_t d = 0; d < hd; ++d) out[d] = o[r * hd + d] * inv;
-                quantize(out, t, nh * hd, hh * hd / tq::QK, hd / tq::QK);  // head = whole blocks (checked)
+            load_kv(kbase, v_off, table, j0, n, b.block_size, block_stride, slot_stride, hd, kf, vf);
+            block_scores(qt, kf, hd, v.nqp, n, m.scale, s);
+            block_softmax(s, last, (int32_t)j0, n, v.nqp, mx, sum, alpha);
+            block_values(o, s, alpha, vf, last, (int32_t)j0, v.nq, v.nqp, hd);
+        }
+    }
+
+    // Normalise the rows' output and write it (and its q16 form) into attn.
+    void finish_rows(const TileRows& v, int64_t g, const float* sum, const float* o) const {
+        const int64_t group = nh / nkv;
+        for (int64_t r = 0; r < v.nq; ++r) {
+            const int64_t t = v.t0 + r / group, hh = g * group + r % group;
+            const float inv = 1.0f / sum[r];
+            float* out = attn + t * nh * hd + hh * hd;
+            for (int64_t d = 0; d < hd; ++d) out[d] = o[r * hd + d] * inv;
+            quantize(out, t, nh * hd, hh * hd / tq::QK, hd / tq::QK);  // head = whole blocks (checked)
+        }
+    }
+
+    // Items: (query tile of a chunk, kv head), from `tiles` (chunk, first token of the tile),
+    // dealt round-robin (causal tiles differ in length). A tile's keys are taken in segments of
+    // SEG at absolute positions, each a fresh online softmax merged in order (merge_segment), so
+    // a row's bits depend on its position only — not on whether the segments of its tile were
+    // one item (here) or items of their own spread over the threads (attention_split, when a
+    // step has too few tiles to keep the threads busy: decode at a long context).
+    void attention(int64_t li, int tid, int nt) const {
+        const int64_t group = nh / nkv, nq_max = tile * group, np_max = (nq_max + 7) / 8 * 8;
+        float* buf = grow(scratch[tid], hd * np_max + 2 * KB * hd + KB * np_max + 2 * nq_max * hd + 6 * np_max);
+        float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KB * hd, *s = vf + KB * hd, *o = s + KB * np_max;
+        float *o2 = o + nq_max * hd, *mx = o2 + nq_max * hd, *sum = mx + np_max, *alpha = sum + np_max;
+        float *mx2 = alpha + np_max, *sum2 = mx2 + np_max;
+        int32_t* last = (int32_t*)(sum2 + np_max);  // one float's room per row
+        for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
+            const TileRows v = tile_rows(it / nkv);
+            const int64_t g = it % nkv;
+            load_rows(v, g, qt, last);
+            attend_segment(v, g, li, 0, qt, last, kf, vf, s, mx, sum, alpha, o);
+            for (int64_t sg = 1; sg * SEG < v.end; ++sg) {
+                attend_segment(v, g, li, sg, qt, last, kf, vf, s, mx2, sum2, alpha, o2);
+                merge_segment(v.nq, hd, mx, sum, o, mx2, sum2, o2);
             }
+            finish_rows(v, g, sum, o);
+        }
+    }
+
+    // attention() with each (tile, kv head, segment) an item of its own: the segments' states
+    // go to `parts` (at part_off[tile] + (g * segments + sg) * rows * (hd + 2)), then, after a
+    // barrier, each (tile, kv head) merges its segments in order.
+    void attention_split(int64_t li, int tid, int nt) const {
+        const int64_t group = nh / nkv, nq_max = tile * group, np_max = (nq_max + 7) / 8 * 8;
+        float* buf = grow(scratch[tid], hd * np_max + 2 * KB * hd + KB * np_max + 2 * np_max);
+        float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KB * hd, *s = vf + KB * hd, *alpha = s + KB * np_max;
+        int32_t* last = (int32_t*)(alpha + np_max);
+        for (int64_t it = tid; it < n_split; it += nt) {
+            const int64_t ti = split_items[3 * it], g = split_items[3 * it + 1], sg = split_items[3 * it + 2];
+            const TileRows v = tile_rows(ti);
+            const int64_t nseg = (v.end + SEG - 1) / SEG, rows = v.nqp;
+            float* part = parts + part_off[ti] + (g * nseg + sg) * rows * (hd + 2);
+            load_rows(v, g, qt, last);
+            attend_segment(v, g, li, sg, qt, last, kf, vf, s, part, part + rows, alpha, part + 2 * rows);
+        }
+#pragma omp barrier
+        for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
+            const TileRows v = tile_rows(it / nkv);
+            const int64_t g = it % nkv, nseg = (v.end + SEG - 1) / SEG, rows = v.nqp;
+            float* first = parts + part_off[it / nkv] + g * nseg * rows * (hd + 2);
+            for (int64_t sg = 1; sg < nseg; ++sg) {
+                const float* p = first + sg * rows * (hd + 2);
+                merge_segment(v.nq, hd, first, first + rows, first + 2 * rows, p, p + rows, p + 2 * rows);
+            }
+            finish_rows(v, g, first + rows, first + 2 * rows);
         }
     }
 
@@ -524,7 +613,10 @@ struct Step {
 #pragma omp barrier
             qkv_post(L, li, tid, nt);
 #pragma omp barrier
-            attention(li, tid, nt);
+            if (n_split)
+                attention_split(li, tid, nt);
+            else
+                attention(li, tid, nt);
 #pragma omp barrier
             matmul(attn, L.o, tmp, T, D, nh * hd, x, tid, nt);
 #pragma omp barrier
@@ -558,6 +650,33 @@ struct Step {
         matmul(h, m.output, b.logits, b.n_sample, m.vocab, D, nullptr, tid, nt);
     }
 };
+
+// A step whose tiles are too few to keep the threads busy (fewer than 4 items a thread: decode)
+// and whose keys span several segments spreads each tile's segments over the threads.
+void plan_split(Step& st, Scratch& s, int nt) {
+    if (nt < 2 || st.n_tiles * st.nkv >= 4 * nt) return;
+    int64_t n_items = 0, n_parts = 0;
+    int64_t* off = grow(s.part_off, st.n_tiles);
+    for (int64_t ti = 0; ti < st.n_tiles; ++ti) {
+        const auto v = st.tile_rows(ti);
+        const int64_t nseg = (v.end + SEG - 1) / SEG;
+        off[ti] = n_parts;
+        n_items += nseg * st.nkv;
+        n_parts += nseg * st.nkv * v.nqp * (st.hd + 2);
+    }
+    if (n_items == st.n_tiles * st.nkv) return;  // one segment each: nothing to spread
+    int64_t* items = grow(s.split_items, 3 * n_items);
+    int64_t i = 0;
+    for (int64_t ti = 0; ti < st.n_tiles; ++ti) {
+        const int64_t nseg = (st.tile_rows(ti).end + SEG - 1) / SEG;
+        for (int64_t g = 0; g < st.nkv; ++g)
+            for (int64_t sg = 0; sg < nseg; ++sg, ++i) items[3 * i] = ti, items[3 * i + 1] = g, items[3 * i + 2] = sg;
+    }
+    st.split_items = items;
+    st.part_off = off;
+    st.n_split = n_items;
+    st.parts = grow(s.parts, n_parts);
+}
 
 }  // namespace
 
@@ -607,7 +726,8 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
             grow(s.h, S * D), grow(s.qkv, T * qkv_n), grow(s.attn, T * nh * hd), grow(s.tmp, T * D),
             grow(s.gu, T * 2 * F), grow(s.act, T * F), per_thread.data(), pos, chunk_of,
             layer_stride, m->n_layers * layer_stride, slot_stride, b->block_size * slot_stride,
-            tiles, n_tiles, tile, xp, xs, dx};
+            tiles, n_tiles, tile, nullptr, nullptr, 0, nullptr, xp, xs, dx};
+    plan_split(st, s, nt);
 #ifdef _OPENMP
     if (nt > 1) {
 #pragma omp parallel num_threads(nt)
