@@ -204,8 +204,9 @@ class PoolClient:
     def keys(self, token_ids: list[int], limit: int | None = None) -> list[str]:
         return chunk_keys(self.scope, token_ids, limit)
 
-    async def _lookup(self, keys: list[str]) -> PoolLookupReply:
-        return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys), timeout=self.settings.timeout)
+    async def _lookup(self, keys: list[str], for_put: bool = False) -> PoolLookupReply:
+        return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys, for_put=for_put),
+                                      timeout=self.settings.timeout)
 
     async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0) -> tuple[list[int], bytearray] | None:
         """(tokens, KV) of the longest stored prefix of ``prompt`` (at most len − 1 tokens: the
@@ -266,8 +267,9 @@ class PoolClient:
     async def store(self, token_ids: list[int], kv) -> int:
         """Put the chunks the pool lacks; returns how many it stored (0 on any failure)."""
         keys = self.keys(token_ids)
+        t0 = time.perf_counter()
         try:
-            found = await self._lookup(keys)
+            found = await self._lookup(keys, for_put=True)
             missing = keys[found.hits:]
             if not missing or not found.data_port:
                 return 0
@@ -282,6 +284,8 @@ class PoolClient:
             log.warning("KV pool write-back failed: %s", e)
             return 0
         self.stored += reply.stored
+        log.info("KV pool: wrote back %d of %d chunks in %.1f ms", reply.stored, len(keys),
+                 (time.perf_counter() - t0) * 1e3)
         return reply.stored
 
     def _encode(self, keys: list[str], kv, first: int) -> list[bytes]:
@@ -290,5 +294,17 @@ class PoolClient:
         return [self.codec.encode(k, mv[(first + i) * c:(first + i + 1) * c], self.shape) for i, k in enumerate(keys)]
 
     async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=30)
+        """Drain the pending write-backs (``TANDEM_POOL_DRAIN_S`` at most), cancel the rest."""
+        if not self._tasks:
+            return
+        pending, errors = list(self._tasks), self.errors
+        t0 = time.perf_counter()
+        _, late = await asyncio.wait(pending, timeout=self.settings.drain_s)
+        for t in late:
+            t.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        dropped = len(late) + self.errors - errors
+        (log.warning if dropped else log.info)(
+            "KV pool: %d pending write-back(s) at shutdown: %d drained in %.1f ms, %d dropped "
+            "(failed, or not done within TANDEM_POOL_DRAIN_S %.1f s)", len(pending), len(pending) - dropped,
+            (time.perf_counter() - t0) * 1e3, dropped, self.settings.drain_s)
