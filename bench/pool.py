@@ -288,7 +288,8 @@ RESTART_TARGETS = {2112: 20.0, 8000: 50.0}  # issue 20: warm after a restart vs 
 
 def _stack_ttft(prompt: list[int], pool_dir: str, threads: int) -> tuple[float, int, int]:
     """A fresh stack on ``pool_dir``: (TTFT, cached prompt tokens, pool entries after it stopped) of
-    ``prompt``, streamed; the stack gets SIGTERM as soon as the reply is complete."""
+    ``prompt``, streamed; the stack gets SIGTERM as soon as the reply is complete. The warm
+    path's stage timings (the worker's log lines) go to stderr."""
     import openai
 
     from bench.serve import Server, bench_env
@@ -312,6 +313,7 @@ def _stack_ttft(prompt: list[int], pool_dir: str, threads: int) -> tuple[float, 
         rc = server.stop()
     if first is None or rc != 0:
         raise RuntimeError(f"stack run failed (exit {rc}):\n{server.tail()}")
+    sys.stderr.writelines(line for line in server.log if "prefix tokens (" in line or "KV blocks in" in line)
     return first, cached, sum(f.endswith(".kvp") for _, _, fs in os.walk(pool_dir) for f in fs)
 
 
