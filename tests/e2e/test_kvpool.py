@@ -71,7 +71,6 @@ def test_second_request_reuses_pool_prefix_after_restart(nats_server, tmp_path):
     assert second.choices[0].message.content == first.choices[0].message.content
 
 
-
 def copies(s) -> list[int]:
     """Process ids of the service copies `tandem up` runs."""
     return [int(p) for p in subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True,
@@ -104,9 +103,10 @@ def kill_up(s) -> None:
     assert not any(map(alive, pids)), "service copies still running 120 s after kill -9 of tandem up"
 
 
-@pytest.mark.slow  # two stack start-ups and two long prefills
-@pytest.mark.parametrize("stop", [None, sigterm_every_process, kill_up],
-                         ids=["sigterm-up", "sigterm-every-process", "kill-9-up"])
+@pytest.mark.parametrize("stop", [  # each: two stack start-ups and two prefills of 1.2K tokens, ~20 s
+    pytest.param(None, id="sigterm-up", marks=pytest.mark.slow),
+    pytest.param(sigterm_every_process, id="sigterm-every-process"),  # the one that lost it: default run
+    pytest.param(kill_up, id="kill-9-up", marks=pytest.mark.slow)])
 def test_write_back_pending_at_shutdown_is_kept(nats_server, tmp_path, stop):
     """The stack stopped the moment the reply came, while the write-back of the prompt's chunks
     was still pending (a colocated worker writes back when the request finishes): the worker
