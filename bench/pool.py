@@ -12,6 +12,12 @@
   receiver share the process), the wire checksum on one thread, and the raw socket hashing every 1 MiB slice
   on both ends (the ceiling for a path that checksums every byte).
   ``--transfers-only`` runs just these (seconds instead of minutes).
+- ``--restart``: the whole stack instead (``bench_restart``): per prompt length (``--stack-prompts``,
+  default 2,112 and 8,000 tokens: 64 tokens after the last whole chunk), the stack's cold TTFT
+  (a colocated cpu-decode worker with all ``--threads``, a KV pool on a fresh directory) beside
+  llama.cpp's in-process prefill of as many tokens on as many threads, then — the stack stopped
+  with SIGTERM right after the reply, a new one started on the same pool directory — the warm
+  TTFT with the prefix read from the pool's disk tier. Only these rows; minutes.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -43,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: torch's)")
     p.add_argument("--transfer-mb", type=int, default=64, help="payload per transfer, MiB (default 64)")
     p.add_argument("--transfers-only", action="store_true", help="only the data-plane transfers")
+    p.add_argument("--restart", action="store_true", help="only the stack rows: cold TTFT vs llama.cpp prefill, "
+                   "warm TTFT after a full restart (prefix on the pool's disk tier)")
+    p.add_argument("--stack-prompts", type=int, nargs="+", default=[2112, 8000],
+                   help="--restart: prompt lengths, tokens (default 2112 8000)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
 
 
@@ -270,10 +282,74 @@ def _print(rows: list[dict]) -> list[dict]:
     return rows
 
 
+RESTART_STACK = ["--prefill", "0", "--gpu-decode", "0", "--cpu-decode", "1"]  # one colocated worker + pool
+RESTART_TARGETS = {2112: 20.0, 8000: 50.0}  # issue 20: warm after a restart vs cold, at 2K and 8K
+
+
+def _stack_ttft(prompt: list[int], pool_dir: str, threads: int) -> tuple[float, int, int]:
+    """A fresh stack on ``pool_dir``: (TTFT, cached prompt tokens, pool entries after it stopped) of
+    ``prompt``, streamed; the stack gets SIGTERM as soon as the reply is complete. The warm
+    path's stage timings (the worker's log lines) go to stderr."""
+    import openai
+
+    from bench.serve import Server, bench_env
+    from shared.nats_server import free_port
+
+    port = free_port()
+    env = dict(bench_env(threads), TANDEM_PORT=str(port), TANDEM_POOL_DIR=pool_dir, TANDEM_KV_BUDGET_MB="512")
+    server = Server("stack", [sys.executable, "-m", "services.cli", "up", *RESTART_STACK], env, port)
+    try:
+        server.wait_workers({"cpu-decode": 1, "router": 1})
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="bench", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        t0, first, cached = time.perf_counter(), None, -1
+        for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}):
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter() - t0
+            if chunk.usage:
+                cached = chunk.usage.prompt_tokens_details.cached_tokens if chunk.usage.prompt_tokens_details else 0
+    finally:
+        rc = server.stop()
+    if first is None or rc != 0:
+        raise RuntimeError(f"stack run failed (exit {rc}):\n{server.tail()}")
+    sys.stderr.writelines(line for line in server.log if "prefix tokens (" in line or "KV blocks in" in line)
+    return first, cached, sum(f.endswith(".kvp") for _, _, fs in os.walk(pool_dir) for f in fs)
+
+
+def bench_restart(args) -> list[dict]:
+    """Per prompt length: stack cold TTFT vs llama.cpp in-process prefill; warm TTFT after a full
+    restart with the prefix on the pool's disk tier."""
+    from bench import llamacpp
+    from bench.kernels import q4_0_gguf
+    from shared.engine.loader import load_tokenizer
+
+    threads = args.threads or os.cpu_count() or 1
+    tokenizer, _ = load_tokenizer(None)
+    rows = []
+    for n in args.stack_prompts:
+        ids = _text_tokens(tokenizer, n)
+        with tempfile.TemporaryDirectory() as d:
+            cold, cached_cold, stored = _stack_ttft(ids, d, threads)
+            warm, cached_warm, _ = _stack_ttft(ids, d, threads)
+        pp = llamacpp.run(q4_0_gguf(None), threads, 2, 1, n, 1, 8, 1)["pp"]
+        llama = n / pp
+        rows.append({"bench": "restart", "prompt": n, "threads": threads, "stack_cold_s": cold,
+                     "llama_cpp_prefill_s": llama, "vs_llama_cpp": llama / cold, "entries": stored,
+                     "cached_warm": cached_warm, "warm_after_restart_s": warm, "cold_over_warm": cold / warm,
+                     "target": RESTART_TARGETS.get(n, float("nan"))})
+        if cached_cold or cached_warm < (n - 1) // 256 * 256:
+            raise RuntimeError(f"{n} tokens: cached {cached_cold} cold / {cached_warm} warm: not a pool restart run")
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
-    rows = _print(asyncio.run(_transfers(args.transfer_mb * MiB)))
-    if not args.transfers_only:
-        rows += _print(bench_ttft_and_codecs(args))
+    if args.restart:
+        rows = _print(bench_restart(args))
+    else:
+        rows = _print(asyncio.run(_transfers(args.transfer_mb * MiB)))
+        if not args.transfers_only:
+            rows += _print(bench_ttft_and_codecs(args))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)

@@ -103,18 +103,35 @@ def entry_info(data) -> tuple[str, str, int, int]:
 
 def decode_entry(data, key: str | None = None) -> bytes:
     """Raw float16 KV bytes of an entry; CorruptEntry when it does not check out."""
+    _, _, raw_n, _ = entry_info(data)
+    out = bytearray(raw_n)
+    decode_entry_into(data, out, key)
+    return bytes(out)
+
+
+def decode_entry_into(data, out, key: str | None = None) -> None:
+    """Decode an entry straight into ``out`` (a writable buffer of exactly its raw size: a
+    slice of the destination, so a lossless entry costs one decompression and one pass that
+    interleaves the byte planes into place); CorruptEntry when it does not check out."""
     mv = memoryview(data)
     verify_entry(mv, key)
     _, name, raw_n, _ = entry_info(mv)
-    payload = mv[HEADER.size:]
+    dst = memoryview(out).cast("B")
+    if dst.nbytes != raw_n:
+        raise CorruptEntry(f"entry holds {raw_n} raw bytes, its destination {dst.nbytes}")
     try:
-        body = zstandard.ZstdDecompressor().decompress(payload)
+        body = zstandard.ZstdDecompressor().decompress(mv[HEADER.size:], max_output_size=raw_n + (1 << 20))
     except zstandard.ZstdError as e:
         raise CorruptEntry(f"entry does not decompress: {e}") from None
-    raw = _unshuffle(body) if name == LOSSLESS else _dequantize(body)
-    if len(raw) != raw_n:
-        raise CorruptEntry(f"entry decodes to {len(raw)} bytes, header says {raw_n}")
-    return raw
+    if name == LOSSLESS:
+        if len(body) != raw_n:
+            raise CorruptEntry(f"entry decodes to {len(body)} bytes, header says {raw_n}")
+        _unshuffle_into(body, dst)
+    else:
+        raw = _dequantize(body)
+        if len(raw) != raw_n:
+            raise CorruptEntry(f"entry decodes to {len(raw)} bytes, header says {raw_n}")
+        dst[:] = raw
 
 
 # -- lossless: byte planes --------------------------------------------------------------------
@@ -124,9 +141,9 @@ def _shuffle(raw: memoryview) -> bytes:
     return a.T.tobytes()  # [2, n]: every low byte, then every high byte
 
 
-def _unshuffle(body: bytes) -> bytes:
-    a = np.frombuffer(body, dtype=np.uint8).reshape(2, -1)
-    return a.T.tobytes()
+def _unshuffle_into(body: bytes, dst: memoryview) -> None:
+    planes = np.frombuffer(body, dtype=np.uint8).reshape(2, -1)
+    np.copyto(np.frombuffer(dst, dtype=np.uint8).reshape(-1, 2), planes.T)
 
 
 # -- lossy: int8, per-channel K, per-token V ---------------------------------------------------

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 from kvpool.codec import CorruptEntry, pack_entries, unpack_entries
 from kvpool.keys import check_key
@@ -36,6 +40,10 @@ def _keys(keys: list[str]) -> list[str]:
     return [check_key(k) for k in keys]
 
 
+QUIET_S = 0.5          # draining: a pool with nothing announced or in flight for this long stops
+ANNOUNCED_TTL_S = 30.0  # a write-back announced this long ago and never put has failed: forgotten
+
+
 class PoolService:
     role = subjects.KVPOOL
 
@@ -50,6 +58,12 @@ class PoolService:
         self.events: KVEventPublisher | None = None
         self.data_host, self.data_port = "", 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._readers = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="pool-read")
+        # write-backs announced by a lookup(for_put) and not put yet: first missing key -> times
+        self._announced: dict[str, list[float]] = defaultdict(list)
+        self._putting = 0                     # puts in flight
+        self._last_seen = 0.0                 # monotonic time of the last lookup / put
+        self.stored = 0                       # chunks stored by puts since the start
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -69,7 +83,10 @@ class PoolService:
                  ", ".join(f"{t.name} {len(t)} entries" for t in self.pool.tiers), self.data_host, self.data_port)
 
     async def lookup(self, req: PoolLookup) -> PoolLookupReply:
+        self._last_seen = time.monotonic()
         tiers = await asyncio.to_thread(self.pool.lookup, _keys(req.keys))
+        if req.for_put and len(tiers) < len(req.keys):  # the writer puts keys[hits:] next
+            self._announced[req.keys[len(tiers)]].append(time.monotonic())
         for t in tiers:
             metrics.pool_lookup(t, hit=True)
         if len(tiers) < len(req.keys):
@@ -88,9 +105,10 @@ class PoolService:
         return PoolGetReply(found=len(entries), nbytes=res.nbytes, path=res.path)
 
     def _read(self, keys: list[str]) -> list[bytes]:
+        """The leading entries of ``keys`` the pool has, read and verified several at a time (file
+        reads and blake3 release the GIL)."""
         out = []
-        for k in keys:
-            e = self.pool.get(k)
+        for e in self._readers.map(self.pool.get, keys):
             if e is None:
                 break
             out.append(e)
@@ -98,10 +116,45 @@ class PoolService:
 
     async def put(self, req: PoolPut) -> PoolPutReply:
         keys = _keys(req.keys)
-        payload = await self.receiver.take(req.transfer_id, timeout=self.settings.data.timeout)
-        with payload:
-            stored = await asyncio.to_thread(self._store, keys, payload.data)
+        self._putting += 1
+        try:
+            payload = await self.receiver.take(req.transfer_id, timeout=self.settings.data.timeout)
+            with payload:
+                stored = await asyncio.to_thread(self._store, keys, payload.data)
+        finally:
+            self._putting -= 1
+            self._last_seen = time.monotonic()
+            if keys and (times := self._announced.get(keys[0])):
+                times.pop(0)
+                if not times:
+                    del self._announced[keys[0]]
+        self.stored += stored
         return PoolPutReply(stored=stored)
+
+    def _waiting_for(self) -> int:
+        """Write-backs announced and not put yet (those announced over ANNOUNCED_TTL_S ago forgotten)."""
+        old = time.monotonic() - ANNOUNCED_TTL_S
+        for k in list(self._announced):
+            self._announced[k] = times = [t for t in self._announced[k] if t > old]
+            if not times:
+                del self._announced[k]
+        return sum(map(len, self._announced.values())) + self._putting
+
+    async def drain(self) -> None:
+        """After SIGTERM: go on taking write-backs while any is announced or in flight, or a
+        lookup / put came within QUIET_S — TANDEM_POOL_DRAIN_S at most. Under ``tandem up`` the
+        workers stopped first (nothing left to wait for); when every process gets SIGTERM at
+        once (systemd, ``kill -9`` of ``tandem up``) the workers' last write-backs land here."""
+        t0 = time.monotonic()
+        deadline, stored = t0 + self.settings.pool.drain_s, self.stored
+        while (waiting := self._waiting_for()) or time.monotonic() - self._last_seen < QUIET_S:
+            if time.monotonic() >= deadline:
+                log.warning("kvpool %s stopping with %d write-back(s) announced or in flight still "
+                            "(TANDEM_POOL_DRAIN_S %.1f s)", self.pool_id, waiting, self.settings.pool.drain_s)
+                break
+            await asyncio.sleep(0.05)
+        log.info("kvpool %s: %d chunk(s) stored while stopping, in %.1f s", self.pool_id, self.stored - stored,
+                 time.monotonic() - t0)
 
     def _store(self, keys: list[str], bundle) -> int:
         entries = unpack_entries(bundle)
@@ -134,6 +187,7 @@ class PoolService:
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()
         await stop.wait()
+        await self.drain()
         await self.close()
 
     async def close(self) -> None:
@@ -143,3 +197,4 @@ class PoolService:
             await self.bus.close()
         await self.receiver.close()
         await self.sender.close()
+        self._readers.shutdown(wait=False)

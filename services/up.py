@@ -3,8 +3,8 @@ and one process per service copy, with prefixed logs; Ctrl-C / SIGTERM stops it 
 
 Start order: NATS → KV pool → decode and prefill workers → router → gateway. Shutdown (SIGINT /
 SIGTERM only): the gateway first (it drains in-flight requests), then the engine workers (they
-finish what they hold and hand their KV write-backs to the pool), then router and KV pool (which
-stores what it was handed), then NATS.
+finish what they hold and hand their KV write-backs to the pool, TANDEM_POOL_DRAIN_S at most),
+then router and KV pool (which stores what it was handed), then NATS.
 
 Supervision: a copy that exits, whatever its code, is restarted with a backoff (0.5 s doubling
 to 10 s) under a new worker id; more than 5 exits within 60 s and that copy is given up, loudly,
@@ -140,12 +140,14 @@ class Child:
             preexec_fn=_die_with_parent)
         self.pump = asyncio.create_task(_pump(self.name, self.proc.stdout))
 
-    async def supervise(self) -> None:
-        """Restart the copy whenever it exits, until stop() or the crash-loop limit."""
+    async def supervise(self, stop: asyncio.Event) -> None:
+        """Restart the copy whenever it exits, until stop() or the crash-loop limit. A copy that
+        exits once the stack is stopping is not restarted (a SIGTERM that reached every process
+        at once, as systemd sends it, ends each copy before its turn in STOP_ORDER)."""
         while True:
             code = await self.proc.wait()
             await asyncio.gather(self.pump, return_exceptions=True)
-            if self.stopping:
+            if self.stopping or stop.is_set():
                 return
             now = time.monotonic()
             self.exits = [t for t in self.exits if now - t < RESTART_WINDOW_S] + [now]
@@ -163,7 +165,7 @@ class Child:
                 await asyncio.wait_for(self.wake.wait(), wait)
             except asyncio.TimeoutError:
                 pass
-            if self.stopping:
+            if self.stopping or stop.is_set():
                 return
             await self.start()
 
@@ -242,7 +244,7 @@ async def _up(args: argparse.Namespace) -> int:
     try:
         for c in children:
             await c.start()
-        tasks = [asyncio.create_task(c.supervise(), name=f"supervise-{c.name}") for c in children]
+        tasks = [asyncio.create_task(c.supervise(stop), name=f"supervise-{c.name}") for c in children]
         if nats is not None:
             tasks.append(asyncio.create_task(_watch_nats(nats, stop), name="supervise-nats"))
         log.info("started %s%s; gateway on port %s; supervisor metrics on http://127.0.0.1:%s/metrics",

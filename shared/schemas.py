@@ -384,6 +384,8 @@ class PoolLookup:
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     keys: list[str]              # chunk keys in prompt order (64 hex chars each)
+    for_put: bool = False        # a write-back asks: it puts the missing chunks next (a pool
+                                 # stopping waits for that put, TANDEM_POOL_DRAIN_S at most)
 
 
 @message("PoolLookupReply", 1)

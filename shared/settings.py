@@ -226,6 +226,9 @@ class PoolSettings:
                           "a prompt's cached prefix before it computes the prompt instead")
     backoff_s: float = _env("TANDEM_POOL_BACKOFF_S", 5.0, "after the pool failed or was too slow, seconds during "
                             "which workers compute prompts without asking it")
+    drain_s: float = _env("TANDEM_POOL_DRAIN_S", 5.0, "at shutdown (SIGTERM), seconds a worker waits, at most, "
+                          "for its pending KV write-backs to reach the pool (the rest are dropped, logged), "
+                          "and a pool copy keeps taking them")
 
     def validate(self) -> None:
         from kvpool.codec import CODECS
@@ -233,9 +236,9 @@ class PoolSettings:
             raise ValueError(f"TANDEM_POOL_CODEC must be one of {', '.join(CODECS)}, got {self.codec!r}")
         if self.ram_mb < 0 or self.disk_gb < 0 or self.shared_gb < 0:
             raise ValueError("TANDEM_POOL_RAM_MB, TANDEM_POOL_DISK_GB and TANDEM_POOL_SHARED_GB must be >= 0")
-        if self.chunk_tokens < 1 or self.timeout <= 0 or self.backoff_s < 0:
-            raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0 and "
-                             "TANDEM_POOL_BACKOFF_S >= 0")
+        if self.chunk_tokens < 1 or self.timeout <= 0 or self.backoff_s < 0 or self.drain_s < 0:
+            raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0, "
+                             "TANDEM_POOL_BACKOFF_S >= 0 and TANDEM_POOL_DRAIN_S >= 0")
 
     def pool_config(self):
         """The kvpool.pool.PoolConfig these settings describe."""

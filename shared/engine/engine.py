@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -454,9 +455,14 @@ class Engine:
         got = self.blocks.allocate(len(missing)) if missing and self.blocks.prefix_caching else None
         if got is None:
             return 0
+        t0 = time.perf_counter()
         data = torch.frombuffer(kv if isinstance(kv, bytearray) else bytearray(kv), dtype=torch.uint8)
         data = data.view(KV_DTYPE).view(n // bs, *self.layout.block_shape)
-        self.kv[torch.tensor(got, device=self.device)] = data[torch.tensor(missing)].to(self.device)
+        if len(missing) < n // bs:  # some blocks cached here already: only the others (else no gather copy)
+            data = data[torch.tensor(missing)]
+        self.kv.index_copy_(0, torch.tensor(got, device=self.device), data.to(self.device))
+        log.info("prefix of %d tokens loaded into %d KV blocks in %.1f ms", n, len(got),
+                 (time.perf_counter() - t0) * 1e3)
         for b, i in zip(got, missing):
             self.blocks.adopt(b, hashes[i])
         self.blocks.release(got)  # free but hashed: found by the next match_prefix

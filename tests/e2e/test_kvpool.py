@@ -6,12 +6,14 @@ them: >= 1,024 cached prompt tokens and the same greedy output."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 
 import openai
 import pytest
 
-from tests.e2e.test_stack import running_stack
+from tests.e2e.test_stack import planned_workers, start_stack
 
 SYSTEM = ("You are a careful assistant for a shipping company. Rules: answer briefly; cite the "
           "manifest line you used; never invent a port. Manifest: ") + " ".join(
@@ -27,12 +29,20 @@ def chat(client: openai.OpenAI):
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
 
 
-def run_stack(nats_server, pool_dir: str, fn):
-    """Run ``fn(client)`` against a fresh stack; returns (its result, the pool's log lines)."""
+def run_stack(nats_server, pool_dir: str, fn, args=("--gpu-decode", "0"), stop=None):
+    """Run ``fn(client)`` against a fresh stack, then stop it: SIGTERM to `tandem up`, after
+    ``stop(server)`` when given. Returns (fn's result, the stack's pool log lines)."""
     env = {"TANDEM_POOL_DIR": pool_dir, "TANDEM_POOL_TIMEOUT": "60"}  # a loaded CI machine is slow
-    with running_stack(nats_server, ["--gpu-decode", "0"], env=env, timeout=300) as s:
-        return fn(openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)), \
-            [line for line in s.tail(400).splitlines() if "pool" in line.lower()]
+    s = start_stack(nats_server, args, env)
+    try:
+        s.wait_workers(planned_workers(args), 300)
+        out = fn(openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0))
+        if stop is not None:
+            stop(s)
+    finally:
+        rc = s.stop()
+    assert rc == (-signal.SIGKILL if stop is kill_up else 0), s.tail()
+    return out, [line for line in s.tail(400).splitlines() if "pool" in line.lower()]
 
 
 def entries(pool_dir: str) -> int:
@@ -57,5 +67,55 @@ def test_second_request_reuses_pool_prefix_after_restart(nats_server, tmp_path):
 
     second, log = run_stack(nats_server, pool_dir, chat)  # a fresh stack: only the pool remembers
     assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= 1024, "\n".join(log)
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
+def copies(s) -> list[int]:
+    """Process ids of the service copies `tandem up` runs."""
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True,
+                                           text=True).stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def sigterm_every_process(s) -> None:
+    """SIGTERM to `tandem up` and every service copy at once, as systemd's default stop
+    (KillMode=control-group) sends it: the pool gets it together with the workers."""
+    for pid in [s.proc.pid, *copies(s)]:
+        os.kill(pid, signal.SIGTERM)
+
+
+def kill_up(s) -> None:
+    """kill -9 of `tandem up`: its copies get SIGTERM from the kernel (PR_SET_PDEATHSIG), all at
+    once, and outlive it while they drain: wait until the last one exited."""
+    pids = copies(s)
+    os.kill(s.proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(alive, pids)), "service copies still running 120 s after kill -9 of tandem up"
+
+
+@pytest.mark.parametrize("stop", [  # each: two stack start-ups and two prefills of 1.2K tokens, ~20 s
+    pytest.param(None, id="sigterm-up", marks=pytest.mark.slow),
+    pytest.param(sigterm_every_process, id="sigterm-every-process"),  # the one that lost it: default run
+    pytest.param(kill_up, id="kill-9-up", marks=pytest.mark.slow)])
+def test_write_back_pending_at_shutdown_is_kept(nats_server, tmp_path, stop):
+    """The stack stopped the moment the reply came, while the write-back of the prompt's chunks
+    was still pending (a colocated worker writes back when the request finishes): the worker
+    drains it into the pool, which takes it before exiting; the next stack reuses it."""
+    pool_dir, args = str(tmp_path / "pool"), ("--prefill", "0", "--gpu-decode", "0")
+    first, log = run_stack(nats_server, pool_dir, chat, args, stop)
+    assert first.usage.prompt_tokens >= 1100, first.usage
+    assert entries(pool_dir) >= 4, "the pending write-back was dropped at shutdown:\n" + "\n".join(log)
+
+    second, log = run_stack(nats_server, pool_dir, chat, args)
     assert second.usage.prompt_tokens_details.cached_tokens >= 1024, "\n".join(log)
     assert second.choices[0].message.content == first.choices[0].message.content

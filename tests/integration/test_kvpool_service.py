@@ -5,6 +5,7 @@ pool is a miss, never an error."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -134,3 +135,36 @@ async def test_a_hung_pool_costs_one_budget_then_nothing(tmp_path):
         await bus.close()
         await rx.close()
         server.stop()
+
+
+async def test_stopping_pool_waits_for_announced_write_backs(nats_server, tmp_path):
+    """A pool told to stop while a worker's write-back is announced (its lookup for_put saw
+    missing chunks) keeps taking puts until that one came; one never put ends the wait at
+    TANDEM_POOL_DRAIN_S."""
+    s = settings(nats_server, tmp_path, drain_s=60.0)
+    pool = PoolService(s)
+    await pool.start()
+    a, bus_a, rx_a = await client(s, "worker-a")
+    try:
+        prompt, kv = list(range(64)), kv_for(64)
+        encoding, encode = threading.Event(), a._encode
+        a._encode = lambda *args: encoding.wait(30) and encode(*args)  # looked up, then held here
+        store = asyncio.create_task(a.store(prompt, kv))
+        while pool._waiting_for() == 0:  # its lookup announced the write-back
+            await asyncio.sleep(0.01)
+        drain = asyncio.create_task(pool.drain())
+        await asyncio.sleep(1.0)  # past the quiet window: only the announcement holds it
+        assert not drain.done()
+        encoding.set()
+        assert await store == 2
+        await asyncio.wait_for(drain, 30)
+        assert pool.pool.lookup(a.keys(prompt)) == ["ram", "ram"]
+
+        pool.settings.pool.drain_s = 0.5
+        await a._lookup(a.keys(list(range(100, 164))), for_put=True)  # announced, never put
+        await asyncio.wait_for(pool.drain(), 30)
+    finally:
+        await a.close()
+        await bus_a.close()
+        await rx_a.close()
+        await pool.close()

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvpool.codec import HEADER, LOSSLESS, LOSSY, ChunkShape, Codec, CorruptEntry, decode_entry, entry_info
+from kvpool.codec import HEADER, LOSSLESS, LOSSY, ChunkShape, Codec, CorruptEntry, decode_entry, decode_entry_into, entry_info
 from kvpool.keys import KeyScope, check_key, chunk_keys
 from kvpool.pool import KVPool, PoolConfig
 from kvpool.store import DirTier, MemoryTier
@@ -67,6 +67,15 @@ def test_lossless_round_trip_is_exact():
     e = Codec(LOSSLESS).encode(KEYS[0], raw)
     assert decode_entry(e, KEYS[0]) == raw
     assert entry_info(e)[:3] == (KEYS[0], LOSSLESS, len(raw))
+
+
+def test_decode_into_a_slice_of_the_destination():
+    raw = kv_bytes(64)
+    dst = bytearray(b"\xaa" * (3 * len(raw)))
+    decode_entry_into(Codec(LOSSLESS).encode(KEYS[0], raw), memoryview(dst)[len(raw):2 * len(raw)], KEYS[0])
+    assert dst[len(raw):2 * len(raw)] == raw and set(dst[:len(raw)]) == set(dst[2 * len(raw):]) == {0xaa}
+    with pytest.raises(CorruptEntry, match="its destination"):
+        decode_entry_into(Codec(LOSSLESS).encode(KEYS[0], raw), bytearray(len(raw) - 2))
 
 
 def test_lossless_round_trip_special_values():
