@@ -111,9 +111,9 @@ class KVConnector:
                                    self.sender, self.receiver, self.data_host, self.data_port)
             if self._write_back:  # a finished sequence's full chunks go to the pool (the session's next turn)
                 pool = self.pool
-                await self.engine.on_finished_kv(self.settings.pool.chunk_tokens,
-                                                 lambda tokens, kv: loop.call_soon_threadsafe(pool.store_later,
-                                                                                              tokens, kv))
+                await self.engine.on_finished_kv(
+                    self.settings.pool.chunk_tokens,
+                    lambda tokens, kv, tenant: loop.call_soon_threadsafe(pool.store_later, tokens, kv, tenant))
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -153,18 +153,18 @@ class KVConnector:
 
     # -- the KV pool ----------------------------------------------------------------------------
 
-    async def fetch_prefix(self, prompt: list[int]) -> tuple[list[int], bytearray] | None:
-        """The longest prefix of ``prompt`` the pool holds beyond what the engine's own prefix
-        cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better."""
+    async def fetch_prefix(self, prompt: list[int], tenant: str = "") -> tuple[list[int], bytearray] | None:
+        """The longest prefix of ``prompt`` the pool holds for ``tenant`` beyond what the engine's own
+        prefix cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better."""
         if self.pool is None or len(prompt) - 1 < self.settings.pool.chunk_tokens:
             return None  # not one full chunk: no pool entry can match (and no wait for an engine step)
-        have = await self.engine.cached_prefix_tokens(prompt)
-        return await self.pool.fetch_prefix(prompt, have)
+        have = await self.engine.cached_prefix_tokens(prompt, tenant)
+        return await self.pool.fetch_prefix(prompt, have, tenant)
 
-    def store_later(self, token_ids: list[int], kv) -> None:
-        """Write the full chunks of (``token_ids``, their KV) back to the pool, in the background."""
+    def store_later(self, token_ids: list[int], kv, tenant: str = "") -> None:
+        """Write the full chunks of (``token_ids``, their KV) of ``tenant`` back to the pool, in the background."""
         if self.pool is not None:
-            self.pool.store_later(token_ids, kv)
+            self.pool.store_later(token_ids, kv, tenant)
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -201,16 +201,17 @@ class PoolClient:
         self._skip_until = 0.0    # after a pool failure, prompts do not wait on it until then
         self.hits = self.misses = self.errors = self.stored = 0
 
-    def keys(self, token_ids: list[int], limit: int | None = None) -> list[str]:
-        return chunk_keys(self.scope, token_ids, limit)
+    def keys(self, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
+        return chunk_keys(self.scope, token_ids, limit, tenant)
 
     async def _lookup(self, keys: list[str]) -> PoolLookupReply:
         return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys), timeout=self.settings.timeout)
 
-    async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0) -> tuple[list[int], bytearray] | None:
-        """(tokens, KV) of the longest stored prefix of ``prompt`` (at most len − 1 tokens: the
-        last one is always computed), or None when the pool has no more than ``have_tokens``."""
-        keys = self.keys(prompt, len(prompt) - 1)
+    async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0,
+                           tenant: str = "") -> tuple[list[int], bytearray] | None:
+        """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` (at most len − 1 tokens:
+        the last one is always computed), or None when the pool has no more than ``have_tokens``."""
+        keys = self.keys(prompt, len(prompt) - 1, tenant)
         if len(keys) * self.settings.chunk_tokens <= have_tokens:
             return None
         if time.monotonic() < self._skip_until:  # the pool failed just now: do not wait on it again
@@ -255,17 +256,17 @@ class PoolClient:
             out[i * self.chunk_bytes:(i + 1) * self.chunk_bytes] = raw
         return out
 
-    def store_later(self, token_ids: list[int], kv) -> None:
-        """Write back the full chunks of (``token_ids``, their KV) in the background."""
+    def store_later(self, token_ids: list[int], kv, tenant: str = "") -> None:
+        """Write back the full chunks of (``token_ids``, their KV) of ``tenant`` in the background."""
         if len(token_ids) < self.settings.chunk_tokens:
             return
-        t = asyncio.create_task(self.store(token_ids, kv), name="pool-store")
+        t = asyncio.create_task(self.store(token_ids, kv, tenant), name="pool-store")
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def store(self, token_ids: list[int], kv) -> int:
+    async def store(self, token_ids: list[int], kv, tenant: str = "") -> int:
         """Put the chunks the pool lacks; returns how many it stored (0 on any failure)."""
-        keys = self.keys(token_ids)
+        keys = self.keys(token_ids, tenant=tenant)
         try:
             found = await self._lookup(keys)
             missing = keys[found.hits:]

@@ -108,7 +108,7 @@ class FakeBackend:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    async def update_session(self, session_id: str, tier: str) -> dict:
+    async def update_session(self, session_id: str, tier: str, owner: str = "public") -> dict:
         self.sessions[session_id] = tier
         return {"id": session_id, "object": "session", "tier": tier, "worker": "w", "running": [], "moved": []}
 
@@ -617,7 +617,13 @@ async def test_api_keys_carry_default_tiers():
             assert r.status_code == 200 and r.headers["x-tandem-sla"] == tier
         r = await http.post("/v1/chat/completions", json={**body, "tier": "interactive"},
                             headers={"Authorization": "Bearer agent"})
-        assert r.headers["x-tandem-sla"] == "interactive"   # the request's own tier wins
+        assert r.headers["x-tandem-sla"] == "batch"   # the key's tier is a ceiling: never raised
+        r = await http.post("/v1/chat/completions", json=body,
+                            headers={"Authorization": "Bearer human", "X-Tandem-SLA": "batch"})
+        assert r.headers["x-tandem-sla"] == "batch"   # ... a request may lower it
+        r = await http.post("/v1/chat/completions", json={**body, "tier": "interactive"},
+                            headers={"Authorization": "Bearer main"})
+        assert r.headers["x-tandem-sla"] == "interactive"   # TANDEM_API_KEY has no ceiling
         r = await http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
         assert r.status_code == 401
     with pytest.raises(ValueError, match="TANDEM_API_KEYS"):
@@ -666,7 +672,7 @@ class _FakeEngine:
         self.calls: list = []
         self.aborted: list[str] = []
 
-    async def generate(self, request_id, prompt_token_ids, params, priority=1):
+    async def generate(self, request_id, prompt_token_ids, params, priority=1, tenant=""):
         self.calls.append((request_id, prompt_token_ids, params, priority))
         yield RequestOutput(request_id, [72], "H", finished=True, finish_reason="length",
                             num_prompt_tokens=len(prompt_token_ids), num_output_tokens=1)
