@@ -27,9 +27,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from kvpool.codec import ChunkShape, Codec, CorruptEntry, decode_entry, pack_entries, unpack_entries
+from kvpool.codec import ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry, pack_entries, unpack_entries
 from kvpool.keys import KeyScope, chunk_keys
-from shared import subjects
+from shared import metrics, subjects
 from shared.bus import Bus, BusError
 from shared.engine.kv_cache import KVBlobHeader
 from shared.kv_events import KVEventPublisher
@@ -192,14 +192,18 @@ class PoolClient:
         self.scope = scope
         self.shape = ChunkShape.from_layout(layout.to_dict())
         self.chunk_bytes = settings.chunk_tokens * layout.token_bytes
-        self.codec = Codec(settings.codec)
+        self.secret = settings.secret()
+        if not self.secret:
+            log.warning("no pool secret (TANDEM_POOL_KEY / TANDEM_POOL_KEY_FILE): KV pool entries are not "
+                        "authenticated; any bus client can write KV this worker loads")
+        self.codec = Codec(settings.codec, secret=self.secret)
         self.worker_id = worker_id
         self.sender, self.receiver = sender, receiver
         self.data_host, self.data_port = data_host, data_port
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self._skip_until = 0.0    # after a pool failure, prompts do not wait on it until then
-        self.hits = self.misses = self.errors = self.stored = 0
+        self.hits = self.misses = self.errors = self.stored = self.forged = 0
 
     def keys(self, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
         return chunk_keys(self.scope, token_ids, limit, tenant)
@@ -233,6 +237,9 @@ class PoolClient:
                 payload = await self.receiver.take(tid, timeout=self.settings.timeout)
                 with payload:
                     kv = await asyncio.to_thread(self._decode, keys[:reply.found], payload.data)
+                if not kv:  # the first entry was forged
+                    self.misses += 1
+                    return None
         except (BusError, TransferError, CorruptEntry, TimeoutError) as e:
             self.receiver.discard(tid)
             self.errors += 1
@@ -241,16 +248,23 @@ class PoolClient:
                         "for %.0f s", str(e) or f"no answer within {self.settings.timeout:.1f} s", self.settings.backoff_s)
             return None
         self.hits += 1
-        n = reply.found * self.settings.chunk_tokens
+        n = len(kv) // self.chunk_bytes * self.settings.chunk_tokens
         log.info("KV pool: %d prefix tokens (%s) in %.1f ms", n, ",".join(sorted(set(found.tiers))),
                  (time.perf_counter() - t0) * 1e3)
         return prompt[:n], kv
 
     def _decode(self, keys: list[str], bundle) -> bytearray:
+        """The KV of the bundle's entries, up to the first forged one (ignored and counted)."""
         entries = unpack_entries(bundle)
         out = bytearray(len(entries) * self.chunk_bytes)
         for i, (k, e) in enumerate(zip(keys, entries)):
-            raw = decode_entry(e, k)
+            try:
+                raw = decode_entry(e, k, self.secret)
+            except ForgedEntry as err:
+                self.forged += 1
+                metrics.POOL_FORGED.inc()
+                log.warning("KV pool entry %s ignored: %s", k[:16], err)
+                return out[:i * self.chunk_bytes]
             if len(raw) != self.chunk_bytes:
                 raise CorruptEntry(f"entry {k[:16]} holds {len(raw)} bytes, a chunk is {self.chunk_bytes}")
             out[i * self.chunk_bytes:(i + 1) * self.chunk_bytes] = raw

@@ -94,6 +94,11 @@ def state(request: Request) -> GatewayState:
 PUBLIC = "public"   # the tenant of every request when no API keys are configured
 
 
+def key_tenant(key: str) -> str:
+    """The tenant id of an API key (never the key itself: it travels on the bus and is stored)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
 def check_auth(request: Request) -> None:
     """401 unless a configured bearer token is sent; remembers that key's default tier, the best
     tier it may ask for (a ``TANDEM_API_KEYS`` key's own; any without keys or with
@@ -111,7 +116,7 @@ def check_auth(request: Request) -> None:
             request.state.key_tier = tier
             if key != gw.settings.api_key:
                 request.state.tier_cap = tier
-            request.state.tenant = hashlib.sha256(key.encode()).hexdigest()[:24]
+            request.state.tenant = key_tenant(key)
             return
     raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
