@@ -5,10 +5,10 @@ The policy is pure (services/placement.py); this service feeds it and carries ou
 - the prefix index (services/prefix_index.py, fed by KV events, rebuilt after a restart from a
   JetStream snapshot plus replay) gives each holder's cached prefix of a prompt;
 - the session table (tier override, the worker holding the session's KV, the API key's tenant
-  that owns it: another key's request runs without the session, its update is "not_found") is kept the same in
-  every router copy: each decision is published on ``tandem.router.decision`` (RoutePlan, and
-  SessionState for tier changes) and every copy applies the others' — so does its load view
-  (requests routed to a worker since its last heartbeat);
+  that owns it: another key's request runs without the session, its update is "not_found") is
+  kept the same in every router copy: each decision is published on ``tandem.router.decision``
+  (RoutePlan, and SessionState for tier changes) and every copy applies the others' — so does
+  its load view (requests routed to a worker since its last heartbeat);
 - moves (services/migrate.py) happen on a session tier change (``tandem.router.session``, from
   POST /v1/sessions/{id}), when a session's request comes at a better tier than its running
   ones, and under GPU KV pressure (checked every heartbeat interval by one router copy: the
@@ -232,7 +232,7 @@ class Router:
         session = self.sessions.get(m.session_id)
         plan = RoutePlan(request_id=m.request_id, prefill_worker=None, decode_worker=m.target.id,
                          decode_role=m.target.role, tier=m.tier, session_id=m.session_id or None,
-                         router=self.worker_id, moved_from=m.source, owner=session.owner or "" if session else "",
+                         router=self.worker_id, moved_from=m.source, owner=(session.owner or "") if session else "",
                          reason=f"{m.reason}; moved {reply.num_tokens} tokens of KV from {m.source} in "
                                 f"{reply.seconds * 1e3:.0f} ms over {reply.path}")
         self._apply(plan, time.monotonic())
