@@ -178,7 +178,7 @@ def test_key_tier_is_a_ceiling(stack, nats_server, model):
             asked = await asyncio.to_thread(ask, stack, model, "capped", PROMPT[:8], tier="interactive")
             lowered = await asyncio.to_thread(ask, stack, model, "alice", PROMPT[:8], sla="batch")
             seen = {}
-            while len(seen) < 2:
+            while not {asked[2]["x-request-id"], lowered[2]["x-request-id"]} <= seen.keys():
                 p = await plans.next(timeout=30)
                 seen[p.request_id] = p.tier
             return asked[2], lowered[2], seen
