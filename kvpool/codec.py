@@ -1,10 +1,16 @@
-"""Pool entries: one chunk's KV, compressed, with a header and a checksum.
+"""Pool entries: one chunk's KV, compressed, with a header, a checksum and a MAC.
 
 Entry layout (the same bytes in RAM, on disk and on the wire)::
 
-    header  <4sBBHQQ32s32s  magic b"TKVP", version 1, codec id, 0, raw bytes, payload bytes,
-                            key (32-byte digest), blake3(payload)
+    header  <4sBBHQQ32s32s32s  magic b"TKVP", version 2, codec id, 0, raw bytes, payload bytes,
+                               key (32-byte digest), blake3(payload), MAC
     payload codec output
+
+MAC = HMAC-SHA256(deployment secret, the header before it): it binds the key, the codec, the
+sizes and (through the checksum) the payload. The secret (TANDEM_POOL_KEY, docs/security.md) is
+the workers': they write and check it; the pool service only checks the checksum. A writer
+without the secret cannot make an entry a worker loads: ``decode_entry`` with the secret raises
+``ForgedEntry`` for it.
 
 Codecs (``CODECS``):
 - ``shuffle-zstd`` (id 1, the default, lossless): float16 values split into two byte planes
@@ -20,6 +26,8 @@ entry raises ``CorruptEntry`` — it is never turned into wrong KV.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 
@@ -28,8 +36,10 @@ import numpy as np
 import zstandard
 
 MAGIC = b"TKVP"
-VERSION = 1
-HEADER = struct.Struct("<4sBBHQQ32s32s")
+VERSION = 2                    # 1: no MAC
+HEADER = struct.Struct("<4sBBHQQ32s32s32s")
+_SIGNED = HEADER.size - 32     # the MAC covers the header before it
+_NO_MAC = bytes(32)            # written without a secret
 LOSSLESS, LOSSY = "shuffle-zstd", "int8-zstd"
 _IDS = {LOSSLESS: 1, LOSSY: 2}
 _NAMES = {v: k for k, v in _IDS.items()}
@@ -39,6 +49,10 @@ _SHAPE = struct.Struct("<4I")  # lossy payload: n_layers, tokens, n_kv_heads, he
 
 class CorruptEntry(ValueError):
     """An entry whose bytes do not check out (bad magic, size or checksum): treat as a miss."""
+
+
+class ForgedEntry(CorruptEntry):
+    """An entry whose MAC does not check out: written without the deployment's secret."""
 
 
 @dataclass(frozen=True)
@@ -59,14 +73,16 @@ class ChunkShape:
 
 
 class Codec:
-    """Encodes chunk KV to entries; ``threads`` zstd threads (compression only)."""
+    """Encodes chunk KV to entries; ``threads`` zstd threads (compression only); ``secret``: the
+    MAC key (empty: no MAC)."""
 
-    def __init__(self, name: str = LOSSLESS, level: int = 1, threads: int = 2):
+    def __init__(self, name: str = LOSSLESS, level: int = 1, threads: int = 2, secret: bytes = b""):
         if name not in _IDS:
             raise ValueError(f"unknown codec {name!r}: expected one of {', '.join(CODECS)}")
         self.name = name
         self.level = level
         self.threads = threads
+        self.secret = secret
 
     @property
     def lossless(self) -> bool:
@@ -86,8 +102,13 @@ class Codec:
         cctx = zstandard.ZstdCompressor(level=self.level, threads=self.threads if len(body) > 1 << 20 else 0)
         payload = cctx.compress(body)
         digest = blake3.blake3(payload).digest()
-        head = HEADER.pack(MAGIC, VERSION, _IDS[self.name], 0, raw.nbytes, len(payload), bytes.fromhex(key), digest)
-        return head + payload
+        head = HEADER.pack(MAGIC, VERSION, _IDS[self.name], 0, raw.nbytes, len(payload), bytes.fromhex(key), digest,
+                           _NO_MAC)[:_SIGNED]
+        return head + (_mac(self.secret, head) if self.secret else _NO_MAC) + payload
+
+
+def _mac(secret: bytes, signed) -> bytes:
+    return hmac.new(secret, signed, hashlib.sha256).digest()
 
 
 def entry_info(data) -> tuple[str, str, int, int]:
@@ -95,26 +116,30 @@ def entry_info(data) -> tuple[str, str, int, int]:
     mv = memoryview(data)
     if mv.nbytes < HEADER.size:
         raise CorruptEntry(f"entry of {mv.nbytes} bytes is shorter than its header")
-    magic, version, cid, _, raw_n, pay_n, key, _ = HEADER.unpack(mv[:HEADER.size])
+    magic, version, cid, _, raw_n, pay_n, key, _, _ = HEADER.unpack(mv[:HEADER.size])
     if magic != MAGIC or version != VERSION or cid not in _NAMES:
         raise CorruptEntry("not a pool entry (bad magic, version or codec)")
     return key.hex(), _NAMES[cid], raw_n, HEADER.size + pay_n
 
 
-def decode_entry(data, key: str | None = None) -> bytes:
-    """Raw float16 KV bytes of an entry; CorruptEntry when it does not check out."""
+def decode_entry(data, key: str | None = None, secret: bytes = b"") -> bytes:
+    """Raw float16 KV bytes of an entry; CorruptEntry when it does not check out, ForgedEntry
+    when its MAC does not (with a ``secret``)."""
     _, _, raw_n, _ = entry_info(data)
     out = bytearray(raw_n)
-    decode_entry_into(data, out, key)
+    decode_entry_into(data, out, key, secret)
     return bytes(out)
 
 
-def decode_entry_into(data, out, key: str | None = None) -> None:
+def decode_entry_into(data, out, key: str | None = None, secret: bytes = b"") -> None:
     """Decode an entry straight into ``out`` (a writable buffer of exactly its raw size: a
     slice of the destination, so a lossless entry costs one decompression and one pass that
-    interleaves the byte planes into place); CorruptEntry when it does not check out."""
+    interleaves the byte planes into place); CorruptEntry when it does not check out,
+    ForgedEntry when its MAC does not (with a ``secret``)."""
     mv = memoryview(data)
     verify_entry(mv, key)
+    if secret and not hmac.compare_digest(_mac(secret, mv[:_SIGNED]), mv[_SIGNED:HEADER.size]):
+        raise ForgedEntry("entry MAC does not check out: not written with this deployment's TANDEM_POOL_KEY")
     _, name, raw_n, _ = entry_info(mv)
     dst = memoryview(out).cast("B")
     if dst.nbytes != raw_n:
@@ -196,7 +221,7 @@ def verify_entry(data, key: str | None = None) -> None:
         raise CorruptEntry(f"entry holds key {got_key[:16]}…, expected {key[:16]}…")
     if mv.nbytes != total:
         raise CorruptEntry(f"entry is {mv.nbytes} bytes, header says {total} (truncated?)")
-    if blake3.blake3(mv[HEADER.size:]).digest() != bytes(mv[HEADER.size - 32:HEADER.size]):
+    if blake3.blake3(mv[HEADER.size:]).digest() != bytes(mv[_SIGNED - 32:_SIGNED]):
         raise CorruptEntry("entry checksum mismatch")
 
 

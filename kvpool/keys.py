@@ -6,6 +6,11 @@
 
 Equal prefixes give equal chains of keys; a different model, KV layout, chunk size or tenant
 gives a different scope and so never shares an entry. Keys are 32-byte digests, written as hex.
+
+A request's tenant (``tenant_salt``: its API key and ``cache_salt``, docs/security.md) splits the
+chain further: its seed is ``blake3(scope seed ‖ tenant salt)``, and the engines fold the same
+salt into the first block hash of their prefix cache. The public tenant ``""`` keeps the scope
+seed, so a deployment without API keys keys its prompts as before.
 """
 
 from __future__ import annotations
@@ -38,13 +43,23 @@ class KeyScope:
         return blake3.blake3(text.encode()).digest()
 
 
-def chunk_keys(scope: KeyScope, token_ids: list[int], limit: int | None = None) -> list[str]:
-    """Keys of the full chunks of ``token_ids`` (of at most ``limit`` tokens), in order."""
-    return _chain(scope.seed(), scope.chunk_tokens, token_ids, limit)
+def tenant_salt(tenant: str) -> bytes:
+    """The 16-byte salt of a tenant id (``b""`` for the public tenant ``""``)."""
+    return blake3.blake3(f"tandem-tenant|{tenant}".encode()).digest(16) if tenant else b""
+
+
+def tenant_seed(seed: bytes, tenant: str) -> bytes:
+    """The first parent of ``tenant``'s chunk key chain in the scope of ``seed``."""
+    return blake3.blake3(seed + tenant_salt(tenant)).digest() if tenant else seed
+
+
+def chunk_keys(scope: KeyScope, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
+    """Keys of the full chunks of ``token_ids`` (of at most ``limit`` tokens) of ``tenant``, in order."""
+    return _chain(tenant_seed(scope.seed(), tenant), scope.chunk_tokens, token_ids, limit)
 
 
 def chunk_keys_from_seed(seed_hex: str, chunk_tokens: int, token_ids: list[int],
-                         limit: int | None = None) -> list[str]:
+                         limit: int | None = None, tenant: str = "") -> list[str]:
     """``chunk_keys`` from a scope's hex seed (``Heartbeat.kv_scope``) and chunk size
     (``Heartbeat.chunk_tokens``): keys a prompt without the model. ValueError on a bad seed."""
     try:
@@ -55,7 +70,7 @@ def chunk_keys_from_seed(seed_hex: str, chunk_tokens: int, token_ids: list[int],
         raise ValueError(f"invalid key scope seed {seed_hex!r}: expected 64 hex characters")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _chain(seed, chunk_tokens, token_ids, limit)
+    return _chain(tenant_seed(seed, tenant), chunk_tokens, token_ids, limit)
 
 
 def next_chunk_key(parent: bytes, chunk_token_ids: list[int]) -> bytes:

@@ -75,11 +75,12 @@ class DecodeWorker(EngineWorker):
         params = sampling_from(req.sampling)
         resume = req.resume
         outputs_so_far = resume.output_token_ids if resume else []
-        prefix = await self.kv.fetch_prefix(req.prompt_token_ids + outputs_so_far)
+        prefix = await self.kv.fetch_prefix(req.prompt_token_ids + outputs_so_far, req.tenant)
         attempt = resume.attempt if resume else 0
         outputs = await self.admit(req, self.engine.submit(
             req.request_id, req.prompt_token_ids, params, priority_of(req.tier), prefix=prefix,
-            resume_token_ids=outputs_so_far, emitted_chars=resume.emitted_chars if resume else 0), attempt)
+            resume_token_ids=outputs_so_far, emitted_chars=resume.emitted_chars if resume else 0,
+            tenant=req.tenant), attempt)
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs,
                                                        resume.next_seq if resume else 0, attempt=attempt))
 

@@ -111,6 +111,7 @@ class SessionView:
     tier: str | None = None        # tier override (POST /v1/sessions/{id}, or raised by a request)
     worker: str | None = None      # decode worker that last held the session's KV
     last: float = 0.0              # router clock of the session's last request or update
+    owner: str | None = None       # the API key's tenant that created it (None: not known yet)
 
 
 @dataclass

@@ -35,11 +35,12 @@ class PrefillWorker(EngineWorker):
         prio = req.priority if req.priority is not None else priority_of(req.tier)
         resume = req.resume
         outputs_so_far = resume.output_token_ids if resume else []
-        prefix = await self.kv.fetch_prefix(req.prompt_token_ids + outputs_so_far)
+        prefix = await self.kv.fetch_prefix(req.prompt_token_ids + outputs_so_far, req.tenant)
         attempt = resume.attempt if resume else 0
         outputs = await self.admit(req, self.engine.submit(
             req.request_id, req.prompt_token_ids, params, prio, prefill_only=True, prefix=prefix,
-            resume_token_ids=outputs_so_far, emitted_chars=resume.emitted_chars if resume else 0), attempt)
+            resume_token_ids=outputs_so_far, emitted_chars=resume.emitted_chars if resume else 0,
+            tenant=req.tenant), attempt)
         first_seq = resume.next_seq if resume else 0
 
         async def hand_off(first: RequestOutput) -> None:
@@ -52,7 +53,7 @@ class PrefillWorker(EngineWorker):
         blob = await self.engine.export_kv(req.request_id)
         h, kv = KVBlobHeader.parse(blob)
         # the prompt's chunks go to the pool whatever happens next: a retry or a resume finds them
-        self.kv.store_later(h.token_ids[:h.num_computed], kv)
+        self.kv.store_later(h.token_ids[:h.num_computed], kv, h.tenant)
         try:
             _, res = await self.kv.hand_off(blob, subject=req.decode_subject, host=req.decode_data_host,
                                             port=req.decode_data_port, transfer_id=f"{req.request_id}-{attempt}",

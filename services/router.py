@@ -4,10 +4,11 @@ The policy is pure (services/placement.py); this service feeds it and carries ou
 - heartbeats give each worker's load, measured TPOT and the requests it holds;
 - the prefix index (services/prefix_index.py, fed by KV events, rebuilt after a restart from a
   JetStream snapshot plus replay) gives each holder's cached prefix of a prompt;
-- the session table (tier override, the worker holding the session's KV) is kept the same in
-  every router copy: each decision is published on ``tandem.router.decision`` (RoutePlan, and
-  SessionState for tier changes) and every copy applies the others' — so does its load view
-  (requests routed to a worker since its last heartbeat);
+- the session table (tier override, the worker holding the session's KV, the API key's tenant
+  that owns it: another key's request runs without the session, its update is "not_found") is
+  kept the same in every router copy: each decision is published on ``tandem.router.decision``
+  (RoutePlan, and SessionState for tier changes) and every copy applies the others' — so does
+  its load view (requests routed to a worker since its last heartbeat);
 - moves (services/migrate.py) happen on a session tier change (``tandem.router.session``, from
   POST /v1/sessions/{id}), when a session's request comes at a better tier than its running
   ones, and under GPU KV pressure (checked every heartbeat interval by one router copy: the
@@ -22,7 +23,7 @@ import time
 
 from kvpool.keys import chunk_keys_from_seed
 from shared import metrics, subjects, tracing
-from shared.bus import Bus
+from shared.bus import Bus, BusError
 from shared.schemas import Heartbeat, RoutePlan, RouteRequest, SessionState, SessionUpdate
 from shared.settings import Settings
 from shared.tier import Tier
@@ -104,12 +105,13 @@ class Router:
                     self.index.drop_holder(holder)
         return list(self.workers.values())
 
-    def cached(self, tokens: list[int]) -> tuple[dict[str, int], int]:
-        """Prefix tokens of ``tokens`` each holder has cached (pools under POOL), and the chunk size."""
+    def cached(self, tokens: list[int], tenant: str = "") -> tuple[dict[str, int], int]:
+        """Prefix tokens of ``tokens`` each holder has cached for ``tenant`` (pools under POOL), and
+        the chunk size."""
         scope = next((w.beat for w in self.workers.values() if w.beat.kv_scope and w.beat.chunk_tokens), None)
         if scope is None or not tokens:
             return {}, 256
-        keys = chunk_keys_from_seed(scope.kv_scope, scope.chunk_tokens, tokens, len(tokens) - 1)
+        keys = chunk_keys_from_seed(scope.kv_scope, scope.chunk_tokens, tokens, len(tokens) - 1, tenant)
         out: dict[str, int] = {}
         for holder, chunks in self.index.overlap(keys).items():
             name = POOL if self.index.role(holder) == subjects.KVPOOL else holder
@@ -122,12 +124,20 @@ class Router:
             return None
         return self.sessions.setdefault(sid, SessionView())
 
+    def _owned(self, sid: str | None, owner: str) -> SessionView | None:
+        """Session ``sid`` when ``owner`` may use it (an unowned one becomes theirs); None for
+        another owner's session (or no session)."""
+        s = self._session(sid)
+        if s is not None and s.owner is None:
+            s.owner = owner
+        return s if s is not None and s.owner == owner else None
+
     def _apply(self, plan: RoutePlan, now: float) -> None:
         """A decision (ours or another copy's): the load it adds, the session it moves."""
         w = self.workers.get(plan.decode_worker)
         if w is not None and not plan.moved_from:
             w.routed.append([plan.request_id, plan.session_id or "", plan.tier, now])
-        s = self._session(plan.session_id)
+        s = self._owned(plan.session_id, plan.owner)
         if s is not None:
             s.worker, s.last = plan.decode_worker, now
             if s.tier is None or Tier(plan.tier).priority < Tier(s.tier).priority:
@@ -141,19 +151,22 @@ class Router:
             if isinstance(msg, RoutePlan) and msg.router != self.worker_id:
                 self._apply(msg, now)
             elif isinstance(msg, SessionState) and msg.router != self.worker_id:
-                s = self._session(msg.session_id)
-                s.tier, s.last = msg.tier, now
+                s = self._owned(msg.session_id, msg.owner)
+                if s is not None:
+                    s.tier, s.last = msg.tier, now
 
     # ---- decisions --------------------------------------------------------------------
     async def route(self, req: RouteRequest) -> RoutePlan:
         now = time.monotonic()
-        session = self._session(req.session_id)
+        session = self._owned(req.session_id, req.owner)  # another key's session id: no session
         before = session.tier if session is not None else None
-        cached, chunk = self.cached(req.prompt_token_ids)
+        cached, chunk = self.cached(req.prompt_token_ids, req.tenant)
         live = [w for w in self._live(now) if w.id not in req.exclude]  # found dead for this request
         plan = place(req, live, now, self.policy, self.turn, cached=cached, session=session,
                      limits=self.limits, chunk_tokens=chunk)
-        plan.router = self.worker_id
+        plan.router, plan.owner = self.worker_id, req.owner
+        if session is None:
+            plan.session_id = None
         self.turn += 1
         self._apply(plan, now)
         metrics.ROUTES.labels(self.policy, plan.decode_role, "yes" if plan.prefill_worker else "no").inc()
@@ -164,19 +177,23 @@ class Router:
         return plan
 
     async def update_session(self, upd: SessionUpdate) -> SessionState:
-        """POST /v1/sessions/{id}: set the session's tier; its running requests move now."""
-        s = self._session(upd.session_id)
+        """POST /v1/sessions/{id}: set the session's tier; its running requests move now. Another
+        owner's session: "not_found" (whether it exists is not told)."""
+        s = self._owned(upd.session_id, upd.owner)
+        if s is None:
+            raise BusError("not_found", f"no session {upd.session_id!r} for this API key")
         s.tier, s.last = upd.tier, time.monotonic()
         if self.store is not None:
             self.store.changed(upd.session_id, s)
         moves = self._plan_moves(upd.session_id, pressure=False)  # before any await: the tick cannot take them
         await self.bus.publish(subjects.ROUTER_DECISION, SessionState(
-            session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=[], router=self.worker_id))
+            session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=[], router=self.worker_id,
+            owner=upd.owner))
         done = await self._run_moves(moves)
         running = [rid for w in self.workers.values() for rid, sid, _ in w.held() if sid == upd.session_id]
         log.info("session %s -> %s: %d request(s) moved", upd.session_id, upd.tier, len(done))
         return SessionState(session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=running,
-                            moved=done, reason=f"tier {upd.tier}", router=self.worker_id)
+                            moved=done, reason=f"tier {upd.tier}", router=self.worker_id, owner=upd.owner)
 
     def _plan_moves(self, session_id: str | None, pressure: bool) -> list[Move]:
         """Moves to make now (of ``session_id``'s requests, or all); they count as moving at once,
@@ -212,9 +229,10 @@ class Router:
             src.beat.requests = [r for r in src.beat.requests if r[0] != m.request_id]
             src.routed = [r for r in src.routed if r[0] != m.request_id]
         m.target.beat.requests = [*m.target.beat.requests, [m.request_id, m.session_id, m.tier]]
+        session = self.sessions.get(m.session_id)
         plan = RoutePlan(request_id=m.request_id, prefill_worker=None, decode_worker=m.target.id,
                          decode_role=m.target.role, tier=m.tier, session_id=m.session_id or None,
-                         router=self.worker_id, moved_from=m.source,
+                         router=self.worker_id, moved_from=m.source, owner=(session.owner or "") if session else "",
                          reason=f"{m.reason}; moved {reply.num_tokens} tokens of KV from {m.source} in "
                                 f"{reply.seconds * 1e3:.0f} ms over {reply.path}")
         self._apply(plan, time.monotonic())

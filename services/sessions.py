@@ -1,7 +1,8 @@
 """The router's session table, kept in a JetStream KV bucket so that it outlives any router copy
 and a NATS restart (the bucket is on the server's JetStream store).
 
-Every change a router makes to a session (its tier, the worker holding its KV, its last request)
+Every change a router makes to a session (its tier, the worker holding its KV, its last request,
+the API key's tenant that owns it)
 is written to bucket ``tandem_sessions`` under the session id (base64url: any visible ASCII id
 becomes a valid key), coalesced per ``flush_s``. A router that starts loads the whole bucket;
 router copies also follow each other's decisions live (``tandem.router.decision``), so the
@@ -66,7 +67,8 @@ class SessionStore:
         for k in keys:
             try:
                 d = orjson.loads((await self.kv.get(k)).value)
-                out[_session_id(k)] = SessionView(d.get("tier"), d.get("worker"), now_mono - (now_wall - d["last"]))
+                out[_session_id(k)] = SessionView(d.get("tier"), d.get("worker"), now_mono - (now_wall - d["last"]),
+                                                  d.get("owner"))
             except (nats.js.errors.KeyNotFoundError, KeyError, ValueError, orjson.JSONDecodeError) as e:
                 log.warning("session entry %s unreadable (%s): skipped", k, e)
         self._task = asyncio.create_task(self._flusher(), name="sessions-flush")
@@ -89,7 +91,8 @@ class SessionStore:
         dirty, self._dirty = self._dirty, {}
         now_mono, now_wall = time.monotonic(), time.time()
         for sid, v in dirty.items():
-            value = orjson.dumps({"tier": v.tier, "worker": v.worker, "last": now_wall - (now_mono - v.last)})
+            value = orjson.dumps({"tier": v.tier, "worker": v.worker, "last": now_wall - (now_mono - v.last),
+                                  "owner": v.owner})
             try:
                 await self.kv.put(_key(sid), value)
             except (nats.errors.Error, asyncio.TimeoutError) as e:  # kept for the next flush

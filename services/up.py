@@ -22,6 +22,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -221,6 +222,26 @@ async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
             await asyncio.sleep(min(BACKOFF_S[0] * 2 ** len(failures), BACKOFF_S[1]))
 
 
+def pool_key_file(path: str) -> None:
+    """Create the pool secret file (a random key, mode 0600) unless it exists; every child reads it
+    (TANDEM_POOL_KEY_FILE), so pool entries carry a MAC only this deployment can make."""
+    path = os.path.expanduser(path)
+    if os.path.exists(path):
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    try:
+        os.link(tmp, path)    # atomic, and never over a key another `tandem up` made meanwhile
+        log.info("pool secret created in %s", path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+
+
 async def _up(args: argparse.Namespace) -> int:
     env = dict(os.environ, **topology(args))
     nats = None
@@ -234,6 +255,9 @@ async def _up(args: argparse.Namespace) -> int:
         env["TANDEM_MODEL"] = args.model
     if args.served_model_name:
         env["TANDEM_SERVED_MODEL_NAME"] = args.served_model_name
+    pool = Settings.from_env(env).pool
+    if not pool.key:
+        pool_key_file(pool.key_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

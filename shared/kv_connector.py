@@ -30,9 +30,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvpool.codec import ChunkShape, Codec, CorruptEntry, decode_entry_into, pack_entries, unpack_entries
+from kvpool.codec import ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry_into, pack_entries, unpack_entries
 from kvpool.keys import KeyScope, chunk_keys
-from shared import subjects
+from shared import metrics, subjects
 from shared.bus import Bus, BusError
 from shared.engine.kv_cache import KVBlobHeader
 from shared.kv_events import KVEventPublisher
@@ -114,9 +114,9 @@ class KVConnector:
                                    self.sender, self.receiver, self.data_host, self.data_port)
             if self._write_back:  # a finished sequence's full chunks go to the pool (the session's next turn)
                 pool = self.pool
-                await self.engine.on_finished_kv(self.settings.pool.chunk_tokens,
-                                                 lambda tokens, kv: loop.call_soon_threadsafe(pool.store_later,
-                                                                                              tokens, kv))
+                await self.engine.on_finished_kv(
+                    self.settings.pool.chunk_tokens,
+                    lambda tokens, kv, tenant: loop.call_soon_threadsafe(pool.store_later, tokens, kv, tenant))
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -156,18 +156,18 @@ class KVConnector:
 
     # -- the KV pool ----------------------------------------------------------------------------
 
-    async def fetch_prefix(self, prompt: list[int]) -> tuple[list[int], bytearray] | None:
-        """The longest prefix of ``prompt`` the pool holds beyond what the engine's own prefix
-        cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better."""
+    async def fetch_prefix(self, prompt: list[int], tenant: str = "") -> tuple[list[int], bytearray] | None:
+        """The longest prefix of ``prompt`` the pool holds for ``tenant`` beyond what the engine's own
+        prefix cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better."""
         if self.pool is None or len(prompt) - 1 < self.settings.pool.chunk_tokens:
             return None  # not one full chunk: no pool entry can match (and no wait for an engine step)
-        have = await self.engine.cached_prefix_tokens(prompt)
-        return await self.pool.fetch_prefix(prompt, have)
+        have = await self.engine.cached_prefix_tokens(prompt, tenant)
+        return await self.pool.fetch_prefix(prompt, have, tenant)
 
-    def store_later(self, token_ids: list[int], kv) -> None:
-        """Write the full chunks of (``token_ids``, their KV) back to the pool, in the background."""
+    def store_later(self, token_ids: list[int], kv, tenant: str = "") -> None:
+        """Write the full chunks of (``token_ids``, their KV) of ``tenant`` back to the pool, in the background."""
         if self.pool is not None:
-            self.pool.store_later(token_ids, kv)
+            self.pool.store_later(token_ids, kv, tenant)
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -201,27 +201,32 @@ class PoolClient:
         self.scope = scope
         self.shape = ChunkShape.from_layout(layout.to_dict())
         self.chunk_bytes = settings.chunk_tokens * layout.token_bytes
-        self.codec = Codec(settings.codec)
+        self.secret = settings.secret()
+        if not self.secret:
+            log.warning("no pool secret (TANDEM_POOL_KEY / TANDEM_POOL_KEY_FILE): KV pool entries are not "
+                        "authenticated; any bus client can write KV this worker loads")
+        self.codec = Codec(settings.codec, secret=self.secret)
         self.worker_id = worker_id
         self.sender, self.receiver = sender, receiver
         self.data_host, self.data_port = data_host, data_port
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self._skip_until = 0.0    # after a pool failure, prompts do not wait on it until then
-        self.hits = self.misses = self.errors = self.stored = 0
+        self.hits = self.misses = self.errors = self.stored = self.forged = 0
 
-    def keys(self, token_ids: list[int], limit: int | None = None) -> list[str]:
-        return chunk_keys(self.scope, token_ids, limit)
+    def keys(self, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
+        return chunk_keys(self.scope, token_ids, limit, tenant)
 
     async def _lookup(self, keys: list[str], for_put: bool = False) -> PoolLookupReply:
         return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys, for_put=for_put),
                                       timeout=self.settings.timeout)
 
-    async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0) -> tuple[list[int], bytearray] | None:
-        """(tokens, KV) of the longest stored prefix of ``prompt`` (at most len − 1 tokens: the
-        last one is always computed), or None when the pool has no more than ``have_tokens``."""
+    async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0,
+                           tenant: str = "") -> tuple[list[int], bytearray] | None:
+        """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` (at most len − 1 tokens:
+        the last one is always computed), or None when the pool has no more than ``have_tokens``."""
         t0 = time.perf_counter()
-        keys = self.keys(prompt, len(prompt) - 1)
+        keys = self.keys(prompt, len(prompt) - 1, tenant)
         if len(keys) * self.settings.chunk_tokens <= have_tokens:
             return None
         if time.monotonic() < self._skip_until:  # the pool failed just now: do not wait on it again
@@ -244,6 +249,9 @@ class PoolClient:
                 t2 = time.perf_counter()
                 with payload:
                     kv = await asyncio.to_thread(self._decode, keys[:reply.found], payload.data)
+                if not kv:  # the first entry was forged
+                    self.misses += 1
+                    return None
         except (BusError, TransferError, CorruptEntry, TimeoutError) as e:
             self.receiver.discard(tid)
             self.errors += 1
@@ -252,7 +260,7 @@ class PoolClient:
                         "for %.0f s", str(e) or f"no answer within {self.settings.timeout:.1f} s", self.settings.backoff_s)
             return None
         self.hits += 1
-        n = reply.found * self.settings.chunk_tokens
+        n = len(kv) // self.chunk_bytes * self.settings.chunk_tokens
         t3 = time.perf_counter()
         log.info("KV pool: %d prefix tokens (%s, %d bytes over %s) in %.1f ms: keys+lookup %.1f, get (pool read "
                  "+ transfer) %.1f, verify+decode %.1f", n, ",".join(sorted(set(found.tiers))), reply.nbytes,
@@ -261,30 +269,40 @@ class PoolClient:
 
     def _decode(self, keys: list[str], bundle) -> bytearray:
         """The bundle's chunks decoded straight into one buffer, several chunks at a time (zstd,
-        blake3 and numpy's copy release the GIL): each entry is verified, decompressed and its
-        byte planes interleaved into its slice — no intermediate copy of the raw KV."""
+        blake3 and numpy's copy release the GIL): each entry is verified, its MAC checked,
+        decompressed and its byte planes interleaved into its slice — no intermediate copy of the
+        raw KV. The KV up to the first forged entry (ignored and counted)."""
         entries = unpack_entries(bundle)
         if len(entries) != len(keys):
             raise CorruptEntry(f"the pool sent {len(entries)} entries for {len(keys)} keys")
         c = self.chunk_bytes
         out = bytearray(len(entries) * c)
         mv = memoryview(out)
-        for f in [_decoders().submit(decode_entry_into, e, mv[i * c:(i + 1) * c], k)
-                  for i, (k, e) in enumerate(zip(keys, entries))]:
-            f.result()
+        futures = [_decoders().submit(decode_entry_into, e, mv[i * c:(i + 1) * c], k, self.secret)
+                   for i, (k, e) in enumerate(zip(keys, entries))]
+        for i, (k, f) in enumerate(zip(keys, futures)):
+            try:
+                f.result()
+            except ForgedEntry as err:
+                self.forged += 1
+                metrics.POOL_FORGED.inc()
+                log.warning("KV pool entry %s ignored: %s", k[:16], err)
+                for rest in futures[i + 1:]:
+                    rest.cancel()
+                return out[:i * c]    # a copy: the later entries' decodes may still be writing
         return out
 
-    def store_later(self, token_ids: list[int], kv) -> None:
-        """Write back the full chunks of (``token_ids``, their KV) in the background."""
+    def store_later(self, token_ids: list[int], kv, tenant: str = "") -> None:
+        """Write back the full chunks of (``token_ids``, their KV) of ``tenant`` in the background."""
         if len(token_ids) < self.settings.chunk_tokens:
             return
-        t = asyncio.create_task(self.store(token_ids, kv), name="pool-store")
+        t = asyncio.create_task(self.store(token_ids, kv, tenant), name="pool-store")
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def store(self, token_ids: list[int], kv) -> int:
+    async def store(self, token_ids: list[int], kv, tenant: str = "") -> int:
         """Put the chunks the pool lacks; returns how many it stored (0 on any failure)."""
-        keys = self.keys(token_ids)
+        keys = self.keys(token_ids, tenant=tenant)
         t0 = time.perf_counter()
         try:
             found = await self._lookup(keys, for_put=True)

@@ -61,6 +61,8 @@ POOL_LOOKUPS = Counter("tandem_pool_lookups", "KV pool lookups by storage tier a
                        ["tier", "result"])
 POOL_HIT_BYTES = Counter("tandem_pool_hit_bytes", "KV bytes served from the pool", ["tier"])
 POOL_BYTES = Gauge("tandem_pool_bytes", "KV bytes the pool holds", ["tier"])
+POOL_FORGED = Counter("tandem_pool_forged_entries", "KV pool entries a worker ignored: their MAC does not check "
+                      "out (written without TANDEM_POOL_KEY)")
 
 # -- data plane and migrations ----------------------------------------------------------------
 TRANSFER_BYTES = Counter("tandem_transfer_bytes", "KV bytes moved over the data plane", ["path"])

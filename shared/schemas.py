@@ -101,7 +101,7 @@ class TransferHandle:
     meta: dict = field(default_factory=dict)  # layout (dtype, shapes, block size): small only
 
 
-@message("RouteRequest", 3)
+@message("RouteRequest", 4)
 class RouteRequest:
     """gateway -> router: how should this request run?"""
     SCHEMA: ClassVar[str]
@@ -115,9 +115,11 @@ class RouteRequest:
     prompt_token_ids: list[int] = field(default_factory=list)  # the prompt: the router keys its chunks
     exclude: list[str] = field(default_factory=list)  # workers not to use (found dead for this request)
     attempt: int = 0            # 0: a new request; k > 0: its k-th resume (tokens so far in the prompt)
+    tenant: str = ""            # whose KV it may reuse (kvpool.keys.tenant_salt; "" = public)
+    owner: str = ""             # the API key's tenant: a session belongs to the key that created it
 
 
-@message("RoutePlan", 2)
+@message("RoutePlan", 3)
 class RoutePlan:
     """router -> gateway: the execution strategy for one request; also published on
     ``tandem.router.decision`` (every router copy applies it to its session table; tap shows it)."""
@@ -136,6 +138,7 @@ class RoutePlan:
     cached_at: str = ""         # where: a worker id, "pool", or "" (nothing cached)
     router: str = ""            # the router copy that decided
     moved_from: str = ""        # a move of a running request: the worker it left ("" = a placement)
+    owner: str = ""             # the session's owner (RouteRequest.owner)
 
 
 @message("MigrateRequest", 1)
@@ -167,16 +170,18 @@ class MigrateReply:
     path: str = ""               # data-plane path used ("shm", "tcp", ...)
 
 
-@message("SessionUpdate", 1)
+@message("SessionUpdate", 2)
 class SessionUpdate:
-    """gateway (POST /v1/sessions/{id}) -> subjects.ROUTER_SESSION: a session's new tier."""
+    """gateway (POST /v1/sessions/{id}) -> subjects.ROUTER_SESSION: a session's new tier (another
+    owner's session: error "not_found")."""
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     session_id: str
     tier: str
+    owner: str = ""              # the API key's tenant (RouteRequest.owner)
 
 
-@message("SessionState", 1)
+@message("SessionState", 2)
 class SessionState:
     """router -> gateway: where a session's work runs now, and what moved."""
     SCHEMA: ClassVar[str]
@@ -188,6 +193,7 @@ class SessionState:
     moved: list[dict] = field(default_factory=list)  # MigrateReply fields of each move made now
     reason: str = ""
     router: str = ""             # the router copy that made the change
+    owner: str = ""              # the session's owner (RouteRequest.owner)
 
 
 @message("Resume", 1)
@@ -203,7 +209,7 @@ class Resume:
     attempt: int                 # k-th resume (k >= 1); chunks and aborts of older attempts are ignored
 
 
-@message("PrefillRequest", 2)
+@message("PrefillRequest", 3)
 class PrefillRequest:
     """gateway -> one prefill worker (reply Ack); it streams the first token, then hands off."""
     SCHEMA: ClassVar[str]
@@ -221,11 +227,13 @@ class PrefillRequest:
     priority: int | None = None  # explicit scheduler priority; None = from tier
     resume: Resume | None = None  # continue a request whose worker was lost (first chunk: resume.next_seq)
     origin: str = ""             # the gateway that waits for the stream (workers drop the request if it dies)
+    tenant: str = ""             # whose cached KV it may reuse (RouteRequest.tenant)
 
 
 @message("DecodeRequest", 2)
 class DecodeRequest:
-    """prefill worker -> decode worker: import the KV in ``handle`` and continue decoding."""
+    """prefill worker -> decode worker: import the KV in ``handle`` and continue decoding (the
+    blob's header carries the request's tenant)."""
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     request_id: str
@@ -241,7 +249,7 @@ class DecodeRequest:
     origin: str = ""             # the gateway that waits for the stream
 
 
-@message("GenerateRequest", 2)
+@message("GenerateRequest", 3)
 class GenerateRequest:
     """gateway -> decode worker: run prefill and decode here (plan without a prefill worker)."""
     SCHEMA: ClassVar[str]
@@ -254,6 +262,7 @@ class GenerateRequest:
     session_id: str | None = None
     resume: Resume | None = None  # continue a request whose worker was lost
     origin: str = ""             # the gateway that waits for the stream
+    tenant: str = ""             # whose cached KV it may reuse (RouteRequest.tenant)
 
 
 @message("StreamChunk", 2)

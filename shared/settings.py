@@ -229,6 +229,11 @@ class PoolSettings:
     drain_s: float = _env("TANDEM_POOL_DRAIN_S", 5.0, "at shutdown (SIGTERM), seconds a worker waits, at most, "
                           "for its pending KV write-backs to reach the pool (the rest are dropped, logged), "
                           "and a pool copy keeps taking them")
+    key: str | None = _env("TANDEM_POOL_KEY", None, "secret the workers MAC pool entries with (an entry without "
+                           "it is never loaded); unset: the one in TANDEM_POOL_KEY_FILE")
+    key_file: str = _env("TANDEM_POOL_KEY_FILE", "~/.cache/tandem/pool.key", "file holding the pool secret when "
+                         "TANDEM_POOL_KEY is unset; `tandem up` creates it (mode 0600) when missing; no file: "
+                         "entries carry no MAC")
 
     def validate(self) -> None:
         from kvpool.codec import CODECS
@@ -239,6 +244,16 @@ class PoolSettings:
         if self.chunk_tokens < 1 or self.timeout <= 0 or self.backoff_s < 0 or self.drain_s < 0:
             raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0, "
                              "TANDEM_POOL_BACKOFF_S >= 0 and TANDEM_POOL_DRAIN_S >= 0")
+
+    def secret(self) -> bytes:
+        """The MAC secret of pool entries (TANDEM_POOL_KEY, else TANDEM_POOL_KEY_FILE's contents; b"": none)."""
+        if self.key:
+            return self.key.encode()
+        try:
+            with open(os.path.expanduser(self.key_file), "rb") as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            return b""
 
     def pool_config(self):
         """The kvpool.pool.PoolConfig these settings describe."""

@@ -64,6 +64,8 @@ class GenerationRequest:
     sampling: SamplingParams         # validated
     tier: str                        # "interactive" | "standard" | "batch"
     session_id: str | None           # agent session (X-Tandem-Session), None when not given
+    tenant: str = ""                 # whose cached KV it may reuse (handlers.cache_tenant; "" = public)
+    owner: str = "public"            # the API key's tenant: sessions belong to it
 
 
 class Tokenizer(Protocol):
@@ -98,9 +100,10 @@ class Backend(Protocol):
         """Drop the request everywhere it is held. Idempotent."""
         ...
 
-    async def update_session(self, session_id: str, tier: str) -> dict:
-        """Set an agent session's tier; returns {"id", "object": "session", "tier", "worker",
-        "running": [request ids], "moved": [one dict per request moved now]}."""
+    async def update_session(self, session_id: str, tier: str, owner: str = "public") -> dict:
+        """Set the tier of an agent session of ``owner`` (an API key's tenant); returns {"id",
+        "object": "session", "tier", "worker", "running": [request ids], "moved": [one dict per
+        request moved now]}. Raises BackendError "not_found" (404) for another owner's session."""
         ...
 
 
@@ -119,6 +122,7 @@ class InProcessBackend:
         self.tokenizer = engine.tokenizer
         self.max_context = int(engine.max_context)
         self.session_tiers: dict[str, str] = {}   # session -> tier set by update_session
+        self.session_owners: dict[str, str] = {}  # session -> the owner that created it
         self.running: dict[str, str | None] = {}   # request id -> its session
 
     def health(self) -> tuple[bool, dict]:
@@ -129,11 +133,13 @@ class InProcessBackend:
             priority = Tier.parse(req.tier).priority
         except ValueError as e:
             raise BackendError(INVALID_REQUEST, str(e), 400, "sla") from None
-        if req.session_id in self.session_tiers:  # one engine: a session's tier only raises priority
-            priority = min(priority, Tier(self.session_tiers[req.session_id]).priority)
-        self.running[req.request_id] = req.session_id
+        session = req.session_id if self._owns(req.session_id, req.owner) else None  # another key's id: none
+        if session in self.session_tiers:  # one engine: a session's tier only raises priority
+            priority = min(priority, Tier(self.session_tiers[session]).priority)
+        self.running[req.request_id] = session
         try:
-            stream = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, priority=priority)
+            stream = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, priority=priority,
+                                          tenant=req.tenant)
             async for out in stream:
                 yield out
         except ValueError as e:  # the engine validates too (e.g. a prompt longer than its KV)
@@ -141,8 +147,13 @@ class InProcessBackend:
         finally:
             self.running.pop(req.request_id, None)
 
-    async def update_session(self, session_id: str, tier: str) -> dict:
+    def _owns(self, session_id: str | None, owner: str) -> bool:
+        return session_id is not None and self.session_owners.setdefault(session_id, owner) == owner
+
+    async def update_session(self, session_id: str, tier: str, owner: str = "public") -> dict:
         """One engine, nowhere to move to: the tier applies to the session's next requests."""
+        if not self._owns(session_id, owner):
+            raise BackendError("not_found", f"no session {session_id!r} for this API key", 404, "session_id")
         self.session_tiers[session_id] = tier
         return {"id": session_id, "object": "session", "tier": tier, "worker": "in-process",
                 "running": [r for r, s in self.running.items() if s == session_id], "moved": []}

@@ -3,8 +3,10 @@
 Life of a generation request:
 1. read + parse the JSON body (413 past the size limit, chunked uploads included), validate it
    (400 naming the parameter), check the model (404);
-2. resolve SLA tier and session (body ``sla``/``tier``/``session_id`` over the
-   ``X-Tandem-SLA``/``X-Tandem-Session`` headers over the API key's default tier);
+2. resolve SLA tier, session and tenant (body ``sla``/``tier``/``session_id`` over the
+   ``X-Tandem-SLA``/``X-Tandem-Session`` headers over the API key's default tier; the key's
+   tier is also a ceiling; the key and ``cache_salt`` give the tenant whose cached KV the request
+   may reuse, docs/security.md);
 3. tokenize (chat template for chat; long inputs in a worker thread, so the event loop and every
    other stream keep going), check prompt + max_tokens against the context (400
    ``context_length_exceeded``), build ``SamplingParams`` and a ``GenerationRequest``;
@@ -31,7 +33,7 @@ from jinja2 import TemplateError
 
 from shared import metrics, tracing
 from shared.settings import GatewaySettings
-from shared.tier import TIERS
+from shared.tier import TIERS, Tier
 
 from . import streaming, tools
 from .backend import Backend, GenerationRequest
@@ -45,6 +47,7 @@ from .openai_api import (
 log = logging.getLogger("tandem.gateway")
 
 OFFLOAD_CHARS = 16384     # prompts longer than this are templated + tokenized in a worker thread
+MAX_CACHE_SALT = 1024     # characters of a request's cache_salt at most
 
 router = APIRouter()
 
@@ -88,19 +91,32 @@ def state(request: Request) -> GatewayState:
 
 # ---- request plumbing -----------------------------------------------------------------------
 
+PUBLIC = "public"   # the tenant of every request when no API keys are configured
+
+
+def key_tenant(key: str) -> str:
+    """The tenant id of an API key (never the key itself: it travels on the bus and is stored)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
 def check_auth(request: Request) -> None:
-    """401 unless a configured bearer token is sent; remembers that key's default tier and its
-    tenant (what it stores, e.g. Responses, only that key reads: ``public`` without keys)."""
+    """401 unless a configured bearer token is sent; remembers that key's default tier, the best
+    tier it may ask for (a ``TANDEM_API_KEYS`` key's own; any without keys or with
+    ``TANDEM_API_KEY``) and its tenant (what it stores, e.g. Responses and sessions, only that key
+    reads; whose cached KV it reuses: ``public`` without keys)."""
     gw = state(request)
     request.state.key_tier = gw.settings.default_tier
-    request.state.tenant = "public"
+    request.state.tier_cap = Tier.INTERACTIVE.value
+    request.state.tenant = PUBLIC
     if not gw.key_tiers:
         return
     auth = request.headers.get("authorization", "").encode()
     for key, tier in gw.key_tiers.items():
         if hmac.compare_digest(auth, f"Bearer {key}".encode()):
             request.state.key_tier = tier
-            request.state.tenant = hashlib.sha256(key.encode()).hexdigest()[:24]
+            if key != gw.settings.api_key:
+                request.state.tier_cap = tier
+            request.state.tenant = key_tenant(key)
             return
     raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
@@ -146,18 +162,30 @@ def check_context(request: Request, n_prompt: int, max_tokens: int | None, promp
     return max_tokens
 
 
-def common(request: Request, req, rid: str) -> tuple[str, str | None]:
-    """Trace context, model, unsupported fields, tier and session of a generation request."""
+def cache_tenant(owner: str, cache_salt: str | None) -> str:
+    """The tenant whose cached KV a request may reuse: its API key's (``owner``), split further by
+    the request's ``cache_salt``; "" (the public tenant, shared by all) without either."""
+    if cache_salt is None:
+        return "" if owner == PUBLIC else owner
+    return f"{owner}:{hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}"
+
+
+def common(request: Request, req, rid: str) -> dict:
+    """Trace context, model, unsupported fields; the tier, session, tenant and owner of a
+    generation request (``GenerationRequest`` fields)."""
     tracing.start(rid, request.headers.get(tracing.TRACEPARENT))
     check_model(request, req.model)
     check_unsupported(req)
     extra = ignored_fields(req)
     if extra:
         log.info("%s ignoring unsupported fields: %s", rid, ", ".join(extra))
-    tier = resolve_tier(req, request.headers.get(SLA_HEADER), request.state.key_tier)
+    tier = resolve_tier(req, request.headers.get(SLA_HEADER), request.state.key_tier, request.state.tier_cap)
     session = resolve_session(req, request.headers.get(SESSION_HEADER))
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT:
+        raise bad_param("cache_salt", f"cache_salt must be 1-{MAX_CACHE_SALT} characters", code="invalid_cache_salt")
     request.state.tier = tier
-    return tier, session
+    return {"tier": tier, "session_id": session, "tenant": cache_tenant(request.state.tenant, req.cache_salt),
+            "owner": request.state.tenant}
 
 
 def chat_prompt(backend: Backend, messages: list[dict], extra: dict | None = None) -> list[int]:
@@ -241,7 +269,7 @@ async def update_session(session_id: str, request: Request) -> Response:
     if not SESSION_RE.match(session_id):
         raise bad_param("session_id", "invalid session id: 1-256 visible ASCII characters, no spaces",
                         code="invalid_session")
-    state_ = await state(request).backend.update_session(session_id, tier.strip().lower())
+    state_ = await state(request).backend.update_session(session_id, tier.strip().lower(), request.state.tenant)
     log.info("session %s -> %s: moved %d request(s)", session_id, state_["tier"], len(state_["moved"]))
     return json_response(state_)
 
@@ -251,7 +279,7 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest,
     """A validated chat request -> the backend requests (one per choice) and the response format (the Responses
     API comes through here too: one request path)."""
     gw = state(request)
-    tier, session = common(request, req, rid)
+    route = common(request, req, rid)
     plan = tools.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
     guide, param = tools.turn_guide(plan, req.response_format)
     gw.check_guide(guide, param)
@@ -271,7 +299,7 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest,
                                defaults=gw.defaults)
     fmt = ChatFormat(rid, req.model, gw.token_str, (req.top_logprobs or 0) if want_lp else None, n=req.n or 1,
                      plan=plan, parser=gw.tool_parser)
-    return choices(GenerationRequest(rid, req.model, prompt, sampling, tier, session), req.n or 1), fmt
+    return choices(GenerationRequest(rid, req.model, prompt, sampling, **route), req.n or 1), fmt
 
 
 @router.post("/v1/chat/completions")
@@ -289,7 +317,7 @@ async def completions(request: Request) -> Response:
     check_auth(request)
     gw = state(request)
     req = validate_model(CompletionRequest, await read_body(request))
-    tier, session = common(request, req, rid)
+    route = common(request, req, rid)
     if isinstance(req.prompt, str) and len(req.prompt) > OFFLOAD_CHARS:
         prompt = await anyio.to_thread.run_sync(completion_prompt, req.prompt, gw.backend.tokenizer)
     else:
@@ -303,6 +331,5 @@ async def completions(request: Request) -> Response:
     sampling = sampling_params(req, max_tokens, logprobs=want_lp, top_logprobs=req.logprobs or 0,
                                defaults=gw.defaults)
     fmt = CompletionFormat(rid, req.model, gw.token_str, req.logprobs if want_lp else None, n=req.n or 1)
-    return await streaming.run(request, gw.backend, choices(GenerationRequest(rid, req.model, prompt, sampling, tier,
-                                                                              session), req.n or 1),
-                               fmt, req.stream, req.user)
+    return await streaming.run(request, gw.backend, choices(GenerationRequest(rid, req.model, prompt, sampling, **route),
+                                                            req.n or 1), fmt, req.stream, req.user)

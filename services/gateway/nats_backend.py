@@ -276,23 +276,25 @@ class NatsBackend:
                 request_id=req.request_id, model=req.model, tier=req.tier, session_id=req.session_id,
                 num_prompt_tokens=len(req.prompt_token_ids) + len(st.token_ids), max_tokens=req.sampling.max_tokens,
                 prompt_token_ids=req.prompt_token_ids + st.token_ids, exclude=sorted(st.exclude),
-                attempt=st.attempt), RoutePlan)
+                attempt=st.attempt, tenant=req.tenant, owner=req.owner), RoutePlan)
             target = plan.prefill_worker or plan.decode_worker
             sampling = st.sampling.to_dict()
             stream_subject = subjects.stream(req.request_id)
             try:
-                if plan.prefill_worker:  # the plan's tier: a session's may raise it, fifo flattens it
+                # the plan's tier (a session's may raise it, fifo flattens it) and session (none when
+                # the id is another key's session)
+                if plan.prefill_worker:
                     await self.bus.request(subjects.worker_prefill(plan.prefill_worker), PrefillRequest(
                         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling,
                         tier=plan.tier, decode_worker=plan.decode_worker,
                         decode_subject=subjects.worker_decode(plan.decode_worker), stream_subject=stream_subject,
                         decode_data_host=plan.decode_data_host, decode_data_port=plan.decode_data_port,
-                        session_id=req.session_id, resume=resume, origin=self.gateway_id))
+                        session_id=plan.session_id, resume=resume, origin=self.gateway_id, tenant=req.tenant))
                 else:
                     await self.bus.request(subjects.worker_generate(plan.decode_worker), GenerateRequest(
                         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling,
-                        tier=plan.tier, stream_subject=stream_subject, session_id=req.session_id, resume=resume,
-                        origin=self.gateway_id))
+                        tier=plan.tier, stream_subject=stream_subject, session_id=plan.session_id, resume=resume,
+                        origin=self.gateway_id, tenant=req.tenant))
             except RemoteError as e:
                 raise backend_error(e.code, e.message, e.retry_after) from None
             except BusError as e:
@@ -312,9 +314,9 @@ class NatsBackend:
             return
         raise BackendError("no_workers", "every worker the router chose was gone", 503)
 
-    async def update_session(self, session_id: str, tier: str) -> dict:
+    async def update_session(self, session_id: str, tier: str, owner: str = "public") -> dict:
         """Set a session's tier (the router moves its running requests); the new state."""
-        state = await self._call(subjects.ROUTER_SESSION, SessionUpdate(session_id=session_id, tier=tier),
+        state = await self._call(subjects.ROUTER_SESSION, SessionUpdate(session_id=session_id, tier=tier, owner=owner),
                                  SessionState)
         return {"id": state.session_id, "object": "session", "tier": state.tier, "worker": state.worker,
                 "running": state.running, "moved": state.moved}

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.engine.sampling import RequestOutput, SamplingParams
-from shared.tier import TIERS
+from shared.tier import TIERS, Tier
 
 from .backend import BackendError, Tokenizer
 
@@ -138,6 +138,7 @@ class _Sampling(_Request):
     sla: str | None = None
     tier: str | None = None
     session_id: str | None = None
+    cache_salt: str | None = None            # vLLM's: only requests with the same salt share cached KV
 
 
 class ChatCompletionRequest(_Sampling):
@@ -201,8 +202,9 @@ SESSION_HEADER = "x-tandem-session"
 SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII, no spaces, at most 256
 
 
-def resolve_tier(req: _Sampling, header: str | None, default: str) -> str:
-    """Body ``sla`` / ``tier`` over header ``X-Tandem-SLA`` over the default."""
+def resolve_tier(req: _Sampling, header: str | None, default: str, cap: str = "interactive") -> str:
+    """Body ``sla`` / ``tier`` over header ``X-Tandem-SLA`` over the default, never better than
+    ``cap`` (the API key's tier)."""
     if req.sla is not None and req.tier is not None and req.sla != req.tier:
         raise bad_param("sla", f"sla={req.sla!r} and tier={req.tier!r} disagree; send one")
     for param, value in (("sla", req.sla), ("tier", req.tier), ("X-Tandem-SLA", header)):
@@ -211,8 +213,9 @@ def resolve_tier(req: _Sampling, header: str | None, default: str) -> str:
             if v not in TIERS:
                 raise bad_param(param, f"invalid SLA tier {value!r}: expected one of {', '.join(TIERS)}",
                                 code="invalid_tier")
-            return v
-    return default
+            default = v
+            break
+    return max(default, cap, key=lambda t: Tier(t).priority)
 
 
 def resolve_session(req: _Sampling, header: str | None) -> str | None:

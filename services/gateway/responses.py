@@ -71,6 +71,7 @@ class ResponsesRequest(BaseModel):
     sla: str | None = None
     tier: str | None = None
     session_id: str | None = None
+    cache_salt: str | None = None
     ignore_eos: bool = False
     # sampling extensions, as on the chat endpoint (vLLM's names); unset: TANDEM_GENERATION_DEFAULTS
     top_k: int | None = None
@@ -443,7 +444,8 @@ async def create_response(request: Request) -> Response:
     chat_body = {
         "model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "user": req.user,
-        "sla": req.sla, "tier": req.tier, "session_id": session, "ignore_eos": req.ignore_eos,
+        "sla": req.sla, "tier": req.tier, "session_id": session, "cache_salt": req.cache_salt,
+        "ignore_eos": req.ignore_eos,
         "tools": tools, "tool_choice": chat_tool_choice(req.tool_choice) if tools else None,
         "response_format": chat_response_format(req.text), "top_k": req.top_k, "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,

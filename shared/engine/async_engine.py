@@ -115,9 +115,9 @@ class AsyncEngine:
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      priority: int = 1, prefill_only: bool = False,
                      prefix: tuple[list[int], bytes] | None = None, resume_token_ids: list[int] | None = None,
-                     emitted_chars: int = 0) -> AsyncIterator[RequestOutput]:
-        """Queue a request; once the engine has taken it, return the stream of its outputs.
-        ``prefix``: (token ids, KV bytes) of a prefix from the KV pool, loaded into the prefix
+                     emitted_chars: int = 0, tenant: str = "") -> AsyncIterator[RequestOutput]:
+        """Queue a request of ``tenant``; once the engine has taken it, return the stream of its outputs.
+        ``prefix``: (token ids, KV bytes) of a prefix from the KV pool, loaded into the tenant's prefix
         cache in the same engine command, so the request reuses it. ``resume_token_ids`` /
         ``emitted_chars``: continue a request that ran elsewhere (``Engine.add``). Raises
         ValueError (bad input) or EngineFull here, before any output."""
@@ -125,9 +125,9 @@ class AsyncEngine:
 
         def add() -> None:
             if prefix is not None:
-                self.engine.load_prefix(*prefix)
+                self.engine.load_prefix(*prefix, tenant=tenant)
             self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only,
-                            resume_token_ids=resume_token_ids, emitted_chars=emitted_chars)
+                            resume_token_ids=resume_token_ids, emitted_chars=emitted_chars, tenant=tenant)
 
         try:
             await self._call(add)
@@ -148,9 +148,10 @@ class AsyncEngine:
         return self._drain(request_id, q)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 1, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+                       priority: int = 1, prefill_only: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (``submit`` and iterate)."""
-        async for out in await self.submit(request_id, prompt_token_ids, params, priority, prefill_only):
+        async for out in await self.submit(request_id, prompt_token_ids, params, priority, prefill_only,
+                                           tenant=tenant):
             yield out
 
     async def export_kv(self, request_id: str) -> bytes:
@@ -197,16 +198,16 @@ class AsyncEngine:
         ``call_soon_threadsafe``)."""
         await self._call(lambda: self.engine.watch_chunks(seed, chunk_tokens, hook))
 
-    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes], None]) -> None:
-        """``hook(token_ids, kv)`` on the engine thread when a request finishes, with its first
+    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes, str], None]) -> None:
+        """``hook(token_ids, kv, tenant)`` on the engine thread when a request finishes, with its first
         ``align``-multiple computed tokens and their KV (the KV pool's write-back)."""
         def install() -> None:
             self.engine.finished_kv_align = align
-            self.engine.finished_kv_hook = lambda rid, tokens, kv: hook(tokens, kv)
+            self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant: hook(tokens, kv, tenant)
         await self._call(install)
 
-    async def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids))
+    async def cached_prefix_tokens(self, token_ids: list[int], tenant: str = "") -> int:
+        return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids, tenant))
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.abort(request_id))

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from shared.engine import grammar, sampler
+from kvpool.keys import tenant_salt
 from shared.engine.kv_cache import KV_DTYPE, BlockManager, ChunkEvents, KVBlobHeader, KVLayout, block_hash
 from shared.engine.loader import LoadedModel, release_freed_memory
 from shared.engine import weight_cache
@@ -121,10 +122,10 @@ class Engine:
                                    config.guest_step_tokens)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
-        # Called (on the engine's thread) with (request_id, token_ids, kv bytes) when a request
+        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant) when a request
         # finishes, for its first ``finished_kv_align``-multiple computed tokens (the KV pool's
         # write-back of a finished session). None: not called.
-        self.finished_kv_hook: Callable[[str, list[int], bytes], None] | None = None
+        self.finished_kv_hook: Callable[[str, list[int], bytes, str], None] | None = None
         self.finished_kv_align = config.block_size
         # Chunk events (``watch_chunks``): called on the engine's thread with (stored, evicted)
         # pool chunk keys, net, at most once per step. None: not tracked.
@@ -153,8 +154,9 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             priority: int = 1, prefill_only: bool = False, resume_token_ids: list[int] | None = None,
-            emitted_chars: int = 0) -> None:
-        """Queue a request. Raises ValueError for bad input (nothing is queued then).
+            emitted_chars: int = 0, tenant: str = "") -> None:
+        """Queue a request. Raises ValueError for bad input (nothing is queued then). It shares
+        cached KV blocks only with requests of the same ``tenant`` ("" = the public tenant).
 
         ``resume_token_ids``: continue a request that ran elsewhere (its worker was lost): the
         output tokens its client has received, ``emitted_chars`` characters of their text. They
@@ -179,7 +181,7 @@ class Engine:
         if self.layout.blocks_for(n + 1) > self.blocks.num_blocks:
             raise ValueError(f"prompt of {n} tokens needs {self.layout.blocks_for(n + 1)} KV blocks; "
                              f"this engine has {self.blocks.num_blocks}")
-        seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only)
+        seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only, tenant)
         if resume_token_ids:
             self._resume(seq, resume_token_ids, emitted_chars)
         self._attach_guide(seq)
@@ -395,9 +397,9 @@ class Engine:
             out.recomputed_tokens = seq.num_tokens - 1 - seq.resume_reused
         return out
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of ``token_ids`` this engine's prefix cache holds now."""
-        return len(self.blocks.match_prefix(token_ids, len(token_ids))) * self.layout.block_size
+    def cached_prefix_tokens(self, token_ids: list[int], tenant: str = "") -> int:
+        """How many leading tokens of ``token_ids`` this engine's prefix cache holds now for ``tenant``."""
+        return len(self.blocks.match_prefix(token_ids, len(token_ids), tenant_salt(tenant))) * self.layout.block_size
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.drop(seq)
@@ -427,7 +429,7 @@ class Engine:
             return
         try:
             kv = self.read_blocks(seq.block_table[:n // self.layout.block_size])
-            self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv)
+            self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant)
         except Exception:  # the hook is best effort; the request finishes regardless
             log.exception("finished-KV hook failed for %s", seq.request_id)
 
@@ -437,17 +439,17 @@ class Engine:
         return kv.contiguous().view(torch.uint8).numpy().tobytes()
 
     @torch.inference_mode()
-    def load_prefix(self, token_ids: list[int], kv) -> int:
+    def load_prefix(self, token_ids: list[int], kv, tenant: str = "") -> int:
         """Put KV computed elsewhere (the KV pool) into the prefix cache: ``kv`` holds the whole
-        blocks of ``token_ids`` (a multiple of the block size), layout v1. A request starting
-        with these tokens then reuses them like any cached block (``num_cached_tokens``).
+        blocks of ``token_ids`` (a multiple of the block size), layout v1. A request of ``tenant``
+        starting with these tokens then reuses them like any cached block (``num_cached_tokens``).
         Blocks already cached here are skipped. Returns the tokens loaded (0 when no blocks are
         free or prefix caching is off: the request then computes them). Raises ValueError when sizes do not match."""
         bs, n = self.layout.block_size, len(token_ids)
         if n % bs or memoryview(kv).nbytes != n // bs * self.layout.block_bytes:
             raise ValueError(f"prefix KV of {memoryview(kv).nbytes} bytes does not hold {n} tokens "
                              f"in whole blocks of {self.layout.block_bytes} bytes")
-        hashes, parent = [], None
+        hashes, parent = [], tenant_salt(tenant) or None
         for i in range(n // bs):
             parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
             hashes.append(parent)
@@ -467,7 +469,7 @@ class Engine:
             self.blocks.adopt(b, hashes[i])
         self.blocks.release(got)  # free but hashed: found by the next match_prefix
         if self.chunk_events is not None:
-            self.chunk_events.note(token_ids, hashes)
+            self.chunk_events.note(token_ids, hashes, tenant=tenant)
         return len(missing) * bs
 
     # ---- KV hand-off ------------------------------------------------------------------
@@ -492,7 +494,7 @@ class Engine:
             token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
             num_computed=seq.num_computed, num_cached_tokens=seq.num_cached_tokens,
             params=seq.params.to_dict(), priority=seq.priority, kv_blocks=nb,
-            detok=[seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars])
+            detok=[seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars], tenant=seq.tenant)
         blob = header.pack(self.read_blocks(seq.block_table[:nb]))
         if keep:
             self.scheduler.remove(seq)
@@ -530,7 +532,7 @@ class Engine:
             raise ValueError(f"sequence of {len(tokens)} tokens exceeds this engine's context {self.max_context}")
         nb = h.kv_blocks
         seq = Sequence(request_id, h.prompt_token_ids, SamplingParams.from_dict(h.params).validate(),
-                       h.priority if priority is None else priority)
+                       h.priority if priority is None else priority, tenant=h.tenant)
         seq.token_ids = list(tokens)
         seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars = h.detok
         seq.num_cached_tokens = h.num_cached_tokens
@@ -542,7 +544,7 @@ class Engine:
         self.kv[torch.tensor(got, device=self.device)] = data.view(nb, *self.layout.block_shape).to(self.device)
         seq.block_table, seq.num_computed = got, h.num_computed
         bs = self.layout.block_size
-        parent = None
+        parent = seq.salt or None
         for i in range(seq.num_computed // bs):
             parent = self.blocks.register_full(got[i], parent, tokens[i * bs:(i + 1) * bs])
             seq.block_hashes.append(parent)

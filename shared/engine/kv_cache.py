@@ -11,7 +11,9 @@ convention). One block is one contiguous run of bytes holding every layer, so a 
 serialises as its blocks in order (see ``docs/kv-layout.md``) and moves between devices as bytes.
 
 Full blocks are content-addressed: the hash of a block chains the hash of the block before it
-with the block's token ids, so two sequences with the same prefix share the same blocks.
+with the block's token ids, so two sequences with the same prefix share the same blocks. The
+first block chains its tenant's salt (``kvpool.keys.tenant_salt``; none for the public tenant):
+tenants never share blocks.
 A freed block keeps its hash until it is reused, so a later request can still find it.
 
 ``ChunkEvents`` watches the same cache at the KV pool's chunk granularity (``chunk_tokens``,
@@ -29,7 +31,7 @@ from typing import Callable
 import orjson
 import torch
 
-from kvpool.keys import next_chunk_key
+from kvpool.keys import next_chunk_key, tenant_seed
 
 KV_LAYOUT_VERSION = 1
 KV_DTYPE = torch.float16
@@ -102,6 +104,7 @@ class KVBlobHeader:
     priority: int                # scheduler priority (lower first)
     kv_blocks: int               # blocks of KV after the header
     detok: list = field(default_factory=list)  # [prefix_offset, read_offset, output_text, emitted_chars]
+    tenant: str = ""             # the request's tenant (its block hashes are salted with it)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -181,12 +184,13 @@ class BlockManager:
         if self.ref[b] == 0:
             self.free.append(b)
 
-    def match_prefix(self, tokens: list[int], limit: int) -> list[int]:
-        """Cached blocks holding the first full blocks of ``tokens`` (at most ``limit`` tokens)."""
+    def match_prefix(self, tokens: list[int], limit: int, salt: bytes = b"") -> list[int]:
+        """Cached blocks holding the first full blocks of ``tokens`` (at most ``limit`` tokens)
+        of the tenant whose salt is ``salt``."""
         out: list[int] = []
         if not self.prefix_caching:
             return out
-        parent = None
+        parent = salt or None
         bs = self.block_size
         for i in range(min(limit, len(tokens)) // bs):
             parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
@@ -258,9 +262,9 @@ class ChunkEvents:
         self._seen: dict[str, tuple[list[int], int]] = {}  # request id -> (block table, chunks noted)
         blocks.on_uncache = self._uncached
 
-    def note(self, token_ids: list[int], hashes: list[bytes], first: int = 0) -> int:
-        """Record the complete chunks from chunk ``first`` of a sequence whose block hashes are
-        ``hashes`` (in order); returns how many chunks ``hashes`` covers."""
+    def note(self, token_ids: list[int], hashes: list[bytes], first: int = 0, tenant: str = "") -> int:
+        """Record the complete chunks from chunk ``first`` of a sequence of ``tenant`` whose block
+        hashes are ``hashes`` (in order); returns how many chunks ``hashes`` covers."""
         k, c, cached = self.per_chunk, self.chunk_tokens, self.blocks.block_of
         n = len(hashes) // k
         parent = None
@@ -272,7 +276,7 @@ class ChunkEvents:
                 continue
             if parent is None:  # the key of chunk i - 1: held, or chained from the seed
                 prev = self.held.get(hashes[i * k - 1]) if i else None
-                parent = prev[0] if prev else self._key_before(token_ids, i)
+                parent = prev[0] if prev else self._key_before(token_ids, i, tenant)
             key = next_chunk_key(parent, token_ids[i * c:(i + 1) * c])
             own = tuple(hashes[i * k:(i + 1) * k])
             if all(h in cached for h in own):
@@ -289,7 +293,7 @@ class ChunkEvents:
         if table is not seq.block_table:  # new blocks (scheduled, swapped in, imported): check all
             done = 0
         if len(seq.block_hashes) >= (done + 1) * self.per_chunk:
-            done = self.note(seq.token_ids, seq.block_hashes, done)
+            done = self.note(seq.token_ids, seq.block_hashes, done, seq.tenant)
         self._seen[seq.request_id] = (seq.block_table, done)
 
     def forget(self, request_id: str) -> None:
@@ -302,8 +306,8 @@ class ChunkEvents:
         changes, self.changes = self.changes, {}
         return [k for k, v in changes.items() if v], [k for k, v in changes.items() if not v]
 
-    def _key_before(self, token_ids: list[int], i: int) -> bytes:
-        key = self.seed
+    def _key_before(self, token_ids: list[int], i: int, tenant: str) -> bytes:
+        key = tenant_seed(self.seed, tenant)
         for j in range(i):
             key = next_chunk_key(key, token_ids[j * self.chunk_tokens:(j + 1) * self.chunk_tokens])
         return key

@@ -166,7 +166,7 @@ class Scheduler:
             if not self._swap_in(seq):
                 return 0
         elif not seq.block_table:  # fresh or recomputing: reuse cached prefix blocks
-            cached = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1)
+            cached = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1, seq.salt)
             self.blocks.acquire_cached(cached)
             seq.block_table = list(cached)
             seq.block_hashes = [self.blocks.hash_of[b] for b in cached]
@@ -219,6 +219,6 @@ class Scheduler:
             seq.num_computed = c.start + c.num_tokens
             while len(seq.block_hashes) < seq.num_computed // bs:
                 i = len(seq.block_hashes)
-                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                parent = seq.block_hashes[-1] if seq.block_hashes else seq.salt or None
                 seq.block_hashes.append(self.blocks.register_full(
                     seq.block_table[i], parent, seq.token_ids[i * bs:(i + 1) * bs]))

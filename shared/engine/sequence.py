@@ -14,6 +14,7 @@ import random
 
 import torch
 
+from kvpool.keys import tenant_salt
 from shared.engine.sampling import SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
@@ -28,8 +29,10 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 1, prefill_only: bool = False):
+                 priority: int = 1, prefill_only: bool = False, tenant: str = ""):
         self.request_id = request_id
+        self.tenant = tenant                  # its KV is shared only within this tenant ("" = public)
+        self.salt = tenant_salt(tenant)       # ... by salting its first block hash
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params

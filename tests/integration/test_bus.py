@@ -345,7 +345,7 @@ async def test_tap_prints_decoded_lines(private_nats):
     await bus.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 3
-    assert "tandem.worker.cpu-0.generate" in lines[0] and "GenerateRequest/v2" in lines[0]
+    assert "tandem.worker.cpu-0.generate" in lines[0] and f"GenerateRequest/v{GenerateRequest.VERSION}" in lines[0]
     assert "prompt_token_ids=<3 ids>" in lines[0] and "101" not in lines[0]
     assert "StreamChunk/v2" in lines[1] and "text=<12 chars>" in lines[1]
     assert "secret" not in lines[1]

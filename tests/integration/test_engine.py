@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.engine import Engine, EngineConfig, run_to_completion
+from kvpool.keys import chunk_keys_from_seed, tenant_salt
+from shared.engine.engine import Completion, Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
 
 PROMPTS = [
@@ -165,6 +166,49 @@ def test_batch_kv_is_evicted_before_interactive_kv(bundled_model):
     assert eng.cached_prefix_tokens(inter) == n_i       # interactive KV kept hot
     assert eng.cached_prefix_tokens(batch) < n_b        # batch KV went first
     eng.blocks.release(got)
+
+
+def run_as(engine: Engine, rid: str, ids: list[int], tenant: str) -> Completion:
+    engine.add(rid, ids, greedy(8), tenant=tenant)
+    done = Completion(rid)
+    while done.finish_reason is None:
+        for out in engine.step():
+            done.add(out)
+    return done
+
+
+def test_tenants_share_no_cached_kv(bundled_model):
+    """A tenant's blocks (computed, loaded from the pool, imported) serve only that tenant; its
+    chunk events carry the keys the router computes for that tenant."""
+    engine = Engine(bundled_model, EngineConfig(num_kv_blocks=128))
+    seed, events = bytes(range(32)), []
+    engine.watch_chunks(seed, 32, lambda stored, evicted: events.extend(stored))
+    ids = engine.tokenizer.encode(" ".join(["The history of the printing press begins in the fifteenth century."] * 10))
+    a1 = run_as(engine, "a1", ids, "alice")
+    a2 = run_as(engine, "a2", ids, "alice")
+    assert a1.num_cached_tokens == 0 and a2.num_cached_tokens >= 64
+    assert engine.cached_prefix_tokens(ids, "alice") >= 64
+    assert engine.cached_prefix_tokens(ids, "bob") == engine.cached_prefix_tokens(ids) == 0
+    assert set(chunk_keys_from_seed(seed.hex(), 32, ids[:a2.num_cached_tokens], tenant="alice")) <= set(events)
+    assert not set(chunk_keys_from_seed(seed.hex(), 32, ids)) & set(events)   # the public tenant's keys
+    b = run_as(engine, "b", ids, "bob")
+    public = run_as(engine, "p", ids, "")
+    assert b.num_cached_tokens == public.num_cached_tokens == 0
+    assert b.token_ids == public.token_ids == a1.token_ids
+
+    n = len(ids) // 16 * 16   # alice's KV, as the pool would hand it over, loaded into a fresh engine
+    kv = engine.read_blocks(engine.blocks.match_prefix(ids, n, tenant_salt("alice")))
+    fresh = Engine(bundled_model, EngineConfig(num_kv_blocks=128))
+    assert fresh.load_prefix(ids[:n], kv, tenant="alice") == n
+    assert fresh.cached_prefix_tokens(ids, "alice") == n and fresh.cached_prefix_tokens(ids, "bob") == 0
+
+    fresh.add("x", ids, greedy(8), prefill_only=True, tenant="carol")   # a hand-off keeps the tenant
+    while "x" in fresh.seqs and fresh.seqs["x"].status.value != "parked":
+        fresh.step()
+    blob = fresh.export_kv("x")
+    decode = Engine(bundled_model, EngineConfig(num_kv_blocks=128))
+    decode.import_kv("x", blob)
+    assert decode.cached_prefix_tokens(ids, "carol") >= 64 and decode.cached_prefix_tokens(ids, "alice") == 0
 
 
 def test_export_import_continue_equals_uninterrupted(bundled_model):

@@ -54,7 +54,7 @@ def test_pool_prefix_gives_identical_greedy_output(bundled_model, prompt):
     cold = engine(bundled_model)
     captured = {}
     cold.finished_kv_align = CHUNK
-    cold.finished_kv_hook = lambda rid, toks, kv: captured.update(tokens=toks, kv=kv)
+    cold.finished_kv_hook = lambda rid, toks, kv, tenant: captured.update(tokens=toks, kv=kv)
     want = greedy(cold, prompt)
     assert len(captured["tokens"]) == 2 * CHUNK and captured["tokens"] == prompt[:2 * CHUNK]
     kv = pool_round_trip(cold, captured["tokens"], captured["kv"], Codec(LOSSLESS))

@@ -5,6 +5,7 @@ routing decisions are the subject here; tests/e2e/ run real workers)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -179,3 +180,33 @@ async def test_routes_avoid_workers_excluded_by_the_gateway(nats_url):
             assert (await bus.request(subjects.ROUTE, r, expected=RoutePlan)).decode_worker == "c2"
     finally:
         await stop(bus, routers)
+
+
+async def test_tenants_see_only_their_cached_prefixes_and_sessions(nats_url):
+    """The prefix index answers a request with its own tenant's keys only; a session is its
+    creator's in every router copy: another owner's update is not_found, its request runs without it."""
+    prompt = list(range(100, 100 + 3 * CHUNK))
+    bus, (a, b) = await start(nats_url, beat("c1", subjects.CPU_DECODE), beat("c2", subjects.CPU_DECODE),
+                              ids=("router-a", "router-b"))
+    try:
+        await bus.publish(subjects.kv_events("c2"), KVEvent(holder="c2", role=subjects.CPU_DECODE, epoch=1, seq=1,
+                                                             stored=chunk_keys_from_seed(SEED, CHUNK, prompt,
+                                                                                         tenant="t-alice")))
+        await until(lambda: a.cached(prompt, "t-alice")[0].get("c2") == 2 * CHUNK)
+        assert a.cached(prompt, "t-bob")[0] == {} and a.cached(prompt)[0] == {}
+        plan = await a.route(dataclasses.replace(req("r1", tokens=prompt), tenant="t-alice", owner="alice"))
+        assert (plan.decode_worker, plan.cached_tokens) == ("c2", 2 * CHUNK)
+        await a.route(dataclasses.replace(req("r2", session="s1"), owner="alice"))
+        await until(lambda: "s1" in b.sessions and b.sessions["s1"].owner == "alice")
+        with pytest.raises(RemoteError) as e:
+            await bus.request(subjects.ROUTER_SESSION, SessionUpdate(session_id="s1", tier="batch", owner="bob"),
+                              expected=SessionState)
+        assert e.value.code == "not_found"
+        state = await bus.request(subjects.ROUTER_SESSION, SessionUpdate(session_id="s1", tier="batch", owner="alice"),
+                                  expected=SessionState)
+        assert state.tier == "batch"
+        bobs = await b.route(dataclasses.replace(req("r3", "interactive", session="s1"), owner="bob"))
+        assert bobs.session_id is None and bobs.tier == "interactive"   # not in alice's session, nor at its tier
+        await until(lambda: b.sessions["s1"].tier == "batch")
+    finally:
+        await stop(bus, [a, b])

@@ -108,7 +108,7 @@ class FakeBackend:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    async def update_session(self, session_id: str, tier: str) -> dict:
+    async def update_session(self, session_id: str, tier: str, owner: str = "public") -> dict:
         self.sessions[session_id] = tier
         return {"id": session_id, "object": "session", "tier": tier, "worker": "w", "running": [], "moved": []}
 
@@ -617,11 +617,42 @@ async def test_api_keys_carry_default_tiers():
             assert r.status_code == 200 and r.headers["x-tandem-sla"] == tier
         r = await http.post("/v1/chat/completions", json={**body, "tier": "interactive"},
                             headers={"Authorization": "Bearer agent"})
-        assert r.headers["x-tandem-sla"] == "interactive"   # the request's own tier wins
+        assert r.headers["x-tandem-sla"] == "batch"   # the key's tier is a ceiling: never raised
+        r = await http.post("/v1/chat/completions", json=body,
+                            headers={"Authorization": "Bearer human", "X-Tandem-SLA": "batch"})
+        assert r.headers["x-tandem-sla"] == "batch"   # ... a request may lower it
+        r = await http.post("/v1/chat/completions", json={**body, "tier": "interactive"},
+                            headers={"Authorization": "Bearer main"})
+        assert r.headers["x-tandem-sla"] == "interactive"   # TANDEM_API_KEY has no ceiling
         r = await http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
         assert r.status_code == 401
     with pytest.raises(ValueError, match="TANDEM_API_KEYS"):
         GatewaySettings(api_keys="k=gold").validate()
+
+
+async def test_tenant_from_api_key_and_cache_salt():
+    backend = FakeBackend()
+    app = create_app(backend, GatewaySettings(api_keys="alice=standard,bob=standard"))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        for key, salt in (("alice", None), ("alice", None), ("bob", None), ("alice", "x"), ("alice", "y")):
+            r = await http.post("/v1/chat/completions", json={**body, **({"cache_salt": salt} if salt else {})},
+                                headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+        for bad in ("", "s" * 1025, 7):
+            r = await http.post("/v1/chat/completions", json={**body, "cache_salt": bad},
+                                headers={"Authorization": "Bearer alice"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    tenants = [g.tenant for g in backend.requests]
+    assert tenants[0] == tenants[1] and len(set(tenants)) == 4 and all(tenants)
+    owners = [g.owner for g in backend.requests]
+    assert owners[0] == owners[1] == owners[3] == owners[4] != owners[2] and "alice" not in owners[0]
+    backend.reset()   # without API keys: one public tenant, as before; a salt still splits it
+    app = create_app(backend, GatewaySettings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        for salt in (None, "x"):
+            await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **({"cache_salt": salt} if salt else {})})
+    assert [g.tenant for g in backend.requests][0] == "" and backend.requests[1].tenant
 
 
 async def test_session_tier_endpoint():
@@ -664,10 +695,12 @@ class _FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.max_context = 128
         self.calls: list = []
+        self.tenants: list[str] = []
         self.aborted: list[str] = []
 
-    async def generate(self, request_id, prompt_token_ids, params, priority=1):
+    async def generate(self, request_id, prompt_token_ids, params, priority=1, tenant=""):
         self.calls.append((request_id, prompt_token_ids, params, priority))
+        self.tenants.append(tenant)
         yield RequestOutput(request_id, [72], "H", finished=True, finish_reason="length",
                             num_prompt_tokens=len(prompt_token_ids), num_output_tokens=1)
 
@@ -685,6 +718,18 @@ async def test_in_process_backend_adapts_the_engine():
     assert engine.calls == [("cmpl-1", [1, 2], req.sampling, 0)]
     await b.abort("cmpl-1")
     assert engine.aborted == ["cmpl-1"]
+
+
+async def test_in_process_backend_binds_sessions_to_their_owner():
+    engine = _FakeEngine()
+    b = InProcessBackend(engine, MODEL)
+    assert (await b.update_session("s", "batch", "alice"))["tier"] == "batch"
+    with pytest.raises(BackendError) as e:
+        await b.update_session("s", "interactive", "bob")
+    assert (e.value.status, e.value.code) == (404, "not_found")
+    req = GenerationRequest("cmpl-1", MODEL, [1, 2], SamplingParams(max_tokens=1), "interactive", "s", "t-bob", "bob")
+    [o async for o in b.generate(req)]   # bob's request with alice's session id: not at her session's tier
+    assert engine.calls[-1][3] == 0 and engine.tenants == ["t-bob"]
 
 
 def test_in_process_backend_with_the_real_engine():

@@ -9,8 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from kvpool.codec import HEADER, LOSSLESS, LOSSY, ChunkShape, Codec, CorruptEntry, decode_entry, decode_entry_into, entry_info
-from kvpool.keys import KeyScope, check_key, chunk_keys
+from kvpool.codec import (HEADER, LOSSLESS, LOSSY, ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry,
+                          decode_entry_into, entry_info)
+from kvpool.keys import KeyScope, check_key, chunk_keys, chunk_keys_from_seed
 from kvpool.pool import KVPool, PoolConfig
 from kvpool.store import DirTier, MemoryTier
 
@@ -50,6 +51,14 @@ def test_keys_chain_the_whole_prefix():
                                    KeyScope("model-a", dict(LAYOUT, version=2), 16), KeyScope("model-a", LAYOUT, 32)])
 def test_scopes_never_share_keys(other):
     assert chunk_keys(other, list(range(64)))[0] != chunk_keys(SCOPE, list(range(64)))[0]
+
+
+def test_tenants_never_share_keys_and_the_public_tenant_keeps_the_scope():
+    ids = list(range(64))
+    public, alice, bob = (chunk_keys(SCOPE, ids, tenant=t) for t in ("", "alice", "bob"))
+    assert public == chunk_keys_from_seed(SCOPE.seed().hex(), 16, ids)   # no tenant: the keys as before
+    assert not set(alice) & set(bob) and not set(alice) & set(public)
+    assert alice == chunk_keys_from_seed(SCOPE.seed().hex(), 16, ids, tenant="alice")  # the router's keys
 
 
 def test_bad_scope_and_key_rejected():
@@ -106,6 +115,20 @@ def test_corrupt_entries_are_detected(damage):
         e[0:4] = b"XXXX"
     with pytest.raises(CorruptEntry):
         decode_entry(bytes(e), KEYS[1] if damage == "key" else KEYS[0])
+
+
+def test_mac_binds_entry_to_the_secret():
+    raw = kv_bytes()
+    signed = Codec(secret=b"deployment").encode(KEYS[0], raw)
+    assert decode_entry(signed, KEYS[0], b"deployment") == raw
+    for forged in (Codec().encode(KEYS[0], raw), Codec(secret=b"guess").encode(KEYS[0], raw)):
+        decode_entry(forged, KEYS[0])   # well-formed: the pool (no secret) accepts it ...
+        with pytest.raises(ForgedEntry):  # ... a worker does not load it
+            decode_entry(forged, KEYS[0], b"deployment")
+    moved = bytearray(signed)           # a signed entry replayed under another key
+    moved[HEADER.size - 96:HEADER.size - 64] = bytes.fromhex(KEYS[1])
+    with pytest.raises(ForgedEntry):
+        decode_entry(bytes(moved), KEYS[1], b"deployment")
 
 
 # -- tiers and the pool -------------------------------------------------------------------------
