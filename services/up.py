@@ -13,6 +13,12 @@ JetStream store. Each restart is one log line and ``tandem_restarts_total{servic
 supervisor's own /metrics (its address is in the start-up line).
 
 Topologies on one budget: ``TOPOLOGY_HELP`` below (also in ``tandem up --help``).
+
+OS priorities (``os_priorities``, docs/routing.md): without TANDEM_THREADS each engine role gets
+its threads from the core count (the interactive path leaves a core to the gateway, router and
+NATS), the engines a bounded OpenMP spin where their threads outnumber the cores, and every
+child stays in this process's session (autogroup scheduling shares the CPU equally between
+sessions, whatever the nice values); one log line at start says what was applied.
 """
 
 from __future__ import annotations
