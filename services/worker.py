@@ -202,7 +202,10 @@ class EngineWorker:
                 try:
                     await self.bus.request(subjects.gateway_alive(origin), Ack(worker=self.worker_id), timeout=interval)
                 except BusError as e:
-                    if e.code != "unavailable":  # a timeout: busy or a network blip, not proof
+                    # a timeout: busy or a network blip, not proof; no responders within two
+                    # intervals of a reconnect: the gateway may still be resubscribing after the
+                    # same outage (a restarted NATS), not proof either
+                    if e.code != "unavailable" or self.bus.connected_for() < 2 * interval:
                         continue
                     gone = [rid for rid, h in self.held.items() if h.origin == origin]
                     log.warning("gateway %s is gone: aborting its %d request(s)", origin, len(gone))
