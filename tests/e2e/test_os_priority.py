@@ -10,7 +10,7 @@ import os
 import httpx
 import pytest
 
-from shared.os_priority import LANE_NAME, thread_priorities
+from shared.os_priority import BOUNDED_SPIN, LANE_NAME, thread_priorities
 from tests.e2e.test_stack import running_stack
 
 ARGS = ["--prefill", "0", "--gpu-decode", "1", "--cpu-decode", "1", "--kvpool", "0"]
@@ -32,6 +32,11 @@ def children(pid: int) -> dict[str, int]:
     return out
 
 
+def environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(kv.decode().partition("=")[::2] for kv in f.read().split(b"\0") if kv)
+
+
 def chat(url: str, tier: str) -> None:
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     r = httpx.post(url + "/v1/chat/completions", timeout=120, headers={"X-Tandem-SLA": tier},
@@ -48,6 +53,7 @@ def test_batch_steps_run_low_on_a_real_worker(nats_server, enabled):
         chat(s.url, "interactive")    # gpu-decode: normal priority
         pids = children(s.proc.pid)
         threads = {svc: thread_priorities(pid) for svc, pid in pids.items()}
+        spin = {svc: environ(pids[svc]).get("GOMP_SPINCOUNT") for svc in ("cpu-decode", "gpu-decode")}
         log = s.tail(400)
     base = os.getpriority(os.PRIO_PROCESS, 0)
     assert set(threads) >= {"cpu-decode", "gpu-decode", "router", "gateway"}, pids
@@ -55,6 +61,8 @@ def test_batch_steps_run_low_on_a_real_worker(nats_server, enabled):
     normal = {svc: {st[1:] for st in ts.values() if st[0] != LANE_NAME} for svc, ts in threads.items()}
     assert all(v == {(base, os.SCHED_OTHER)} for v in normal.values()), normal
     assert "OS priorities on" in log and "gateway, router, NATS at normal priority" in log
+    cores = len(os.sched_getaffinity(0))     # 2 engines x 2 threads: a bounded spin where that outnumbers the cores
+    assert spin == dict.fromkeys(spin, str(BOUNDED_SPIN) if 4 > cores else None), spin
     if enabled:
         assert len(lane) >= 2, threads["cpu-decode"]   # the lane and its kernel team (2 threads)
         assert set(lane.values()) == {(LANE_NAME, max(19, base), os.SCHED_BATCH)}
