@@ -163,7 +163,7 @@ class PrioritySettings:
                          "already set wins")
     role_threads: bool = _env("TANDEM_ROLE_THREADS", True, "`tandem up` without TANDEM_THREADS: engines "
                               "serving interactive work (gpu-decode, prefill) get cores - 1 threads, cpu-decode "
-                              "every core; off: every engine torch's default (every core)")
+                              "half the cores (at least 1 each); off: every engine torch's default (every core)")
 
     def validate(self) -> None:
         from shared.os_priority import SCHED_POLICIES
