@@ -40,7 +40,6 @@ SCHED_POLICIES = {"other": getattr(os, "SCHED_OTHER", 0), "batch": getattr(os, "
 BOUNDED_SPIN = 10_000       # GOMP_SPINCOUNT where the engines' threads outnumber the cores
 LANE_NAME = "tandem-batch"  # the OS name (comm) of the batch lane and of its kernel team's threads
 INTERACTIVE_ROLES = ("gpu-decode", "prefill")   # engines that serve interactive work (docs/routing.md)
-ENGINE_ROLES = ("prefill", "gpu-decode", "cpu-decode")
 
 T = TypeVar("T")
 
@@ -84,9 +83,9 @@ def _refuse(knob: str, err: OSError) -> str:
 
 def apply_to_this_thread(nice: int, sched: str, name: str | None = None,
                          setpriority: Callable = None, setscheduler: Callable = None) -> list[str]:
-    """Lower the calling thread's priority: ``sched`` (``other``, ``batch`` or ``idle``), then
-    nice ``nice`` (relative to the process's; never raised). Returns the knobs refused (each
-    logged once). ``name``: the thread's OS name, inherited by threads it starts (the kernels'
+    """Lower the calling thread's priority (Linux): ``sched`` (``other``, ``batch`` or ``idle``),
+    then nice ``nice`` (a thread already nicer keeps its own: never raised). Returns the knobs
+    refused (each logged once). ``name``: the thread's OS name, inherited by threads it starts (the kernels'
     team), so ``/proc/<pid>/task/*/comm`` shows them."""
     setpriority = setpriority or os.setpriority
     setscheduler = setscheduler or os.sched_setscheduler
@@ -98,9 +97,8 @@ def apply_to_this_thread(nice: int, sched: str, name: str | None = None,
     if policy != SCHED_POLICIES["other"]:
         try:
             setscheduler(tid, policy, os.sched_param(0))
-        except (OSError, AttributeError) as e:
-            refused.append(_refuse(f"scheduling policy SCHED_{sched.upper()}",
-                                   e if isinstance(e, OSError) else OSError(0, str(e))))
+        except OSError as e:
+            refused.append(_refuse(f"scheduling policy SCHED_{sched.upper()}", e))
     current = os.getpriority(os.PRIO_PROCESS, tid)
     if nice > current:
         try:
