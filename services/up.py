@@ -13,6 +13,12 @@ JetStream store. Each restart is one log line and ``tandem_restarts_total{servic
 supervisor's own /metrics (its address is in the start-up line).
 
 Topologies on one budget: ``TOPOLOGY_HELP`` below (also in ``tandem up --help``).
+
+OS priorities (``os_priorities``, docs/routing.md): without TANDEM_THREADS each engine role gets
+its threads from the core count (the interactive path leaves a core to the gateway, router and
+NATS), the engines a bounded OpenMP spin where their threads outnumber the cores, and every
+child stays in this process's session (autogroup scheduling shares the CPU equally between
+sessions, whatever the nice values); one log line at start says what was applied.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 
 from shared import metrics
 from shared.nats_server import EmbeddedNats
+from shared.os_priority import describe, engine_threads, omp_env
 from shared.settings import Settings
 
 log = logging.getLogger("tandem.up")
@@ -105,6 +112,34 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
     return out + [("gateway", "gateway")]
 
 
+def os_priorities(args: argparse.Namespace, env: dict[str, str]) -> tuple[dict[str, dict[str, str]], str]:
+    """What ``tandem up`` applies for the OS priorities (shared/os_priority.py): the environment
+    each engine role gets on top of ``env`` (its threads when TANDEM_THREADS is unset, the
+    OpenMP spin), and the start-up line saying so. The engines start their batch lanes
+    themselves (TANDEM_OS_PRIORITY); every child stays in this process's session, as an autogroup
+    (Linux's sched_autogroup) shares the CPU equally between sessions whatever the nice values."""
+    p = Settings.from_env(env).priority
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    counts = {"prefill": args.prefill, "gpu-decode": args.gpu_decode, "cpu-decode": args.cpu_decode}
+    given = int(env.get("TANDEM_THREADS") or 0)
+    if given:
+        threads, how = dict.fromkeys(counts, given), "TANDEM_THREADS"
+    elif p.role_threads:
+        threads, how = {role: engine_threads(role, cores) for role in counts}, "per role"
+    else:
+        threads, how = dict.fromkeys(counts, cores), "torch's default"
+    total = sum(threads[role] * n for role, n in counts.items())
+    omp, spin = omp_env(p.omp_spin, total, cores, env)
+    extra = {role: dict(omp, **({"TANDEM_THREADS": str(threads[role])} if how == "per role" else {}))
+             for role in counts}
+    lane = (f"batch-only steps at {describe(p.batch_nice, p.batch_sched)}" if p.enabled
+            else "every step at normal priority (TANDEM_OS_PRIORITY off)")
+    line = (f"OS priorities on {cores} core(s): engine threads ({how}) "
+            + ", ".join(f"{role} {threads[role]}" for role, n in counts.items() if n)
+            + f" ({total} in all); OpenMP wait: {spin}; {lane}; gateway, router, NATS at normal priority")
+    return extra, line
+
+
 async def _pump(name: str, stream: asyncio.StreamReader) -> None:
     width = 12
     while line := await stream.readline():
@@ -137,8 +172,8 @@ class Child:
         self.starts += 1
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.cli", "serve", self.service, env=dict(self.env, TANDEM_WORKER_ID=wid),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent)
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            process_group=0, preexec_fn=_die_with_parent)
         self.pump = asyncio.create_task(_pump(self.name, self.proc.stdout))
 
     async def supervise(self, stop: asyncio.Event) -> None:
@@ -263,7 +298,9 @@ async def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     port = metrics.serve_http(0, "127.0.0.1")
-    children = [Child(name, service, env) for name, service in plan(args)]
+    extra, priorities = os_priorities(args, env)
+    log.info("%s", priorities)
+    children = [Child(name, service, dict(env, **extra.get(service, {}))) for name, service in plan(args)]
     tasks = []
     try:
         for c in children:

@@ -26,6 +26,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineConfig, EngineFull
 from shared.engine.sampling import RequestOutput, SamplingParams
 from shared.kv_connector import KVConnector
+from shared.os_priority import BatchLane
 from shared.tier import Tier
 from shared.schemas import Abort, Ack, ErrorReply, Heartbeat, StreamChunk, Where, WhereReply
 from shared.settings import Settings
@@ -49,6 +50,19 @@ def engine_config(settings: Settings, device: str, role: str = "") -> EngineConf
                         guest_step_tokens=(w.guest_step_tokens or (16 if cpu else None))
                         if role == subjects.GPU_DECODE else None, max_waiting=w.max_waiting,
                         weight_cache_dir=w.weight_cache_dir, load_threads=w.load_threads or None)
+
+
+def batch_lane(settings: Settings, device) -> BatchLane | None:
+    """The low-priority thread batch-only steps run on (TANDEM_OS_PRIORITY); None when off, or on
+    CUDA (a GPU step's CPU side is a launch queue: nothing to yield). Logged once at start."""
+    p = settings.priority
+    if not p.enabled or device.type != "cpu":
+        log.info("OS priority: every engine step at normal priority (%s)",
+                 "TANDEM_OS_PRIORITY off" if not p.enabled else f"engine on {device}")
+        return None
+    lane = BatchLane(p.batch_nice, p.batch_sched)
+    log.info("OS priority: %s; other steps at normal priority", lane.describe())
+    return lane
 
 
 def sampling_from(d: dict) -> SamplingParams:
@@ -90,7 +104,8 @@ class EngineWorker:
     def __init__(self, settings: Settings, device: str):
         self.settings = settings
         self.worker_id = settings.worker.resolved_worker_id(self.role)
-        self.engine = AsyncEngine(Engine.from_path(settings.worker.model, engine_config(settings, device, self.role)))
+        engine = Engine.from_path(settings.worker.model, engine_config(settings, device, self.role))
+        self.engine = AsyncEngine(engine, batch_lane(settings, engine.device))
         self.model_name = self.engine.model_name
         self.device = self.engine.device
         self.bus: Bus | None = None
@@ -187,7 +202,10 @@ class EngineWorker:
                 try:
                     await self.bus.request(subjects.gateway_alive(origin), Ack(worker=self.worker_id), timeout=interval)
                 except BusError as e:
-                    if e.code != "unavailable":  # a timeout: busy or a network blip, not proof
+                    # a timeout: busy or a network blip, not proof; no responders within two
+                    # intervals of a reconnect: the gateway may still be resubscribing after the
+                    # same outage (a restarted NATS), not proof either
+                    if e.code != "unavailable" or self.bus.connected_for() < 2 * interval:
                         continue
                     gone = [rid for rid, h in self.held.items() if h.origin == origin]
                     log.warning("gateway %s is gone: aborting its %d request(s)", origin, len(gone))

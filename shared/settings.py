@@ -147,6 +147,36 @@ class WorkerSettings:
 
 
 @dataclass
+class PrioritySettings:
+    """OS priorities: the kernel's scheduler enforces the tiers too (shared/os_priority.py)."""
+    enabled: bool = _env("TANDEM_OS_PRIORITY", True, "an engine step whose sequences are all batch-tier runs on "
+                         "a thread of its own (and its kernel thread team) at TANDEM_BATCH_NICE / "
+                         "TANDEM_BATCH_SCHED; interactive and standard steps, the gateway, router and NATS stay "
+                         "at normal priority. No privilege needed")
+    batch_nice: int = _env("TANDEM_BATCH_NICE", 19, "nice value of batch-only engine steps (0..19)")
+    batch_sched: str = _env("TANDEM_BATCH_SCHED", "batch", "scheduling policy of batch-only engine steps: "
+                            "batch (SCHED_BATCH), idle (SCHED_IDLE: runs only on otherwise idle cores) or other")
+    omp_spin: str = _env("TANDEM_OMP_SPIN", "auto", "how long the kernels' OpenMP threads spin at a barrier "
+                         "before sleeping (`tandem up` sets GOMP_SPINCOUNT for the engines): auto = 10000 "
+                         "where engine threads outnumber the cores, else libgomp's default; off = libgomp's "
+                         "default (300000); a number = that count. A GOMP_SPINCOUNT / OMP_WAIT_POLICY "
+                         "already set wins")
+    role_threads: bool = _env("TANDEM_ROLE_THREADS", True, "`tandem up` without TANDEM_THREADS: engines "
+                              "serving interactive work (gpu-decode, prefill) get cores - 1 threads, cpu-decode "
+                              "half the cores (at least 1 each); off: every engine torch's default (every core)")
+
+    def validate(self) -> None:
+        from shared.os_priority import SCHED_POLICIES
+        if not 0 <= self.batch_nice <= 19:
+            raise ValueError(f"TANDEM_BATCH_NICE must be in 0..19, got {self.batch_nice}")
+        if self.batch_sched not in SCHED_POLICIES:
+            raise ValueError(f"TANDEM_BATCH_SCHED must be one of {', '.join(SCHED_POLICIES)}, "
+                             f"got {self.batch_sched!r}")
+        if self.omp_spin not in ("auto", "off") and not (self.omp_spin.isdigit()):
+            raise ValueError(f"TANDEM_OMP_SPIN must be auto, off or a count >= 0, got {self.omp_spin!r}")
+
+
+@dataclass
 class RouterSettings:
     """The router: placement policy, admission control, session moves."""
     policy: str = _env("TANDEM_ROUTER_POLICY", "sla", "placement: sla (tiers: pool, priority, cache, "
@@ -370,6 +400,7 @@ class Settings:
     """Everything, one section per concern."""
     nats: NatsSettings = field(default_factory=NatsSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    priority: PrioritySettings = field(default_factory=PrioritySettings)
     router: RouterSettings = field(default_factory=RouterSettings)
     data: DataPlaneSettings = field(default_factory=DataPlaneSettings)
     pool: PoolSettings = field(default_factory=PoolSettings)

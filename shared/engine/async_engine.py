@@ -7,6 +7,9 @@ A step's outputs reach each event loop with one wake-up (``_deliver_step``); a c
 fell behind gets the outputs waiting for it merged into one (``_drain``).
 A migration (``export_for_move`` then ``end_move``) parks a decoding request between two steps;
 its stream ends with a "migrated" output, after every output produced before.
+With a ``batch_lane`` (shared/os_priority.py), a step whose sequences are all batch-tier runs on
+that lane's low-priority thread instead (the engine thread waits for it), so the OS schedules it
+below every other step.
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ from typing import Any
 
 from shared.engine.engine import Engine
 from shared.engine.sampling import RequestOutput, SamplingParams, merge_outputs
+from shared.tier import Tier
+
+BATCH_PRIORITY = Tier.BATCH.priority
 
 log = logging.getLogger("tandem.engine")
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, batch_lane=None):
         self.engine = engine
+        self.batch_lane = batch_lane   # runs batch-only steps at the batch priority (None: every step here)
         self.tokenizer = engine.tokenizer
         self.max_context = engine.max_context
         self.model_identity = engine.model_identity   # what the KV belongs to (pool keys, blobs)
@@ -67,7 +74,7 @@ class AsyncEngine:
                 continue
             self.step_started = time.monotonic()
             try:
-                outputs = self.engine.step()
+                outputs = self._step()
             except Exception as e:  # a failed step fails the requests in it, not the service
                 log.exception("engine step failed")
                 for rid in list(self._streams):
@@ -78,6 +85,11 @@ class AsyncEngine:
                 self.step_started = None
             self._stats = self.engine.stats()
             self._deliver_step(outputs)
+
+    def _step(self) -> list[RequestOutput]:
+        if self.batch_lane is not None and self.engine.best_priority() == BATCH_PRIORITY:
+            return self.batch_lane.run(self.engine.step)
+        return self.engine.step()
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         entry = self._streams.get(rid)
@@ -253,6 +265,8 @@ class AsyncEngine:
         self._closed = True
         self._commands.put((lambda: None, None, None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5)
+        if self.batch_lane is not None:
+            self.batch_lane.close()
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -218,6 +218,10 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
+    def best_priority(self) -> int | None:
+        """The best (lowest) priority among the sequences the next step may run; None: none."""
+        return min((s.priority for s in (*self.scheduler.running, *self.scheduler.waiting)), default=None)
+
     def stats(self) -> dict:
         by_priority: dict[int, int] = {}
         for seq in self.scheduler.waiting:

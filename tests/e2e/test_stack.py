@@ -28,8 +28,8 @@ def start_stack(nats_url: str | None, extra_args=(), env: dict | None = None) ->
     """`tandem up` as a user runs it; NATS at ``nats_url``, or embedded when None; ``env``: more
     variables for every service."""
     port = free_port()
-    env = dict(os.environ, TANDEM_PORT=str(port), TANDEM_THREADS="1", TANDEM_KV_BUDGET_MB="64",
-               TANDEM_HEARTBEAT_INTERVAL="0.5", PYTHONUNBUFFERED="1", **(env or {}))
+    env = {**os.environ, "TANDEM_PORT": str(port), "TANDEM_THREADS": "1", "TANDEM_KV_BUDGET_MB": "64",
+           "TANDEM_HEARTBEAT_INTERVAL": "0.5", "PYTHONUNBUFFERED": "1", **(env or {})}
     env.pop("TANDEM_NATS_URL", None)
     if nats_url:
         env["TANDEM_NATS_URL"] = nats_url

@@ -81,7 +81,7 @@ def test_interactive_is_served_during_a_batch_flood(stack, model):
     interactive request that arrives then gets its first token while every batch request is
     still decoding — it does not wait for the flood to drain — and the batch work finishes whole.
     Event order, not a wall-clock threshold: a loaded machine slows both sides alike."""
-    batch_tokens = 48
+    batch_tokens = 128   # long enough that no batch request ends before the others have started, on a busy machine too
 
     async def go():
         ac = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=600)

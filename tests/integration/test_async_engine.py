@@ -4,12 +4,16 @@ outputs merged (one message for them), in order, with nothing lost and nothing h
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 
 import pytest
 
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import RequestOutput, SamplingParams
+from shared.os_priority import LANE_NAME, BatchLane, thread_priorities
+from shared.tier import Tier
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +65,41 @@ async def test_drain_never_merges_into_a_migration_or_past_an_error(engine):
         assert seen == [[1, 2]]
     finally:
         await ae.close()
+
+
+async def test_batch_only_steps_run_on_the_batch_lane_with_its_kernel_team(bundled_model):
+    """A step of batch sequences only runs on the lane's thread, and the kernels' OpenMP team
+    that thread starts runs at its priority; a step with interactive work runs on the engine
+    thread at normal priority — with the same greedy tokens either way."""
+    engine = Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=2))
+    ids = engine.tokenizer.encode("The lighthouse keeper wrote in his log that")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = run_to_completion(engine, {"ref": (ids, params)})["ref"]
+    steps: list[tuple[int | None, int]] = []   # (best priority, thread) of every step
+    step = engine.step
+    engine.step = lambda: (steps.append((engine.best_priority(), threading.get_native_id())), step())[1]
+    lane = BatchLane(19, "batch")
+    ae = AsyncEngine(engine, lane)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        batch = [o async for o in ae.generate("b", ids, params, priority=Tier.BATCH.priority)]
+        lane_threads = {tid: st for tid, st in thread_priorities().items() if st[0] == LANE_NAME}
+        alone = list(steps)
+        steps.clear()
+        mixed = await asyncio.gather(*(collect(ae, rid, ids, params, Tier.parse(rid).priority)
+                                       for rid in ("batch", "interactive")))
+        engine_thread = ae._thread.native_id
+        engine_stat = thread_priorities()[engine_thread]
+    finally:
+        await ae.close()
+    assert [t for o in batch for t in o.token_ids] == ref.token_ids
+    assert all([t for o in outs for t in o.token_ids] == ref.token_ids for outs in mixed)
+    assert {tid for _, tid in alone} == {lane.native_id}
+    assert len(lane_threads) >= 2, lane_threads        # the lane and its kernel team's thread(s)
+    assert set(lane_threads.values()) == {(LANE_NAME, max(19, base), os.SCHED_BATCH)}
+    assert {tid for prio, tid in steps if prio == Tier.INTERACTIVE.priority} == {engine_thread}
+    assert engine_stat[1:] == (base, os.SCHED_OTHER)
+
+
+async def collect(ae: AsyncEngine, rid: str, ids, params, priority: int) -> list[RequestOutput]:
+    return [o async for o in ae.generate(rid, ids, params, priority=priority)]

@@ -106,3 +106,27 @@ def test_tiers_counts_batch_tokens_streamed_within_the_mixed_window():
     two_per_chunk = RequestResult(ok=True, tokens=4, ttft=1.0, itl=[1.0], start=0.0)
     assert tokens_by(two_per_chunk, 1.5) == 2
     assert tokens_by(RequestResult(ok=False, error="x"), 99.0) == 0
+
+
+def test_tiers_compares_interactive_ttft_idle_and_under_flood():
+    from bench.loadgen import RequestResult
+    from bench.tiers import summarize, table, verdicts
+
+    def load(idle_ttfts, flood_ttfts, batch_tokens):
+        res = lambda t: RequestResult(ok=True, tokens=2, ttft=t, tpot=0.02, itl=[0.02])  # noqa: E731
+        return {"idle": [res(t) for t in idle_ttfts], "interactive": [res(t) for t in flood_ttfts],
+                "batch": [RequestResult(ok=True, tokens=batch_tokens, ttft=0.1, itl=[0.0] * (batch_tokens - 1))],
+                "mixed": 10.0, "window": 10.0}
+    idle = [0.040 + 0.001 * i for i in range(11)]                     # p90 0.049, p99 ~0.0499
+    by = {"fifo": summarize("fifo", load(idle, [0.5] * 11, 100)),
+          "sla-os-off": summarize("sla-os-off", load(idle, [0.2] * 11, 100)),
+          "sla": summarize("sla", load(idle, [0.06] * 10 + [0.14], 95))}
+    assert by["sla"]["idle_ttft_p90_ms"] == pytest.approx(49.0)
+    assert by["sla"]["flood_over_idle_p90"] == pytest.approx(by["sla"]["interactive_ttft_p90_ms"] / 49.0)
+    lines = verdicts(by)
+    assert lines[0].startswith("sla-os-off:") and "p90 4.08x (target <= 2: NOT met)" in lines[0]
+    assert "p90 1.22x (target <= 2: met)" in lines[1] and "p99 2.65x (target <= 3: met)" in lines[1]
+    assert "95 % of FIFO's (target >= 90 %: met)" not in lines[2] and "batch throughput 95% of FIFO's" in lines[2]
+    assert "95% of what it was without any OS priority knob (target >= 90 %: met)" in lines[3]
+    rows = table(list(by.values())).splitlines()
+    assert rows[0] == "| metric | fifo | sla-os-off | sla |" and len(rows) == 2 + 18
