@@ -15,8 +15,8 @@
    (a fresh llama.cpp process per round); each side reports its best tok/s, and the ratio
    judged against the issue's targets is the median over the rounds of Tandem's figure over the
    llama.cpp round right after it — this shared machine drifts by ±15 % within minutes.
-   ``--long`` adds long contexts: prefill of 2,048 and 8,192-token prompts (``--long-pp``, both
-   sides in 512-token steps) and decode of one sequence at an 8,192-token context
+   ``--long`` adds long contexts: prefill of 2,048 and 8,000-token prompts (``--long-pp``, both
+   sides in 512-token steps) and decode of one sequence at an 8,000-token context
    (``--ctx-tg``; the prompt untimed).
 """
 
@@ -284,8 +284,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-seqs-llama", type=int, default=8, help="llama.cpp sequences, batched decode")
     p.add_argument("--long", action=argparse.BooleanOptionalAction, default=False,
                    help="add long contexts: prefill of --long-pp prompts, decode at a --ctx-tg context")
-    p.add_argument("--long-pp", type=int, nargs="+", default=[2048, 8192], help="long prompt lengths (--long)")
-    p.add_argument("--ctx-tg", type=int, default=8192, help="context of the long-context decode figure (--long)")
+    p.add_argument("--long-pp", type=int, nargs="+", default=[2048, 8000], help="long prompt lengths (--long; the bundled model holds 8,192 positions)")
+    p.add_argument("--ctx-tg", type=int, default=8000, help="context of the long-context decode figure (--long)")
     p.add_argument("--ctx-gen", type=int, default=64, help="decode tokens timed at that context (--long)")
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 512], help="activation rows per call")
     p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per case and path")
