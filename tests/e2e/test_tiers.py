@@ -55,7 +55,11 @@ def stream_text(client, model, tier, session=None, on_chunk=None, max_tokens=48)
 
 
 def test_session_promoted_and_demoted_mid_stream(stack, client, model):
-    want, want_n = stream_text(client, model, "standard")
+    """A session's tier changed at its stream's 2nd content chunk moves the running request
+    (batch → interactive: cpu-decode → gpu-decode, and back) with the same greedy text. 128
+    tokens: a batch stream's chunks carry several tokens (coalescing), so a short request could
+    end on the worker before the client has read a few chunks and asked for the move."""
+    want, want_n = stream_text(client, model, "standard", max_tokens=128)
     moves = []
 
     def set_tier(session: str, tier: str, at: int):
@@ -66,8 +70,9 @@ def test_session_promoted_and_demoted_mid_stream(stack, client, model):
                 moves.append(r.json())
         return on_chunk
 
-    up, up_n = stream_text(client, model, "batch", "agent-up", set_tier("agent-up", "interactive", 6))
-    down, down_n = stream_text(client, model, "interactive", "agent-down", set_tier("agent-down", "batch", 6))
+    up, up_n = stream_text(client, model, "batch", "agent-up", set_tier("agent-up", "interactive", 2), max_tokens=128)
+    down, down_n = stream_text(client, model, "interactive", "agent-down", set_tier("agent-down", "batch", 2),
+                               max_tokens=128)
     assert (up, up_n) == (want, want_n) == (down, down_n)   # no gap, no repeat, same greedy tokens
     assert [len(m["moved"]) for m in moves] == [1, 1], moves
     promoted, demoted = moves[0]["moved"][0], moves[1]["moved"][0]
