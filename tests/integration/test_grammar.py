@@ -28,6 +28,19 @@ def engines(bundled_model):
     return Engine(bundled_model, cfg), Engine(bundled_model, cfg)
 
 
+@pytest.fixture
+def masks(monkeypatch) -> list[bool]:
+    """One entry per ``Matcher.mask`` call, True where it computed a mask (not the cached one)."""
+    calls: list[bool] = []
+    mask = grammar.Matcher.mask
+
+    def counted(self):
+        calls.append(self.bits is None)
+        return mask(self)
+    monkeypatch.setattr(grammar.Matcher, "mask", counted)
+    return calls
+
+
 def prompt(engine, text: str) -> list[int]:
     return engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}]),
                                    add_special_tokens=False)
@@ -136,20 +149,13 @@ def test_a_mask_bias_bans_exactly_the_disallowed_tokens():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_forced_tokens_are_fast_forwarded_with_the_same_output(engines, temperature, monkeypatch):
+def test_forced_tokens_are_fast_forwarded_with_the_same_output(engines, temperature, masks):
     """Tokens the grammar forces (the schema's keys, quotes) are appended without a decode step
     each; logprobs turn that off (a forced token's logprob needs its logits) and mask every row:
     same tokens, more steps. Greedy without logprobs computes a mask only where its best token is
     banned or the next byte is forced: fewer masks."""
     e, _ = engines
     ids = prompt(e, "What is the weather in Paris for the next 3 days? Answer in JSON.")
-    masks = []
-    mask = grammar.Matcher.mask
-
-    def counted(self):
-        masks.append(self.bits is None)
-        return mask(self)
-    monkeypatch.setattr(grammar.Matcher, "mask", counted)
 
     def run(logprobs: bool):
         masks.clear()
@@ -171,7 +177,7 @@ def test_forced_tokens_are_fast_forwarded_with_the_same_output(engines, temperat
     assert fast_steps < slow_steps and max(len(o.token_ids) for o in outs) > 1, (fast_steps, slow_steps)
 
 
-def test_greedy_free_text_under_a_grammar_needs_almost_no_masks(engines, monkeypatch):
+def test_greedy_free_text_under_a_grammar_needs_almost_no_masks(engines, masks):
     """Inside a free JSON string the greedy pick is allowed and no byte is forced: no mask is
     computed for those tokens (a mask costs 3-80 us, the check ~2 us), and the output equals the
     fully masked decode (logprobs mask every row)."""
@@ -179,13 +185,6 @@ def test_greedy_free_text_under_a_grammar_needs_almost_no_masks(engines, monkeyp
     ids = prompt(e, "Tell me a long story about a dragon. Answer in JSON.")
     guide = {"kind": "json_schema", "value": {"type": "object", "properties": {"story": {"type": "string", "minLength": 200}},
                                               "required": ["story"]}}
-    masks = []
-    mask = grammar.Matcher.mask
-
-    def counted(self):
-        masks.append(self.bits is None)
-        return mask(self)
-    monkeypatch.setattr(grammar.Matcher, "mask", counted)
     lazy = run_to_completion(e, {"r": (ids, SamplingParams(max_tokens=48, temperature=0, guide=guide))})["r"]
     lazy_masks = sum(masks)
     full = run_to_completion(e, {"r": (ids, SamplingParams(max_tokens=48, temperature=0, guide=guide,
