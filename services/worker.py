@@ -299,7 +299,8 @@ class EngineWorker:
                     self._observe(timing, first_at, emitted, "aborted" if out.finish_reason == "abort" else "ok")
                 elif coalesce:  # the outputs of the steps meanwhile come merged (AsyncEngine._drain)
                     await asyncio.sleep(coalesce)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # aborted (client gone, a fence) or the worker stopping
+            self._observe(timing, first_at, emitted, "aborted")
             raise
         except Exception as e:  # the client hears about it, the worker goes on
             self._observe(timing, first_at, emitted, "error")
