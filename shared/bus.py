@@ -100,6 +100,9 @@ def ssl_context(s: NatsSettings) -> ssl.SSLContext | None:
     return ctx
 
 
+_END = object()  # Subscription._read: the subscription ended
+
+
 class Subscription:
     """Decoded messages of one subject, in arrival order; an async iterator and context manager."""
 
@@ -119,7 +122,10 @@ class Subscription:
 
     async def _read(self) -> Any:
         while True:
-            msg = await self._it.__anext__()  # StopAsyncIteration when unsubscribed
+            try:
+                msg = await self._it.__anext__()
+            except StopAsyncIteration:  # unsubscribed, or the connection closed: the end, not an error
+                return _END
             try:
                 return schemas.decode(msg.data, self._expected)
             except SchemaError as e:
@@ -137,11 +143,17 @@ class Subscription:
         chunk lost once in thousands under load, the gateway then resumed a healthy request.)"""
         if self._next is None:
             self._next = asyncio.ensure_future(self._read())
+            # a read left pending by a timeout may fail with nobody waiting: mark its error seen
+            # (the next call still raises it) so asyncio does not log it at shutdown
+            self._next.add_done_callback(lambda f: f.cancelled() or f.exception())
         done, _ = await asyncio.wait({self._next}, timeout=timeout)
         if not done:
             raise BusError("timeout", f"no message on {self.subject} within {timeout}s")
         fut, self._next = self._next, None
-        return fut.result()
+        msg = fut.result()
+        if msg is _END:
+            raise StopAsyncIteration
+        return msg
 
     async def unsubscribe(self) -> None:
         if self._next is not None and not self._next.done():
