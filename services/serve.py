@@ -69,7 +69,7 @@ async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
     if settings.worker.max_context:
         ctx = min(ctx, settings.worker.max_context)
     gateway_id = settings.worker.resolved_worker_id("gateway")
-    bus = await Bus.connect(settings, name=gateway_id)
+    bus = await Bus.connect(settings, name=gateway_id, role=subjects.GATEWAY)
     backend = NatsBackend(bus, name, ctx, tokenizer, gw, gateway_id)
     await backend.start()
     try:

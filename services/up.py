@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 
-from shared import metrics
+from shared import bus_auth, metrics
 from shared.nats_server import EmbeddedNats
 from shared.os_priority import describe, engine_threads, omp_env
 from shared.settings import Settings
@@ -260,28 +260,33 @@ async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
 def pool_key_file(path: str) -> None:
     """Create the pool secret file (a random key, mode 0600) unless it exists; every child reads it
     (TANDEM_POOL_KEY_FILE), so pool entries carry a MAC only this deployment can make."""
-    path = os.path.expanduser(path)
-    if os.path.exists(path):
-        return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    try:
-        os.link(tmp, path)    # atomic, and never over a key another `tandem up` made meanwhile
+    if not os.path.exists(os.path.expanduser(path)) and bus_auth.write_private(path, lambda: secrets.token_hex(32)):
         log.info("pool secret created in %s", path)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tmp)
+
+
+def embedded_nats(env: dict[str, str]) -> EmbeddedNats:
+    """The embedded nats-server: it accepts only the role users of TANDEM_NATS_CREDS_FILE (created
+    when missing), each with its role's permissions (shared/bus_auth.py); every child logs in
+    with its role's entry. TANDEM_NATS_CREDS_FILE empty: no authentication, loudly."""
+    s = Settings.from_env(env).nats
+    if s.user is not None or s.token is not None:
+        raise ValueError("TANDEM_NATS_USER / TANDEM_NATS_TOKEN are credentials of an external NATS server "
+                         "(set TANDEM_NATS_URL too); the embedded one uses TANDEM_NATS_CREDS_FILE")
+    config = None
+    if s.creds_file:
+        config = bus_auth.server_config(bus_auth.ensure_creds(s.creds_file))
+        log.info("embedded NATS accepts only the role credentials in %s", s.creds_file)
+    else:
+        log.warning("!!! TANDEM_NATS_CREDS_FILE is empty: the embedded NATS server has NO AUTHENTICATION; "
+                    "anyone who reaches its port reads every prompt and can inject tokens")
+    return EmbeddedNats(store_dir=s.store_dir, config=config)
 
 
 async def _up(args: argparse.Namespace) -> int:
     env = dict(os.environ, **topology(args))
     nats = None
     if not env.get("TANDEM_NATS_URL"):
-        nats = EmbeddedNats(store_dir=Settings.from_env(env).nats.store_dir)
+        nats = embedded_nats(env)
         env["TANDEM_NATS_URL"] = await asyncio.to_thread(nats.start)
         log.info("embedded NATS (JetStream) at %s", env["TANDEM_NATS_URL"])
     if args.port:
@@ -334,4 +339,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
-    return asyncio.run(_up(args))
+    try:
+        return asyncio.run(_up(args))
+    except ValueError as e:  # bad settings (each checked before anything starts)
+        log.error("%s", e)
+        return 2
