@@ -15,7 +15,7 @@ from shared import bus_auth, subjects
 from shared.bus import Bus, BusError
 from shared.nats_server import EmbeddedNats
 from shared.schemas import Abort, Ack, RoutePlan, StreamChunk
-from shared.settings import NatsSettings
+from shared.settings import NatsSettings, Settings
 
 QUIET = 0.5  # seconds a message that must not come is waited for (the allowed one came first)
 
@@ -201,3 +201,23 @@ def test_every_role_has_permissions_and_services_map_to_roles():
     assert {bus_auth.role_of(s) for s in subjects.ROLES} | {bus_auth.role_of("tap")} == set(bus_auth.ROLES)
     with pytest.raises(ValueError, match="no bus role"):
         bus_auth.role_of("bench")
+
+
+async def test_tandem_tap_logs_in_read_only(secured):
+    """`tandem tap` with the deployment's settings: it sees the traffic, as the tap role."""
+    import io
+    from services.tap import tap
+    url, path = secured
+    out, ready = io.StringIO(), asyncio.Event()
+    worker, _ = await connect(secured, subjects.CPU_DECODE)
+    try:
+        task = asyncio.create_task(tap(subjects.ALL, count=1, out=out, ready=ready,
+                                       settings=Settings(nats=NatsSettings(url=url, creds_file=path))))
+        await asyncio.wait_for(ready.wait(), 10)
+        await worker.publish(subjects.stream("r5"), StreamChunk("r5", 0, [4], "t", "w"))
+        assert await asyncio.wait_for(task, 30) == 0
+        assert "tandem.stream.r5" in out.getvalue()
+    finally:
+        await worker.close()
+    with pytest.raises(BusError):  # without the file tap cannot connect
+        await tap(subjects.ALL, count=1, settings=Settings(nats=NatsSettings(url=url, creds_file=None)))
