@@ -182,9 +182,12 @@ def write_private(path: str, text: str | Callable[[], str], replace: bool = Fals
             os.unlink(tmp)
 
 
-def server_config(creds: dict) -> dict:
+def server_config(creds: dict, account: str | None = None) -> dict:
     """The nats-server configuration (JSON is valid NATS config) accepting only ``creds``' users,
-    each with its role's permissions."""
+    each with its role's permissions: in the global account, or in ``account`` (with JetStream;
+    a server shared with other applications keeps Tandem's subjects apart that way)."""
     users = [{"user": e["user"], "password": e["password"], "permissions": permissions(role)}
              for role, e in creds["users"].items() if role in ROLES]
-    return {"authorization": {"users": users}}
+    if account is None:
+        return {"authorization": {"users": users}}
+    return {"accounts": {account: {"jetstream": "enabled", "users": users}}}

@@ -20,11 +20,13 @@ from shared.settings import NatsSettings, Settings
 QUIET = 0.5  # seconds a message that must not come is waited for (the allowed one came first)
 
 
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory):
-    """(url, credentials file) of a nats-server that accepts only the role users."""
+@pytest.fixture(scope="module", params=[None, "TANDEM"], ids=["global-account", "own-account"])
+def secured(request, tmp_path_factory):
+    """(url, credentials file) of a nats-server that accepts only the role users: as `tandem up`
+    runs it (the global account), and with the users in an account of their own (with JetStream),
+    as docs/security.md shows for a shared external server."""
     path = str(tmp_path_factory.mktemp("auth") / "nats.creds")
-    server = EmbeddedNats(config=bus_auth.server_config(bus_auth.ensure_creds(path)))
+    server = EmbeddedNats(config=bus_auth.server_config(bus_auth.ensure_creds(path), request.param))
     try:
         yield server.start(), path
     finally:
