@@ -223,3 +223,20 @@ async def test_tandem_tap_logs_in_read_only(secured):
         await worker.close()
     with pytest.raises(BusError):  # without the file tap cannot connect
         await tap(subjects.ALL, count=1, settings=Settings(nats=NatsSettings(url=url, creds_file=None)))
+
+
+async def test_a_role_login_wins_over_credentials_in_the_url(secured):
+    """The e2e tests' URL carries a test user's login (tests/e2e/conftest.py) and the stacks'
+    services must still log in as their roles, or the e2e tests would check no permission."""
+    url, path = secured
+    tap_login = bus_auth.role_login(path, bus_auth.TAP)
+    with_userinfo = url.replace("nats://", f"nats://{tap_login[0]}:{tap_login[1]}@")
+    gateway = await Bus.connect(NatsSettings(url=with_userinfo, creds_file=path), role=subjects.GATEWAY)
+    as_tap = await Bus.connect(NatsSettings(url=with_userinfo, creds_file=None))
+    try:
+        aborts = await as_tap.subscribe(subjects.ABORT, Abort)
+        await gateway.publish(subjects.ABORT, Abort("r6"))    # the gateway may, tap may not
+        assert (await aborts.next(timeout=10)).request_id == "r6"
+    finally:
+        await gateway.close()
+        await as_tap.close()
