@@ -260,8 +260,21 @@ async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
 def pool_key_file(path: str) -> None:
     """Create the pool secret file (a random key, mode 0600) unless it exists; every child reads it
     (TANDEM_POOL_KEY_FILE), so pool entries carry a MAC only this deployment can make."""
-    if not os.path.exists(os.path.expanduser(path)) and bus_auth.write_private(path, lambda: secrets.token_hex(32)):
+    path = os.path.expanduser(path)
+    if os.path.exists(path):
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    try:
+        os.link(tmp, path)    # atomic, and never over a key another `tandem up` made meanwhile
         log.info("pool secret created in %s", path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
 
 
 def embedded_nats(env: dict[str, str]) -> EmbeddedNats:

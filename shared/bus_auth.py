@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import secrets
-from typing import Callable
 
 from shared import subjects as S
 
@@ -104,7 +103,8 @@ def permissions(role: str) -> dict:
         sub = [f"{p}.worker.>", S.ABORT, S.HEARTBEAT_ALL]
     elif role == KVPOOL:
         pub = [f"{p}.kvevents.*", f"{p}.transfer.*", *_stream_admin(KVEVENTS_STREAM)]
-        sub = [S.POOL_LOOKUP, f"{p}.kvpool.*.get", f"{p}.kvpool.*.put"]
+        sub = [S.POOL_LOOKUP, f"{p}.kvpool.*.get", f"{p}.kvpool.*.put",
+               S.HEARTBEAT_ALL]  # the live workers' data-plane addresses (the only ones it sends to)
     else:
         raise ValueError(f"unknown bus role {role!r}: expected one of {', '.join(ROLES)}")
     return {"publish": {"allow": pub}, "subscribe": {"allow": sub + [f"{inbox_prefix(role)}.>"]},
@@ -160,7 +160,7 @@ def ensure_creds(path: str) -> dict:
     return read_creds(path) or creds
 
 
-def write_private(path: str, text: str | Callable[[], str], replace: bool = False) -> bool:
+def write_private(path: str, text: str, replace: bool = False) -> bool:
     """Write ``text`` to ``path`` readable by this user only (0600), atomically; unless ``replace``,
     never over a file that exists (another process's, made meanwhile). True: written."""
     path = os.path.expanduser(path)
@@ -168,7 +168,7 @@ def write_private(path: str, text: str | Callable[[], str], replace: bool = Fals
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(text() if callable(text) else text)
+        f.write(text)
     try:
         if replace:
             os.replace(tmp, path)
