@@ -127,7 +127,7 @@ class EngineWorker:
         tracing.setup(self.role)
         self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
                                                self.settings.worker.metrics_host) or 0
-        self.bus = await Bus.connect(self.settings, name=self.worker_id)
+        self.bus = await Bus.connect(self.settings, name=self.worker_id, role=self.role)
         self.kv = KVConnector(self.settings, self.bus, self.engine, self.worker_id, self.role,
                               write_back=self.writes_back)
         await self.kv.start()

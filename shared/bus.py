@@ -34,7 +34,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from shared import schemas, tracing
+from shared import bus_auth, schemas, tracing
 from shared.schemas import ERROR_STATUS, Ack, ErrorReply, SchemaError
 from shared.settings import NatsSettings, Settings
 
@@ -186,8 +186,13 @@ class Bus:
 
     @classmethod
     async def connect(cls, settings: Settings | NatsSettings | None = None, *, url: str | None = None,
-                      name: str | None = None) -> "Bus":
-        """Connect with settings (url, credentials, TLS); reconnects forever once connected."""
+                      name: str | None = None, role: str | None = None) -> "Bus":
+        """Connect with settings (url, credentials, TLS); reconnects forever once connected.
+
+        ``role`` (a service name, or ``tap``; shared/bus_auth.py): without TANDEM_NATS_USER or
+        TOKEN, log in as that role with its entry of TANDEM_NATS_CREDS_FILE (when there is one),
+        and take replies on the role's own inbox prefix. Credentials count at connect time only.
+        """
         s = settings.nats if isinstance(settings, Settings) else (settings or NatsSettings())
         servers = [u.strip() for u in url.split(",")] if url else s.servers()
         if not servers:
@@ -201,10 +206,15 @@ class Bus:
             error_cb=bus._on_error, disconnected_cb=bus._on_disconnected,
             reconnected_cb=bus._on_reconnected,
         )
+        if role is not None:
+            role = bus_auth.role_of(role)
+            opts.update(inbox_prefix=bus_auth.inbox_prefix(role))
         if s.user is not None:
             opts.update(user=s.user, password=s.password)
-        if s.token is not None:
+        elif s.token is not None:
             opts.update(token=s.token)
+        elif role is not None and (login := bus_auth.role_login(s.creds_file, role)) is not None:
+            opts.update(user=login[0], password=login[1])
         ctx = ssl_context(s)
         if ctx is not None:
             opts.update(tls=ctx)
