@@ -32,7 +32,6 @@ log = logging.getLogger("tandem.decode")
 
 
 class DecodeWorker(EngineWorker):
-    takes_kv = True
     writes_back = True
 
     def __init__(self, settings: Settings, role: str):
@@ -86,9 +85,11 @@ class DecodeWorker(EngineWorker):
 
     async def handle_migrate(self, req: MigrateRequest) -> MigrateReply:
         """Move a decoding request to ``req.target_worker``; the reply says where its stream goes on.
-        Coded errors: not_found (not here), unavailable (not between decode steps yet, or
+        Coded errors: not_found (not here), forbidden (the target address is not the data plane of
+        ``req.target_worker``, live: nothing moves), unavailable (not between decode steps yet, or
         already moving: retry), or the failed step's code (the request then goes on here)."""
         rid = req.request_id
+        await self.kv.peers.check(req.target_data_host, req.target_data_port, req.target_worker, f"the KV of {rid}")
         held, task = self.held.get(rid), self.tasks.get(rid)
         if held is None or task is None:
             raise BusError("not_found", f"{self.worker_id} holds no request {rid!r}")
