@@ -122,10 +122,7 @@ class TcpKVSender(KVSender):
                 release()            # the receiver has read the memory (or failed): deregister it
         if status == CHECKSUM:
             raise ChecksumError(f"receiver {host}:{port} reports {message}", transfer_id)
-        if status == UNAUTHORIZED:
-            raise NotAuthorized(f"receiver {host}:{port} refused: {message}", transfer_id)
-        if status != OK:
-            raise TransferError(f"receiver {host}:{port} refused: {message}", transfer_id)
+        _check(status, message, f"receiver {host}:{port} refused", transfer_id)
         if hasher is not None:
             checksum = hasher.hexdigest()
         return SendResult(transfer_id, view.nbytes, checksum, time.perf_counter() - t0, mode,
@@ -161,8 +158,7 @@ class TcpKVSender(KVSender):
         """Exchange host identities with a receiver; returns the receiver's."""
         status, message = await self._exchange(host, port, "hello", "crc32", b"", memoryview(identity.encode()),
                                                F_HELLO, 0, self.timeout)
-        if status != OK:
-            raise TransferError(f"receiver {host}:{port} refused hello: {message}")
+        _check(status, message, f"receiver {host}:{port} refused hello")
         return message
 
     async def probe(self, host: str, port: int, nbytes: int = 8 * MiB) -> float:
@@ -170,8 +166,7 @@ class TcpKVSender(KVSender):
         t0 = time.perf_counter()
         status, message = await self._exchange(host, port, "probe", "crc32", b"", memoryview(bytes(nbytes)),
                                                F_PROBE, 0, self.timeout)
-        if status != OK:
-            raise TransferError(f"receiver {host}:{port} refused probe: {message}")
+        _check(status, message, f"receiver {host}:{port} refused probe")
         return time.perf_counter() - t0
 
     async def _exchange(self, host: str, port: int, transfer_id: str, algo: str, digest: bytes,
@@ -232,6 +227,12 @@ class TcpKVSender(KVSender):
         self._closed = True
         self._io.shutdown(wait=False)
 
+
+
+def _check(status: int, message: str, what: str, transfer_id: str = "") -> None:
+    """Raise unless the receiver's verdict is OK (NotAuthorized when it refused the frame's tag)."""
+    if status != OK:
+        raise (NotAuthorized if status == UNAUTHORIZED else TransferError)(f"{what}: {message}", transfer_id)
 
 
 # -- receiver ----------------------------------------------------------------------------------
