@@ -97,6 +97,7 @@ class DataPeers:
         self.bus = bus
         self.wait_s = wait_s    # how long ``check`` waits for a first heartbeat from an unknown address
         self._seen: dict[tuple[str, int], tuple[str, float, float]] = {}  # -> (worker id, monotonic, interval)
+        self.roles: dict[str, str] = {}  # worker id -> role, of every worker heard from
         self._beat = asyncio.Event()     # set (then cleared) on every heartbeat with an address
         self._sub = None
         self._task: asyncio.Task | None = None
@@ -107,6 +108,7 @@ class DataPeers:
 
     async def _watch(self, sub) -> None:
         async for beat in sub:
+            self.roles[beat.worker_id] = beat.role
             if beat.data_port:
                 self._seen[(beat.data_host, beat.data_port)] = (beat.worker_id, time.monotonic(), beat.interval)
                 self._beat.set()

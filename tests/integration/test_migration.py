@@ -50,7 +50,7 @@ async def workers(nats_server):
     bus = await Bus.connect(url=nats_server, name="migration-test")
     try:
         for _ in range(100):  # each knows the others' roles (metric labels) from their heartbeats
-            if all(len(w.peer_roles) == 3 for w in (gpu, cpu)):
+            if all(all(x.worker_id in w.kv.peers.roles for x in (gpu, cpu, tiny)) for w in (gpu, cpu)):
                 break
             await asyncio.sleep(0.1)
         yield gpu, cpu, tiny, bus
