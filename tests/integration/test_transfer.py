@@ -417,9 +417,12 @@ async def test_frames_without_the_key_are_refused_and_fail_nothing(keyed_rx, sen
                 await forger.send(host, port, "victim", os.urandom(MiB), mode=mode)
         with pytest.raises(NotAuthorized):
             await forger.hello(host, port, "me")
+        from shared.transfer import DataPlaneSender
+        with pytest.raises(NotAuthorized):   # the path selector does not retry a refusal on other paths
+            await DataPlaneSender(forger).send(host, port, "victim", os.urandom(MiB), mode="tcp")
     finally:
         await forger.close()
-    assert keyed_rx.refused == 4 and keyed_rx.pool.allocated == 0
+    assert keyed_rx.refused == 5 and keyed_rx.pool.allocated == 0
     # the forged frames named a real transfer's id: it is untouched, the real one still arrives
     assert keyed_rx.poll("victim") is TransferState.PENDING
     tx = TcpKVSender(timeout=5.0, key=KEY)
