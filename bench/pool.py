@@ -6,7 +6,8 @@
 - codecs on the model's real KV: ratio, encode / decode MB/s, and for the lossy codec the
   perplexity of the tokens after the prefix with the decoded KV vs the exact KV;
 - pool lookups/s;
-- transfers per path (tcp, tcp+zstd, shm, and rdma where ``nixl`` imports), each warmed up and timed
+- transfers per path (tcp, tcp+zstd, shm, and rdma where ``nixl`` imports; frames tagged with a data-plane
+  key as deployed, and plain tcp once more without one: the authentication's cost), each warmed up and timed
   alternating with a raw-socket transfer, against a raw memcpy
   and a raw socket of the same bytes, GB/s, with the process CPU seconds each took (sender and
   receiver share the process), the wire checksum on one thread, and the raw socket hashing every 1 MiB slice
@@ -181,35 +182,44 @@ async def _transfers(nbytes: int) -> list[dict]:
     def on_rx(coro):
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, rx_loop))
 
-    async def take(tid: str) -> int:
+    async def take(rx, tid: str) -> int:
         with await rx.take(tid, 60) as got:
             return got.nbytes
 
-    rx = TcpKVReceiver("127.0.0.1", 0, max_bytes=4 * nbytes)
-    tx = TcpKVSender()
+    key = os.urandom(32)   # as deployed: every frame tagged with the data-plane key (TANDEM_DATA_KEY)
+    rx = TcpKVReceiver("127.0.0.1", 0, max_bytes=4 * nbytes, key=key)
+    tx = TcpKVSender(key=key)
+    open_rx = TcpKVReceiver("127.0.0.1", 0, max_bytes=4 * nbytes)   # the same without a key, for comparison
+    open_tx = TcpKVSender()
+    paths = [(mode, mode, tx, rx) for mode in ("tcp", "tcp+zstd", "shm") + (("rdma",) if nixl.available() else ())]
+    paths.append(("tcp (no data key)", "tcp", open_tx, open_rx))
     try:
-        host, port = await on_rx(rx.listen())
-        for mode in ("tcp", "tcp+zstd", "shm") + (("rdma",) if nixl.available() else ()):
+        await on_rx(open_rx.listen())
+        await on_rx(rx.listen())
+        for name, mode, tx_, rx_ in paths:
+            host, port = rx_.address
             for i in range(TRANSFER_WARMUP):  # steady state: the receiver's buffers and I/O threads exist
-                await asyncio.gather(tx.send(host, port, f"{mode}-warm-{i}", payload, mode=mode),
-                                     on_rx(take(f"{mode}-warm-{i}")))
+                await asyncio.gather(tx_.send(host, port, f"{name}-warm-{i}", payload, mode=mode),
+                                     on_rx(take(rx_, f"{name}-warm-{i}")))
             best, cpu, wire, raw_best, ratios = float("inf"), 0.0, 0, float("inf"), []
             for i in range(TRANSFER_PAIRS):  # alternating with the raw socket: drift hits both alike
                 raw_t = _raw_socket(payload, reps=1, buf=raw_buf)
                 raw_best = min(raw_best, raw_t)
-                tid = f"{mode}-{i}"
+                tid = f"{name}-{i}"
                 c0, t0 = _cpu(), time.perf_counter()
-                res, _ = await asyncio.gather(tx.send(host, port, tid, payload, mode=mode), on_rx(take(tid)))
+                res, _ = await asyncio.gather(tx_.send(host, port, tid, payload, mode=mode), on_rx(take(rx_, tid)))
                 dt = time.perf_counter() - t0
                 ratios.append(raw_t / dt)
                 if dt < best:
                     best, cpu, wire = dt, _cpu() - c0, res.wire_bytes
-            rows.append({"bench": "transfer", "path": mode, "GBps": nbytes / best / 1e9, "cpu_s": cpu,
+            rows.append({"bench": "transfer", "path": name, "GBps": nbytes / best / 1e9, "cpu_s": cpu,
                          "wire_ratio": nbytes / wire, "raw_GBps_alongside": nbytes / raw_best / 1e9,
                          "vs_raw_socket": float(np.median(ratios)), "best_vs_best_raw": raw_best / best})
     finally:
         await tx.close()
+        await open_tx.close()
         await on_rx(rx.close())
+        await on_rx(open_rx.close())
         rx_loop.call_soon_threadsafe(rx_loop.stop)
         rx_thread.join()
         rx_loop.close()

@@ -24,7 +24,7 @@ import torch
 
 from shared import metrics, subjects
 from shared.bus import BusError
-from shared.schemas import (ERROR_STATUS, DecodeRequest, GenerateRequest, Heartbeat, MigrateReply, MigrateRequest)
+from shared.schemas import ERROR_STATUS, DecodeRequest, GenerateRequest, MigrateReply, MigrateRequest
 from shared.settings import Settings
 from services.worker import EngineWorker, Held, priority_of, sampling_from
 
@@ -32,7 +32,6 @@ log = logging.getLogger("tandem.decode")
 
 
 class DecodeWorker(EngineWorker):
-    takes_kv = True
     writes_back = True
 
     def __init__(self, settings: Settings, role: str):
@@ -42,21 +41,12 @@ class DecodeWorker(EngineWorker):
             log.warning("%s: no CUDA device visible to torch; running on the CPU instead", role)
             device = "cpu"
         super().__init__(settings, device)
-        self.peer_roles: dict[str, str] = {}  # decode worker id -> role (from heartbeats; metric labels)
-        self._peer_tasks: list[asyncio.Task] = []
 
     async def register(self) -> None:
         await self.bus.serve(subjects.worker_decode(self.worker_id), self.handle_decode, expected=DecodeRequest)
         await self.bus.serve(subjects.worker_generate(self.worker_id), self.handle_generate,
                              expected=GenerateRequest)
         await self.bus.serve(subjects.worker_migrate(self.worker_id), self.handle_migrate, expected=MigrateRequest)
-        for role in subjects.DECODE_ROLES:
-            sub = await self.bus.subscribe(subjects.heartbeat_role(role), Heartbeat, skip_invalid=True)
-            self._peer_tasks.append(asyncio.create_task(self._watch_peers(sub), name=f"peers-{role}"))
-
-    async def _watch_peers(self, sub) -> None:
-        async for beat in sub:
-            self.peer_roles[beat.worker_id] = beat.role
 
     async def handle_decode(self, req: DecodeRequest) -> None:
         if self.is_aborted(req.request_id, req.attempt):  # aborted while its KV was on the way
@@ -86,9 +76,11 @@ class DecodeWorker(EngineWorker):
 
     async def handle_migrate(self, req: MigrateRequest) -> MigrateReply:
         """Move a decoding request to ``req.target_worker``; the reply says where its stream goes on.
-        Coded errors: not_found (not here), unavailable (not between decode steps yet, or
+        Coded errors: not_found (not here), forbidden (the target address is not the data plane of
+        ``req.target_worker``, live: nothing moves), unavailable (not between decode steps yet, or
         already moving: retry), or the failed step's code (the request then goes on here)."""
         rid = req.request_id
+        await self.kv.peers.check(req.target_data_host, req.target_data_port, req.target_worker, f"the KV of {rid}")
         held, task = self.held.get(rid), self.tasks.get(rid)
         if held is None or task is None:
             raise BusError("not_found", f"{self.worker_id} holds no request {rid!r}")
@@ -106,7 +98,7 @@ class DecodeWorker(EngineWorker):
 
     async def _move(self, req: MigrateRequest, held: Held, task: asyncio.Task) -> MigrateReply:
         rid, target = req.request_id, req.target_worker
-        target_role = self.peer_roles.get(target, "unknown")
+        target_role = self.kv.peers.roles.get(target, "unknown")   # metric labels
         started = time.monotonic()
         try:
             blob = await self.engine.export_for_move(rid)
@@ -157,7 +149,3 @@ class DecodeWorker(EngineWorker):
         self.spawn(rid, self.stream_outputs(rid, held.stream_subject, outputs, next_seq, attempt=held.attempt))
         return True
 
-    async def close(self) -> None:
-        for t in self._peer_tasks:
-            t.cancel()
-        await super().close()

@@ -8,6 +8,10 @@ shared directory) on the bus. Control on NATS, entries on the data plane:
     bundle -> pool receiver (data plane), then
     put(keys, transfer id) -- tandem.kvpool.<id>.put -->     takes it, verifies, stores
 
+A get is sent only to the data-plane address of a live worker (from its heartbeats; else a
+``forbidden`` error), a put is stored only if the bytes received match the size and checksum the
+PoolPut announced (docs/security.md, Data plane).
+
 A pool copy announces what it holds as KV events when it starts and as its tiers change
 (shared/kv_events.py), so the routers' prefix index counts the pool as a holder. The workers'
 side is ``shared/kv_connector.PoolClient``.
@@ -26,12 +30,12 @@ from kvpool.codec import CorruptEntry, pack_entries, unpack_entries
 from kvpool.keys import check_key
 from kvpool.pool import KVPool
 from shared import metrics, subjects
-from shared.bus import Bus
-from shared.kv_connector import send_and_report
+from shared.bus import Bus, BusError
+from shared.kv_connector import DataPeers, send_and_report
 from shared.kv_events import KVEventPublisher
 from shared.schemas import PoolGet, PoolGetReply, PoolLookup, PoolLookupReply, PoolPut, PoolPutReply
 from shared.settings import Settings
-from shared.transfer import make_transport
+from shared.transfer import ChecksumError, make_transport
 
 log = logging.getLogger("tandem.kvpool")
 
@@ -55,6 +59,7 @@ class PoolService:
         self.receiver = self.transport.receiver(settings.data.host, settings.data.port)
         self.sender = self.transport.sender()
         self.bus: Bus | None = None
+        self.peers: DataPeers | None = None   # live workers' data-plane addresses: where gets may go
         self.events: KVEventPublisher | None = None
         self.data_host, self.data_port = "", 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -71,6 +76,8 @@ class PoolService:
         host, self.data_port = await self.receiver.listen()
         self.data_host = self.settings.data.advertise_host or host
         self.bus = await Bus.connect(self.settings, name=self.pool_id, role=subjects.KVPOOL)
+        self.peers = DataPeers(self.bus, 2 * self.settings.worker.heartbeat_interval)
+        await self.peers.start()
         self.events = KVEventPublisher(self.bus, self.pool_id, self.role)
         await self.events.start(sorted(set().union(*(t.keys() for t in self.pool.tiers))))
         await self.bus.serve(subjects.POOL_LOOKUP, self.lookup, queue=subjects.POOL_QUEUE, expected=PoolLookup)
@@ -97,12 +104,13 @@ class PoolService:
 
     async def get(self, req: PoolGet) -> PoolGetReply:
         keys = _keys(req.keys)
+        await self.peers.check(req.host, req.port, what="KV pool entries")
         entries = await asyncio.to_thread(self._read, keys)
         if not entries:
             return PoolGetReply(found=0)
         res = await send_and_report(self.bus, self.sender, self.pool_id, req.host, req.port, req.transfer_id,
                                     pack_entries(entries), compressible=False)
-        return PoolGetReply(found=len(entries), nbytes=res.nbytes, path=res.path)
+        return PoolGetReply(found=len(entries), nbytes=res.nbytes, path=res.path, checksum=res.checksum)
 
     def _read(self, keys: list[str]) -> list[bytes]:
         """The leading entries of ``keys`` the pool has, read and verified several at a time (file
@@ -119,6 +127,10 @@ class PoolService:
         self._putting += 1
         try:
             payload = await self.receiver.take(req.transfer_id, timeout=self.settings.data.timeout)
+            try:
+                payload.expect(req.checksum, req.nbytes)
+            except ChecksumError as e:
+                raise BusError("bad_request", f"put {req.transfer_id} not stored: {e}") from None
             with payload:
                 stored = await asyncio.to_thread(self._store, keys, payload.data)
         finally:
@@ -193,6 +205,8 @@ class PoolService:
     async def close(self) -> None:
         if self.events is not None:
             await self.events.close()
+        if self.peers is not None:
+            await self.peers.close()
         if self.bus is not None:
             await self.bus.close()
         await self.receiver.close()

@@ -32,6 +32,9 @@ class PrefillWorker(EngineWorker):
 
     async def handle(self, req: PrefillRequest) -> None:
         params = sampling_from(req.sampling)
+        # the KV goes to the decode worker's data plane only (a forbidden error before any work otherwise)
+        await self.kv.peers.check(req.decode_data_host, req.decode_data_port, req.decode_worker,
+                                  f"the KV of {req.request_id}")
         prio = req.priority if req.priority is not None else priority_of(req.tier)
         resume = req.resume
         outputs_so_far = resume.output_token_ids if resume else []

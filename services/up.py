@@ -257,9 +257,10 @@ async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
             await asyncio.sleep(min(BACKOFF_S[0] * 2 ** len(failures), BACKOFF_S[1]))
 
 
-def pool_key_file(path: str) -> None:
-    """Create the pool secret file (a random key, mode 0600) unless it exists; every child reads it
-    (TANDEM_POOL_KEY_FILE), so pool entries carry a MAC only this deployment can make."""
+def key_file(path: str, what: str = "pool secret") -> None:
+    """Create a deployment secret file (a random key, mode 0600) unless it exists; every child reads
+    it: the pool secret (TANDEM_POOL_KEY_FILE), so pool entries carry a MAC only this deployment can
+    make, and the data-plane key (TANDEM_DATA_KEY_FILE), so receivers take KV from its services only."""
     path = os.path.expanduser(path)
     if os.path.exists(path):
         return
@@ -270,7 +271,7 @@ def pool_key_file(path: str) -> None:
         f.write(secrets.token_hex(32))
     try:
         os.link(tmp, path)    # atomic, and never over a key another `tandem up` made meanwhile
-        log.info("pool secret created in %s", path)
+        log.info("%s created in %s", what, path)
     except FileExistsError:
         pass
     finally:
@@ -308,9 +309,11 @@ async def _up(args: argparse.Namespace) -> int:
         env["TANDEM_MODEL"] = args.model
     if args.served_model_name:
         env["TANDEM_SERVED_MODEL_NAME"] = args.served_model_name
-    pool = Settings.from_env(env).pool
-    if not pool.key:
-        pool_key_file(pool.key_file)
+    settings = Settings.from_env(env)
+    if not settings.pool.key:
+        key_file(settings.pool.key_file, "pool secret")
+    if not settings.data.key:
+        key_file(settings.data.key_file, "data-plane key")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

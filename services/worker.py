@@ -98,7 +98,6 @@ ALL_ATTEMPTS = 1 << 62   # Abort.below_attempt 0: every attempt
 
 class EngineWorker:
     role: str = ""
-    takes_kv = False      # other workers send KV here (decode): the data-plane address is advertised
     writes_back = False   # finished sequences' KV goes back to the pool (decode)
 
     def __init__(self, settings: Settings, device: str):
@@ -131,8 +130,9 @@ class EngineWorker:
         self.kv = KVConnector(self.settings, self.bus, self.engine, self.worker_id, self.role,
                               write_back=self.writes_back)
         await self.kv.start()
-        if self.takes_kv:
-            self.data_host, self.data_port = self.kv.data_host, self.kv.data_port
+        # heartbeats advertise the receiver (hand-offs and migrations to decode workers, pool gets to
+        # every worker): KV is only ever sent to an address a live worker's heartbeat names
+        self.data_host, self.data_port = self.kv.data_host, self.kv.data_port
         self._abort_sub = await self.bus.subscribe(subjects.ABORT, Abort, skip_invalid=True)
         self._abort_task = asyncio.create_task(self._abort_loop(), name="abort-listener")
         await self.bus.serve(subjects.worker_where(self.worker_id), self.where, expected=Where)

@@ -15,6 +15,12 @@ A transfer is reported once: ``DataPlaneSender`` counts it in the metrics; ``sen
 publishes one ``TransferEvent`` (failed ones too, for tap). The KV pool service uses
 ``send_and_report`` for the entries it sends; everything else here is the worker's.
 
+Whom KV goes to and what is taken (docs/security.md, Data plane): a worker or pool copy sends KV
+that a bus message asked for (a hand-off, a migration, a pool get) only to the data-plane
+address of a live worker, known from its heartbeats (``DataPeers``; else a ``forbidden`` error),
+and uses received bytes only once they match the size and checksum the bus message announced
+(``KVPayload.expect``).
+
 The pool can make a request faster, never make it fail: any pool error is logged and the
 worker computes instead.
 """
@@ -37,7 +43,7 @@ from shared.bus import Bus, BusError
 from shared.engine.kv_cache import KVBlobHeader
 from shared.kv_events import KVEventPublisher
 from shared.schemas import (
-    DecodeRequest, PoolGet, PoolLookup, PoolLookupReply, PoolPut, TransferEvent, TransferHandle,
+    DecodeRequest, Heartbeat, PoolGet, PoolLookup, PoolLookupReply, PoolPut, TransferEvent, TransferHandle,
 )
 from shared.settings import PoolSettings, Settings
 from shared.transfer import make_transport
@@ -79,6 +85,70 @@ async def _report(bus: Bus, reporter: str, event: TransferEvent) -> None:
         log.debug("transfer event %s not published: %s", event.transfer_id, e)
 
 
+LIVENESS_FACTOR = 3.0   # a worker's address is live for this many of its heartbeat intervals
+
+
+class DataPeers:
+    """The data-plane addresses of live workers, learnt from every heartbeat (``tandem.heartbeat.>``):
+    (host, port) -> the worker there, while its last heartbeat is younger than LIVENESS_FACTOR of its
+    intervals. KV that a bus message asks for goes only to such an address (``check``)."""
+
+    def __init__(self, bus: Bus, wait_s: float):
+        self.bus = bus
+        self.wait_s = wait_s    # how long ``check`` waits for a first heartbeat from an unknown address
+        self._seen: dict[tuple[str, int], tuple[str, float, float]] = {}  # -> (worker id, monotonic, interval)
+        self.roles: dict[str, str] = {}  # worker id -> role, of every worker heard from
+        self._beat = asyncio.Event()     # set (then cleared) on every heartbeat with an address
+        self._sub = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
+        self._task = asyncio.create_task(self._watch(self._sub), name="data-peers")
+
+    async def _watch(self, sub) -> None:
+        async for beat in sub:
+            self.roles[beat.worker_id] = beat.role
+            if beat.data_port:
+                self._seen[(beat.data_host, beat.data_port)] = (beat.worker_id, time.monotonic(), beat.interval)
+                self._beat.set()
+                self._beat.clear()
+
+    def worker_at(self, host: str, port: int) -> str | None:
+        """The live worker whose receiver is (host, port), or None."""
+        seen = self._seen.get((host, port))
+        if seen is None or time.monotonic() - seen[1] > LIVENESS_FACTOR * seen[2]:
+            return None
+        return seen[0]
+
+    async def check(self, host: str, port: int, worker: str | None = None, what: str = "KV") -> str:
+        """The live worker at (host, port) — ``worker``, when given — waiting ``wait_s`` at most for
+        a heartbeat (a worker that just started); BusError("forbidden") when there is none."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        while (found := self.worker_at(host, port)) is None or (worker is not None and found != worker):
+            left = deadline - loop.time()
+            if left <= 0:
+                metrics.DATA_REFUSED.labels("not a live worker").inc()
+                raise BusError("forbidden", f"refusing to send {what} to {host}:{port}: "
+                                            f"{'no live worker' if found is None else 'the data plane of ' + found}"
+                                            f"{'' if worker is None else ', not of ' + worker} is there "
+                                            "(its heartbeats name the address a worker takes KV at)")
+            try:
+                async with asyncio.timeout(left):
+                    await self._beat.wait()
+            except TimeoutError:
+                pass
+        return found
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
 class KVConnector:
     """One worker's KV door (see the module doc). ``start`` binds the data-plane receiver (its
     address goes in heartbeats when the worker takes KV from others), starts the chunk events and,
@@ -96,6 +166,7 @@ class KVConnector:
         self.sender = self.transport.sender()
         self.receiver = self.transport.receiver(settings.data.host, settings.data.port)
         self.data_host, self.data_port = "", 0
+        self.peers = DataPeers(bus, 2 * settings.worker.heartbeat_interval)  # where KV may go
         self.events: KVEventPublisher | None = None
         self.pool: PoolClient | None = None
         self._write_back = write_back
@@ -103,6 +174,7 @@ class KVConnector:
     async def start(self) -> None:
         host, self.data_port = await self.receiver.listen()
         self.data_host = self.settings.data.advertise_host or host
+        await self.peers.start()
         self.events = KVEventPublisher(self.bus, self.worker_id, self.role)
         await self.events.start()
         loop = asyncio.get_running_loop()
@@ -128,9 +200,10 @@ class KVConnector:
                        stream_subject: str, next_seq: int, session_id: str | None, attempt: int = 0,
                        origin: str = "", timeout: float | None = None) -> tuple[KVBlobHeader, SendResult]:
         """Move an exported sequence to the worker serving ``subject`` (its decode subject), whose
-        receiver is ``host:port``: the KV over the data plane, then a DecodeRequest carrying the
-        handle; the receiver continues the stream at ``next_seq``. Raises TransferError /
-        BusError (RemoteError with the receiver's code) when it did not take it."""
+        receiver is ``host:port`` (the caller checked it is that worker's: ``peers.check``): the KV
+        over the data plane, then a DecodeRequest carrying the handle; the receiver continues the
+        stream at ``next_seq``. Raises TransferError / BusError (RemoteError with the receiver's
+        code) when it did not take it."""
         h, _ = KVBlobHeader.parse(blob)
         res = await self.send(host, port, transfer_id, blob, request_id=h.request_id)
         handle = TransferHandle(transfer_id=transfer_id, host=host, port=port, nbytes=res.nbytes,
@@ -144,8 +217,10 @@ class KVConnector:
     # -- receiving ------------------------------------------------------------------------------
 
     async def receive(self, handle: TransferHandle) -> bytes:
-        """The verified bytes of a transfer addressed to this worker (waits for them)."""
+        """The verified bytes of a transfer addressed to this worker (waits for them); ChecksumError
+        unless they are the ones the handle announced."""
         payload = await self.receiver.take(handle.transfer_id, timeout=self.settings.data.timeout)
+        payload.expect(handle.checksum, handle.nbytes)
         try:
             return bytes(payload.data)  # the engine copies it into its KV cache; the buffer goes back
         finally:
@@ -174,6 +249,7 @@ class KVConnector:
             await self.pool.close()
         if self.events is not None:
             await self.events.close()
+        await self.peers.close()
         await self.receiver.close()
         await self.sender.close()
 
@@ -246,6 +322,7 @@ class PoolClient:
                     self.receiver.discard(tid)
                     return None
                 payload = await self.receiver.take(tid, timeout=self.settings.timeout)
+                payload.expect(reply.checksum, reply.nbytes)
                 t2 = time.perf_counter()
                 with payload:
                     kv = await asyncio.to_thread(self._decode, keys[:reply.found], payload.data)
@@ -311,10 +388,10 @@ class PoolClient:
                 return 0
             entries = await asyncio.to_thread(self._encode, missing, kv, found.hits)
             tid = f"{self.worker_id}-put-{next(self._ids)}"
-            await send_and_report(self.bus, self.sender, self.worker_id, found.data_host, found.data_port, tid,
-                                  pack_entries(entries), compressible=False)
-            reply = await self.bus.request(subjects.kvpool_put(found.pool_id),
-                                           PoolPut(keys=missing, transfer_id=tid), timeout=self.settings.timeout)
+            res = await send_and_report(self.bus, self.sender, self.worker_id, found.data_host, found.data_port,
+                                        tid, pack_entries(entries), compressible=False)
+            reply = await self.bus.request(subjects.kvpool_put(found.pool_id), PoolPut(
+                keys=missing, transfer_id=tid, nbytes=res.nbytes, checksum=res.checksum), timeout=self.settings.timeout)
         except (BusError, TransferError, TimeoutError) as e:
             self.errors += 1
             log.warning("KV pool write-back failed: %s", e)

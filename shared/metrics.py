@@ -68,6 +68,8 @@ POOL_FORGED = Counter("tandem_pool_forged_entries", "KV pool entries a worker ig
 TRANSFER_BYTES = Counter("tandem_transfer_bytes", "KV bytes moved over the data plane", ["path"])
 TRANSFER_SECONDS = Histogram("tandem_transfer_seconds", "seconds per KV transfer", ["path"],
                              buckets=_LATENCY)
+DATA_REFUSED = Counter("tandem_data_refused_frames", "data-plane frames a receiver refused: no valid tag under "
+                       "TANDEM_DATA_KEY (reason: no tag, wrong tag), or addressed to no live worker", ["reason"])
 RESUMES = Counter("tandem_resumes", "requests resumed on this role after the worker holding them was lost",
                   ["role"])
 RESUME_TOKENS = Counter("tandem_resume_tokens", "tokens of resumed requests: KV reused (prefix cache, KV pool) "

@@ -31,6 +31,7 @@ MAX_PAYLOAD = 512 * 1024  # bytes; NATS's default max_payload is 1 MiB including
 ERROR_STATUS: dict[str, int] = {
     "bad_request": 400,
     "prompt_too_long": 400,   # OpenAI answers context-length errors with 400
+    "forbidden": 403,         # e.g. KV asked to go to an address that is no live worker's
     "not_found": 404,
     "overloaded": 429,
     "internal": 500,
@@ -420,22 +421,25 @@ class PoolGet:
     port: int
 
 
-@message("PoolGetReply", 1)
+@message("PoolGetReply", 2)
 class PoolGetReply:
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     found: int                   # leading keys sent (a miss ends the bundle)
     nbytes: int = 0              # bundle bytes sent (0 when found == 0)
     path: str = ""
+    checksum: str = ""           # "<algo>:<hex>" of the bundle sent: the requester checks it ("" when found == 0)
 
 
-@message("PoolPut", 1)
+@message("PoolPut", 2)
 class PoolPut:
     """Entries (a bundle) already sent to the pool's receiver under ``transfer_id``."""
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     keys: list[str]
     transfer_id: str
+    nbytes: int                  # the bundle's size and checksum ("<algo>:<hex>", as sent): the pool
+    checksum: str                # stores it only if what it received matches
 
 
 @message("PoolPutReply", 1)

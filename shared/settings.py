@@ -212,10 +212,22 @@ class RouterSettings:
             raise ValueError("TANDEM_SESSION_IDLE_S must be > 0")
 
 
+def _secret(value: str | None, path: str) -> bytes:
+    """A deployment secret: ``value`` when set, else the contents of the file at ``path`` (b"": none)."""
+    if value:
+        return value.encode()
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return b""
+
+
 @dataclass
 class DataPlaneSettings:
     """The KV data plane (shared/transfer)."""
-    host: str = _env("TANDEM_DATA_HOST", "127.0.0.1", "data-plane bind address")
+    host: str = _env("TANDEM_DATA_HOST", "127.0.0.1", "data-plane bind address (loopback unless set: "
+                     "another machine's workers cannot reach it)")
     port: int = _env("TANDEM_DATA_PORT", 0, "data-plane port; 0 = a free one")
     advertise_host: str | None = _env("TANDEM_DATA_ADVERTISE_HOST", None,
                                       "address peers dial (heartbeats); unset: TANDEM_DATA_HOST")
@@ -224,6 +236,15 @@ class DataPlaneSettings:
                                "received-but-not-taken payload bytes held at most, MiB")
     timeout: float = _env("TANDEM_DATA_TIMEOUT", 30.0, "seconds a transfer may stall")
     shm: bool = _env("TANDEM_DATA_SHM", True, "use shared memory (/dev/shm) for peers on the same host")
+    key: str | None = _env("TANDEM_DATA_KEY", None, "secret every data-plane frame is tagged with (HMAC-SHA256); "
+                           "a receiver refuses frames without it; unset: the one in TANDEM_DATA_KEY_FILE")
+    key_file: str = _env("TANDEM_DATA_KEY_FILE", "~/.cache/tandem/data.key", "file holding the data-plane key "
+                         "when TANDEM_DATA_KEY is unset; `tandem up` creates it (mode 0600) when missing; no "
+                         "file: frames are not authenticated (receivers warn)")
+
+    def secret(self) -> bytes:
+        """The data-plane key (TANDEM_DATA_KEY, else TANDEM_DATA_KEY_FILE's contents; b"": none)."""
+        return _secret(self.key, self.key_file)
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -282,13 +303,7 @@ class PoolSettings:
 
     def secret(self) -> bytes:
         """The MAC secret of pool entries (TANDEM_POOL_KEY, else TANDEM_POOL_KEY_FILE's contents; b"": none)."""
-        if self.key:
-            return self.key.encode()
-        try:
-            with open(os.path.expanduser(self.key_file), "rb") as f:
-                return f.read().strip()
-        except FileNotFoundError:
-            return b""
+        return _secret(self.key, self.key_file)
 
     def pool_config(self):
         """The kvpool.pool.PoolConfig these settings describe."""

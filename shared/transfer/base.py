@@ -63,6 +63,11 @@ class PeerUnavailable(TransferError):
     """The receiver could not be reached (refused, unreachable, connect timeout)."""
 
 
+class NotAuthorized(TransferError):
+    """The receiver refused the frame: it carries no valid tag under the receiver's data-plane key
+    (the sender has none, or another one). No other path gets through either."""
+
+
 class PathUnavailable(TransferError):
     """The receiver cannot use the path the sender chose (another /dev/shm, no NIXL there):
     nothing was received, the transfer stays PENDING and the sender retries on another path."""
@@ -127,6 +132,17 @@ class KVPayload:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+    def expect(self, checksum: str, nbytes: int) -> "KVPayload":
+        """This payload, if it is the one a handle (a bus message) announced: its size and its
+        checksum; else it is released and ChecksumError raised — a payload is never used before
+        it matches what its sender said on the bus."""
+        if self.nbytes != nbytes or self.checksum != checksum:
+            got = f"{self.nbytes} bytes, {self.checksum}"
+            self.release()
+            raise ChecksumError(f"received {got}; the handle announced {nbytes} bytes, {checksum}",
+                                self.transfer_id)
+        return self
 
     def release(self) -> None:
         """Give the buffer back for reuse; ``data`` must not be used afterwards.

@@ -16,10 +16,19 @@ lives with the path:
 - ``F_NIXL``: the payload is an offer the receiver READs over RDMA (``nixl.py``);
 - ``F_HELLO``: the payload is the sender's host identity; the reply's message is the receiver's
   (``link.py`` detects same-host peers with it);
-- ``F_PROBE``: ``nbytes`` of filler the receiver reads and drops (a timed link probe).
+- ``F_PROBE``: ``nbytes`` of filler the receiver reads and drops (a timed link probe);
+- ``F_AUTH``: the frame is authenticated (below).
 
-Version 3 frames are version 2 frames of a plain payload (flags 0) whose header digest is zero:
-the digest follows the payload (32 bytes), so the sender hashes while sending.
+Version 3 frames are version 2 frames of a plain payload (no path flag) whose header digest is
+zero: the digest follows the payload (32 bytes), so the sender hashes while sending.
+
+Authentication (``F_AUTH``, docs/security.md "Data plane"): with a data-plane key the sender puts
+``tag = HMAC-SHA256(key, "tandem-data-frame-v1" ‖ receiver host:port as dialled ‖ header ‖ id ‖
+extra)`` (32 bytes) right after the extra fields — before any payload byte, so a receiver with
+the key refuses a frame without a valid tag (``UNAUTHORIZED``) having allocated nothing. The tag
+covers the id, the sizes, the flags and the digest in the header; a version-3 frame's trailer
+digest is followed by ``HMAC-SHA256(key, "tandem-data-trailer-v1" ‖ tag ‖ digest)``, so every
+frame binds its bytes too. A receiver without a key reads and ignores the tags.
 
 Payload bytes move in worker threads with blocking ``sock.sendall`` / ``sock.recv_into`` of
 ``SEGMENT``-sized slices, straight from the caller's buffer into a pooled receive buffer
@@ -32,6 +41,8 @@ overlap; payloads of at most two units are hashed inline).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import socket
 import struct
 import threading
@@ -47,7 +58,8 @@ MAGIC = b"TKV1"
 VERSION = 1
 HEADER = struct.Struct("!4sBBHQ32s")
 EXTRA = struct.Struct("!BQ")           # version 2: flags, raw payload bytes
-F_ZSTD, F_SHM, F_HELLO, F_PROBE, F_NIXL = 1, 2, 4, 8, 16
+F_ZSTD, F_SHM, F_HELLO, F_PROBE, F_NIXL, F_AUTH = 1, 2, 4, 8, 16, 32
+TAG = 32                               # bytes of an authentication tag (HMAC-SHA256)
 MODES = ("tcp", "tcp+zstd", "shm", "rdma")  # how send() moves a payload
 REPLY = struct.Struct("!BH")
 ALGOS = {"blake3": 1, "crc32": 2, "xxh3": 3}
@@ -55,9 +67,10 @@ ALGO_NAMES = {v: k for k, v in ALGOS.items()}
 MAX_ID_BYTES = 256
 
 # reply status codes
-OK, BAD_HEADER, TOO_LARGE, DUPLICATE, CHECKSUM, FAILED, DISCARDED = range(7)
+OK, BAD_HEADER, TOO_LARGE, DUPLICATE, CHECKSUM, FAILED, DISCARDED, UNAUTHORIZED = range(8)
 STATUS_TEXT = {OK: "ok", BAD_HEADER: "bad header", TOO_LARGE: "too large", DUPLICATE: "duplicate id",
-                CHECKSUM: "checksum mismatch", FAILED: "failed", DISCARDED: "discarded by receiver"}
+               CHECKSUM: "checksum mismatch", FAILED: "failed", DISCARDED: "discarded by receiver",
+               UNAUTHORIZED: "not authenticated"}
 
 MiB = 1 << 20
 SEGMENT = 4 * MiB      # socket I/O unit; each is hashed right before it is sent / after it lands
@@ -75,6 +88,17 @@ def parse_checksum(value: str) -> tuple[str, bytes]:
         raise ValueError(f"bad checksum {value!r}: digest longer than 32 bytes")
     return algo, digest
 
+
+
+def frame_tag(key: bytes, to: str, signed: bytes) -> bytes:
+    """The tag of a frame sent to ``to`` ("host:port" as dialled) whose header, id and extra
+    fields are ``signed``."""
+    return hmac.new(key, b"tandem-data-frame-v1\0" + to.encode() + b"\0" + signed, hashlib.sha256).digest()
+
+
+def trailer_tag(key: bytes, tag: bytes, digest: bytes) -> bytes:
+    """The tag after a version-3 frame's trailer digest (32 bytes, zero-padded)."""
+    return hmac.new(key, b"tandem-data-trailer-v1\0" + tag + digest, hashlib.sha256).digest()
 
 
 def digest_of(algo: str, data) -> bytes:

@@ -154,11 +154,7 @@ async def read(rx, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, dig
         raise TransferError(f"NIXL offer of {nbytes} bytes", tid)
     offer = await recv_bytes(loop, conn, tid, nbytes, rx.timeout)
     rx.nixl.agent()  # PathUnavailable (no NIXL here) before taking a buffer: retry elsewhere
-    try:
-        async with asyncio.timeout(rx.timeout):
-            buf = await rx.pool.acquire(raw_n)
-    except TimeoutError:
-        raise TransferError(f"no receive buffer free within {rx.timeout}s", tid) from None
+    buf = await rx.buffer(raw_n, tid)
     view = memoryview(buf)[:raw_n]
     try:
         await rx.nixl.pull(offer, view, rx.timeout, tid)

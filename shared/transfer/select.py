@@ -5,8 +5,9 @@ identities (same host → shm), then the link rate comes from RDMA sysfs, the in
 reported speed, or a short timed probe. ``link.choose_paths`` orders the paths (rdma only with
 an ACTIVE RDMA port and ``nixl`` importable); a path that fails (shm segment or NIXL refused
 by the receiver, checksum, connection lost) is retried on the next one, and the
-last error is raised only when every path failed. ``PeerUnavailable`` (nobody listening)
-is raised at once: no other path reaches a dead receiver.
+last error is raised only when every path failed. ``PeerUnavailable`` (nobody listening) and
+``NotAuthorized`` (the receiver refused the frame's tag: another data-plane key) are raised at
+once: no other path gets through either.
 
     transport = make_transport(settings.data)
     rx = transport.receiver(host, port)        # accepts every path's frames
@@ -25,7 +26,7 @@ import numpy as np
 from shared import metrics
 from shared.transfer import link as links
 from shared.transfer import nixl
-from shared.transfer.base import KVSender, KVTransport, PeerUnavailable, SendResult, TransferError
+from shared.transfer.base import KVSender, KVTransport, NotAuthorized, PeerUnavailable, SendResult, TransferError
 from shared.transfer.shm import available as shm_available
 from shared.transfer.frames import MiB
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender, TcpTransport
@@ -93,7 +94,7 @@ class DataPlaneSender(KVSender):
             try:
                 res = await self.tcp.send(host, port, transfer_id, payload, checksum=checksum,
                                           timeout=timeout, mode=path)
-            except PeerUnavailable:
+            except (PeerUnavailable, NotAuthorized):
                 raise
             except TransferError as e:
                 error = e

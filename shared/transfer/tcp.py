@@ -14,26 +14,35 @@ buffer goes back to the pool — a partial KV is never handed out.
 
 Receiver life cycle per transfer: PENDING -> TRANSFERRING -> SUCCESS (until take()) | FAILED.
 Unclaimed payloads are dropped after ``unclaimed_ttl`` seconds (logged).
+
+Authentication: with a data-plane key (``key``, TANDEM_DATA_KEY) the sender tags every frame and
+the receiver refuses a frame without a valid tag before it reads a payload byte or touches the
+transfer's state (a forged frame can neither make it allocate nor fail someone else's transfer).
+Every payload buffer comes from the ``BufferPool``, so no frame, compressed or not, makes the
+receiver hold more than its budget (TANDEM_DATA_MAX_PENDING_MB).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from shared import metrics
 from shared.transfer import nixl, shm, zstd
 from shared.transfer.base import (
-    ChecksumError, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, PathUnavailable,
+    ChecksumError, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, NotAuthorized, PathUnavailable,
     PeerUnavailable, SendResult, TransferError, TransferState, default_checksum,
 )
 from shared.transfer.frames import (
-    ALGO_NAMES, ALGOS, BAD_HEADER, CHECKSUM, DISCARDED, DUPLICATE, EXTRA, F_HELLO, F_NIXL, F_PROBE, F_SHM,
-    F_ZSTD, FAILED, HEADER, MAGIC, MAX_ID_BYTES, MAX_IO_THREADS, MODES, OK, REPLY, SEGMENT, TOO_LARGE, VERSION,
-    BufferPool, MiB, blocking_exchange, blocking_recv, check_digest, in_thread, ip_literal, parse_checksum, recv_exact, tune,
+    ALGO_NAMES, ALGOS, BAD_HEADER, CHECKSUM, DISCARDED, DUPLICATE, EXTRA, F_AUTH, F_HELLO, F_NIXL, F_PROBE,
+    F_SHM, F_ZSTD, FAILED, HEADER, MAGIC, MAX_ID_BYTES, MAX_IO_THREADS, MODES, OK, REPLY, SEGMENT,
+    TAG, TOO_LARGE, UNAUTHORIZED, VERSION, BufferPool, MiB, blocking_exchange, blocking_recv, check_digest,
+    frame_tag, in_thread, ip_literal, parse_checksum, recv_exact, trailer_tag, tune,
 )
 from shared.transfer.link import host_identity
 from shared.transfer.nixl import NixlEndpoint
@@ -53,11 +62,12 @@ class TcpKVSender(KVSender):
     """
 
     def __init__(self, *, chunk_bytes: int = SEGMENT, timeout: float = 30.0,
-                 connect_timeout: float = 3.0, algo: str | None = None):
+                 connect_timeout: float = 3.0, algo: str | None = None, key: bytes = b""):
         self.chunk_bytes = chunk_bytes            # bytes per send call, hashed just before it
         self.timeout = timeout                    # stall timeout, and for the receiver's verdict
         self.connect_timeout = connect_timeout    # dead peers fail within this
         self.algo = algo or default_checksum()    # checksum when the caller gives none
+        self.key = key                            # data-plane key: frames are tagged (b"": not)
         self._io = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="kv-send")
         self.nixl = NixlEndpoint("tx")            # the rdma path's agent, started on first use
         self._closed = False
@@ -112,8 +122,7 @@ class TcpKVSender(KVSender):
                 release()            # the receiver has read the memory (or failed): deregister it
         if status == CHECKSUM:
             raise ChecksumError(f"receiver {host}:{port} reports {message}", transfer_id)
-        if status != OK:
-            raise TransferError(f"receiver {host}:{port} refused: {message}", transfer_id)
+        _check(status, message, f"receiver {host}:{port} refused", transfer_id)
         if hasher is not None:
             checksum = hasher.hexdigest()
         return SendResult(transfer_id, view.nbytes, checksum, time.perf_counter() - t0, mode,
@@ -149,8 +158,7 @@ class TcpKVSender(KVSender):
         """Exchange host identities with a receiver; returns the receiver's."""
         status, message = await self._exchange(host, port, "hello", "crc32", b"", memoryview(identity.encode()),
                                                F_HELLO, 0, self.timeout)
-        if status != OK:
-            raise TransferError(f"receiver {host}:{port} refused hello: {message}")
+        _check(status, message, f"receiver {host}:{port} refused hello")
         return message
 
     async def probe(self, host: str, port: int, nbytes: int = 8 * MiB) -> float:
@@ -158,23 +166,29 @@ class TcpKVSender(KVSender):
         t0 = time.perf_counter()
         status, message = await self._exchange(host, port, "probe", "crc32", b"", memoryview(bytes(nbytes)),
                                                F_PROBE, 0, self.timeout)
-        if status != OK:
-            raise TransferError(f"receiver {host}:{port} refused probe: {message}")
+        _check(status, message, f"receiver {host}:{port} refused probe")
         return time.perf_counter() - t0
 
     async def _exchange(self, host: str, port: int, transfer_id: str, algo: str, digest: bytes,
                         body: memoryview, flags: int, raw_nbytes: int, stall: float,
                         hasher: Hasher | None = None) -> tuple[int, str]:
         """One frame on a fresh connection: header, body, then the receiver's verdict.
-        With ``hasher`` (version 3) the body is hashed as it is sent and the digest follows it."""
+        With ``hasher`` (version 3) the body is hashed as it is sent and the digest follows it.
+        With a key the frame is tagged (``F_AUTH``; frames.py)."""
         tid = transfer_id.encode()
+        if self.key:
+            flags |= F_AUTH
         version = 3 if hasher is not None else 2 if flags else VERSION
         header = HEADER.pack(MAGIC, version, ALGOS[algo], len(tid), body.nbytes, digest.ljust(32, b"\0")) + tid
         if version > 1:
             header += EXTRA.pack(flags, raw_nbytes)
-        parts = [header, body]
+        tag = frame_tag(self.key, f"{host}:{port}", header) if self.key else b""
+        parts = [header + tag, body]
         if hasher is not None:
-            parts.append(lambda: hasher.digest().ljust(32, b"\0"))
+            def trailer() -> bytes:
+                d = hasher.digest().ljust(32, b"\0")
+                return d + trailer_tag(self.key, tag, d) if tag else d
+            parts.append(trailer)
         loop = asyncio.get_running_loop()
         sock = await self._connect(loop, host, port, transfer_id)
         try:
@@ -215,6 +229,12 @@ class TcpKVSender(KVSender):
 
 
 
+def _check(status: int, message: str, what: str, transfer_id: str = "") -> None:
+    """Raise unless the receiver's verdict is OK (NotAuthorized when it refused the frame's tag)."""
+    if status != OK:
+        raise (NotAuthorized if status == UNAUTHORIZED else TransferError)(f"{what}: {message}", transfer_id)
+
+
 # -- receiver ----------------------------------------------------------------------------------
 
 @dataclass
@@ -228,12 +248,20 @@ class _Entry:
 
 
 class TcpKVReceiver(KVReceiver):
-    """Accepts frames on (host, port); keeps verified payloads until ``take()``."""
+    """Accepts frames on (host, port); keeps verified payloads until ``take()``. With a ``key``,
+    only frames tagged with it for this receiver (``advertise_host`` or ``host``, and its port, as
+    the sender dialled them) are read; the others are refused and counted (``refused``)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_bytes: int = 4096 * MiB,
-                 timeout: float = 30.0, unclaimed_ttl: float = 120.0):
+                 timeout: float = 30.0, unclaimed_ttl: float = 120.0, key: bytes = b"",
+                 advertise_host: str | None = None):
         self.host = host                      # bind address
         self.port = port                      # 0: a free port, known after listen()
+        self.key = key                        # data-plane key (b"": every frame is accepted)
+        self.names = [n for n in dict.fromkeys((advertise_host, host)) if n]  # how senders dial it
+        if host in ("", "0.0.0.0", "::") and not advertise_host:
+            self.names += ["127.0.0.1", "localhost"]
+        self.refused = 0                      # frames refused: no valid tag
         self.timeout = timeout                # stall timeout per read; buffer wait bound
         self.unclaimed_ttl = unclaimed_ttl    # seconds a received-but-untaken payload is kept
         self.pool = BufferPool(max_bytes)     # bounded, reused receive buffers
@@ -263,8 +291,11 @@ class TcpKVReceiver(KVReceiver):
         self.port = sock.getsockname()[1]
         self._spawn(self._accept_loop(), "kv-accept")
         self._spawn(self._janitor(), "kv-janitor")
-        log.info("KV receiver listening on %s:%d (budget %d MiB)", self.host, self.port,
-                 self.pool.max_bytes // MiB)
+        log.info("KV receiver listening on %s:%d (budget %d MiB, %s)", self.host, self.port,
+                 self.pool.max_bytes // MiB, "frames authenticated" if self.key else "no data-plane key")
+        if not self.key:
+            log.warning("no data-plane key (TANDEM_DATA_KEY / TANDEM_DATA_KEY_FILE): the KV receiver on %s:%d "
+                        "accepts frames from any process that can reach it", self.host, self.port)
         return self.host, self.port
 
     def poll(self, transfer_id: str) -> TransferState:
@@ -370,19 +401,42 @@ class TcpKVReceiver(KVReceiver):
                 await recv_exact(loop, conn, memoryview(tid_buf), self.timeout)
                 tid = tid_buf[:id_len].decode(errors="replace")
                 flags, raw_n = EXTRA.unpack(tid_buf[id_len:]) if version > 1 else (0, nbytes)
-                if version == 3 and (flags or raw_n != nbytes):  # a digest trailer only on plain payloads
+                tag = b""
+                if flags & F_AUTH:
+                    tag = bytearray(TAG)
+                    await recv_exact(loop, conn, memoryview(tag), self.timeout)
+                if self.key and not self._authentic(bytes(head) + bytes(tid_buf), bytes(tag)):
+                    self._refuse(peer, tid, "no tag" if not tag else "wrong tag")
+                    await self._reply(loop, conn, UNAUTHORIZED, "frame not authenticated: it carries no valid "
+                                      "tag under this deployment's data-plane key (TANDEM_DATA_KEY)")
+                    return
+                if version == 3 and (flags & ~F_AUTH or raw_n != nbytes):  # a trailer only on plain payloads
                     await self._reply(loop, conn, BAD_HEADER, f"bad version-3 header from {peer}")
                     return
                 if flags & (F_HELLO | F_PROBE):
                     await self._control(loop, conn, flags, nbytes)
                     continue
                 digest = None if version == 3 else digest  # None: it follows the payload
-                if not await self._receive(loop, conn, tid, nbytes, ALGO_NAMES[algo_id], digest, flags, raw_n):
+                if not await self._receive(loop, conn, tid, nbytes, ALGO_NAMES[algo_id], digest, flags, raw_n,
+                                           bytes(tag)):
                     return  # the frame could not be consumed; the connection is unusable
         except (ConnectionError, TimeoutError, OSError) as e:
             log.debug("KV connection from %s ended: %s", peer, e)
         finally:
             conn.close()
+
+    def _authentic(self, signed: bytes, tag: bytes) -> bool:
+        """``tag`` is the frame tag of ``signed`` for this receiver under its key."""
+        return len(tag) == TAG and any(
+            hmac.compare_digest(frame_tag(self.key, f"{name}:{self.port}", signed), tag) for name in self.names)
+
+    def _refuse(self, peer, tid: str, why: str) -> None:
+        self.refused += 1
+        metrics.DATA_REFUSED.labels(why).inc()
+        # the 1st, 2nd, 4th, 8th... refusal is logged: a flood of forged frames does not flood the log
+        (log.warning if self.refused & (self.refused - 1) == 0 else log.debug)(
+            "KV receiver %s:%d refused a frame for %r from %s: %s (data-plane key; %d refused so far)",
+            self.host, self.port, tid[:64], peer, why, self.refused)
 
     async def _control(self, loop, conn, flags: int, nbytes: int) -> None:
         """A hello (identity exchange) or a probe (read and drop ``nbytes``)."""
@@ -397,9 +451,9 @@ class TcpKVReceiver(KVReceiver):
         await self._reply(loop, conn, OK, self.identity if flags & F_HELLO else "")
 
     async def _receive(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes | None,
-                       flags: int = 0, raw_n: int | None = None) -> bool:
-        """One frame's payload (``digest`` None: it follows the payload). Returns False when
-        the connection must be closed."""
+                       flags: int = 0, raw_n: int | None = None, tag: bytes = b"") -> bool:
+        """One frame's payload (``digest`` None: it follows the payload; ``tag``: the frame's
+        authentication tag). Returns False when the connection must be closed."""
         raw_n = nbytes if raw_n is None else raw_n
         entry = self._entries.setdefault(tid, _Entry())
         if entry.state in (TransferState.TRANSFERRING, TransferState.SUCCESS):
@@ -417,7 +471,7 @@ class TcpKVReceiver(KVReceiver):
             if path is not None:
                 view, got, release = await READERS[path](self, loop, conn, tid, nbytes, raw_n, algo, digest)
             else:
-                view, got, release = await self._read_plain(loop, conn, tid, nbytes, algo, digest)
+                view, got, release = await self._read_plain(loop, conn, tid, nbytes, algo, digest, tag)
         except PathUnavailable as e:  # nothing was received: the sender retries on another path
             entry.state = TransferState.PENDING
             log.info("KV %s; waiting for another path", e)
@@ -426,7 +480,8 @@ class TcpKVReceiver(KVReceiver):
         except TransferError as e:
             self._fail(tid, entry, e)
             log.warning("KV %s", e)
-            status = CHECKSUM if isinstance(e, ChecksumError) else FAILED
+            status = CHECKSUM if isinstance(e, ChecksumError) else UNAUTHORIZED if isinstance(e, NotAuthorized) \
+                else FAILED
             try:
                 await self._reply(loop, conn, status, str(e))
             except (OSError, TimeoutError):
@@ -448,25 +503,34 @@ class TcpKVReceiver(KVReceiver):
         await self._reply(loop, conn, OK, "")
         return True
 
-    async def _read_plain(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes | None):
+    async def buffer(self, nbytes: int, tid: str) -> bytearray:
+        """A pooled receive buffer of at least ``nbytes`` (waits while the budget is spent);
+        TransferError when none is free within the stall timeout."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await self.pool.acquire(nbytes)
+        except TimeoutError:
+            raise TransferError(f"no receive buffer free within {self.timeout}s", tid) from None
+
+    async def _read_plain(self, loop, conn, tid: str, nbytes: int, algo: str, digest: bytes | None,
+                          tag: bytes = b""):
         """Raw payload into a pooled buffer, hashed segment by segment as it lands (worker
-        thread), then checked against ``digest`` or the trailer after it: (view, digest, release)."""
+        thread), then checked against ``digest`` or the trailer after it (and the trailer's tag,
+        when the frame is tagged): (view, digest, release)."""
         buf: bytearray | None = None
         view: memoryview | None = None
         try:
-            try:
-                async with asyncio.timeout(self.timeout):
-                    buf = await self.pool.acquire(nbytes) if nbytes else bytearray()
-            except TimeoutError:
-                raise TransferError(f"no receive buffer free within {self.timeout}s", tid) from None
+            buf = await self.buffer(nbytes, tid) if nbytes else bytearray()
             view = memoryview(buf)[:nbytes]
             hasher = Hasher(algo)
             try:
                 await in_thread(self.io, conn, blocking_recv, view, hasher, SEGMENT, self.timeout)
                 if digest is None:
-                    trailer = bytearray(32)
+                    trailer = bytearray(32 + (TAG if tag else 0))
                     await recv_exact(loop, conn, memoryview(trailer), self.timeout)
-                    digest = bytes(trailer)
+                    digest = bytes(trailer[:32])
+                    if self.key and not hmac.compare_digest(trailer_tag(self.key, tag, digest), trailer[32:]):
+                        raise NotAuthorized("the trailer's tag does not check out", tid)
             except (ConnectionError, TimeoutError) as e:
                 raise TransferError(f"short read: {e}", tid) from None
             got = hasher.digest()
@@ -499,19 +563,22 @@ class TcpTransport(KVTransport):
     name = "tcp"
 
     def __init__(self, *, chunk_bytes: int = 4 * MiB, timeout: float = 30.0,
-                 max_pending_bytes: int = 4096 * MiB):
+                 max_pending_bytes: int = 4096 * MiB, key: bytes = b"", advertise_host: str | None = None):
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
         self.max_pending_bytes = max_pending_bytes
+        self.key = key                        # the data-plane key (b"": frames are not authenticated)
+        self.advertise_host = advertise_host  # the name senders dial receivers by, when not their bind address
 
     @classmethod
     def from_settings(cls, s) -> "TcpTransport":
         """From a shared.settings.DataPlaneSettings."""
-        return cls(chunk_bytes=s.chunk_mb * MiB, timeout=s.timeout,
-                   max_pending_bytes=s.max_pending_mb * MiB)
+        return cls(chunk_bytes=s.chunk_mb * MiB, timeout=s.timeout, max_pending_bytes=s.max_pending_mb * MiB,
+                   key=s.secret(), advertise_host=s.advertise_host)
 
     def sender(self) -> TcpKVSender:
-        return TcpKVSender(chunk_bytes=self.chunk_bytes, timeout=self.timeout)
+        return TcpKVSender(chunk_bytes=self.chunk_bytes, timeout=self.timeout, key=self.key)
 
     def receiver(self, host: str = "127.0.0.1", port: int = 0) -> TcpKVReceiver:
-        return TcpKVReceiver(host, port, max_bytes=self.max_pending_bytes, timeout=self.timeout)
+        return TcpKVReceiver(host, port, max_bytes=self.max_pending_bytes, timeout=self.timeout, key=self.key,
+                             advertise_host=self.advertise_host)

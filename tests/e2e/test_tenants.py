@@ -47,9 +47,11 @@ def stack(nats_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
     env = {"TANDEM_API_KEYS": ",".join(f"{k}={t}" for k, t in KEYS.items()),
            "TANDEM_POOL_DIR": str(tmp / "pool"), "TANDEM_POOL_CHUNK_TOKENS": str(CHUNK),
-           "TANDEM_POOL_KEY_FILE": str(tmp / "pool.key"), "TANDEM_POOL_TIMEOUT": "60"}
+           "TANDEM_POOL_KEY_FILE": str(tmp / "pool.key"), "TANDEM_DATA_KEY_FILE": str(tmp / "data.key"),
+           "TANDEM_POOL_TIMEOUT": "60"}
     with running_stack(nats_server, ARGS, env) as s:
         s.key_file = tmp / "pool.key"
+        s.data_key_file = tmp / "data.key"
         yield s
 
 
@@ -133,17 +135,19 @@ def test_tenant_does_not_reuse_another_tenants_kv(stack, nats_server, model):
     assert cached_salted >= CHUNK and text_salted == text_a
 
 
-def forge(url: str, keys: list[str], chunk_bytes: int) -> int:
-    """Write zero KV under ``keys`` into the pool as a bus client without the secret; the pool's hits after."""
+def forge(url: str, keys: list[str], chunk_bytes: int, data_key_file) -> int:
+    """Write zero KV under ``keys`` into the pool as a bus client without the pool secret (it holds
+    the data-plane key: the pool takes its frames); the pool's hits after."""
     async def go(bus):
         found = await bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys), timeout=30)
         entries = [Codec().encode(k, bytes(chunk_bytes)) for k in keys]
-        sender = make_transport(Settings.from_env({}).data).sender()
+        sender = make_transport(Settings.from_env({"TANDEM_DATA_KEY_FILE": str(data_key_file)}).data).sender()
         try:
             tid = f"forged-{uuid.uuid4().hex[:8]}"
-            await send_and_report(bus, sender, "attacker", found.data_host, found.data_port, tid,
-                                  pack_entries(entries), compressible=False)
-            await bus.request(subjects.kvpool_put(found.pool_id), PoolPut(keys=keys, transfer_id=tid), timeout=30)
+            res = await send_and_report(bus, sender, "attacker", found.data_host, found.data_port, tid,
+                                        pack_entries(entries), compressible=False)
+            await bus.request(subjects.kvpool_put(found.pool_id), PoolPut(
+                keys=keys, transfer_id=tid, nbytes=res.nbytes, checksum=res.checksum), timeout=30)
         finally:
             await sender.close()
         return (await bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys), timeout=30)).hits
@@ -162,7 +166,7 @@ def test_pool_entry_without_the_secret_is_ignored(stack, nats_server, model, bun
     cfg = bundled_model.config
     chunk_bytes = CHUNK * KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim).token_bytes
     before = forged_count(beat.metrics_port)
-    assert forge(nats_server, keys, chunk_bytes) == len(keys)   # the pool took them (it has no secret)
+    assert forge(nats_server, keys, chunk_bytes, stack.data_key_file) == len(keys)   # the pool took them (it has no secret)
     text, cached, _ = ask(stack, model, "carol", prompt)
     assert cached == 0                                          # the worker did not load them
     assert forged_count(beat.metrics_port) > before             # ... and counted them

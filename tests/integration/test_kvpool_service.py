@@ -1,6 +1,7 @@
 """The kvpool service on a real NATS server with the real data plane: a worker's PoolClient
 writes chunks back, another finds and fetches them byte-exact; events on the bus; a missing
-pool is a miss, never an error."""
+pool is a miss, never an error; entries go only to live workers' data planes, and a put whose
+bytes are not the announced ones is not stored."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from shared.bus import Bus
 from shared.engine.kv_cache import KVLayout
 from shared.kv_connector import PoolClient, key_scope
 from shared.nats_server import EmbeddedNats
-from shared.schemas import KVEvent
+from shared.bus import RemoteError
+from shared.nats_server import free_port
+from shared.schemas import Heartbeat, KVEvent, PoolGet, PoolPut
 from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings
 from shared.transfer import make_transport
 
@@ -31,11 +34,20 @@ def settings(url: str, tmp_path, **pool) -> Settings:
                     pool=PoolSettings(dir=str(tmp_path / "pool"), ram_mb=64, chunk_tokens=32, **pool))
 
 
+async def beat(bus: Bus, name: str, host: str, port: int) -> None:
+    """The heartbeat of a worker whose data-plane receiver is host:port (the pool sends gets only there)."""
+    await bus.publish(subjects.heartbeat(subjects.PREFILL, name), Heartbeat(
+        worker_id=name, role=subjects.PREFILL, device="cpu", model="test-model", ready=True, queue_depth=0,
+        running=0, free_kv_blocks=0, total_kv_blocks=0, max_context=4096, data_host=host, data_port=port,
+        ts=time.time(), interval=60.0))
+
+
 async def client(s: Settings, name: str) -> tuple[PoolClient, Bus, object]:
     bus = await Bus.connect(s, name=name)
     transport = make_transport(s.data)
     rx = transport.receiver()
     host, port = await rx.listen()
+    await beat(bus, name, host, port)
     scope = key_scope("test-model", LAYOUT.to_dict(), s.pool)  # identity only: no weights needed
     return PoolClient(bus, s.pool, scope, LAYOUT, name, transport.sender(), rx, host, port), bus, rx
 
@@ -90,6 +102,41 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
         await rx_c.close()
         await restarted.close()
         await watcher.close()
+
+
+async def test_entries_go_to_live_workers_only_and_puts_are_checked(nats_server, tmp_path):
+    s = settings(nats_server, tmp_path)
+    pool = PoolService(s)
+    await pool.start()
+    a, bus, rx = await client(s, "worker-d")
+    try:
+        prompt, kv = list(range(64)), kv_for(64)
+        assert await a.store(prompt, kv) == 2
+        keys = a.keys(prompt)
+        # a get naming an address no live worker's heartbeat names: refused, nothing sent
+        with pytest.raises(RemoteError) as e:
+            await bus.request(subjects.kvpool_get(pool.pool_id),
+                              PoolGet(keys=keys, transfer_id="stolen", host="127.0.0.1", port=free_port()))
+        assert e.value.code == "forbidden" and "no live worker" in e.value.message
+        # a put whose bytes differ from what the PoolPut announces: not stored
+        other = list(range(1000, 1064))
+        entries = a._encode(a.keys(other), kv, 0)
+        from kvpool.codec import pack_entries
+        from shared.transfer import checksum
+        bundle = pack_entries(entries)
+        await a.sender.send(pool.data_host, pool.data_port, "swapped", bundle)
+        with pytest.raises(RemoteError) as e:
+            await bus.request(subjects.kvpool_put(pool.pool_id), PoolPut(
+                keys=a.keys(other), transfer_id="swapped", nbytes=len(bundle), checksum=checksum(b"other bytes")))
+        assert e.value.code == "bad_request" and "announced" in e.value.message
+        assert pool.pool.lookup(a.keys(other)) == []
+        tokens, got = await a.fetch_prefix(prompt + [1])   # the worker's own get still works
+        assert tokens == prompt and bytes(got) == kv
+    finally:
+        await a.close()
+        await bus.close()
+        await rx.close()
+        await pool.close()
 
 
 async def test_no_pool_running_is_a_miss(tmp_path):

@@ -6,6 +6,7 @@ source; bad moves get coded errors; an Abort during a move leaks nothing."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -19,7 +20,7 @@ from shared.bus import Bus, RemoteError
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import free_port
-from shared.schemas import Abort, Ack, GenerateRequest, MigrateRequest, StreamChunk
+from shared.schemas import Abort, Ack, GenerateRequest, Heartbeat, MigrateRequest, StreamChunk
 from shared.tier import TIERS
 from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings, WorkerSettings
 
@@ -49,7 +50,7 @@ async def workers(nats_server):
     bus = await Bus.connect(url=nats_server, name="migration-test")
     try:
         for _ in range(100):  # each knows the others' roles (metric labels) from their heartbeats
-            if all(len(w.peer_roles) == 3 for w in (gpu, cpu)):
+            if all(all(x.worker_id in w.kv.peers.roles for x in (gpu, cpu, tiny)) for w in (gpu, cpu)):
                 break
             await asyncio.sleep(0.1)
         yield gpu, cpu, tiny, bus
@@ -129,6 +130,17 @@ def move(rid: str, target: DecodeWorker, tier: str = "standard") -> MigrateReque
                           target_data_port=target.data_port, tier=tier, reason="test")
 
 
+async def ghost(bus: Bus, port: int) -> str:
+    """A cpu-decode worker that heartbeats a data-plane address on which nothing listens (it died
+    after its last heartbeat); its id."""
+    wid = f"mig-ghost-{uuid.uuid4().hex[:6]}"
+    await bus.publish(subjects.heartbeat(subjects.CPU_DECODE, wid), Heartbeat(
+        worker_id=wid, role=subjects.CPU_DECODE, device="cpu", model="m", ready=True, queue_depth=0, running=0,
+        free_kv_blocks=96, total_kv_blocks=96, max_context=4096, data_host="127.0.0.1", data_port=port,
+        ts=time.time(), interval=60.0))
+    return wid
+
+
 def migrations(source: str, target: str, outcome: str) -> float:
     return REGISTRY.get_sample_value("tandem_migrations_total", {"source_role": source, "target_role": target,
                                                                  "outcome": outcome}) or 0.0
@@ -193,9 +205,10 @@ async def test_failed_move_goes_on_at_the_source(workers, reference, failure):
     rid = f"mig-{failure}-{uuid.uuid4().hex[:8]}"
     s = await Stream(bus, rid).start(gpu, ids, MAX_TOKENS)
     await s.wait_for(lambda cs: len(cs) >= 3)
-    if failure == "no_receiver":  # nothing listens on the target's data port
+    if failure == "no_receiver":  # a live worker as far as heartbeats tell, but nothing listens on its data port
         req, code, target_role = move(rid, cpu), "unavailable", subjects.CPU_DECODE
         req.target_data_port = free_port()
+        req.target_worker = await ghost(bus, req.target_data_port)
     else:  # the target's KV holds 32 tokens, so its context is 32: it refuses the import
         req, code, target_role = move(rid, tiny), "bad_request", subjects.CPU_DECODE
     before = migrations(subjects.GPU_DECODE, target_role, "failed")
@@ -211,7 +224,7 @@ async def test_failed_move_goes_on_at_the_source(workers, reference, failure):
 
 
 async def test_bad_moves_get_coded_errors(workers, reference):
-    gpu, cpu, _, bus = workers
+    gpu, cpu, tiny, bus = workers
     with pytest.raises(RemoteError) as e:
         await migrate(bus, gpu.worker_id, move("no-such-request", cpu))
     assert e.value.code == "not_found"
@@ -225,6 +238,16 @@ async def test_bad_moves_get_coded_errors(workers, reference):
     with pytest.raises(RemoteError) as e:  # the request's own worker is no target
         await migrate(bus, gpu.worker_id, move(rid, gpu))
     assert e.value.code == "bad_request"
+    before = migrations(subjects.GPU_DECODE, subjects.CPU_DECODE, "failed")
+    elsewhere = move(rid, cpu)   # its KV to an address no live worker's heartbeat names: refused
+    elsewhere.target_data_port = free_port()
+    other = move(rid, cpu)       # to a live worker's data plane, but not the target worker's
+    other.target_worker = tiny.worker_id
+    for req in (elsewhere, other):
+        with pytest.raises(RemoteError) as e:
+            await migrate(bus, gpu.worker_id, req)
+        assert e.value.code == "forbidden" and "refusing to send" in e.value.message
+    assert migrations(subjects.GPU_DECODE, subjects.CPU_DECODE, "failed") == before  # nothing was moved
     chunks = await s.finish()
     check_stream(chunks, want)
     assert {c.worker for c in chunks} == {gpu.worker_id}

@@ -372,3 +372,149 @@ async def test_dead_peer_is_reported_not_retried():
         port = s.getsockname()[1]
     with pytest.raises(PeerUnavailable):
         await DataPlaneSender(TcpKVSender(connect_timeout=1.0)).send("127.0.0.1", port, "x", b"abc", mode="tcp")
+
+
+# -- authentication (TANDEM_DATA_KEY) and bounds -----------------------------------------------
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+async def keyed_rx():
+    r = TcpKVReceiver("127.0.0.1", 0, max_bytes=64 * MiB, timeout=5.0, key=KEY)
+    await r.listen()
+    yield r
+    await r.close()
+
+
+@pytest.mark.parametrize("mode", ["tcp", "tcp+zstd", "shm"])
+@pytest.mark.parametrize("known", [False, True], ids=["hashed-while-sent", "checksum-given"])
+async def test_keyed_frames_are_byte_exact_on_every_path(keyed_rx, mode, known):
+    tx = TcpKVSender(timeout=5.0, key=KEY)
+    payload = os.urandom(3 * MiB) + bytes(MiB)
+    tid = f"keyed-{mode}-{known}"
+    try:
+        host, port = keyed_rx.address
+        sent, got = await asyncio.gather(
+            tx.send(host, port, tid, payload, mode=mode, checksum=checksum(payload) if known else None),
+            keyed_rx.take(tid, 30))
+        with got.expect(sent.checksum, sent.nbytes):
+            assert bytes(got.data) == payload
+        assert keyed_rx.refused == 0
+        assert await tx.hello(host, port, "me") == keyed_rx.identity   # control frames are tagged too
+    finally:
+        await tx.close()
+
+
+@pytest.mark.parametrize("sender_key", [b"", b"another deployment's key"], ids=["no-key", "wrong-key"])
+async def test_frames_without_the_key_are_refused_and_fail_nothing(keyed_rx, sender_key):
+    from shared.transfer.base import NotAuthorized
+    host, port = keyed_rx.address
+    forger = TcpKVSender(timeout=5.0, key=sender_key)
+    try:
+        for mode in ("tcp", "tcp+zstd", "shm"):
+            with pytest.raises(NotAuthorized, match="not authenticated"):
+                await forger.send(host, port, "victim", os.urandom(MiB), mode=mode)
+        with pytest.raises(NotAuthorized):
+            await forger.hello(host, port, "me")
+        from shared.transfer import DataPlaneSender
+        with pytest.raises(NotAuthorized):   # the path selector does not retry a refusal on other paths
+            await DataPlaneSender(forger).send(host, port, "victim", os.urandom(MiB), mode="tcp")
+    finally:
+        await forger.close()
+    assert keyed_rx.refused == 5 and keyed_rx.pool.allocated == 0
+    # the forged frames named a real transfer's id: it is untouched, the real one still arrives
+    assert keyed_rx.poll("victim") is TransferState.PENDING
+    tx = TcpKVSender(timeout=5.0, key=KEY)
+    try:
+        sent, got = await asyncio.gather(tx.send(host, port, "victim", b"the real KV"), keyed_rx.take("victim", 10))
+        with got:
+            assert bytes(got.data) == b"the real KV"
+    finally:
+        await tx.close()
+
+
+async def test_a_frame_tagged_for_another_receiver_is_refused(keyed_rx):
+    """The tag binds the receiver as dialled: a frame made for host:port A, replayed to B, is refused."""
+    from shared.transfer.frames import F_AUTH, EXTRA, frame_tag
+    host, port = keyed_rx.address
+    header = HEADER.pack(MAGIC, 2, 1, 6, 5, bytes.fromhex(checksum(b"hello", "blake3")[7:])) \
+        + b"replay" + EXTRA.pack(F_AUTH, 5)
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(header + frame_tag(KEY, f"{host}:{port + 1}", header) + b"hello")
+    status = (await reader.readexactly(3))[0]
+    writer.close()
+    assert status == 7 and keyed_rx.refused == 1   # UNAUTHORIZED
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(header + frame_tag(KEY, f"{host}:{port}", header) + b"hello")   # the same frame, for it
+    status = (await reader.readexactly(3))[0]
+    writer.close()
+    assert status == 0
+    with await keyed_rx.take("replay", 5) as got:
+        assert bytes(got.data) == b"hello"
+
+
+async def test_v3_trailer_tag_binds_the_digest(keyed_rx):
+    """A tagged version-3 frame whose payload and trailer digest were both swapped (a man in the
+    middle, without the key) fails its trailer tag."""
+    from shared.transfer.frames import F_AUTH, EXTRA, frame_tag, trailer_tag
+    host, port = keyed_rx.address
+    real, fake = b"real payload", b"fake payload"
+    header = HEADER.pack(MAGIC, 3, 1, 2, len(real), b"\0" * 32) + b"mi" + EXTRA.pack(F_AUTH, len(real))
+    tag = frame_tag(KEY, f"{host}:{port}", header)
+    real_digest = bytes.fromhex(checksum(real, "blake3")[7:])
+    fake_digest = bytes.fromhex(checksum(fake, "blake3")[7:])
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(header + tag + fake + fake_digest + trailer_tag(KEY, tag, real_digest))
+    status = (await reader.readexactly(3))[0]
+    writer.close()
+    assert status == 7
+    with pytest.raises(TransferError, match="trailer's tag"):
+        await keyed_rx.take("mi", 5)
+
+
+async def test_payload_not_matching_its_handle_is_refused(rx, tx):
+    """The bytes that arrived under an id are used only if they are what the handle (on the bus)
+    announced: size and checksum."""
+    host, port = rx.address
+    await tx.send(host, port, "swapped", b"bytes someone else sent")
+    got = await rx.take("swapped", 5)
+    with pytest.raises(ChecksumError, match="announced"):
+        got.expect(checksum(b"the bytes the handle names"), 23)
+    await tx.send(host, port, "short", b"abc")
+    got = await rx.take("short", 5)
+    with pytest.raises(ChecksumError, match="announced 4 bytes"):
+        got.expect(got.checksum, 4)
+
+
+async def test_zstd_bomb_is_refused_within_the_declared_size(rx):
+    """A compressed frame declaring 1 MiB whose bytes decompress to 256 MiB: refused once the
+    declared size is full; the receiver held one pooled 1 MiB buffer, never the bomb."""
+    import zstandard
+    from shared.transfer.frames import EXTRA, F_ZSTD
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(256 * MiB))
+    assert len(bomb) < MiB
+    host, port = rx.address
+    header = HEADER.pack(MAGIC, 2, 1, 4, len(bomb), b"\0" * 32) + b"bomb" + EXTRA.pack(F_ZSTD, MiB)
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(header + bomb)
+    status = (await reader.readexactly(3))[0]
+    writer.close()
+    assert status == 5   # FAILED
+    with pytest.raises(TransferError, match="more than the 1048576 bytes"):
+        await rx.take("bomb", 5)
+    assert rx.pool.allocated <= size_class(MiB)
+
+
+async def test_compressed_frames_take_their_buffers_from_the_budget():
+    """A compressed frame's raw size counts against the receive budget like any payload."""
+    r = TcpKVReceiver("127.0.0.1", 0, max_bytes=MiB, timeout=5.0)
+    tx = TcpKVSender(timeout=5.0)
+    host, port = await r.listen()
+    try:
+        with pytest.raises(TransferError, match="exceed"):
+            await tx.send(host, port, "big-z", bytes(2 * MiB), mode="tcp+zstd")
+        assert r.pool.allocated == 0
+    finally:
+        await tx.close()
+        await r.close()

@@ -42,7 +42,7 @@ EXAMPLES = [
     schemas.PoolLookupReply("kvpool-0", 1, ["ram"], 256, "127.0.0.1", 4000),
     schemas.PoolGet(["ab" * 32], "p-1", "127.0.0.1", 4001),
     schemas.PoolGetReply(1, 2_000_000, "shm"),
-    schemas.PoolPut(["ab" * 32], "p-2"),
+    schemas.PoolPut(["ab" * 32], "p-2", 1024, "xxh3:" + "0" * 32),
     schemas.PoolPutReply(1),
     schemas.KVEvent("kvpool-0", subjects.KVPOOL, 1_700_000_000_000_000_000, 3, ["ab" * 32], ["cd" * 32]),
     schemas.MigrateRequest("r1", "gpu-0", "127.0.0.1", 4000, "interactive", reason="session promoted"),
