@@ -9,7 +9,6 @@ server, with a scripted router on the bus (no engine):
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from services.gateway.app import GatewaySettings
-from tests.unit.test_gateway import MODEL, MSGS, FakeBackend, FakeTokenizer, Server, still_serving, wait_for
+from tests.unit.test_gateway import MODEL, MSGS, FakeBackend, FakeTokenizer, Server, wait_for
 
 LIMIT = 64 << 10
 KEYS = {"alice": {"Authorization": "Bearer alice"}, "bob": {"Authorization": "Bearer bob"}}
