@@ -17,6 +17,7 @@ import math
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from shared import metrics
 from shared.settings import GatewaySettings
@@ -75,6 +76,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     return _error(request, APIError(exc.status_code, str(exc.detail), code=code))
 
 
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client went away while its body was being read: nothing to answer, nothing to log as a bug."""
+    log.info("%s client disconnected before its request was read", getattr(request.state, "request_id", "-"))
+    return Response(status_code=499)
+
+
 async def _internal(request: Request, exc: Exception) -> Response:
     log.error("%s internal error", getattr(request.state, "request_id", "-"), exc_info=exc)
     return _error(request, APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
@@ -91,6 +98,7 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(BackendError, _backend_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _internal)
     app.add_middleware(Limits, max_body_bytes=settings.max_body_bytes)
     app.include_router(router)

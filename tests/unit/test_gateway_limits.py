@@ -4,6 +4,8 @@ tokenized off the event loop, and every error in OpenAI's shape with a code."""
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 
 import httpx
@@ -172,3 +174,15 @@ def test_an_unexpected_exception_is_a_500_with_a_code(served, stream):
     assert err["type"] == "server_error" and "RuntimeError" in err["message"] and r.headers["x-request-id"]
     backend.error = None
     still_serving_keyed(url)
+
+
+def test_a_client_gone_while_its_body_is_read_is_not_an_error(served, caplog):
+    url, backend, gw = served
+    caplog.set_level(logging.INFO, logger="tandem.gateway")
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        assert wait_for(lambda: gw.streams.in_flight() == 1)   # the handler is reading the body
+    assert wait_for(lambda: "client disconnected before its request was read" in caplog.text), caplog.text
+    assert "internal error" not in caplog.text and backend.requests == []
