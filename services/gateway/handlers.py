@@ -9,8 +9,9 @@ Life of a generation request:
    tier is also a ceiling; the key and ``cache_salt`` give the tenant whose cached KV the request
    may reuse, docs/security.md);
 3. tokenize (chat template for chat; a large request is parsed, validated, templated and
-   tokenized in a bounded thread pool, so the event loop and every other stream keep going), check prompt + max_tokens against the context (400
-   ``context_length_exceeded``), build ``SamplingParams`` and a ``GenerationRequest``;
+   tokenized in a bounded thread pool, so the event loop and every other stream keep going),
+   check prompt + max_tokens against the context (400 ``context_length_exceeded``), build
+   ``SamplingParams`` and a ``GenerationRequest``;
 4. ``streaming.run``: one response, or SSE chunks; a client gone -> the request is aborted.
 
 Each handler finds the gateway's state (backend, settings, ...) as ``request.app.state.gw``.
