@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
     p.add_argument("--batch", type=int, default=8, help="sequences decoding together (default 8)")
     p.add_argument("--gen-tokens", type=int, default=256, help="tokens each sequence generates (default 256)")
-    p.add_argument("--stop-strings", type=int, default=16, help="stop strings of sequence 0 (default 16, the API's most)")
+    p.add_argument("--stop-strings", type=int, default=16,
+                   help="stop strings of sequence 0 (default 16, the API's most)")
     p.add_argument("--stop-chars", type=int, default=30000, help="characters per stop string (default 30000)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of each variant, alternating (default 2)")
     p.add_argument("--quick", action="store_true", help="smoke run: 4 sequences x 32 tokens, 1 round")

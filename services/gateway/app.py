@@ -3,9 +3,10 @@
 ``create_app`` puts the endpoints (``handlers.py``), the error handlers (every error in
 OpenAI's shape, a bug included) and the limits (``limits.py``: body size, streams per key) on a
 FastAPI app; ``serve`` runs it with uvicorn. How a request runs: ``handlers.py`` (parse,
-validate, tokenize) then ``streaming.py`` (collect or stream, abort on disconnect). Every log line about a request starts with its id (``chatcmpl-<hex>`` /
-``cmpl-<hex>``), and the request's trace context (the client's ``traceparent`` header, or a new
-trace) goes with every bus message it causes (shared/tracing.py). ``GET /metrics``: Prometheus.
+validate, tokenize) then ``streaming.py`` (collect or stream, abort on disconnect). Every log
+line about a request starts with its id (``chatcmpl-<hex>`` / ``cmpl-<hex>``), and the
+request's trace context (the client's ``traceparent`` header, or a new trace) goes with every
+bus message it causes (shared/tracing.py). ``GET /metrics``: Prometheus.
 """
 
 from __future__ import annotations
