@@ -3,7 +3,8 @@
     tandem bench stops [--batch 8] [--gen-tokens 256] [--stop-strings 16] [--stop-chars 30000] [--json FILE]
 
 One engine on CPU decodes a batch of ``--batch`` sequences (greedy, ignore_eos) of
-``--gen-tokens`` tokens each, in rounds that alternate:
+``--gen-tokens`` tokens each, in rounds of two variants (in the order AB, BA, AB, ... so that a
+machine whose load drifts does not favour one):
 
 - **without**: no sequence has stop strings;
 - **with**: sequence 0 has ``--stop-strings`` stop strings of ``--stop-chars`` characters. They are
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
                  "gen_tokens": args.gen_tokens, "stop_strings": args.stop_strings, "stop_chars": args.stop_chars,
                  "rounds": args.rounds, "without": [], "with": []}
     for r in range(args.rounds):
-        for variant in ("without", "with"):
+        for variant in ("without", "with") if r % 2 == 0 else ("with", "without"):  # ABBA: load drift cancels
             out = one_round(engine, prompts, args.gen_tokens, stops if variant == "with" else [], f"{variant}{r}")
             if variant == "with" and "".join(out["pieces"]) != "".join(base["pieces"]):
                 raise RuntimeError("sequence 0's text changed with the stop strings (they must never complete)")
