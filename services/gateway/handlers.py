@@ -196,7 +196,10 @@ def common(request: Request, req, rid: str) -> dict:
             "owner": request.state.tenant}
 
 
-def chat_prompt(backend: Backend, messages: list[dict], extra: dict | None = None) -> list[int]:
+def chat_prompt(gw: GatewayState, req: ChatCompletionRequest, plan) -> list[int]:
+    """The prompt's token ids: messages (+ tools) rendered by the chat template, then tokenized."""
+    messages, extra = tools.render_messages(chat_messages(req.messages), plan, gw.tool_parser, gw.native_tools)
+    backend = gw.backend
     try:
         text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(extra or {}))
     except (ValueError, TemplateError) as e:  # the template's raise_exception, or no template
@@ -291,8 +294,7 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest,
     plan = tools.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
     guide, param = tools.turn_guide(plan, req.response_format)
     await gw.pool.run(request, gw.check_guide, guide, param)
-    messages, extra = tools.render_messages(chat_messages(req.messages), plan, gw.tool_parser, gw.native_tools)
-    prompt = await gw.pool.run(request, chat_prompt, gw.backend, messages, extra)
+    prompt = await gw.pool.run(request, chat_prompt, gw, req, plan)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = max_tokens_param(req.max_completion_tokens if req.max_completion_tokens is not None
                              else req.max_tokens, max_param)
