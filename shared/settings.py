@@ -336,7 +336,13 @@ class GatewaySettings:
                                 "worker before the client gets an error")
     resume_wait_s: float = _env("TANDEM_RESUME_WAIT_S", 30.0, "seconds a lost request waits for a worker that "
                                 "can take it over before the client gets an error")
-    max_body_bytes: int = _env("TANDEM_MAX_BODY_BYTES", 32 << 20, "larger request bodies get 413")
+    max_body_bytes: int = _env("TANDEM_MAX_BODY_BYTES", 32 << 20, "larger request bodies get 413, chunked uploads "
+                               "too (counted as they arrive, never buffered past it)")
+    max_streams_per_key: int = _env("TANDEM_MAX_STREAMS_PER_KEY", 256, "generation requests (streamed or not) one "
+                                    "API key may have in flight; more get 429 too_many_streams; keyless clients "
+                                    "count as one key; 0 = no cap")
+    tokenize_threads: int = _env("TANDEM_TOKENIZE_THREADS", 2, "threads that parse, template and tokenize large "
+                                 "requests (bodies over 16 KiB) off the event loop; more wait for one")
     responses_retention_s: float = _env("TANDEM_RESPONSES_RETENTION_S", 30 * 86400.0, "stored Responses "
                                         "(/v1/responses with store) are kept this long")
     drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long")
@@ -391,6 +397,10 @@ class GatewaySettings:
                              "TANDEM_RESUME_ATTEMPTS >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("TANDEM_MAX_BODY_BYTES must be >= 1024")
+        if self.max_streams_per_key < 0:
+            raise ValueError("TANDEM_MAX_STREAMS_PER_KEY must be >= 0 (0 = no cap)")
+        if self.tokenize_threads < 1:
+            raise ValueError("TANDEM_TOKENIZE_THREADS must be >= 1")
         if self.drain_s < 0:
             raise ValueError("TANDEM_DRAIN_S must be >= 0")
         if self.tool_parser is not None and self.tool_parser not in ("hermes", "llama3_json", "mistral"):

@@ -1,11 +1,12 @@
 """The gateway service's app: an OpenAI-compatible REST API in front of a ``Backend``.
 
-``create_app`` puts the endpoints (``handlers.py``) and the error handlers (every error in
-OpenAI's shape, a bug included) on a FastAPI app; ``serve`` runs it with uvicorn. How a request
-runs: ``handlers.py`` (parse, validate, tokenize) then ``streaming.py`` (collect or stream, abort
-on disconnect). Every log line about a request starts with its id (``chatcmpl-<hex>`` /
-``cmpl-<hex>``), and the request's trace context (the client's ``traceparent`` header, or a new
-trace) goes with every bus message it causes (shared/tracing.py). ``GET /metrics``: Prometheus.
+``create_app`` puts the endpoints (``handlers.py``), the error handlers (every error in
+OpenAI's shape, a bug included) and the limits (``limits.py``: body size, streams per key) on a
+FastAPI app; ``serve`` runs it with uvicorn. How a request runs: ``handlers.py`` (parse,
+validate, tokenize) then ``streaming.py`` (collect or stream, abort on disconnect). Every log
+line about a request starts with its id (``chatcmpl-<hex>`` / ``cmpl-<hex>``), and the
+request's trace context (the client's ``traceparent`` header, or a new trace) goes with every
+bus message it causes (shared/tracing.py). ``GET /metrics``: Prometheus.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from shared import metrics
 from shared.settings import GatewaySettings
@@ -24,6 +26,7 @@ from shared.tier import TIERS
 
 from .backend import Backend, BackendError
 from .handlers import GatewayState, router
+from .limits import Limits
 from .responses import router as responses_router
 from .openai_api import APIError, json_response
 
@@ -56,6 +59,8 @@ def _error(request: Request, err: APIError) -> Response:
     headers = {"X-Request-Id": rid} if rid != "-" else {}
     if err.retry_after > 0:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
+    if err.code == "body_too_large":  # the rest of the upload is never read
+        headers["Connection"] = "close"
     return json_response(err.body(), err.status, headers=headers or None)
 
 
@@ -72,10 +77,15 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     return _error(request, APIError(exc.status_code, str(exc.detail), code=code))
 
 
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client went away while its body was being read: nothing to answer, nothing to log as a bug."""
+    log.info("%s client disconnected before its request was read", getattr(request.state, "request_id", "-"))
+    return Response(status_code=499)
+
+
 async def _internal(request: Request, exc: Exception) -> Response:
-    rid = getattr(request.state, "request_id", "-")
-    log.exception("%s internal error", rid)
-    return json_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").body(), 500)
+    log.error("%s internal error", getattr(request.state, "request_id", "-"), exc_info=exc)
+    return _error(request, APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
 
 
 # ---- the app --------------------------------------------------------------------------------
@@ -89,7 +99,9 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(BackendError, _backend_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _internal)
+    app.add_middleware(Limits, max_body_bytes=settings.max_body_bytes)
     app.include_router(router)
     app.include_router(responses_router)
     app.openapi = lambda: _openapi(app)

@@ -1,15 +1,17 @@
 """The gateway's endpoints, one module-level handler each, and the request plumbing they share.
 
 Life of a generation request:
-1. read + parse the JSON body (413 past the size limit, chunked uploads included), validate it
-   (400 naming the parameter), check the model (404);
+1. authenticate (401), count the request against its key's streams (429 ``too_many_streams``,
+   limits.py), read + parse the JSON body (413 past the size limit, chunked uploads included:
+   limits.py), validate it (400 naming the parameter), check the model (404);
 2. resolve SLA tier, session and tenant (body ``sla``/``tier``/``session_id`` over the
    ``X-Tandem-SLA``/``X-Tandem-Session`` headers over the API key's default tier; the key's
    tier is also a ceiling; the key and ``cache_salt`` give the tenant whose cached KV the request
    may reuse, docs/security.md);
-3. tokenize (chat template for chat; long inputs in a worker thread, so the event loop and every
-   other stream keep going), check prompt + max_tokens against the context (400
-   ``context_length_exceeded``), build ``SamplingParams`` and a ``GenerationRequest``;
+3. tokenize (chat template for chat; a large request is parsed, validated, templated and
+   tokenized in a bounded thread pool, so the event loop and every other stream keep going),
+   check prompt + max_tokens against the context (400 ``context_length_exceeded``), build
+   ``SamplingParams`` and a ``GenerationRequest``;
 4. ``streaming.run``: one response, or SSE chunks; a client gone -> the request is aborted.
 
 Each handler finds the gateway's state (backend, settings, ...) as ``request.app.state.gw``.
@@ -26,7 +28,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from jinja2 import TemplateError
@@ -37,6 +38,7 @@ from shared.tier import TIERS, Tier
 
 from . import streaming, tools
 from .backend import Backend, GenerationRequest
+from .limits import StreamCap, TokenizePool
 from .openai_api import (
     SESSION_HEADER, SESSION_RE, SLA_HEADER, APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
     CompletionRequest, TokenStrings, bad_param, chat_messages, check_unsupported, completion_prompt,
@@ -46,7 +48,6 @@ from .openai_api import (
 
 log = logging.getLogger("tandem.gateway")
 
-OFFLOAD_CHARS = 16384     # prompts longer than this are templated + tokenized in a worker thread
 MAX_CACHE_SALT = 1024     # characters of a request's cache_salt at most
 
 router = APIRouter()
@@ -64,6 +65,8 @@ class GatewayState:
     native_tools: bool = field(init=False)          # the chat template renders ``tools`` itself
     _grammar: object = None                         # GrammarCompiler, built with the first guide
     responses: Any = None                           # stored Responses (responses.ResponseStore), made at first use
+    streams: StreamCap = field(init=False)          # generation requests in flight per API key
+    pool: TokenizePool = field(init=False)          # parse / template / tokenize large requests off the loop
 
     def __post_init__(self) -> None:
         self.token_str = TokenStrings(self.backend.tokenizer)
@@ -71,6 +74,8 @@ class GatewayState:
         self.defaults = self.settings.defaults()
         self.tool_parser = tools.choose_parser(self.backend.tokenizer, self.settings.tool_parser)
         self.native_tools = tools.template_takes_tools(getattr(self.backend.tokenizer, "chat_template", None))
+        self.streams = StreamCap(self.settings.max_streams_per_key)
+        self.pool = TokenizePool(self.settings.tokenize_threads)
 
     def check_guide(self, guide: dict | None, param: str) -> None:
         """400 naming ``param`` when the guide does not compile (the engine would refuse it)."""
@@ -121,21 +126,24 @@ def check_auth(request: Request) -> None:
     raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
 
+def begin_generation(request: Request) -> None:
+    """Authenticate a generation request and count it against its key's streams (429 past
+    ``TANDEM_MAX_STREAMS_PER_KEY``) until the app is done with it."""
+    check_auth(request)
+    state(request).streams.hold(request, request.state.tenant)
+
+
 async def read_body(request: Request) -> dict:
-    """The JSON object in the body; 413 as soon as more than the limit arrived (a declared
-    Content-Length is checked first, a chunked upload while it is read: never buffered whole)."""
-    limit = state(request).settings.max_body_bytes
-    too_large = APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_large
-        parts.append(part)
-    return parse_json(b"".join(parts))
+    """The JSON object in the body (in the pool when large). Its size is bounded as it arrives:
+    413 ``body_too_large`` past ``TANDEM_MAX_BODY_BYTES`` (limits.Limits)."""
+    raw = await request.body()
+    request.state.body_bytes = len(raw)
+    return await state(request).pool.run(request, parse_json, raw)
+
+
+async def validated(request: Request, model_cls, body: dict):
+    """``validate_model`` (in the pool when the request is large)."""
+    return await state(request).pool.run(request, validate_model, model_cls, body)
 
 
 def check_model(request: Request, model: str) -> None:
@@ -188,7 +196,10 @@ def common(request: Request, req, rid: str) -> dict:
             "owner": request.state.tenant}
 
 
-def chat_prompt(backend: Backend, messages: list[dict], extra: dict | None = None) -> list[int]:
+def chat_prompt(gw: GatewayState, req: ChatCompletionRequest, plan) -> list[int]:
+    """The prompt's token ids: messages (+ tools) rendered by the chat template, then tokenized."""
+    messages, extra = tools.render_messages(chat_messages(req.messages), plan, gw.tool_parser, gw.native_tools)
+    backend = gw.backend
     try:
         text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(extra or {}))
     except (ValueError, TemplateError) as e:  # the template's raise_exception, or no template
@@ -282,12 +293,8 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest,
     route = common(request, req, rid)
     plan = tools.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
     guide, param = tools.turn_guide(plan, req.response_format)
-    gw.check_guide(guide, param)
-    messages, extra = tools.render_messages(chat_messages(req.messages), plan, gw.tool_parser, gw.native_tools)
-    if sum(len(m.get("content") or "") for m in messages) > OFFLOAD_CHARS:  # long: keep the event loop free
-        prompt = await anyio.to_thread.run_sync(chat_prompt, gw.backend, messages, extra)
-    else:
-        prompt = chat_prompt(gw.backend, messages, extra)
+    await gw.pool.run(request, gw.check_guide, guide, param)
+    prompt = await gw.pool.run(request, chat_prompt, gw, req, plan)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     asked = max_tokens_param(req.max_completion_tokens if req.max_completion_tokens is not None
                              else req.max_tokens, max_param)
@@ -305,8 +312,8 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest,
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     rid = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    check_auth(request)
-    req = validate_model(ChatCompletionRequest, await read_body(request))
+    begin_generation(request)
+    req = await validated(request, ChatCompletionRequest, await read_body(request))
     gens, fmt = await prepare_chat(request, req, rid)
     return await streaming.run(request, state(request).backend, gens, fmt, req.stream, req.user)
 
@@ -314,14 +321,11 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     rid = request.state.request_id = f"cmpl-{uuid.uuid4().hex}"
-    check_auth(request)
+    begin_generation(request)
     gw = state(request)
-    req = validate_model(CompletionRequest, await read_body(request))
+    req = await validated(request, CompletionRequest, await read_body(request))
     route = common(request, req, rid)
-    if isinstance(req.prompt, str) and len(req.prompt) > OFFLOAD_CHARS:
-        prompt = await anyio.to_thread.run_sync(completion_prompt, req.prompt, gw.backend.tokenizer)
-    else:
-        prompt = completion_prompt(req.prompt, gw.backend.tokenizer)
+    prompt = await gw.pool.run(request, completion_prompt, req.prompt, gw.backend.tokenizer)
     asked = max_tokens_param(req.max_tokens if req.max_tokens is not None else gw.defaults.get("max_tokens", 16),
                              "max_tokens")
     max_tokens = check_context(request, len(prompt), asked, "prompt", "max_tokens")

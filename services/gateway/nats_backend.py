@@ -38,11 +38,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from nats.errors import MaxPayloadError
+
 from shared import metrics, subjects, tracing
 from shared.bus import Bus, BusError, RemoteError
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
-from shared.schemas import (Abort, Ack, ErrorReply, GenerateRequest, Heartbeat, PrefillRequest, Resume, RoutePlan,
-                            RouteRequest, SessionState, SessionUpdate, StreamChunk, Where, WhereReply)
+from shared.schemas import (MAX_PAYLOAD, Abort, Ack, ErrorReply, GenerateRequest, Heartbeat, MessageTooLarge,
+                            PrefillRequest, Resume, RoutePlan, RouteRequest, SessionState, SessionUpdate, StreamChunk,
+                            Where, WhereReply)
 from shared.settings import GatewaySettings
 from services.gateway.backend import BackendError, GenerationRequest
 
@@ -62,6 +65,13 @@ HOPS = 4                 # Where replies followed (prefill -> decode -> migratio
 def backend_error(code: str, message: str, retry_after: float = 0.0) -> BackendError:
     gw_code, status = CODE_MAP.get(code, ("internal_error", 500))
     return BackendError(gw_code, message, status, retry_after=retry_after)
+
+
+def too_large(e: Exception) -> BackendError:
+    """A request whose bus message is over the limit (ours, or the NATS server's max_payload)."""
+    return BackendError("request_too_large", f"the request is too large to send to the workers ({e}); its prompt, "
+                        f"stop strings, tools and response_format together must encode to under "
+                        f"{MAX_PAYLOAD // 1024} KiB", 413)
 
 
 @dataclass
@@ -297,6 +307,8 @@ class NatsBackend:
                         origin=self.gateway_id, tenant=req.tenant))
             except RemoteError as e:
                 raise backend_error(e.code, e.message, e.retry_after) from None
+            except (MessageTooLarge, MaxPayloadError) as e:
+                raise too_large(e) from None
             except BusError as e:
                 if e.code == "timeout":
                     # no ack: the worker may have died holding the message, or be slow to admit it.
@@ -328,6 +340,8 @@ class NatsBackend:
             raise backend_error(e.code, e.message, e.retry_after) from None
         except BusError as e:
             raise backend_error(e.code, str(e), e.retry_after) from None
+        except (MessageTooLarge, MaxPayloadError) as e:
+            raise too_large(e) from None
         except Exception as e:  # e.g. a flush timeout while the connection is down: still a clear 503
             raise backend_error("unavailable", f"the bus is unavailable: {type(e).__name__}: {e}") from None
 

@@ -31,10 +31,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from . import streaming
-from .handlers import check_auth, prepare_chat, read_body, state
+from .handlers import begin_generation, check_auth, prepare_chat, read_body, state, validated
 from .openai_api import (
     SESSION_RE, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
-    validate_model,
 )
 
 log = logging.getLogger("tandem.gateway")
@@ -423,9 +422,8 @@ def public(obj: dict) -> dict:
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     rid = request.state.request_id = f"resp_{uuid.uuid4().hex}"
-    check_auth(request)
-    body = await read_body(request)
-    req = validate_model(ResponsesRequest, body)
+    begin_generation(request)
+    req = await validated(request, ResponsesRequest, await read_body(request))
     if req.truncation not in (None, "disabled", "auto"):
         raise bad_param("truncation", "truncation must be 'disabled' or 'auto'")
     previous = await load(request, req.previous_response_id) if req.previous_response_id else None
@@ -453,7 +451,7 @@ async def create_response(request: Request) -> Response:
     }
     if req.parallel_tool_calls is not None and tools:
         chat_body["parallel_tool_calls"] = req.parallel_tool_calls
-    chat_req = validate_model(ChatCompletionRequest, {k: v for k, v in chat_body.items() if v is not None})
+    chat_req = await validated(request, ChatCompletionRequest, {k: v for k, v in chat_body.items() if v is not None})
     gens, chat_fmt = await prepare_chat(request, chat_req, rid)
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": gens[0].sampling.temperature,

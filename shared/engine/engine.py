@@ -23,6 +23,7 @@ from shared.engine.model import AttnChunk, StepContext, Transformer, runtime_wei
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob, merge_outputs
 from shared.engine.scheduler import ScheduledChunk, Scheduler
 from shared.engine.sequence import Sequence, Status
+from shared.engine.stops import StopMatcher
 from shared.engine.tokenizer import decode_step
 
 log = logging.getLogger("tandem.engine")
@@ -356,12 +357,14 @@ class Engine:
             new_ids.append(tok)
             if lp is not None:
                 new_lps.append(lp)
-            start = max(0, len(seq.output_text) - max((len(s) for s in p.stop), default=0))
+            old = len(seq.output_text)
             self._detokenize(seq)
-            for s in p.stop:
-                i = seq.output_text.find(s, start)
-                if i != -1:
-                    seq.output_text = seq.output_text[:i]
+            if p.stop:
+                if seq.stops is None:  # the first output here (also after a hand-off / resume)
+                    seq.stops = StopMatcher(p.stop, seq.output_text[seq.emitted_chars:old])
+                cut = seq.stops.feed(seq.output_text[old:])
+                if cut:
+                    seq.output_text = seq.output_text[:len(seq.output_text) - cut]
                     finish = "stop"
             if seq.matcher is not None and (not seq.matcher.accept(tok) or seq.matcher.done):
                 if seq.matcher.error:  # the mask allowed only what the grammar accepts: a bug
@@ -371,8 +374,8 @@ class Engine:
             finish = "length"
             self._detokenize(seq, final=True)  # a character cut by the limit shows as U+FFFD
         end = len(seq.output_text)
-        if finish is None:
-            end -= _stop_holdback(seq.output_text, p.stop)
+        if finish is None and seq.stops is not None:
+            end -= seq.stops.holdback
         text = seq.output_text[seq.emitted_chars:end] if end > seq.emitted_chars else ""
         seq.emitted_chars = max(seq.emitted_chars, end)
         if finish is not None:
@@ -554,17 +557,6 @@ class Engine:
             seq.block_hashes.append(parent)
         self.seqs[request_id] = seq
         self.scheduler.add_running(seq)
-
-
-def _stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of ``text`` that could still grow into a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 @dataclass

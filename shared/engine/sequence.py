@@ -62,6 +62,7 @@ class Sequence:
         self.read_offset = self.num_prompt_tokens
         self.output_text = ""   # decoded output so far (stop strings trimmed at finish)
         self.emitted_chars = 0  # how much of output_text has been handed out
+        self.stops = None       # stops.StopMatcher over output_text, built by the engine at its first output
         # news since the last step's output
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[TokenLogprob] = []

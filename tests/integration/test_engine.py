@@ -250,6 +250,28 @@ def test_migration_mid_decode(bundled_model):
     assert got == full.token_ids
 
 
+def test_stop_strings_across_a_migration(bundled_model):
+    """A moved sequence's stop matcher is rebuilt from the text it held back: the output is the
+    unmoved one's, held-back text and cut included."""
+    tok = bundled_model.tokenizer
+    ids = tok.encode(PROMPTS[4])
+    free = run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=64)), {"f": (ids, greedy(40))})["f"]
+    stops = [free.text[30:42] + "\x01", free.text[60:70]]   # a prefix that never completes, then a real one
+    want = run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=64)),
+                             {"m": (ids, greedy(40, stop=stops))})["m"]
+    assert want.finish_reason == "stop" and len(want.text) < len(free.text)
+    a = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+    a.add("m", ids, greedy(40, stop=stops))
+    text = ""
+    while a.seqs["m"].stops is None or a.seqs["m"].stops.holdback == 0:  # move it while it holds text back
+        text += "".join(o.text for o in a.step())
+    b = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+    b.import_kv("m", a.export_kv("m"))
+    while b.has_work():
+        text += "".join(o.text for o in b.step())
+    assert text == want.text
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     tok = engine.tokenizer
     p = dict(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)

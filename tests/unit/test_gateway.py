@@ -121,7 +121,8 @@ class Server:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(backend, settings), log_level="warning", lifespan="off")
+        self.app = create_app(backend, settings)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -1,0 +1,117 @@
+"""The gateway's limits: what one client can make it hold, per request and per API key.
+
+- **Body size** (``TANDEM_MAX_BODY_BYTES``): ``Limits`` is ASGI middleware around the app. It
+  counts a request's body bytes as they arrive, whatever the framing (Content-Length or chunked),
+  and the receive call that passes the limit raises ``APIError`` 413 ``body_too_large`` — so the
+  handler reading the body ends with the 413 (in OpenAI's shape) having held at most the limit;
+  a declared Content-Length over it fails before any byte is read. The 413 closes the
+  connection, so the rest of an upload is never read.
+- **Streams per key** (``TANDEM_MAX_STREAMS_PER_KEY``): ``StreamCap`` counts each API key's
+  generation requests in flight (streamed or not; all keyless clients are one key). One over
+  the cap is a 429 ``too_many_streams``. A request's hold is released when the app is done with
+  it — its response ended, its stream finished or broke off, its client went away, or an
+  error — by the same middleware, so no path can leak one.
+- **Tokenization off the event loop** (``TANDEM_TOKENIZE_THREADS``): ``off_loop`` runs a
+  function (parse, validate, chat template, tokenize) in a bounded thread pool when the request
+  body is large, so every other stream goes on meanwhile; small requests stay inline (a thread
+  hop costs more than they do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from fastapi import Request
+
+from .openai_api import APIError
+
+log = logging.getLogger("tandem.gateway")
+
+OFFLOAD_BYTES = 16384      # request bodies larger than this are parsed, templated and tokenized in the pool
+RELEASES = "tandem.releases"   # scope key: what to release when the app is done with the request
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
+
+
+class Limits:
+    """ASGI middleware: the body-size limit, and the release of what a request held (module doc)."""
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app = app
+        self.limit = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit, seen = self.limit, 0
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+
+        async def counted_receive():
+            nonlocal seen
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise body_too_large(limit)
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise body_too_large(limit)
+            return message
+
+        releases: list[Callable[[], None]] = []
+        scope[RELEASES] = releases
+        try:
+            await self.app(scope, counted_receive, send)
+        finally:
+            for release in releases:
+                release()
+
+
+class StreamCap:
+    """Generation requests in flight per API key, at most ``cap`` each (0: no cap)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.held: dict[str, int] = {}   # key's tenant -> requests in flight
+
+    def hold(self, request: Request, key: str) -> None:
+        """Count one more request of ``key`` until the app is done with ``request``; 429 past the cap."""
+        n = self.held.get(key, 0)
+        if self.cap and n >= self.cap:
+            raise APIError(429, f"this API key already has {n} requests in flight, the most allowed "
+                                f"(TANDEM_MAX_STREAMS_PER_KEY={self.cap}); wait for one to end",
+                           code="too_many_streams", retry_after=1.0)
+        self.held[key] = n + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                left = self.held[key] - 1
+                if left:
+                    self.held[key] = left
+                else:
+                    del self.held[key]
+        request.scope[RELEASES].append(release)
+
+    def in_flight(self) -> int:
+        return sum(self.held.values())
+
+
+class TokenizePool:
+    """A bounded thread pool for the CPU-heavy steps of large requests."""
+
+    def __init__(self, threads: int):
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-tokenize")
+
+    async def run(self, request: Request, fn: Callable[..., Any], *args) -> Any:
+        """``fn(*args)``: in the pool when the request's body is large (``OFFLOAD_BYTES``), else inline."""
+        if getattr(request.state, "body_bytes", 0) <= OFFLOAD_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)

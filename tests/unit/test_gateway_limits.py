@@ -1,0 +1,188 @@
+"""The gateway's limits (services/gateway/limits.py) over a real uvicorn server and a fake
+backend: body size with chunked uploads, streams per API key (and their release), large inputs
+tokenized off the event loop, and every error in OpenAI's shape with a code."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.app import GatewaySettings
+from tests.unit.test_gateway import MODEL, MSGS, FakeBackend, FakeTokenizer, Server, wait_for
+
+LIMIT = 64 << 10
+KEYS = {"alice": {"Authorization": "Bearer alice"}, "bob": {"Authorization": "Bearer bob"}}
+
+
+class GatedTokenizer(FakeTokenizer):
+    """Blocks in ``encode`` on a long text until the test opens the gate."""
+
+    def __init__(self):
+        self.entered = threading.Event()   # a long text is being tokenized
+        self.gate = threading.Event()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > 20000:
+            self.entered.set()
+            self.gate.wait(60)
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.fixture(scope="module")
+def limited():
+    backend = FakeBackend()
+    backend.tokenizer = GatedTokenizer()
+    settings = GatewaySettings(max_body_bytes=LIMIT, max_streams_per_key=2, tokenize_threads=1,
+                               api_keys="alice=standard,bob=standard")
+    with Server(backend, settings) as server:
+        yield server, backend
+
+
+@pytest.fixture
+def served(limited):
+    server, backend = limited
+    backend.reset()
+    yield server.url, backend, server.app.state.gw
+    backend.hang_after = None
+    assert wait_for(lambda: server.app.state.gw.streams.in_flight() == 0), server.app.state.gw.streams.held  # no leak
+
+
+def _chat(**kw) -> dict:
+    return {"model": MODEL, "messages": MSGS, **kw}
+
+
+def _error(r: httpx.Response, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code and err["message"], err
+    return err
+
+
+# ---- body size ----------------------------------------------------------------------------------
+
+def test_a_chunked_body_over_the_limit_is_413(served):
+    url, backend, _ = served
+    sent = 0
+
+    def body():  # no Content-Length: Transfer-Encoding chunked, 64 MiB if it were all read
+        nonlocal sent
+        for _ in range(1024):
+            sent += 65536
+            yield b"x" * 65536
+
+    r = httpx.post(f"{url}/v1/chat/completions", content=body(), headers={**KEYS["alice"]}, timeout=30)
+    err = _error(r, 413, "body_too_large")
+    assert err["type"] == "invalid_request_error" and r.headers["connection"] == "close"
+    assert sent < 1024 * 65536   # the connection closed: the rest of the upload was never read
+    assert backend.requests == []
+    still_serving_keyed(url)
+
+
+def test_a_declared_length_over_the_limit_is_413_before_the_body(served):
+    url, backend, _ = served
+    body = b'{"model": "' + b"m" * LIMIT + b'"}'
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        r = httpx.post(f"{url}{path}", content=body, headers={**KEYS["bob"], "Content-Type": "application/json"})
+        _error(r, 413, "body_too_large")
+    assert backend.requests == []
+
+
+def still_serving_keyed(url: str) -> None:
+    r = httpx.get(f"{url}/v1/models", headers=KEYS["alice"], timeout=5)
+    assert r.status_code == 200, r.text
+
+
+# ---- streams per key ----------------------------------------------------------------------------
+
+def test_streams_per_key_are_capped_and_released(served):
+    url, backend, gw = served
+    backend.hang_after = 2   # streams stay open until their clients go
+    with httpx.Client(timeout=10) as http:
+        streams = []
+        for _ in range(2):
+            s = http.stream("POST", f"{url}/v1/chat/completions", json=_chat(stream=True), headers=KEYS["alice"])
+            r = s.__enter__()
+            assert r.status_code == 200
+            streams.append(s)
+        assert gw.streams.held == {next(iter(gw.streams.held)): 2}
+        r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), headers=KEYS["alice"], timeout=10)
+        err = _error(r, 429, "too_many_streams")
+        assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "p", "max_tokens": 1},
+                       headers=KEYS["bob"], timeout=10)   # another key is not affected
+        assert r.status_code == 200, r.text
+        streams.pop().__exit__(None, None, None)   # a client goes away: its hold is released
+        assert wait_for(lambda: gw.streams.in_flight() == 1), gw.streams.held
+        backend.hang_after = None
+        r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), headers=KEYS["alice"], timeout=10)
+        assert r.status_code == 200, r.text
+        streams.pop().__exit__(None, None, None)
+    assert wait_for(lambda: gw.streams.in_flight() == 0), gw.streams.held
+
+
+def test_errors_and_finished_streams_release_their_hold(served):
+    url, backend, gw = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="alice", max_retries=0, timeout=10)
+    for _ in range(3):   # more than the cap, one after another
+        list(client.chat.completions.create(model=MODEL, messages=MSGS, stream=True))
+        client.completions.create(model=MODEL, prompt="p", max_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=MSGS, temperature=-1)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="other", messages=MSGS, stream=True)
+    assert gw.streams.in_flight() == 0
+
+
+# ---- tokenization off the event loop ------------------------------------------------------------
+
+def test_a_large_input_is_tokenized_while_other_streams_flow(served):
+    url, backend, _ = served
+    tok = backend.tokenizer
+    tok.entered.clear()
+    tok.gate.clear()
+    big: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: big.append(httpx.post(
+        f"{url}/v1/chat/completions", json=_chat(messages=[{"role": "user", "content": "y" * 30000}]),
+        headers=KEYS["bob"], timeout=60)))
+    t.start()
+    try:
+        assert tok.entered.wait(30), "the large input never reached the tokenizer"
+        # the large input is inside the tokenizer now; a stream from another client is served meanwhile
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="alice", max_retries=0, timeout=20)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, stream=True))
+        assert chunks[-1].usage.completion_tokens > 0
+        assert not big and t.is_alive()   # ... while the large one was still being tokenized
+    finally:
+        tok.gate.set()
+        t.join(60)
+    _error(big[0], 400, "context_length_exceeded")   # tokenized, then found too long for the context
+
+
+# ---- errors in OpenAI's shape -------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unexpected_exception_is_a_500_with_a_code(served, stream):
+    url, backend, _ = served
+    backend.error = RuntimeError("a bug")
+    r = httpx.post(f"{url}/v1/chat/completions", json=_chat(stream=stream), headers=KEYS["alice"], timeout=10)
+    err = _error(r, 500, "internal_error")
+    assert err["type"] == "server_error" and "RuntimeError" in err["message"] and r.headers["x-request-id"]
+    backend.error = None
+    still_serving_keyed(url)
+
+
+def test_a_client_gone_while_its_body_is_read_is_not_an_error(served, caplog):
+    url, backend, gw = served
+    caplog.set_level(logging.INFO, logger="tandem.gateway")
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        assert wait_for(lambda: gw.streams.in_flight() == 1)   # the handler is reading the body
+    assert wait_for(lambda: "client disconnected before its request was read" in caplog.text), caplog.text
+    assert "internal error" not in caplog.text and backend.requests == []
