@@ -75,7 +75,13 @@ class Tier(abc.ABC):
         """Put the entry's bytes in place (room is made); False on failure."""
 
     @abc.abstractmethod
-    def contains(self, key: str) -> bool: ...
+    def contains(self, key: str) -> bool:
+        """The tier has ``key`` (a shared tier also asks its store: I/O)."""
+
+    def holds(self, key: str) -> bool:
+        """``key`` is in this tier's index (no I/O: safe on an event loop)."""
+        with self._lock:
+            return key in self._index
 
     @abc.abstractmethod
     def remove(self, key: str) -> None: ...
