@@ -11,8 +11,6 @@ import signal
 import subprocess
 import time
 
-import uuid
-
 import openai
 import pytest
 
@@ -50,19 +48,16 @@ class RedisPool:
     """The pool's Redis tier only (no disk tier), under a key prefix of its own."""
 
     def __init__(self):
-        from tests.integration.test_pool_tiers import REDIS_URL, _redis_client
-        self.client = _redis_client()
-        self.prefix = f"tandem-test:{uuid.uuid4().hex[:12]}:"
-        self.env = {"TANDEM_POOL_DIR": "", "TANDEM_POOL_REDIS_URL": REDIS_URL, "TANDEM_POOL_REDIS_PREFIX": self.prefix}
+        from tests.integration.test_pool_tiers import REDIS_URL, RedisStore
+        self.store = RedisStore(None)
+        self.env = {"TANDEM_POOL_DIR": "", "TANDEM_POOL_REDIS_URL": REDIS_URL,
+                    "TANDEM_POOL_REDIS_PREFIX": self.store.prefix}
 
     def entries(self) -> int:
-        return sum(1 for _ in self.client.scan_iter(match=self.prefix + "*"))
+        return self.store.count()
 
     def close(self) -> None:
-        names = list(self.client.scan_iter(match=self.prefix + "*"))
-        if names:
-            self.client.delete(*names)
-        self.client.close()
+        self.store.close()
 
 
 def run_stack(nats_server, pool, fn, args=("--gpu-decode", "0"), stop=None):
