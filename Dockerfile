@@ -40,10 +40,16 @@ COPY . .
 RUN TORCH_INDEX_URL="$TORCH_INDEX_URL" bash scripts/setup \
  && python -c "import sys; from kernels import cpu; sys.exit(0 if cpu.available() else 'CPU kernel build failed')" \
  && useradd --system --create-home --home-dir /home/tandem tandem \
- && chown -R tandem /opt/tandem/cache
+ && chown -R tandem /opt/tandem/cache \
+ && install -d -o tandem -m 0700 /var/lib/tandem/auth \
+ && install -d -o tandem /var/lib/tandem/kvpool
 
 USER tandem
 EXPOSE 8000
+# The gateway listens on every interface (TANDEM_HOST above): give it a key at run time
+# (docker run -e TANDEM_API_KEY=... or TANDEM_API_KEYS, docs/security.md). Without one it serves
+# anyone and logs a loud warning at start. /var/lib/tandem/auth holds compose's bus credentials
+# (`tandem nats-auth`); `tandem up` keeps its own in ~/.cache/tandem.
 
 # A worker that binds the KV data plane on every interface (TANDEM_DATA_HOST=0.0.0.0, as in
 # compose.yaml) must advertise an address peers can dial: unless TANDEM_DATA_ADVERTISE_HOST

@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.up", "start NATS (embedded unless TANDEM_NATS_URL is set) and every service"),
     "serve": ("services.serve", "run one service (what a container runs)"),
     "tap": ("services.tap", "print live bus traffic"),
+    "nats-auth": ("services.nats_auth", "write the bus role credentials and the nats-server config accepting them"),
     "health": ("services.health", "exit 0 when the service on this host takes work (container health checks)"),
     "bench": ("bench.cli", "benchmarks: engine, serve"),
 }

@@ -70,7 +70,7 @@ class PoolService:
         metrics.serve_http(self.settings.worker.metrics_port, self.settings.worker.metrics_host)
         host, self.data_port = await self.receiver.listen()
         self.data_host = self.settings.data.advertise_host or host
-        self.bus = await Bus.connect(self.settings, name=self.pool_id)
+        self.bus = await Bus.connect(self.settings, name=self.pool_id, role=subjects.KVPOOL)
         self.events = KVEventPublisher(self.bus, self.pool_id, self.role)
         await self.events.start(sorted(set().union(*(t.keys() for t in self.pool.tiers))))
         await self.bus.serve(subjects.POOL_LOOKUP, self.lookup, queue=subjects.POOL_QUEUE, expected=PoolLookup)

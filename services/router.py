@@ -63,7 +63,7 @@ class Router:
         tracing.setup(subjects.ROUTER)
         self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
                                                self.settings.worker.metrics_host) or 0
-        self.bus = await Bus.connect(self.settings, name=self.worker_id)
+        self.bus = await Bus.connect(self.settings, name=self.worker_id, role=subjects.ROUTER)
         self.feed = IndexFeed(self.bus, self.index, self.settings)
         await self.feed.start()
         self.store = SessionStore(self.bus)

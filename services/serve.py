@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import signal
 
@@ -55,6 +56,25 @@ async def _run(args: argparse.Namespace, settings: Settings) -> None:
     await service.run(stop)
 
 
+def exposure_warning(host: str, has_keys: bool) -> str | None:
+    """The warning a gateway logs at start when it serves anyone beyond this machine: bound
+    beyond loopback with no API key. None: no warning."""
+    if has_keys or _loopback(host):
+        return None
+    return (f"!!! the gateway listens on {host} WITHOUT AN API KEY: anyone who reaches this port can use "
+            "the model and read stored responses. Set TANDEM_API_KEY or TANDEM_API_KEYS (docs/security.md), "
+            "or TANDEM_HOST=127.0.0.1")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
     from shared import tracing
     from shared.bus import Bus
@@ -63,13 +83,15 @@ async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
     from services.gateway.nats_backend import NatsBackend
 
     gw = GatewaySettings.from_env(host=args.host, port=args.port, served_model_name=args.served_model_name)
+    if (warning := exposure_warning(gw.host, bool(gw.key_tiers()))) is not None:
+        log.warning("%s", warning)
     tracing.setup("gateway")  # span export only when TANDEM_OTLP_ENDPOINT is set
     tokenizer, cfg = load_tokenizer(settings.worker.model)  # metadata only, no weights
     name, ctx = gw.served_model_name or served_model_name(settings.worker.model), cfg.max_context
     if settings.worker.max_context:
         ctx = min(ctx, settings.worker.max_context)
     gateway_id = settings.worker.resolved_worker_id("gateway")
-    bus = await Bus.connect(settings, name=gateway_id)
+    bus = await Bus.connect(settings, name=gateway_id, role=subjects.GATEWAY)
     backend = NatsBackend(bus, name, ctx, tokenizer, gw, gateway_id)
     await backend.start()
     try:

@@ -61,7 +61,7 @@ async def tap(subject: str = subjects.ALL, *, url: str | None = None, show_text:
     """Print matching messages to ``out`` (stdout) until ``count`` were shown or interrupted."""
     out = out or sys.stdout
     settings = settings or Settings.from_env()
-    bus = await Bus.connect(settings, url=url, name="tandem-tap")
+    bus = await Bus.connect(settings, url=url, name="tandem-tap", role="tap")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

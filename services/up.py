@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 
-from shared import metrics
+from shared import bus_auth, metrics
 from shared.nats_server import EmbeddedNats
 from shared.os_priority import describe, engine_threads, omp_env
 from shared.settings import Settings
@@ -277,11 +277,29 @@ def pool_key_file(path: str) -> None:
         os.unlink(tmp)
 
 
+def embedded_nats(env: dict[str, str]) -> EmbeddedNats:
+    """The embedded nats-server: it accepts only the role users of TANDEM_NATS_CREDS_FILE (created
+    when missing), each with its role's permissions (shared/bus_auth.py); every child logs in
+    with its role's entry. TANDEM_NATS_CREDS_FILE empty: no authentication, loudly."""
+    s = Settings.from_env(env).nats
+    if s.user is not None or s.token is not None:
+        raise ValueError("TANDEM_NATS_USER / TANDEM_NATS_TOKEN are credentials of an external NATS server "
+                         "(set TANDEM_NATS_URL too); the embedded one uses TANDEM_NATS_CREDS_FILE")
+    config = None
+    if s.creds_file:
+        config = bus_auth.server_config(bus_auth.ensure_creds(s.creds_file))
+        log.info("embedded NATS accepts only the role credentials in %s", s.creds_file)
+    else:
+        log.warning("!!! TANDEM_NATS_CREDS_FILE is empty: the embedded NATS server has NO AUTHENTICATION; "
+                    "anyone who reaches its port reads every prompt and can inject tokens")
+    return EmbeddedNats(store_dir=s.store_dir, config=config)
+
+
 async def _up(args: argparse.Namespace) -> int:
     env = dict(os.environ, **topology(args))
     nats = None
     if not env.get("TANDEM_NATS_URL"):
-        nats = EmbeddedNats(store_dir=Settings.from_env(env).nats.store_dir)
+        nats = embedded_nats(env)
         env["TANDEM_NATS_URL"] = await asyncio.to_thread(nats.start)
         log.info("embedded NATS (JetStream) at %s", env["TANDEM_NATS_URL"])
     if args.port:
@@ -334,4 +352,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
-    return asyncio.run(_up(args))
+    try:
+        return asyncio.run(_up(args))
+    except ValueError as e:  # bad settings (each checked before anything starts)
+        log.error("%s", e)
+        return 2

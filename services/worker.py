@@ -127,7 +127,7 @@ class EngineWorker:
         tracing.setup(self.role)
         self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
                                                self.settings.worker.metrics_host) or 0
-        self.bus = await Bus.connect(self.settings, name=self.worker_id)
+        self.bus = await Bus.connect(self.settings, name=self.worker_id, role=self.role)
         self.kv = KVConnector(self.settings, self.bus, self.engine, self.worker_id, self.role,
                               write_back=self.writes_back)
         await self.kv.start()
@@ -299,7 +299,8 @@ class EngineWorker:
                     self._observe(timing, first_at, emitted, "aborted" if out.finish_reason == "abort" else "ok")
                 elif coalesce:  # the outputs of the steps meanwhile come merged (AsyncEngine._drain)
                     await asyncio.sleep(coalesce)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # aborted (client gone, a fence) or the worker stopping
+            self._observe(timing, first_at, emitted, "aborted")
             raise
         except Exception as e:  # the client hears about it, the worker goes on
             self._observe(timing, first_at, emitted, "error")

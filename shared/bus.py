@@ -34,7 +34,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from shared import schemas, tracing
+from shared import bus_auth, schemas, tracing
 from shared.schemas import ERROR_STATUS, Ack, ErrorReply, SchemaError
 from shared.settings import NatsSettings, Settings
 
@@ -100,6 +100,9 @@ def ssl_context(s: NatsSettings) -> ssl.SSLContext | None:
     return ctx
 
 
+_END = object()  # Subscription._read: the subscription ended
+
+
 class Subscription:
     """Decoded messages of one subject, in arrival order; an async iterator and context manager."""
 
@@ -119,7 +122,10 @@ class Subscription:
 
     async def _read(self) -> Any:
         while True:
-            msg = await self._it.__anext__()  # StopAsyncIteration when unsubscribed
+            try:
+                msg = await self._it.__anext__()
+            except StopAsyncIteration:  # unsubscribed, or the connection closed: the end, not an error
+                return _END
             try:
                 return schemas.decode(msg.data, self._expected)
             except SchemaError as e:
@@ -137,11 +143,17 @@ class Subscription:
         chunk lost once in thousands under load, the gateway then resumed a healthy request.)"""
         if self._next is None:
             self._next = asyncio.ensure_future(self._read())
+            # a read left pending by a timeout may fail with nobody waiting: mark its error seen
+            # (the next call still raises it) so asyncio does not log it at shutdown
+            self._next.add_done_callback(lambda f: f.cancelled() or f.exception())
         done, _ = await asyncio.wait({self._next}, timeout=timeout)
         if not done:
             raise BusError("timeout", f"no message on {self.subject} within {timeout}s")
         fut, self._next = self._next, None
-        return fut.result()
+        msg = fut.result()
+        if msg is _END:
+            raise StopAsyncIteration
+        return msg
 
     async def unsubscribe(self) -> None:
         if self._next is not None and not self._next.done():
@@ -174,8 +186,13 @@ class Bus:
 
     @classmethod
     async def connect(cls, settings: Settings | NatsSettings | None = None, *, url: str | None = None,
-                      name: str | None = None) -> "Bus":
-        """Connect with settings (url, credentials, TLS); reconnects forever once connected."""
+                      name: str | None = None, role: str | None = None) -> "Bus":
+        """Connect with settings (url, credentials, TLS); reconnects forever once connected.
+
+        ``role`` (a service name, or ``tap``; shared/bus_auth.py): without TANDEM_NATS_USER or
+        TOKEN, log in as that role with its entry of TANDEM_NATS_CREDS_FILE (when there is one),
+        and take replies on the role's own inbox prefix. Credentials count at connect time only.
+        """
         s = settings.nats if isinstance(settings, Settings) else (settings or NatsSettings())
         servers = [u.strip() for u in url.split(",")] if url else s.servers()
         if not servers:
@@ -189,10 +206,15 @@ class Bus:
             error_cb=bus._on_error, disconnected_cb=bus._on_disconnected,
             reconnected_cb=bus._on_reconnected,
         )
+        if role is not None:
+            role = bus_auth.role_of(role)
+            opts.update(inbox_prefix=bus_auth.inbox_prefix(role))
         if s.user is not None:
             opts.update(user=s.user, password=s.password)
-        if s.token is not None:
+        elif s.token is not None:
             opts.update(token=s.token)
+        elif role is not None and (login := bus_auth.role_login(s.creds_file, role)) is not None:
+            opts.update(user=login[0], password=login[1])
         ctx = ssl_context(s)
         if ctx is not None:
             opts.update(tls=ctx)

@@ -5,7 +5,8 @@
     srv = EmbeddedNats(); url = srv.start(); ...; srv.stop()
 
 Life cycle: find binary -> pick a free loopback port -> start ``-js -sd <tmpdir> -a 127.0.0.1
--p PORT`` -> wait until it accepts TCP -> ... -> SIGTERM (then kill) -> remove the store dir.
+-p PORT`` (with ``-c <file>`` when given a ``config``: `tandem up` passes its role users,
+shared/bus_auth.py) -> wait until it accepts TCP -> ... -> SIGTERM (then kill) -> remove the store dir.
 ``restart()`` starts a stopped (or dead) server again on the same address with the same store
 directory, so clients reconnect to it and JetStream state (streams, KV buckets) survives.
 """
@@ -56,7 +57,8 @@ class EmbeddedNats:
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None,
                  extra_args: list[str] | None = None, startup_timeout: float = 10.0,
-                 log_file: Path | None = None, store_dir: str | Path | None = None):
+                 log_file: Path | None = None, store_dir: str | Path | None = None,
+                 config: dict | None = None):
         self.host = host                          # bind address (loopback by default)
         self.port = port                          # None: a free port at start()
         self.extra_args = list(extra_args or [])  # e.g. ["--user", "u", "--pass", "p"]
@@ -65,6 +67,8 @@ class EmbeddedNats:
         self.name = ""                            # the server name it is started with (-n)
         self.store_dir: Path | None = Path(store_dir).expanduser() if store_dir else None
         self.keep_store = self.store_dir is not None  # a given store is the user's: never removed
+        self.config = config                      # server configuration (JSON is NATS config); None: flags only
+        self._config_file: Path | None = None     # where it is written (mode 0600) while the server lives
         self.proc: subprocess.Popen | None = None
         self._log_fh = None
 
@@ -106,7 +110,7 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.name = f"tandem-{uuid.uuid4().hex[:12]}"
         cmd = [str(binary), "-js", "-sd", str(self.store_dir), "-a", self.host,
-               "-p", str(self.port), "-n", self.name, *self.extra_args]
+               "-p", str(self.port), "-n", self.name, *self._config_args(), *self.extra_args]
         out = subprocess.DEVNULL
         if self.log_file is not None:
             self._log_fh = open(self.log_file, "ab")
@@ -134,6 +138,16 @@ class EmbeddedNats:
                                        f"{self.port} within {self.startup_timeout}s") from None
                 time.sleep(0.05)
         return self.url
+
+    def _config_args(self) -> list[str]:
+        if self.config is None:
+            return []
+        if self._config_file is None:  # it holds passwords: this user's only (mkstemp: 0600)
+            fd, path = tempfile.mkstemp(prefix="tandem-nats-", suffix=".conf")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.config, f)
+            self._config_file = Path(path)
+        return ["-c", str(self._config_file)]
 
     def _answers_as_ours(self) -> bool:
         """Whether the server on our port is this child (its INFO names it). A port taken
@@ -171,6 +185,9 @@ class EmbeddedNats:
         if self.store_dir is not None and remove_store and not self.keep_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
+        if self._config_file is not None and remove_store:
+            self._config_file.unlink(missing_ok=True)
+            self._config_file = None
 
     def exited(self) -> int | None:
         """The exit code of a server that died on its own (None: running, or never started)."""

@@ -41,6 +41,11 @@ class NatsSettings:
     user: str | None = _env("TANDEM_NATS_USER", None, "NATS user name (with TANDEM_NATS_PASSWORD)")
     password: str | None = _env("TANDEM_NATS_PASSWORD", None, "NATS password")
     token: str | None = _env("TANDEM_NATS_TOKEN", None, "NATS auth token (instead of user/password)")
+    creds_file: str | None = _env("TANDEM_NATS_CREDS_FILE", "~/.cache/tandem/nats.creds",
+                                  "the bus credentials of every service role (docs/security.md): each service "
+                                  "connects as its role unless TANDEM_NATS_USER/TOKEN is set; `tandem up` "
+                                  "creates it (mode 0600) and its embedded nats-server accepts only these; "
+                                  "empty: none")
     tls: bool = _env("TANDEM_NATS_TLS", False, "use TLS even with a nats:// URL")
     tls_ca: str | None = _env("TANDEM_NATS_TLS_CA", None, "CA bundle (PEM) to verify the server")
     tls_cert: str | None = _env("TANDEM_NATS_TLS_CERT", None, "client certificate (PEM), mutual TLS")

@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.test_stack import planned_workers, start_stack
+from tests.e2e.test_stack import bus_denials, planned_workers, start_stack
 
 SYSTEM = ("You are a careful assistant for a shipping company. Rules: answer briefly; cite the "
           "manifest line you used; never invent a port. Manifest: ") + " ".join(
@@ -74,6 +74,7 @@ def run_stack(nats_server, pool, fn, args=("--gpu-decode", "0"), stop=None):
     finally:
         rc = s.stop()
     assert rc == (-signal.SIGKILL if stop is kill_up else 0), s.tail()
+    assert not bus_denials(s)
     return out, [line for line in s.tail(400).splitlines() if "pool" in line.lower()]
 
 

@@ -17,19 +17,19 @@ import pytest
 from bench.serve import Server
 from shared import schemas, subjects, tracing
 from services.up import engines
-from shared.nats_server import EmbeddedNats, free_port
+from shared.nats_server import free_port
+from tests.e2e.conftest import secured_nats
+from tests.e2e.test_stack import bus_denials
 
 TID = "5c1ae3b1f0e2d4c6a8b9e0f1a2b3c4d5"
 SERVICES = ("router", "prefill", "cpu-decode")
 
 
 @pytest.fixture(scope="module")
-def nats_url():
-    server = EmbeddedNats()
-    try:
-        yield server.start()
-    finally:
-        server.stop()
+def nats_url(nats_creds):
+    """A server of this module's own (only its stack's messages), secured as `tandem up`'s."""
+    with secured_nats(nats_creds) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def stack(nats_url):
         yield s
     finally:
         assert s.stop() == 0, s.tail()
+        assert not bus_denials(s)
 
 
 async def _traced_request(url: str, nats_url: str) -> tuple[str, list]:

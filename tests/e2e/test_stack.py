@@ -36,6 +36,13 @@ def start_stack(nats_url: str | None, extra_args=(), env: dict | None = None) ->
     return Server("stack", [sys.executable, "-m", "services.cli", "up", *extra_args], env, port)
 
 
+def bus_denials(s: Server) -> list[str]:
+    """The stack's log lines where NATS refused a service something (a permission the feature
+    needs and its role lacks, shared/bus_auth.py): the feature then fails silently, or falls back."""
+    return [line for line in s.log if "permissions violation" in line.lower() or "authorization violation"
+            in line.lower() or "JetStream unavailable" in line]
+
+
 def planned_workers(extra_args=()) -> dict[str, int]:
     """Live workers per role (as /health lists them) that `tandem up extra_args` starts."""
     p = argparse.ArgumentParser()
@@ -60,6 +67,7 @@ def running_stack(nats_url: str | None, extra_args=(), env: dict | None = None, 
     finally:
         rc = s.stop()
         assert rc == 0, s.tail()
+        assert not bus_denials(s)
 
 
 @pytest.fixture(scope="module")
@@ -248,4 +256,5 @@ def test_embedded_nats_default(tmp_path):
         assert r.usage.completion_tokens == 4
     finally:
         assert s.stop() == 0
-    assert any("embedded NATS" in line for line in s.log)
+    assert any("embedded NATS accepts only the role credentials" in line for line in s.log)
+    assert not bus_denials(s)

@@ -34,7 +34,7 @@ def _compose() -> dict:
 
 def _tandem_blocks() -> dict[str, dict]:
     services = _compose()["services"]
-    return {name: block for name, block in services.items() if name != "nats"}
+    return {name: block for name, block in services.items() if name not in ("nats", "nats-auth")}
 
 
 def _serve_module():
@@ -92,7 +92,37 @@ def _tandem_exe() -> list[str]:
 
 def test_compose_names_nats_and_every_service():
     services = _compose()["services"]
-    assert set(services) == {"nats", *TANDEM_SERVICES}
+    assert set(services) == {"nats", "nats-auth", *TANDEM_SERVICES}
+
+
+def _mount(block: dict, volume: str) -> tuple[str, bool]:
+    """(where ``volume`` is mounted in ``block``, read only)."""
+    for v in block.get("volumes", []):
+        parts = str(v).split(":")
+        if parts[0] == volume:
+            return parts[1], parts[2:] == ["ro"]
+    raise AssertionError(f"{volume} not mounted: {block.get('volumes')}")
+
+
+def test_nats_accepts_only_the_role_credentials_every_service_reads():
+    """nats-auth writes the credentials and the server config once into its volume; NATS starts
+    after it with that config; every Tandem block reads its role's entry there, read only."""
+    doc = _compose()
+    auth, nats = doc["services"]["nats-auth"], doc["services"]["nats"]
+    assert "nats-auth" in doc["volumes"]
+    auth_dir, ro = _mount(auth, "nats-auth")
+    assert not ro
+    command = auth["command"]
+    assert command[:2] == ["tandem", "nats-auth"]
+    config = command[command.index("--config") + 1]
+    creds = _env_of(auth)["TANDEM_NATS_CREDS_FILE"]
+    assert os.path.dirname(config) == os.path.dirname(creds) == auth_dir
+    nats_dir, ro = _mount(nats, "nats-auth")
+    assert ro and nats["command"][nats["command"].index("-c") + 1] == f"{nats_dir}/{os.path.basename(config)}"
+    assert nats["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully"
+    for name, block in _tandem_blocks().items():
+        where, ro = _mount(block, "nats-auth")
+        assert ro and _env_of(block)["TANDEM_NATS_CREDS_FILE"] == f"{where}/{os.path.basename(creds)}", name
 
 
 def test_nats_runs_jetstream_with_a_volume_for_its_store():
