@@ -4,7 +4,12 @@
 #   docker build -t tandem-serve .                                   # CPU torch (default)
 #   docker build -t tandem-serve-cuda --build-arg TORCH_INDEX_URL= . # PyPI torch: the CUDA build
 #   docker run --rm -p 8000:8000 tandem-serve                        # whole stack, embedded NATS
-FROM python:3.11-slim
+#   podman build --build-arg BASE=localhost/tandem-base:bookworm ...  # no registry: scripts/compose-check
+#
+# BASE: any Debian-family image with Python 3.11 as `python` (with venv and ensurepip) and
+# useradd; the default is the official slim image.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 
 # Where torch==2.13.0 comes from. The default is PyTorch's CPU-only index (a few hundred MB);
 # empty means pip's default index, whose Linux wheel is the multi-GB CUDA build.

@@ -5,6 +5,10 @@
   load) — the ratio is the figure (target >= 5x);
 - codecs on the model's real KV: ratio, encode / decode MB/s, and for the lossy codec the
   perplexity of the tokens after the prefix with the decoded KV vs the exact KV;
+- the tiers (``--tiers-only``: just these): put / get MB/s of the directory tier and, with
+  ``--redis-url`` (default ``$TANDEM_POOL_REDIS_URL``), the Redis tier — the prefix's entries put
+  into a fresh store, then read back by a new pool on the same store (a restarted service:
+  index rebuilt, page cache warm), best of 3 — and the warm TTFT with the prefix loaded from each;
 - pool lookups/s;
 - transfers per path (tcp, tcp+zstd, shm, and rdma where ``nixl`` imports; frames tagged with a data-plane
   key as deployed, and plain tcp once more without one: the authentication's cost), each warmed up and timed
@@ -18,13 +22,15 @@
   (a colocated cpu-decode worker with all ``--threads``, a KV pool on a fresh directory) beside
   llama.cpp's in-process prefill of as many tokens on as many threads, then — the stack stopped
   with SIGTERM right after the reply, a new one started on the same pool directory — the warm
-  TTFT with the prefix read from the pool's disk tier. Only these rows; minutes.
+  TTFT with the prefix read from the pool's disk tier — and with ``--redis-url`` the same pair
+  again on the Redis tier alone (no disk tier). Only these rows; minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -52,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: torch's)")
     p.add_argument("--transfer-mb", type=int, default=64, help="payload per transfer, MiB (default 64)")
     p.add_argument("--transfers-only", action="store_true", help="only the data-plane transfers")
+    p.add_argument("--tiers-only", action="store_true", help="only the tier rows: TTFT cold vs warm from each "
+                   "tier, put / get MB/s of the directory and Redis tiers (lossless codec)")
+    p.add_argument("--redis-url", default=os.environ.get("TANDEM_POOL_REDIS_URL"),
+                   help="also measure a Redis tier there (default $TANDEM_POOL_REDIS_URL; unset: no Redis rows)")
     p.add_argument("--restart", action="store_true", help="only the stack rows: cold TTFT vs llama.cpp prefill, "
                    "warm TTFT after a full restart (prefix on the pool's disk tier)")
     p.add_argument("--stack-prompts", type=int, nargs="+", default=[2112, 8000],
@@ -99,7 +109,7 @@ def bench_ttft_and_codecs(args) -> list[dict]:
     shape = ChunkShape.from_layout(layout)
     chunk = 256 * engine.layout.token_bytes
     cold = min(first_token() for _ in range(2))
-    for name in (LOSSLESS, LOSSY):
+    for name in (LOSSLESS,) if args.tiers_only else (LOSSLESS, LOSSY):
         codec = Codec(name)
         scope = KeyScope(engine.model_identity, layout, 256, tenant=name)
         keys = chunk_keys(scope, ids[:args.prefix])
@@ -107,20 +117,23 @@ def bench_ttft_and_codecs(args) -> list[dict]:
         entries = [codec.encode(k, kv[i * chunk:(i + 1) * chunk], shape) for i, k in enumerate(keys)]
         t_dec = _best(lambda: [decode_entry(e) for e in entries], 2)
         size = sum(len(e) for e in entries)
-        row = {"bench": "codec", "codec": name, "ratio": len(kv) / size,
-               "encode_MBps": len(kv) / t_enc / 1e6, "decode_MBps": len(kv) / t_dec / 1e6}
-        decoded = b"".join(decode_entry(e) for e in entries)
-        tail = engine.prompt_logits(ids, prefix_kv=decoded).float()
-        targets = torch.tensor(ids[args.prefix + 1:])
-        row["ppl_after_prefix"] = float(torch.exp(torch.nn.functional.cross_entropy(tail[:-1], targets)))
-        rows.append(row)
-        with tempfile.TemporaryDirectory() as d:
-            for tier, cfg in (("ram", PoolConfig(ram_bytes=1 << 30)), ("disk", PoolConfig(ram_bytes=0, disk_dir=d))):
-                if name == LOSSY and tier == "disk":
-                    continue
+        if not args.tiers_only:
+            row = {"bench": "codec", "codec": name, "ratio": len(kv) / size,
+                   "encode_MBps": len(kv) / t_enc / 1e6, "decode_MBps": len(kv) / t_dec / 1e6}
+            decoded = b"".join(decode_entry(e) for e in entries)
+            tail = engine.prompt_logits(ids, prefix_kv=decoded).float()
+            targets = torch.tensor(ids[args.prefix + 1:])
+            row["ppl_after_prefix"] = float(torch.exp(torch.nn.functional.cross_entropy(tail[:-1], targets)))
+            rows.append(row)
+        for tier, cfg in _tier_configs(args, lossless=name == LOSSLESS):
+            with cfg as cfg:
                 pool = KVPool.from_config(cfg)
-                for k, e in zip(keys, entries):
-                    pool.put(k, e)
+                t_put = _timed(lambda: [pool.put(k, e) for k, e in zip(keys, entries)])
+                if tier != "ram":   # a new pool on the same store (a restarted service): reads, best of 3
+                    pool = KVPool.from_config(cfg)
+                    t_get = _best(lambda: [pool.get(k) for k in keys])
+                    rows.append({"bench": "tier", "tier": tier, "entries": len(keys), "MB": size / 1e6,
+                                 "put_MBps": size / t_put / 1e6, "get_MBps": size / t_get / 1e6})
 
                 def load(pool=pool, keys=keys):
                     return ids[:len(keys) * 256], bytearray(b"".join(decode_entry(pool.get(k), k) for k in keys))
@@ -128,11 +141,49 @@ def bench_ttft_and_codecs(args) -> list[dict]:
                 warm = min(first_token(load) for _ in range(3))
                 rows.append({"bench": "ttft", "codec": name, "tier": tier, "prefix": args.prefix,
                              "suffix": args.suffix, "cold_s": cold, "warm_s": warm, "speedup": cold / warm})
-                if name == LOSSLESS and tier == "ram":
+                if name == LOSSLESS and tier == "ram" and not args.tiers_only:
                     n = 20000
                     t = _best(lambda: [pool.lookup(keys) for _ in range(n // len(keys))], 1)
                     rows.append({"bench": "lookup", "keys_per_s": n / t, "lookups_per_s": n / len(keys) / t})
     return rows
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _dir_config():
+    with tempfile.TemporaryDirectory() as d:
+        yield PoolConfig(ram_bytes=0, disk_dir=d)
+
+
+@contextlib.contextmanager
+def _redis_config(url: str):
+    """A Redis tier under a prefix of its own, deleted after."""
+    import redis
+    cfg = PoolConfig(ram_bytes=0, redis_url=url, redis_prefix=f"tandem-bench:{os.getpid()}:{time.time_ns()}:")
+    try:
+        yield cfg
+    finally:
+        client = redis.Redis.from_url(url)
+        names = list(client.scan_iter(match=cfg.redis_prefix + "*"))
+        if names:
+            client.delete(*names)
+        client.close()
+
+
+def _tier_configs(args, lossless: bool):
+    """(tier, context manager of its PoolConfig) for the TTFT rows: RAM; with the lossless codec the
+    directory tier and, with --redis-url, Redis."""
+    out = [("ram", contextlib.nullcontext(PoolConfig(ram_bytes=1 << 30)))]
+    if lossless:
+        out.append(("disk", _dir_config()))
+        if args.redis_url:
+            out.append(("redis", _redis_config(args.redis_url)))
+    return out
 
 
 def _text_tokens(tokenizer, n: int) -> list[int]:
@@ -296,8 +347,8 @@ RESTART_STACK = ["--prefill", "0", "--gpu-decode", "0", "--cpu-decode", "1"]  # 
 RESTART_TARGETS = {2112: 20.0, 8000: 50.0}  # issue 20: warm after a restart vs cold, at 2K and 8K
 
 
-def _stack_ttft(prompt: list[int], pool_dir: str, threads: int) -> tuple[float, int, int]:
-    """A fresh stack on ``pool_dir``: (TTFT, cached prompt tokens, pool entries after it stopped) of
+def _stack_ttft(prompt: list[int], pool_env: dict, threads: int) -> tuple[float, int]:
+    """A fresh stack on the pool tiers ``pool_env`` names: (TTFT, cached prompt tokens) of
     ``prompt``, streamed; the stack gets SIGTERM as soon as the reply is complete. The warm
     path's stage timings (the worker's log lines) go to stderr."""
     import openai
@@ -306,7 +357,7 @@ def _stack_ttft(prompt: list[int], pool_dir: str, threads: int) -> tuple[float, 
     from shared.nats_server import free_port
 
     port = free_port()
-    env = dict(bench_env(threads), TANDEM_PORT=str(port), TANDEM_POOL_DIR=pool_dir, TANDEM_KV_BUDGET_MB="512")
+    env = dict(bench_env(threads), TANDEM_PORT=str(port), TANDEM_KV_BUDGET_MB="512", **pool_env)
     server = Server("stack", [sys.executable, "-m", "services.cli", "up", *RESTART_STACK], env, port)
     try:
         server.wait_workers({"cpu-decode": 1, "router": 1})
@@ -324,12 +375,28 @@ def _stack_ttft(prompt: list[int], pool_dir: str, threads: int) -> tuple[float, 
     if first is None or rc != 0:
         raise RuntimeError(f"stack run failed (exit {rc}):\n{server.tail()}")
     sys.stderr.writelines(line for line in server.log if "prefix tokens (" in line or "KV blocks in" in line)
-    return first, cached, sum(f.endswith(".kvp") for _, _, fs in os.walk(pool_dir) for f in fs)
+    return first, cached
+
+
+@contextlib.contextmanager
+def _stack_pools(args):
+    """(tier, the stack's pool environment, entries()) per tier the restart rows use: the disk tier;
+    with --redis-url, the Redis tier alone (no disk tier), under a prefix of its own."""
+    with tempfile.TemporaryDirectory() as d, _redis_config(args.redis_url) if args.redis_url else \
+            contextlib.nullcontext() as rcfg:
+        out = [("disk", {"TANDEM_POOL_DIR": d}, lambda: sum(f.endswith(".kvp") for _, _, fs in os.walk(d) for f in fs))]
+        if rcfg is not None:
+            import redis
+            client = redis.Redis.from_url(args.redis_url)
+            out.append(("redis", {"TANDEM_POOL_DIR": "", "TANDEM_POOL_REDIS_URL": args.redis_url,
+                                  "TANDEM_POOL_REDIS_PREFIX": rcfg.redis_prefix},
+                        lambda: sum(1 for _ in client.scan_iter(match=rcfg.redis_prefix + "*"))))
+        yield out
 
 
 def bench_restart(args) -> list[dict]:
     """Per prompt length: stack cold TTFT vs llama.cpp in-process prefill; warm TTFT after a full
-    restart with the prefix on the pool's disk tier."""
+    restart with the prefix on the pool's disk tier (and, with --redis-url, on its Redis tier alone)."""
     from bench import llamacpp
     from bench.kernels import q4_0_gguf
     from shared.engine.loader import load_tokenizer
@@ -339,17 +406,20 @@ def bench_restart(args) -> list[dict]:
     rows = []
     for n in args.stack_prompts:
         ids = _text_tokens(tokenizer, n)
-        with tempfile.TemporaryDirectory() as d:
-            cold, cached_cold, stored = _stack_ttft(ids, d, threads)
-            warm, cached_warm, _ = _stack_ttft(ids, d, threads)
         pp = llamacpp.run(q4_0_gguf(None), threads, 2, 1, n, 1, 8, 1)["pp"]
         llama = n / pp
-        rows.append({"bench": "restart", "prompt": n, "threads": threads, "stack_cold_s": cold,
-                     "llama_cpp_prefill_s": llama, "vs_llama_cpp": llama / cold, "entries": stored,
-                     "cached_warm": cached_warm, "warm_after_restart_s": warm, "cold_over_warm": cold / warm,
-                     "target": RESTART_TARGETS.get(n, float("nan"))})
-        if cached_cold or cached_warm < (n - 1) // 256 * 256:
-            raise RuntimeError(f"{n} tokens: cached {cached_cold} cold / {cached_warm} warm: not a pool restart run")
+        with _stack_pools(args) as pools:
+            for tier, env, entries in pools:
+                cold, cached_cold = _stack_ttft(ids, env, threads)
+                stored = entries()
+                warm, cached_warm = _stack_ttft(ids, env, threads)
+                rows.append({"bench": "restart", "tier": tier, "prompt": n, "threads": threads, "stack_cold_s": cold,
+                             "llama_cpp_prefill_s": llama, "vs_llama_cpp": llama / cold, "entries": stored,
+                             "cached_warm": cached_warm, "warm_after_restart_s": warm, "cold_over_warm": cold / warm,
+                             "target": RESTART_TARGETS.get(n, float("nan"))})
+                if cached_cold or cached_warm < (n - 1) // 256 * 256:
+                    raise RuntimeError(f"{n} tokens, {tier} tier: cached {cached_cold} cold / {cached_warm} warm: "
+                                       "not a pool restart run")
     return rows
 
 
@@ -357,7 +427,7 @@ def main(args: argparse.Namespace) -> int:
     if args.restart:
         rows = _print(bench_restart(args))
     else:
-        rows = _print(asyncio.run(_transfers(args.transfer_mb * MiB)))
+        rows = [] if args.tiers_only else _print(asyncio.run(_transfers(args.transfer_mb * MiB)))
         if not args.transfers_only:
             rows += _print(bench_ttft_and_codecs(args))
     if args.json:

@@ -1,4 +1,5 @@
-"""The pool: entries by chunk key over a list of tiers, fastest first (RAM → NVMe → shared).
+"""The pool: entries by chunk key over a list of tiers, fastest first (RAM → NVMe → shared
+directory → Redis).
 
 - ``lookup(keys)``: how many leading keys are stored, and in which tier each one is;
 - ``get(key)``: the entry from the fastest tier that has it (a hit in a slower tier is copied
@@ -19,7 +20,7 @@ from typing import Callable
 
 from kvpool.codec import CorruptEntry, verify_entry
 from kvpool.keys import check_key
-from kvpool.store import DirTier, MemoryTier, Tier
+from kvpool.store import DirTier, MemoryTier, RedisTier, Tier
 
 log = logging.getLogger("tandem.kvpool")
 
@@ -31,12 +32,17 @@ class PoolConfig:
     disk_bytes: int = 64 << 30
     shared_dir: str | None = None       # shared filesystem directory (None: none)
     shared_bytes: int = 256 << 30
+    redis_url: str | None = None        # Redis server every node shares (None: none)
+    redis_bytes: int = 16 << 30
+    redis_prefix: str = "tandem:kvpool:"
 
     def validate(self) -> "PoolConfig":
-        if self.ram_bytes < 0 or self.disk_bytes < 0 or self.shared_bytes < 0:
+        if min(self.ram_bytes, self.disk_bytes, self.shared_bytes, self.redis_bytes) < 0:
             raise ValueError("pool tier capacities must be >= 0")
-        if self.ram_bytes == 0 and not self.disk_dir and not self.shared_dir:
-            raise ValueError("the pool needs at least one tier (RAM bytes > 0, a disk or a shared directory)")
+        if self.ram_bytes == 0 and not self.disk_dir and not self.shared_dir and not self.redis_url:
+            raise ValueError("the pool needs at least one tier (RAM bytes > 0, a disk or a shared directory, Redis)")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"the pool's Redis URL must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.disk_dir and self.shared_dir and os.path.abspath(self.disk_dir) == os.path.abspath(self.shared_dir):
             raise ValueError("the disk and shared pool directories must differ")
         return self
@@ -62,6 +68,8 @@ class KVPool:
             tiers.append(DirTier(cfg.disk_dir, cfg.disk_bytes, "disk"))
         if cfg.shared_dir:
             tiers.append(DirTier(cfg.shared_dir, cfg.shared_bytes, "shared", shared=True))
+        if cfg.redis_url:
+            tiers.append(RedisTier(cfg.redis_url, cfg.redis_bytes, prefix=cfg.redis_prefix))
         return cls(tiers, on_event)
 
     def lookup(self, keys: list[str]) -> list[str]:

@@ -1,4 +1,5 @@
-"""Storage tiers for pool entries: RAM (LRU, bounded bytes) and directories (local NVMe, shared).
+"""Storage tiers for pool entries: RAM (LRU, bounded bytes), directories (local NVMe, shared) and
+Redis (a networked store every node shares).
 
 Every tier holds whole entries (``kvpool.codec``) under their key and has a byte capacity;
 putting past it evicts the least recently used entries (``on_evict(tier, key)`` hears of it).
@@ -11,6 +12,14 @@ size do not check out are removed then, and an entry whose checksum fails when r
 and reported as a miss. A full disk (or any write error) is logged and the put is skipped:
 serving goes on. A ``shared`` tier (NFS or any shared filesystem) also looks on disk for keys
 missing from its index, since other nodes write there too.
+
+``RedisTier`` (the optional extra ``tandem-serve[redis]``): one Redis value per entry under
+``<prefix><key>``; a SET is atomic (a reader sees the whole entry or none) and the stored bytes
+are the entry as it is, header, checksum and MAC included. Always shared: every pool copy that
+names the same server and prefix sees the others' entries. Its index is rebuilt at start by
+scanning the prefix (headers checked, broken values deleted, least recently used first), so the
+tier survives a restart of every Tandem service. A server that is down or refuses a write (its
+``maxmemory``) is logged and treated as a miss / a skipped put: serving goes on.
 """
 
 from __future__ import annotations
@@ -66,7 +75,13 @@ class Tier(abc.ABC):
         """Put the entry's bytes in place (room is made); False on failure."""
 
     @abc.abstractmethod
-    def contains(self, key: str) -> bool: ...
+    def contains(self, key: str) -> bool:
+        """The tier has ``key`` (a shared tier also asks its store: I/O)."""
+
+    def holds(self, key: str) -> bool:
+        """``key`` is in this tier's index (no I/O: safe on an event loop)."""
+        with self._lock:
+            return key in self._index
 
     @abc.abstractmethod
     def remove(self, key: str) -> None: ...
@@ -107,6 +122,22 @@ class Tier(abc.ABC):
 
     def _drop(self, key: str) -> None:
         """Free an evicted entry's storage."""
+
+    def _hit(self, key: str, nbytes: int) -> None:
+        """A read found ``key`` (perhaps written by another node): indexed, now most recent."""
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = nbytes
+                self.used += nbytes
+            self._index.move_to_end(key)
+        self.hits += 1
+
+    def _forget(self, key: str) -> None:
+        """Drop ``key`` from the index (its storage is gone or going)."""
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.used -= size
 
 
 class MemoryTier(Tier):
@@ -214,12 +245,7 @@ class DirTier(Tier):
             self.misses += 1
             self.remove(key)
             return None
-        with self._lock:
-            if key not in self._index:
-                self._index[key] = len(entry)
-                self.used += len(entry)
-            self._index.move_to_end(key)
-        self.hits += 1
+        self._hit(key, len(entry))
         return entry
 
     def _write(self, key: str, entry: bytes) -> bool:
@@ -254,14 +280,125 @@ class DirTier(Tier):
         self._forget(key)
         _unlink(self.path(key))
 
-    def _forget(self, key: str) -> None:
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self.used -= size
-
     def _drop(self, key: str) -> None:
         _unlink(self.path(key))
+
+
+class RedisTier(Tier):
+    """Entries in a Redis server (``redis://[:password@]host:port/db``, ``rediss://`` for TLS)."""
+
+    def __init__(self, url: str, capacity: int, name: str = "redis", prefix: str = "tandem:kvpool:",
+                 timeout: float = 5.0):
+        super().__init__()
+        try:
+            import redis
+        except ImportError as e:
+            raise RuntimeError("the Redis pool tier needs redis-py: pip install 'tandem-serve[redis]'") from e
+        self._errors = redis.RedisError
+        self.name, self.capacity, self.prefix = name, capacity, prefix
+        self.shared = True
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.where = _redacted(url)
+        self._index: OrderedDict[str, int] = OrderedDict()   # key -> value size, LRU first
+        self.rebuild()
+
+    def rkey(self, key: str) -> str:
+        return self.prefix + key
+
+    def rebuild(self) -> None:
+        """Index every valid entry under the prefix (least recently used first); delete broken ones."""
+        found: list[tuple[int, str, int]] = []
+        try:
+            names = [n.decode() for n in self.client.scan_iter(match=self.prefix + "*", count=1000)]
+            for i in range(0, len(names), 256):
+                batch = names[i:i + 256]
+                pipe = self.client.pipeline(transaction=False)
+                for n in batch:
+                    pipe.getrange(n, 0, HEADER.size - 1)
+                    pipe.strlen(n)
+                    pipe.object("idletime", n)
+                res = pipe.execute(raise_on_error=False)
+                for j, n in enumerate(batch):
+                    head, size, idle = res[3 * j: 3 * j + 3]
+                    if isinstance(head, Exception) or not size:
+                        continue  # removed meanwhile (another node)
+                    key = n[len(self.prefix):]
+                    try:
+                        got_key, _, _, total = entry_info(head)
+                        if got_key != key or total != size:
+                            raise CorruptEntry(f"header says {total} bytes for key {got_key[:16]}…")
+                    except CorruptEntry as e:
+                        log.warning("%s tier: removing broken entry %s: %s", self.name, n, e)
+                        self.corrupt += 1
+                        self.client.delete(n)
+                        continue
+                    found.append((-(idle if isinstance(idle, int) else 0), key, size))
+        except self._errors as e:
+            log.warning("%s tier %s: cannot read the server's entries (%s): starting with an empty index; "
+                        "entries there are still found when asked for", self.name, self.where, e)
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((k, n) for _, k, n in found)
+            self.used = sum(n for _, _, n in found)
+            self._evict_for(0)
+        log.info("%s tier %s: %d entries, %.1f MiB", self.name, self.where, len(self._index), self.used / 2**20)
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            entry = self.client.get(self.rkey(key))
+        except self._errors as e:
+            log.warning("%s tier %s: cannot read %s (%s): treated as a miss", self.name, self.where, key[:16], e)
+            self.misses += 1
+            return None
+        if entry is None:
+            self._forget(key)
+            self.misses += 1
+            return None
+        try:
+            verify_entry(entry, key)
+        except CorruptEntry as e:
+            log.warning("%s tier: entry %s unusable (%s): removed, treated as a miss", self.name, key[:16], e)
+            self.corrupt += 1
+            self.misses += 1
+            self.remove(key)
+            return None
+        self._hit(key, len(entry))
+        return entry
+
+    def _write(self, key: str, entry: bytes) -> bool:
+        try:
+            self.client.set(self.rkey(key), entry)
+        except self._errors as e:
+            self.write_errors += 1
+            log.warning("%s tier %s: cannot store %s: %s (serving goes on)", self.name, self.where, key[:16], e)
+            return False
+        return True
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            if key in self._index:
+                return True
+        try:
+            return bool(self.client.exists(self.rkey(key)))
+        except self._errors:
+            return False
+
+    def remove(self, key: str) -> None:
+        self._forget(key)
+        self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        try:
+            self.client.delete(self.rkey(key))
+        except self._errors as e:
+            log.warning("%s tier %s: cannot delete %s: %s", self.name, self.where, key[:16], e)
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password (for logs)."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}"
 
 
 def _write_all(fd: int, data) -> None:

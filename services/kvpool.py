@@ -188,13 +188,14 @@ class PoolService:
             self._loop.call_soon_threadsafe(self._changed, kind, keys)
 
     def _changed(self, kind: str, keys: list[str]) -> None:
-        """A chunk stored anywhere is held; one evicted from a tier only once no tier has it."""
+        """A chunk stored anywhere is held; one evicted from a tier only once no tier indexes it
+        (the index only: this runs on the event loop, a shared tier's store is a network away)."""
         if self.events is None:
             return
         if kind == "stored":
             self.events.add(stored=keys)
         else:
-            self.events.add(evicted=[k for k in keys if not any(t.contains(k) for t in self.pool.tiers)])
+            self.events.add(evicted=[k for k in keys if not any(t.holds(k) for t in self.pool.tiers)])
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()

@@ -274,6 +274,11 @@ class PoolSettings:
     shared_dir: str | None = _env("TANDEM_POOL_SHARED_DIR", None,
                                   "pool shared-filesystem tier directory (NFS...); unset: none")
     shared_gb: float = _env("TANDEM_POOL_SHARED_GB", 256.0, "pool shared tier capacity, GiB")
+    redis_url: str | None = _env("TANDEM_POOL_REDIS_URL", None, "pool Redis tier every node shares "
+                                 "(redis://[:password@]host:port/db, rediss:// for TLS; needs tandem-serve[redis]); "
+                                 "unset: none")
+    redis_gb: float = _env("TANDEM_POOL_REDIS_GB", 16.0, "pool Redis tier capacity, GiB")
+    redis_prefix: str = _env("TANDEM_POOL_REDIS_PREFIX", "tandem:kvpool:", "prefix of the pool's Redis keys")
     codec: str = _env("TANDEM_POOL_CODEC", "shuffle-zstd",
                       "chunk codec: shuffle-zstd (lossless) or int8-zstd (lossy, opt-in)")
     chunk_tokens: int = _env("TANDEM_POOL_CHUNK_TOKENS", 256, "tokens per pool chunk (a multiple of the block size)")
@@ -295,8 +300,9 @@ class PoolSettings:
         from kvpool.codec import CODECS
         if self.codec not in CODECS:
             raise ValueError(f"TANDEM_POOL_CODEC must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        if self.ram_mb < 0 or self.disk_gb < 0 or self.shared_gb < 0:
-            raise ValueError("TANDEM_POOL_RAM_MB, TANDEM_POOL_DISK_GB and TANDEM_POOL_SHARED_GB must be >= 0")
+        if min(self.ram_mb, self.disk_gb, self.shared_gb, self.redis_gb) < 0:
+            raise ValueError("TANDEM_POOL_RAM_MB, TANDEM_POOL_DISK_GB, TANDEM_POOL_SHARED_GB and "
+                             "TANDEM_POOL_REDIS_GB must be >= 0")
         if self.chunk_tokens < 1 or self.timeout <= 0 or self.backoff_s < 0 or self.drain_s < 0:
             raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0, "
                              "TANDEM_POOL_BACKOFF_S >= 0 and TANDEM_POOL_DRAIN_S >= 0")
@@ -311,7 +317,9 @@ class PoolSettings:
         return PoolConfig(ram_bytes=self.ram_mb << 20,
                           disk_dir=os.path.expanduser(self.dir) if self.dir else None,
                           disk_bytes=int(self.disk_gb * 2**30),
-                          shared_dir=self.shared_dir, shared_bytes=int(self.shared_gb * 2**30)).validate()
+                          shared_dir=self.shared_dir, shared_bytes=int(self.shared_gb * 2**30),
+                          redis_url=self.redis_url or None, redis_bytes=int(self.redis_gb * 2**30),
+                          redis_prefix=self.redis_prefix).validate()
 
 
 # the sampling parameters TANDEM_GENERATION_DEFAULTS may set, with their types

@@ -1,7 +1,8 @@
 """The KV pool through the whole stack: `tandem up` with a kvpool service, the official openai
-client over HTTP. A long prompt's chunks are written back to the pool's disk tier; after a
-restart of the whole stack (the workers' own prefix caches are gone) the same prompt reuses
-them: >= 1,024 cached prompt tokens and the same greedy output."""
+client over HTTP. A long prompt's chunks are written back to the pool's disk tier (or its Redis
+tier, with no disk tier); after a restart of the whole stack (the workers' own prefix caches and
+the pool's RAM tier are gone) the same prompt reuses them: >= 1,024 cached prompt tokens and the
+same greedy output."""
 
 from __future__ import annotations
 
@@ -29,10 +30,41 @@ def chat(client: openai.OpenAI):
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
 
 
-def run_stack(nats_server, pool_dir: str, fn, args=("--gpu-decode", "0"), stop=None):
-    """Run ``fn(client)`` against a fresh stack, then stop it: SIGTERM to `tandem up`, after
-    ``stop(server)`` when given. Returns (fn's result, the stack's pool log lines)."""
-    env = {"TANDEM_POOL_DIR": pool_dir, "TANDEM_POOL_TIMEOUT": "60"}  # a loaded CI machine is slow
+class DirPool:
+    """The pool's disk tier in a directory."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.env = {"TANDEM_POOL_DIR": root}
+
+    def entries(self) -> int:
+        return sum(f.endswith(".kvp") for _, _, fs in os.walk(self.root) for f in fs)
+
+    def close(self) -> None:
+        pass
+
+
+class RedisPool:
+    """The pool's Redis tier only (no disk tier), under a key prefix of its own."""
+
+    def __init__(self):
+        from tests.integration.test_pool_tiers import REDIS_URL, RedisStore
+        self.store = RedisStore(None)
+        self.env = {"TANDEM_POOL_DIR": "", "TANDEM_POOL_REDIS_URL": REDIS_URL,
+                    "TANDEM_POOL_REDIS_PREFIX": self.store.prefix}
+
+    def entries(self) -> int:
+        return self.store.count()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def run_stack(nats_server, pool, fn, args=("--gpu-decode", "0"), stop=None):
+    """Run ``fn(client)`` against a fresh stack on ``pool`` (a DirPool / RedisPool), then stop it:
+    SIGTERM to `tandem up`, after ``stop(server)`` when given. Returns (fn's result, the stack's
+    pool log lines)."""
+    env = dict(pool.env, TANDEM_POOL_TIMEOUT="60")  # a loaded CI machine is slow
     s = start_stack(nats_server, args, env)
     try:
         s.wait_workers(planned_workers(args), 300)
@@ -46,27 +78,35 @@ def run_stack(nats_server, pool_dir: str, fn, args=("--gpu-decode", "0"), stop=N
     return out, [line for line in s.tail(400).splitlines() if "pool" in line.lower()]
 
 
-def entries(pool_dir: str) -> int:
-    return sum(f.endswith(".kvp") for _, _, fs in os.walk(pool_dir) for f in fs)
+@pytest.fixture
+def dir_pool(tmp_path):
+    return DirPool(str(tmp_path / "pool"))
+
+
+@pytest.fixture(params=["disk", "redis"])
+def pool(request, tmp_path):
+    p = DirPool(str(tmp_path / "pool")) if request.param == "disk" else RedisPool()
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 @pytest.mark.slow  # two stack start-ups and two long prefills: minutes on a loaded 2-core machine
-def test_second_request_reuses_pool_prefix_after_restart(nats_server, tmp_path):
-    pool_dir = str(tmp_path / "pool")
-
+def test_second_request_reuses_pool_prefix_after_restart(nats_server, pool):
     def cold(client):
         r = chat(client)
         deadline = time.monotonic() + 60
-        while entries(pool_dir) < 4 and time.monotonic() < deadline:  # write-back is in the background
+        while pool.entries() < 4 and time.monotonic() < deadline:  # write-back is in the background
             time.sleep(0.2)
         return r
 
-    first, _ = run_stack(nats_server, pool_dir, cold)
+    first, _ = run_stack(nats_server, pool, cold)
     assert first.usage.prompt_tokens >= 1100, first.usage
-    assert entries(pool_dir) >= 4, "the prompt's chunks were not written back to the pool"
+    assert pool.entries() >= 4, "the prompt's chunks were not written back to the pool"
     assert first.usage.prompt_tokens_details.cached_tokens < 1024
 
-    second, log = run_stack(nats_server, pool_dir, chat)  # a fresh stack: only the pool remembers
+    second, log = run_stack(nats_server, pool, chat)  # a fresh stack: only the pool remembers
     assert second.usage.prompt_tokens == first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= 1024, "\n".join(log)
     assert second.choices[0].message.content == first.choices[0].message.content
@@ -108,15 +148,15 @@ def kill_up(s) -> None:
     pytest.param(None, id="sigterm-up", marks=pytest.mark.slow),
     pytest.param(sigterm_every_process, id="sigterm-every-process"),  # the one that lost it: default run
     pytest.param(kill_up, id="kill-9-up", marks=pytest.mark.slow)])
-def test_write_back_pending_at_shutdown_is_kept(nats_server, tmp_path, stop):
+def test_write_back_pending_at_shutdown_is_kept(nats_server, dir_pool, stop):
     """The stack stopped the moment the reply came, while the write-back of the prompt's chunks
     was still pending (a colocated worker writes back when the request finishes): the worker
     drains it into the pool, which takes it before exiting; the next stack reuses it."""
-    pool_dir, args = str(tmp_path / "pool"), ("--prefill", "0", "--gpu-decode", "0")
-    first, log = run_stack(nats_server, pool_dir, chat, args, stop)
+    args = ("--prefill", "0", "--gpu-decode", "0")
+    first, log = run_stack(nats_server, dir_pool, chat, args, stop)
     assert first.usage.prompt_tokens >= 1100, first.usage
-    assert entries(pool_dir) >= 4, "the pending write-back was dropped at shutdown:\n" + "\n".join(log)
+    assert dir_pool.entries() >= 4, "the pending write-back was dropped at shutdown:\n" + "\n".join(log)
 
-    second, log = run_stack(nats_server, pool_dir, chat, args)
+    second, log = run_stack(nats_server, dir_pool, chat, args)
     assert second.usage.prompt_tokens_details.cached_tokens >= 1024, "\n".join(log)
     assert second.choices[0].message.content == first.choices[0].message.content

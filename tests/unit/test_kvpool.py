@@ -1,10 +1,10 @@
-"""KV pool core: keys, codecs, tiers, atomic writes, restart, corruption, two writers, disk full."""
+"""KV pool core: keys, codecs, tiers, atomic writes, restart, corruption, disk full (the shared tiers:
+tests/integration/test_pool_tiers.py)."""
 
 from __future__ import annotations
 
 import errno
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -182,38 +182,6 @@ def test_truncated_file_removed_at_restart(tmp_path):
         f.truncate(50)
     again = DirTier(str(tmp_path), capacity=10 << 20)
     assert len(again) == 1 and again.contains(KEYS[0]) and not os.path.exists(t.path(KEYS[1]))
-
-
-def test_two_writers_of_the_same_chunk(tmp_path):
-    """Two pools (two nodes) on one shared directory write the same chunk at once."""
-    pools = [KVPool.from_config(PoolConfig(ram_bytes=0, shared_dir=str(tmp_path))) for _ in range(2)]
-    e = entry(KEYS[0])
-    barrier = threading.Barrier(8)
-    results = []
-
-    def write(pool):
-        barrier.wait()
-        results.append(pool.put(KEYS[0], e))
-
-    threads = [threading.Thread(target=write, args=(pools[i % 2],)) for i in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert all(r == ["shared"] for r in results)
-    files = [f for _, _, fs in os.walk(tmp_path) for f in fs]
-    assert files == [KEYS[0] + ".kvp"]  # one complete file, no temp files left
-    for pool in pools:
-        assert pool.get(KEYS[0]) == e
-
-
-def test_shared_tier_sees_other_nodes_entries(tmp_path):
-    a = KVPool.from_config(PoolConfig(ram_bytes=1 << 20, shared_dir=str(tmp_path)))
-    b = KVPool.from_config(PoolConfig(ram_bytes=1 << 20, shared_dir=str(tmp_path)))
-    a.put(KEYS[0], entry(KEYS[0]))
-    assert b.lookup(KEYS[:2]) == ["shared"]
-    assert b.get(KEYS[0]) == entry(KEYS[0])
-    assert b.lookup(KEYS[:1]) == ["ram"]  # promoted
 
 
 def test_disk_full_is_logged_and_serving_goes_on(tmp_path, monkeypatch, caplog):
