@@ -178,10 +178,12 @@ class EngineWorker:
     # ---- where a request is, who still wants it ----------------------------------------
     async def where(self, req: Where) -> WhereReply:
         """Does this worker hold the request (or where did it send it)? The gateway asks when a
-        stream goes quiet; no responders tells it this worker is gone."""
+        stream goes quiet; no responders tells it this worker is gone. A request being moved is
+        still held here until the target has it (a failed move goes on here): a quiet stream
+        during a slow move is not a lost one."""
         held = self.held.get(req.request_id)
         handed = self.handed.get(req.request_id)
-        return WhereReply(worker=self.worker_id, holds=held is not None and req.request_id not in self.moving,
+        return WhereReply(worker=self.worker_id, holds=held is not None,
                           handed_to=handed[0] if handed and held is None else "", ready=self.ready(),
                           attempt=held.attempt if held else 0)
 
