@@ -154,10 +154,26 @@ async def _watch_streams(url: str, seen: dict, stop: asyncio.Event) -> None:
     await nc.close()
 
 
+async def _prefill_idle(url: str) -> None:
+    """Until the prefill worker has sent two heartbeats in a row holding no request: the router no
+    longer counts an earlier test's request there (a short interactive prompt skips a prefill
+    worker that holds worse-tier work)."""
+    nc = await nats.connect(url)
+    sub = await nc.subscribe("tandem.heartbeat.prefill.*")
+    quiet = 0
+    async with asyncio.timeout(120):   # only catches a hang
+        async for msg in sub.messages:
+            quiet = 0 if json.loads(msg.data)["requests"] else quiet + 1
+            if quiet == 2:
+                break
+    await nc.close()
+
+
 def test_tiers_land_on_gpu_and_cpu_decode(stack, nats_server, model_name):
     seen: dict[str, set] = {}
 
     async def go():
+        await _prefill_idle(nats_server)
         stop = asyncio.Event()
         watcher = asyncio.create_task(_watch_streams(nats_server, seen, stop))
         await asyncio.sleep(0.3)
