@@ -192,7 +192,8 @@ class Router:
             session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=[], router=self.worker_id,
             owner=upd.owner))
         done = await self._run_moves(moves)
-        running = [rid for w in self.workers.values() for rid, sid, _ in w.held() if sid == upd.session_id]
+        running = list(dict.fromkeys(rid for w in self.workers.values() for rid, sid, _ in w.held()
+                                     if sid == upd.session_id))   # a prompt's prefill and decode worker both count it
         log.info("session %s -> %s: %d request(s) moved", upd.session_id, upd.tier, len(done))
         return SessionState(session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=running,
                             moved=done, reason=f"tier {upd.tier}", router=self.worker_id, owner=upd.owner)
