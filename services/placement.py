@@ -23,8 +23,12 @@ Policies:
   worker of either pool (the baseline the tiers are measured against).
 - ``round-robin``: every decode worker in turn (the replicated topology: N plain replicas).
 Prefill: none when the decode worker already holds all but the last partial chunk of the
-prompt; else a prefill worker when one is live (GPU first, then cache overlap, then load) and
-the decode worker has a data plane; else the decode worker prefills.
+prompt; none for a short interactive prompt bound for gpu-decode when every prefill worker
+holds worse-tier work (``Limits.local_prefill_tokens``: a prompt that arrives while a prefill
+worker's batch step runs waits for that step, and a batch-only step runs at the batch priority —
+docs/routing.md); else a prefill worker when one is live (GPU first, then one without worse-tier
+work, then cache overlap, then load) and the decode worker has a data plane; else the decode
+worker prefills.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class Limits:
     queue: dict[str, int] = field(default_factory=lambda: {"interactive": 64, "standard": 256, "batch": 1024})
     pressure_free: float = 0.1    # gpu-decode below this free-KV fraction demotes batch/standard work
     session_idle_s: float = 300.0  # a session's tier override lapses after this long idle
+    local_prefill_tokens: int = 256  # an interactive prompt of at most this many uncached tokens
+                                     # skips prefill workers busy with worse tiers (0: never)
 
 
 @dataclass
@@ -97,6 +103,12 @@ class WorkerView:
     def held(self) -> list:
         """The requests this worker holds: its heartbeat's, and those routed here since."""
         return self.beat.requests + [r[:3] for r in self.routed]
+
+    def holds_worse_than(self, tier: str) -> bool:
+        """Holds (or was just sent) a request of a worse tier than ``tier``: a prompt of ``tier``
+        that arrives may find that request's step in flight."""
+        mine = Tier(tier).priority
+        return any(Tier(t).priority > mine for _, _, t in self.held())
 
     def waiting(self, tier: str) -> int:
         return self.beat.waiting_by_tier.get(tier, 0) + self.pending.get(tier, 0)
@@ -227,11 +239,17 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
     prefills = [w for w in workers if w.alive(now) and w.role == subjects.PREFILL
                 and w.beat.max_context >= req.num_prompt_tokens + 1]
     prefill = None
+    uncached = req.num_prompt_tokens - max(have, cached.get(POOL, 0))
     if req.num_prompt_tokens - have < chunk_tokens and have > 0:
         why += f"; decode worker holds {have} prefix tokens, no prefill"
+    elif (policy == "sla" and tier == "interactive" and decode.role == subjects.GPU_DECODE and prefills
+          and 0 < uncached <= limits.local_prefill_tokens and all(w.holds_worse_than(tier) for w in prefills)):
+        # its prompt would wait for a worse tier's prefill step in flight there (a batch-only step
+        # runs at the batch priority); the interactive pool runs worse tiers only in short slices
+        why += f"; prefill workers busy with worse tiers, decode worker prefills {uncached} tokens"
     elif prefills and decode.beat.data_port:
-        prefill = min(prefills, key=lambda w: (not w.beat.device.startswith("cuda"), -cached.get(w.id, 0),
-                                               w.load(), w.id))
+        prefill = min(prefills, key=lambda w: (not w.beat.device.startswith("cuda"), w.holds_worse_than(tier),
+                                               -cached.get(w.id, 0), w.load(), w.id))
         have = cached.get(prefill.id, 0)
         why += f"; prefill on {prefill.id} ({prefill.beat.device})"
     else:

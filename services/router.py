@@ -44,7 +44,8 @@ class Router:
         self.worker_id = settings.worker.resolved_worker_id(subjects.ROUTER)
         self.policy = rs.policy
         self.limits = Limits(queue={str(t): rs.queue_limit(t) for t in Tier},
-                             pressure_free=rs.pressure_free, session_idle_s=rs.session_idle_s)
+                             pressure_free=rs.pressure_free, session_idle_s=rs.session_idle_s,
+                             local_prefill_tokens=rs.local_prefill_tokens)
         self.workers: dict[str, WorkerView] = {}
         self.sessions: dict[str, SessionView] = {}
         self.moving: set[str] = set()                # request ids being migrated now
@@ -134,9 +135,10 @@ class Router:
 
     def _apply(self, plan: RoutePlan, now: float) -> None:
         """A decision (ours or another copy's): the load it adds, the session it moves."""
-        w = self.workers.get(plan.decode_worker)
-        if w is not None and not plan.moved_from:
-            w.routed.append([plan.request_id, plan.session_id or "", plan.tier, now])
+        for wid in (plan.decode_worker, plan.prefill_worker):
+            w = self.workers.get(wid) if wid else None
+            if w is not None and not plan.moved_from:
+                w.routed.append([plan.request_id, plan.session_id or "", plan.tier, now])
         s = self._owned(plan.session_id, plan.owner)
         if s is not None:
             s.worker, s.last = plan.decode_worker, now
@@ -190,7 +192,8 @@ class Router:
             session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=[], router=self.worker_id,
             owner=upd.owner))
         done = await self._run_moves(moves)
-        running = [rid for w in self.workers.values() for rid, sid, _ in w.held() if sid == upd.session_id]
+        running = list(dict.fromkeys(rid for w in self.workers.values() for rid, sid, _ in w.held()
+                                     if sid == upd.session_id))   # a prompt's prefill and decode worker both count it
         log.info("session %s -> %s: %d request(s) moved", upd.session_id, upd.tier, len(done))
         return SessionState(session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=running,
                             moved=done, reason=f"tier {upd.tier}", router=self.worker_id, owner=upd.owner)

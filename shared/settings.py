@@ -195,6 +195,10 @@ class RouterSettings:
                                 "fraction of its KV blocks free demotes batch/standard work to CPU decode")
     session_idle_s: float = _env("TANDEM_SESSION_IDLE_S", 300.0, "a session's tier change lapses after "
                                  "this long without a request")
+    local_prefill_tokens: int = _env("TANDEM_LOCAL_PREFILL_TOKENS", 256, "an interactive prompt of at "
+                                     "most this many uncached tokens is prefilled on its gpu-decode worker "
+                                     "when every prefill worker holds worse-tier work; 0 = always the "
+                                     "prefill worker")
 
     def queue_limit(self, tier: str) -> int:
         return getattr(self, f"queue_{tier}")
@@ -210,6 +214,8 @@ class RouterSettings:
             raise ValueError("TANDEM_PRESSURE_FREE must be in [0, 1)")
         if self.session_idle_s <= 0:
             raise ValueError("TANDEM_SESSION_IDLE_S must be > 0")
+        if self.local_prefill_tokens < 0:
+            raise ValueError("TANDEM_LOCAL_PREFILL_TOKENS must be >= 0")
 
 
 def _secret(value: str | None, path: str) -> bytes:

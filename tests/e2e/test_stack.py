@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import sys
+import uuid
 
 import httpx
 import nats
@@ -161,20 +162,37 @@ async def _watch_streams(url: str, seen: dict, stop: asyncio.Event) -> None:
     await nc.close()
 
 
+async def _prefill_idle(url: str) -> None:
+    """Until the prefill worker has sent two heartbeats in a row holding no request: the router no
+    longer counts an earlier test's request there (a short interactive prompt skips a prefill
+    worker that holds worse-tier work)."""
+    nc = await nats.connect(url)
+    sub = await nc.subscribe("tandem.heartbeat.prefill.*")
+    quiet = 0
+    async with asyncio.timeout(120):   # only catches a hang
+        async for msg in sub.messages:
+            quiet = 0 if json.loads(msg.data)["requests"] else quiet + 1
+            if quiet == 2:
+                break
+    await nc.close()
+
+
 def test_tiers_land_on_gpu_and_cpu_decode(stack, nats_server, model_name):
     seen: dict[str, set] = {}
 
     async def go():
+        await _prefill_idle(nats_server)
         stop = asyncio.Event()
         watcher = asyncio.create_task(_watch_streams(nats_server, seen, stop))
         await asyncio.sleep(0.3)
         aclient = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
         msgs = [{"role": "user", "content": QUESTION}]
-        inter, batch = await asyncio.gather(
-            aclient.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
-                                            extra_headers={"X-Tandem-SLA": "interactive"}),
-            aclient.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
-                                            extra_headers={"X-Tandem-SLA": "batch"}))
+        # one after the other: an interactive prompt that came while the prefill worker held the
+        # batch one would be prefilled on gpu-decode (the next test)
+        inter = await aclient.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
+                                                      extra_headers={"X-Tandem-SLA": "interactive"})
+        batch = await aclient.chat.completions.create(model=model_name, messages=msgs, max_tokens=8, temperature=0,
+                                                      extra_headers={"X-Tandem-SLA": "batch"})
         await asyncio.sleep(0.3)
         stop.set()
         await watcher
@@ -186,6 +204,54 @@ def test_tiers_land_on_gpu_and_cpu_decode(stack, nats_server, model_name):
     assert any(w.startswith("cpu-decode") for w in seen[batch.id]), seen
     # two-phase: the first token came from the prefill worker
     assert any(w.startswith("prefill") for w in seen[inter.id]), seen
+
+
+def test_interactive_prompt_skips_a_prefill_worker_busy_with_batch_work(stack, nats_server, model_name,
+                                                                       local_engine):
+    """While the prefill worker prefills a long batch prompt, a short interactive prompt is
+    prefilled on its gpu-decode worker instead of waiting for the batch step in flight there
+    (docs/routing.md), with the same greedy answer."""
+    question = "Name three primary colours."
+    _, want = local_chat(local_engine, question, 8)
+    filler = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 100  # never cached
+    events: list[tuple[str, dict]] = []   # (subject kind, message), in the order NATS delivered them
+
+    async def go():
+        nc = await nats.connect(nats_server)
+
+        async def on(msg):
+            events.append(("plan" if msg.subject == "tandem.router.decision" else "chunk", json.loads(msg.data)))
+        await nc.subscribe("tandem.router.decision", cb=on)
+        await nc.subscribe("tandem.stream.>", cb=on)
+        await nc.flush()
+        aclient = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+        batch = asyncio.create_task(aclient.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": filler}], max_tokens=4, temperature=0,
+            extra_headers={"X-Tandem-SLA": "batch"}))
+        for _ in range(600):   # the batch request is routed (to the prefill worker)
+            if any(kind == "plan" and m.get("tier") == "batch" for kind, m in events):
+                break
+            await asyncio.sleep(0.05)
+        inter = await aclient.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0,
+            extra_headers={"X-Tandem-SLA": "interactive"})
+        batch = await batch
+        await asyncio.sleep(0.3)
+        await nc.close()
+        return inter, batch
+
+    inter, batch = asyncio.run(go())
+    plans = {m["request_id"]: (i, m) for i, (kind, m) in enumerate(events) if kind == "plan" and "request_id" in m}
+    assert plans[batch.id][1]["prefill_worker"], plans[batch.id]
+    first_batch_chunk = next(i for i, (kind, m) in enumerate(events) if kind == "chunk"
+                             and m.get("request_id") == batch.id)
+    assert plans[inter.id][0] < first_batch_chunk, "the batch prompt was prefilled before the interactive one came"
+    plan = plans[inter.id][1]
+    assert plan["prefill_worker"] is None and "prefill workers busy with worse tiers" in plan["reason"], plan
+    workers = {m.get("worker") for kind, m in events if kind == "chunk" and m.get("request_id") == inter.id}
+    assert workers and all(w.startswith("gpu-decode") for w in workers), workers
+    assert inter.choices[0].message.content == want.text
+    assert batch.choices[0].finish_reason in ("length", "stop")
 
 
 def test_client_disconnect_aborts_everywhere(stack, nats_server, model_name):

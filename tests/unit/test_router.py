@@ -117,6 +117,33 @@ def test_fifo_ignores_tiers():
     assert [(p.decode_worker, p.tier) for p in plans] == [("g1", "standard"), ("g1", "standard")]
 
 
+BATCH_PRE = w("p1", "prefill", running=1, requests=[("rb", "s1", "batch")])
+
+
+@pytest.mark.parametrize("tier,n,workers,cached,limits,prefill", [
+    # a short interactive prompt does not queue behind a prefill worker's batch step: gpu-decode prefills it
+    ("interactive", 100, [GPU, BATCH_PRE], {}, None, None),
+    ("interactive", 100, [GPU, w("p1", "prefill", pending={"batch": 1})], {}, None, None),  # routed, not yet beaten
+    ("interactive", 100, [GPU, w("p1", "prefill", requests=[("ri", "", "interactive")])], {}, None, "p1"),
+    ("interactive", 100, [GPU, PRE_CPU], {}, None, "p1"),                         # idle prefill worker
+    ("interactive", 600, [GPU, BATCH_PRE], {}, None, "p1"),                       # long prompt: prefill worker
+    ("interactive", 600, [GPU, BATCH_PRE], {"pool": 512}, None, None),             # 88 uncached tokens
+    ("interactive", 100, [GPU, BATCH_PRE], {}, Limits(local_prefill_tokens=0), "p1"),  # rule off
+    ("interactive", 100, [GPU, BATCH_PRE, w("p3", "prefill", running=2)], {}, None, "p3"),  # a free one is left
+    ("standard", 100, [CPU, BATCH_PRE], {}, None, "p1"),                          # only interactive skips
+    ("interactive", 100, [CPU, BATCH_PRE], {}, None, "p1"),                       # no interactive pool
+])
+def test_interactive_prompt_skips_prefill_workers_busy_with_worse_tiers(tier, n, workers, cached, limits, prefill):
+    plan = place(req(tier, n=n), workers, NOW, cached=cached, limits=limits)
+    assert plan.prefill_worker == prefill, plan.reason
+    if prefill is None:
+        assert "prefill workers busy with worse tiers" in plan.reason
+
+
+def test_round_robin_ignores_busy_prefill_workers():
+    assert place(req("interactive"), [GPU, BATCH_PRE], NOW, "round-robin").prefill_worker == "p1"
+
+
 def test_decode_without_data_plane_gets_no_prefill_worker():
     plan = place(req(), [w("c1", "cpu-decode", port=0), PRE_CPU], NOW)
     assert plan.prefill_worker is None
