@@ -47,6 +47,7 @@ class RingKernels:
         self.qkv_width = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         self.max_context = fused._model.max_ctx
         self.vocab = fused._model.vocab
+        self.threads: int | None = None   # OpenMP threads per stage (None: kernels.cpu.get_num_threads())
 
     @classmethod
     def of(cls, model) -> "RingKernels | None":
@@ -97,7 +98,7 @@ class RingKernels:
         (block ids by absolute position: ``table[p // block_size]``)."""
         T = qkv.shape[0]
         self._check_kv(kv, table, start + T)
-        self._run(STORE, layer, start, T, qkv=self._qkv(qkv, T), kv=kv, table=table)
+        self._run(STORE, layer, start, T, qkv=self._qkv(qkv, T), kv=kv, table=table, threads=1)  # 2 nkv rows: no team
 
     def attend(self, layer: int, qkv: torch.Tensor, start: int, kv: torch.Tensor, table: torch.Tensor,
                seg_lo: int, seg_hi: int) -> torch.Tensor:
@@ -135,7 +136,8 @@ class RingKernels:
             raise ValueError(f"the block table must cover {keys} positions with block ids inside the KV cache")
 
     def _run(self, stage: int, layer: int, start: int, T: int, *, x=None, qkv=None, ids=None, kv=None,
-             table=None, parts=None, rows=None, logits=None, seg_lo: int = 0, seg_hi: int = 0) -> None:
+             table=None, parts=None, rows=None, logits=None, seg_lo: int = 0, seg_hi: int = 0,
+             threads: int | None = None) -> None:
         if not 1 <= T <= self.max_tokens or start < 0 or start + T > self.max_context:
             raise ValueError(f"a ring step is 1..{self.max_tokens} tokens inside the context of "
                              f"{self.max_context}, got {T} at {start}")
@@ -146,7 +148,8 @@ class RingKernels:
         batch = _Batch(T, ptr(ids), 1, chunk.data_ptr(), ptr(table), 0 if rows is None else rows.numel(),
                        ptr(rows), ptr(kv), kv.shape[3] if kv is not None else 16, ptr(logits))
         rc = self.fused._lib.tq_ring_stage(ctypes.byref(self.fused._model), ctypes.byref(batch), stage, layer,
-                                           ptr(x), ptr(qkv), ptr(parts), seg_lo, seg_hi, cpu.get_num_threads(),
+                                           ptr(x), ptr(qkv), ptr(parts), seg_lo, seg_hi,
+                                           threads or self.threads or cpu.get_num_threads(),
                                            cpu._isa_arg())
         if rc != 0:
             raise ValueError(f"ring stage {stage} refused the batch ({T} tokens at {start})")

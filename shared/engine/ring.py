@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.cpu_ring import SEG, RingKernels
-from shared.engine.kv_cache import KV_DTYPE, BlockManager, KVLayout
+from shared.engine.kv_cache import KV_DTYPE, BlockManager, KVBlobHeader, KVLayout
 
 
 class RingCapacityError(RuntimeError):
@@ -208,6 +208,15 @@ class Ring:
             m.load(sid, mv[a // bs * bb:hi * bb])
         self.sessions[sid] = _Session(ranges, num_computed, list(token_ids))
         return ranges
+
+    def admit_blob(self, sid: str, blob, max_new_tokens: int) -> list[tuple[int, int]]:
+        """``admit`` the session of a KV blob (``Engine.export_kv`` of a prefilled request),
+        planned for ``max_new_tokens`` more tokens."""
+        h, kv = KVBlobHeader.parse(blob)
+        if h.layout != self.members[0].layout.to_dict():
+            raise ValueError(f"KV layout {h.layout} does not match the ring's {self.members[0].layout.to_dict()}")
+        total = min(len(h.token_ids) + max_new_tokens, self.kernels.max_context)
+        return self.admit(sid, h.token_ids, h.num_computed, kv, total)
 
     @torch.inference_mode()
     def step(self, sid: str) -> torch.Tensor:
