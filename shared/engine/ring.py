@@ -8,7 +8,7 @@ CPU attention is that same fold (``kernels/cpu_ring.py``).
 
 Life cycle of a ring session:
 
-    Plan       shard_ranges(): SEG-aligned token ranges over the session's whole length
+    Plan       shard_ranges() (shared/strategy.py): SEG-aligned token ranges over the session's whole length
                (prompt + max new tokens), one per member, the last one open to growth
     Scatter    admit(): every member reserves KV blocks for its whole range (or the admission
                fails with RingCapacityError naming the member and the shortfall: nothing is
@@ -32,29 +32,11 @@ import torch
 
 from kernels.cpu_ring import SEG, RingKernels
 from shared.engine.kv_cache import KV_DTYPE, BlockManager, KVBlobHeader, KVLayout
+from shared.strategy import shard_ranges
 
 
 class RingCapacityError(RuntimeError):
     """A ring (or one worker) cannot hold a session's KV: the message names who and by how much."""
-
-
-def shard_ranges(total_tokens: int, n_members: int) -> list[tuple[int, int]]:
-    """Contiguous token ranges [start, end) covering [0, total_tokens), one per member, each
-    starting on a SEG boundary (a segment never spans two members, so the members' segment
-    states are exactly the single worker's). The segments are dealt evenly, the first members
-    taking one more where they do not divide; the last range ends at ``total_tokens``."""
-    if n_members < 1:
-        raise ValueError(f"a ring needs at least one member, got {n_members}")
-    nseg = -(-total_tokens // SEG)
-    if total_tokens < 1 or nseg < n_members:
-        raise ValueError(f"{total_tokens} tokens are {nseg} segments of {SEG}: too few for a ring of {n_members}")
-    base, extra = divmod(nseg, n_members)
-    out, s = [], 0
-    for i in range(n_members):
-        e = s + base + (i < extra)
-        out.append((s * SEG, min(e * SEG, total_tokens)))
-        s = e
-    return out
 
 
 @dataclass

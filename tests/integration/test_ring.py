@@ -17,7 +17,8 @@ from kernels.cpu_ring import SEG, RingKernels
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.kv_cache import KV_DTYPE, KVBlobHeader
 from shared.engine.model import AttnChunk, StepContext
-from shared.engine.ring import Ring, RingCapacityError, RingMember, shard_ranges
+from shared.engine.ring import Ring, RingCapacityError, RingMember
+from shared.strategy import shard_ranges
 from tests.integration.test_engine import greedy
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ kernels did not build here")
