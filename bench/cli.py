@@ -1,4 +1,4 @@
-"""``tandem bench BENCH`` (engine, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, startup): one module per benchmark.
+"""``tandem bench BENCH`` (engine, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, ring, startup): one module per benchmark.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
 benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
@@ -42,6 +42,8 @@ BENCHES = {
                 _module_arguments("bench.grammar"), _module_main("bench.grammar")),
     "chaos": ("steady load while engine workers and NATS are killed: lost, resumed, exact (bench/chaos.py)",
               _module_arguments("bench.chaos"), _module_main("bench.chaos")),
+    "ring": ("ring decode (cpu-ring(N), members in one process) vs a single worker per context; the compute/transfer model",
+             _module_arguments("bench.ring"), _module_main("bench.ring")),
     "startup": ("seconds to ready, cold and warm weight cache, one engine and tandem up; RSS/PSS per engine",
                 _module_arguments("bench.startup"), _module_main("bench.startup")),
 }

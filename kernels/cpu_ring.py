@@ -11,6 +11,10 @@ that each hold a SEG-aligned token range of its KV:
                 merge_ffn(layer, x, cat(parts_m))     coordinator: merge in segment order, o-proj, FFN
     logits = head(x)                                  coordinator
 
+or, instead of sending every segment's state, the members fold along the ring in shard order
+(``fold``: member 0 folds its states, member 1 folds its own into that running state, ...) and
+the coordinator finishes the one state it receives (``merge_ffn(..., folded=True)``).
+
 Every stage is the same C++ code the fused step runs (``Step::layer_qkv``, ``attend_segment``,
 ``merge_parts``, ``layer_ffn``, ``head``), and the fused step's attention is already a fold of
 fresh per-segment online softmaxes at absolute positions merged in segment order; so when the
@@ -33,7 +37,7 @@ from kernels.cpu_forward import FusedForward, _Batch
 SEG = 256       # keys per attention segment (forward_cpu.cpp SEG): ring shards are SEG-aligned
 MAX_ROWS = 64   # query rows per attention tile (forward_cpu.cpp MAX_ROWS)
 
-EMBED, QKV, STORE, ATTEND, MERGE_FFN, HEAD = range(6)
+EMBED, QKV, STORE, ATTEND, MERGE_FFN, HEAD, FOLD = range(7)
 
 
 class RingKernels:
@@ -74,16 +78,24 @@ class RingKernels:
         self._run(QKV, layer, start, x.shape[0], x=self._x(x), qkv=qkv)
         return qkv
 
-    def merge_ffn(self, layer: int, x: torch.Tensor, qkv: torch.Tensor, start: int, parts: torch.Tensor) -> None:
+    def merge_ffn(self, layer: int, x: torch.Tensor, qkv: torch.Tensor, start: int, parts: torch.Tensor,
+                  folded: bool = False) -> None:
         """Merge ``parts`` [nkv, segments, part] — every segment of keys 0..start+T-1, in order
-        (merged in place) — into the layer's attention output, then the o-proj, FFN and residual
-        adds into ``x`` (in place)."""
-        T, nkv = x.shape[0], self.cfg.n_kv_heads
-        nseg = -(-(start + T) // SEG)
-        if parts.shape != (nkv, nseg, self.part_floats(T)) or parts.dtype != torch.float32 or not parts.is_contiguous():
-            raise ValueError(f"parts must be contiguous float32 {(nkv, nseg, self.part_floats(T))} "
-                             f"(every segment of {start + T} keys), got {parts.dtype} {tuple(parts.shape)}")
+        (merged in place); ``folded``: one part, the fold of them all (``fold``) — into the
+        layer's attention output, then the o-proj, FFN and residual adds into ``x`` (in place)."""
+        T = x.shape[0]
+        nseg = 1 if folded else -(-(start + T) // SEG)
+        self._parts(parts, T, nseg, f"every segment of {start + T} keys" if not folded else "the folded state")
         self._run(MERGE_FFN, layer, start, T, x=self._x(x), qkv=self._qkv(qkv, T), parts=parts, seg_hi=nseg)
+
+    def fold(self, parts: torch.Tensor, start: int, n_tokens: int) -> torch.Tensor:
+        """The left fold of ``parts`` [nkv, k, part] (consecutive segment states, in order; the
+        first may be the running state of the segments before them): [nkv, 1, part]. Merged in
+        place; the same merges ``merge_ffn`` would run, so folding along the ring is exact."""
+        self._parts(parts, n_tokens, parts.shape[1] if parts.dim() == 3 else -1, "consecutive states")
+        if parts.shape[1] > 1:
+            self._run(FOLD, 0, start, n_tokens, parts=parts, seg_hi=parts.shape[1], threads=1)
+        return parts[:, :1].contiguous()
 
     def head(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [1, vocab] of the last row of ``x``."""
@@ -124,6 +136,11 @@ class RingKernels:
         if qkv.dtype != torch.float32 or not qkv.is_contiguous() or qkv.shape != (T, self.qkv_width):
             raise ValueError(f"qkv must be contiguous float32 [{T}, {self.qkv_width}], got {qkv.dtype} {tuple(qkv.shape)}")
         return qkv
+
+    def _parts(self, parts: torch.Tensor, T: int, nseg: int, what: str) -> None:
+        want = (self.cfg.n_kv_heads, nseg, self.part_floats(T))
+        if parts.shape != want or parts.dtype != torch.float32 or not parts.is_contiguous():
+            raise ValueError(f"parts must be contiguous float32 {want} ({what}), got {parts.dtype} {tuple(parts.shape)}")
 
     def _check_kv(self, kv: torch.Tensor, table: torch.Tensor, keys: int) -> None:
         cfg = self.cfg

@@ -609,12 +609,17 @@ struct Step {
     // finish the rows: the one order every attention path uses, so the bits never depend on
     // which thread, item or ring member computed a segment.
     void merge_parts(const TileRows& v, int64_t g, float* first, int64_t nseg) const {
+        fold_parts(v, first, nseg);
+        finish_rows(v, g, first + v.nqp, first + 2 * v.nqp);
+    }
+
+    // The fold of merge_parts without the finish: states 1..nseg-1 merged into the first, in order.
+    void fold_parts(const TileRows& v, float* first, int64_t nseg) const {
         const int64_t rows = v.nqp;
         for (int64_t sg = 1; sg < nseg; ++sg) {
             const float* p = first + sg * rows * (hd + 2);
             merge_segment(v.nq, hd, first, first + rows, first + 2 * rows, p, p + rows, p + 2 * rows);
         }
-        finish_rows(v, g, first + rows, first + 2 * rows);
     }
 
     // ---- ring decode (tq_ring_stage; docs/strategies.md) ----------------------------------
@@ -650,6 +655,13 @@ struct Step {
             load_rows(v, g, qt, last);
             attend_segment(v, g, li, sg, qt, last, kf, vf, s, part, part + v.nqp, alpha, part + 2 * v.nqp);
         }
+    }
+
+    // Fold parts[g][0..nseg) per kv head into parts[g][0], in order (a ring member folding its
+    // segments into the running state its predecessor passed on: the same left fold).
+    void fold_ring(float* all, int64_t nseg, int tid, int nt) const {
+        const TileRows v = tile_rows(0);
+        for (int64_t g = tid; g < nkv; g += nt) fold_parts(v, all + g * nseg * v.nqp * (hd + 2), nseg);
     }
 
     // Merge parts[g][0..nseg) (every segment of the tile's keys, in order) per kv head and
@@ -841,12 +853,14 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
 //   4 merge_ffn  parts [nkv][seg_hi][...] (all segments, seg_lo = 0) merged in order, then
 //                o-proj, FFN and the residual adds into x                   (coordinator)
 //   5 head       logits of b->sample_rows into b->logits                    (coordinator)
+//   6 fold       parts [nkv][seg_hi][...] folded in order into parts[:, 0] (a member passing
+//                the running state along the ring; merge_ffn then takes it as one part)
 // Everything else validated by the caller. Returns 0, or -1 for a batch that is not one tile.
 int tq_ring_stage(const Model* m, const Batch* b, int stage, int64_t layer, float* x, float* qkv, float* parts,
                   int64_t seg_lo, int64_t seg_hi, int nthreads, int isa) {
     const int64_t tile = std::max<int64_t>(1, MAX_ROWS / (m->n_heads / m->n_kv_heads));
     if (b->n_chunks != 1 || b->chunks[2] != 0 || b->chunks[1] != b->n_tokens || b->n_tokens < 1 ||
-        b->n_tokens > tile || stage < 0 || stage > 5)
+        b->n_tokens > tile || stage < 0 || stage > 6)
         return -1;
     Scratch& s = thread_scratch();
     const int nt = nthreads < 1 ? 1 : nthreads;
@@ -859,6 +873,7 @@ int tq_ring_stage(const Model* m, const Batch* b, int stage, int64_t layer, floa
         switch (stage) {
             case 1: st.layer_qkv(layer, tid, n); break;
             case 2: st.store_rows(layer, tid, n); break;
+            case 6: st.fold_ring(parts, seg_hi, tid, n); break;
             case 3: st.attend_range(layer, parts, seg_lo, seg_hi, tid, n); break;
             case 4:
                 st.merge_ring(parts, seg_hi, tid, n);

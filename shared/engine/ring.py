@@ -138,7 +138,7 @@ class StepTimes:
     merge_ffn: float = 0.0     # the merge and the rest of each layer (the rest of total: embed,
                                # q|k|v, head)
     bytes_out: int = 0         # q|k|v rows sent to the members (one copy per member with keys)
-    bytes_back: int = 0        # parts returned
+    bytes_back: int = 0        # segment states returned (fold: the running state, once per hop)
 
 
 @dataclass
@@ -151,10 +151,13 @@ class _Session:
 class Ring:
     """The coordinator: the model's weights and N members; each session decodes a token a step."""
 
-    def __init__(self, kernels: RingKernels, members: list[RingMember]):
+    def __init__(self, kernels: RingKernels, members: list[RingMember], fold: bool = False):
+        """``fold``: the members fold their segment states along the ring in shard order and the
+        coordinator receives one state per kv head (else every segment's state comes back and
+        the coordinator folds them). The same merges in the same order: the same bits."""
         if not members:
             raise ValueError("a ring needs at least one member")
-        self.kernels, self.members = kernels, members
+        self.kernels, self.members, self.fold = kernels, members, fold
         self.sessions: dict[str, _Session] = {}
         self.times = StepTimes()
 
@@ -217,11 +220,18 @@ class Ring:
             a0 = time.perf_counter()
             tail.store(sid, layer, qkv, pos)
             parts = [p for p in (m.attend(sid, layer, qkv, pos) for m in self.members) if p is not None]
+            t.bytes_out += qkv.numel() * 4 * len(parts)
+            if self.fold:   # member i folds its states into the running state member i - 1 passed on
+                state = None
+                for p in parts:
+                    state = k.fold(p if state is None else torch.cat([state, p], dim=1), pos, 1)
+                    t.bytes_back += state.numel() * 4
+                parts = [state]
+            else:
+                t.bytes_back += sum(p.numel() * 4 for p in parts)
             a1 = time.perf_counter()
             t.attend += a1 - a0
-            t.bytes_out += qkv.numel() * 4 * len(parts)
-            t.bytes_back += sum(p.numel() * 4 for p in parts)
-            k.merge_ffn(layer, x, qkv, pos, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+            k.merge_ffn(layer, x, qkv, pos, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], self.fold)
             t.merge_ffn += time.perf_counter() - a1
         logits = k.head(x, pos)
         s.num_computed = pos + 1

@@ -95,11 +95,12 @@ def member_budget(layout, tokens: int) -> int:
     return layout.blocks_for(tokens) * layout.block_bytes
 
 
-@pytest.mark.parametrize("n_members", [2, 3])
-def test_ring_decode_is_bitwise_the_single_worker(big, kernels, handoff, single, n_members):
+@pytest.mark.parametrize("n_members, fold", [(2, False), (3, False), (3, True)])
+def test_ring_decode_is_bitwise_the_single_worker(big, kernels, handoff, single, n_members, fold):
+    """Every segment's state back to the coordinator, or folded along the ring: the same bits."""
     toks, logits, kv_after = single
     members = [RingMember(kernels, big.layout, member_budget(big.layout, 1024), f"m{i}") for i in range(n_members)]
-    ring = Ring(kernels, members)
+    ring = Ring(kernels, members, fold=fold)
     ranges = ring.admit_blob("s", handoff, NEW)
     assert all(a % SEG == 0 for a, _ in ranges) and len(ranges) == n_members
     got_toks, got_logits = ring.generate("s", NEW)
@@ -145,8 +146,8 @@ def test_capacity_ring_of_3_serves_what_one_worker_refuses(bundled_model, big, k
 
 def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
     """Random KV, random SEG-aligned shard boundaries, members computing in random order and at
-    scattered block ids: merged in segment order, the layer output is bitwise the one-member
-    ring's (which the test above ties to the fused step)."""
+    scattered block ids: merged in segment order (by the coordinator, or folded along the ring),
+    the layer output is bitwise the one-member ring's (which the test above ties to the fused step)."""
     rng = random.Random(7)
     gen = torch.Generator().manual_seed(7)
     layout, n = big.layout, 1500                        # 6 segments, the last partial
@@ -156,7 +157,7 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
     layer = 3
     ref_qkv = kernels.qkv(layer, x0, n - 1)
 
-    def run(bounds: list[int], order: list[int]) -> torch.Tensor:
+    def run(bounds: list[int], order: list[int], fold: bool = False) -> torch.Tensor:
         members = []
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             m = RingMember(kernels, layout, member_budget(layout, 4096), f"m{i}")
@@ -165,9 +166,14 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
             m.load("s", raw[a // layout.block_size * layout.block_bytes:layout.blocks_for(b) * layout.block_bytes])
             members.append(m)
         arrived = {i: members[i].attend("s", layer, ref_qkv, n - 1) for i in order}
-        parts = torch.cat([arrived[i] for i in range(len(members))], dim=1)
         x = x0.clone()
-        kernels.merge_ffn(layer, x, ref_qkv, n - 1, parts)
+        if fold:   # along the ring, in shard order
+            state = None
+            for i in range(len(members)):
+                state = kernels.fold(arrived[i] if state is None else torch.cat([state, arrived[i]], dim=1), n - 1, 1)
+            kernels.merge_ffn(layer, x, ref_qkv, n - 1, state, folded=True)
+        else:
+            kernels.merge_ffn(layer, x, ref_qkv, n - 1, torch.cat([arrived[i] for i in range(len(members))], dim=1))
         return x
 
     one = run([0, n], [0])
@@ -177,6 +183,7 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
         order = list(range(k))
         rng.shuffle(order)
         assert torch.equal(run([0, *(c * SEG for c in cuts), n], order), one), cuts
+        assert torch.equal(run([0, *(c * SEG for c in cuts), n], order, fold=True), one), cuts
     # a part out of segment order is a different fold: the order is what makes it exact
     members_parts = RingMember(kernels, layout, member_budget(layout, 2048), "all")
     members_parts.reserve("s", 0, n)
