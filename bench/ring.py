@@ -1,7 +1,8 @@
 """``tandem bench ring``: ring decode (members in this process) vs a single worker, per context.
 
 Per context length: a single worker's fused decode step over its paged KV, then rings of
-``--members`` members (``shared/engine/ring.py``) decoding the same positions; each step split
+``--members`` members (for N > 1 both with every segment's state to the coordinator and folded
+along the ring) (``shared/engine/ring.py``) decoding the same positions; each step split
 into the members' attention (store + attend, the members one after another in this process),
 the coordinator's merge + o-proj + FFN, and the rest (embed, q|k|v, head), with the bytes a step
 would put on the wire (q|k|v rows out to each member with keys, segment states back). The KV is
@@ -71,10 +72,10 @@ def _bench(contexts: list[int], members: list[int], steps: int, threads: int | N
             single = (time.perf_counter() - t0) / steps
         rows.append({"context": n, "members": 0, "step_ms": 1e3 * single, "tok_s": 1 / single})
         raw = kv[:layout.blocks_for(n)].view(torch.uint8).numpy().tobytes()
-        for m in members:
+        for m, fold in [(m, f) for m in members for f in ((False, True) if m > 1 else (False,))]:
             shard = max(b - a for a, b in shard_ranges(n + steps + 1, m))
             ring = Ring(k, [RingMember(k, layout, layout.blocks_for(shard) * layout.block_bytes, f"m{i}")
-                            for i in range(m)])
+                            for i in range(m)], fold=fold)
             ring.admit("s", ids[:n + 1], n, raw, n + steps + 1)
             ring.step("s")            # warm: the members' buffers
             ring.append("s", ids[n + 1])
@@ -84,7 +85,7 @@ def _bench(contexts: list[int], members: list[int], steps: int, threads: int | N
                 ring.append("s", ids[p + 1])
             t = ring.times
             step = t.total / t.steps
-            rows.append({"context": n, "members": m, "step_ms": 1e3 * step, "tok_s": 1 / step,
+            rows.append({"context": n, "members": m, "fold": fold, "step_ms": 1e3 * step, "tok_s": 1 / step,
                          "attend_ms": 1e3 * t.attend / t.steps, "merge_ffn_ms": 1e3 * t.merge_ffn / t.steps,
                          "rest_ms": 1e3 * (t.total - t.attend - t.merge_ffn) / t.steps,
                          "overhead_vs_single": step / single,
@@ -129,13 +130,14 @@ def margin_rows(machine: dict, contexts: list[int], members: list[int]) -> list[
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| context | members | step ms | tok/s | attend ms | merge+FFN ms | rest ms | vs single | bytes out | bytes back |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| context | members | states | step ms | tok/s | attend ms | merge+FFN ms | rest ms | vs single "
+             "| bytes out | bytes back |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["members"] == 0:
-            lines.append(f"| {r['context']} | single | {fmt(r['step_ms'])} | {fmt(r['tok_s'])} | | | | 1.0x | | |")
+            lines.append(f"| {r['context']} | single | | {fmt(r['step_ms'])} | {fmt(r['tok_s'])} | | | | 1.0x | | |")
         else:
-            lines.append(f"| {r['context']} | {r['members']} | {fmt(r['step_ms'])} | {fmt(r['tok_s'])} "
+            lines.append(f"| {r['context']} | {r['members']} | {'folded' if r['fold'] else 'per segment'} "
+                         f"| {fmt(r['step_ms'])} | {fmt(r['tok_s'])} "
                          f"| {fmt(r['attend_ms'])} | {fmt(r['merge_ffn_ms'])} | {fmt(r['rest_ms'])} "
                          f"| {fmt(r['overhead_vs_single'], 2)}x | {r['bytes_out']} | {r['bytes_back']} |")
     return "\n".join(lines)
