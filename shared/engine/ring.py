@@ -61,10 +61,6 @@ class RingMember:
         self.blocks = BlockManager(num_blocks, layout.block_size, enable_prefix_caching=False)
         self.shards: dict[str, _Shard] = {}
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.blocks.num_blocks * self.layout.block_size
-
     def reserve(self, sid: str, start: int, end: int) -> None:
         """Take blocks for positions [start, end) of session ``sid``; RingCapacityError if they do not fit."""
         bs = self.layout.block_size
