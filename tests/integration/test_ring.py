@@ -146,8 +146,9 @@ def test_capacity_ring_of_3_serves_what_one_worker_refuses(bundled_model, big, k
 
 def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
     """Random KV, random SEG-aligned shard boundaries, members computing in random order and at
-    scattered block ids: merged in segment order (by the coordinator, or folded along the ring),
-    the layer output is bitwise the one-member ring's (which the test above ties to the fused step)."""
+    scattered block ids, 1 to 3 threads: merged in segment order (by the coordinator, or folded
+    along the ring), the layer output is bitwise the one-member ring's (which the test above ties
+    to the fused step)."""
     rng = random.Random(7)
     gen = torch.Generator().manual_seed(7)
     layout, n = big.layout, 1500                        # 6 segments, the last partial
@@ -184,6 +185,13 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
         rng.shuffle(order)
         assert torch.equal(run([0, *(c * SEG for c in cuts), n], order), one), cuts
         assert torch.equal(run([0, *(c * SEG for c in cuts), n], order, fold=True), one), cuts
+    try:   # members and coordinator on other thread counts: the same bits
+        for t in (1, 3):
+            cpu.set_num_threads(t)
+            assert torch.equal(run([0, 2 * SEG, n], [1, 0]), one), t
+            assert torch.equal(run([0, 2 * SEG, n], [0, 1], fold=True), one), t
+    finally:
+        cpu.set_num_threads(2)
     # a part out of segment order is a different fold: the order is what makes it exact
     members_parts = RingMember(kernels, layout, member_budget(layout, 2048), "all")
     members_parts.reserve("s", 0, n)
