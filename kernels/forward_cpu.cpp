@@ -386,6 +386,7 @@ struct Scratch {
     std::vector<float> parts;
     std::vector<int32_t> xp, xs;   // q16 activations of the next matmul's input rows
     std::vector<float> dx;
+    std::vector<std::vector<float>> per_thread;  // each OpenMP thread's attention buffers
 };
 
 template <class T>
@@ -475,16 +476,20 @@ struct Step {
                 std::memcpy(v, normed, hd * sizeof(float));
             }
             if (hh < nh + nkv) rope(v, m.cos + pos[t] * half, m.sin + pos[t] * half, half);
-            if (hh < nh) continue;
-            const int64_t* ch = b.chunks + chunk_of[t] * 4;
-            const int64_t p = pos[t];
-            const int64_t blk = b.tables[ch[3] + p / b.block_size];
-            const bool is_v = hh >= nh + nkv;
-            const int64_t kvh = is_v ? hh - nh - nkv : hh - nh;
-            uint16_t* dst = b.kv + blk * block_stride + li * layer_stride + (is_v ? v_off : 0) +
-                            (p % b.block_size) * slot_stride + kvh * hd;
-            to_half(v, dst, hd);
+            if (hh >= nh && b.kv) store_kv(li, t, hh);  // no cache (a ring coordinator): q|k|v only
         }
+    }
+
+    // Write head hh (a k or v head of q|k|v) of token t into the cache slot of its position.
+    void store_kv(int64_t li, int64_t t, int64_t hh) const {
+        const int64_t* ch = b.chunks + chunk_of[t] * 4;
+        const int64_t p = pos[t];
+        const int64_t blk = b.tables[ch[3] + p / b.block_size];
+        const bool is_v = hh >= nh + nkv;
+        const int64_t kvh = is_v ? hh - nh - nkv : hh - nh;
+        uint16_t* dst = b.kv + blk * block_stride + li * layer_stride + (is_v ? v_off : 0) +
+                        (p % b.block_size) * slot_stride + kvh * hd;
+        to_half(qkv + t * qkv_n + hh * hd, dst, hd);
     }
 
     // The rows of attention tile `ti` for kv head g: its chunk, first token, rows (tokens x the
@@ -594,52 +599,130 @@ struct Step {
 #pragma omp barrier
         for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
             const TileRows v = tile_rows(it / nkv);
-            const int64_t g = it % nkv, nseg = (v.end + SEG - 1) / SEG, rows = v.nqp;
-            float* first = parts + part_off[it / nkv] + g * nseg * rows * (hd + 2);
-            for (int64_t sg = 1; sg < nseg; ++sg) {
-                const float* p = first + sg * rows * (hd + 2);
-                merge_segment(v.nq, hd, first, first + rows, first + 2 * rows, p, p + rows, p + 2 * rows);
-            }
-            finish_rows(v, g, first + rows, first + 2 * rows);
+            const int64_t g = it % nkv, nseg = (v.end + SEG - 1) / SEG;
+            merge_parts(v, g, parts + part_off[it / nkv] + g * nseg * v.nqp * (hd + 2), nseg);
         }
+    }
+
+    // Merge the states of `nseg` segments of (tile v, kv head g), stored one after another from
+    // `first` (each: mx[nqp], sum[nqp], o[nqp * hd]), in segment order into the first, and
+    // finish the rows: the one order every attention path uses, so the bits never depend on
+    // which thread, item or ring member computed a segment.
+    void merge_parts(const TileRows& v, int64_t g, float* first, int64_t nseg) const {
+        fold_parts(v, first, nseg);
+        finish_rows(v, g, first + v.nqp, first + 2 * v.nqp);
+    }
+
+    // The fold of merge_parts without the finish: states 1..nseg-1 merged into the first, in order.
+    void fold_parts(const TileRows& v, float* first, int64_t nseg) const {
+        const int64_t rows = v.nqp;
+        for (int64_t sg = 1; sg < nseg; ++sg) {
+            const float* p = first + sg * rows * (hd + 2);
+            merge_segment(v.nq, hd, first, first + rows, first + 2 * rows, p, p + rows, p + 2 * rows);
+        }
+    }
+
+    // ---- ring decode (tq_ring_stage; docs/strategies.md) ----------------------------------
+    // The step is one tile (one chunk of at most `tile` tokens: a decode token) whose keys are
+    // split by SEG-aligned token ranges over ring members. A member computes the states of its
+    // segments (attend_range); the coordinator merges all of them in segment order
+    // (merge_ring) with merge_parts, the same order attention() / attention_split() use.
+
+    // Write the batch's k and v rows (q|k|v in `qkv`) into this member's cache: the tail member.
+    void store_rows(int64_t li, int tid, int nt) const {
+        int64_t a, e;
+        split(T * 2 * nkv, tid, nt, &a, &e);
+        for (int64_t it = a; it < e; ++it) store_kv(li, it / (2 * nkv), nh + it % (2 * nkv));
+    }
+
+    // States of segments [lo, hi) of tile 0 for every kv head, to out[g][sg - lo][nqp * (hd + 2)]
+    // (mx[nqp], sum[nqp], o[nqp * hd]: attention_split's layout). A segment past the tile's
+    // last key gets mx = -inf (merge_segment skips it), like a row before a segment.
+    void attend_range(int64_t li, float* out, int64_t lo, int64_t hi, int tid, int nt) const {
+        const TileRows v = tile_rows(0);
+        const int64_t nseg = hi - lo, stride = v.nqp * (hd + 2);
+        float* buf = grow(scratch[tid], hd * v.nqp + 2 * KB * hd + KB * v.nqp + 2 * v.nqp);
+        float *qt = buf, *kf = qt + hd * v.nqp, *vf = kf + KB * hd, *s = vf + KB * hd, *alpha = s + KB * v.nqp;
+        int32_t* last = (int32_t*)(alpha + v.nqp);
+        for (int64_t it = tid; it < nkv * nseg; it += nt) {
+            const int64_t g = it / nseg, sg = lo + it % nseg;
+            float* part = out + it * stride;
+            std::memset(part, 0, stride * sizeof(float));
+            if (sg * SEG >= v.end) {
+                for (int64_t r = 0; r < v.nqp; ++r) part[r] = -INFINITY;
+                continue;
+            }
+            load_rows(v, g, qt, last);
+            attend_segment(v, g, li, sg, qt, last, kf, vf, s, part, part + v.nqp, alpha, part + 2 * v.nqp);
+        }
+    }
+
+    // Fold parts[g][0..nseg) per kv head into parts[g][0], in order (a ring member folding its
+    // segments into the running state its predecessor passed on: the same left fold).
+    void fold_ring(float* all, int64_t nseg, int tid, int nt) const {
+        const TileRows v = tile_rows(0);
+        for (int64_t g = tid; g < nkv; g += nt) fold_parts(v, all + g * nseg * v.nqp * (hd + 2), nseg);
+    }
+
+    // Merge parts[g][0..nseg) (every segment of the tile's keys, in order) per kv head and
+    // finish the rows into `attn` (normalised, quantized for the o-proj). Merges in place.
+    void merge_ring(float* all, int64_t nseg, int tid, int nt) const {
+        const TileRows v = tile_rows(0);
+        for (int64_t g = tid; g < nkv; g += nt) merge_parts(v, g, all + g * nseg * v.nqp * (hd + 2), nseg);
     }
 
     void run(int tid, int nt) const {
         for (int64_t li = 0; li < m.n_layers; ++li) {
-            const Layer& L = m.layers[li];
-            norm_rows(L.attn_norm, tid, nt);
-#pragma omp barrier
-            matmul(h, L.qkv, qkv, T, qkv_n, D, nullptr, tid, nt);
-#pragma omp barrier
-            qkv_post(L, li, tid, nt);
+            layer_qkv(li, tid, nt);
 #pragma omp barrier
             if (n_split)
                 attention_split(li, tid, nt);
             else
                 attention(li, tid, nt);
 #pragma omp barrier
-            matmul(attn, L.o, tmp, T, D, nh * hd, x, tid, nt);
-#pragma omp barrier
-            norm_rows(L.ffn_norm, tid, nt);
-#pragma omp barrier
-            matmul(h, L.gate_up, gu, T, 2 * F, D, nullptr, tid, nt);
-#pragma omp barrier
-            // SiLU * up in whole 32-value blocks dealt over the threads (a decode step's one row
-            // would otherwise be one thread's work), each block quantized for down as it is done
-            const int64_t nbf = F / tq::QK;
-            int64_t a, e;
-            split(T * nbf, tid, nt, &a, &e);
-            while (a < e) {
-                const int64_t t = a / nbf, b0 = a % nbf, n = std::min(nbf - b0, e - a);
-                const float* g = gu + t * 2 * F + b0 * tq::QK;
-                silu_mul(g, g + F, act + t * F + b0 * tq::QK, n * tq::QK);
-                quantize(act + t * F + b0 * tq::QK, t, F, b0, n);
-                a += n;
-            }
-#pragma omp barrier
-            matmul(act, L.down, tmp, T, D, F, x, tid, nt);
-#pragma omp barrier
+            layer_ffn(li, tid, nt);
         }
+        head(tid, nt);
+    }
+
+    // A layer up to its attention: norm, q|k|v, bias / norms / rope (and the KV write).
+    void layer_qkv(int64_t li, int tid, int nt) const {
+        const Layer& L = m.layers[li];
+        norm_rows(L.attn_norm, tid, nt);
+#pragma omp barrier
+        matmul(h, L.qkv, qkv, T, qkv_n, D, nullptr, tid, nt);
+#pragma omp barrier
+        qkv_post(L, li, tid, nt);
+    }
+
+    // A layer after its attention (in `attn`, quantized): o-proj + residual, norm, SwiGLU + residual.
+    void layer_ffn(int64_t li, int tid, int nt) const {
+        const Layer& L = m.layers[li];
+        matmul(attn, L.o, tmp, T, D, nh * hd, x, tid, nt);
+#pragma omp barrier
+        norm_rows(L.ffn_norm, tid, nt);
+#pragma omp barrier
+        matmul(h, L.gate_up, gu, T, 2 * F, D, nullptr, tid, nt);
+#pragma omp barrier
+        // SiLU * up in whole 32-value blocks dealt over the threads (a decode step's one row
+        // would otherwise be one thread's work), each block quantized for down as it is done
+        const int64_t nbf = F / tq::QK;
+        int64_t a, e;
+        split(T * nbf, tid, nt, &a, &e);
+        while (a < e) {
+            const int64_t t = a / nbf, b0 = a % nbf, n = std::min(nbf - b0, e - a);
+            const float* g = gu + t * 2 * F + b0 * tq::QK;
+            silu_mul(g, g + F, act + t * F + b0 * tq::QK, n * tq::QK);
+            quantize(act + t * F + b0 * tq::QK, t, F, b0, n);
+            a += n;
+        }
+#pragma omp barrier
+        matmul(act, L.down, tmp, T, D, F, x, tid, nt);
+#pragma omp barrier
+    }
+
+    // The sample rows' final norm and the lm head.
+    void head(int tid, int nt) const {
         int64_t a, e;
         split(b.n_sample, tid, nt, &a, &e);
         for (int64_t s = a; s < e; ++s) {
@@ -678,14 +761,10 @@ void plan_split(Step& st, Scratch& s, int nt) {
     st.parts = grow(s.parts, n_parts);
 }
 
-}  // namespace
-
-extern "C" {
-
-// One forward step over a flat batch (see Batch); everything validated by the caller
-// (kernels/cpu_forward.py). Writes the batch's K/V into b->kv and logits of b->sample_rows.
-void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
-    thread_local Scratch s;
+// The Step of one call over batch `b`: positions, attention tiles and buffers from `s`; the
+// residual stream `x` and q|k|v rows from the caller where given (ring stages keep them
+// between calls), else from `s`.
+Step make_step(const Model* m, const Batch* b, Scratch& s, int nt, int isa, float* x, float* qkv) {
     const int64_t T = b->n_tokens, D = m->hidden, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads;
     const int64_t F = m->ffn, qkv_n = (nh + 2 * nkv) * hd;
     int64_t* pos = grow(s.pos, T);
@@ -708,34 +787,103 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
             tiles[2 * i + 1] = b->chunks[c * 4 + 2] + t;
         }
     const int64_t S = b->n_sample > T ? b->n_sample : T;
-    float* x = grow(s.x, T * D);
-    if (m->embed_packed)
-        tq::embedding_rows_packed(b->token_ids, T, m->embed, D, x);
-    else
-        tq::embedding_rows(b->token_ids, T, m->embed, D, x);
     const int64_t max_nb = std::max(std::max(D, nh * hd), F) / tq::QK;
     int32_t* xp = m->packed ? grow(s.xp, S * max_nb * 16) : nullptr;
     int32_t* xs = m->packed ? grow(s.xs, S * max_nb) : nullptr;
     float* dx = m->packed ? grow(s.dx, S * max_nb) : nullptr;
-    const int nt = nthreads < 1 ? 1 : nthreads;
-    static thread_local std::vector<std::vector<float>> per_thread;
-    if ((int)per_thread.size() < nt) per_thread.resize(nt);
+    if ((int)s.per_thread.size() < nt) s.per_thread.resize(nt);
     const int64_t slot_stride = nkv * hd;
     const int64_t layer_stride = 2 * b->block_size * slot_stride;
-    Step st{*m, *b, tq::resolve_isa(isa), T, D, hd, nh, nkv, F, qkv_n, x,
-            grow(s.h, S * D), grow(s.qkv, T * qkv_n), grow(s.attn, T * nh * hd), grow(s.tmp, T * D),
-            grow(s.gu, T * 2 * F), grow(s.act, T * F), per_thread.data(), pos, chunk_of,
-            layer_stride, m->n_layers * layer_stride, slot_stride, b->block_size * slot_stride,
-            tiles, n_tiles, tile, nullptr, nullptr, 0, nullptr, xp, xs, dx};
-    plan_split(st, s, nt);
+    return Step{*m, *b, tq::resolve_isa(isa), T, D, hd, nh, nkv, F, qkv_n, x ? x : grow(s.x, T * D),
+                grow(s.h, S * D), qkv ? qkv : grow(s.qkv, T * qkv_n), grow(s.attn, T * nh * hd), grow(s.tmp, T * D),
+                grow(s.gu, T * 2 * F), grow(s.act, T * F), s.per_thread.data(), pos, chunk_of,
+                layer_stride, m->n_layers * layer_stride, slot_stride, b->block_size * slot_stride,
+                tiles, n_tiles, tile, nullptr, nullptr, 0, nullptr, xp, xs, dx};
+}
+
+void embed(const Model* m, const Batch* b, float* x) {
+    if (m->embed_packed)
+        tq::embedding_rows_packed(b->token_ids, b->n_tokens, m->embed, m->hidden, x);
+    else
+        tq::embedding_rows(b->token_ids, b->n_tokens, m->embed, m->hidden, x);
+}
+
+// Run body(tid, nt) on one OpenMP team of nt threads (or inline for one).
+template <class Body>
+void on_team(int nt, Body body) {
 #ifdef _OPENMP
     if (nt > 1) {
 #pragma omp parallel num_threads(nt)
-        st.run(omp_get_thread_num(), omp_get_num_threads());
+        body(omp_get_thread_num(), omp_get_num_threads());
         return;
     }
 #endif
-    st.run(0, 1);
+    body(0, 1);
+}
+
+Scratch& thread_scratch() {
+    thread_local Scratch s;
+    return s;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One forward step over a flat batch (see Batch); everything validated by the caller
+// (kernels/cpu_forward.py). Writes the batch's K/V into b->kv and logits of b->sample_rows.
+void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
+    Scratch& s = thread_scratch();
+    const int nt = nthreads < 1 ? 1 : nthreads;
+    Step st = make_step(m, b, s, nt, isa, nullptr, nullptr);
+    embed(m, b, st.x);
+    plan_split(st, s, nt);
+    on_team(nt, [&](int tid, int n) { st.run(tid, n); });
+}
+
+// One stage of a ring decode step (kernels/cpu_ring.py drives them; docs/strategies.md). The
+// batch is one chunk of at most MAX_ROWS / group tokens (one attention tile: a decode token);
+// `x` [T, hidden] is the residual stream and `qkv` [T, (nh + 2 nkv) hd] the layer's q|k|v rows,
+// both kept by the caller between stages. Stages:
+//   0 embed      x = embedding of the batch's tokens                      (coordinator)
+//   1 qkv        layer's norm, q|k|v, bias / norms / rope into qkv; b->kv null (coordinator)
+//   2 store      k and v rows of qkv into b->kv through b->tables          (the tail member)
+//   3 attend     states of segments [seg_lo, seg_hi) into parts
+//                [nkv][seg_hi - seg_lo][nqp * (hd + 2)], nqp = T * group rounded up to 8 (member)
+//   4 merge_ffn  parts [nkv][seg_hi][...] (all segments, seg_lo = 0) merged in order, then
+//                o-proj, FFN and the residual adds into x                   (coordinator)
+//   5 head       logits of b->sample_rows into b->logits                    (coordinator)
+//   6 fold       parts [nkv][seg_hi][...] folded in order into parts[:, 0] (a member passing
+//                the running state along the ring; merge_ffn then takes it as one part)
+// Everything else validated by the caller. Returns 0, or -1 for a batch that is not one tile.
+int tq_ring_stage(const Model* m, const Batch* b, int stage, int64_t layer, float* x, float* qkv, float* parts,
+                  int64_t seg_lo, int64_t seg_hi, int nthreads, int isa) {
+    const int64_t tile = std::max<int64_t>(1, MAX_ROWS / (m->n_heads / m->n_kv_heads));
+    if (b->n_chunks != 1 || b->chunks[2] != 0 || b->chunks[1] != b->n_tokens || b->n_tokens < 1 ||
+        b->n_tokens > tile || stage < 0 || stage > 6)
+        return -1;
+    Scratch& s = thread_scratch();
+    const int nt = nthreads < 1 ? 1 : nthreads;
+    Step st = make_step(m, b, s, nt, isa, x, qkv);
+    if (stage == 0) {
+        embed(m, b, x);
+        return 0;
+    }
+    on_team(nt, [&](int tid, int n) {
+        switch (stage) {
+            case 1: st.layer_qkv(layer, tid, n); break;
+            case 2: st.store_rows(layer, tid, n); break;
+            case 6: st.fold_ring(parts, seg_hi, tid, n); break;
+            case 3: st.attend_range(layer, parts, seg_lo, seg_hi, tid, n); break;
+            case 4:
+                st.merge_ring(parts, seg_hi, tid, n);
+#pragma omp barrier
+                st.layer_ffn(layer, tid, n);
+                break;
+            default: st.head(tid, n); break;
+        }
+    });
+    return 0;
 }
 
 }  // extern "C"

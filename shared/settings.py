@@ -78,6 +78,9 @@ class NatsSettings:
             u.startswith("tls://") for u in self.servers())
 
 
+_ROLE_BUDGETS = {"prefill": "prefill", "gpu-decode": "gpu_decode", "cpu-decode": "cpu_decode"}  # role -> field suffix
+
+
 @dataclass
 class WorkerSettings:
     """A prefill or decode worker: identity, engine and KV budget."""
@@ -95,6 +98,13 @@ class WorkerSettings:
                              "0 = 1 (one conversion at a time per node)")
     kv_blocks: int = _env("TANDEM_KV_BLOCKS", 0, "KV cache blocks; 0 = from TANDEM_KV_BUDGET_MB")
     kv_budget_mb: int = _env("TANDEM_KV_BUDGET_MB", 512, "KV cache memory budget in MiB")
+    kv_budget_mb_prefill: int = _env("TANDEM_KV_BUDGET_MB_PREFILL", 0, "a prefill worker's KV budget in MiB; "
+                                     "0 = TANDEM_KV_BUDGET_MB")
+    kv_budget_mb_gpu_decode: int = _env("TANDEM_KV_BUDGET_MB_GPU_DECODE", 0, "a gpu-decode worker's KV budget "
+                                        "in MiB; 0 = TANDEM_KV_BUDGET_MB")
+    kv_budget_mb_cpu_decode: int = _env("TANDEM_KV_BUDGET_MB_CPU_DECODE", 0, "a cpu-decode worker's KV budget "
+                                        "in MiB (a context past it needs a ring: docs/strategies.md); "
+                                        "0 = TANDEM_KV_BUDGET_MB")
     max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
     step_tokens: int = _env("TANDEM_STEP_TOKENS", 0, "tokens per engine step (prefill chunk budget); 0 = "
                             "64 on CPU (a step stalls every stream in the engine), 512 on CUDA")
@@ -136,12 +146,21 @@ class WorkerSettings:
             raise ValueError("TANDEM_STEP_TOKENS must be 0 (the device's default) or >= 64 (one token per sequence)")
         if self.kv_blocks == 0 and self.kv_budget_mb <= 0:
             raise ValueError("TANDEM_KV_BLOCKS is 0, so TANDEM_KV_BUDGET_MB must be > 0")
+        for suffix in _ROLE_BUDGETS.values():
+            if getattr(self, "kv_budget_mb_" + suffix) < 0:
+                raise ValueError(f"TANDEM_KV_BUDGET_MB_{suffix.upper()} must be >= 0 (0: TANDEM_KV_BUDGET_MB)")
         if self.heartbeat_interval <= 0:
             raise ValueError("TANDEM_HEARTBEAT_INTERVAL must be > 0")
         if self.max_waiting < 1 or self.step_deadline_s <= 0:
             raise ValueError("TANDEM_MAX_WAITING must be >= 1 and TANDEM_STEP_DEADLINE_S > 0")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError("TANDEM_METRICS_PORT must be -1 (off), 0 (a free port) or a port")
+
+    def kv_budget_mb_for(self, role: str) -> int:
+        """The KV budget (MiB) of a worker of ``role``: its TANDEM_KV_BUDGET_MB_<ROLE> where set,
+        else TANDEM_KV_BUDGET_MB."""
+        suffix = _ROLE_BUDGETS.get(role)
+        return (getattr(self, "kv_budget_mb_" + suffix) if suffix else 0) or self.kv_budget_mb
 
     def resolved_worker_id(self, role: str) -> str:
         """The configured id, or ``<role>-<host>-<pid>`` (dots in the host name become '-')."""

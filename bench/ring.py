@@ -1,0 +1,171 @@
+"""``tandem bench ring``: ring decode (members in this process) vs a single worker, per context.
+
+Per context length: a single worker's fused decode step over its paged KV, then rings of
+``--members`` members (for N > 1 both with every segment's state to the coordinator and folded
+along the ring) (``shared/engine/ring.py``) decoding the same positions; each step split
+into the members' attention (store + attend, the members one after another in this process),
+the coordinator's merge + o-proj + FFN, and the rest (embed, q|k|v, head), with the bytes a step
+would put on the wire (q|k|v rows out to each member with keys, segment states back). The KV is
+random fp16 (no prefill of 8K tokens here): a step's time does not depend on the values, and
+exactness is the tests' job (tests/integration/test_ring.py).
+
+Then the seed's compute/transfer model per head group (docs/strategies.md): the attention time
+of one kv head's keys on a member (measured here per key; modelled for a 2-socket EPYC) against
+the bytes of that head group's q and partial states at 10 and 100 Gbps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from bench.report import fmt
+
+# a 2-socket EPYC (Zen 4, 2 x 64 cores, 12 DDR5-4800 channels per socket) for the model:
+EPYC_MEM_BW = 2 * 460e9         # bytes/s, all cores reading the KV
+EPYC_FLOPS = 2 * 64 * 2.4e9 * 32  # f32 FMA lanes x 2 flops, all cores (peak)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contexts", default="4096,8000", help="context lengths in tokens (default 4096,8000)")
+    p.add_argument("--members", default="1,2,3", help="ring sizes (default 1,2,3)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps timed per figure (default 8)")
+    p.add_argument("--model-contexts", default="8192,32768,131072,262144",
+                   help="contexts of the compute/transfer model (default 8192,32768,131072,262144)")
+    p.add_argument("--threads", type=int, default=None, help="kernel threads (default: torch's)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+
+
+def _bench(contexts: list[int], members: list[int], steps: int, threads: int | None) -> tuple[list[dict], dict]:
+    import torch
+
+    from kernels import cpu
+    from kernels.cpu_ring import RingKernels
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.kv_cache import KV_DTYPE
+    from shared.engine.model import AttnChunk, StepContext
+    from shared.engine.ring import Ring, RingMember, StepTimes
+    from shared.strategy import shard_ranges
+
+    top = max(contexts) + steps + 1
+    engine = Engine.from_path(None, EngineConfig(threads=threads, enable_prefix_caching=False,
+                                                 num_kv_blocks=-(-top // 16) + 1))
+    k = RingKernels.of(engine.model)
+    if k is None:
+        raise SystemExit("the fused CPU step is not available here: no ring")
+    layout, bs, cfg = engine.layout, engine.layout.block_size, engine.model_config
+    gen = torch.Generator().manual_seed(0)
+    rows, per_key = [], []
+    for n in contexts:
+        nb = layout.blocks_for(n + steps)
+        kv = torch.randn(nb, *layout.block_shape, generator=gen).to(KV_DTYPE)
+        table = torch.arange(nb)
+        ids = torch.randint(0, cfg.vocab_size, (n + steps + 1,), generator=gen).tolist()
+        with torch.inference_mode():
+            engine.kv[:nb] = kv
+            t0 = time.perf_counter()
+            for p in range(n, n + steps):
+                pos = torch.tensor([p])
+                engine.model.forward(torch.tensor([ids[p]]), StepContext(
+                    pos, table[pos // bs], pos % bs, [AttnChunk(p, 1, 0, table)], torch.tensor([0])), engine.kv)
+            single = (time.perf_counter() - t0) / steps
+        rows.append({"context": n, "members": 0, "step_ms": 1e3 * single, "tok_s": 1 / single})
+        raw = kv[:layout.blocks_for(n)].view(torch.uint8).numpy().tobytes()
+        for m, fold in [(m, f) for m in members for f in ((False, True) if m > 1 else (False,))]:
+            shard = max(b - a for a, b in shard_ranges(n + steps + 1, m))
+            ring = Ring(k, [RingMember(k, layout, layout.blocks_for(shard) * layout.block_bytes, f"m{i}")
+                            for i in range(m)], fold=fold)
+            ring.admit("s", ids[:n + 1], n, raw, n + steps + 1)
+            ring.step("s")            # warm: the members' buffers
+            ring.append("s", ids[n + 1])
+            ring.times = StepTimes()
+            for p in range(n + 1, n + steps):
+                ring.step("s")
+                ring.append("s", ids[p + 1])
+            t = ring.times
+            step = t.total / t.steps
+            rows.append({"context": n, "members": m, "fold": fold, "step_ms": 1e3 * step, "tok_s": 1 / step,
+                         "attend_ms": 1e3 * t.attend / t.steps, "merge_ffn_ms": 1e3 * t.merge_ffn / t.steps,
+                         "rest_ms": 1e3 * (t.total - t.attend - t.merge_ffn) / t.steps,
+                         "overhead_vs_single": step / single,
+                         "bytes_out": t.bytes_out // t.steps, "bytes_back": t.bytes_back // t.steps})
+            if m == 1:
+                per_key.append((n, t.attend / t.steps / (cfg.n_layers * cfg.n_kv_heads)))
+            ring.release("s")
+    # seconds of attention per (layer, kv head, key) on this machine: the slope between the
+    # smallest and largest context of a ring of 1 (without its fixed per-call cost), else the mean
+    (n0, a0), (n1, a1) = min(per_key, default=(1, 0.0)), max(per_key, default=(1, 0.0))
+    slope = (a1 - a0) / (n1 - n0) if n1 > n0 and a1 > a0 else a1 / n1
+    machine = {"isa": cpu.isa(), "threads": cpu.get_num_threads(), "s_per_key_head": slope,
+               "group": cfg.n_heads // cfg.n_kv_heads, "head_dim": cfg.head_dim}
+    return rows, machine
+
+
+def margin_rows(machine: dict, contexts: list[int], members: list[int]) -> list[dict]:
+    """The seed's model: per head group, attention time on a member vs its transfer time, for the
+    bytes of this design (q out; one state per segment back: exact) and of one state per member
+    back (what an order-free merge, or the ring-pass fold of docs/strategies.md, sends)."""
+    from shared.strategy import SEG, shard_ranges
+
+    out = []
+    shapes = [("bundled (group %d, hd %d)" % (machine["group"], machine["head_dim"]), machine["group"], machine["head_dim"]),
+              ("70B-class GQA (group 8, hd 128)", 8, 128)]
+    for name, g, hd in shapes:
+        for n in contexts:
+            for m in (x for x in members if x > 1):
+                a, b = shard_ranges(n, m)[0]
+                keys, nseg = b - a, -(-(b - a) // SEG)
+                q_bytes, state = g * hd * 4, ((g + 7) // 8 * 8) * (hd + 2) * 4
+                here = keys * machine["s_per_key_head"] * (g * hd) / (machine["group"] * machine["head_dim"])
+                epyc = keys * max(4 * g * hd / EPYC_FLOPS, 2 * hd * 2 / EPYC_MEM_BW)
+                for gbps in (10, 100):
+                    for scheme, back in (("per segment", nseg * state), ("per member", state)):
+                        wire = (q_bytes + back) * 8 / (gbps * 1e9)
+                        out.append({"model": name, "context": n, "members": m, "gbps": gbps, "scheme": scheme,
+                                    "bytes": q_bytes + back, "wire_us": 1e6 * wire,
+                                    "here_us": 1e6 * here, "here_margin": here / wire,
+                                    "epyc_us": 1e6 * epyc, "epyc_margin": epyc / wire})
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| context | members | states | step ms | tok/s | attend ms | merge+FFN ms | rest ms | vs single "
+             "| bytes out | bytes back |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["members"] == 0:
+            lines.append(f"| {r['context']} | single | | {fmt(r['step_ms'])} | {fmt(r['tok_s'])} | | | | 1.0x | | |")
+        else:
+            lines.append(f"| {r['context']} | {r['members']} | {'folded' if r['fold'] else 'per segment'} "
+                         f"| {fmt(r['step_ms'])} | {fmt(r['tok_s'])} "
+                         f"| {fmt(r['attend_ms'])} | {fmt(r['merge_ffn_ms'])} | {fmt(r['rest_ms'])} "
+                         f"| {fmt(r['overhead_vs_single'], 2)}x | {r['bytes_out']} | {r['bytes_back']} |")
+    return "\n".join(lines)
+
+
+def margin_table(rows: list[dict]) -> str:
+    lines = ["| model | context | members | Gbps | states back | bytes / head group | wire µs | attention µs here "
+             "| margin here | attention µs EPYC | margin EPYC |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['context']} | {r['members']} | {r['gbps']} | {r['scheme']} | {r['bytes']} "
+                     f"| {fmt(r['wire_us'], 2)} | {fmt(r['here_us'], 2)} | {fmt(r['here_margin'], 2)}x "
+                     f"| {fmt(r['epyc_us'], 2)} | {fmt(r['epyc_margin'], 2)}x |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
+    members = [int(x) for x in args.members.split(",") if x.strip()]
+    if not contexts or not members or min(members) < 1 or args.steps < 2 or max(contexts) + args.steps >= 8192:
+        raise SystemExit("--contexts and --members need positive values, --steps >= 2, context + steps < 8192")
+    rows, machine = _bench(contexts, members, args.steps, args.threads)
+    margins = margin_rows(machine, [int(x) for x in args.model_contexts.split(",") if x.strip()], members)
+    print(f"isa={machine['isa']} threads={machine['threads']} "
+          f"attention {1e9 * machine['s_per_key_head']:.2f} ns per (layer, kv head, key)"
+          f"{' (slope between contexts)' if len(contexts) > 1 else ''}", flush=True)
+    print(table(rows), flush=True)
+    print(margin_table(margins), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"machine": machine, "steps": rows, "margin": margins}, f, indent=2)
+    return 0

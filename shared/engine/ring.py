@@ -1,0 +1,261 @@
+"""Ring decode: one session's KV split by token ranges over N CPU members; the queries travel.
+
+The "cpu-ring(N)" execution strategy (docs/strategies.md). KV stays where it was scattered;
+each decode step the coordinator (which holds the weights) computes the new token's q|k|v per
+layer, every member computes the softmax states of its key segments against q, and the
+coordinator merges them in segment order — bitwise the single-worker step, because the fused
+CPU attention is that same fold (``kernels/cpu_ring.py``).
+
+Life cycle of a ring session:
+
+    Plan       shard_ranges() (shared/strategy.py): SEG-aligned token ranges over the session's whole length
+               (prompt + max new tokens), one per member, the last one open to growth
+    Scatter    admit(): every member reserves KV blocks for its whole range (or the admission
+               fails with RingCapacityError naming the member and the shortfall: nothing is
+               kept), then loads its slice of the prefill's KV bytes
+    Decoding   step(): per layer q|k|v → the member owning the new position stores k, v →
+               each member with keys attends its segments → merge + o-proj + FFN; logits
+    Gather     gather(): the shards' bytes end to end = the session's KV in layout v1, the
+               bytes a migration to a single worker moves; release() frees the members' blocks
+
+Members here are objects in the coordinator's process (the integration tests and
+``tandem bench ring``); the service layer puts them in cpu-decode workers and carries the
+per-step messages (q|k|v rows out, parts back) on the data plane.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.cpu_ring import SEG, RingKernels
+from shared.engine.kv_cache import KV_DTYPE, BlockManager, KVBlobHeader, KVLayout
+from shared.strategy import shard_ranges
+
+
+class RingCapacityError(RuntimeError):
+    """A ring (or one worker) cannot hold a session's KV: the message names who and by how much."""
+
+
+@dataclass
+class _Shard:
+    start: int                 # first position held (a multiple of SEG)
+    end: int                   # one past the last position this member may ever hold
+    blocks: list[int]          # the member's blocks for [start, end), in order
+    table: torch.Tensor        # block ids by absolute position (entries before start: blocks[0], never read)
+
+
+class RingMember:
+    """One member: a paged KV cache of its own budget holding a token range of ring sessions."""
+
+    def __init__(self, kernels: RingKernels, layout: KVLayout, kv_bytes: int, name: str = "member"):
+        if SEG % layout.block_size:
+            raise ValueError(f"block size {layout.block_size} must divide the attention segment {SEG}")
+        self.kernels, self.layout, self.name = kernels, layout, name
+        num_blocks = kv_bytes // layout.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"a KV budget of {kv_bytes} bytes holds no block of {layout.block_bytes}")
+        self.kv = torch.zeros((num_blocks, *layout.block_shape), dtype=KV_DTYPE)
+        self.blocks = BlockManager(num_blocks, layout.block_size, enable_prefix_caching=False)
+        self.shards: dict[str, _Shard] = {}
+
+    def reserve(self, sid: str, start: int, end: int) -> None:
+        """Take blocks for positions [start, end) of session ``sid``; RingCapacityError if they do not fit."""
+        bs = self.layout.block_size
+        if sid in self.shards or start % SEG or end <= start:
+            raise ValueError(f"{self.name}: bad shard [{start}, {end}) for {sid!r}")
+        need = self.layout.blocks_for(end - start)
+        got = self.blocks.allocate(need)
+        if got is None:
+            raise RingCapacityError(
+                f"{self.name}: tokens [{start}, {end}) need {need} KV blocks ({need * bs} tokens), "
+                f"{self.blocks.num_free} of {self.blocks.num_blocks} are free "
+                f"({self.blocks.num_blocks * self.layout.block_bytes / 2**20:.1f} MiB budget)")
+        pad = [got[0]] * (start // bs)
+        self.shards[sid] = _Shard(start, end, got, torch.tensor(pad + got, dtype=torch.int64))
+
+    def load(self, sid: str, kv) -> None:
+        """Fill the shard's first blocks with ``kv`` (bytes-like, whole blocks of layout v1)."""
+        sh = self.shards[sid]
+        data = torch.frombuffer(bytearray(kv), dtype=torch.uint8).view(KV_DTYPE)
+        n = data.numel() * 2 // self.layout.block_bytes
+        if n * self.layout.block_bytes != data.numel() * 2 or n > len(sh.blocks):
+            raise ValueError(f"{self.name}: {data.numel() * 2} bytes are not at most {len(sh.blocks)} whole KV blocks")
+        if n:
+            self.kv[torch.tensor(sh.blocks[:n])] = data.view(n, *self.layout.block_shape)
+
+    def owns(self, sid: str, pos: int) -> bool:
+        sh = self.shards[sid]
+        return sh.start <= pos < sh.end
+
+    def store(self, sid: str, layer: int, qkv: torch.Tensor, pos: int) -> None:
+        """Write the new tokens' k and v (rows of ``qkv``, positions pos..) of ``layer``."""
+        sh = self.shards[sid]
+        if not (sh.start <= pos and pos + qkv.shape[0] <= sh.end):
+            raise ValueError(f"{self.name}: positions {pos}+{qkv.shape[0]} outside the shard [{sh.start}, {sh.end})")
+        self.kernels.store(layer, qkv, pos, self.kv, sh.table)
+
+    def segments(self, sid: str, keys: int) -> tuple[int, int]:
+        """The segments [lo, hi) of this shard holding some of the first ``keys`` keys (lo == hi: none)."""
+        sh = self.shards[sid]
+        lo = sh.start // SEG
+        return lo, max(lo, -(-min(sh.end, keys) // SEG))
+
+    def attend(self, sid: str, layer: int, qkv: torch.Tensor, pos: int) -> torch.Tensor | None:
+        """Softmax states [nkv, segments, part] of the q rows at positions pos.. over this
+        shard's keys (None: it holds none of them yet)."""
+        lo, hi = self.segments(sid, pos + qkv.shape[0])
+        if lo == hi:
+            return None
+        return self.kernels.attend(layer, qkv, pos, self.kv, self.shards[sid].table, lo, hi)
+
+    def read(self, sid: str, keys: int) -> bytes:
+        """The shard's blocks holding any of the first ``keys`` positions, as bytes."""
+        sh = self.shards[sid]
+        n = self.layout.blocks_for(max(0, min(sh.end, keys) - sh.start))
+        if not n:
+            return b""
+        return self.kv.index_select(0, torch.tensor(sh.blocks[:n])).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def release(self, sid: str) -> None:
+        sh = self.shards.pop(sid, None)
+        if sh is not None:
+            self.blocks.release(sh.blocks)
+
+
+@dataclass
+class StepTimes:
+    """Where a ring's decode steps spent their time (seconds, summed since the last reset)."""
+    steps: int = 0
+    total: float = 0.0         # whole steps
+    attend: float = 0.0        # members' store + attention (one after another in this process)
+    merge_ffn: float = 0.0     # the merge and the rest of each layer (the rest of total: embed,
+                               # q|k|v, head)
+    bytes_out: int = 0         # q|k|v rows sent to the members (one copy per member with keys)
+    bytes_back: int = 0        # segment states returned (fold: the running state, once per hop)
+
+
+@dataclass
+class _Session:
+    ranges: list[tuple[int, int]]
+    num_computed: int          # positions whose KV the members hold
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Ring:
+    """The coordinator: the model's weights and N members; each session decodes a token a step."""
+
+    def __init__(self, kernels: RingKernels, members: list[RingMember], fold: bool = False):
+        """``fold``: the members fold their segment states along the ring in shard order and the
+        coordinator receives one state per kv head (else every segment's state comes back and
+        the coordinator folds them). The same merges in the same order: the same bits."""
+        if not members:
+            raise ValueError("a ring needs at least one member")
+        self.kernels, self.members, self.fold = kernels, members, fold
+        self.sessions: dict[str, _Session] = {}
+        self.times = StepTimes()
+
+    def admit(self, sid: str, token_ids: list[int], num_computed: int, kv, max_total: int) -> list[tuple[int, int]]:
+        """Scatter a prefilled session: ``kv`` holds the whole blocks of its first
+        ``num_computed`` positions (layout v1, as ``Engine.export_kv``'s blob carries them);
+        ``token_ids`` its tokens so far (``token_ids[num_computed]`` is computed by the next
+        step); ``max_total`` the most positions it may reach. Returns the members' ranges.
+        RingCapacityError (nothing kept) when a member cannot hold its range."""
+        if sid in self.sessions:
+            raise ValueError(f"session {sid!r} is already on this ring")
+        layout = self.members[0].layout
+        if not 0 < num_computed < len(token_ids) <= max_total <= self.kernels.max_context:
+            raise ValueError(f"need 0 < computed ({num_computed}) < tokens ({len(token_ids)}) <= max total "
+                             f"({max_total}) <= context ({self.kernels.max_context})")
+        mv = memoryview(kv).cast("B")
+        if mv.nbytes != layout.blocks_for(num_computed) * layout.block_bytes:
+            raise ValueError(f"KV of {mv.nbytes} bytes is not the {layout.blocks_for(num_computed)} blocks "
+                             f"of {num_computed} positions")
+        ranges = shard_ranges(max_total, len(self.members))
+        done: list[RingMember] = []
+        try:
+            for m, (a, b) in zip(self.members, ranges):
+                m.reserve(sid, a, b)
+                done.append(m)
+        except Exception:
+            for m in done:
+                m.release(sid)
+            raise
+        bs, bb = layout.block_size, layout.block_bytes
+        for m, (a, b) in zip(self.members, ranges):
+            hi = layout.blocks_for(min(b, num_computed)) if a < num_computed else a // bs
+            m.load(sid, mv[a // bs * bb:hi * bb])
+        self.sessions[sid] = _Session(ranges, num_computed, list(token_ids))
+        return ranges
+
+    def admit_blob(self, sid: str, blob, max_new_tokens: int) -> list[tuple[int, int]]:
+        """``admit`` the session of a KV blob (``Engine.export_kv`` of a prefilled request),
+        planned for ``max_new_tokens`` more tokens."""
+        h, kv = KVBlobHeader.parse(blob)
+        if h.layout != self.members[0].layout.to_dict():
+            raise ValueError(f"KV layout {h.layout} does not match the ring's {self.members[0].layout.to_dict()}")
+        total = min(len(h.token_ids) + max_new_tokens, self.kernels.max_context)
+        return self.admit(sid, h.token_ids, h.num_computed, kv, total)
+
+    @torch.inference_mode()
+    def step(self, sid: str) -> torch.Tensor:
+        """Compute the session's next token (``token_ids[num_computed]``); logits [1, vocab]."""
+        s, k, t = self.sessions[sid], self.kernels, self.times
+        pos = s.num_computed
+        if pos >= len(s.token_ids):
+            raise ValueError(f"session {sid!r}: no token to compute (append the sampled one first)")
+        if pos >= s.ranges[-1][1]:
+            raise ValueError(f"session {sid!r} reached its planned length {s.ranges[-1][1]}")
+        t0 = time.perf_counter()
+        x = k.embed(torch.tensor([s.token_ids[pos]]), pos)
+        tail = next(m for m in self.members if m.owns(sid, pos))
+        for layer in range(k.cfg.n_layers):
+            qkv = k.qkv(layer, x, pos)
+            a0 = time.perf_counter()
+            tail.store(sid, layer, qkv, pos)
+            parts = [p for p in (m.attend(sid, layer, qkv, pos) for m in self.members) if p is not None]
+            t.bytes_out += qkv.numel() * 4 * len(parts)
+            if self.fold:   # member i folds its states into the running state member i - 1 passed on
+                state = None
+                for p in parts:
+                    state = k.fold(p if state is None else torch.cat([state, p], dim=1), pos, 1)
+                    t.bytes_back += state.numel() * 4
+                parts = [state]
+            else:
+                t.bytes_back += sum(p.numel() * 4 for p in parts)
+            a1 = time.perf_counter()
+            t.attend += a1 - a0
+            k.merge_ffn(layer, x, qkv, pos, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], self.fold)
+            t.merge_ffn += time.perf_counter() - a1
+        logits = k.head(x, pos)
+        s.num_computed = pos + 1
+        t.steps += 1
+        t.total += time.perf_counter() - t0
+        return logits
+
+    def append(self, sid: str, token: int) -> None:
+        """Add the token sampled from the last step's logits (computed by the next step)."""
+        self.sessions[sid].token_ids.append(int(token))
+
+    def generate(self, sid: str, n: int) -> tuple[list[int], list[torch.Tensor]]:
+        """``n`` greedy steps: the tokens appended and each step's logits."""
+        toks, logits = [], []
+        for _ in range(n):
+            lg = self.step(sid)
+            tok = int(lg[0].argmax())
+            self.append(sid, tok)
+            toks.append(tok)
+            logits.append(lg)
+        return toks, logits
+
+    def gather(self, sid: str) -> bytes:
+        """The session's KV (every computed position, whole blocks of layout v1) from its shards."""
+        n = self.sessions[sid].num_computed
+        return b"".join(m.read(sid, n) for m in self.members)
+
+    def release(self, sid: str) -> None:
+        self.sessions.pop(sid, None)
+        for m in self.members:
+            m.release(sid)
