@@ -132,6 +132,13 @@ class Tier(abc.ABC):
             self._index.move_to_end(key)
         self.hits += 1
 
+    def _unusable(self, key: str, why: Exception) -> None:
+        """A read found ``key`` corrupt or unreadable: removed, counted, a miss (returns None)."""
+        log.warning("%s tier: entry %s unusable (%s): removed, treated as a miss", self.name, key[:16], why)
+        self.corrupt += 1
+        self.misses += 1
+        self.remove(key)
+
     def _forget(self, key: str) -> None:
         """Drop ``key`` from the index (its storage is gone or going)."""
         with self._lock:
@@ -240,11 +247,7 @@ class DirTier(Tier):
             self.misses += 1
             return None
         except (CorruptEntry, OSError) as e:
-            log.warning("%s tier: entry %s unusable (%s): removed, treated as a miss", self.name, key[:16], e)
-            self.corrupt += 1
-            self.misses += 1
-            self.remove(key)
-            return None
+            return self._unusable(key, e)
         self._hit(key, len(entry))
         return entry
 
@@ -357,11 +360,7 @@ class RedisTier(Tier):
         try:
             verify_entry(entry, key)
         except CorruptEntry as e:
-            log.warning("%s tier: entry %s unusable (%s): removed, treated as a miss", self.name, key[:16], e)
-            self.corrupt += 1
-            self.misses += 1
-            self.remove(key)
-            return None
+            return self._unusable(key, e)
         self._hit(key, len(entry))
         return entry
 
