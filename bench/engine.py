@@ -18,10 +18,10 @@ Prints a Markdown table on stdout, progress on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+from bench import report
 
 PROMPT_TEXT = ("The printing press changed how knowledge moved through Europe. Before it, books were "
                "copied by hand in monasteries, slowly and at great cost. ")
@@ -183,8 +183,7 @@ def main(args: argparse.Namespace) -> int:
     res = run(args)
     print(table(res))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
+        report.write_json(args.json, res)
     return 0
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu, q4_0
+from bench import report
 
 # (name, N rows of W, K) for SmolLM2-135M: hidden 576, intermediate 1536, 3 KV heads x 64
 SHAPES = [
@@ -301,13 +302,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace | None = None) -> int:
-    import json
-
     args = args or parser().parse_args()
     res = run(args)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
+        report.write_json(args.json, res)
     return 0
 
 

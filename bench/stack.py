@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 
 from bench.serve import Server
 from shared.nats_server import free_port
+from bench import report
 
 STACKS = {  # name -> `tandem up` arguments
     "minimal": ["--prefill", "0", "--gpu-decode", "0", "--kvpool", "0", "--cpu-decode", "1"],
@@ -299,8 +299,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     print(table(res))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
+        report.write_json(args.json, res)
     return 1 if res["text_mismatches"] else 0
 
 

@@ -25,11 +25,11 @@ the mean step without stop strings).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
+from bench import report
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea. Chapter {i}:"
 
@@ -161,6 +161,5 @@ def main(args: argparse.Namespace) -> int:
     res = run(args)
     print(table(res))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
+        report.write_json(args.json, res)
     return 0
