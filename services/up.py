@@ -261,21 +261,8 @@ def key_file(path: str, what: str = "pool secret") -> None:
     """Create a deployment secret file (a random key, mode 0600) unless it exists; every child reads
     it: the pool secret (TANDEM_POOL_KEY_FILE), so pool entries carry a MAC only this deployment can
     make, and the data-plane key (TANDEM_DATA_KEY_FILE), so receivers take KV from its services only."""
-    path = os.path.expanduser(path)
-    if os.path.exists(path):
-        return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    try:
-        os.link(tmp, path)    # atomic, and never over a key another `tandem up` made meanwhile
-        log.info("%s created in %s", what, path)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tmp)
+    if not os.path.exists(os.path.expanduser(path)) and bus_auth.write_private(path, secrets.token_hex(32)):
+        log.info("%s created in %s", what, path)  # (False: another `tandem up` made it meanwhile)
 
 
 def embedded_nats(env: dict[str, str]) -> EmbeddedNats:
