@@ -32,7 +32,8 @@ import torch
 
 from kernels import q4_0
 
-GEMV_MAX_M = 8          # at most this many activation rows run as GEMV programs
+GEMV_MAX_M = 512        # at most this many activation rows run as GEMV programs (H200: GEMV beat the GEMM
+                        # kernel at every M <= 512 on every SmolLM2 shape, 4-18x; docs/kernels.md "GPU")
 BLOCK_B = 4             # Q4_0 blocks (of 32 weights) per step of the K loop: 128 weights
 _module = None          # kernels.gpu_triton once imported
 

@@ -25,11 +25,14 @@ from kernels import gpu, q4_0
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
 REL_TOL = 1e-5
+SPLIT = 8  # GEMV up to this M in these tests, GEMM above: both kernels on small shapes (the
+           # interpreter is slow; the product's GEMV_MAX_M is larger, tested by its own case below)
 
 
-def _interpreted(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None):
+def _interpreted(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None, gemv_max_m: int):
     """In the worker: (result, out is result) or the ValueError raised."""
     assert os.environ["TRITON_INTERPRET"] == "1" and gpu.interpreting()
+    gpu.GEMV_MAX_M = gemv_max_m
     try:
         got = gpu.matmul(x, q, out)
     except ValueError as e:
@@ -51,8 +54,8 @@ def interp():
         else:
             os.environ["TRITON_INTERPRET"] = old
 
-    def run(x, q, out=None):
-        r = pool.submit(_interpreted, x, q, out).result()
+    def run(x, q, out=None, gemv_max_m=SPLIT):
+        r = pool.submit(_interpreted, x, q, out, gemv_max_m).result()
         if isinstance(r, ValueError):
             raise r
         return r
@@ -60,9 +63,9 @@ def interp():
         yield run
 
 
-def check(interp, x: torch.Tensor, q: torch.Tensor) -> None:
+def check(interp, x: torch.Tensor, q: torch.Tensor, gemv_max_m: int = SPLIT) -> None:
     want = q4_0.matmul(x, q)
-    got, _ = interp(x, q)
+    got, _ = interp(x, q, gemv_max_m=gemv_max_m)
     assert got.shape == want.shape and got.dtype == torch.float32
     scale = float(want.abs().max())
     assert float((got - want).abs().max()) <= REL_TOL * scale, float((got - want).abs().max()) / scale
@@ -77,12 +80,18 @@ def acts(m: int, k: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
 
 
-# GEMV for M <= GEMV_MAX_M, GEMM above; N not a multiple of the 64-row tile; K of 3 blocks (not
+# GEMV for M <= SPLIT, GEMM above; N not a multiple of the 64-row tile; K of 3 blocks (not
 # a multiple of BLOCK_B = 4), of 18 (576) and of 48 (1536)
-@pytest.mark.parametrize("m", [1, 3, gpu.GEMV_MAX_M, gpu.GEMV_MAX_M + 1, 40, 70])
+@pytest.mark.parametrize("m", [1, 3, SPLIT, SPLIT + 1, 40, 70])
 @pytest.mark.parametrize("n,k", [(192, 576), (100, 1536), (64, 96)])
 def test_random_weights_gemv_and_gemm(interp, m, n, k):
     check(interp, acts(m, k), weights(n, k))
+
+
+def test_product_split_runs_gemv_on_a_batch(interp):
+    """With the product's GEMV_MAX_M a 70-row batch is GEMV programs (one per activation row)."""
+    assert gpu.GEMV_MAX_M >= 70
+    check(interp, acts(70, 96), weights(100, 96), gemv_max_m=gpu.GEMV_MAX_M)
 
 
 @pytest.mark.parametrize("name", ["blk.0.attn_q", "blk.0.ffn_down", "blk.29.ffn_gate"])
