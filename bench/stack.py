@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from bench.serve import Server
 from shared.nats_server import free_port
+from shared.os_priority import engine_threads
 from bench import report
 
 STACKS = {  # name -> `tandem up` arguments
@@ -78,14 +79,14 @@ class EngineSystem:
 
     name = "engine"
 
-    def __init__(self):
+    def __init__(self, threads: int):
         from services.worker import engine_config
         from shared import subjects
         from shared.engine.async_engine import AsyncEngine
         from shared.engine.engine import Engine
         from shared.settings import Settings
 
-        settings = Settings.from_env()
+        settings = Settings.from_env(dict(os.environ, TANDEM_THREADS=str(threads)))
         self.engine = AsyncEngine(Engine.from_path(settings.worker.model,
                                                    engine_config(settings, "cpu", subjects.CPU_DECODE)))
         self.tokenizer = self.engine.tokenizer
@@ -194,12 +195,14 @@ def run(args: argparse.Namespace) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TANDEM_NATS_URL", None)  # each stack gets its own embedded NATS
     if args.threads:
-        os.environ["TANDEM_THREADS"] = env["TANDEM_THREADS"] = str(args.threads)
+        env["TANDEM_THREADS"] = str(args.threads)
+    # the in-process engine gets the threads `tandem up` gives a cpu-decode worker (like for like)
+    threads = args.threads or engine_threads("cpu-decode", len(os.sched_getaffinity(0)))
     stacks = [StackSystem(kind, env) for kind in args.stacks]
     systems: list = []
     try:
         _progress(f"starting {', '.join(s.name for s in stacks)}; loading the in-process engine")
-        systems.append(EngineSystem())
+        systems.append(EngineSystem(threads))
         isa = describe("cpu")
         for s in stacks:
             s.wait_ready()
@@ -244,7 +247,8 @@ def run(args: argparse.Namespace) -> dict:
         r["decode_ratio"] = r["decode_tok_s_p50"] / base["decode_tok_s_p50"]
         r["aggregate_ratio"] = r["aggregate_tok_s"] / base["aggregate_tok_s"]
         r["ttft_overhead_ms"] = r["ttft_p50_ms"] - base["ttft_p50_ms"]
-    return {"isa": isa, "cpus": os.cpu_count(), "loadavg_1m_at_start": load, "threads": args.threads or "default",
+    return {"isa": isa, "cpus": os.cpu_count(), "loadavg_1m_at_start": load,
+            "threads": args.threads or f"default (cpu-decode: {threads})",
             "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
             "text_mismatches": mismatches, "rows": rows}
 
