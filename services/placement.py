@@ -41,6 +41,7 @@ worker that holds the prompt (it hands the KV to the coordinator, which scatters
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -272,6 +273,25 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
                      tier=tier, session_id=req.session_id, cached_tokens=have, cached_at=at)
 
 
+def _busy_ring(tier: str, context: int, decoders: list[WorkerView], pool: list[PoolWorker]) -> None:
+    """Raise BusError("overloaded") when only a ring holds ``context`` and one would, were its
+    workers' KV free (their requests end, a lost ring's shards are released): retry later, not
+    "prompt too long"."""
+    if not pool or max(w.beat.max_context for w in decoders) >= context:
+        return
+    beats = {w.id: w.beat for w in decoders}
+    empty = [dataclasses.replace(p, free_tokens=beats[p.id].total_kv_blocks * beats[p.id].kv_block_tokens)
+             for p in pool]
+    try:
+        strategy, _ = choose(tier, context, empty)
+    except NoCapacity:
+        return
+    if strategy.kind == RING:
+        raise BusError("overloaded", f"a {strategy} holds {context} tokens, but its workers' KV is in use now "
+                                     f"(free tokens: {', '.join(f'{p.id} {p.free_tokens}' for p in pool)}); retry later",
+                       retry_after=1.0)
+
+
 def strategy_of(plan: RoutePlan) -> str:
     """A single-worker plan's strategy: its decode pool's."""
     return GPU if plan.decode_role == subjects.GPU_DECODE else CPU
@@ -293,6 +313,7 @@ def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, poli
     try:
         strategy, why = choose(tier, context, pool)
     except (NoCapacity, ValueError) as e:
+        _busy_ring(tier, context, decoders, pool)
         return None, str(e)
     if strategy.kind != RING:
         return None, why

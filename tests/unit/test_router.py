@@ -263,3 +263,12 @@ def test_strategy_table(tier, n, max_tokens, workers, strategy, members):
 
 def test_other_policies_never_plan_a_ring():
     assert strategy_plan(req("batch", n=3000), RING3, NOW, policy="round-robin")[0] is None
+
+
+def test_a_ring_whose_workers_are_busy_now_is_overloaded_not_refused():
+    busy = [rw("c1", free=10), rw("c2", free=10), rw("c3", free=80), w("p1", "prefill")]
+    with pytest.raises(BusError) as e:
+        strategy_plan(req("batch", n=3000), busy, NOW)
+    assert e.value.code == "overloaded" and e.value.retry_after > 0
+    # a context no ring of these workers could ever hold: place decides (and refuses it)
+    assert strategy_plan(req("batch", n=5000), busy, NOW)[0] is None
