@@ -317,8 +317,10 @@ def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, poli
         return None, str(e)
     if strategy.kind != RING:
         return None, why
-    longest = max(w.beat.max_context for w in decoders)
-    if longest >= context:   # a busy worker frees its KV as its requests end: it queues there
+    # a busy worker of a pool the tier prefers to a ring frees its KV as its requests end: it queues there
+    singles = [w for w in decoders if tier == "interactive" or w.role == subjects.CPU_DECODE]
+    longest = max((w.beat.max_context for w in singles), default=0)
+    if longest >= context:
         return None, f"{why}, but {longest} tokens fit one worker once its KV frees: no ring"
     prefills = [w for w in workers if w.alive(now) and w.role == subjects.PREFILL
                 and w.beat.max_context >= req.num_prompt_tokens + 1 and w.beat.data_port]

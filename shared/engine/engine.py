@@ -221,7 +221,8 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending) or bool(self.rings)
+        return (self.scheduler.has_work() or bool(self._pending)
+                or any(self.seqs[rid].status is Status.RUNNING for rid in self.rings))
 
     def best_priority(self) -> int | None:
         """The best (lowest) priority among the sequences the next step may run; None: none."""
@@ -284,6 +285,8 @@ class Engine:
         outs = []
         for rid, (ring, sid) in list(self.rings.items()):
             seq = self.seqs[rid]
+            if seq.status is Status.PARKED:   # being moved (export_kv keep=True)
+                continue
             try:
                 if seq.matcher is not None and sampler.needs_mask(seq):
                     self.grammar.fill_masks([seq.matcher])
@@ -533,12 +536,12 @@ class Engine:
         KV blob (``KVBlobHeader``) and remove it from this engine. ``import_kv`` on any engine with
         the same model continues it. ``keep`` (a migration that may fail): only a decoding
         sequence; it stays here, parked with its KV, until ``settle_export`` drops it or puts it
-        back in the batch."""
+        back in the batch. A ring session's KV is gathered from its members (the bytes of a
+        migration: its promotion to a single worker)."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no request {request_id!r} in this engine")
-        if request_id in self.rings:
-            raise ValueError(f"request {request_id!r} decodes on a ring (moving a ring session is not built yet)")
+        ring = self.rings.get(request_id)
         ok = (Status.RUNNING,) if keep else (Status.PARKED, Status.RUNNING)
         # between steps: the prompt computed, at least the last token not (the grammar's forced
         # tokens may wait to be computed as one chunk)
@@ -551,10 +554,10 @@ class Engine:
             num_computed=seq.num_computed, num_cached_tokens=seq.num_cached_tokens,
             params=seq.params.to_dict(), priority=seq.priority, kv_blocks=nb,
             detok=[seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars], tenant=seq.tenant)
-        blob = header.pack(self.read_blocks(seq.block_table[:nb]))
+        blob = header.pack(ring[0].gather(ring[1]) if ring else self.read_blocks(seq.block_table[:nb]))
         if keep:
             self.scheduler.remove(seq)
-            seq.status = Status.PARKED
+            seq.status = Status.PARKED   # a ring session's steps pause too (``_ring_steps``)
         else:
             self.seqs.pop(request_id)
             self._release(seq)
@@ -569,6 +572,8 @@ class Engine:
         if moved:
             self.seqs.pop(request_id)
             self._release(seq)
+        elif request_id in self.rings:
+            seq.status = Status.RUNNING
         else:
             self.scheduler.add_running(seq)
         return True

@@ -306,3 +306,38 @@ def test_a_member_refuses_a_connection_without_the_data_plane_key(two_workers):
     a, _, server = two_workers
     with pytest.raises(RingMemberLost, match="refused our proof"):
         ring_of(a, server, key=b"another key")
+
+
+async def test_a_ring_session_is_promoted_to_one_worker_by_a_migration(two_workers, bundled_model, handoff, single):
+    """Mid-stream, the coordinator gathers the ring's shards into a migration blob (the bytes a
+    move of a single worker's request carries); a third worker imports it and goes on with the
+    single worker's greedy tokens; the ring's KV is freed."""
+    import asyncio
+    from shared.engine.async_engine import AsyncEngine
+    a, b, server = two_workers
+    ring = ring_of(a, server)
+    h, kv = KVBlobHeader.parse(handoff)
+    await asyncio.to_thread(ring.admit, "s#0", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
+    stream = await a.submit_ring("r", handoff, ring, "s#0")
+    toks = []
+    async for out in stream:
+        toks += out.token_ids
+        if len(toks) >= 3:
+            blob = await a.export_for_move("r")
+            break
+    async for out in stream:   # the steps before the export, then the "migrated" end of the stream
+        toks += out.token_ids
+        assert out.finish_reason in (None, "migrated")
+    assert await a.end_move("r", moved=True) is None
+    moved = KVBlobHeader.parse(blob)[0]
+    assert moved.num_computed == h.num_computed + len(toks) and moved.token_ids[-len(toks):] == toks
+    c = AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=160, threads=1)))
+    try:
+        async for out in await c.submit_kv("r", blob):
+            toks += out.token_ids
+    finally:
+        await c.close()
+    assert toks == single[0]
+    await asyncio.sleep(0.2)
+    for e in (a, b):
+        assert e.engine.blocks.num_free == e.engine.blocks.num_blocks

@@ -241,6 +241,8 @@ RING3 = [rw("c1", free=80), rw("c2", free=79), rw("c3", free=78), w("p1", "prefi
     ("standard", 2000, 64, RING3, "cpu-ring(2)", ["c1", "c2"]),
     ("interactive", 2000, 64, RING3, "cpu-ring(2)", ["c1", "c2"]),         # slow beats refused
     ("interactive", 2000, 64, [*RING3, rw("g1", "gpu-decode", free=400, ctx=6400, ring=0)], None, None),  # the GPU holds it
+    ("batch", 2000, 64, [*RING3, rw("g1", "gpu-decode", free=400, ctx=6400, ring=0)], "cpu-ring(2)", ["c1", "c2"]),
+    ("batch", 2000, 64, [*RING3, rw("g1", "gpu-decode", free=10, ctx=6400, ring=0)], "cpu-ring(2)", ["c1", "c2"]),
     # one worker holds it: no ring (place decides); also when it is only busy now
     ("batch", 1000, 64, RING3, None, None),
     ("batch", 1000, 64, [rw("c1", free=10), rw("c2", free=10), w("p1", "prefill")], None, None),
