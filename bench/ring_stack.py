@@ -14,7 +14,8 @@ data-plane key and bus auth on as always), streamed through the official ``opena
   their own processes, per-step messages on ring connections).
 
 Per stream: TTFT (send -> first token: prefill, hand-off and, for the ring, the scatter) and
-decode tok/s = (tokens - 1) / (last - first token); rounds alternate the order. The texts must
+decode tok/s = (tokens - 1) / (last - first token); rounds alternate the order, 2 s apart (the
+router sees the last stream's KV freed; the client also retries a 429 after its Retry-After). The texts must
 be equal (the ring is exact). Prints a Markdown table naming the CPU ISA and the load.
 """
 
@@ -24,12 +25,16 @@ import asyncio
 import os
 import statistics
 import sys
+import time
 
 from bench.serve import Server
 from bench.stack import StackSystem, _progress, prompts_for
 from shared.engine.kv_cache import KVLayout
 from shared.nats_server import free_port
 from shared.strategy import SEG, shard_ranges
+
+
+SETTLE_S = 2.0   # between streams: 4 heartbeat intervals
 
 
 class _Stack(StackSystem):
@@ -43,6 +48,14 @@ class _Stack(StackSystem):
         import httpx
         self.server.wait_workers(self.want, 300)
         self.model = httpx.get(self.server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def client(self):
+        """As a user's client: a 429 (a ring's KV still in use by the last request, as the router's
+        last heartbeats say) is retried after its Retry-After."""
+        import httpx
+        import openai
+        return openai.AsyncOpenAI(base_url=self.server.url + "/v1", api_key="bench", max_retries=5,
+                                  http_client=httpx.AsyncClient(timeout=600))
 
 
 def budget_mb(layout: KVLayout, context: int, members: int) -> int:
@@ -88,6 +101,7 @@ def run(args) -> dict:
             prompt = prompts_for(model.tokenizer, 1, args.context, f"ring-r{rnd}")[0]
             texts = {}
             for s in (stacks if rnd % 2 == 0 else stacks[::-1]):
+                time.sleep(SETTLE_S)   # the last request's KV is free in the heartbeats the router sees
                 st = asyncio.run(_one(s, prompt, args.max_tokens))
                 per[s.name].append(st)
                 texts[s.name] = st.text
