@@ -7,8 +7,8 @@ requests two ways:
 - GenerateRequest: the worker runs the prompt itself (the router chose no separate prefill).
 A finished session's KV (its full pool chunks) is written back to the KV pool in the
 background, so the session's next turn can start on any worker.
-A running request can move to another decode worker mid-generation (MigrateRequest, see
-``handle_migrate``): parked at a step boundary, its KV and sampler state go over the data
+A running request can move to another decode worker mid-generation, or spread onto a ring of
+cpu-decode workers (MigrateRequest, see ``handle_migrate``): parked at a step boundary, its KV and sampler state go over the data
 plane, the target continues the same stream at the next seq; if the move fails it goes on here.
 When no CUDA device exists, gpu-decode says so in its log and runs on the CPU, so the whole
 topology runs on any machine.
@@ -158,6 +158,10 @@ class DecodeWorker(EngineWorker):
             raise BusError("unavailable", f"request {rid} is already moving; retry")
         if req.target_worker == self.worker_id:
             raise BusError("bad_request", f"request {rid} already runs on {self.worker_id}")
+        if any(m[0] == self.worker_id for m in req.ring):   # its blocks here are held until the move ends
+            raise BusError("bad_request", f"{self.worker_id} cannot be a member of the ring {rid} spreads onto")
+        if req.ring and req.ring[0][0] != req.target_worker:
+            raise BusError("bad_request", f"the target {req.target_worker} must be the ring's first member")
         self.moving.add(rid)
         try:
             return await self._move(req, held, task)
@@ -188,7 +192,7 @@ class DecodeWorker(EngineWorker):
                                             port=req.target_data_port, transfer_id=tid, tier=req.tier,
                                             stream_subject=held.stream_subject, next_seq=next_seq,
                                             session_id=held.session_id or None, attempt=held.attempt,
-                                            origin=held.origin)
+                                            origin=held.origin, ring=req.ring)
         except Exception as e:  # the request is never lost: it goes on here, same stream, same seq
             metrics.migration(self.role, target_role, "failed")
             if not await self._stay(rid, held, next_seq):

@@ -157,6 +157,8 @@ class MigrateRequest:
     target_data_port: int
     tier: str                    # the tier the request runs at from now on
     reason: str = ""             # why (logged)
+    ring: list = field(default_factory=list)  # spread it onto this ring (RoutePlan.ring; the target
+                                              # is its coordinator, the first member); empty: one worker
 
 
 @message("MigrateReply", 1)

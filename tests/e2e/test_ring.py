@@ -159,55 +159,60 @@ async def test_a_killed_ring_member_loses_nothing(ring_stack, nats_server, refer
     assert mine[-1].strategy.startswith("cpu-ring"), mine[-1]
 
 
-def test_a_ring_session_is_promoted_to_a_gpu_worker_when_a_person_checks_in(nats_server, reference):
-    """`--gpu-decode 1 --cpu-decode 2`: a batch session's 2,000-token chat runs on a ring of the two
-    cpu-decode workers; mid-stream its session turns interactive (POST /v1/sessions/{id}) and the
-    router moves it to the gpu-decode worker — the coordinator gathers the shards into a
-    migration — and the client gets the undisturbed greedy text."""
-    env = dict(ENV, TANDEM_KV_BUDGET_MB_GPU_DECODE="256")
-    content = question(reference, 2000)
-    _, want = local_chat(reference, content, 48, ignore_eos=True)
-    with running_stack(nats_server, ["--gpu-decode", "1", "--cpu-decode", "2", "--kvpool", "0"], env=env) as s:
-        async def run() -> tuple[dict, list, list[RoutePlan]]:
-            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-            model = (await client.models.list()).data[0].id
-            bus = await Bus.connect(url=nats_server, name="e2e-ring-promote")
-            plans: list[RoutePlan] = []
-            sub = await bus.subscribe(subjects.ROUTER_DECISION, RoutePlan, skip_invalid=True)
-            noting = asyncio.create_task(_collect(sub, plans))
-            moved: list = []
-
-            async def on_chunk(o):
-                if o["chunks"] == 3:
-                    async with httpx.AsyncClient() as c:
-                        r = await c.post(f"{s.url}/v1/sessions/promote-me", json={"tier": "interactive"})
-                    moved.append(r.json())
-
-            try:
-                st = await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": content}], max_tokens=48, temperature=0,
-                    stream=True, extra_headers=BATCH, extra_body={"ignore_eos": True, "session_id": "promote-me"})
-                out = {"id": "", "text": "", "finish": None, "chunks": 0}
-                async for ch in st:
-                    out["id"] = ch.id
-                    if ch.choices:
-                        out["text"] += ch.choices[0].delta.content or ""
-                        out["finish"] = ch.choices[0].finish_reason or out["finish"]
-                        out["chunks"] += 1
-                        await on_chunk(out)
-            finally:
-                noting.cancel()
-                await bus.close()
-            return out, moved, plans
-
-        got, moved, plans = asyncio.run(run())
-    assert got["text"] == want.text and got["finish"] == "length"
-    mine = [p for p in plans if p.request_id == got["id"]]
-    assert mine[0].strategy == "cpu-ring(2)", mine
-    assert moved and [m["target"] for m in moved[0]["moved"]] == [p.decode_worker for p in mine[1:]], (moved, mine)
-    assert mine[-1].moved_from == mine[0].decode_worker and mine[-1].decode_role == "gpu-decode", mine
-
-
-async def _collect(sub, into: list) -> None:
+async def _collect(sub, into) -> None:
+    """Every message of ``sub`` into a list, or heartbeats into a dict by worker id."""
     async for p in sub:
-        into.append(p)
+        if isinstance(into, dict):
+            into[p.worker_id] = p
+        else:
+            into.append(p)
+
+
+async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, reference):
+    """A 1,000-token chat fits one 1,360-token worker; mid-stream it is spread onto a ring of the
+    two other workers (a MigrateRequest naming the ring: the source's KV goes to the coordinator,
+    which scatters it), and the client gets the undisturbed greedy text."""
+    from services.migrate import migrate, to_target
+    content = question(reference, 1000)
+    _, want = local_chat(reference, content, 128, ignore_eos=True)
+    client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    bus = await Bus.connect(url=nats_server, name="e2e-ring-spread")
+    beats: dict[str, Heartbeat] = {}
+    sub = await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
+    watching = asyncio.create_task(_collect(sub, beats))
+    replies = []
+
+    async def on_chunk(o):
+        if o["chunks"] != 3:
+            return
+        for _ in range(60):
+            src = next((b for b in list(beats.values()) if b.role in subjects.DECODE_ROLES
+                        and any(r[0] == o["id"] for r in b.requests)), None)
+            if src:
+                break
+            await asyncio.sleep(0.05)
+        assert src is not None and src.role == subjects.CPU_DECODE
+        ring = sorted((b for b in beats.values() if b.role == subjects.CPU_DECODE and b.worker_id != src.worker_id),
+                      key=lambda b: b.worker_id)
+        replies.append(await migrate(bus, src.worker_id, to_target(o["id"], ring[0], "batch", "spread", ring), 60))
+
+    try:
+        s = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=128, temperature=0,
+            stream=True, extra_headers=BATCH, extra_body={"ignore_eos": True})
+        got = {"id": "", "text": "", "finish": None, "chunks": 0}
+        async for ch in s:
+            got["id"] = ch.id
+            if ch.choices:
+                got["text"] += ch.choices[0].delta.content or ""
+                got["finish"] = ch.choices[0].finish_reason or got["finish"]
+                got["chunks"] += 1
+                await on_chunk(got)
+    finally:
+        watching.cancel()
+        await bus.close()
+    assert got["text"] == want.text and got["finish"] == "length"
+    (reply,) = replies
+    assert reply.target != reply.source and 1 <= reply.next_seq < got["chunks"]
+    assert f"{got['id']}: ring of 2" in ring_stack.tail(600)
