@@ -173,6 +173,7 @@ async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, re
     two other workers (a MigrateRequest naming the ring: the source's KV goes to the coordinator,
     which scatters it), and the client gets the undisturbed greedy text."""
     from services.migrate import migrate, to_target
+    ring_stack.wait_workers({"cpu-decode": 3, "prefill": 1, "router": 1}, 180)   # a member killed above is back
     content = question(reference, 1000)
     _, want = local_chat(reference, content, 128, ignore_eos=True)
     client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
