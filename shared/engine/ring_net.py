@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.cpu_ring import RingKernels
 from shared.engine.ring import RingCapacityError, RingMember
 
 log = logging.getLogger("tandem.ring")
@@ -139,7 +140,6 @@ class EngineMember(RingMember):
     (a shard's blocks are its own; the engine never touches them)."""
 
     def __init__(self, engine, on_engine: Callable[[Callable], object], name: str):
-        from kernels.cpu_ring import RingKernels
         kernels = RingKernels.of(engine.model)
         if kernels is None:
             raise ValueError("this engine does not run the fused CPU step: it cannot host ring members")
