@@ -245,6 +245,7 @@ class Router:
                          router=self.worker_id, moved_from=m.source, owner=(session.owner or "") if session else "",
                          reason=f"{m.reason}; moved {reply.num_tokens} tokens of KV from {m.source} in "
                                 f"{reply.seconds * 1e3:.0f} ms over {reply.path}")
+        plan.strategy = strategy_of(plan)
         self._apply(plan, time.monotonic())
         await self.bus.publish(subjects.ROUTER_DECISION, plan)
         log.info("%s: %s (%.0f ms)", m.request_id, plan.reason, (time.monotonic() - t0) * 1e3)

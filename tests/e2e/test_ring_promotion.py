@@ -64,5 +64,8 @@ def test_a_ring_session_is_promoted_to_a_gpu_worker_when_a_person_checks_in(nats
     assert got["text"] == want.text and got["finish"] == "length"
     mine = [p for p in plans if p.request_id == got["id"]]
     assert mine[0].strategy == "cpu-ring(2)", mine
-    assert moved and [m["target"] for m in moved[0]["moved"]] == [p.decode_worker for p in mine[1:]], (moved, mine)
-    assert mine[-1].moved_from == mine[0].decode_worker and mine[-1].decode_role == "gpu-decode", mine
+    assert moved and moved[0]["tier"] == "interactive", moved
+    # the move: at once (the POST's reply lists it) or at the router's next tick (its view of the
+    # coordinator's requests lagged a heartbeat)
+    assert len(mine) == 2 and mine[1].moved_from == mine[0].decode_worker, mine
+    assert mine[1].decode_role == "gpu-decode" and mine[1].decode_worker.startswith("gpu-decode"), mine
