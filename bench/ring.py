@@ -35,6 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="contexts of the compute/transfer model (default 8192,32768,131072,262144)")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+    p.add_argument("--stack", action="store_true",
+                   help="instead: a ring of cpu-decode workers against one worker through two `tandem up` stacks "
+                        "(bench/ring_stack.py)")
+    p.add_argument("--context", type=int, default=3000, help="--stack: prompt tokens (default 3000)")
+    p.add_argument("--max-tokens", type=int, default=64, help="--stack: tokens generated (default 64)")
+    p.add_argument("--ring-members", type=int, default=3, help="--stack: ring size (default 3)")
+    p.add_argument("--rounds", type=int, default=2, help="--stack: rounds, order alternating (default 2)")
 
 
 def _bench(contexts: list[int], members: list[int], steps: int, threads: int | None) -> tuple[list[dict], dict]:
@@ -154,6 +161,14 @@ def margin_table(rows: list[dict]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.stack:
+        from bench import ring_stack
+        res = ring_stack.run(args)
+        print(ring_stack.table(res), flush=True)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=2)
+        return 0
     contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
     members = [int(x) for x in args.members.split(",") if x.strip()]
     if not contexts or not members or min(members) < 1 or args.steps < 2 or max(contexts) + args.steps >= 8192:

@@ -7,11 +7,19 @@ requests two ways:
 - GenerateRequest: the worker runs the prompt itself (the router chose no separate prefill).
 A finished session's KV (its full pool chunks) is written back to the KV pool in the
 background, so the session's next turn can start on any worker.
-A running request can move to another decode worker mid-generation (MigrateRequest, see
-``handle_migrate``): parked at a step boundary, its KV and sampler state go over the data
+A running request can move to another decode worker mid-generation, or spread onto a ring of
+cpu-decode workers (MigrateRequest, see ``handle_migrate``): parked at a step boundary, its KV and sampler state go over the data
 plane, the target continues the same stream at the next seq; if the move fails it goes on here.
 When no CUDA device exists, gpu-decode says so in its log and runs on the CPU, so the whole
 topology runs on any machine.
+
+Ring decode (the ``cpu-ring(N)`` strategy, docs/strategies.md): a cpu-decode worker hosts shards
+of ring sessions in its engine's KV cache and serves them on its ring port
+(``shared/engine/ring_net.py``); a DecodeRequest carrying a ring makes this worker the
+coordinator: it scatters the blob's block ranges over the members (Scattering), then decodes the
+request with the ring (each engine step runs one ring step of it: q|k|v out, segment states
+back, on the data plane). A member lost mid-stream ends the request with a coded
+"unavailable" error naming it (``ErrorReply.lost``): the gateway resumes it without that worker.
 """
 
 from __future__ import annotations
@@ -22,8 +30,13 @@ import time
 
 import torch
 
+from kernels.cpu_ring import RingKernels
 from shared import metrics, subjects
 from shared.bus import BusError
+from shared.engine.kv_cache import KVBlobHeader
+from shared.engine.ring import Ring, RingCapacityError
+from shared.engine.ring_net import EngineMember, RingMemberError, RingMemberLost, RingServer, connect_ring
+from shared.engine.sampling import SamplingParams
 from shared.schemas import ERROR_STATUS, DecodeRequest, GenerateRequest, MigrateReply, MigrateRequest
 from shared.settings import Settings
 from services.worker import EngineWorker, Held, priority_of, sampling_from
@@ -41,8 +54,15 @@ class DecodeWorker(EngineWorker):
             log.warning("%s: no CUDA device visible to torch; running on the CPU instead", role)
             device = "cpu"
         super().__init__(settings, device)
+        self.ring_member: EngineMember | None = None
+        self.ring_server: RingServer | None = None
 
     async def register(self) -> None:
+        if self.role == subjects.CPU_DECODE and RingKernels.of(self.engine.engine.model) is not None:
+            d = self.settings.data
+            self.ring_member = EngineMember(self.engine.engine, self.engine.run_blocking, self.worker_id)
+            self.ring_server = RingServer(self.ring_member, d.host, 0, d.secret(), d.timeout)
+            self.ring_port = self.ring_server.start()[1]
         await self.bus.serve(subjects.worker_decode(self.worker_id), self.handle_decode, expected=DecodeRequest)
         await self.bus.serve(subjects.worker_generate(self.worker_id), self.handle_generate,
                              expected=GenerateRequest)
@@ -53,8 +73,8 @@ class DecodeWorker(EngineWorker):
             self.kv.discard(req.handle.transfer_id)
             raise BusError("not_found", f"request {req.request_id} was aborted")
         blob = await self.kv.receive(req.handle)
-        outputs = await self.admit(req, self.engine.submit_kv(req.request_id, blob, priority_of(req.tier)),
-                                   req.attempt)
+        submit = self._ring(req, blob) if req.ring else self.engine.submit_kv(req.request_id, blob, priority_of(req.tier))
+        outputs = await self.admit(req, submit, req.attempt)
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, req.next_seq,
                                                        attempt=req.attempt))
 
@@ -74,6 +94,56 @@ class DecodeWorker(EngineWorker):
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs,
                                                        resume.next_seq if resume else 0, attempt=attempt))
 
+    async def _ring(self, req: DecodeRequest, blob: bytes):
+        """Scatter ``blob`` over ``req.ring`` (this worker among them) and decode it there: the
+        request's output stream. Coded errors: forbidden (a member address no live worker's
+        heartbeat names), overloaded (a member has no room: nothing is kept), unavailable (a
+        member cannot be reached)."""
+        if self.ring_member is None:
+            raise BusError("bad_request", f"{self.worker_id} cannot coordinate a ring (no fused CPU kernels)")
+        if not any(w == self.worker_id for w, _, _ in req.ring):
+            raise BusError("bad_request", f"{self.worker_id} is not a member of the ring {req.ring}")
+        for worker, host, port in req.ring:   # KV goes only to live members' advertised ring ports
+            if worker != self.worker_id:
+                await self.kv.peers.check(host, int(port), worker, f"ring shards of {req.request_id}")
+        h, kv = KVBlobHeader.parse(blob)
+        params = SamplingParams.from_dict(h.params)
+        k = self.ring_member.kernels
+        total = min(len(h.token_ids) + params.max_tokens - len(h.output_token_ids), k.max_context)
+        sid = f"{req.request_id}#{req.attempt}"
+        d = self.settings.data
+
+        def scatter() -> tuple[Ring, list]:
+            ring = Ring(k, connect_ring(req.ring, self.worker_id, self.ring_member, d.secret(), self.engine.layout,
+                                        d.timeout))
+            try:
+                return ring, ring.admit(sid, h.token_ids, h.num_computed, kv, total)
+            except BaseException:
+                ring.release(sid)
+                ring.close()
+                raise
+
+        t0 = time.monotonic()
+        try:
+            ring, ranges = await asyncio.to_thread(scatter)
+        except (RingCapacityError, RingMemberError) as e:
+            raise BusError("overloaded" if isinstance(e, RingCapacityError) else e.code, str(e)) from None
+        except RingMemberLost as e:
+            raise BusError("unavailable", str(e)) from None
+        log.info("%s: ring of %d %s, ranges %s: %d tokens of KV scattered in %.0f ms", req.request_id,
+                 len(ranges), [w for w, _, _ in req.ring], ranges, h.num_computed, (time.monotonic() - t0) * 1e3)
+        try:
+            return await self.engine.submit_ring(req.request_id, blob, ring, sid, priority_of(req.tier))
+        except BaseException:
+            await asyncio.to_thread(ring.release, sid)
+            ring.close()
+            raise
+
+    async def close(self) -> None:
+        if self.ring_server is not None:
+            self.ring_server.close()
+        await super().close()
+
     async def handle_migrate(self, req: MigrateRequest) -> MigrateReply:
         """Move a decoding request to ``req.target_worker``; the reply says where its stream goes on.
         Coded errors: not_found (not here), forbidden (the target address is not the data plane of
@@ -88,6 +158,10 @@ class DecodeWorker(EngineWorker):
             raise BusError("unavailable", f"request {rid} is already moving; retry")
         if req.target_worker == self.worker_id:
             raise BusError("bad_request", f"request {rid} already runs on {self.worker_id}")
+        if any(m[0] == self.worker_id for m in req.ring):   # its blocks here are held until the move ends
+            raise BusError("bad_request", f"{self.worker_id} cannot be a member of the ring {rid} spreads onto")
+        if req.ring and req.ring[0][0] != req.target_worker:
+            raise BusError("bad_request", f"the target {req.target_worker} must be the ring's first member")
         self.moving.add(rid)
         try:
             return await self._move(req, held, task)
@@ -118,7 +192,7 @@ class DecodeWorker(EngineWorker):
                                             port=req.target_data_port, transfer_id=tid, tier=req.tier,
                                             stream_subject=held.stream_subject, next_seq=next_seq,
                                             session_id=held.session_id or None, attempt=held.attempt,
-                                            origin=held.origin)
+                                            origin=held.origin, ring=req.ring)
         except Exception as e:  # the request is never lost: it goes on here, same stream, same seq
             metrics.migration(self.role, target_role, "failed")
             if not await self._stay(rid, held, next_seq):

@@ -22,7 +22,11 @@ async def migrate(bus: Bus, source_worker: str, req: MigrateRequest, timeout: fl
     return await bus.request(subjects.worker_migrate(source_worker), req, timeout=timeout, expected=MigrateReply)
 
 
-def to_target(request_id: str, target: Heartbeat, tier: str, reason: str = "") -> MigrateRequest:
-    """A MigrateRequest moving ``request_id`` to the worker whose heartbeat is ``target``."""
+def to_target(request_id: str, target: Heartbeat, tier: str, reason: str = "",
+              ring: list[Heartbeat] = ()) -> MigrateRequest:
+    """A MigrateRequest moving ``request_id`` to the worker whose heartbeat is ``target``; with
+    ``ring`` (cpu-decode workers' heartbeats in shard order, ``target`` first), spreading it onto
+    that ring (docs/strategies.md)."""
     return MigrateRequest(request_id=request_id, target_worker=target.worker_id, target_data_host=target.data_host,
-                          target_data_port=target.data_port, tier=tier, reason=reason)
+                          target_data_port=target.data_port, tier=tier, reason=reason,
+                          ring=[[b.worker_id, b.data_host, b.ring_port] for b in ring])

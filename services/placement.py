@@ -29,15 +29,25 @@ worker's batch step runs waits for that step, and a batch-only step runs at the 
 docs/routing.md); else a prefill worker when one is live (GPU first, then one without worse-tier
 work, then cache overlap, then load) and the decode worker has a data plane; else the decode
 worker prefills.
+
+Execution strategy (``strategy_plan``, before ``place``; shared/strategy.py, docs/strategies.md):
+``choose`` sees the tier, the session's prospective context (prompt + max_tokens) and each live
+decode worker's free KV. When no single worker can hold it (its context, capped by its KV budget,
+is shorter: a worker that is only busy queues the request until its KV frees) and a ring of
+cpu-decode workers does, the plan is ``cpu-ring(N)``: its members in shard order (the coordinator first), a prefill
+worker that holds the prompt (it hands the KV to the coordinator, which scatters it). Otherwise
+``place`` decides as above and the plan's strategy is its decode pool's (``gpu`` / ``cpu``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from shared import subjects
 from shared.bus import BusError
+from shared.strategy import CPU, GPU, RING, NoCapacity, PoolWorker, choose
 from shared.tier import Tier
 from shared.schemas import Heartbeat, RoutePlan, RouteRequest
 
@@ -261,6 +271,73 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
                      decode_worker=decode.id, decode_role=decode.role, reason=why,
                      decode_data_host=decode.beat.data_host, decode_data_port=decode.beat.data_port,
                      tier=tier, session_id=req.session_id, cached_tokens=have, cached_at=at)
+
+
+def _busy_ring(tier: str, context: int, decoders: list[WorkerView], pool: list[PoolWorker]) -> None:
+    """Raise BusError("overloaded") when only a ring holds ``context`` and one would, were its
+    workers' KV free (their requests end, a lost ring's shards are released): retry later, not
+    "prompt too long"."""
+    if not pool or max(w.beat.max_context for w in decoders) >= context:
+        return
+    beats = {w.id: w.beat for w in decoders}
+    empty = [dataclasses.replace(p, free_tokens=beats[p.id].total_kv_blocks * beats[p.id].kv_block_tokens)
+             for p in pool]
+    try:
+        strategy, _ = choose(tier, context, empty)
+    except NoCapacity:
+        return
+    if strategy.kind == RING:
+        raise BusError("overloaded", f"a {strategy} holds {context} tokens, but its workers' KV is in use now "
+                                     f"(free tokens: {', '.join(f'{p.id} {p.free_tokens}' for p in pool)}); retry later",
+                       retry_after=1.0)
+
+
+def strategy_of(plan: RoutePlan) -> str:
+    """A single-worker plan's strategy: its decode pool's."""
+    return GPU if plan.decode_role == subjects.GPU_DECODE else CPU
+
+
+def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, policy: str = "sla",
+                  session: SessionView | None = None, limits: Limits | None = None) -> tuple[RoutePlan | None, str]:
+    """(a ``cpu-ring(N)`` plan, why) when ``choose`` picks a ring for this request — no single
+    worker holds its prospective context and a ring of cpu-decode workers that host ring members
+    does, with a prefill worker to compute the prompt — else (None, why: ``place`` decides).
+    Raises BusError("overloaded") when the tier's queue is full."""
+    if policy != "sla":
+        return None, ""
+    tier = effective_tier(req.tier, session)
+    decoders = _decoders(workers, now)
+    pool = [PoolWorker(w.id, w.role, w.beat.free_kv_blocks * w.beat.kv_block_tokens, w.beat.max_context)
+            for w in decoders if w.beat.kv_block_tokens and (w.role == subjects.GPU_DECODE or w.beat.ring_port)]
+    context = req.num_prompt_tokens + req.max_tokens
+    try:
+        strategy, why = choose(tier, context, pool)
+    except (NoCapacity, ValueError) as e:
+        _busy_ring(tier, context, decoders, pool)
+        return None, str(e)
+    if strategy.kind != RING:
+        return None, why
+    # a busy worker of a pool the tier prefers to a ring frees its KV as its requests end: it queues there
+    singles = [w for w in decoders if tier == "interactive" or w.role == subjects.CPU_DECODE]
+    longest = max((w.beat.max_context for w in singles), default=0)
+    if longest >= context:
+        return None, f"{why}, but {longest} tokens fit one worker once its KV frees: no ring"
+    prefills = [w for w in workers if w.alive(now) and w.role == subjects.PREFILL
+                and w.beat.max_context >= req.num_prompt_tokens + 1 and w.beat.data_port]
+    if not prefills:
+        return None, f"{why}; no prefill worker holds the {req.num_prompt_tokens}-token prompt for a ring"
+    limits = limits or Limits()
+    admit(req, tier, decoders, limits.queue[tier])
+    by_id = {w.id: w for w in decoders}
+    members = [by_id[i] for i in strategy.workers]
+    prefill = min(prefills, key=lambda w: (not w.beat.device.startswith("cuda"), w.load(), w.id))
+    head = members[0]
+    plan = RoutePlan(request_id=req.request_id, prefill_worker=prefill.id, decode_worker=head.id,
+                     decode_role=head.role, reason=f"{why}; prefill on {prefill.id}; coordinator {head.id}",
+                     decode_data_host=head.beat.data_host, decode_data_port=head.beat.data_port, tier=tier,
+                     session_id=req.session_id, strategy=str(strategy),
+                     ring=[[w.id, w.beat.data_host, w.beat.ring_port] for w in members])
+    return plan, why
 
 
 def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: float,

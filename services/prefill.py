@@ -61,7 +61,8 @@ class PrefillWorker(EngineWorker):
             _, res = await self.kv.hand_off(blob, subject=req.decode_subject, host=req.decode_data_host,
                                             port=req.decode_data_port, transfer_id=f"{req.request_id}-{attempt}",
                                             tier=req.tier, stream_subject=req.stream_subject, next_seq=next_seq,
-                                            session_id=req.session_id, attempt=attempt, origin=req.origin)
+                                            session_id=req.session_id, attempt=attempt, origin=req.origin,
+                                            ring=req.ring)
         except (TransferError, BusError) as e:  # the gateway resumes the request on another worker
             raise BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}") from None
         self.hand_over(req.request_id, req.decode_worker)

@@ -28,7 +28,8 @@ from shared.schemas import Heartbeat, RoutePlan, RouteRequest, SessionState, Ses
 from shared.settings import Settings
 from shared.tier import Tier
 from services.migrate import migrate, to_target
-from services.placement import POOL, Limits, Move, SessionView, WorkerView, place, rebalance
+from services.placement import (POOL, Limits, Move, SessionView, WorkerView, place, rebalance, strategy_of,
+                                strategy_plan)
 from services.prefix_index import IndexFeed, PrefixIndex
 from services.sessions import SessionStore
 
@@ -164,14 +165,20 @@ class Router:
         before = session.tier if session is not None else None
         cached, chunk = self.cached(req.prompt_token_ids, req.tenant)
         live = [w for w in self._live(now) if w.id not in req.exclude]  # found dead for this request
-        plan = place(req, live, now, self.policy, self.turn, cached=cached, session=session,
-                     limits=self.limits, chunk_tokens=chunk)
+        plan, why = strategy_plan(req, live, now, self.policy, session, self.limits)
+        if plan is None:
+            plan = place(req, live, now, self.policy, self.turn, cached=cached, session=session,
+                         limits=self.limits, chunk_tokens=chunk)
+            plan.strategy = strategy_of(plan)
+            if why:
+                plan.reason += f"; strategy {plan.strategy} ({why})"
         plan.router, plan.owner = self.worker_id, req.owner
         if session is None:
             plan.session_id = None
         self.turn += 1
         self._apply(plan, now)
         metrics.ROUTES.labels(self.policy, plan.decode_role, "yes" if plan.prefill_worker else "no").inc()
+        metrics.STRATEGIES.labels(plan.strategy).inc()
         log.info("%s: %s", req.request_id, plan.reason)
         await self.bus.publish(subjects.ROUTER_DECISION, plan)
         if session is not None and session.tier != before and before is not None:
@@ -238,6 +245,7 @@ class Router:
                          router=self.worker_id, moved_from=m.source, owner=(session.owner or "") if session else "",
                          reason=f"{m.reason}; moved {reply.num_tokens} tokens of KV from {m.source} in "
                                 f"{reply.seconds * 1e3:.0f} ms over {reply.path}")
+        plan.strategy = strategy_of(plan)
         self._apply(plan, time.monotonic())
         await self.bus.publish(subjects.ROUTER_DECISION, plan)
         log.info("%s: %s (%.0f ms)", m.request_id, plan.reason, (time.monotonic() - t0) * 1e3)

@@ -111,6 +111,7 @@ class EngineWorker:
         self.kv: KVConnector | None = None         # hand-off, migration, the KV pool, chunk events
         self.tasks: dict[str, asyncio.Task] = {}   # request id -> its streaming task
         self.data_host, self.data_port = "", 0
+        self.ring_port = 0                         # hosts ring members there (cpu-decode, services/decode.py)
         self.metrics_port = 0
         on_gpu = self.device.startswith("cuda")  # a GPU worker counts its GPUs (NVML), a CPU one RAPL
         self.energy = EnergyMeter(nvml=on_gpu, rapl=not on_gpu)
@@ -161,7 +162,8 @@ class EngineWorker:
                          interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port,
                          requests=[[rid, h.session_id, h.tier] for rid, h in self.held.items()],
                          waiting_by_tier=self.waiting_by_tier(st), tpot_ms=round(self.tpot * 1e3, 3),
-                         kv_scope=self.kv.scope.seed().hex(), chunk_tokens=self.kv.scope.chunk_tokens)
+                         kv_scope=self.kv.scope.seed().hex(), chunk_tokens=self.kv.scope.chunk_tokens,
+                         kv_block_tokens=self.engine.layout.block_size, ring_port=self.ring_port)
 
     @staticmethod
     def waiting_by_tier(st: dict) -> dict:
@@ -311,7 +313,7 @@ class EngineWorker:
             code = "overloaded" if isinstance(e, EngineFull) else getattr(e, "code", "internal")
             try:
                 reply = ErrorReply.of(code, f"{self.role} {self.worker_id}: {e}", request_id)
-                reply.attempt = attempt
+                reply.attempt, reply.lost = attempt, getattr(e, "lost", "")
                 await self.bus.publish(subject, reply)
             except Exception:  # the bus is gone too: the gateway finds the request gone (Where) and resumes it
                 log.warning("%s: could not publish the error", request_id)

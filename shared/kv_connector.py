@@ -111,6 +111,8 @@ class DataPeers:
             self.roles[beat.worker_id] = beat.role
             if beat.data_port:
                 self._seen[(beat.data_host, beat.data_port)] = (beat.worker_id, time.monotonic(), beat.interval)
+                if beat.ring_port:  # ring members: KV is scattered there too
+                    self._seen[(beat.data_host, beat.ring_port)] = (beat.worker_id, time.monotonic(), beat.interval)
                 self._beat.set()
                 self._beat.clear()
 
@@ -198,7 +200,8 @@ class KVConnector:
 
     async def hand_off(self, blob: bytes, *, subject: str, host: str, port: int, transfer_id: str, tier: str,
                        stream_subject: str, next_seq: int, session_id: str | None, attempt: int = 0,
-                       origin: str = "", timeout: float | None = None) -> tuple[KVBlobHeader, SendResult]:
+                       origin: str = "", timeout: float | None = None,
+                       ring: list | None = None) -> tuple[KVBlobHeader, SendResult]:
         """Move an exported sequence to the worker serving ``subject`` (its decode subject), whose
         receiver is ``host:port`` (the caller checked it is that worker's: ``peers.check``): the KV
         over the data plane, then a DecodeRequest carrying the handle; the receiver continues the
@@ -211,7 +214,8 @@ class KVConnector:
         await self.bus.request(subject, DecodeRequest(
             request_id=h.request_id, handle=handle, prompt_token_ids=h.prompt_token_ids,
             output_token_ids=h.output_token_ids, sampling=h.params, tier=tier, stream_subject=stream_subject,
-            next_seq=next_seq, session_id=session_id, attempt=attempt, origin=origin), timeout=timeout)
+            next_seq=next_seq, session_id=session_id, attempt=attempt, origin=origin, ring=ring or []),
+            timeout=timeout)
         return h, res
 
     # -- receiving ------------------------------------------------------------------------------

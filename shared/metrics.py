@@ -48,6 +48,8 @@ TOKENS = Counter("tandem_generated_tokens", "output tokens generated", ["service
 
 ROUTES = Counter("tandem_routes", "router placements by policy, decode pool and whether a prefill "
                  "worker was chosen", ["policy", "decode_role", "prefill"])
+STRATEGIES = Counter("tandem_route", "router placements by execution strategy (gpu, cpu, cpu-ring(N): "
+                     "docs/strategies.md)", ["strategy"])
 
 # -- engine load, per service (set from each heartbeat) ---------------------------------------
 QUEUE_DEPTH = Gauge("tandem_queue_depth", "requests waiting for an engine step", ["service"])

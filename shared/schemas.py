@@ -140,6 +140,9 @@ class RoutePlan:
     router: str = ""            # the router copy that decided
     moved_from: str = ""        # a move of a running request: the worker it left ("" = a placement)
     owner: str = ""             # the session's owner (RouteRequest.owner)
+    strategy: str = ""          # how it decodes: "gpu", "cpu" or "cpu-ring(N)" (shared/strategy.py)
+    ring: list = field(default_factory=list)  # cpu-ring: [worker id, host, ring port] per member in
+                                              # shard order; the first is the coordinator (decode_worker)
 
 
 @message("MigrateRequest", 1)
@@ -154,6 +157,8 @@ class MigrateRequest:
     target_data_port: int
     tier: str                    # the tier the request runs at from now on
     reason: str = ""             # why (logged)
+    ring: list = field(default_factory=list)  # spread it onto this ring (RoutePlan.ring; the target
+                                              # is its coordinator, the first member); empty: one worker
 
 
 @message("MigrateReply", 1)
@@ -229,6 +234,7 @@ class PrefillRequest:
     resume: Resume | None = None  # continue a request whose worker was lost (first chunk: resume.next_seq)
     origin: str = ""             # the gateway that waits for the stream (workers drop the request if it dies)
     tenant: str = ""             # whose cached KV it may reuse (RouteRequest.tenant)
+    ring: list = field(default_factory=list)  # RoutePlan.ring: the decode worker coordinates this ring
 
 
 @message("DecodeRequest", 2)
@@ -248,6 +254,8 @@ class DecodeRequest:
     session_id: str | None = None
     attempt: int = 0             # the request's attempt (StreamChunk.attempt)
     origin: str = ""             # the gateway that waits for the stream
+    ring: list = field(default_factory=list)  # RoutePlan.ring: scatter the KV over these members and
+                                              # coordinate the ring (empty: decode here)
 
 
 @message("GenerateRequest", 3)
@@ -339,6 +347,8 @@ class Heartbeat:
     requests: list = field(default_factory=list)  # in flight: [request_id, session_id or "", tier]
     kv_scope: str = ""           # hex seed of the pool key scope (kvpool.keys.KeyScope.seed())
     chunk_tokens: int = 0        # tokens per pool chunk key (0 = no pool keys)
+    kv_block_tokens: int = 0     # tokens per KV block (free tokens = free_kv_blocks x this)
+    ring_port: int = 0           # cpu-decode: the data-plane port it hosts ring members on (0 = none)
 
 
 @message("Ack", 1)
@@ -361,6 +371,7 @@ class ErrorReply:
     request_id: str = ""
     retry_after: float = 0.0     # "overloaded": seconds the client should wait (HTTP Retry-After)
     attempt: int = 0             # on a stream: the request's attempt that failed (older ones are ignored)
+    lost: str = ""               # the worker found gone ("": the sender's own failure; a ring: a member)
 
     @classmethod
     def of(cls, code: str, message: str, request_id: str = "", retry_after: float = 0.0) -> "ErrorReply":

@@ -167,8 +167,8 @@ class NatsBackend:
             if isinstance(msg, ErrorReply):
                 if msg.attempt != st.attempt:
                     continue  # a fenced attempt's last words
-                if msg.code in RESUMABLE:
-                    await self._resume(st, f"its worker failed: {msg.message}", st.holder)
+                if msg.code in RESUMABLE:  # the worker found gone (a ring's member), else the sender
+                    await self._resume(st, f"its worker failed: {msg.message}", msg.lost or st.holder)
                     continue
                 raise backend_error(msg.code, msg.message, msg.retry_after)
             if not isinstance(msg, StreamChunk) or msg.attempt != st.attempt or msg.seq < st.next_seq:
@@ -299,7 +299,8 @@ class NatsBackend:
                         tier=plan.tier, decode_worker=plan.decode_worker,
                         decode_subject=subjects.worker_decode(plan.decode_worker), stream_subject=stream_subject,
                         decode_data_host=plan.decode_data_host, decode_data_port=plan.decode_data_port,
-                        session_id=plan.session_id, resume=resume, origin=self.gateway_id, tenant=req.tenant))
+                        session_id=plan.session_id, resume=resume, origin=self.gateway_id, tenant=req.tenant,
+                        ring=plan.ring))
                 else:
                     await self.bus.request(subjects.worker_generate(plan.decode_worker), GenerateRequest(
                         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling,

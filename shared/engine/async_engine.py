@@ -15,6 +15,7 @@ below every other step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -60,13 +61,17 @@ class AsyncEngine:
                     try:
                         res = fn()
                     except BaseException as e:  # handed to the awaiting coroutine, never lost
-                        if fut is not None:
+                        if loop is not None:
                             loop.call_soon_threadsafe(_settle, fut, None, e)
+                        elif fut is not None:  # run_blocking's
+                            fut.set_exception(e)
                         else:
                             log.exception("engine command failed")
                     else:
-                        if fut is not None:
+                        if loop is not None:
                             loop.call_soon_threadsafe(_settle, fut, res, None)
+                        elif fut is not None:
+                            fut.set_result(res)
             except queue.Empty:
                 pass
             self._stats = self.engine.stats()
@@ -85,6 +90,8 @@ class AsyncEngine:
                 self.step_started = None
             self._stats = self.engine.stats()
             self._deliver_step(outputs)
+            for rid, e in self.engine.take_failed():   # ring sessions that lost a member
+                self._deliver(rid, e)
 
     def _step(self) -> list[RequestOutput]:
         if self.batch_lane is not None and self.engine.best_priority() == BATCH_PRIORITY:
@@ -107,6 +114,15 @@ class AsyncEngine:
                 by_loop.setdefault(entry[0], []).append((entry[1], out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+    def run_blocking(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run ``fn`` on the engine thread from another thread (not an event loop's) and return
+        its result; called on the engine thread, it just runs ``fn``."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut, None))
+        return fut.result(timeout)
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -133,27 +149,29 @@ class AsyncEngine:
         cache in the same engine command, so the request reuses it. ``resume_token_ids`` /
         ``emitted_chars``: continue a request that ran elsewhere (``Engine.add``). Raises
         ValueError (bad input) or EngineFull here, before any output."""
-        q = self._open(request_id)
-
         def add() -> None:
             if prefix is not None:
                 self.engine.load_prefix(*prefix, tenant=tenant)
             self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only,
                             resume_token_ids=resume_token_ids, emitted_chars=emitted_chars, tenant=tenant)
 
-        try:
-            await self._call(add)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        return self._drain(request_id, q)
+        return await self._opened(request_id, add)
 
     async def submit_kv(self, request_id: str, blob: bytes, priority: int | None = None
                         ) -> AsyncIterator[RequestOutput]:
         """Import an exported sequence; return the stream of the rest of its outputs."""
+        return await self._opened(request_id, lambda: self.engine.import_kv(request_id, blob, priority))
+
+    async def submit_ring(self, request_id: str, blob, ring, sid: str, priority: int | None = None
+                          ) -> AsyncIterator[RequestOutput]:
+        """Decode an exported sequence on ``ring`` (its KV already scattered there as session
+        ``sid``: ``Engine.add_ring``); the stream of the rest of its outputs."""
+        return await self._opened(request_id, lambda: self.engine.add_ring(request_id, blob, ring, sid, priority))
+
+    async def _opened(self, request_id: str, add: Callable[[], Any]) -> AsyncIterator[RequestOutput]:
         q = self._open(request_id)
         try:
-            await self._call(lambda: self.engine.import_kv(request_id, blob, priority))
+            await self._call(add)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -123,6 +123,10 @@ class Engine:
                                    config.guest_step_tokens)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
+        # ring sessions this engine coordinates (docs/strategies.md): request id -> (its Ring, the
+        # session id there); their KV is on the ring's members, a step each runs after the batch
+        self.rings: dict[str, tuple] = {}
+        self._failed: list[tuple[str, Exception]] = []  # ring requests that failed (take_failed)
         # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant) when a request
         # finishes, for its first ``finished_kv_align``-multiple computed tokens (the KV pool's
         # write-back of a finished session). None: not called.
@@ -217,7 +221,8 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return (self.scheduler.has_work() or bool(self._pending)
+                or any(self.seqs[rid].status is Status.RUNNING for rid in self.rings))
 
     def best_priority(self) -> int | None:
         """The best (lowest) priority among the sequences the next step may run; None: none."""
@@ -227,7 +232,7 @@ class Engine:
         by_priority: dict[int, int] = {}
         for seq in self.scheduler.waiting:
             by_priority[seq.priority] = by_priority.get(seq.priority, 0) + 1
-        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running) + len(self.rings),
                 "waiting_by_priority": by_priority,
                 "parked": sum(s.status is Status.PARKED for s in self.seqs.values()),
                 "free_kv_blocks": self.blocks.num_free, "total_kv_blocks": self.blocks.num_blocks,
@@ -240,7 +245,7 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             self._report_chunks()
-            return outputs
+            return outputs + self._ring_steps()
         token_ids, ctx = self._build_context(chunks)
         sampled = [c.seq for c in chunks if c.sample]
         constrained = [s.matcher for s in sampled if s.matcher is not None]
@@ -256,7 +261,47 @@ class Engine:
         step_out = [self._append(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, lps)]
         if constrained:
             self._fast_forward(sampled, step_out)
-        return outputs + step_out
+        return outputs + step_out + self._ring_steps()
+
+    # ---- ring sessions (cpu-ring(N): shared/engine/ring.py) ---------------------------------
+    def add_ring(self, request_id: str, blob, ring, sid: str, priority: int | None = None) -> None:
+        """Decode the sequence exported in ``blob`` on ``ring``, which holds its KV as session
+        ``sid`` (``Ring.admit``): each step of this engine also runs one ring step of it, sampled
+        here like any sequence. The context is the model's, not this engine's cache."""
+        h, _ = KVBlobHeader.parse(blob)
+        seq = self._imported(request_id, h, priority)
+        seq.num_computed = h.num_computed
+        seq.context_limit = ring.kernels.max_context
+        seq.status = Status.RUNNING
+        self.seqs[request_id] = seq
+        self.rings[request_id] = (ring, sid)
+
+    def take_failed(self) -> list[tuple[str, Exception]]:
+        """Ring requests that ended with an error since the last call (a member was lost)."""
+        out, self._failed = self._failed, []
+        return out
+
+    def _ring_steps(self) -> list[RequestOutput]:
+        outs = []
+        for rid, (ring, sid) in list(self.rings.items()):
+            seq = self.seqs[rid]
+            if seq.status is Status.PARKED:   # being moved (export_kv keep=True)
+                continue
+            try:
+                if seq.matcher is not None and sampler.needs_mask(seq):
+                    self.grammar.fill_masks([seq.matcher])
+                logits = ring.step(sid)
+            except Exception as e:  # a member lost: the request ends here, with the error
+                log.warning("%s: ring step failed: %s", rid, e)
+                self.seqs.pop(rid, None)
+                self._release(seq)
+                self._failed.append((rid, e))
+                continue
+            seq.num_computed += 1
+            tokens, lps = sampler.sample(logits, [seq])
+            ring.append(sid, tokens[0])
+            outs.append(self._append(seq, tokens[0], lps[0]))
+        return outs
 
     def _fast_forward(self, seqs: list[Sequence], outs: list[RequestOutput]) -> None:
         """Append the tokens a grammar forces (the only token it allows next: a JSON key of the
@@ -370,7 +415,8 @@ class Engine:
                 if seq.matcher.error:  # the mask allowed only what the grammar accepts: a bug
                     log.warning("%s: grammar rejected token %d: %s", seq.request_id, tok, seq.matcher.error)
                 finish = "stop"  # the grammar is complete: nothing but EOS could follow
-        if finish is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_context):
+        if finish is None and (seq.num_output_tokens >= p.max_tokens
+                               or seq.num_tokens >= (seq.context_limit or self.max_context)):
             finish = "length"
             self._detokenize(seq, final=True)  # a character cut by the limit shows as U+FFFD
         end = len(seq.output_text)
@@ -380,7 +426,7 @@ class Engine:
         seq.emitted_chars = max(seq.emitted_chars, end)
         if finish is not None:
             self.seqs.pop(seq.request_id, None)
-            if self.finished_kv_hook is not None:
+            if self.finished_kv_hook is not None and seq.request_id not in self.rings:
                 self._report_finished_kv(seq)
             self._release(seq)
             seq.status, seq.finish_reason = Status.FINISHED, finish
@@ -409,6 +455,10 @@ class Engine:
         return len(self.blocks.match_prefix(token_ids, len(token_ids), tenant_salt(tenant))) * self.layout.block_size
 
     def _release(self, seq: Sequence) -> None:
+        ring = self.rings.pop(seq.request_id, None)
+        if ring is not None:
+            ring[0].release(ring[1])
+            ring[0].close()
         self.scheduler.drop(seq)
         if self.chunk_events is not None:
             self.chunk_events.forget(seq.request_id)
@@ -486,10 +536,12 @@ class Engine:
         KV blob (``KVBlobHeader``) and remove it from this engine. ``import_kv`` on any engine with
         the same model continues it. ``keep`` (a migration that may fail): only a decoding
         sequence; it stays here, parked with its KV, until ``settle_export`` drops it or puts it
-        back in the batch."""
+        back in the batch. A ring session's KV is gathered from its members (the bytes of a
+        migration: its promotion to a single worker)."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no request {request_id!r} in this engine")
+        ring = self.rings.get(request_id)
         ok = (Status.RUNNING,) if keep else (Status.PARKED, Status.RUNNING)
         # between steps: the prompt computed, at least the last token not (the grammar's forced
         # tokens may wait to be computed as one chunk)
@@ -502,10 +554,10 @@ class Engine:
             num_computed=seq.num_computed, num_cached_tokens=seq.num_cached_tokens,
             params=seq.params.to_dict(), priority=seq.priority, kv_blocks=nb,
             detok=[seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars], tenant=seq.tenant)
-        blob = header.pack(self.read_blocks(seq.block_table[:nb]))
+        blob = header.pack(ring[0].gather(ring[1]) if ring else self.read_blocks(seq.block_table[:nb]))
         if keep:
             self.scheduler.remove(seq)
-            seq.status = Status.PARKED
+            seq.status = Status.PARKED   # a ring session's steps pause too (``_ring_steps``)
         else:
             self.seqs.pop(request_id)
             self._release(seq)
@@ -520,30 +572,37 @@ class Engine:
         if moved:
             self.seqs.pop(request_id)
             self._release(seq)
+        elif request_id in self.rings:
+            seq.status = Status.RUNNING
         else:
             self.scheduler.add_running(seq)
         return True
 
-    @torch.inference_mode()
-    def import_kv(self, request_id: str, blob: bytes | memoryview, priority: int | None = None) -> None:
-        """Take over a sequence exported by ``export_kv`` and continue decoding it here."""
-        h, kv_bytes = KVBlobHeader.parse(blob)
+    def _imported(self, request_id: str, h: KVBlobHeader, priority: int | None) -> Sequence:
+        """The sequence an exported blob's header describes (tokens, sampler and text state)."""
         if h.layout != self.layout.to_dict():
             raise ValueError(f"KV layout {h.layout} does not match this engine's {self.layout.to_dict()}")
         if h.model != self.model_identity:
             raise ValueError("KV was computed by a different model (identity mismatch)")
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        tokens = h.token_ids
-        if len(tokens) > self.max_context:
-            raise ValueError(f"sequence of {len(tokens)} tokens exceeds this engine's context {self.max_context}")
-        nb = h.kv_blocks
         seq = Sequence(request_id, h.prompt_token_ids, SamplingParams.from_dict(h.params).validate(),
                        h.priority if priority is None else priority, tenant=h.tenant)
-        seq.token_ids = list(tokens)
+        seq.token_ids = list(h.token_ids)
         seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars = h.detok
         seq.num_cached_tokens = h.num_cached_tokens
         self._attach_guide(seq)  # the grammar state: the guide (in params) replayed over the output
+        return seq
+
+    @torch.inference_mode()
+    def import_kv(self, request_id: str, blob: bytes | memoryview, priority: int | None = None) -> None:
+        """Take over a sequence exported by ``export_kv`` and continue decoding it here."""
+        h, kv_bytes = KVBlobHeader.parse(blob)
+        tokens = h.token_ids
+        if len(tokens) > self.max_context:
+            raise ValueError(f"sequence of {len(tokens)} tokens exceeds this engine's context {self.max_context}")
+        seq = self._imported(request_id, h, priority)
+        nb = h.kv_blocks
         got = self.blocks.allocate(nb)
         if got is None:
             raise EngineFull(f"needs {nb} KV blocks, {self.blocks.num_free} free")

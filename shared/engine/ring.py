@@ -18,9 +18,11 @@ Life cycle of a ring session:
     Gather     gather(): the shards' bytes end to end = the session's KV in layout v1, the
                bytes a migration to a single worker moves; release() frees the members' blocks
 
-Members here are objects in the coordinator's process (the integration tests and
-``tandem bench ring``); the service layer puts them in cpu-decode workers and carries the
-per-step messages (q|k|v rows out, parts back) on the data plane.
+Members are ``RingMember`` objects in the coordinator's process (the integration tests and
+``tandem bench ring``), or proxies of members in other cpu-decode workers
+(``shared/engine/ring_net.py``: the per-step messages on a data-plane connection). A step
+``post``s the layer's q|k|v to every member first and ``collect``s their states after, in shard
+order: remote members attend while the coordinator's own member does.
 """
 
 from __future__ import annotations
@@ -50,16 +52,23 @@ class _Shard:
 class RingMember:
     """One member: a paged KV cache of its own budget holding a token range of ring sessions."""
 
-    def __init__(self, kernels: RingKernels, layout: KVLayout, kv_bytes: int, name: str = "member"):
+    def __init__(self, kernels: RingKernels, layout: KVLayout, kv_bytes: int, name: str = "member",
+                 kv: torch.Tensor | None = None, blocks: BlockManager | None = None):
+        """A cache of its own (``kv_bytes``), or a worker's engine cache shared (``kv`` and its
+        ``blocks``: then ``reserve`` / ``release`` must run where the engine allocates, see
+        ``ring_net.EngineMember``)."""
         if SEG % layout.block_size:
             raise ValueError(f"block size {layout.block_size} must divide the attention segment {SEG}")
         self.kernels, self.layout, self.name = kernels, layout, name
-        num_blocks = kv_bytes // layout.block_bytes
-        if num_blocks < 1:
-            raise ValueError(f"a KV budget of {kv_bytes} bytes holds no block of {layout.block_bytes}")
-        self.kv = torch.zeros((num_blocks, *layout.block_shape), dtype=KV_DTYPE)
-        self.blocks = BlockManager(num_blocks, layout.block_size, enable_prefix_caching=False)
+        if kv is None:
+            num_blocks = kv_bytes // layout.block_bytes
+            if num_blocks < 1:
+                raise ValueError(f"a KV budget of {kv_bytes} bytes holds no block of {layout.block_bytes}")
+            kv = torch.zeros((num_blocks, *layout.block_shape), dtype=KV_DTYPE)
+            blocks = BlockManager(num_blocks, layout.block_size, enable_prefix_caching=False)
+        self.kv, self.blocks = kv, blocks
         self.shards: dict[str, _Shard] = {}
+        self._posted: dict[str, tuple] = {}    # session -> the layer's step ``post``ed, not collected
 
     def reserve(self, sid: str, start: int, end: int) -> None:
         """Take blocks for positions [start, end) of session ``sid``; RingCapacityError if they do not fit."""
@@ -76,6 +85,7 @@ class RingMember:
         pad = [got[0]] * (start // bs)
         self.shards[sid] = _Shard(start, end, got, torch.tensor(pad + got, dtype=torch.int64))
 
+    @torch.inference_mode()   # an engine's cache (``kv`` shared) is an inference tensor
     def load(self, sid: str, kv) -> None:
         """Fill the shard's first blocks with ``kv`` (bytes-like, whole blocks of layout v1)."""
         sh = self.shards[sid]
@@ -111,6 +121,18 @@ class RingMember:
             return None
         return self.kernels.attend(layer, qkv, pos, self.kv, self.shards[sid].table, lo, hi)
 
+    def post(self, sid: str, layer: int, qkv: torch.Tensor, pos: int, store: bool) -> None:
+        """A step's layer for this member (``store``: it owns the new position); computed by
+        ``collect`` (a remote member starts on it here)."""
+        self._posted[sid] = (layer, qkv, pos, store)
+
+    def collect(self, sid: str) -> torch.Tensor | None:
+        """The posted layer: store the new k, v if asked, then ``attend``."""
+        layer, qkv, pos, store = self._posted.pop(sid)
+        if store:
+            self.store(sid, layer, qkv, pos)
+        return self.attend(sid, layer, qkv, pos)
+
     def read(self, sid: str, keys: int) -> bytes:
         """The shard's blocks holding any of the first ``keys`` positions, as bytes."""
         sh = self.shards[sid]
@@ -120,6 +142,7 @@ class RingMember:
         return self.kv.index_select(0, torch.tensor(sh.blocks[:n])).contiguous().view(torch.uint8).numpy().tobytes()
 
     def release(self, sid: str) -> None:
+        self._posted.pop(sid, None)
         sh = self.shards.pop(sid, None)
         if sh is not None:
             self.blocks.release(sh.blocks)
@@ -214,8 +237,13 @@ class Ring:
         for layer in range(k.cfg.n_layers):
             qkv = k.qkv(layer, x, pos)
             a0 = time.perf_counter()
-            tail.store(sid, layer, qkv, pos)
-            parts = [p for p in (m.attend(sid, layer, qkv, pos) for m in self.members) if p is not None]
+            for m in self.members:   # remote members first: they attend while a local one does
+                if not isinstance(m, RingMember):
+                    m.post(sid, layer, qkv, pos, m is tail)
+            for m in self.members:
+                if isinstance(m, RingMember):
+                    m.post(sid, layer, qkv, pos, m is tail)
+            parts = [p for p in (m.collect(sid) for m in self.members) if p is not None]   # shard order
             t.bytes_out += qkv.numel() * 4 * len(parts)
             if self.fold:   # member i folds its states into the running state member i - 1 passed on
                 state = None
@@ -259,3 +287,9 @@ class Ring:
         self.sessions.pop(sid, None)
         for m in self.members:
             m.release(sid)
+
+    def close(self) -> None:
+        """Close the connections of remote members (``ring_net.RemoteMember``): a ring per session."""
+        for m in self.members:
+            if not isinstance(m, RingMember):
+                m.close()

@@ -49,6 +49,7 @@ class Sequence:
         self.resumed = False                  # continues a request that ran elsewhere (Engine.add)
         self.resume_reused: int | None = None  # ... tokens of its KV found cached when it started
         self.resume_reported = False
+        self.context_limit = 0                # its longest context (0: the engine's; a ring session: the model's)
         # sampling state: draws are keyed by (seed, output index) (sampler.draw); an unseeded
         # request gets a random seed here, kept in its params so an export carries it
         if params.seed is None:

@@ -234,3 +234,110 @@ def test_bad_ring_inputs_are_refused(big, kernels):
         m.store("s", 0, qkv, 600)
     with pytest.raises(ValueError, match="bad shard"):
         m.reserve("t", 100, 600)
+
+
+# ---- members in other workers: the per-step messages over a data-plane connection ----------
+
+@pytest.fixture
+def two_workers(bundled_model):
+    """Two cpu-decode workers' engines: ``a`` coordinates, ``b`` hosts a member on its ring port
+    (both share their engine's KV cache with their member); the data-plane key is on."""
+    from shared.engine.async_engine import AsyncEngine
+    from shared.engine.ring_net import EngineMember, RingServer
+    engines = [AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=1))) for _ in range(2)]
+    a, b = engines
+    mb = EngineMember(b.engine, b.run_blocking, "b")
+    server = RingServer(mb, "127.0.0.1", 0, key=b"data-key")
+    server.start()
+    yield a, b, server
+    server.close()
+    for e in engines:
+        e.engine.seqs.clear()
+
+
+def ring_of(a, server, key=b"data-key"):
+    from shared.engine.ring_net import EngineMember, connect_ring
+    ma = EngineMember(a.engine, a.run_blocking, "a")
+    plan = [["a", "127.0.0.1", 0], ["b", "127.0.0.1", server.port]]
+    return Ring(ma.kernels, connect_ring(plan, "a", ma, key, a.layout))
+
+
+async def test_ring_of_two_workers_over_the_data_plane_is_the_single_worker(two_workers, handoff, single):
+    """A ring of 2 — the coordinator's own member and one behind an authenticated connection —
+    gives the single worker's greedy tokens; both caches are free again when it finishes."""
+    import asyncio
+    a, b, server = two_workers
+    ring = ring_of(a, server)
+    h = KVBlobHeader.parse(handoff)[0]
+    ranges = await asyncio.to_thread(ring.admit, "s#0", h.token_ids, h.num_computed, KVBlobHeader.parse(handoff)[1],
+                                     len(h.token_ids) + NEW)
+    assert len(ranges) == 2 and b.engine.blocks.num_free < b.engine.blocks.num_blocks   # b holds its shard
+    toks = []
+    async for out in await a.submit_ring("r", handoff, ring, "s#0"):
+        toks += out.token_ids
+    assert toks == single[0]
+    await asyncio.sleep(0.2)   # b frees its shard when the coordinator's connection closes
+    for e in (a, b):
+        assert e.engine.blocks.num_free == e.engine.blocks.num_blocks
+    assert ring.members[1].bytes_out > 0 and ring.members[1].bytes_back > 0
+
+
+async def test_a_lost_member_ends_the_request_with_a_coded_error(two_workers, handoff):
+    import asyncio
+    from shared.engine.ring_net import RingMemberLost
+    a, b, server = two_workers
+    ring = ring_of(a, server)
+    h, kv = KVBlobHeader.parse(handoff)
+    await asyncio.to_thread(ring.admit, "s#0", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
+    stream = await a.submit_ring("r", handoff, ring, "s#0")
+    got = 0
+    with pytest.raises(RingMemberLost) as err:
+        async for out in stream:
+            got += len(out.token_ids)
+            server.close()   # the member's worker dies mid-stream
+    assert got >= 1 and err.value.lost == "b" and err.value.code == "unavailable"
+    assert a.engine.blocks.num_free == a.engine.blocks.num_blocks and "r" not in a.engine.seqs
+    await asyncio.sleep(0.2)
+    assert b.engine.blocks.num_free == b.engine.blocks.num_blocks
+
+
+def test_a_member_refuses_a_connection_without_the_data_plane_key(two_workers):
+    from shared.engine.ring_net import RingMemberLost
+    a, _, server = two_workers
+    with pytest.raises(RingMemberLost, match="refused our proof"):
+        ring_of(a, server, key=b"another key")
+
+
+async def test_a_ring_session_is_promoted_to_one_worker_by_a_migration(two_workers, bundled_model, handoff, single):
+    """Mid-stream, the coordinator gathers the ring's shards into a migration blob (the bytes a
+    move of a single worker's request carries); a third worker imports it and goes on with the
+    single worker's greedy tokens; the ring's KV is freed."""
+    import asyncio
+    from shared.engine.async_engine import AsyncEngine
+    a, b, server = two_workers
+    ring = ring_of(a, server)
+    h, kv = KVBlobHeader.parse(handoff)
+    await asyncio.to_thread(ring.admit, "s#0", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
+    stream = await a.submit_ring("r", handoff, ring, "s#0")
+    toks = []
+    async for out in stream:
+        toks += out.token_ids
+        if len(toks) >= 3:
+            blob = await a.export_for_move("r")
+            break
+    async for out in stream:   # the steps before the export, then the "migrated" end of the stream
+        toks += out.token_ids
+        assert out.finish_reason in (None, "migrated")
+    assert await a.end_move("r", moved=True) is None
+    moved = KVBlobHeader.parse(blob)[0]
+    assert moved.num_computed == h.num_computed + len(toks) and moved.token_ids[-len(toks):] == toks
+    c = AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=160, threads=1)))
+    try:
+        async for out in await c.submit_kv("r", blob):
+            toks += out.token_ids
+    finally:
+        await c.close()
+    assert toks == single[0]
+    await asyncio.sleep(0.2)
+    for e in (a, b):
+        assert e.engine.blocks.num_free == e.engine.blocks.num_blocks

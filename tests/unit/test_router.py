@@ -6,7 +6,7 @@ import pytest
 
 from shared.bus import BusError
 from shared.schemas import Heartbeat, RouteRequest
-from services.placement import POOL, Limits, SessionView, WorkerView, place, rebalance
+from services.placement import POOL, Limits, SessionView, WorkerView, place, rebalance, strategy_plan
 
 NOW = 1000.0
 
@@ -222,3 +222,55 @@ def test_idle_session_override_lapses():
     workers = [GPU, w("c1", "cpu-decode", requests=[("r1", "s1", "batch")])]
     assert rebalance(workers, sessions, NOW, Limits(session_idle_s=300)) == []
     assert sessions["s1"].tier is None
+
+
+def rw(wid, role="cpu-decode", *, free=80, ctx=1280, ring=7000, **kw):
+    """A decode worker with KV blocks of 16 tokens, hosting ring members on ``ring`` (0: not)."""
+    view = w(wid, role, free=free, total=80, ctx=ctx, **kw)
+    view.beat.kv_block_tokens, view.beat.ring_port = 16, ring
+    return view
+
+
+RING3 = [rw("c1", free=80), rw("c2", free=79), rw("c3", free=78), w("p1", "prefill")]
+
+
+@pytest.mark.parametrize("tier,n,max_tokens,workers,strategy,members", [
+    # a context no worker holds (1,280 tokens each): the fewest members, the freest first
+    ("batch", 3000, 64, RING3, "cpu-ring(3)", ["c1", "c2", "c3"]),
+    ("batch", 2000, 64, RING3, "cpu-ring(2)", ["c1", "c2"]),
+    ("standard", 2000, 64, RING3, "cpu-ring(2)", ["c1", "c2"]),
+    ("interactive", 2000, 64, RING3, "cpu-ring(2)", ["c1", "c2"]),         # slow beats refused
+    ("interactive", 2000, 64, [*RING3, rw("g1", "gpu-decode", free=400, ctx=6400, ring=0)], None, None),  # the GPU holds it
+    ("batch", 2000, 64, [*RING3, rw("g1", "gpu-decode", free=400, ctx=6400, ring=0)], "cpu-ring(2)", ["c1", "c2"]),
+    ("batch", 2000, 64, [*RING3, rw("g1", "gpu-decode", free=10, ctx=6400, ring=0)], "cpu-ring(2)", ["c1", "c2"]),
+    # one worker holds it: no ring (place decides); also when it is only busy now
+    ("batch", 1000, 64, RING3, None, None),
+    ("batch", 1000, 64, [rw("c1", free=10), rw("c2", free=10), w("p1", "prefill")], None, None),
+    # no ring possible: too few members with room, none hosting members, no prefill worker
+    ("batch", 3000, 64, RING3[:2] + RING3[3:], None, None),
+    ("batch", 2000, 64, [rw("c1", ring=0), rw("c2", ring=0), w("p1", "prefill")], None, None),
+    ("batch", 2000, 64, RING3[:3], None, None),
+    ("batch", 3000, 64, [rw("c1"), rw("c2"), rw("c3"), w("p1", "prefill", ctx=2048)], None, None),  # prompt too long there
+])
+def test_strategy_table(tier, n, max_tokens, workers, strategy, members):
+    plan, why = strategy_plan(req(tier, n=n, max_tokens=max_tokens), workers, NOW)
+    if strategy is None:
+        assert plan is None, plan
+        return
+    assert plan.strategy == strategy and [m[0] for m in plan.ring] == members, why
+    assert plan.decode_worker == members[0] and plan.prefill_worker == "p1"
+    assert all(m[1:] == ["127.0.0.1", 7000] for m in plan.ring)
+    assert "no single worker holds" in plan.reason
+
+
+def test_other_policies_never_plan_a_ring():
+    assert strategy_plan(req("batch", n=3000), RING3, NOW, policy="round-robin")[0] is None
+
+
+def test_a_ring_whose_workers_are_busy_now_is_overloaded_not_refused():
+    busy = [rw("c1", free=10), rw("c2", free=10), rw("c3", free=80), w("p1", "prefill")]
+    with pytest.raises(BusError) as e:
+        strategy_plan(req("batch", n=3000), busy, NOW)
+    assert e.value.code == "overloaded" and e.value.retry_after > 0
+    # a context no ring of these workers could ever hold: place decides (and refuses it)
+    assert strategy_plan(req("batch", n=5000), busy, NOW)[0] is None

@@ -1,0 +1,140 @@
+"""``tandem bench ring --stack``: a ring of cpu-decode workers against one worker, through the stack.
+
+    tandem bench ring --stack [--context 3000] [--max-tokens 64] [--ring-members 3] [--rounds 2]
+
+Two ``tandem up`` stacks, alive together for the whole run (each its own embedded NATS, the
+data-plane key and bus auth on as always), streamed through the official ``openai`` client
+(``/v1/completions``, the prompt as token ids, greedy, ``ignore_eos``):
+
+- ``single``: ``--prefill 1 --gpu-decode 0 --cpu-decode 1`` with the default KV budget: one
+  cpu-decode worker holds the whole context (strategy ``cpu``);
+- ``ring``: ``--cpu-decode N`` whose workers' budgets (``TANDEM_KV_BUDGET_MB_CPU_DECODE``) are
+  sized so that no fewer than N of them hold it: the router plans ``cpu-ring(N)``, the prefill
+  hands the KV to the coordinator, which scatters it and decodes with the ring (members in
+  their own processes, per-step messages on ring connections).
+
+Per stream: TTFT (send -> first token: prefill, hand-off and, for the ring, the scatter) and
+decode tok/s = (tokens - 1) / (last - first token); rounds alternate the order, 2 s apart (the
+router sees the last stream's KV freed; the client also retries a 429 after its Retry-After). The texts must
+be equal (the ring is exact). Prints a Markdown table naming the CPU ISA and the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import time
+
+from bench.serve import Server
+from bench.stack import StackSystem, _progress, prompts_for
+from shared.engine.kv_cache import KVLayout
+from shared.nats_server import free_port
+from shared.strategy import SEG, shard_ranges
+
+
+SETTLE_S = 2.0   # between streams: 4 heartbeat intervals
+
+
+class _Stack(StackSystem):
+    def __init__(self, name: str, argv: list[str], env: dict, want: dict):
+        port = free_port()
+        self.name, self.kind, self.model, self.want = name, name, "", want
+        self.server = Server(name, [sys.executable, "-m", "services.cli", "up", *argv, "--port", str(port)],
+                             dict(env, TANDEM_PORT=str(port)), port)
+
+    def wait_ready(self) -> None:
+        import httpx
+        self.server.wait_workers(self.want, 300)
+        self.model = httpx.get(self.server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def client(self):
+        """As a user's client: a 429 (a ring's KV still in use by the last request, as the router's
+        last heartbeats say) is retried after its Retry-After."""
+        import httpx
+        import openai
+        return openai.AsyncOpenAI(base_url=self.server.url + "/v1", api_key="bench", max_retries=5,
+                                  http_client=httpx.AsyncClient(timeout=600))
+
+
+def budget_mb(layout: KVLayout, context: int, members: int) -> int:
+    """A cpu-decode budget (MiB) holding the largest shard of a ring of ``members``, but not
+    that of a ring of ``members - 1``."""
+    need = max(b - a for a, b in shard_ranges(context, members))
+    mb = -(-layout.blocks_for(need) * layout.block_bytes // 2**20)
+    if members > 1:
+        fewer = max(b - a for a, b in shard_ranges(context, members - 1))
+        if mb * 2**20 // layout.block_bytes * layout.block_size >= fewer:
+            raise ValueError(f"no budget tells a ring of {members} from one of {members - 1} at {context} tokens")
+    return mb
+
+
+def run(args) -> dict:
+    from kernels.dispatch import describe
+    from shared.engine.loader import load_model
+    model = load_model()
+    cfg = model.config
+    layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16)
+    total = args.context + args.max_tokens
+    if args.ring_members < 2 or total // SEG < args.ring_members:
+        raise ValueError("--ring-members must be >= 2, with a segment of 256 tokens each")
+    mb = budget_mb(layout, total, args.ring_members)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_KV_BUDGET_MB_PREFILL="512", TANDEM_HEARTBEAT_INTERVAL="0.5")
+    env.pop("TANDEM_NATS_URL", None)
+    base = ["--prefill", "1", "--gpu-decode", "0", "--kvpool", "0"]
+    stacks = [_Stack("single", base + ["--cpu-decode", "1"], dict(env, TANDEM_KV_BUDGET_MB_CPU_DECODE="512"),
+                     {"cpu-decode": 1, "prefill": 1, "router": 1}),
+              _Stack(f"cpu-ring({args.ring_members})", base + ["--cpu-decode", str(args.ring_members)],
+                     dict(env, TANDEM_KV_BUDGET_MB_CPU_DECODE=str(mb)),
+                     {"cpu-decode": args.ring_members, "prefill": 1, "router": 1})]
+    per: dict[str, list] = {s.name: [] for s in stacks}
+    mismatches = 0
+    try:
+        for s in stacks:
+            s.wait_ready()
+        _progress("warm-up")
+        for s in stacks:
+            asyncio.run(_one(s, prompts_for(model.tokenizer, 1, 64, "warm")[0], 8))
+        load = os.getloadavg()[0]
+        for rnd in range(args.rounds):
+            prompt = prompts_for(model.tokenizer, 1, args.context, f"ring-r{rnd}")[0]
+            texts = {}
+            for s in (stacks if rnd % 2 == 0 else stacks[::-1]):
+                time.sleep(SETTLE_S)   # the last request's KV is free in the heartbeats the router sees
+                st = asyncio.run(_one(s, prompt, args.max_tokens))
+                per[s.name].append(st)
+                texts[s.name] = st.text
+                _progress(f"round {rnd + 1}/{args.rounds} {s.name}: TTFT {st.ttft * 1e3:.0f} ms, "
+                          f"{st.decode_tok_s:.1f} tok/s")
+            mismatches += len(set(texts.values())) > 1
+    finally:
+        for s in stacks:
+            s.close()
+    rows = [{"system": name, "ttft_ms": 1e3 * statistics.median(x.ttft for x in xs),
+             "decode_tok_s": statistics.median(x.decode_tok_s for x in xs), "streams": len(xs)}
+            for name, xs in per.items()]
+    for r in rows:
+        r["decode_ratio"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
+        r["ttft_ratio"] = r["ttft_ms"] / rows[0]["ttft_ms"]
+    return {"isa": describe("cpu"), "cpus": os.cpu_count(), "load": load, "context": args.context,
+            "max_tokens": args.max_tokens, "budget_mb": mb, "rounds": args.rounds, "mismatches": mismatches,
+            "rows": rows}
+
+
+async def _one(stack: _Stack, prompt: list[int], max_tokens: int):
+    async with stack.client() as client:
+        return await stack.one(client, "ring", prompt, max_tokens)
+
+
+def table(res: dict) -> str:
+    lines = [f"Ring vs one worker through the stack: {res['isa']}; {res['cpus']} CPUs (load {res['load']:.1f} at "
+             f"start); prompt {res['context']} tokens, {res['max_tokens']} generated (greedy, ignore_eos), "
+             f"{res['rounds']} alternating rounds; ring workers' KV budget {res['budget_mb']} MiB", "",
+             "| system | streams | TTFT p50 ms | decode tok/s p50 | TTFT ratio | decode ratio |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['system']} | {r['streams']} | {r['ttft_ms']:.0f} | {r['decode_tok_s']:.1f} | "
+                     f"{r['ttft_ratio']:.2f} | {r['decode_ratio']:.2f} |")
+    lines.append(f"\n- rounds whose texts differ between the systems: {res['mismatches']}")
+    return "\n".join(lines)

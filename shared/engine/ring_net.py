@@ -1,0 +1,370 @@
+"""Ring members in other processes: the per-step messages of ring decode on the data plane.
+
+A cpu-decode worker hosts shards of ring sessions next to its engine (``EngineMember``: a
+``RingMember`` over the engine's own paged KV cache and block manager, so a shard is KV the
+worker's heartbeat counts as used) and serves them on a TCP port of its data plane
+(``RingServer``; the port goes in its heartbeats as ``ring_port``). The coordinator of a ring
+session — the cpu-decode worker the plan names first — holds one ``RemoteMember`` per other
+member: a persistent connection carrying, per decode step and layer, the q|k|v rows out and the
+member's segment states back (docs/protocol.md "Ring decode"). The prefill's KV blob is
+scattered over the same connections (``LOAD``: each member its range's blocks).
+
+Authentication (docs/security.md "Data plane"): the connection opens with a handshake under
+the data-plane key — the server sends a fresh nonce, the client answers with its own and
+``HMAC(key, "tandem-ring-hello-v1" ‖ server nonce ‖ client nonce)``, the server proves itself
+with ``HMAC(key, "tandem-ring-welcome-v1" ‖ …)`` — before either side reads a size or
+allocates anything; every message after it carries ``HMAC(session key, direction ‖ counter ‖
+header ‖ meta ‖ payload)`` under a key derived from both nonces, so a message cannot be
+forged, replayed, reordered or moved to another connection. Without a key (a deployment that
+has none) nothing is tagged, as for the KV frames.
+
+Message: ``!BIQ`` (op, meta bytes, payload bytes), the meta (JSON), the payload, the tag (32
+bytes, with a key). A member's reply has op ``OK`` or ``ERR`` (meta: code and message).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+import torch
+
+from kernels.cpu_ring import RingKernels
+from shared.engine.ring import RingCapacityError, RingMember
+
+log = logging.getLogger("tandem.ring")
+
+MAGIC = b"TRG1"
+NONCE = 32
+TAG = 32
+HEAD = struct.Struct("!BIQ")
+RESERVE, LOAD, ATTEND, READ, RELEASE = 1, 2, 3, 4, 5
+OK, ERR = 0, 255
+MAX_META = 1 << 16
+CONNECT_TIMEOUT = 3.0
+
+
+class RingMemberLost(RuntimeError):
+    """A remote member stopped answering (its process died, or the link broke): the ring
+    session cannot go on. ``code`` "unavailable": the gateway resumes the request elsewhere,
+    without ``lost`` (the worker)."""
+    code = "unavailable"
+
+    def __init__(self, worker: str, why: str):
+        super().__init__(f"ring member {worker} lost: {why}")
+        self.lost = worker
+
+
+class RingMemberError(RuntimeError):
+    """A member refused an operation (coded: "overloaded" for no room, "bad_request" otherwise)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _mac(key: bytes, label: bytes, *parts) -> bytes:
+    h = hmac.new(key, label, hashlib.sha256)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("connection closed")
+        got += k
+    return buf
+
+
+class _Channel:
+    """One side of an authenticated connection: framed, tagged messages (module doc)."""
+
+    def __init__(self, sock: socket.socket, session_key: bytes, client: bool, max_payload: int):
+        self.sock, self.key, self.max_payload = sock, session_key, max_payload
+        self.out_dir, self.in_dir = (b"c", b"s") if client else (b"s", b"c")
+        self.sent = self.got = 0
+
+    def send(self, op: int, meta: dict | None = None, payload=b"") -> None:
+        m = json.dumps(meta or {}, separators=(",", ":")).encode()
+        pv = memoryview(payload).cast("B")
+        head = HEAD.pack(op, len(m), pv.nbytes)
+        parts = [head, m, pv]
+        if self.key:
+            parts.append(_mac(self.key, self.out_dir, self.sent.to_bytes(8, "big"), head, m, pv))
+        self.sent += 1
+        self.sock.sendall(b"".join(parts) if pv.nbytes < 1 << 16 else head + m)
+        if pv.nbytes >= 1 << 16:
+            self.sock.sendall(pv)
+            if self.key:
+                self.sock.sendall(parts[-1])
+
+    def recv(self) -> tuple[int, dict, bytearray]:
+        head = _recv_exact(self.sock, HEAD.size)
+        op, mlen, plen = HEAD.unpack(head)
+        if mlen > MAX_META or plen > self.max_payload:
+            raise ConnectionError(f"message of {mlen} + {plen} bytes is over the limit")
+        m = _recv_exact(self.sock, mlen)
+        payload = _recv_exact(self.sock, plen)
+        if self.key:
+            tag = _recv_exact(self.sock, TAG)
+            want = _mac(self.key, self.in_dir, self.got.to_bytes(8, "big"), head, m, payload)
+            if not hmac.compare_digest(bytes(tag), want):
+                raise ConnectionError("message tag does not verify under the data-plane key")
+        self.got += 1
+        return op, json.loads(m) if mlen else {}, payload
+
+
+def _session_key(key: bytes, sn: bytes, cn: bytes) -> bytes:
+    return _mac(key, b"tandem-ring-session-v1", sn, cn) if key else b""
+
+
+def _tensor(payload: bytearray, shape) -> torch.Tensor:
+    return torch.frombuffer(payload, dtype=torch.float32).view(*shape)
+
+
+class EngineMember(RingMember):
+    """A member over a worker's engine cache: ``reserve`` / ``release`` run on the engine's
+    thread (``on_engine``: the block manager is the scheduler's), the rest where it is called
+    (a shard's blocks are its own; the engine never touches them)."""
+
+    def __init__(self, engine, on_engine: Callable[[Callable], object], name: str):
+        kernels = RingKernels.of(engine.model)
+        if kernels is None:
+            raise ValueError("this engine does not run the fused CPU step: it cannot host ring members")
+        super().__init__(kernels, engine.layout, 0, name, kv=engine.kv, blocks=engine.blocks)
+        self.on_engine = on_engine
+
+    def reserve(self, sid: str, start: int, end: int) -> None:
+        self.on_engine(lambda: RingMember.reserve(self, sid, start, end))
+
+    def release(self, sid: str) -> None:
+        self.on_engine(lambda: RingMember.release(self, sid))
+
+
+class RingServer:
+    """Serves a worker's ``EngineMember`` to ring coordinators: one thread per connection; a
+    connection's shards are released when it closes (its coordinator ended, or died)."""
+
+    def __init__(self, member: RingMember, host: str = "127.0.0.1", port: int = 0, key: bytes = b"",
+                 timeout: float = 30.0):
+        self.member, self.key, self.timeout = member, key, timeout
+        self.max_payload = member.kv.numel() * member.kv.element_size() + (1 << 20)
+        self._sock = socket.create_server((host, port))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._conns = 0
+        self._live: set[socket.socket] = set()   # open connections (closed with the server)
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="ring-server", daemon=True)
+
+    def start(self) -> tuple[str, int]:
+        self._thread.start()
+        log.info("ring member %s serves on %s:%d (%s)", self.member.name, self.host, self.port,
+                 "authenticated" if self.key else "NO data-plane key: connections are not authenticated")
+        return self.host, self.port
+
+    def close(self) -> None:
+        """Stop serving: no new connection, and the open ones end (their shards are released)."""
+        self._closed = True
+        self._sock.close()
+        for conn in list(self._live):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            self._conns += 1
+            threading.Thread(target=self._serve, args=(conn, peer, self._conns), name=f"ring-conn-{self._conns}",
+                             daemon=True).start()
+
+    def _handshake(self, conn: socket.socket) -> _Channel | None:
+        sn = os.urandom(NONCE)
+        conn.sendall(MAGIC + sn)
+        hello = _recv_exact(conn, len(MAGIC) + NONCE + TAG)
+        cn, proof = bytes(hello[4:4 + NONCE]), bytes(hello[4 + NONCE:])
+        if hello[:4] != MAGIC or (self.key and not hmac.compare_digest(
+                proof, _mac(self.key, b"tandem-ring-hello-v1", sn, cn))):
+            conn.sendall(b"\x01" + bytes(TAG))
+            return None
+        conn.sendall(b"\x00" + (_mac(self.key, b"tandem-ring-welcome-v1", sn, cn) if self.key else bytes(TAG)))
+        return _Channel(conn, _session_key(self.key, sn, cn), client=False, max_payload=self.max_payload)
+
+    def _serve(self, conn: socket.socket, peer, n: int) -> None:
+        sids: set[str] = set()
+        self._live.add(conn)
+        try:
+            conn.settimeout(self.timeout)
+            ch = self._handshake(conn)
+            if ch is None:
+                log.warning("ring member %s refused a connection from %s: no valid proof of the data-plane key",
+                            self.member.name, peer)
+                return
+            conn.settimeout(None)    # a session may be idle between steps as long as it likes
+            while True:
+                op, meta, payload = ch.recv()
+                sid = f"{n}:{meta.get('sid', '')}"
+                try:
+                    reply, body = self._do(op, sid, meta, payload, sids)
+                except RingCapacityError as e:
+                    ch.send(ERR, {"code": "overloaded", "message": str(e)})
+                except (ValueError, KeyError) as e:
+                    ch.send(ERR, {"code": "bad_request", "message": f"{type(e).__name__}: {e}"})
+                else:
+                    ch.send(OK, reply, body)
+        except (ConnectionError, OSError, struct.error, json.JSONDecodeError):
+            pass
+        except Exception:
+            log.exception("ring connection %d from %s failed", n, peer)
+        finally:
+            for sid in sids:
+                self.member.release(sid)
+            self._live.discard(conn)
+            conn.close()
+
+    def _do(self, op: int, sid: str, meta: dict, payload: bytearray, sids: set[str]):
+        m = self.member
+        if op == RESERVE:
+            m.reserve(sid, int(meta["start"]), int(meta["end"]))
+            sids.add(sid)
+            return None, b""
+        if op == LOAD:
+            m.load(sid, payload)
+            return None, b""
+        if op == ATTEND:
+            layer, pos = int(meta["layer"]), int(meta["pos"])
+            qkv = _tensor(payload, (-1, m.kernels.qkv_width))
+            if meta.get("store"):
+                m.store(sid, layer, qkv, pos)
+            parts = m.attend(sid, layer, qkv, pos)
+            if parts is None:
+                return {"shape": None}, b""
+            return {"shape": list(parts.shape)}, parts.contiguous().view(torch.uint8).numpy()
+        if op == READ:
+            return None, m.read(sid, int(meta["keys"]))
+        if op == RELEASE:
+            m.release(sid)
+            sids.discard(sid)
+            return None, b""
+        raise ValueError(f"unknown ring op {op}")
+
+
+class RemoteMember:
+    """The coordinator's handle on a member in another worker (the ``RingMember`` calls ``Ring``
+    makes, as messages). Connection failures raise ``RingMemberLost`` naming the worker."""
+
+    def __init__(self, worker: str, host: str, port: int, key: bytes, layout, timeout: float = 30.0):
+        self.name, self.layout, self.timeout = worker, layout, timeout
+        self.ranges: dict[str, tuple[int, int]] = {}
+        self.bytes_out = self.bytes_back = 0
+        try:
+            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(timeout)
+            head = _recv_exact(sock, len(MAGIC) + NONCE)
+            if head[:4] != MAGIC:
+                raise ConnectionError(f"{host}:{port} is not a ring member")
+            sn, cn = bytes(head[4:]), os.urandom(NONCE)
+            sock.sendall(MAGIC + cn + (_mac(key, b"tandem-ring-hello-v1", sn, cn) if key else bytes(TAG)))
+            answer = _recv_exact(sock, 1 + TAG)
+            if answer[0] != 0:
+                raise ConnectionError("it refused our proof of the data-plane key")
+            if key and not hmac.compare_digest(bytes(answer[1:]), _mac(key, b"tandem-ring-welcome-v1", sn, cn)):
+                raise ConnectionError("it could not prove it holds the data-plane key")
+        except (OSError, ConnectionError) as e:
+            raise RingMemberLost(worker, f"cannot open a ring connection to {host}:{port}: {e}") from None
+        self.sock = sock
+        self.ch = _Channel(sock, _session_key(key, sn, cn), client=True, max_payload=1 << 40)
+
+    def _send(self, op: int, meta: dict, payload=b"") -> None:
+        try:
+            self.ch.send(op, meta, payload)
+        except OSError as e:
+            raise RingMemberLost(self.name, str(e) or type(e).__name__) from None
+
+    def _reply(self) -> tuple[dict, bytearray]:
+        try:
+            op, meta, payload = self.ch.recv()
+        except (OSError, ConnectionError) as e:
+            raise RingMemberLost(self.name, str(e) or type(e).__name__) from None
+        if op == ERR:
+            raise RingMemberError(meta.get("code", "internal"), f"{self.name}: {meta.get('message', '')}")
+        return meta, payload
+
+    def _call(self, op: int, meta: dict, payload=b"") -> tuple[dict, bytearray]:
+        self._send(op, meta, payload)
+        return self._reply()
+
+    def reserve(self, sid: str, start: int, end: int) -> None:
+        try:
+            self._call(RESERVE, {"sid": sid, "start": start, "end": end})
+        except RingMemberError as e:
+            if e.code == "overloaded":
+                raise RingCapacityError(str(e)) from None
+            raise
+        self.ranges[sid] = (start, end)
+
+    def load(self, sid: str, kv) -> None:
+        self._call(LOAD, {"sid": sid}, kv)
+
+    def owns(self, sid: str, pos: int) -> bool:
+        a, b = self.ranges[sid]
+        return a <= pos < b
+
+    def post(self, sid: str, layer: int, qkv: torch.Tensor, pos: int, store: bool) -> None:
+        body = qkv.contiguous().view(torch.uint8).numpy()
+        self.bytes_out += body.nbytes
+        self._send(ATTEND, {"sid": sid, "layer": layer, "pos": pos, "store": store}, body)
+
+    def collect(self, sid: str) -> torch.Tensor | None:
+        meta, payload = self._reply()
+        self.bytes_back += len(payload)
+        return None if meta.get("shape") is None else _tensor(payload, meta["shape"])
+
+    def read(self, sid: str, keys: int) -> bytes:
+        return bytes(self._call(READ, {"sid": sid, "keys": keys})[1])
+
+    def release(self, sid: str) -> None:
+        """Free the shard (best effort: a lost member's shards went with its connection)."""
+        if self.ranges.pop(sid, None) is None:
+            return
+        try:
+            self._call(RELEASE, {"sid": sid})
+        except (RingMemberLost, RingMemberError):
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def connect_ring(ring_plan: list, me: str, local: RingMember, key: bytes, layout,
+                 timeout: float = 30.0) -> list:
+    """The members of a plan's ring (``RoutePlan.ring``: [worker, host, port] in shard order):
+    ``local`` for this worker, a ``RemoteMember`` (connected, authenticated) for each other.
+    Blocking; on a failure the connections opened are closed and ``RingMemberLost`` raised."""
+    members: list = []
+    try:
+        for worker, host, port in ring_plan:
+            members.append(local if worker == me else RemoteMember(worker, host, int(port), key, layout, timeout))
+    except BaseException:
+        for m in members:
+            if isinstance(m, RemoteMember):
+                m.close()
+        raise
+    return members

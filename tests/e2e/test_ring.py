@@ -1,0 +1,221 @@
+"""Ring decode through the real stack (docs/strategies.md): `tandem up --gpu-decode 0 --cpu-decode 3`
+with cpu-decode workers of 30 MB of KV (1,360 tokens each), secured NATS, the official openai
+client. A batch-tier chat whose context no worker holds is served by a ring of cpu-decode
+workers with the greedy text of a single worker with a big enough budget; `tandem tap` shows the
+ring plan and the router counts it in `tandem_route_total{strategy}`; a ring member killed
+mid-stream loses nothing (the request resumes on a ring of the workers left); and a stack with
+one such worker refuses the same chat with a coded reason."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shared import subjects
+from shared.bus import Bus
+from shared.engine.engine import Engine, EngineConfig
+from shared.schemas import Heartbeat, RoutePlan
+from services.tap import tap
+from tests.e2e.test_resilience import pid_of
+from tests.e2e.test_stack import local_chat, running_stack
+
+pytestmark = pytest.mark.timeout(900)
+
+ENV = {"TANDEM_KV_BUDGET_MB_CPU_DECODE": "30", "TANDEM_KV_BUDGET_MB_PREFILL": "256",
+       "TANDEM_BATCH_COALESCE_MS": "0"}
+BATCH = {"X-Tandem-SLA": "batch"}
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def reference(bundled_model) -> Engine:
+    """A single worker whose KV budget holds every session here."""
+    return Engine(bundled_model, EngineConfig(num_kv_blocks=256))
+
+
+def question(engine: Engine, tokens: int) -> str:
+    """A chat question of about ``tokens`` tokens (the start of docs/kernels.md, then a question)."""
+    text = (Path(__file__).parents[2] / "docs" / "kernels.md").read_text()
+    ids = engine.tokenizer.encode(text)[:tokens]
+    return engine.tokenizer.decode(ids) + "\n\nSummarise the text above in one sentence."
+
+
+async def chat(client, model: str, content: str, on_chunk=None) -> dict:
+    s = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=NEW, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_headers=BATCH, extra_body={"ignore_eos": True})
+    out = {"id": "", "text": "", "finish": None, "usage": None, "chunks": 0}
+    async for ch in s:
+        out["id"] = ch.id
+        out["usage"] = ch.usage or out["usage"]
+        if ch.choices:
+            out["text"] += ch.choices[0].delta.content or ""
+            out["finish"] = ch.choices[0].finish_reason or out["finish"]
+            out["chunks"] += 1
+            if on_chunk is not None:
+                await on_chunk(out)
+    return out
+
+
+async def router_metrics(bus: Bus) -> str:
+    sub = await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
+    async for beat in sub:
+        if beat.role == subjects.ROUTER and beat.metrics_port:
+            await sub.unsubscribe()
+            async with httpx.AsyncClient() as c:
+                return (await c.get(f"http://127.0.0.1:{beat.metrics_port}/metrics")).text
+    raise AssertionError("no router heartbeat")
+
+
+def test_one_worker_refuses_a_context_over_its_budget(nats_server, reference):
+    """Alone, a 30 MB cpu-decode worker cannot hold a 3,000-token chat: a coded 400, not a loss."""
+    with running_stack(nats_server, ["--gpu-decode", "0", "--cpu-decode", "1", "--kvpool", "0"], env=ENV) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": question(reference, 3000)}],
+                                           max_tokens=NEW, temperature=0, extra_headers=BATCH)
+        assert e.value.code == "context_length_exceeded", e.value
+        assert "1360 tokens" in str(e.value), e.value
+
+
+@pytest.fixture(scope="module")
+def ring_stack(nats_server):
+    with running_stack(nats_server, ["--gpu-decode", "0", "--cpu-decode", "3", "--kvpool", "0"], env=ENV) as s:
+        yield s
+
+
+async def test_a_ring_of_three_serves_what_no_worker_holds(ring_stack, nats_server, reference):
+    content = question(reference, 3000)
+    ids, want = local_chat(reference, content, NEW, ignore_eos=True)
+    assert 2 * 1360 < len(ids) + NEW < 3 * 1024   # a ring of 2 cannot hold it (SEG-aligned shards), 3 can
+    client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    out, ready = io.StringIO(), asyncio.Event()
+    tapping = asyncio.create_task(tap(subjects.ROUTER_DECISION, url=nats_server, out=out, ready=ready))
+    await asyncio.wait_for(ready.wait(), 30)
+    try:
+        got = await chat(client, model, content)
+        await asyncio.sleep(0.3)
+    finally:
+        tapping.cancel()
+    assert got["text"] == want.text and got["finish"] == "length"
+    assert got["usage"].prompt_tokens == len(ids) and got["usage"].completion_tokens == NEW
+    lines = [ln for ln in out.getvalue().splitlines() if "RoutePlan" in ln and got["id"] in ln]
+    assert lines and "strategy=cpu-ring(3)" in lines[0], out.getvalue()
+    bus = await Bus.connect(url=nats_server, name="e2e-ring-metrics")
+    try:
+        text = await router_metrics(bus)
+    finally:
+        await bus.close()
+    counted = [ln for ln in text.splitlines() if ln.startswith('tandem_route_total{strategy="cpu-ring(3)"}')]
+    assert counted and float(counted[0].split()[-1]) >= 1, text
+    scattered = [ln for ln in ring_stack.log if f"{got['id']}: ring of 3" in ln and "scattered" in ln]
+    assert scattered, ring_stack.tail()
+    print(scattered[0])   # how long the coordinator took to scatter the KV (pytest -s)
+
+
+async def test_a_killed_ring_member_loses_nothing(ring_stack, nats_server, reference):
+    """A ring of 2 (a 2,000-token chat), one member killed mid-stream: the request resumes on a
+    ring of the two workers left, and the client gets exactly the undisturbed greedy text."""
+    content = question(reference, 2000)
+    ids, want = local_chat(reference, content, NEW, ignore_eos=True)
+    client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    bus = await Bus.connect(url=nats_server, name="e2e-ring-kill")
+    plans: list[RoutePlan] = []
+    sub = await bus.subscribe(subjects.ROUTER_DECISION, RoutePlan, skip_invalid=True)
+
+    async def note() -> None:
+        async for p in sub:
+            plans.append(p)
+
+    noting = asyncio.create_task(note())
+    killed: list[str] = []
+
+    async def on_chunk(o):
+        if o["chunks"] == 4 and not killed:
+            ring = next(p.ring for p in plans if p.request_id == o["id"] and p.strategy == "cpu-ring(2)")
+            killed.append(ring[1][0])   # a member, not the coordinator
+            os.kill(pid_of(ring[1][0]), signal.SIGKILL)
+
+    try:
+        got = await asyncio.wait_for(chat(client, model, content, on_chunk), 600)
+    finally:
+        noting.cancel()
+        await bus.close()
+    assert killed, "the stream ended before a member could be killed"
+    assert got["text"] == want.text and got["finish"] == "length", (got, want.text)
+    assert got["usage"].completion_tokens == NEW
+    t = (got["usage"].model_extra or {}).get("tandem") or {}
+    assert t.get("resumes", 0) >= 1, got["usage"]
+    mine = [p for p in plans if p.request_id == got["id"]]
+    assert len(mine) >= 2 and all(killed[0] not in [m[0] for m in p.ring] for p in mine[1:]), mine
+    assert mine[-1].strategy.startswith("cpu-ring"), mine[-1]
+
+
+async def _collect(sub, into) -> None:
+    """Every message of ``sub`` into a list, or heartbeats into a dict by worker id."""
+    async for p in sub:
+        if isinstance(into, dict):
+            into[p.worker_id] = p
+        else:
+            into.append(p)
+
+
+async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, reference):
+    """A 1,000-token chat fits one 1,360-token worker; mid-stream it is spread onto a ring of the
+    two other workers (a MigrateRequest naming the ring: the source's KV goes to the coordinator,
+    which scatters it), and the client gets the undisturbed greedy text."""
+    from services.migrate import migrate, to_target
+    ring_stack.wait_workers({"cpu-decode": 3, "prefill": 1, "router": 1}, 180)   # a member killed above is back
+    content = question(reference, 1000)
+    _, want = local_chat(reference, content, 128, ignore_eos=True)
+    client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    bus = await Bus.connect(url=nats_server, name="e2e-ring-spread")
+    beats: dict[str, Heartbeat] = {}
+    sub = await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
+    watching = asyncio.create_task(_collect(sub, beats))
+    replies = []
+
+    async def on_chunk(o):
+        if o["chunks"] != 3:
+            return
+        for _ in range(60):
+            src = next((b for b in list(beats.values()) if b.role in subjects.DECODE_ROLES
+                        and any(r[0] == o["id"] for r in b.requests)), None)
+            if src:
+                break
+            await asyncio.sleep(0.05)
+        assert src is not None and src.role == subjects.CPU_DECODE
+        ring = sorted((b for b in beats.values() if b.role == subjects.CPU_DECODE and b.worker_id != src.worker_id),
+                      key=lambda b: b.worker_id)
+        replies.append(await migrate(bus, src.worker_id, to_target(o["id"], ring[0], "batch", "spread", ring), 60))
+
+    try:
+        s = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=128, temperature=0,
+            stream=True, extra_headers=BATCH, extra_body={"ignore_eos": True})
+        got = {"id": "", "text": "", "finish": None, "chunks": 0}
+        async for ch in s:
+            got["id"] = ch.id
+            if ch.choices:
+                got["text"] += ch.choices[0].delta.content or ""
+                got["finish"] = ch.choices[0].finish_reason or got["finish"]
+                got["chunks"] += 1
+                await on_chunk(got)
+    finally:
+        watching.cancel()
+        await bus.close()
+    assert got["text"] == want.text and got["finish"] == "length"
+    (reply,) = replies
+    assert reply.target != reply.source and 1 <= reply.next_seq < got["chunks"]
+    assert f"{got['id']}: ring of 2" in ring_stack.tail(600)
