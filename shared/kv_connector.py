@@ -36,8 +36,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvpool.codec import ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry_into, pack_entries, unpack_entries
-from kvpool.keys import KeyScope, chunk_keys
+from kvpool.codec import (
+    LOSSY, ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry_into, pack_entries, unpack_entries,
+)
+from kvpool.keys import KeyScope, chunk_keys, tail_key
 from shared import metrics, subjects
 from shared.bus import Bus, BusError
 from shared.engine.kv_cache import KVBlobHeader
@@ -57,8 +59,10 @@ log = logging.getLogger("tandem.kv")
 
 def key_scope(model_identity: str, layout: dict, settings: PoolSettings) -> KeyScope:
     """The chunk key scope of an engine's KV: the same for the pool and every worker of one
-    model, layout, chunk size, tenant and codec (lossy entries stay apart)."""
-    return KeyScope(model_identity, layout, settings.chunk_tokens, tenant=f"{settings.tenant}|{settings.codec}")
+    model, layout, chunk size, tenant and kind of codec — lossy entries stay apart; the lossless
+    codecs (raw, shuffle-zstd) decode to the same bytes, so they share entries."""
+    kind = LOSSY if settings.codec == LOSSY else "lossless"
+    return KeyScope(model_identity, layout, settings.chunk_tokens, tenant=f"{settings.tenant}|{kind}")
 
 
 async def send_and_report(bus: Bus, sender: KVSender, reporter: str, host: str, port: int, transfer_id: str,
@@ -184,11 +188,12 @@ class KVConnector:
         if self.settings.pool.enabled:
             self.pool = PoolClient(self.bus, self.settings.pool, self.scope, self.engine.layout, self.worker_id,
                                    self.sender, self.receiver, self.data_host, self.data_port)
-            if self._write_back:  # a finished sequence's full chunks go to the pool (the session's next turn)
-                pool = self.pool
+            if self._write_back:  # a finished sequence's full chunks (the session's next turn) and its
+                pool = self.pool  # prompt's tail (the same prompt again) go to the pool
                 await self.engine.on_finished_kv(
-                    self.settings.pool.chunk_tokens,
-                    lambda tokens, kv, tenant: loop.call_soon_threadsafe(pool.store_later, tokens, kv, tenant))
+                    self.engine.layout.block_size,
+                    lambda tokens, kv, tenant, prompt: loop.call_soon_threadsafe(
+                        pool.store_later, tokens, kv, tenant, prompt_tail_end(prompt, self.engine.layout.block_size)))
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -239,10 +244,11 @@ class KVConnector:
         have = await self.engine.cached_prefix_tokens(prompt, tenant)
         return await self.pool.fetch_prefix(prompt, have, tenant)
 
-    def store_later(self, token_ids: list[int], kv, tenant: str = "") -> None:
-        """Write the full chunks of (``token_ids``, their KV) of ``tenant`` back to the pool, in the background."""
+    def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> None:
+        """Write the full chunks of (``token_ids``, their KV) of ``tenant`` back to the pool, in the
+        background, and the tail up to ``tail_end`` (``prompt_tail_end``; 0: none)."""
         if self.pool is not None:
-            self.pool.store_later(token_ids, kv, tenant)
+            self.pool.store_later(token_ids, kv, tenant, tail_end)
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -252,6 +258,12 @@ class KVConnector:
         await self.peers.close()
         await self.receiver.close()
         await self.sender.close()
+
+
+def prompt_tail_end(num_prompt_tokens: int, block_size: int) -> int:
+    """Where a prompt's cacheable KV ends: its whole blocks short of the last token (always
+    computed: its logits give the first output token). A prompt sent again loads up to here."""
+    return (num_prompt_tokens - 1) // block_size * block_size
 
 
 @functools.cache
@@ -276,12 +288,12 @@ class PoolClient:
         self.settings = settings
         self.scope = scope
         self.shape = ChunkShape.from_layout(layout.to_dict())
-        self.chunk_bytes = settings.chunk_tokens * layout.token_bytes
+        self.token_bytes, self.block_size = layout.token_bytes, layout.block_size
         self.secret = settings.secret()
         if not self.secret:
             log.warning("no pool secret (TANDEM_POOL_KEY / TANDEM_POOL_KEY_FILE): KV pool entries are not "
                         "authenticated; any bus client can write KV this worker loads")
-        self.codec = Codec(settings.codec, secret=self.secret)
+        self.codec = Codec(settings.resolved_codec(), secret=self.secret)
         self.worker_id = worker_id
         self.sender, self.receiver = sender, receiver
         self.data_host, self.data_port = data_host, data_port
@@ -293,26 +305,42 @@ class PoolClient:
     def keys(self, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
         return chunk_keys(self.scope, token_ids, limit, tenant)
 
+    def pieces(self, token_ids: list[int], limit: int, tail_end: int = 0,
+               tenant: str = "") -> list[tuple[str, int, int]]:
+        """(key, first token, end) of the entries of ``token_ids``: its full chunks within
+        ``limit`` tokens, then — when ``tail_end`` (whole blocks, at most ``limit``) is past a
+        chunk boundary (not the first) — the tail from there up to ``tail_end`` (``tail_key``).
+        A prompt's pieces (``tail_end`` = ``prompt_tail_end``) follow each other from token 0."""
+        c = self.settings.chunk_tokens
+        keys = self.keys(token_ids, limit, tenant)
+        out = [(k, i * c, (i + 1) * c) for i, k in enumerate(keys)]
+        whole = tail_end // c   # the tail hangs off the chunk before it (a prompt shorter than one
+        if 0 < whole * c < tail_end <= limit:  # chunk is not worth a pool round trip: no tail)
+            out.append((tail_key(keys[whole - 1], token_ids[whole * c:tail_end]), whole * c, tail_end))
+        return out
+
     async def _lookup(self, keys: list[str], for_put: bool = False) -> PoolLookupReply:
         return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys, for_put=for_put),
                                       timeout=self.settings.timeout)
 
     async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0,
                            tenant: str = "") -> tuple[list[int], bytearray] | None:
-        """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` (at most len − 1 tokens:
-        the last one is always computed), or None when the pool has no more than ``have_tokens``."""
+        """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` — its full chunks,
+        then, when every one is stored, its tail (``prompt_tail_end``: the last token is always
+        computed) — or None when the pool has no more than ``have_tokens``."""
         t0 = time.perf_counter()
-        keys = self.keys(prompt, len(prompt) - 1, tenant)
-        if len(keys) * self.settings.chunk_tokens <= have_tokens:
+        pieces = self.pieces(prompt, len(prompt) - 1, prompt_tail_end(len(prompt), self.block_size), tenant)
+        if not pieces or pieces[-1][2] <= have_tokens:
             return None
         if time.monotonic() < self._skip_until:  # the pool failed just now: do not wait on it again
             return None
+        keys = [k for k, _, _ in pieces]
         tid = f"{self.worker_id}-pool-{next(self._ids)}"
         try:
             async with asyncio.timeout(self.settings.timeout):  # the whole fetch, not each step
                 found = await self._lookup(keys)
                 t1 = time.perf_counter()
-                if found.hits * self.settings.chunk_tokens <= have_tokens:
+                if not found.hits or pieces[found.hits - 1][2] <= have_tokens:
                     self.misses += 1
                     return None
                 reply = await self.bus.request(subjects.kvpool_get(found.pool_id), PoolGet(
@@ -325,7 +353,7 @@ class PoolClient:
                 payload.expect(reply.checksum, reply.nbytes)
                 t2 = time.perf_counter()
                 with payload:
-                    kv = await asyncio.to_thread(self._decode, keys[:reply.found], payload.data)
+                    kv = await asyncio.to_thread(self._decode, pieces[:reply.found], payload.data)
                 if not kv:  # the first entry was forged
                     self.misses += 1
                     return None
@@ -337,74 +365,77 @@ class PoolClient:
                         "for %.0f s", str(e) or f"no answer within {self.settings.timeout:.1f} s", self.settings.backoff_s)
             return None
         self.hits += 1
-        n = len(kv) // self.chunk_bytes * self.settings.chunk_tokens
+        n = len(kv) // self.token_bytes
         t3 = time.perf_counter()
         log.info("KV pool: %d prefix tokens (%s, %d bytes over %s) in %.1f ms: keys+lookup %.1f, get (pool read "
                  "+ transfer) %.1f, verify+decode %.1f", n, ",".join(sorted(set(found.tiers))), reply.nbytes,
                  reply.path, (t3 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
         return prompt[:n], kv
 
-    def _decode(self, keys: list[str], bundle) -> bytearray:
-        """The bundle's chunks decoded straight into one buffer, several chunks at a time (zstd,
-        blake3 and numpy's copy release the GIL): each entry is verified, its MAC checked,
-        decompressed and its byte planes interleaved into its slice — no intermediate copy of the
-        raw KV. The KV up to the first forged entry (ignored and counted)."""
+    def _decode(self, pieces: list[tuple[str, int, int]], bundle) -> bytearray:
+        """The bundle's entries decoded straight into one buffer, several at a time (blake3, zstd
+        and the copies release the GIL): each entry is verified, its MAC checked and decoded into
+        its slice — no intermediate copy of the raw KV. The KV up to the first forged entry
+        (ignored and counted)."""
         entries = unpack_entries(bundle)
-        if len(entries) != len(keys):
-            raise CorruptEntry(f"the pool sent {len(entries)} entries for {len(keys)} keys")
-        c = self.chunk_bytes
-        out = bytearray(len(entries) * c)
+        if len(entries) != len(pieces):
+            raise CorruptEntry(f"the pool sent {len(entries)} entries for {len(pieces)} keys")
+        tb = self.token_bytes
+        out = bytearray(pieces[-1][2] * tb)
         mv = memoryview(out)
-        futures = [_decoders().submit(decode_entry_into, e, mv[i * c:(i + 1) * c], k, self.secret)
-                   for i, (k, e) in enumerate(zip(keys, entries))]
-        for i, (k, f) in enumerate(zip(keys, futures)):
+        futures = [_decoders().submit(decode_entry_into, e, mv[a * tb:b * tb], k, self.secret)
+                   for (k, a, b), e in zip(pieces, entries)]
+        for (k, a, _), f in zip(pieces, futures):
             try:
                 f.result()
             except ForgedEntry as err:
                 self.forged += 1
                 metrics.POOL_FORGED.inc()
                 log.warning("KV pool entry %s ignored: %s", k[:16], err)
-                for rest in futures[i + 1:]:
+                for rest in futures:
                     rest.cancel()
-                return out[:i * c]    # a copy: the later entries' decodes may still be writing
+                return out[:a * tb]    # a copy: the later entries' decodes may still be writing
         return out
 
-    def store_later(self, token_ids: list[int], kv, tenant: str = "") -> None:
-        """Write back the full chunks of (``token_ids``, their KV) of ``tenant`` in the background."""
+    def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> None:
+        """Write back the full chunks of (``token_ids``, their KV) of ``tenant``, and the tail up
+        to ``tail_end`` (0: none), in the background."""
         if len(token_ids) < self.settings.chunk_tokens:
             return
-        t = asyncio.create_task(self.store(token_ids, kv, tenant), name="pool-store")
+        t = asyncio.create_task(self.store(token_ids, kv, tenant, tail_end), name="pool-store")
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def store(self, token_ids: list[int], kv, tenant: str = "") -> int:
-        """Put the chunks the pool lacks; returns how many it stored (0 on any failure)."""
-        keys = self.keys(token_ids, tenant=tenant)
+    async def store(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> int:
+        """Put the entries the pool lacks; returns how many it stored (0 on any failure)."""
+        pieces = self.pieces(token_ids, len(token_ids), tail_end, tenant)
+        keys = [k for k, _, _ in pieces]
         t0 = time.perf_counter()
         try:
             found = await self._lookup(keys, for_put=True)
-            missing = keys[found.hits:]
+            missing = pieces[found.hits:]
             if not missing or not found.data_port:
                 return 0
-            entries = await asyncio.to_thread(self._encode, missing, kv, found.hits)
+            entries = await asyncio.to_thread(self._encode, missing, kv)
             tid = f"{self.worker_id}-put-{next(self._ids)}"
             res = await send_and_report(self.bus, self.sender, self.worker_id, found.data_host, found.data_port,
                                         tid, pack_entries(entries), compressible=False)
             reply = await self.bus.request(subjects.kvpool_put(found.pool_id), PoolPut(
-                keys=missing, transfer_id=tid, nbytes=res.nbytes, checksum=res.checksum), timeout=self.settings.timeout)
+                keys=[k for k, _, _ in missing], transfer_id=tid, nbytes=res.nbytes, checksum=res.checksum),
+                timeout=self.settings.timeout)
         except (BusError, TransferError, TimeoutError) as e:
             self.errors += 1
             log.warning("KV pool write-back failed: %s", e)
             return 0
         self.stored += reply.stored
-        log.info("KV pool: wrote back %d of %d chunks in %.1f ms", reply.stored, len(keys),
+        log.info("KV pool: wrote back %d of %d entries in %.1f ms", reply.stored, len(keys),
                  (time.perf_counter() - t0) * 1e3)
         return reply.stored
 
-    def _encode(self, keys: list[str], kv, first: int) -> list[bytes]:
+    def _encode(self, pieces: list[tuple[str, int, int]], kv) -> list[bytes]:
         mv = memoryview(kv).cast("B")
-        c = self.chunk_bytes
-        return [self.codec.encode(k, mv[(first + i) * c:(first + i + 1) * c], self.shape) for i, k in enumerate(keys)]
+        tb = self.token_bytes
+        return [self.codec.encode(k, mv[a * tb:b * tb], self.shape) for k, a, b in pieces]
 
     async def close(self) -> None:
         """Drain the pending write-backs (``TANDEM_POOL_DRAIN_S`` at most), cancel the rest."""

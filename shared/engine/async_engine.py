@@ -210,12 +210,12 @@ class AsyncEngine:
         ``call_soon_threadsafe``)."""
         await self._call(lambda: self.engine.watch_chunks(seed, chunk_tokens, hook))
 
-    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes, str], None]) -> None:
-        """``hook(token_ids, kv, tenant)`` on the engine thread when a request finishes, with its first
-        ``align``-multiple computed tokens and their KV (the KV pool's write-back)."""
+    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes, str, int], None]) -> None:
+        """``hook(token_ids, kv, tenant, prompt tokens)`` on the engine thread when a request finishes,
+        with its first ``align``-multiple computed tokens and their KV (the KV pool's write-back)."""
         def install() -> None:
             self.engine.finished_kv_align = align
-            self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant: hook(tokens, kv, tenant)
+            self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant, prompt: hook(tokens, kv, tenant, prompt)
         await self._call(install)
 
     async def cached_prefix_tokens(self, token_ids: list[int], tenant: str = "") -> int:

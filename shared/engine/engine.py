@@ -123,10 +123,10 @@ class Engine:
                                    config.guest_step_tokens)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
-        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant) when a request
-        # finishes, for its first ``finished_kv_align``-multiple computed tokens (the KV pool's
-        # write-back of a finished session). None: not called.
-        self.finished_kv_hook: Callable[[str, list[int], bytes, str], None] | None = None
+        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant, prompt
+        # tokens) when a request finishes, for its first ``finished_kv_align``-multiple computed
+        # tokens (the KV pool's write-back of a finished session). None: not called.
+        self.finished_kv_hook: Callable[[str, list[int], bytes, str, int], None] | None = None
         self.finished_kv_align = config.block_size
         # Chunk events (``watch_chunks``): called on the engine's thread with (stored, evicted)
         # pool chunk keys, net, at most once per step. None: not tracked.
@@ -436,7 +436,7 @@ class Engine:
             return
         try:
             kv = self.read_blocks(seq.block_table[:n // self.layout.block_size])
-            self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant)
+            self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant, seq.num_prompt_tokens)
         except Exception:  # the hook is best effort; the request finishes regardless
             log.exception("finished-KV hook failed for %s", seq.request_id)
 

@@ -16,7 +16,7 @@ from services.kvpool import PoolService
 from shared import subjects
 from shared.bus import Bus
 from shared.engine.kv_cache import KVLayout
-from shared.kv_connector import PoolClient, key_scope
+from shared.kv_connector import PoolClient, key_scope, prompt_tail_end
 from shared.nats_server import EmbeddedNats
 from shared.bus import RemoteError
 from shared.nats_server import free_port
@@ -104,6 +104,38 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
         await watcher.close()
 
 
+async def test_a_prompts_tail_is_reused_by_exactly_that_prompt(nats_server, tmp_path):
+    """Past its last full chunk, a prompt's whole blocks (short of the last token) are an entry
+    of their own, keyed by those exact tokens: the same prompt again loads all but its last
+    block; a prompt that differs there loads the shared full chunks only."""
+    s = settings(nats_server, tmp_path)
+    pool = PoolService(s)
+    await pool.start()
+    a, bus, rx = await client(s, "worker-t")
+    try:
+        prompt = list(range(120))                       # 3 chunks of 32, then 23 tokens
+        end = prompt_tail_end(len(prompt), LAYOUT.block_size)
+        assert end == 112
+        kv = kv_for(end)
+        assert await a.store(prompt[:end], kv, tail_end=end) == 4   # 3 chunks + the tail [96, 112)
+        assert await a.store(prompt[:end], kv, tail_end=end) == 0   # already there
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:112] and bytes(got) == kv
+        assert await a.fetch_prefix(prompt, have_tokens=112) is None
+        other = prompt[:100] + [7] * 20                  # the same chunks, another tail
+        tokens, got = await a.fetch_prefix(other)
+        assert tokens == prompt[:96] and bytes(got) == kv[:96 * LAYOUT.token_bytes]
+        tokens, _ = await a.fetch_prefix(prompt[:113])    # tail end 112 as well: the same blocks
+        assert tokens == prompt[:112]
+        tokens, _ = await a.fetch_prefix(prompt[:100])    # tail end 96: no tail, the chunks
+        assert tokens == prompt[:96]
+    finally:
+        await a.close()
+        await bus.close()
+        await rx.close()
+        await pool.close()
+
+
 async def test_entries_go_to_live_workers_only_and_puts_are_checked(nats_server, tmp_path):
     s = settings(nats_server, tmp_path)
     pool = PoolService(s)
@@ -120,7 +152,7 @@ async def test_entries_go_to_live_workers_only_and_puts_are_checked(nats_server,
         assert e.value.code == "forbidden" and "no live worker" in e.value.message
         # a put whose bytes differ from what the PoolPut announces: not stored
         other = list(range(1000, 1064))
-        entries = a._encode(a.keys(other), kv, 0)
+        entries = a._encode(a.pieces(other, len(other)), kv)
         from kvpool.codec import pack_entries
         from shared.transfer import checksum
         bundle = pack_entries(entries)
