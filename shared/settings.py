@@ -108,6 +108,9 @@ class WorkerSettings:
     max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
     step_tokens: int = _env("TANDEM_STEP_TOKENS", 0, "tokens per engine step (prefill chunk budget); 0 = "
                             "64 on CPU (a step stalls every stream in the engine), 512 on CUDA")
+    prefill_step_tokens: int = _env("TANDEM_PREFILL_STEP_TOKENS", 0, "tokens per engine step while no sequence "
+                                    "in the engine decodes (prompts alone: no stream waits on the step); 0 = 512 "
+                                    "on CPU, TANDEM_STEP_TOKENS on CUDA")
     shared_step_tokens: int = _env("TANDEM_SHARED_STEP_TOKENS", 0, "prefill tokens of worse tiers per step "
                                    "while interactive work runs; 0 = 8 on CPU, 64 on CUDA")
     guest_step_tokens: int = _env("TANDEM_GUEST_STEP_TOKENS", 0, "prefill tokens of standard/batch work per step "
@@ -138,6 +141,7 @@ class WorkerSettings:
         for name, var in (("threads", "TANDEM_THREADS"), ("kv_blocks", "TANDEM_KV_BLOCKS"),
                           ("load_threads", "TANDEM_LOAD_THREADS"),
                           ("max_context", "TANDEM_MAX_CONTEXT"), ("step_tokens", "TANDEM_STEP_TOKENS"),
+                          ("prefill_step_tokens", "TANDEM_PREFILL_STEP_TOKENS"),
                           ("shared_step_tokens", "TANDEM_SHARED_STEP_TOKENS"),
                           ("guest_step_tokens", "TANDEM_GUEST_STEP_TOKENS")):
             if getattr(self, name) < 0:

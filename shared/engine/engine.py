@@ -41,6 +41,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # exact number of KV blocks (tests use tiny budgets)
     max_num_seqs: int = 64              # running sequences at most
     step_tokens: int = 512   # tokens per step (prefill chunk budget)
+    prefill_step_tokens: int | None = None  # a step's budget while no sequence decodes (None or less: step_tokens)
     max_context: int | None = None      # cap below the model's context length
     enable_prefix_caching: bool = True
     swap_bytes: int = 256 << 20         # host memory for preempted sequences' KV (0: recompute)
@@ -120,7 +121,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.step_tokens,
                                    self.kv, config.swap_bytes, config.shared_step_tokens,
-                                   config.guest_step_tokens)
+                                   config.guest_step_tokens, config.prefill_step_tokens)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
         # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant, prompt

@@ -2,7 +2,9 @@
 
 Each step: running sequences first, best priority first (a decode is one token, a sequence in
 chunked prefill takes what the token budget leaves), then waiting sequences in queue order
-(priority = SLA tier, then arrival). When the KV blocks run out, the lowest-priority running
+(priority = SLA tier, then arrival). The budget is ``step_tokens`` while any sequence decodes
+(every stream waits for the step) and ``prefill_step_tokens`` while none does: prompts alone
+compute in throughput-sized steps. When the KV blocks run out, the lowest-priority running
 sequence is preempted: its KV is copied to host memory (the swap space), its blocks are
 freed and it goes back to the queue; on resume the bytes are copied back, so it continues
 exactly where it stopped. When the swap space is full, a preempted sequence's KV is dropped
@@ -37,19 +39,22 @@ class ScheduledChunk:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, step_tokens: int,
                  kv: torch.Tensor, swap_bytes: int, shared_step_tokens: int | None = None,
-                 guest_step_tokens: int | None = None):
+                 guest_step_tokens: int | None = None, prefill_step_tokens: int | None = None):
         self.blocks = blocks
         self.kv = kv                    # the engine's KV tensor (kv_cache.py layout)
         self.swap_bytes = swap_bytes    # host memory for preempted sequences' KV
         self.swap_used = 0
         self.max_num_seqs = max_num_seqs
         self.max_tokens = step_tokens
+        # no stream waits on a step in which nothing decodes: prompts then take longer steps
+        # (fewer passes over the weights, larger matrix products: prefill throughput)
+        self.prefill_tokens = max(step_tokens, prefill_step_tokens or step_tokens)
+        # worse tiers' prefill per step at any time: guests on a latency worker run in small slices,
+        # so an interactive arrival waits at most one short step
+        self.guest_step_tokens = self.prefill_tokens if guest_step_tokens is None else guest_step_tokens
         # while interactive work is in the engine, worse tiers' prefill gets at most this many
         # tokens of a step, so that the step (the interactive TTFT and TPOT) stays short
         self.shared_step_tokens = step_tokens if shared_step_tokens is None else shared_step_tokens
-        # worse tiers' prefill per step at any time: guests on a latency worker run in small slices,
-        # so an interactive arrival waits at most one short step
-        self.guest_step_tokens = step_tokens if guest_step_tokens is None else guest_step_tokens
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -108,7 +113,6 @@ class Scheduler:
         prompt is never held back behind a worse tier's long prefill; while interactive work is
         in the engine, worse tiers' prefill shares at most ``shared_step_tokens`` of the step (and
         ``guest_step_tokens`` at any time)."""
-        budget = self.max_tokens
         out: list[ScheduledChunk] = []
         # Every sequence slot taken and a better tier waiting: the worst running sequence makes
         # room (its KV goes to host memory; it resumes where it stopped).
@@ -118,6 +122,7 @@ class Scheduler:
         running = sorted(self.running, key=Sequence.sort_key)
         decodes = [s for s in running if s.num_tokens - s.num_computed == 1]
         prefills = [s for s in running if s.num_tokens - s.num_computed > 1]
+        budget = self.max_tokens if decodes else self.prefill_tokens
         for seq in decodes:
             if budget == 0:
                 break
