@@ -143,9 +143,7 @@ def decode_entry_into(data, out, key: str | None = None, secret: bytes = b"") ->
     and one pass that interleaves the byte planes into place); CorruptEntry when it does not check out,
     ForgedEntry when its MAC does not (with a ``secret``)."""
     mv = memoryview(data)
-    verify_entry(mv, key)
-    if secret and not hmac.compare_digest(_mac(secret, mv[:_SIGNED]), mv[_SIGNED:HEADER.size]):
-        raise ForgedEntry("entry MAC does not check out: not written with this deployment's TANDEM_POOL_KEY")
+    verify_parts(mv[:HEADER.size], mv[HEADER.size:], key, secret)
     _, name, raw_n, _ = entry_info(mv)
     dst = memoryview(out).cast("B")
     if dst.nbytes != raw_n:
@@ -227,13 +225,43 @@ def _dequantize(body: bytes) -> bytes:
 def verify_entry(data, key: str | None = None) -> None:
     """Check an entry's header, size and checksum without decoding it; CorruptEntry if bad."""
     mv = memoryview(data)
-    got_key, _, _, total = entry_info(mv)
+    verify_parts(mv[:HEADER.size], mv[HEADER.size:], key)
+
+
+def verify_parts(head, payload, key: str | None = None, secret: bytes = b"") -> None:
+    """``verify_entry`` (and with a ``secret`` the MAC: ForgedEntry) for an entry held as its
+    header and its payload apart — a raw payload read from a file straight into its destination."""
+    head, payload = memoryview(head), memoryview(payload).cast("B")
+    got_key, _, _, total = entry_info(head)
     if key is not None and got_key != key:
         raise CorruptEntry(f"entry holds key {got_key[:16]}…, expected {key[:16]}…")
-    if mv.nbytes != total:
-        raise CorruptEntry(f"entry is {mv.nbytes} bytes, header says {total} (truncated?)")
-    if blake3.blake3(mv[HEADER.size:]).digest() != bytes(mv[_SIGNED - 32:_SIGNED]):
+    if head.nbytes != HEADER.size or HEADER.size + payload.nbytes != total:
+        raise CorruptEntry(f"entry is {head.nbytes + payload.nbytes} bytes, header says {total} (truncated?)")
+    if blake3.blake3(payload).digest() != bytes(head[_SIGNED - 32:_SIGNED]):
         raise CorruptEntry("entry checksum mismatch")
+    if secret and not hmac.compare_digest(_mac(secret, head[:_SIGNED]), head[_SIGNED:]):
+        raise ForgedEntry("entry MAC does not check out: not written with this deployment's TANDEM_POOL_KEY")
+
+
+def read_entry_into(path: str, out, key: str, secret: bytes = b"") -> None:
+    """Decode the entry in file ``path`` into ``out`` (like ``decode_entry_into``); a raw entry's
+    payload is read from the file straight into ``out`` (the page cache's one copy) and verified
+    there. OSError when the file cannot be read, CorruptEntry / ForgedEntry as for an entry."""
+    with open(path, "rb", buffering=0) as f:
+        head = f.read(HEADER.size)
+        _, name, raw_n, total = entry_info(head)
+        if name != RAW:
+            decode_entry_into(head + f.read(), out, key, secret)
+            return
+        dst = memoryview(out).cast("B")
+        if dst.nbytes != raw_n or total != HEADER.size + raw_n:
+            raise CorruptEntry(f"entry holds {raw_n} raw bytes, its destination {dst.nbytes}")
+        got = 0
+        while got < raw_n and (n := f.readinto(dst[got:])):
+            got += n
+        if got < raw_n or f.read(1):
+            raise CorruptEntry(f"entry file {path} does not hold the {total} bytes its header says (truncated?)")
+        verify_parts(head, dst, key, secret)
 
 
 # -- bundles: several entries in one data-plane payload ----------------------------------------

@@ -300,6 +300,9 @@ class PoolSettings:
     dir: str = _env("TANDEM_POOL_DIR", "~/.cache/tandem/kvpool",
                     "pool local-disk (NVMe) tier directory; empty: no disk tier")
     disk_gb: float = _env("TANDEM_POOL_DISK_GB", 64.0, "pool local-disk tier capacity, GiB")
+    local_read: bool = _env("TANDEM_POOL_LOCAL_READ", True, "workers on the pool's host read cached entries "
+                            "straight from TANDEM_POOL_DIR's files (the page cache: one copy, verified as "
+                            "always), the pool's data plane for the rest")
     shared_dir: str | None = _env("TANDEM_POOL_SHARED_DIR", None,
                                   "pool shared-filesystem tier directory (NFS...); unset: none")
     shared_gb: float = _env("TANDEM_POOL_SHARED_GB", 256.0, "pool shared tier capacity, GiB")

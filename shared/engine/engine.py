@@ -466,7 +466,7 @@ class Engine:
         if got is None:
             return 0
         t0 = time.perf_counter()
-        data = torch.frombuffer(kv if isinstance(kv, bytearray) else bytearray(kv), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(kv) if memoryview(kv).readonly else kv, dtype=torch.uint8)
         data = data.view(KV_DTYPE).view(n // bs, *self.layout.block_shape)
         if len(missing) < n // bs:  # some blocks cached here already: only the others (else no gather copy)
             data = data[torch.tensor(missing)]

@@ -6,6 +6,7 @@ bytes are not the announced ones is not stored."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -56,8 +57,11 @@ def kv_for(tokens: int) -> bytes:
     return np.random.default_rng(tokens).normal(0, 1, tokens * LAYOUT.token_bytes // 2).astype(np.float16).tobytes()
 
 
-async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
-    s = settings(nats_server, tmp_path)
+@pytest.mark.parametrize("local_read", [True, False], ids=["disk-files", "data-plane"])
+async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path, local_read):
+    """On the pool's host a worker reads the disk tier's files itself (the pool only answers the
+    lookup); else (TANDEM_POOL_LOCAL_READ=0, another host) through the pool's data plane."""
+    s = settings(nats_server, tmp_path, local_read=local_read)
     pool = PoolService(s)
     await pool.start()
     a, bus_a, rx_a = await client(s, "worker-a")
@@ -77,6 +81,7 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
 
         tokens, got = await b.fetch_prefix(prompt)
         assert tokens == prompt[:96] and bytes(got) == kv
+        assert (pool.pool.get_bytes == 0) == local_read       # the pool sent nothing: read here
         assert await b.fetch_prefix(prompt, have_tokens=96) is None  # the engine has it already
         assert await b.fetch_prefix(list(range(50, 150))) is None   # another prefix: a miss
     finally:
@@ -129,6 +134,37 @@ async def test_a_prompts_tail_is_reused_by_exactly_that_prompt(nats_server, tmp_
         assert tokens == prompt[:112]
         tokens, _ = await a.fetch_prefix(prompt[:100])    # tail end 96: no tail, the chunks
         assert tokens == prompt[:96]
+    finally:
+        await a.close()
+        await bus.close()
+        await rx.close()
+        await pool.close()
+
+
+async def test_an_entry_unreadable_here_comes_over_the_data_plane(nats_server, tmp_path):
+    """A worker reading the disk tier's files finds one gone (evicted meanwhile) or damaged: the
+    whole prefix comes through the pool's data plane instead (its RAM tier), byte-exact."""
+    s = settings(nats_server, tmp_path)
+    pool = PoolService(s)
+    await pool.start()
+    a, bus, rx = await client(s, "worker-r")
+    try:
+        prompt, kv = list(range(100)), kv_for(96)
+        assert await a.store(prompt[:96], kv) == 3
+        k0, k1, _ = a.keys(prompt[:96])
+        disk = next(t for t in pool.pool.tiers if t.name == "disk")
+        os.unlink(disk.path(k1))
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:96] and bytes(got) == kv and pool.pool.get_bytes > 0
+        sent = pool.pool.get_bytes
+        with open(disk.path(k0), "r+b") as f:                 # a flipped byte in the payload
+            f.seek(-7, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-7, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x20]))
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:96] and bytes(got) == kv and pool.pool.get_bytes > sent
+        assert a.errors == 0 and a.hits == 2
     finally:
         await a.close()
         await bus.close()
