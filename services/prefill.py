@@ -59,7 +59,7 @@ class PrefillWorker(EngineWorker):
         # the prompt's chunks and tail go to the pool whatever happens next: a retry, a resume or the
         # same prompt again finds them
         self.kv.store_later(h.token_ids[:h.num_computed], kv, h.tenant,
-                            prompt_tail_end(h.num_prompt_tokens, self.engine.layout.block_size))
+                            prompt_tail_end(h.num_prompt_tokens))
         try:
             _, res = await self.kv.hand_off(blob, subject=req.decode_subject, host=req.decode_data_host,
                                             port=req.decode_data_port, transfer_id=f"{req.request_id}-{attempt}",

@@ -37,6 +37,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvpool.codec import (
     LOSSY, ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry_into, pack_entries, read_entry_into,
     unpack_entries,
@@ -194,9 +196,8 @@ class KVConnector:
             if self._write_back:  # a finished sequence's full chunks (the session's next turn) and its
                 pool = self.pool  # prompt's tail (the same prompt again) go to the pool
                 await self.engine.on_finished_kv(
-                    self.engine.layout.block_size,
-                    lambda tokens, kv, tenant, prompt: loop.call_soon_threadsafe(
-                        pool.store_later, tokens, kv, tenant, prompt_tail_end(prompt, self.engine.layout.block_size)))
+                    1, lambda tokens, kv, tenant, prompt: loop.call_soon_threadsafe(
+                        pool.store_later, tokens, kv, tenant, prompt_tail_end(prompt)))
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -263,10 +264,10 @@ class KVConnector:
         await self.sender.close()
 
 
-def prompt_tail_end(num_prompt_tokens: int, block_size: int) -> int:
-    """Where a prompt's cacheable KV ends: its whole blocks short of the last token (always
-    computed: its logits give the first output token). A prompt sent again loads up to here."""
-    return (num_prompt_tokens - 1) // block_size * block_size
+def prompt_tail_end(num_prompt_tokens: int) -> int:
+    """Where a prompt's cacheable KV ends: its last token but one (the last is always computed:
+    its logits give the first output token). A prompt sent again loads up to here."""
+    return num_prompt_tokens - 1
 
 
 def kv_buffer(nbytes: int):
@@ -323,9 +324,10 @@ class PoolClient:
     def pieces(self, token_ids: list[int], limit: int, tail_end: int = 0,
                tenant: str = "") -> list[tuple[str, int, int]]:
         """(key, first token, end) of the entries of ``token_ids``: its full chunks within
-        ``limit`` tokens, then — when ``tail_end`` (whole blocks, at most ``limit``) is past a
-        chunk boundary (not the first) — the tail from there up to ``tail_end`` (``tail_key``).
-        A prompt's pieces (``tail_end`` = ``prompt_tail_end``) follow each other from token 0."""
+        ``limit`` tokens, then — when ``tail_end`` (at most ``limit``) is past a chunk boundary
+        (not the first) — the tail from there up to ``tail_end`` (``tail_key``; its KV is whole
+        blocks, the last one partial). A prompt's pieces (``tail_end`` = ``prompt_tail_end``)
+        follow each other from token 0."""
         c = self.settings.chunk_tokens
         keys = self.keys(token_ids, limit, tenant)
         out = [(k, i * c, (i + 1) * c) for i, k in enumerate(keys)]
@@ -344,7 +346,7 @@ class PoolClient:
         then, when every one is stored, its tail (``prompt_tail_end``: the last token is always
         computed) — or None when the pool has no more than ``have_tokens``."""
         t0 = time.perf_counter()
-        pieces = self.pieces(prompt, len(prompt) - 1, prompt_tail_end(len(prompt), self.block_size), tenant)
+        pieces = self.pieces(prompt, len(prompt) - 1, prompt_tail_end(len(prompt)), tenant)
         if not pieces or pieces[-1][2] <= have_tokens:
             return None
         if time.monotonic() < self._skip_until:  # the pool failed just now: do not wait on it again
@@ -376,7 +378,8 @@ class PoolClient:
                         kv = await asyncio.to_thread(self._decode, hit[:reply.found], payload.data)
                     stages = (f"get (pool read + transfer, {reply.nbytes} bytes over {reply.path}) "
                               f"{(t2 - t1) * 1e3:.1f}, verify+decode {(time.perf_counter() - t2) * 1e3:.1f}")
-                if not kv:  # the first entry was forged
+                kv, n = kv
+                if not n:  # the first entry was forged
                     self.misses += 1
                     return None
         except (BusError, TransferError, CorruptEntry, TimeoutError) as e:
@@ -387,7 +390,6 @@ class PoolClient:
                         "for %.0f s", str(e) or f"no answer within {self.settings.timeout:.1f} s", self.settings.backoff_s)
             return None
         self.hits += 1
-        n = len(kv) // self.token_bytes
         log.info("KV pool: %d prefix tokens (%s) in %.1f ms: keys+lookup %.1f, %s", n, ",".join(sorted(set(found.tiers))),
                  (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, stages)
         return prompt[:n], kv
@@ -397,16 +399,19 @@ class PoolClient:
         time (file reads and blake3 release the GIL), verified and decoded like ``_decode``; None
         when one cannot be read here (not on this host's disk, evicted, corrupt: the pool's data
         plane then)."""
-        tb = self.token_bytes
-        out = kv_buffer(pieces[-1][2] * tb)
-        futures = [_decoders().submit(read_entry_into, entry_path(self.local_dir, k), out[a * tb:b * tb], k,
-                                      self.secret) for k, a, b in pieces]
+        out = kv_buffer(self._bytes(pieces[-1][2]))
+        futures = [_decoders().submit(read_entry_into, entry_path(self.local_dir, k),
+                                      out[self._bytes(a):self._bytes(b)], k, self.secret) for k, a, b in pieces]
         return self._settle(pieces, futures, out, (OSError, CorruptEntry))
 
+    def _bytes(self, tokens: int) -> int:
+        """Bytes of the KV blocks holding ``tokens`` tokens (the last block may be partial)."""
+        return -(-tokens // self.block_size) * self.block_size * self.token_bytes
+
     def _settle(self, pieces, futures, out, fail_on=()):
-        """``out`` once every future is done; up to the first forged entry when one is (counted);
-        None when one raised ``fail_on`` (after all are done: none writes into ``out`` then)."""
-        tb, end, failed = self.token_bytes, None, None
+        """(``out``, its tokens) once every future is done; up to the first forged entry when one
+        is (counted); None when one raised ``fail_on`` (after all are done: none writes then)."""
+        end, failed = None, None
         for (k, a, _), f in zip(pieces, futures):
             try:
                 f.result()
@@ -421,7 +426,7 @@ class PoolClient:
         if failed is not None and end is None:
             log.info("KV pool: a cached entry is not readable here (%s): through the pool's data plane", failed)
             return None
-        return out if end is None else out[:end * tb]
+        return (out, pieces[-1][2]) if end is None else (out[:self._bytes(end)], end)
 
     def _decode(self, pieces: list[tuple[str, int, int]], bundle):
         """The bundle's entries decoded straight into one buffer, several at a time (blake3, zstd
@@ -431,212 +436,10 @@ class PoolClient:
         entries = unpack_entries(bundle)
         if len(entries) != len(pieces):
             raise CorruptEntry(f"the pool sent {len(entries)} entries for {len(pieces)} keys")
-        tb = self.token_bytes
-        out = kv_buffer(pieces[-1][2] * tb)
-        futures = [_decoders().submit(decode_entry_into, e, out[a * tb:b * tb], k, self.secret)
+        out = kv_buffer(self._bytes(pieces[-1][2]))
+        futures = [_decoders().submit(decode_entry_into, e, out[self._bytes(a):self._bytes(b)], k, self.secret)
                    for (k, a, b), e in zip(pieces, entries)]
         return self._settle(pieces, futures, out)
-
-    def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> None:
-        """Write the full chunks of (``token_ids``, their KV) of ``tenant`` back to the pool, in the
-        background, and the tail up to ``tail_end`` (``prompt_tail_end``; 0: none)."""
-        if self.pool is not None:
-            self.pool.store_later(token_ids, kv, tenant, tail_end)
-
-    async def close(self) -> None:
-        if self.pool is not None:
-            await self.pool.close()
-        if self.events is not None:
-            await self.events.close()
-        await self.peers.close()
-        await self.receiver.close()
-        await self.sender.close()
-
-
-def prompt_tail_end(num_prompt_tokens: int, block_size: int) -> int:
-    """Where a prompt's cacheable KV ends: its whole blocks short of the last token (always
-    computed: its logits give the first output token). A prompt sent again loads up to here."""
-    return (num_prompt_tokens - 1) // block_size * block_size
-
-
-def kv_buffer(nbytes: int):
-    """A writable, zeroed buffer for ``nbytes`` of KV, on huge pages where the kernel allows
-    (``madvise``): writing a fresh 4 KiB-page buffer costs a page fault per page — on a VM, a
-    large share of loading a long prefix."""
-    buf = mmap.mmap(-1, max(nbytes, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return memoryview(buf)[:nbytes]
-
-
-@functools.cache
-def _decoders() -> ThreadPoolExecutor:
-    """Threads that decode pool entries (one per core, 4 at most)."""
-    return ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="pool-decode")
-
-
-class PoolClient:
-    """A worker's side of the pool: fetch a cached prefix, write chunks back.
-
-    Control on NATS, entries on the data plane (services/kvpool.py has the other side)::
-
-        lookup(keys)  -- tandem.kvpool.lookup (queue group) -->  hits, tiers, pool id, data address
-        get(keys, my receiver) -- tandem.kvpool.<id>.get -->     the pool sends a bundle of entries
-        bundle -> pool receiver, then put(keys, transfer id) -- tandem.kvpool.<id>.put --> stored
-    """
-
-    def __init__(self, bus: Bus, settings: PoolSettings, scope: KeyScope, layout, worker_id: str,
-                 sender: KVSender, receiver, data_host: str, data_port: int):
-        self.bus = bus
-        self.settings = settings
-        self.scope = scope
-        self.shape = ChunkShape.from_layout(layout.to_dict())
-        self.token_bytes, self.block_size = layout.token_bytes, layout.block_size
-        # the pool's disk tier, when this worker can read it: cached entries straight from their files
-        self.local_dir = os.path.expanduser(settings.dir) if settings.dir and settings.local_read else None
-        self.secret = settings.secret()
-        if not self.secret:
-            log.warning("no pool secret (TANDEM_POOL_KEY / TANDEM_POOL_KEY_FILE): KV pool entries are not "
-                        "authenticated; any bus client can write KV this worker loads")
-        self.codec = Codec(settings.resolved_codec(), secret=self.secret)
-        self.worker_id = worker_id
-        self.sender, self.receiver = sender, receiver
-        self.data_host, self.data_port = data_host, data_port
-        self._ids = itertools.count()
-        self._tasks: set[asyncio.Task] = set()
-        self._skip_until = 0.0    # after a pool failure, prompts do not wait on it until then
-        self.hits = self.misses = self.errors = self.stored = self.forged = 0
-
-    def keys(self, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
-        return chunk_keys(self.scope, token_ids, limit, tenant)
-
-    def pieces(self, token_ids: list[int], limit: int, tail_end: int = 0,
-               tenant: str = "") -> list[tuple[str, int, int]]:
-        """(key, first token, end) of the entries of ``token_ids``: its full chunks within
-        ``limit`` tokens, then — when ``tail_end`` (whole blocks, at most ``limit``) is past a
-        chunk boundary (not the first) — the tail from there up to ``tail_end`` (``tail_key``).
-        A prompt's pieces (``tail_end`` = ``prompt_tail_end``) follow each other from token 0."""
-        c = self.settings.chunk_tokens
-        keys = self.keys(token_ids, limit, tenant)
-        out = [(k, i * c, (i + 1) * c) for i, k in enumerate(keys)]
-        whole = tail_end // c   # the tail hangs off the chunk before it (a prompt shorter than one
-        if 0 < whole * c < tail_end <= limit:  # chunk is not worth a pool round trip: no tail)
-            out.append((tail_key(keys[whole - 1], token_ids[whole * c:tail_end]), whole * c, tail_end))
-        return out
-
-    async def _lookup(self, keys: list[str], for_put: bool = False) -> PoolLookupReply:
-        return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys, for_put=for_put),
-                                      timeout=self.settings.timeout)
-
-    async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0,
-                           tenant: str = "") -> tuple[list[int], bytearray] | None:
-        """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` — its full chunks,
-        then, when every one is stored, its tail (``prompt_tail_end``: the last token is always
-        computed) — or None when the pool has no more than ``have_tokens``."""
-        t0 = time.perf_counter()
-        pieces = self.pieces(prompt, len(prompt) - 1, prompt_tail_end(len(prompt), self.block_size), tenant)
-        if not pieces or pieces[-1][2] <= have_tokens:
-            return None
-        if time.monotonic() < self._skip_until:  # the pool failed just now: do not wait on it again
-            return None
-        keys = [k for k, _, _ in pieces]
-        tid = f"{self.worker_id}-pool-{next(self._ids)}"
-        try:
-            async with asyncio.timeout(self.settings.timeout):  # the whole fetch, not each step
-                found = await self._lookup(keys)
-                t1 = time.perf_counter()
-                if not found.hits or pieces[found.hits - 1][2] <= have_tokens:
-                    self.misses += 1
-                    return None
-                hit = pieces[:found.hits]
-                kv = await asyncio.to_thread(self._read_local, hit) if self.local_dir else None
-                if kv is not None:
-                    stages = f"read+verify {(time.perf_counter() - t1) * 1e3:.1f} (the disk tier's files, here)"
-                else:
-                    reply = await self.bus.request(subjects.kvpool_get(found.pool_id), PoolGet(
-                        keys=keys[:found.hits], transfer_id=tid, host=self.data_host, port=self.data_port),
-                        timeout=self.settings.timeout)
-                    if reply.found == 0:
-                        self.receiver.discard(tid)
-                        return None
-                    payload = await self.receiver.take(tid, timeout=self.settings.timeout)
-                    payload.expect(reply.checksum, reply.nbytes)
-                    t2 = time.perf_counter()
-                    with payload:
-                        kv = await asyncio.to_thread(self._decode, hit[:reply.found], payload.data)
-                    stages = (f"get (pool read + transfer, {reply.nbytes} bytes over {reply.path}) "
-                              f"{(t2 - t1) * 1e3:.1f}, verify+decode {(time.perf_counter() - t2) * 1e3:.1f}")
-                if not kv:  # the first entry was forged
-                    self.misses += 1
-                    return None
-        except (BusError, TransferError, CorruptEntry, TimeoutError) as e:
-            self.receiver.discard(tid)
-            self.errors += 1
-            self._skip_until = time.monotonic() + self.settings.backoff_s
-            log.warning("KV pool unavailable for this prompt (%s); computing it, and not asking the pool "
-                        "for %.0f s", str(e) or f"no answer within {self.settings.timeout:.1f} s", self.settings.backoff_s)
-            return None
-        self.hits += 1
-        n = len(kv) // self.token_bytes
-        log.info("KV pool: %d prefix tokens (%s) in %.1f ms: keys+lookup %.1f, %s", n, ",".join(sorted(set(found.tiers))),
-                 (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, stages)
-        return prompt[:n], kv
-
-    def _read_local(self, pieces: list[tuple[str, int, int]]):
-        """The entries of ``pieces`` read from the disk tier's files into one buffer, several at a
-        time (file reads and blake3 release the GIL), verified and decoded like ``_decode``; None
-        when one cannot be read here (not on this host's disk, evicted, corrupt: the pool's data
-        plane then)."""
-        tb = self.token_bytes
-        out = kv_buffer(pieces[-1][2] * tb)
-        futures = [_decoders().submit(read_entry_into, entry_path(self.local_dir, k), out[a * tb:b * tb], k,
-                                      self.secret) for k, a, b in pieces]
-        return self._settle(pieces, futures, out, (OSError, CorruptEntry))
-
-    def _settle(self, pieces, futures, out, fail_on=()):
-        """``out`` once every future is done; up to the first forged entry when one is (counted);
-        None when one raised ``fail_on`` (after all are done: none writes into ``out`` then)."""
-        tb, end, failed = self.token_bytes, None, None
-        for (k, a, _), f in zip(pieces, futures):
-            try:
-                f.result()
-            except ForgedEntry as err:
-                if end is None:
-                    self.forged += 1
-                    metrics.POOL_FORGED.inc()
-                    log.warning("KV pool entry %s ignored: %s", k[:16], err)
-                    end = a
-            except fail_on as err:
-                failed = failed or err
-        if failed is not None and end is None:
-            log.info("KV pool: a cached entry is not readable here (%s): through the pool's data plane", failed)
-            return None
-        return out if end is None else out[:end * tb]
-
-    def _decode(self, pieces: list[tuple[str, int, int]], bundle) -> bytearray:
-        """The bundle's entries decoded straight into one buffer, several at a time (blake3, zstd
-        and the copies release the GIL): each entry is verified, its MAC checked and decoded into
-        its slice — no intermediate copy of the raw KV. The KV up to the first forged entry
-        (ignored and counted)."""
-        entries = unpack_entries(bundle)
-        if len(entries) != len(pieces):
-            raise CorruptEntry(f"the pool sent {len(entries)} entries for {len(pieces)} keys")
-        tb = self.token_bytes
-        out = bytearray(pieces[-1][2] * tb)
-        mv = memoryview(out)
-        futures = [_decoders().submit(decode_entry_into, e, mv[a * tb:b * tb], k, self.secret)
-                   for (k, a, b), e in zip(pieces, entries)]
-        for (k, a, _), f in zip(pieces, futures):
-            try:
-                f.result()
-            except ForgedEntry as err:
-                self.forged += 1
-                metrics.POOL_FORGED.inc()
-                log.warning("KV pool entry %s ignored: %s", k[:16], err)
-                for rest in futures:
-                    rest.cancel()
-                return out[:a * tb]    # a copy: the later entries' decodes may still be writing
-        return out
 
     def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> None:
         """Write back the full chunks of (``token_ids``, their KV) of ``tenant``, and the tail up
@@ -675,8 +478,20 @@ class PoolClient:
 
     def _encode(self, pieces: list[tuple[str, int, int]], kv) -> list[bytes]:
         mv = memoryview(kv).cast("B")
-        tb = self.token_bytes
-        return [self.codec.encode(k, mv[a * tb:b * tb], self.shape) for k, a, b in pieces]
+        return [self.codec.encode(k, self._kv_of(mv, a, b), self.shape) for k, a, b in pieces]
+
+    def _kv_of(self, mv: memoryview, a: int, b: int):
+        """The KV blocks of tokens [a, b) (``a`` at a block's start); a partial last block with
+        its slots past ``b`` zeroed (whatever the sequence computed after: not the entry's)."""
+        kv = mv[self._bytes(a):self._bytes(b)]
+        if b % self.block_size == 0:
+            return kv
+        kv = bytearray(kv)
+        s = self.shape
+        last = np.frombuffer(kv, dtype=np.float16)[-self._bytes(1) // 2:].reshape(
+            s.n_layers, 2, s.block_size, s.n_kv_heads, s.head_dim)
+        last[:, :, b % self.block_size:] = 0
+        return kv
 
     async def close(self) -> None:
         """Drain the pending write-backs (``TANDEM_POOL_DRAIN_S`` at most), cancel the rest."""

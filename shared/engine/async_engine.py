@@ -129,17 +129,16 @@ class AsyncEngine:
                      prefix: tuple[list[int], bytes] | None = None, resume_token_ids: list[int] | None = None,
                      emitted_chars: int = 0, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """Queue a request of ``tenant``; once the engine has taken it, return the stream of its outputs.
-        ``prefix``: (token ids, KV bytes) of a prefix from the KV pool, loaded into the tenant's prefix
-        cache in the same engine command, so the request reuses it. ``resume_token_ids`` /
+        ``prefix``: (token ids, KV bytes) of a prefix from the KV pool, loaded in the same engine
+        command (``Engine.add``), so the request reuses it. ``resume_token_ids`` /
         ``emitted_chars``: continue a request that ran elsewhere (``Engine.add``). Raises
         ValueError (bad input) or EngineFull here, before any output."""
         q = self._open(request_id)
 
         def add() -> None:
-            if prefix is not None:
-                self.engine.load_prefix(*prefix, tenant=tenant)
             self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only,
-                            resume_token_ids=resume_token_ids, emitted_chars=emitted_chars, tenant=tenant)
+                            resume_token_ids=resume_token_ids, emitted_chars=emitted_chars, tenant=tenant,
+                            prefix=prefix)
 
         try:
             await self._call(add)

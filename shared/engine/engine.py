@@ -156,9 +156,14 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             priority: int = 1, prefill_only: bool = False, resume_token_ids: list[int] | None = None,
-            emitted_chars: int = 0, tenant: str = "") -> None:
+            emitted_chars: int = 0, tenant: str = "", prefix: tuple[list[int], object] | None = None) -> None:
         """Queue a request. Raises ValueError for bad input (nothing is queued then). It shares
         cached KV blocks only with requests of the same ``tenant`` ("" = the public tenant).
+
+        ``prefix``: (token ids, KV) computed elsewhere (the KV pool) for the start of the prompt:
+        its whole blocks go into the prefix cache (``load_prefix``); a last partial block is the
+        request's own — it starts after those tokens (a prompt sent again computes its last token
+        only). The KV holds ``blocks_for(len(token ids))`` blocks, layout v1.
 
         ``resume_token_ids``: continue a request that ran elsewhere (its worker was lost): the
         output tokens its client has received, ``emitted_chars`` characters of their text. They
@@ -186,6 +191,8 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only, tenant)
         if resume_token_ids:
             self._resume(seq, resume_token_ids, emitted_chars)
+        if prefix is not None:
+            self._take_prefix(seq, *prefix)
         self._attach_guide(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -435,8 +442,8 @@ class Engine:
         n = seq.num_computed // self.finished_kv_align * self.finished_kv_align
         if n == 0:
             return
-        try:
-            kv = self.read_blocks(seq.block_table[:n // self.layout.block_size])
+        try:  # the partial last block too: a prompt's tail entry ends at its last token but one
+            kv = self.read_blocks(seq.block_table[:self.layout.blocks_for(n)])
             self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant, seq.num_prompt_tokens)
         except Exception:  # the hook is best effort; the request finishes regardless
             log.exception("finished-KV hook failed for %s", seq.request_id)
@@ -479,6 +486,19 @@ class Engine:
         if self.chunk_events is not None:
             self.chunk_events.note(token_ids, hashes, tenant=tenant)
         return len(missing) * bs
+
+    def _take_prefix(self, seq: Sequence, token_ids: list[int], kv) -> None:
+        """``add``'s ``prefix``: whole blocks into the prefix cache, the partial block to ``seq``."""
+        bs, bb, n = self.layout.block_size, self.layout.block_bytes, len(token_ids)
+        mv = memoryview(kv).cast("B")
+        if mv.nbytes != self.layout.blocks_for(n) * bb or n >= seq.num_tokens or seq.token_ids[:n] != token_ids:
+            raise ValueError(f"prefix KV of {mv.nbytes} bytes for {n} tokens does not fit a prompt of "
+                             f"{seq.num_tokens} tokens in blocks of {bb} bytes")
+        full = n // bs * bs
+        self.load_prefix(token_ids[:full], mv[:full // bs * bb], tenant=seq.tenant)
+        if n > full and self.blocks.prefix_caching:  # a copy of one block: the caller's buffer may go
+            block = torch.frombuffer(bytearray(mv[full // bs * bb:]), dtype=torch.uint8).view(KV_DTYPE)
+            seq.partial_kv = (full, n - full, block.view(self.layout.block_shape))
 
     # ---- KV hand-off ------------------------------------------------------------------
     @torch.inference_mode()

@@ -167,6 +167,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, out: list[ScheduledChunk]) -> int:
         """Start (or resume) the head of the queue; the tokens it takes (0: it does not fit yet)."""
+        extra = 0
         if seq.swapped is not None:
             if not self._swap_in(seq):
                 return 0
@@ -176,16 +177,23 @@ class Scheduler:
             seq.block_table = list(cached)
             seq.block_hashes = [self.blocks.hash_of[b] for b in cached]
             seq.num_computed = len(cached) * self.blocks.block_size
+            partial = seq.partial_kv   # the pool's partial block right after the cached ones
+            extra = partial[1] if partial is not None and partial[0] == seq.num_computed else 0
             if seq.num_cached_tokens == 0 and seq.num_output_tokens == 0:
-                seq.num_cached_tokens = seq.num_computed
+                seq.num_cached_tokens = seq.num_computed + extra
             if seq.resumed and seq.resume_reused is None:
-                seq.resume_reused = seq.num_computed
-        n = min(seq.num_tokens - seq.num_computed, budget)
+                seq.resume_reused = seq.num_computed + extra
+        n = min(seq.num_tokens - seq.num_computed - extra, budget)
         lower = lambda s, me=seq: s.priority > me.priority  # noqa: E731
-        if not self._grow(seq, seq.num_computed + n, lower):
+        if not self._grow(seq, seq.num_computed + extra + n, lower):
             self.blocks.release(seq.block_table)  # keep queue order: wait for blocks
             seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
             return 0
+        if extra:  # its slots in the sequence's next block (not full: never shared, never hashed yet)
+            _, _, block = seq.partial_kv
+            self.kv[seq.block_table[seq.num_computed // self.blocks.block_size], :, :, :extra] = block[:, :, :extra]
+            seq.num_computed += extra
+        seq.partial_kv = None
         self.waiting.pop(0)
         seq.status = Status.RUNNING
         self.running.append(seq)

@@ -110,30 +110,31 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path, local_
 
 
 async def test_a_prompts_tail_is_reused_by_exactly_that_prompt(nats_server, tmp_path):
-    """Past its last full chunk, a prompt's whole blocks (short of the last token) are an entry
-    of their own, keyed by those exact tokens: the same prompt again loads all but its last
-    block; a prompt that differs there loads the shared full chunks only."""
+    """Past its last full chunk, a prompt's KV up to its last token but one is an entry of its
+    own (whole blocks, the last one partial, its other slots zeroed), keyed by those exact
+    tokens: the same prompt again loads all but its last token; a prompt that differs there, or
+    is longer or shorter, loads the shared full chunks only."""
     s = settings(nats_server, tmp_path)
     pool = PoolService(s)
     await pool.start()
     a, bus, rx = await client(s, "worker-t")
     try:
-        prompt = list(range(120))                       # 3 chunks of 32, then 23 tokens
-        end = prompt_tail_end(len(prompt), LAYOUT.block_size)
-        assert end == 112
-        kv = kv_for(end)
-        assert await a.store(prompt[:end], kv, tail_end=end) == 4   # 3 chunks + the tail [96, 112)
+        prompt = list(range(120))                       # 3 chunks of 32, then 24 tokens
+        end = prompt_tail_end(len(prompt))
+        kv = kv_for(128)                                # 8 blocks: the 8th holds tokens 112..118
+        assert await a.store(prompt[:end], kv, tail_end=end) == 4   # 3 chunks + the tail [96, 119)
         assert await a.store(prompt[:end], kv, tail_end=end) == 0   # already there
         tokens, got = await a.fetch_prefix(prompt)
-        assert tokens == prompt[:112] and bytes(got) == kv
-        assert await a.fetch_prefix(prompt, have_tokens=112) is None
-        other = prompt[:100] + [7] * 20                  # the same chunks, another tail
-        tokens, got = await a.fetch_prefix(other)
-        assert tokens == prompt[:96] and bytes(got) == kv[:96 * LAYOUT.token_bytes]
-        tokens, _ = await a.fetch_prefix(prompt[:113])    # tail end 112 as well: the same blocks
-        assert tokens == prompt[:112]
-        tokens, _ = await a.fetch_prefix(prompt[:100])    # tail end 96: no tail, the chunks
-        assert tokens == prompt[:96]
+        whole = 112 * LAYOUT.token_bytes
+        assert tokens == prompt[:119] and len(got) == len(kv) and bytes(got[:whole]) == kv[:whole]
+        shape = (LAYOUT.n_layers, 2, LAYOUT.block_size, LAYOUT.n_kv_heads, LAYOUT.head_dim)
+        last_got = np.frombuffer(got[whole:], dtype=np.float16).reshape(shape)
+        last_kv = np.frombuffer(kv[whole:], dtype=np.float16).reshape(shape)
+        assert np.array_equal(last_got[:, :, :7], last_kv[:, :, :7]) and not last_got[:, :, 7:].any()
+        assert await a.fetch_prefix(prompt, have_tokens=119) is None
+        for other in (prompt[:100] + [7] * 20, prompt[:113], prompt[:100], prompt + [5]):
+            tokens, got = await a.fetch_prefix(other)   # another tail: the shared chunks only
+            assert tokens == prompt[:96] and bytes(got) == kv[:96 * LAYOUT.token_bytes]
     finally:
         await a.close()
         await bus.close()
