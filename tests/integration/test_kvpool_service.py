@@ -6,6 +6,7 @@ bytes are not the announced ones is not stored."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -51,6 +52,21 @@ async def client(s: Settings, name: str) -> tuple[PoolClient, Bus, object]:
     await beat(bus, name, host, port)
     scope = key_scope("test-model", LAYOUT.to_dict(), s.pool)  # identity only: no weights needed
     return PoolClient(bus, s.pool, scope, LAYOUT, name, transport.sender(), rx, host, port), bus, rx
+
+
+@contextlib.asynccontextmanager
+async def pool_and_client(s: Settings, name: str):
+    """A started pool service and one worker's client: (pool, client, the client's bus)."""
+    pool = PoolService(s)
+    await pool.start()
+    c, bus, rx = await client(s, name)
+    try:
+        yield pool, c, bus
+    finally:
+        await c.close()
+        await bus.close()
+        await rx.close()
+        await pool.close()
 
 
 def kv_for(tokens: int) -> bytes:
@@ -115,10 +131,7 @@ async def test_a_prompts_tail_is_reused_by_exactly_that_prompt(nats_server, tmp_
     tokens: the same prompt again loads all but its last token; a prompt that differs there, or
     is longer or shorter, loads the shared full chunks only."""
     s = settings(nats_server, tmp_path)
-    pool = PoolService(s)
-    await pool.start()
-    a, bus, rx = await client(s, "worker-t")
-    try:
+    async with pool_and_client(s, "worker-t") as (pool, a, bus):
         prompt = list(range(120))                       # 3 chunks of 32, then 24 tokens
         end = prompt_tail_end(len(prompt))
         kv = kv_for(128)                                # 8 blocks: the 8th holds tokens 112..118
@@ -135,21 +148,13 @@ async def test_a_prompts_tail_is_reused_by_exactly_that_prompt(nats_server, tmp_
         for other in (prompt[:100] + [7] * 20, prompt[:113], prompt[:100], prompt + [5]):
             tokens, got = await a.fetch_prefix(other)   # another tail: the shared chunks only
             assert tokens == prompt[:96] and bytes(got) == kv[:96 * LAYOUT.token_bytes]
-    finally:
-        await a.close()
-        await bus.close()
-        await rx.close()
-        await pool.close()
 
 
 async def test_an_entry_unreadable_here_comes_over_the_data_plane(nats_server, tmp_path):
     """A worker reading the disk tier's files finds one gone (evicted meanwhile) or damaged: the
     whole prefix comes through the pool's data plane instead (its RAM tier), byte-exact."""
     s = settings(nats_server, tmp_path)
-    pool = PoolService(s)
-    await pool.start()
-    a, bus, rx = await client(s, "worker-r")
-    try:
+    async with pool_and_client(s, "worker-r") as (pool, a, bus):
         prompt, kv = list(range(100)), kv_for(96)
         assert await a.store(prompt[:96], kv) == 3
         k0, k1, _ = a.keys(prompt[:96])
@@ -166,19 +171,11 @@ async def test_an_entry_unreadable_here_comes_over_the_data_plane(nats_server, t
         tokens, got = await a.fetch_prefix(prompt)
         assert tokens == prompt[:96] and bytes(got) == kv and pool.pool.get_bytes > sent
         assert a.errors == 0 and a.hits == 2
-    finally:
-        await a.close()
-        await bus.close()
-        await rx.close()
-        await pool.close()
 
 
 async def test_entries_go_to_live_workers_only_and_puts_are_checked(nats_server, tmp_path):
     s = settings(nats_server, tmp_path)
-    pool = PoolService(s)
-    await pool.start()
-    a, bus, rx = await client(s, "worker-d")
-    try:
+    async with pool_and_client(s, "worker-d") as (pool, a, bus):
         prompt, kv = list(range(64)), kv_for(64)
         assert await a.store(prompt, kv) == 2
         keys = a.keys(prompt)
@@ -201,11 +198,6 @@ async def test_entries_go_to_live_workers_only_and_puts_are_checked(nats_server,
         assert pool.pool.lookup(a.keys(other)) == []
         tokens, got = await a.fetch_prefix(prompt + [1])   # the worker's own get still works
         assert tokens == prompt and bytes(got) == kv
-    finally:
-        await a.close()
-        await bus.close()
-        await rx.close()
-        await pool.close()
 
 
 async def test_no_pool_running_is_a_miss(tmp_path):
