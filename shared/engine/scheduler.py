@@ -3,8 +3,9 @@
 Each step: running sequences first, best priority first (a decode is one token, a sequence in
 chunked prefill takes what the token budget leaves), then waiting sequences in queue order
 (priority = SLA tier, then arrival). The budget is ``step_tokens`` while any sequence decodes
-(every stream waits for the step) and ``prefill_step_tokens`` while none does: prompts alone
-compute in throughput-sized steps. When the KV blocks run out, the lowest-priority running
+(every stream waits for the step) and ``prefill_step_tokens`` while none does and the best
+prompt is not batch work: a long prompt alone computes in throughput-sized steps, a batch flood
+in short ones (an interactive arrival waits for one step). When the KV blocks run out, the lowest-priority running
 sequence is preempted: its KV is copied to host memory (the swap space), its blocks are
 freed and it goes back to the queue; on resume the bytes are copied back, so it continues
 exactly where it stopped. When the swap space is full, a preempted sequence's KV is dropped
@@ -46,8 +47,7 @@ class Scheduler:
         self.swap_used = 0
         self.max_num_seqs = max_num_seqs
         self.max_tokens = step_tokens
-        # no stream waits on a step in which nothing decodes: prompts then take longer steps
-        # (fewer passes over the weights, larger matrix products: prefill throughput)
+        # the budget while nothing decodes (fewer passes over the weights, larger matrix products)
         self.prefill_tokens = max(step_tokens, prefill_step_tokens or step_tokens)
         # worse tiers' prefill per step at any time: guests on a latency worker run in small slices,
         # so an interactive arrival waits at most one short step
@@ -122,13 +122,16 @@ class Scheduler:
         running = sorted(self.running, key=Sequence.sort_key)
         decodes = [s for s in running if s.num_tokens - s.num_computed == 1]
         prefills = [s for s in running if s.num_tokens - s.num_computed > 1]
-        budget = self.max_tokens if decodes else self.prefill_tokens
+        queue = sorted(prefills + self.waiting, key=Sequence.sort_key)
+        # no stream waits on a step without decodes: a better-than-batch prompt then takes a long
+        # step (batch prompts keep short ones: an interactive arrival waits one short step at most)
+        budget = self.prefill_tokens if not decodes and queue and queue[0].priority < BATCH_PRIORITY \
+            else self.max_tokens
         for seq in decodes:
             if budget == 0:
                 break
             budget -= self._run(seq, budget, out)
         admitting = True  # waiting sequences are admitted in queue order until one does not fit
-        queue = sorted(prefills + self.waiting, key=Sequence.sort_key)
         interactive = any(s.priority == INTERACTIVE_PRIORITY for s in running + queue)
         worse_left = min(self.shared_step_tokens if interactive else budget, self.guest_step_tokens)
         for seq in queue:

@@ -370,7 +370,8 @@ def test_thread_count_does_not_change_tokens(bundled_model):
 
 def test_prompts_alone_take_throughput_sized_steps(bundled_model):
     """While nothing decodes, a prompt computes ``prefill_step_tokens`` a step; once a sequence
-    decodes (its stream waits on every step), ``step_tokens`` again; the output is the same."""
+    decodes (its stream waits on every step), ``step_tokens`` again; the output is the same. A
+    batch prompt keeps short steps (an interactive arrival waits for one step at most)."""
     tok = bundled_model.tokenizer
     prompt = tok.encode(" ".join(PROMPTS) * 8)[:600]
     small = run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=256, step_tokens=64)),
@@ -394,3 +395,6 @@ def test_prompts_alone_take_throughput_sized_steps(bundled_model):
     while eng.has_work():
         step()
     assert got["long"] == small.token_ids                       # step sizes never change the output
+    eng.add("batch", prompt[::-1][:300], greedy(2), priority=2)  # nothing of it cached
+    eng.step()
+    assert eng.seqs["batch"].num_computed == 64
