@@ -127,6 +127,8 @@ class EngineWorker:
 
     async def start(self) -> None:
         tracing.setup(self.role)
+        log.info("engine warmed up in %.0f ms (the first request does not pay for it)",
+                 await self.engine.warm_up() * 1e3)
         self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
                                                self.settings.worker.metrics_host) or 0
         self.bus = await Bus.connect(self.settings, name=self.worker_id, role=self.role)

@@ -217,6 +217,10 @@ class AsyncEngine:
             self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant, prompt: hook(tokens, kv, tenant, prompt)
         await self._call(install)
 
+    async def warm_up(self) -> float:
+        """``Engine.warm_up`` on the engine's thread (its kernel thread team is that thread's)."""
+        return await self._call(self.engine.warm_up)
+
     async def cached_prefix_tokens(self, token_ids: list[int], tenant: str = "") -> int:
         return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids, tenant))
 

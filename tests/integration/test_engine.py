@@ -398,3 +398,10 @@ def test_prompts_alone_take_throughput_sized_steps(bundled_model):
     eng.add("batch", prompt[::-1][:300], greedy(2), priority=2)  # nothing of it cached
     eng.step()
     assert eng.seqs["batch"].num_computed == 64
+
+
+def test_warm_up_leaves_the_engine_as_it_was(bundled_model):
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+    free = eng.blocks.num_free
+    assert eng.warm_up() > 0 and eng.blocks.num_free == free and not eng.has_work()
+    assert run_to_completion(eng, {"r": (eng.tokenizer.encode(PROMPTS[0]), greedy(4))})["r"].num_output_tokens == 4
