@@ -240,7 +240,7 @@ class KVConnector:
 
     # -- the KV pool ----------------------------------------------------------------------------
 
-    async def fetch_prefix(self, prompt: list[int], tenant: str = "") -> tuple[list[int], bytearray] | None:
+    async def fetch_prefix(self, prompt: list[int], tenant: str = "") -> tuple[list[int], memoryview] | None:
         """The longest prefix of ``prompt`` the pool holds for ``tenant`` beyond what the engine's own
         prefix cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better."""
         if self.pool is None or len(prompt) - 1 < self.settings.pool.chunk_tokens:
@@ -341,7 +341,7 @@ class PoolClient:
                                       timeout=self.settings.timeout)
 
     async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0,
-                           tenant: str = "") -> tuple[list[int], bytearray] | None:
+                           tenant: str = "") -> tuple[list[int], memoryview] | None:
         """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` — its full chunks,
         then, when every one is stored, its tail (``prompt_tail_end``: the last token is always
         computed) — or None when the pool has no more than ``have_tokens``."""
@@ -423,7 +423,7 @@ class PoolClient:
                     end = a
             except fail_on as err:
                 failed = failed or err
-        if failed is not None and end is None:
+        if failed is not None:  # a slot before a forged entry may be unfilled too: all or nothing
             log.info("KV pool: a cached entry is not readable here (%s): through the pool's data plane", failed)
             return None
         return (out, pieces[-1][2]) if end is None else (out[:self._bytes(end)], end)

@@ -276,3 +276,23 @@ async def test_stopping_pool_waits_for_announced_write_backs(nats_server, tmp_pa
         await bus_a.close()
         await rx_a.close()
         await pool.close()
+
+
+@pytest.mark.parametrize("local_read", [True, False], ids=["disk-files", "data-plane"])
+async def test_an_entry_without_the_deployments_secret_stops_the_prefix(nats_server, tmp_path, local_read):
+    """A writer without TANDEM_POOL_KEY put the third chunk (after two signed ones): a worker with
+    the secret loads the two signed chunks only, and counts the forged one."""
+    s = settings(nats_server, tmp_path, local_read=local_read, key="deployment")
+    rogue = settings(nats_server, tmp_path, key=None, key_file=str(tmp_path / "none"))
+    prompt, kv = list(range(100)), kv_for(96)
+    async with pool_and_client(s, "worker-s") as (pool, a, bus):
+        r, bus_r, rx_r = await client(rogue, "rogue")
+        try:
+            assert await a.store(prompt[:64], kv[:64 * LAYOUT.token_bytes]) == 2
+            assert await r.store(prompt[:96], kv) == 1              # the pool takes it: checksum only
+        finally:
+            await r.close()
+            await bus_r.close()
+            await rx_r.close()
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:64] and bytes(got) == kv[:64 * LAYOUT.token_bytes] and a.forged == 1
