@@ -13,9 +13,12 @@ without the secret cannot make an entry a worker loads: ``decode_entry`` with th
 ``ForgedEntry`` for it.
 
 Codecs (``CODECS``):
-- ``shuffle-zstd`` (id 1, the default, lossless): float16 values split into two byte planes
-  (all low bytes, then all high bytes; the high bytes — sign and exponent — repeat a lot),
-  then zstd. Decodes to exactly the input bytes.
+- ``raw`` (id 3, lossless, the default for a pool on local disk): the KV bytes as they are. Real
+  KV compresses poorly (``shuffle-zstd`` saves ~13 %) while zstd decodes at a few hundred MB/s;
+  uncompressed, a warm read is a checksum (~10 GB/s) and one copy into place.
+- ``shuffle-zstd`` (id 1, lossless, the default where a Redis or shared tier makes bytes cost
+  more): float16 values split into two byte planes (all low bytes, then all high bytes; the
+  high bytes — sign and exponent — repeat a lot), then zstd. Decodes to exactly the input bytes.
 - ``int8-zstd`` (id 2, opt-in, lossy): keys quantised to int8 with one scale per channel
   (layer, head, dim) over the chunk's tokens, values with one scale per token (layer, token,
   head), then zstd. Decodes to float16 KV in the same block layout, close but not equal.
@@ -40,8 +43,8 @@ VERSION = 2                    # 1: no MAC
 HEADER = struct.Struct("<4sBBHQQ32s32s32s")
 _SIGNED = HEADER.size - 32     # the MAC covers the header before it
 _NO_MAC = bytes(32)            # written without a secret
-LOSSLESS, LOSSY = "shuffle-zstd", "int8-zstd"
-_IDS = {LOSSLESS: 1, LOSSY: 2}
+LOSSLESS, LOSSY, RAW = "shuffle-zstd", "int8-zstd", "raw"
+_IDS = {LOSSLESS: 1, LOSSY: 2, RAW: 3}
 _NAMES = {v: k for k, v in _IDS.items()}
 CODECS = tuple(_IDS)
 _SHAPE = struct.Struct("<4I")  # lossy payload: n_layers, tokens, n_kv_heads, head_dim
@@ -86,21 +89,24 @@ class Codec:
 
     @property
     def lossless(self) -> bool:
-        return self.name == LOSSLESS
+        return self.name != LOSSY
 
     def encode(self, key: str, raw, shape: ChunkShape | None = None) -> bytes:
         """Entry for ``raw`` (float16 KV bytes); the lossy codec needs the chunk ``shape``."""
         raw = memoryview(raw).cast("B")
         if raw.nbytes % 2:
             raise ValueError(f"KV bytes must be float16 (an even count), got {raw.nbytes}")
-        if self.name == LOSSLESS:
-            body = _shuffle(raw)
+        if self.name == RAW:
+            payload = raw
         else:
-            if shape is None:
+            if self.name == LOSSLESS:
+                body = _shuffle(raw)
+            elif shape is None:
                 raise ValueError("the int8 codec needs the chunk shape")
-            body = _quantize(raw, shape)
-        cctx = zstandard.ZstdCompressor(level=self.level, threads=self.threads if len(body) > 1 << 20 else 0)
-        payload = cctx.compress(body)
+            else:
+                body = _quantize(raw, shape)
+            cctx = zstandard.ZstdCompressor(level=self.level, threads=self.threads if len(body) > 1 << 20 else 0)
+            payload = cctx.compress(body)
         digest = blake3.blake3(payload).digest()
         head = HEADER.pack(MAGIC, VERSION, _IDS[self.name], 0, raw.nbytes, len(payload), bytes.fromhex(key), digest,
                            _NO_MAC)[:_SIGNED]
@@ -133,17 +139,20 @@ def decode_entry(data, key: str | None = None, secret: bytes = b"") -> bytes:
 
 def decode_entry_into(data, out, key: str | None = None, secret: bytes = b"") -> None:
     """Decode an entry straight into ``out`` (a writable buffer of exactly its raw size: a
-    slice of the destination, so a lossless entry costs one decompression and one pass that
-    interleaves the byte planes into place); CorruptEntry when it does not check out,
+    slice of the destination, so a raw entry costs one copy, a shuffle-zstd one one decompression
+    and one pass that interleaves the byte planes into place); CorruptEntry when it does not check out,
     ForgedEntry when its MAC does not (with a ``secret``)."""
     mv = memoryview(data)
-    verify_entry(mv, key)
-    if secret and not hmac.compare_digest(_mac(secret, mv[:_SIGNED]), mv[_SIGNED:HEADER.size]):
-        raise ForgedEntry("entry MAC does not check out: not written with this deployment's TANDEM_POOL_KEY")
+    verify_parts(mv[:HEADER.size], mv[HEADER.size:], key, secret)
     _, name, raw_n, _ = entry_info(mv)
     dst = memoryview(out).cast("B")
     if dst.nbytes != raw_n:
         raise CorruptEntry(f"entry holds {raw_n} raw bytes, its destination {dst.nbytes}")
+    if name == RAW:
+        if mv.nbytes - HEADER.size != raw_n:
+            raise CorruptEntry(f"raw entry holds {mv.nbytes - HEADER.size} bytes, header says {raw_n}")
+        dst[:] = mv[HEADER.size:]
+        return
     try:
         body = zstandard.ZstdDecompressor().decompress(mv[HEADER.size:], max_output_size=raw_n + (1 << 20))
     except zstandard.ZstdError as e:
@@ -216,13 +225,43 @@ def _dequantize(body: bytes) -> bytes:
 def verify_entry(data, key: str | None = None) -> None:
     """Check an entry's header, size and checksum without decoding it; CorruptEntry if bad."""
     mv = memoryview(data)
-    got_key, _, _, total = entry_info(mv)
+    verify_parts(mv[:HEADER.size], mv[HEADER.size:], key)
+
+
+def verify_parts(head, payload, key: str | None = None, secret: bytes = b"") -> None:
+    """``verify_entry`` (and with a ``secret`` the MAC: ForgedEntry) for an entry held as its
+    header and its payload apart — a raw payload read from a file straight into its destination."""
+    head, payload = memoryview(head), memoryview(payload).cast("B")
+    got_key, _, _, total = entry_info(head)
     if key is not None and got_key != key:
         raise CorruptEntry(f"entry holds key {got_key[:16]}…, expected {key[:16]}…")
-    if mv.nbytes != total:
-        raise CorruptEntry(f"entry is {mv.nbytes} bytes, header says {total} (truncated?)")
-    if blake3.blake3(mv[HEADER.size:]).digest() != bytes(mv[_SIGNED - 32:_SIGNED]):
+    if head.nbytes != HEADER.size or HEADER.size + payload.nbytes != total:
+        raise CorruptEntry(f"entry is {head.nbytes + payload.nbytes} bytes, header says {total} (truncated?)")
+    if blake3.blake3(payload).digest() != bytes(head[_SIGNED - 32:_SIGNED]):
         raise CorruptEntry("entry checksum mismatch")
+    if secret and not hmac.compare_digest(_mac(secret, head[:_SIGNED]), head[_SIGNED:]):
+        raise ForgedEntry("entry MAC does not check out: not written with this deployment's TANDEM_POOL_KEY")
+
+
+def read_entry_into(path: str, out, key: str, secret: bytes = b"") -> None:
+    """Decode the entry in file ``path`` into ``out`` (like ``decode_entry_into``); a raw entry's
+    payload is read from the file straight into ``out`` (the page cache's one copy) and verified
+    there. OSError when the file cannot be read, CorruptEntry / ForgedEntry as for an entry."""
+    with open(path, "rb", buffering=0) as f:
+        head = f.read(HEADER.size)
+        _, name, raw_n, total = entry_info(head)
+        if name != RAW:
+            decode_entry_into(head + f.read(), out, key, secret)
+            return
+        dst = memoryview(out).cast("B")
+        if dst.nbytes != raw_n or total != HEADER.size + raw_n:
+            raise CorruptEntry(f"entry holds {raw_n} raw bytes, its destination {dst.nbytes}")
+        got = 0
+        while got < raw_n and (n := f.readinto(dst[got:])):
+            got += n
+        if got < raw_n or f.read(1):
+            raise CorruptEntry(f"entry file {path} does not hold the {total} bytes its header says (truncated?)")
+        verify_parts(head, dst, key, secret)
 
 
 # -- bundles: several entries in one data-plane payload ----------------------------------------

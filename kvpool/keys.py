@@ -4,6 +4,11 @@
     key[0] = blake3(scope  ‖ token ids of chunk 0)        (token ids as u32 little endian)
     key[i] = blake3(key[i-1] ‖ token ids of chunk i)
 
+A prompt's **tail** — the whole KV blocks after its last full chunk — has a key of its own,
+``tail_key`` = blake3(last chunk key ‖ "tail" ‖ its token ids): an entry
+under it is used only by a prompt with exactly those tail tokens (a repeated prompt then computes
+its last block only). Whole chunks stay what diverging prompts share.
+
 Equal prefixes give equal chains of keys; a different model, KV layout, chunk size or tenant
 gives a different scope and so never shares an entry. Keys are 32-byte digests, written as hex.
 
@@ -76,6 +81,16 @@ def chunk_keys_from_seed(seed_hex: str, chunk_tokens: int, token_ids: list[int],
 def next_chunk_key(parent: bytes, chunk_token_ids: list[int]) -> bytes:
     """The key (raw digest) of the chunk after ``parent`` (the previous key, or the scope seed)."""
     return blake3.blake3(parent + np.asarray(chunk_token_ids, dtype="<u4").tobytes()).digest()
+
+
+TAIL = b"tail"  # read as a u32 token id 1,818,845,556: no vocabulary's, so a tail never hashes like a chunk
+
+
+def tail_key(parent: bytes | str, tail_token_ids: list[int]) -> str:
+    """The key of a tail (the whole blocks of a prompt after its last full chunk, fewer tokens
+    than a chunk) after ``parent`` (that chunk's key)."""
+    parent = bytes.fromhex(parent) if isinstance(parent, str) else parent
+    return blake3.blake3(parent + TAIL + np.asarray(tail_token_ids, dtype="<u4").tobytes()).hexdigest()
 
 
 def _chain(seed: bytes, c: int, token_ids: list[int], limit: int | None) -> list[str]:

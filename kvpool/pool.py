@@ -72,14 +72,19 @@ class KVPool:
             tiers.append(RedisTier(cfg.redis_url, cfg.redis_bytes, prefix=cfg.redis_prefix))
         return cls(tiers, on_event)
 
-    def lookup(self, keys: list[str]) -> list[str]:
-        """Tier name of each leading stored key; stops at the first key no tier has."""
+    def lookup(self, keys: list[str], touch: bool = False) -> list[str]:
+        """Tier name of each leading stored key; stops at the first key no tier has. ``touch``:
+        the hits count as used (LRU) — a worker on this host reads them from the disk tier's
+        files itself, without a ``get``."""
         out = []
         for k in keys:
-            tier = next((t.name for t in self.tiers if t.contains(k)), None)
+            tier = next((t for t in self.tiers if t.contains(k)), None)
             if tier is None:
                 break
-            out.append(tier)
+            if touch:
+                for t in self.tiers:
+                    t.touch(k)
+            out.append(tier.name)
         return out
 
     def get(self, key: str) -> bytes | None:

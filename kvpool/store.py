@@ -42,6 +42,11 @@ SUFFIX = ".kvp"
 STALE_TEMP_S = 3600.0  # temp files older than this are leftovers of a crashed writer
 
 
+def entry_path(root: str, key: str) -> str:
+    """Where a directory tier rooted at ``root`` keeps ``key``'s entry."""
+    return os.path.join(root, key[:2], key + SUFFIX)
+
+
 class Tier(abc.ABC):
     name: str
     capacity: int              # bytes at most
@@ -82,6 +87,12 @@ class Tier(abc.ABC):
         """``key`` is in this tier's index (no I/O: safe on an event loop)."""
         with self._lock:
             return key in self._index
+
+    def touch(self, key: str) -> None:
+        """``key`` was used without a ``get`` (a worker read its file): now most recent."""
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
 
     @abc.abstractmethod
     def remove(self, key: str) -> None: ...
@@ -192,7 +203,7 @@ class DirTier(Tier):
         self.rebuild()
 
     def path(self, key: str) -> str:
-        return os.path.join(self.root, key[:2], key + SUFFIX)
+        return entry_path(self.root, key)
 
     def rebuild(self) -> None:
         """Index every valid entry on disk (oldest access first); remove broken ones."""

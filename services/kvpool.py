@@ -91,7 +91,7 @@ class PoolService:
 
     async def lookup(self, req: PoolLookup) -> PoolLookupReply:
         self._last_seen = time.monotonic()
-        tiers = await asyncio.to_thread(self.pool.lookup, _keys(req.keys))
+        tiers = await asyncio.to_thread(self.pool.lookup, _keys(req.keys), not req.for_put)
         if req.for_put and len(tiers) < len(req.keys):  # the writer puts keys[hits:] next
             self._announced[req.keys[len(tiers)]].append(time.monotonic())
         for t in tiers:

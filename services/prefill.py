@@ -16,6 +16,7 @@ import logging
 from shared import subjects
 from shared.bus import BusError
 from shared.engine.kv_cache import KVBlobHeader
+from shared.kv_connector import prompt_tail_end
 from shared.engine.sampling import RequestOutput
 from shared.schemas import PrefillRequest
 from shared.transfer import TransferError
@@ -55,8 +56,10 @@ class PrefillWorker(EngineWorker):
     async def hand_off(self, req: PrefillRequest, next_seq: int, attempt: int) -> None:
         blob = await self.engine.export_kv(req.request_id)
         h, kv = KVBlobHeader.parse(blob)
-        # the prompt's chunks go to the pool whatever happens next: a retry or a resume finds them
-        self.kv.store_later(h.token_ids[:h.num_computed], kv, h.tenant)
+        # the prompt's chunks and tail go to the pool whatever happens next: a retry, a resume or the
+        # same prompt again finds them
+        self.kv.store_later(h.token_ids[:h.num_computed], kv, h.tenant,
+                            prompt_tail_end(h.num_prompt_tokens))
         try:
             _, res = await self.kv.hand_off(blob, subject=req.decode_subject, host=req.decode_data_host,
                                             port=req.decode_data_port, transfer_id=f"{req.request_id}-{attempt}",

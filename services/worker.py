@@ -36,9 +36,11 @@ log = logging.getLogger("tandem.worker")
 
 def engine_config(settings: Settings, device: str, role: str = "") -> EngineConfig:
     """The engine of a worker on ``device``. Every stream in an engine waits for its step, and a
-    CPU step of 512 prompt tokens takes seconds: CPU engines take 64-token steps, and while
-    interactive work runs, worse tiers' prefill gets 8 tokens of a step (measured, 1 thread:
-    a step with 32 prompt tokens 0.27-0.66 s, with decodes only ~25 ms). On a gpu-decode worker
+    CPU step of 512 prompt tokens takes seconds: CPU engines take 64-token steps while any
+    sequence decodes, and while interactive work runs, worse tiers' prefill gets 8 tokens of a
+    step (measured, 1 thread: a step with 32 prompt tokens 0.27-0.66 s, with decodes only
+    ~25 ms). While nothing decodes no stream waits on a step: prompts then take 512-token steps
+    (prefill throughput: docs/benchmarks.md, "Warm after a full restart"). On a gpu-decode worker
     (the interactive pool) standard and batch work are overflow guests: on the CPU their prefill
     runs 16 tokens a step, so an interactive arrival never waits behind a long step."""
     w = settings.worker
@@ -46,6 +48,7 @@ def engine_config(settings: Settings, device: str, role: str = "") -> EngineConf
     return EngineConfig(device=device, threads=w.threads or None, num_kv_blocks=w.kv_blocks or None,
                         kv_cache_bytes=w.kv_budget_mb_for(role) << 20, max_context=w.max_context or None,
                         step_tokens=w.step_tokens or (64 if cpu else 512),
+                        prefill_step_tokens=w.prefill_step_tokens or (512 if cpu else None),
                         shared_step_tokens=w.shared_step_tokens or (8 if cpu else 64),
                         guest_step_tokens=(w.guest_step_tokens or (16 if cpu else None))
                         if role == subjects.GPU_DECODE else None, max_waiting=w.max_waiting,
@@ -125,6 +128,8 @@ class EngineWorker:
 
     async def start(self) -> None:
         tracing.setup(self.role)
+        log.info("engine warmed up in %.0f ms (the first request does not pay for it)",
+                 await self.engine.warm_up() * 1e3)
         self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
                                                self.settings.worker.metrics_host) or 0
         self.bus = await Bus.connect(self.settings, name=self.worker_id, role=self.role)

@@ -31,13 +31,20 @@ import asyncio
 import functools
 import itertools
 import logging
+import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvpool.codec import ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry_into, pack_entries, unpack_entries
-from kvpool.keys import KeyScope, chunk_keys
+import numpy as np
+
+from kvpool.codec import (
+    LOSSY, ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry_into, pack_entries, read_entry_into,
+    unpack_entries,
+)
+from kvpool.keys import KeyScope, chunk_keys, tail_key
+from kvpool.store import entry_path
 from shared import metrics, subjects
 from shared.bus import Bus, BusError
 from shared.engine.kv_cache import KVBlobHeader
@@ -57,8 +64,10 @@ log = logging.getLogger("tandem.kv")
 
 def key_scope(model_identity: str, layout: dict, settings: PoolSettings) -> KeyScope:
     """The chunk key scope of an engine's KV: the same for the pool and every worker of one
-    model, layout, chunk size, tenant and codec (lossy entries stay apart)."""
-    return KeyScope(model_identity, layout, settings.chunk_tokens, tenant=f"{settings.tenant}|{settings.codec}")
+    model, layout, chunk size, tenant and kind of codec — lossy entries stay apart; the lossless
+    codecs (raw, shuffle-zstd) decode to the same bytes, so they share entries."""
+    kind = LOSSY if settings.codec == LOSSY else "lossless"
+    return KeyScope(model_identity, layout, settings.chunk_tokens, tenant=f"{settings.tenant}|{kind}")
 
 
 async def send_and_report(bus: Bus, sender: KVSender, reporter: str, host: str, port: int, transfer_id: str,
@@ -186,11 +195,11 @@ class KVConnector:
         if self.settings.pool.enabled:
             self.pool = PoolClient(self.bus, self.settings.pool, self.scope, self.engine.layout, self.worker_id,
                                    self.sender, self.receiver, self.data_host, self.data_port)
-            if self._write_back:  # a finished sequence's full chunks go to the pool (the session's next turn)
-                pool = self.pool
+            if self._write_back:  # a finished sequence's full chunks (the session's next turn) and its
+                pool = self.pool  # prompt's tail (the same prompt again) go to the pool
                 await self.engine.on_finished_kv(
-                    self.settings.pool.chunk_tokens,
-                    lambda tokens, kv, tenant: loop.call_soon_threadsafe(pool.store_later, tokens, kv, tenant))
+                    1, lambda tokens, kv, tenant, prompt: loop.call_soon_threadsafe(
+                        pool.store_later, tokens, kv, tenant, prompt_tail_end(prompt)))
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -235,7 +244,7 @@ class KVConnector:
 
     # -- the KV pool ----------------------------------------------------------------------------
 
-    async def fetch_prefix(self, prompt: list[int], tenant: str = "") -> tuple[list[int], bytearray] | None:
+    async def fetch_prefix(self, prompt: list[int], tenant: str = "") -> tuple[list[int], memoryview] | None:
         """The longest prefix of ``prompt`` the pool holds for ``tenant`` beyond what the engine's own
         prefix cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better."""
         if self.pool is None or len(prompt) - 1 < self.settings.pool.chunk_tokens:
@@ -243,10 +252,11 @@ class KVConnector:
         have = await self.engine.cached_prefix_tokens(prompt, tenant)
         return await self.pool.fetch_prefix(prompt, have, tenant)
 
-    def store_later(self, token_ids: list[int], kv, tenant: str = "") -> None:
-        """Write the full chunks of (``token_ids``, their KV) of ``tenant`` back to the pool, in the background."""
+    def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> None:
+        """Write the full chunks of (``token_ids``, their KV) of ``tenant`` back to the pool, in the
+        background, and the tail up to ``tail_end`` (``prompt_tail_end``; 0: none)."""
         if self.pool is not None:
-            self.pool.store_later(token_ids, kv, tenant)
+            self.pool.store_later(token_ids, kv, tenant, tail_end)
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -256,6 +266,22 @@ class KVConnector:
         await self.peers.close()
         await self.receiver.close()
         await self.sender.close()
+
+
+def prompt_tail_end(num_prompt_tokens: int) -> int:
+    """Where a prompt's cacheable KV ends: its last token but one (the last is always computed:
+    its logits give the first output token). A prompt sent again loads up to here."""
+    return num_prompt_tokens - 1
+
+
+def kv_buffer(nbytes: int):
+    """A writable, zeroed buffer for ``nbytes`` of KV, on huge pages where the kernel allows
+    (``madvise``): writing a fresh 4 KiB-page buffer costs a page fault per page — on a VM, a
+    large share of loading a long prefix."""
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return memoryview(buf)[:nbytes]
 
 
 @functools.cache
@@ -280,12 +306,14 @@ class PoolClient:
         self.settings = settings
         self.scope = scope
         self.shape = ChunkShape.from_layout(layout.to_dict())
-        self.chunk_bytes = settings.chunk_tokens * layout.token_bytes
+        self.token_bytes, self.block_size = layout.token_bytes, layout.block_size
+        # the pool's disk tier, when this worker can read it: cached entries straight from their files
+        self.local_dir = os.path.expanduser(settings.dir) if settings.dir and settings.local_read else None
         self.secret = settings.secret()
         if not self.secret:
             log.warning("no pool secret (TANDEM_POOL_KEY / TANDEM_POOL_KEY_FILE): KV pool entries are not "
                         "authenticated; any bus client can write KV this worker loads")
-        self.codec = Codec(settings.codec, secret=self.secret)
+        self.codec = Codec(settings.resolved_codec(), secret=self.secret)
         self.worker_id = worker_id
         self.sender, self.receiver = sender, receiver
         self.data_host, self.data_port = data_host, data_port
@@ -297,40 +325,65 @@ class PoolClient:
     def keys(self, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
         return chunk_keys(self.scope, token_ids, limit, tenant)
 
+    def pieces(self, token_ids: list[int], limit: int, tail_end: int = 0,
+               tenant: str = "") -> list[tuple[str, int, int]]:
+        """(key, first token, end) of the entries of ``token_ids``: its full chunks within
+        ``limit`` tokens, then — when ``tail_end`` (at most ``limit``) is past a chunk boundary
+        (not the first) — the tail from there up to ``tail_end`` (``tail_key``; its KV is whole
+        blocks, the last one partial). A prompt's pieces (``tail_end`` = ``prompt_tail_end``)
+        follow each other from token 0."""
+        c = self.settings.chunk_tokens
+        keys = self.keys(token_ids, limit, tenant)
+        out = [(k, i * c, (i + 1) * c) for i, k in enumerate(keys)]
+        whole = tail_end // c   # the tail hangs off the chunk before it (a prompt shorter than one
+        if 0 < whole * c < tail_end <= limit:  # chunk is not worth a pool round trip: no tail)
+            out.append((tail_key(keys[whole - 1], token_ids[whole * c:tail_end]), whole * c, tail_end))
+        return out
+
     async def _lookup(self, keys: list[str], for_put: bool = False) -> PoolLookupReply:
         return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys, for_put=for_put),
                                       timeout=self.settings.timeout)
 
     async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0,
-                           tenant: str = "") -> tuple[list[int], bytearray] | None:
-        """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` (at most len − 1 tokens:
-        the last one is always computed), or None when the pool has no more than ``have_tokens``."""
+                           tenant: str = "") -> tuple[list[int], memoryview] | None:
+        """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` — its full chunks,
+        then, when every one is stored, its tail (``prompt_tail_end``: the last token is always
+        computed) — or None when the pool has no more than ``have_tokens``."""
         t0 = time.perf_counter()
-        keys = self.keys(prompt, len(prompt) - 1, tenant)
-        if len(keys) * self.settings.chunk_tokens <= have_tokens:
+        pieces = self.pieces(prompt, len(prompt) - 1, prompt_tail_end(len(prompt)), tenant)
+        if not pieces or pieces[-1][2] <= have_tokens:
             return None
         if time.monotonic() < self._skip_until:  # the pool failed just now: do not wait on it again
             return None
+        keys = [k for k, _, _ in pieces]
         tid = f"{self.worker_id}-pool-{next(self._ids)}"
         try:
             async with asyncio.timeout(self.settings.timeout):  # the whole fetch, not each step
                 found = await self._lookup(keys)
                 t1 = time.perf_counter()
-                if found.hits * self.settings.chunk_tokens <= have_tokens:
+                if not found.hits or pieces[found.hits - 1][2] <= have_tokens:
                     self.misses += 1
                     return None
-                reply = await self.bus.request(subjects.kvpool_get(found.pool_id), PoolGet(
-                    keys=keys[:found.hits], transfer_id=tid, host=self.data_host, port=self.data_port),
-                    timeout=self.settings.timeout)
-                if reply.found == 0:
-                    self.receiver.discard(tid)
-                    return None
-                payload = await self.receiver.take(tid, timeout=self.settings.timeout)
-                payload.expect(reply.checksum, reply.nbytes)
-                t2 = time.perf_counter()
-                with payload:
-                    kv = await asyncio.to_thread(self._decode, keys[:reply.found], payload.data)
-                if not kv:  # the first entry was forged
+                hit = pieces[:found.hits]
+                kv = await asyncio.to_thread(self._read_local, hit) if self.local_dir else None
+                if kv is not None:
+                    stages = f"read+verify {(time.perf_counter() - t1) * 1e3:.1f} (the disk tier's files, here)"
+                else:
+                    reply = await self.bus.request(subjects.kvpool_get(found.pool_id), PoolGet(
+                        keys=keys[:found.hits], transfer_id=tid, host=self.data_host, port=self.data_port),
+                        timeout=self.settings.timeout)
+                    if reply.found == 0:
+                        self.receiver.discard(tid)
+                        return None
+                    payload = await self.receiver.take(tid, timeout=self.settings.timeout)
+                    payload.expect(reply.checksum, reply.nbytes)
+                    t2 = time.perf_counter()
+                    with payload:
+                        kv = await asyncio.to_thread(self._decode, hit[:reply.found], payload.data)
+                    stages = (f"get (pool read + transfer, {reply.nbytes} bytes over {reply.path}) "
+                              f"{(t2 - t1) * 1e3:.1f}, verify+decode {(time.perf_counter() - t2) * 1e3:.1f}")
+                kv, n = kv
+                if not n:  # the first entry was forged
                     self.misses += 1
                     return None
         except (BusError, TransferError, CorruptEntry, TimeoutError) as e:
@@ -341,74 +394,108 @@ class PoolClient:
                         "for %.0f s", str(e) or f"no answer within {self.settings.timeout:.1f} s", self.settings.backoff_s)
             return None
         self.hits += 1
-        n = len(kv) // self.chunk_bytes * self.settings.chunk_tokens
-        t3 = time.perf_counter()
-        log.info("KV pool: %d prefix tokens (%s, %d bytes over %s) in %.1f ms: keys+lookup %.1f, get (pool read "
-                 "+ transfer) %.1f, verify+decode %.1f", n, ",".join(sorted(set(found.tiers))), reply.nbytes,
-                 reply.path, (t3 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+        log.info("KV pool: %d prefix tokens (%s) in %.1f ms: keys+lookup %.1f, %s", n, ",".join(sorted(set(found.tiers))),
+                 (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, stages)
         return prompt[:n], kv
 
-    def _decode(self, keys: list[str], bundle) -> bytearray:
-        """The bundle's chunks decoded straight into one buffer, several chunks at a time (zstd,
-        blake3 and numpy's copy release the GIL): each entry is verified, its MAC checked,
-        decompressed and its byte planes interleaved into its slice — no intermediate copy of the
-        raw KV. The KV up to the first forged entry (ignored and counted)."""
-        entries = unpack_entries(bundle)
-        if len(entries) != len(keys):
-            raise CorruptEntry(f"the pool sent {len(entries)} entries for {len(keys)} keys")
-        c = self.chunk_bytes
-        out = bytearray(len(entries) * c)
-        mv = memoryview(out)
-        futures = [_decoders().submit(decode_entry_into, e, mv[i * c:(i + 1) * c], k, self.secret)
-                   for i, (k, e) in enumerate(zip(keys, entries))]
-        for i, (k, f) in enumerate(zip(keys, futures)):
+    def _read_local(self, pieces: list[tuple[str, int, int]]):
+        """The entries of ``pieces`` read from the disk tier's files into one buffer, several at a
+        time (file reads and blake3 release the GIL), verified and decoded like ``_decode``; None
+        when one cannot be read here (not on this host's disk, evicted, corrupt: the pool's data
+        plane then)."""
+        out = kv_buffer(self._bytes(pieces[-1][2]))
+        futures = [_decoders().submit(read_entry_into, entry_path(self.local_dir, k),
+                                      out[self._bytes(a):self._bytes(b)], k, self.secret) for k, a, b in pieces]
+        return self._settle(pieces, futures, out, (OSError, CorruptEntry))
+
+    def _bytes(self, tokens: int) -> int:
+        """Bytes of the KV blocks holding ``tokens`` tokens (the last block may be partial)."""
+        return -(-tokens // self.block_size) * self.block_size * self.token_bytes
+
+    def _settle(self, pieces, futures, out, fail_on=()):
+        """(``out``, its tokens) once every future is done; up to the first forged entry when one
+        is (counted); None when one raised ``fail_on`` (after all are done: none writes then)."""
+        end, failed = None, None
+        for (k, a, _), f in zip(pieces, futures):
             try:
                 f.result()
             except ForgedEntry as err:
-                self.forged += 1
-                metrics.POOL_FORGED.inc()
-                log.warning("KV pool entry %s ignored: %s", k[:16], err)
-                for rest in futures[i + 1:]:
-                    rest.cancel()
-                return out[:i * c]    # a copy: the later entries' decodes may still be writing
-        return out
+                if end is None:
+                    self.forged += 1
+                    metrics.POOL_FORGED.inc()
+                    log.warning("KV pool entry %s ignored: %s", k[:16], err)
+                    end = a
+            except fail_on as err:
+                failed = failed or err
+        if failed is not None:  # a slot before a forged entry may be unfilled too: all or nothing
+            log.info("KV pool: a cached entry is not readable here (%s): through the pool's data plane", failed)
+            return None
+        return (out, pieces[-1][2]) if end is None else (out[:self._bytes(end)], end)
 
-    def store_later(self, token_ids: list[int], kv, tenant: str = "") -> None:
-        """Write back the full chunks of (``token_ids``, their KV) of ``tenant`` in the background."""
+    def _decode(self, pieces: list[tuple[str, int, int]], bundle):
+        """The bundle's entries decoded straight into one buffer, several at a time (blake3, zstd
+        and the copies release the GIL): each entry is verified, its MAC checked and decoded into
+        its slice — no intermediate copy of the raw KV. The KV up to the first forged entry
+        (ignored and counted)."""
+        entries = unpack_entries(bundle)
+        if len(entries) != len(pieces):
+            raise CorruptEntry(f"the pool sent {len(entries)} entries for {len(pieces)} keys")
+        out = kv_buffer(self._bytes(pieces[-1][2]))
+        futures = [_decoders().submit(decode_entry_into, e, out[self._bytes(a):self._bytes(b)], k, self.secret)
+                   for (k, a, b), e in zip(pieces, entries)]
+        return self._settle(pieces, futures, out)
+
+    def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> None:
+        """Write back the full chunks of (``token_ids``, their KV) of ``tenant``, and the tail up
+        to ``tail_end`` (0: none), in the background."""
         if len(token_ids) < self.settings.chunk_tokens:
             return
-        t = asyncio.create_task(self.store(token_ids, kv, tenant), name="pool-store")
+        t = asyncio.create_task(self.store(token_ids, kv, tenant, tail_end), name="pool-store")
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def store(self, token_ids: list[int], kv, tenant: str = "") -> int:
-        """Put the chunks the pool lacks; returns how many it stored (0 on any failure)."""
-        keys = self.keys(token_ids, tenant=tenant)
+    async def store(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> int:
+        """Put the entries the pool lacks; returns how many it stored (0 on any failure)."""
+        pieces = self.pieces(token_ids, len(token_ids), tail_end, tenant)
+        keys = [k for k, _, _ in pieces]
         t0 = time.perf_counter()
         try:
             found = await self._lookup(keys, for_put=True)
-            missing = keys[found.hits:]
+            missing = pieces[found.hits:]
             if not missing or not found.data_port:
                 return 0
-            entries = await asyncio.to_thread(self._encode, missing, kv, found.hits)
+            entries = await asyncio.to_thread(self._encode, missing, kv)
             tid = f"{self.worker_id}-put-{next(self._ids)}"
             res = await send_and_report(self.bus, self.sender, self.worker_id, found.data_host, found.data_port,
                                         tid, pack_entries(entries), compressible=False)
             reply = await self.bus.request(subjects.kvpool_put(found.pool_id), PoolPut(
-                keys=missing, transfer_id=tid, nbytes=res.nbytes, checksum=res.checksum), timeout=self.settings.timeout)
+                keys=[k for k, _, _ in missing], transfer_id=tid, nbytes=res.nbytes, checksum=res.checksum),
+                timeout=self.settings.timeout)
         except (BusError, TransferError, TimeoutError) as e:
             self.errors += 1
             log.warning("KV pool write-back failed: %s", e)
             return 0
         self.stored += reply.stored
-        log.info("KV pool: wrote back %d of %d chunks in %.1f ms", reply.stored, len(keys),
+        log.info("KV pool: wrote back %d of %d entries in %.1f ms", reply.stored, len(keys),
                  (time.perf_counter() - t0) * 1e3)
         return reply.stored
 
-    def _encode(self, keys: list[str], kv, first: int) -> list[bytes]:
+    def _encode(self, pieces: list[tuple[str, int, int]], kv) -> list[bytes]:
         mv = memoryview(kv).cast("B")
-        c = self.chunk_bytes
-        return [self.codec.encode(k, mv[(first + i) * c:(first + i + 1) * c], self.shape) for i, k in enumerate(keys)]
+        return [self.codec.encode(k, self._kv_of(mv, a, b), self.shape) for k, a, b in pieces]
+
+    def _kv_of(self, mv: memoryview, a: int, b: int):
+        """The KV blocks of tokens [a, b) (``a`` at a block's start); a partial last block with
+        its slots past ``b`` zeroed (whatever the sequence computed after: not the entry's)."""
+        kv = mv[self._bytes(a):self._bytes(b)]
+        if b % self.block_size == 0:
+            return kv
+        kv = bytearray(kv)
+        s = self.shape
+        last = np.frombuffer(kv, dtype=np.float16)[-self._bytes(1) // 2:].reshape(
+            s.n_layers, 2, s.block_size, s.n_kv_heads, s.head_dim)
+        last[:, :, b % self.block_size:] = 0
+        return kv
 
     async def close(self) -> None:
         """Drain the pending write-backs (``TANDEM_POOL_DRAIN_S`` at most), cancel the rest."""

@@ -108,6 +108,9 @@ class WorkerSettings:
     max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
     step_tokens: int = _env("TANDEM_STEP_TOKENS", 0, "tokens per engine step (prefill chunk budget); 0 = "
                             "64 on CPU (a step stalls every stream in the engine), 512 on CUDA")
+    prefill_step_tokens: int = _env("TANDEM_PREFILL_STEP_TOKENS", 0, "tokens per engine step while no sequence "
+                                    "in the engine decodes (prompts alone: no stream waits on the step); 0 = 512 "
+                                    "on CPU, TANDEM_STEP_TOKENS on CUDA")
     shared_step_tokens: int = _env("TANDEM_SHARED_STEP_TOKENS", 0, "prefill tokens of worse tiers per step "
                                    "while interactive work runs; 0 = 8 on CPU, 64 on CUDA")
     guest_step_tokens: int = _env("TANDEM_GUEST_STEP_TOKENS", 0, "prefill tokens of standard/batch work per step "
@@ -138,6 +141,7 @@ class WorkerSettings:
         for name, var in (("threads", "TANDEM_THREADS"), ("kv_blocks", "TANDEM_KV_BLOCKS"),
                           ("load_threads", "TANDEM_LOAD_THREADS"),
                           ("max_context", "TANDEM_MAX_CONTEXT"), ("step_tokens", "TANDEM_STEP_TOKENS"),
+                          ("prefill_step_tokens", "TANDEM_PREFILL_STEP_TOKENS"),
                           ("shared_step_tokens", "TANDEM_SHARED_STEP_TOKENS"),
                           ("guest_step_tokens", "TANDEM_GUEST_STEP_TOKENS")):
             if getattr(self, name) < 0:
@@ -296,6 +300,9 @@ class PoolSettings:
     dir: str = _env("TANDEM_POOL_DIR", "~/.cache/tandem/kvpool",
                     "pool local-disk (NVMe) tier directory; empty: no disk tier")
     disk_gb: float = _env("TANDEM_POOL_DISK_GB", 64.0, "pool local-disk tier capacity, GiB")
+    local_read: bool = _env("TANDEM_POOL_LOCAL_READ", True, "workers on the pool's host read cached entries "
+                            "straight from TANDEM_POOL_DIR's files (the page cache: one copy, verified as "
+                            "always), the pool's data plane for the rest")
     shared_dir: str | None = _env("TANDEM_POOL_SHARED_DIR", None,
                                   "pool shared-filesystem tier directory (NFS...); unset: none")
     shared_gb: float = _env("TANDEM_POOL_SHARED_GB", 256.0, "pool shared tier capacity, GiB")
@@ -304,8 +311,10 @@ class PoolSettings:
                                  "unset: none")
     redis_gb: float = _env("TANDEM_POOL_REDIS_GB", 16.0, "pool Redis tier capacity, GiB")
     redis_prefix: str = _env("TANDEM_POOL_REDIS_PREFIX", "tandem:kvpool:", "prefix of the pool's Redis keys")
-    codec: str = _env("TANDEM_POOL_CODEC", "shuffle-zstd",
-                      "chunk codec: shuffle-zstd (lossless) or int8-zstd (lossy, opt-in)")
+    codec: str = _env("TANDEM_POOL_CODEC", "auto",
+                      "chunk codec: raw (lossless, uncompressed: the fastest warm reads), shuffle-zstd "
+                      "(lossless, ~13 % fewer bytes), int8-zstd (lossy, opt-in), auto = shuffle-zstd when "
+                      "TANDEM_POOL_REDIS_URL or TANDEM_POOL_SHARED_DIR is set (bytes cost more there), else raw")
     chunk_tokens: int = _env("TANDEM_POOL_CHUNK_TOKENS", 256, "tokens per pool chunk (a multiple of the block size)")
     tenant: str = _env("TANDEM_POOL_TENANT", "", "tenant salt: tenants never share pool entries")
     timeout: float = _env("TANDEM_POOL_TIMEOUT", 2.0, "seconds a worker waits, at most, for the pool to deliver "
@@ -323,14 +332,21 @@ class PoolSettings:
 
     def validate(self) -> None:
         from kvpool.codec import CODECS
-        if self.codec not in CODECS:
-            raise ValueError(f"TANDEM_POOL_CODEC must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        if self.codec != "auto" and self.codec not in CODECS:
+            raise ValueError(f"TANDEM_POOL_CODEC must be auto or one of {', '.join(CODECS)}, got {self.codec!r}")
         if min(self.ram_mb, self.disk_gb, self.shared_gb, self.redis_gb) < 0:
             raise ValueError("TANDEM_POOL_RAM_MB, TANDEM_POOL_DISK_GB, TANDEM_POOL_SHARED_GB and "
                              "TANDEM_POOL_REDIS_GB must be >= 0")
         if self.chunk_tokens < 1 or self.timeout <= 0 or self.backoff_s < 0 or self.drain_s < 0:
             raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0, "
                              "TANDEM_POOL_BACKOFF_S >= 0 and TANDEM_POOL_DRAIN_S >= 0")
+
+    def resolved_codec(self) -> str:
+        """The codec workers write with: TANDEM_POOL_CODEC, ``auto`` resolved from the tiers."""
+        if self.codec != "auto":
+            return self.codec
+        from kvpool.codec import LOSSLESS, RAW
+        return LOSSLESS if self.redis_url or self.shared_dir else RAW
 
     def secret(self) -> bytes:
         """The MAC secret of pool entries (TANDEM_POOL_KEY, else TANDEM_POOL_KEY_FILE's contents; b"": none)."""

@@ -145,15 +145,14 @@ class AsyncEngine:
                      prefix: tuple[list[int], bytes] | None = None, resume_token_ids: list[int] | None = None,
                      emitted_chars: int = 0, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """Queue a request of ``tenant``; once the engine has taken it, return the stream of its outputs.
-        ``prefix``: (token ids, KV bytes) of a prefix from the KV pool, loaded into the tenant's prefix
-        cache in the same engine command, so the request reuses it. ``resume_token_ids`` /
+        ``prefix``: (token ids, KV bytes) of a prefix from the KV pool, loaded in the same engine
+        command (``Engine.add``), so the request reuses it. ``resume_token_ids`` /
         ``emitted_chars``: continue a request that ran elsewhere (``Engine.add``). Raises
         ValueError (bad input) or EngineFull here, before any output."""
         def add() -> None:
-            if prefix is not None:
-                self.engine.load_prefix(*prefix, tenant=tenant)
             self.engine.add(request_id, prompt_token_ids, params, priority, prefill_only,
-                            resume_token_ids=resume_token_ids, emitted_chars=emitted_chars, tenant=tenant)
+                            resume_token_ids=resume_token_ids, emitted_chars=emitted_chars, tenant=tenant,
+                            prefix=prefix)
 
         return await self._opened(request_id, add)
 
@@ -228,13 +227,17 @@ class AsyncEngine:
         ``call_soon_threadsafe``)."""
         await self._call(lambda: self.engine.watch_chunks(seed, chunk_tokens, hook))
 
-    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes, str], None]) -> None:
-        """``hook(token_ids, kv, tenant)`` on the engine thread when a request finishes, with its first
-        ``align``-multiple computed tokens and their KV (the KV pool's write-back)."""
+    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes, str, int], None]) -> None:
+        """``hook(token_ids, kv, tenant, prompt tokens)`` on the engine thread when a request finishes,
+        with its first ``align``-multiple computed tokens and their KV (the KV pool's write-back)."""
         def install() -> None:
             self.engine.finished_kv_align = align
-            self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant: hook(tokens, kv, tenant)
+            self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant, prompt: hook(tokens, kv, tenant, prompt)
         await self._call(install)
+
+    async def warm_up(self) -> float:
+        """``Engine.warm_up`` on the engine's thread (its kernel thread team is that thread's)."""
+        return await self._call(self.engine.warm_up)
 
     async def cached_prefix_tokens(self, token_ids: list[int], tenant: str = "") -> int:
         return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids, tenant))

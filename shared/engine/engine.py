@@ -41,6 +41,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # exact number of KV blocks (tests use tiny budgets)
     max_num_seqs: int = 64              # running sequences at most
     step_tokens: int = 512   # tokens per step (prefill chunk budget)
+    prefill_step_tokens: int | None = None  # a step's budget while no sequence decodes (None or less: step_tokens)
     max_context: int | None = None      # cap below the model's context length
     enable_prefix_caching: bool = True
     swap_bytes: int = 256 << 20         # host memory for preempted sequences' KV (0: recompute)
@@ -120,17 +121,17 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.step_tokens,
                                    self.kv, config.swap_bytes, config.shared_step_tokens,
-                                   config.guest_step_tokens)
+                                   config.guest_step_tokens, config.prefill_step_tokens)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
         # ring sessions this engine coordinates (docs/strategies.md): request id -> (its Ring, the
         # session id there); their KV is on the ring's members, a step each runs after the batch
         self.rings: dict[str, tuple] = {}
         self._failed: list[tuple[str, Exception]] = []  # ring requests that failed (take_failed)
-        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant) when a request
-        # finishes, for its first ``finished_kv_align``-multiple computed tokens (the KV pool's
-        # write-back of a finished session). None: not called.
-        self.finished_kv_hook: Callable[[str, list[int], bytes, str], None] | None = None
+        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant, prompt
+        # tokens) when a request finishes, for its first ``finished_kv_align``-multiple computed
+        # tokens (the KV pool's write-back of a finished session). None: not called.
+        self.finished_kv_hook: Callable[[str, list[int], bytes, str, int], None] | None = None
         self.finished_kv_align = config.block_size
         # Chunk events (``watch_chunks``): called on the engine's thread with (stored, evicted)
         # pool chunk keys, net, at most once per step. None: not tracked.
@@ -159,9 +160,14 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             priority: int = 1, prefill_only: bool = False, resume_token_ids: list[int] | None = None,
-            emitted_chars: int = 0, tenant: str = "") -> None:
+            emitted_chars: int = 0, tenant: str = "", prefix: tuple[list[int], object] | None = None) -> None:
         """Queue a request. Raises ValueError for bad input (nothing is queued then). It shares
         cached KV blocks only with requests of the same ``tenant`` ("" = the public tenant).
+
+        ``prefix``: (token ids, KV) computed elsewhere (the KV pool) for the start of the prompt:
+        its whole blocks go into the prefix cache (``load_prefix``); a last partial block is the
+        request's own — it starts after those tokens (a prompt sent again computes its last token
+        only). The KV holds ``blocks_for(len(token ids))`` blocks, layout v1.
 
         ``resume_token_ids``: continue a request that ran elsewhere (its worker was lost): the
         output tokens its client has received, ``emitted_chars`` characters of their text. They
@@ -189,6 +195,8 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only, tenant)
         if resume_token_ids:
             self._resume(seq, resume_token_ids, emitted_chars)
+        if prefix is not None:
+            self._take_prefix(seq, *prefix)
         self._attach_guide(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -343,6 +351,16 @@ class Engine:
             seq.matcher = self.grammar.matcher(seq.params.guide, seq.output_token_ids)
 
     @torch.inference_mode()
+    def warm_up(self) -> float:
+        """One short forward pass before the first request, on the thread that runs the steps:
+        the weights' pages (memory-mapped from the weight cache) are faulted in and the kernels'
+        thread team exists, so the first request does not pay for them (~0.2 s on a 2-core VM).
+        Returns the seconds it took; the engine's state is unchanged."""
+        t0 = time.perf_counter()
+        self.prompt_logits([0] * self.layout.block_size)
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], prefix_kv: bytes | None = None) -> torch.Tensor:
         """Logits [len(token_ids), vocab] at every position of one prompt, in one forward pass
         (for evaluation: parity with other implementations, perplexity). Uses free KV blocks and
@@ -484,9 +502,9 @@ class Engine:
         n = seq.num_computed // self.finished_kv_align * self.finished_kv_align
         if n == 0:
             return
-        try:
-            kv = self.read_blocks(seq.block_table[:n // self.layout.block_size])
-            self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant)
+        try:  # the partial last block too: a prompt's tail entry ends at its last token but one
+            kv = self.read_blocks(seq.block_table[:self.layout.blocks_for(n)])
+            self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant, seq.num_prompt_tokens)
         except Exception:  # the hook is best effort; the request finishes regardless
             log.exception("finished-KV hook failed for %s", seq.request_id)
 
@@ -515,7 +533,7 @@ class Engine:
         if got is None:
             return 0
         t0 = time.perf_counter()
-        data = torch.frombuffer(kv if isinstance(kv, bytearray) else bytearray(kv), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(kv) if memoryview(kv).readonly else kv, dtype=torch.uint8)
         data = data.view(KV_DTYPE).view(n // bs, *self.layout.block_shape)
         if len(missing) < n // bs:  # some blocks cached here already: only the others (else no gather copy)
             data = data[torch.tensor(missing)]
@@ -528,6 +546,19 @@ class Engine:
         if self.chunk_events is not None:
             self.chunk_events.note(token_ids, hashes, tenant=tenant)
         return len(missing) * bs
+
+    def _take_prefix(self, seq: Sequence, token_ids: list[int], kv) -> None:
+        """``add``'s ``prefix``: whole blocks into the prefix cache, the partial block to ``seq``."""
+        bs, bb, n = self.layout.block_size, self.layout.block_bytes, len(token_ids)
+        mv = memoryview(kv).cast("B")
+        if mv.nbytes != self.layout.blocks_for(n) * bb or n >= seq.num_tokens or seq.token_ids[:n] != token_ids:
+            raise ValueError(f"prefix KV of {mv.nbytes} bytes for {n} tokens does not fit a prompt of "
+                             f"{seq.num_tokens} tokens in blocks of {bb} bytes")
+        full = n // bs * bs
+        self.load_prefix(token_ids[:full], mv[:full // bs * bb], tenant=seq.tenant)
+        if n > full and self.blocks.prefix_caching:  # a copy of one block: the caller's buffer may go
+            block = torch.frombuffer(bytearray(mv[full // bs * bb:]), dtype=torch.uint8).view(KV_DTYPE)
+            seq.partial_kv = (full, n - full, block.view(self.layout.block_shape))
 
     # ---- KV hand-off ------------------------------------------------------------------
     @torch.inference_mode()

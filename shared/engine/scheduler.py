@@ -2,7 +2,10 @@
 
 Each step: running sequences first, best priority first (a decode is one token, a sequence in
 chunked prefill takes what the token budget leaves), then waiting sequences in queue order
-(priority = SLA tier, then arrival). When the KV blocks run out, the lowest-priority running
+(priority = SLA tier, then arrival). The budget is ``step_tokens`` while any sequence decodes
+(every stream waits for the step) and ``prefill_step_tokens`` while none does and the best
+prompt is not batch work: a long prompt alone computes in throughput-sized steps, a batch flood
+in short ones (an interactive arrival waits for one step). When the KV blocks run out, the lowest-priority running
 sequence is preempted: its KV is copied to host memory (the swap space), its blocks are
 freed and it goes back to the queue; on resume the bytes are copied back, so it continues
 exactly where it stopped. When the swap space is full, a preempted sequence's KV is dropped
@@ -37,19 +40,21 @@ class ScheduledChunk:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, step_tokens: int,
                  kv: torch.Tensor, swap_bytes: int, shared_step_tokens: int | None = None,
-                 guest_step_tokens: int | None = None):
+                 guest_step_tokens: int | None = None, prefill_step_tokens: int | None = None):
         self.blocks = blocks
         self.kv = kv                    # the engine's KV tensor (kv_cache.py layout)
         self.swap_bytes = swap_bytes    # host memory for preempted sequences' KV
         self.swap_used = 0
         self.max_num_seqs = max_num_seqs
         self.max_tokens = step_tokens
+        # the budget while nothing decodes (fewer passes over the weights, larger matrix products)
+        self.prefill_tokens = max(step_tokens, prefill_step_tokens or step_tokens)
+        # worse tiers' prefill per step at any time: guests on a latency worker run in small slices,
+        # so an interactive arrival waits at most one short step
+        self.guest_step_tokens = self.prefill_tokens if guest_step_tokens is None else guest_step_tokens
         # while interactive work is in the engine, worse tiers' prefill gets at most this many
         # tokens of a step, so that the step (the interactive TTFT and TPOT) stays short
         self.shared_step_tokens = step_tokens if shared_step_tokens is None else shared_step_tokens
-        # worse tiers' prefill per step at any time: guests on a latency worker run in small slices,
-        # so an interactive arrival waits at most one short step
-        self.guest_step_tokens = step_tokens if guest_step_tokens is None else guest_step_tokens
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -108,7 +113,6 @@ class Scheduler:
         prompt is never held back behind a worse tier's long prefill; while interactive work is
         in the engine, worse tiers' prefill shares at most ``shared_step_tokens`` of the step (and
         ``guest_step_tokens`` at any time)."""
-        budget = self.max_tokens
         out: list[ScheduledChunk] = []
         # Every sequence slot taken and a better tier waiting: the worst running sequence makes
         # room (its KV goes to host memory; it resumes where it stopped).
@@ -118,12 +122,16 @@ class Scheduler:
         running = sorted(self.running, key=Sequence.sort_key)
         decodes = [s for s in running if s.num_tokens - s.num_computed == 1]
         prefills = [s for s in running if s.num_tokens - s.num_computed > 1]
+        queue = sorted(prefills + self.waiting, key=Sequence.sort_key)
+        # no stream waits on a step without decodes: a better-than-batch prompt then takes a long
+        # step (batch prompts keep short ones: an interactive arrival waits one short step at most)
+        budget = self.prefill_tokens if not decodes and queue and queue[0].priority < BATCH_PRIORITY \
+            else self.max_tokens
         for seq in decodes:
             if budget == 0:
                 break
             budget -= self._run(seq, budget, out)
         admitting = True  # waiting sequences are admitted in queue order until one does not fit
-        queue = sorted(prefills + self.waiting, key=Sequence.sort_key)
         interactive = any(s.priority == INTERACTIVE_PRIORITY for s in running + queue)
         worse_left = min(self.shared_step_tokens if interactive else budget, self.guest_step_tokens)
         for seq in queue:
@@ -162,6 +170,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, out: list[ScheduledChunk]) -> int:
         """Start (or resume) the head of the queue; the tokens it takes (0: it does not fit yet)."""
+        extra = 0
         if seq.swapped is not None:
             if not self._swap_in(seq):
                 return 0
@@ -171,16 +180,23 @@ class Scheduler:
             seq.block_table = list(cached)
             seq.block_hashes = [self.blocks.hash_of[b] for b in cached]
             seq.num_computed = len(cached) * self.blocks.block_size
+            partial = seq.partial_kv   # the pool's partial block right after the cached ones
+            extra = partial[1] if partial is not None and partial[0] == seq.num_computed else 0
             if seq.num_cached_tokens == 0 and seq.num_output_tokens == 0:
-                seq.num_cached_tokens = seq.num_computed
+                seq.num_cached_tokens = seq.num_computed + extra
             if seq.resumed and seq.resume_reused is None:
-                seq.resume_reused = seq.num_computed
-        n = min(seq.num_tokens - seq.num_computed, budget)
+                seq.resume_reused = seq.num_computed + extra
+        n = min(seq.num_tokens - seq.num_computed - extra, budget)
         lower = lambda s, me=seq: s.priority > me.priority  # noqa: E731
-        if not self._grow(seq, seq.num_computed + n, lower):
+        if not self._grow(seq, seq.num_computed + extra + n, lower):
             self.blocks.release(seq.block_table)  # keep queue order: wait for blocks
             seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
             return 0
+        if extra:  # its slots in the sequence's next block (not full: never shared, never hashed yet)
+            _, _, block = seq.partial_kv
+            self.kv[seq.block_table[seq.num_computed // self.blocks.block_size], :, :, :extra] = block[:, :, :extra]
+            seq.num_computed += extra
+        seq.partial_kv = None
         self.waiting.pop(0)
         seq.status = Status.RUNNING
         self.running.append(seq)

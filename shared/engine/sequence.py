@@ -45,6 +45,9 @@ class Sequence:
         self.num_computed = 0                 # tokens whose KV is in the cache
         self.num_cached_tokens = 0            # prompt tokens reused from the prefix cache
         self.swapped: torch.Tensor | None = None  # KV blocks held in host memory while preempted
+        # (start, tokens, one KV block): KV from the pool for prompt tokens [start, start + tokens)
+        # that do not fill a block; the scheduler puts it in place when the request starts
+        self.partial_kv: tuple[int, int, torch.Tensor] | None = None
         self.finish_reason: str | None = None
         self.resumed = False                  # continues a request that ran elsewhere (Engine.add)
         self.resume_reused: int | None = None  # ... tokens of its KV found cached when it started

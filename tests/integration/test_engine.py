@@ -366,3 +366,42 @@ def test_thread_count_does_not_change_tokens(bundled_model):
         eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=t))
         outs.append(run_to_completion(eng, {"t": (ids, greedy(48))})["t"].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_prompts_alone_take_throughput_sized_steps(bundled_model):
+    """While nothing decodes, a prompt computes ``prefill_step_tokens`` a step; once a sequence
+    decodes (its stream waits on every step), ``step_tokens`` again; the output is the same. A
+    batch prompt keeps short steps (an interactive arrival waits for one step at most)."""
+    tok = bundled_model.tokenizer
+    prompt = tok.encode(" ".join(PROMPTS) * 8)[:600]
+    small = run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=256, step_tokens=64)),
+                              {"long": (prompt, greedy(4))})["long"]
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, step_tokens=64, prefill_step_tokens=256))
+    got = {"long": [], "short": []}
+
+    def step() -> None:
+        for o in eng.step():
+            got[o.request_id] += o.token_ids
+
+    eng.add("long", prompt, greedy(4))
+    step()
+    assert eng.seqs["long"].num_computed == 256                 # alone: the prefill budget
+    eng.add("short", tok.encode(PROMPTS[0]), greedy(8))
+    while eng.seqs["short"].num_computed < eng.seqs["short"].num_tokens - 1:
+        step()                                                   # "short" decodes from here on
+    before = eng.seqs["long"].num_computed
+    step()
+    assert eng.seqs["long"].num_computed - before <= 64         # a stream waits on this step
+    while eng.has_work():
+        step()
+    assert got["long"] == small.token_ids                       # step sizes never change the output
+    eng.add("batch", prompt[::-1][:300], greedy(2), priority=2)  # nothing of it cached
+    eng.step()
+    assert eng.seqs["batch"].num_computed == 64
+
+
+def test_warm_up_leaves_the_engine_as_it_was(bundled_model):
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+    free = eng.blocks.num_free
+    assert eng.warm_up() > 0 and eng.blocks.num_free == free and not eng.has_work()
+    assert run_to_completion(eng, {"r": (eng.tokenizer.encode(PROMPTS[0]), greedy(4))})["r"].num_output_tokens == 4

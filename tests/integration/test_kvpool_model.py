@@ -1,16 +1,17 @@
 """The KV pool with the real model: a prefix's KV stored in the pool, loaded into another
-engine, gives exactly the output of computing it (lossless codec)."""
+engine, gives exactly the output of computing it (lossless codecs), tail entry included."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvpool.codec import LOSSLESS, LOSSY, ChunkShape, Codec, decode_entry
-from kvpool.keys import KeyScope, chunk_keys
+from kvpool.codec import LOSSLESS, LOSSY, RAW, ChunkShape, Codec, decode_entry
+from kvpool.keys import KeyScope, chunk_keys, tail_key
 from kvpool.pool import KVPool, PoolConfig
-from shared.engine.engine import Engine, EngineConfig, run_to_completion
+from shared.engine.engine import Completion, Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
+from shared.kv_connector import prompt_tail_end
 
 CHUNK = 256
 TEXT = ("The river wound through the valley, past farms and mills, carrying boats of grain to the "
@@ -39,31 +40,44 @@ def greedy(e: Engine, ids: list[int], prefix=None):
 
 
 def pool_round_trip(e: Engine, tokens: list[int], kv: bytes, codec: Codec) -> bytes:
-    """Put each chunk of ``kv`` through a pool and back; returns the decoded KV."""
+    """Put each chunk of ``kv`` — and the blocks after the last one, as a tail entry — through a
+    pool and back; returns the decoded KV."""
     pool = KVPool.from_config(PoolConfig(ram_bytes=64 << 20))
     keys = chunk_keys(scope_of(e, codec.name), tokens)
-    step = CHUNK * e.layout.token_bytes
     shape = ChunkShape.from_layout(e.layout.to_dict())
-    for i, k in enumerate(keys):
-        pool.put(k, codec.encode(k, kv[i * step:(i + 1) * step], shape))
-    assert pool.lookup(keys) == ["ram"] * len(keys)
-    return b"".join(decode_entry(pool.get(k), k) for k in keys)
+    at = lambda t: e.layout.blocks_for(t) * e.layout.block_bytes  # noqa: E731 (a partial last block: whole)
+    pieces = [(k, i * CHUNK, (i + 1) * CHUNK) for i, k in enumerate(keys)]
+    if len(tokens) > len(keys) * CHUNK:
+        pieces.append((tail_key(keys[-1], tokens[len(keys) * CHUNK:]), len(keys) * CHUNK, len(tokens)))
+    for k, a, b in pieces:
+        pool.put(k, codec.encode(k, kv[at(a):at(b)], shape))
+    assert pool.lookup([k for k, _, _ in pieces]) == ["ram"] * len(pieces)
+    return b"".join(decode_entry(pool.get(k), k) for k, _, _ in pieces)
 
 
-def test_pool_prefix_gives_identical_greedy_output(bundled_model, prompt):
+@pytest.mark.parametrize("codec", [RAW, LOSSLESS])
+def test_pool_prefix_gives_identical_greedy_output(bundled_model, prompt, codec):
+    """The prompt's chunks and tail (up to its last token but one, a partial block) through the
+    pool: the warm engine computes the last token only, and its greedy output is the cold one's."""
     cold = engine(bundled_model)
     captured = {}
-    cold.finished_kv_align = CHUNK
-    cold.finished_kv_hook = lambda rid, toks, kv, tenant: captured.update(tokens=toks, kv=kv)
+    cold.finished_kv_align = 1
+    cold.finished_kv_hook = lambda rid, toks, kv, tenant, n: captured.update(tokens=toks, kv=kv, prompt=n)
     want = greedy(cold, prompt)
-    assert len(captured["tokens"]) == 2 * CHUNK and captured["tokens"] == prompt[:2 * CHUNK]
-    kv = pool_round_trip(cold, captured["tokens"], captured["kv"], Codec(LOSSLESS))
-    assert kv == captured["kv"]
+    end = prompt_tail_end(captured["prompt"])
+    assert captured["prompt"] == len(prompt) and end == 2 * CHUNK + 39 and captured["tokens"][:end] == prompt[:end]
+    raw = captured["kv"][:cold.layout.blocks_for(end) * cold.layout.block_bytes]
+    kv = pool_round_trip(cold, prompt[:end], raw, Codec(codec))
+    assert kv[:(end // 16) * cold.layout.block_bytes] == raw[:(end // 16) * cold.layout.block_bytes]
 
     warm = engine(bundled_model)
-    got = greedy(warm, prompt, (captured["tokens"], kv))
+    warm.add("r", prompt, SamplingParams(max_tokens=12, temperature=0), prefix=(prompt[:end], kv))
+    got = Completion("r")
+    while warm.has_work():
+        for o in warm.step():
+            got.add(o)
     assert got.token_ids == want.token_ids and got.text == want.text
-    assert got.num_cached_tokens == 2 * CHUNK and want.num_cached_tokens == 0
+    assert got.num_cached_tokens == end and want.num_cached_tokens == 0
 
 
 def test_load_prefix_validates_and_skips_cached_blocks(bundled_model, prompt):

@@ -6,6 +6,8 @@ bytes are not the announced ones is not stored."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 import time
 
@@ -16,7 +18,7 @@ from services.kvpool import PoolService
 from shared import subjects
 from shared.bus import Bus
 from shared.engine.kv_cache import KVLayout
-from shared.kv_connector import PoolClient, key_scope
+from shared.kv_connector import PoolClient, key_scope, prompt_tail_end
 from shared.nats_server import EmbeddedNats
 from shared.bus import RemoteError
 from shared.nats_server import free_port
@@ -52,12 +54,30 @@ async def client(s: Settings, name: str) -> tuple[PoolClient, Bus, object]:
     return PoolClient(bus, s.pool, scope, LAYOUT, name, transport.sender(), rx, host, port), bus, rx
 
 
+@contextlib.asynccontextmanager
+async def pool_and_client(s: Settings, name: str):
+    """A started pool service and one worker's client: (pool, client, the client's bus)."""
+    pool = PoolService(s)
+    await pool.start()
+    c, bus, rx = await client(s, name)
+    try:
+        yield pool, c, bus
+    finally:
+        await c.close()
+        await bus.close()
+        await rx.close()
+        await pool.close()
+
+
 def kv_for(tokens: int) -> bytes:
     return np.random.default_rng(tokens).normal(0, 1, tokens * LAYOUT.token_bytes // 2).astype(np.float16).tobytes()
 
 
-async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
-    s = settings(nats_server, tmp_path)
+@pytest.mark.parametrize("local_read", [True, False], ids=["disk-files", "data-plane"])
+async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path, local_read):
+    """On the pool's host a worker reads the disk tier's files itself (the pool only answers the
+    lookup); else (TANDEM_POOL_LOCAL_READ=0, another host) through the pool's data plane."""
+    s = settings(nats_server, tmp_path, local_read=local_read)
     pool = PoolService(s)
     await pool.start()
     a, bus_a, rx_a = await client(s, "worker-a")
@@ -77,6 +97,7 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
 
         tokens, got = await b.fetch_prefix(prompt)
         assert tokens == prompt[:96] and bytes(got) == kv
+        assert (pool.pool.get_bytes == 0) == local_read       # the pool sent nothing: read here
         assert await b.fetch_prefix(prompt, have_tokens=96) is None  # the engine has it already
         assert await b.fetch_prefix(list(range(50, 150))) is None   # another prefix: a miss
     finally:
@@ -104,12 +125,57 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path):
         await watcher.close()
 
 
+async def test_a_prompts_tail_is_reused_by_exactly_that_prompt(nats_server, tmp_path):
+    """Past its last full chunk, a prompt's KV up to its last token but one is an entry of its
+    own (whole blocks, the last one partial, its other slots zeroed), keyed by those exact
+    tokens: the same prompt again loads all but its last token; a prompt that differs there, or
+    is longer or shorter, loads the shared full chunks only."""
+    s = settings(nats_server, tmp_path)
+    async with pool_and_client(s, "worker-t") as (pool, a, bus):
+        prompt = list(range(120))                       # 3 chunks of 32, then 24 tokens
+        end = prompt_tail_end(len(prompt))
+        kv = kv_for(128)                                # 8 blocks: the 8th holds tokens 112..118
+        assert await a.store(prompt[:end], kv, tail_end=end) == 4   # 3 chunks + the tail [96, 119)
+        assert await a.store(prompt[:end], kv, tail_end=end) == 0   # already there
+        tokens, got = await a.fetch_prefix(prompt)
+        whole = 112 * LAYOUT.token_bytes
+        assert tokens == prompt[:119] and len(got) == len(kv) and bytes(got[:whole]) == kv[:whole]
+        shape = (LAYOUT.n_layers, 2, LAYOUT.block_size, LAYOUT.n_kv_heads, LAYOUT.head_dim)
+        last_got = np.frombuffer(got[whole:], dtype=np.float16).reshape(shape)
+        last_kv = np.frombuffer(kv[whole:], dtype=np.float16).reshape(shape)
+        assert np.array_equal(last_got[:, :, :7], last_kv[:, :, :7]) and not last_got[:, :, 7:].any()
+        assert await a.fetch_prefix(prompt, have_tokens=119) is None
+        for other in (prompt[:100] + [7] * 20, prompt[:113], prompt[:100], prompt + [5]):
+            tokens, got = await a.fetch_prefix(other)   # another tail: the shared chunks only
+            assert tokens == prompt[:96] and bytes(got) == kv[:96 * LAYOUT.token_bytes]
+
+
+async def test_an_entry_unreadable_here_comes_over_the_data_plane(nats_server, tmp_path):
+    """A worker reading the disk tier's files finds one gone (evicted meanwhile) or damaged: the
+    whole prefix comes through the pool's data plane instead (its RAM tier), byte-exact."""
+    s = settings(nats_server, tmp_path)
+    async with pool_and_client(s, "worker-r") as (pool, a, bus):
+        prompt, kv = list(range(100)), kv_for(96)
+        assert await a.store(prompt[:96], kv) == 3
+        k0, k1, _ = a.keys(prompt[:96])
+        disk = next(t for t in pool.pool.tiers if t.name == "disk")
+        os.unlink(disk.path(k1))
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:96] and bytes(got) == kv and pool.pool.get_bytes > 0
+        sent = pool.pool.get_bytes
+        with open(disk.path(k0), "r+b") as f:                 # a flipped byte in the payload
+            f.seek(-7, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-7, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x20]))
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:96] and bytes(got) == kv and pool.pool.get_bytes > sent
+        assert a.errors == 0 and a.hits == 2
+
+
 async def test_entries_go_to_live_workers_only_and_puts_are_checked(nats_server, tmp_path):
     s = settings(nats_server, tmp_path)
-    pool = PoolService(s)
-    await pool.start()
-    a, bus, rx = await client(s, "worker-d")
-    try:
+    async with pool_and_client(s, "worker-d") as (pool, a, bus):
         prompt, kv = list(range(64)), kv_for(64)
         assert await a.store(prompt, kv) == 2
         keys = a.keys(prompt)
@@ -120,7 +186,7 @@ async def test_entries_go_to_live_workers_only_and_puts_are_checked(nats_server,
         assert e.value.code == "forbidden" and "no live worker" in e.value.message
         # a put whose bytes differ from what the PoolPut announces: not stored
         other = list(range(1000, 1064))
-        entries = a._encode(a.keys(other), kv, 0)
+        entries = a._encode(a.pieces(other, len(other)), kv)
         from kvpool.codec import pack_entries
         from shared.transfer import checksum
         bundle = pack_entries(entries)
@@ -132,11 +198,6 @@ async def test_entries_go_to_live_workers_only_and_puts_are_checked(nats_server,
         assert pool.pool.lookup(a.keys(other)) == []
         tokens, got = await a.fetch_prefix(prompt + [1])   # the worker's own get still works
         assert tokens == prompt and bytes(got) == kv
-    finally:
-        await a.close()
-        await bus.close()
-        await rx.close()
-        await pool.close()
 
 
 async def test_no_pool_running_is_a_miss(tmp_path):
@@ -215,3 +276,23 @@ async def test_stopping_pool_waits_for_announced_write_backs(nats_server, tmp_pa
         await bus_a.close()
         await rx_a.close()
         await pool.close()
+
+
+@pytest.mark.parametrize("local_read", [True, False], ids=["disk-files", "data-plane"])
+async def test_an_entry_without_the_deployments_secret_stops_the_prefix(nats_server, tmp_path, local_read):
+    """A writer without TANDEM_POOL_KEY put the third chunk (after two signed ones): a worker with
+    the secret loads the two signed chunks only, and counts the forged one."""
+    s = settings(nats_server, tmp_path, local_read=local_read, key="deployment")
+    rogue = settings(nats_server, tmp_path, key=None, key_file=str(tmp_path / "none"))
+    prompt, kv = list(range(100)), kv_for(96)
+    async with pool_and_client(s, "worker-s") as (pool, a, bus):
+        r, bus_r, rx_r = await client(rogue, "rogue")
+        try:
+            assert await a.store(prompt[:64], kv[:64 * LAYOUT.token_bytes]) == 2
+            assert await r.store(prompt[:96], kv) == 1              # the pool takes it: checksum only
+        finally:
+            await r.close()
+            await bus_r.close()
+            await rx_r.close()
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:64] and bytes(got) == kv[:64 * LAYOUT.token_bytes] and a.forged == 1

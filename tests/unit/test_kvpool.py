@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from kvpool.codec import (HEADER, LOSSLESS, LOSSY, ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry,
+from kvpool.codec import (HEADER, LOSSLESS, LOSSY, RAW, ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry,
                           decode_entry_into, entry_info)
-from kvpool.keys import KeyScope, check_key, chunk_keys, chunk_keys_from_seed
+from kvpool.keys import KeyScope, check_key, chunk_keys, chunk_keys_from_seed, tail_key
 from kvpool.pool import KVPool, PoolConfig
 from kvpool.store import DirTier, MemoryTier
 
@@ -27,8 +27,8 @@ def kv_bytes(tokens: int = 16, seed: int = 0) -> bytes:
     return x.astype(np.float16).tobytes()
 
 
-def entry(key: str, seed: int = 0) -> bytes:
-    return Codec().encode(key, kv_bytes(seed=seed))
+def entry(key: str, seed: int = 0, codec: str = LOSSLESS) -> bytes:
+    return Codec(codec).encode(key, kv_bytes(seed=seed))
 
 
 KEYS = chunk_keys(SCOPE, list(range(100)))
@@ -61,6 +61,16 @@ def test_tenants_never_share_keys_and_the_public_tenant_keeps_the_scope():
     assert alice == chunk_keys_from_seed(SCOPE.seed().hex(), 16, ids, tenant="alice")  # the router's keys
 
 
+def test_a_tail_key_names_exactly_its_tokens():
+    a = chunk_keys(SCOPE, list(range(40)))
+    tail = tail_key(a[-1], list(range(32, 40)))
+    assert check_key(tail) == tail and tail not in a and tail == tail_key(bytes.fromhex(a[-1]), list(range(32, 40)))
+    assert tail != tail_key(a[-1], list(range(32, 39)) + [7])      # another token
+    assert tail != tail_key(a[-1], list(range(32, 36)))            # fewer tokens
+    assert tail != tail_key(a[0], list(range(32, 40)))             # another prefix
+    assert tail != tail_key(chunk_keys(SCOPE, list(range(40)), tenant="t")[-1], list(range(32, 40)))  # tenant
+
+
 def test_bad_scope_and_key_rejected():
     with pytest.raises(ValueError, match="multiple of the KV block size"):
         KeyScope("m", LAYOUT, chunk_tokens=10)
@@ -71,20 +81,25 @@ def test_bad_scope_and_key_rejected():
 
 # -- codecs -------------------------------------------------------------------------------------
 
-def test_lossless_round_trip_is_exact():
+@pytest.mark.parametrize("codec", [LOSSLESS, RAW])
+def test_lossless_round_trip_is_exact(codec):
     raw = kv_bytes(64)
-    e = Codec(LOSSLESS).encode(KEYS[0], raw)
+    e = Codec(codec).encode(KEYS[0], raw)
     assert decode_entry(e, KEYS[0]) == raw
-    assert entry_info(e)[:3] == (KEYS[0], LOSSLESS, len(raw))
+    assert entry_info(e)[:3] == (KEYS[0], codec, len(raw))
+    assert Codec(codec).lossless and not Codec(LOSSY).lossless
+    if codec == RAW:
+        assert len(e) == HEADER.size + len(raw)
 
 
-def test_decode_into_a_slice_of_the_destination():
+@pytest.mark.parametrize("codec", [LOSSLESS, RAW])
+def test_decode_into_a_slice_of_the_destination(codec):
     raw = kv_bytes(64)
     dst = bytearray(b"\xaa" * (3 * len(raw)))
-    decode_entry_into(Codec(LOSSLESS).encode(KEYS[0], raw), memoryview(dst)[len(raw):2 * len(raw)], KEYS[0])
+    decode_entry_into(Codec(codec).encode(KEYS[0], raw), memoryview(dst)[len(raw):2 * len(raw)], KEYS[0])
     assert dst[len(raw):2 * len(raw)] == raw and set(dst[:len(raw)]) == set(dst[2 * len(raw):]) == {0xaa}
     with pytest.raises(CorruptEntry, match="its destination"):
-        decode_entry_into(Codec(LOSSLESS).encode(KEYS[0], raw), bytearray(len(raw) - 2))
+        decode_entry_into(Codec(codec).encode(KEYS[0], raw), bytearray(len(raw) - 2))
 
 
 def test_lossless_round_trip_special_values():
@@ -104,9 +119,10 @@ def test_lossy_round_trip_is_close_and_smaller():
         Codec(LOSSY).encode(KEYS[0], raw)
 
 
+@pytest.mark.parametrize("codec", [LOSSLESS, RAW])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "magic", "key"])
-def test_corrupt_entries_are_detected(damage):
-    e = bytearray(entry(KEYS[0]))
+def test_corrupt_entries_are_detected(damage, codec):
+    e = bytearray(entry(KEYS[0], codec=codec))
     if damage == "flip":
         e[HEADER.size + 10] ^= 0x40
     elif damage == "truncate":
@@ -217,3 +233,16 @@ def test_pool_config_validation(tmp_path):
         PoolConfig(ram_bytes=0).validate()
     with pytest.raises(ValueError, match="must differ"):
         PoolConfig(disk_dir=str(tmp_path), shared_dir=str(tmp_path)).validate()
+
+
+def test_auto_codec_follows_the_tiers_and_lossless_codecs_share_entries():
+    from shared.kv_connector import key_scope
+    from shared.settings import PoolSettings
+    assert PoolSettings(codec="auto").resolved_codec() == RAW                     # local disk: no compression
+    assert PoolSettings(codec="auto", redis_url="redis://h:6379/0").resolved_codec() == LOSSLESS
+    assert PoolSettings(codec="auto", shared_dir="/nfs/pool").resolved_codec() == LOSSLESS
+    assert PoolSettings(codec=LOSSY).resolved_codec() == LOSSY
+    seed = {c: key_scope("m", LAYOUT, PoolSettings(codec=c)).seed() for c in ("auto", RAW, LOSSLESS, LOSSY)}
+    assert seed["auto"] == seed[RAW] == seed[LOSSLESS] != seed[LOSSY]             # same bytes: same entries
+    with pytest.raises(ValueError, match="TANDEM_POOL_CODEC"):
+        PoolSettings(codec="lz4").validate()
