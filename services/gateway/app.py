@@ -27,6 +27,7 @@ from shared.tier import TIERS
 from .backend import Backend, BackendError
 from .handlers import GatewayState, router
 from .limits import Limits
+from . import streaming
 from .responses import router as responses_router
 from .openai_api import APIError, json_response
 
@@ -132,6 +133,7 @@ async def serve(backend: Backend, settings: GatewaySettings, log_level: str = "i
     """Serve the gateway with uvicorn until SIGINT/SIGTERM; in-flight requests get ``drain_s``."""
     import uvicorn
 
+    await streaming.warm_up()
     config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port,
                             log_level=log_level, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=settings.drain_s)

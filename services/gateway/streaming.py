@@ -70,6 +70,25 @@ class SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
+async def warm_up() -> None:
+    """One SSE response through Starlette in this process, before serving: anyio imports its stream
+    and socket modules on first use, which cost the first streamed request ~0.1 s (measured in a
+    fresh stack: 151 ms gateway TTFT vs 29 ms on the worker, then 32 ms)."""
+    import httpx
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/")
+    async def one():
+        async def body():
+            yield b"data: warm\n\n"
+        return SSEResponse(body(), media_type="text/event-stream")
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm-up") as client:
+        (await client.get("/")).raise_for_status()
+
+
 async def abort(backend: Backend, rids: list[str], why: str) -> None:
     for rid in rids:
         log.info("%s %s; aborting", rid, why)
