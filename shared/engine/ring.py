@@ -86,15 +86,17 @@ class RingMember:
         self.shards[sid] = _Shard(start, end, got, torch.tensor(pad + got, dtype=torch.int64))
 
     @torch.inference_mode()   # an engine's cache (``kv`` shared) is an inference tensor
-    def load(self, sid: str, kv) -> None:
-        """Fill the shard's first blocks with ``kv`` (bytes-like, whole blocks of layout v1)."""
+    def load(self, sid: str, kv, first: int = 0) -> None:
+        """Fill the shard's blocks from its ``first`` on with ``kv`` (bytes-like, whole blocks
+        of layout v1)."""
         sh = self.shards[sid]
         data = torch.frombuffer(bytearray(kv), dtype=torch.uint8).view(KV_DTYPE)
         n = data.numel() * 2 // self.layout.block_bytes
-        if n * self.layout.block_bytes != data.numel() * 2 or n > len(sh.blocks):
-            raise ValueError(f"{self.name}: {data.numel() * 2} bytes are not at most {len(sh.blocks)} whole KV blocks")
+        if n * self.layout.block_bytes != data.numel() * 2 or not 0 <= first <= first + n <= len(sh.blocks):
+            raise ValueError(f"{self.name}: {data.numel() * 2} bytes from block {first} are not whole KV blocks "
+                             f"within the shard's {len(sh.blocks)}")
         if n:
-            self.kv[torch.tensor(sh.blocks[:n])] = data.view(n, *self.layout.block_shape)
+            self.kv[torch.tensor(sh.blocks[first:first + n])] = data.view(n, *self.layout.block_shape)
 
     def owns(self, sid: str, pos: int) -> bool:
         sh = self.shards[sid]
