@@ -12,7 +12,7 @@ Life cycle of a ring session:
                (prompt + max new tokens), one per member, the last one open to growth
     Scatter    admit(): every member reserves KV blocks for its whole range (or the admission
                fails with RingCapacityError naming the member and the shortfall: nothing is
-               kept), then loads its slice of the prefill's KV bytes
+               kept), then the members load their slices of the prefill's KV bytes, all at once
     Decoding   step(): per layer q|k|v → the member owning the new position stores k, v →
                each member with keys attends its segments → merge + o-proj + FFN; logits
     Gather     gather(): the shards' bytes end to end = the session's KV in layout v1, the
@@ -28,6 +28,7 @@ order: remote members attend while the coordinator's own member does.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -209,9 +210,14 @@ class Ring:
                 m.release(sid)
             raise
         bs, bb = layout.block_size, layout.block_bytes
-        for m, (a, b) in zip(self.members, ranges):
-            hi = layout.blocks_for(min(b, num_computed)) if a < num_computed else a // bs
-            m.load(sid, mv[a // bs * bb:hi * bb])
+        slices = [mv[a // bs * bb:(layout.blocks_for(min(b, num_computed)) if a < num_computed else a // bs) * bb]
+                  for a, b in ranges]
+        if len(self.members) == 1:
+            self.members[0].load(sid, slices[0])
+        else:   # every member loads its range at the same time (remote ones on their own connections)
+            with ThreadPoolExecutor(len(self.members), thread_name_prefix="ring-scatter") as pool:
+                for f in [pool.submit(m.load, sid, kv_slice) for m, kv_slice in zip(self.members, slices)]:
+                    f.result()
         self.sessions[sid] = _Session(ranges, num_computed, list(token_ids))
         return ranges
 
