@@ -331,6 +331,7 @@ class RingServer:
         self._live.add(conn)
         ch = None
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a reply's tag follows its payload
             conn.settimeout(self.timeout)
             ch = self._handshake(conn)
             if ch is None:
