@@ -8,6 +8,7 @@ import socket
 import stat
 
 import pytest
+import torch
 
 from shared.engine.ring_net import _Channel, _map_region, _new_region, _session_key
 
@@ -114,3 +115,27 @@ def test_only_a_ring_region_is_mapped():
     for name in ["tandem-kv-" + "0" * 32, "tandem-ring-../../etc/passwd", "tandem-ring-" + "0" * 31]:
         with pytest.raises(ValueError, match="not a ring region"):
             _map_region(name, 1 << 16)
+
+
+class _NoMember:
+    """Enough of a member for a connection's setup (no op reaches it)."""
+    name, kv = "m", torch.zeros(1)
+
+
+@shm
+@pytest.mark.parametrize("server_shm, client_shm, other_host, want", [
+    (True, True, False, "shm"), (False, True, False, "tcp"), (True, False, False, "tcp"), (True, True, True, "tcp")])
+def test_a_connection_takes_shm_only_on_one_host_with_both_ends_willing(monkeypatch, server_shm, client_shm,
+                                                                       other_host, want):
+    from shared.engine import ring_net
+    server = ring_net.RingServer(_NoMember(), key=b"k", shm=server_shm)
+    server.start()
+    if other_host:   # the coordinator's identity as another kernel's
+        monkeypatch.setattr(ring_net.links, "host_identity", lambda: "another-machine:another-boot")
+    try:
+        member = ring_net.RemoteMember("m", "127.0.0.1", server.port, b"k", None, shm=client_shm)
+        assert member.link == want
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-ring-")]
+        member.close()
+    finally:
+        server.close()
