@@ -9,6 +9,11 @@ would put on the wire (q|k|v rows out to each member with keys, segment states b
 random fp16 (no prefill of 8K tokens here): a step's time does not depend on the values, and
 exactness is the tests' job (tests/integration/test_ring.py).
 
+``--links``: the per-step cost of the ring connections: a ring of 2 whose second member is in
+another process (a ``RingServer``, as a cpu-decode worker runs it, data-plane key on) reached
+over loopback TCP or through the connection's shared-memory region, against the same ring with
+both members in this process (no messages); per-segment states, the payloads ``Ring.step`` sends.
+
 Then the seed's compute/transfer model per head group (docs/strategies.md): the attention time
 of one kv head's keys on a member (measured here per key; modelled for a 2-socket EPYC) against
 the bytes of that head group's q and partial states at 10 and 100 Gbps.
@@ -35,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="contexts of the compute/transfer model (default 8192,32768,131072,262144)")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+    p.add_argument("--links", action="store_true",
+                   help="the ring connections' per-step cost: a member in another process over TCP vs shm")
     p.add_argument("--stack", action="store_true",
                    help="instead: a ring of cpu-decode workers against one worker through two `tandem up` stacks "
                         "(bench/ring_stack.py)")
@@ -109,6 +116,106 @@ def _bench(contexts: list[int], members: list[int], steps: int, threads: int | N
     return rows, machine
 
 
+def _member_process(conn, threads: int | None, kv_bytes: int, key: bytes) -> None:
+    """``--links``: a member in its own process (the bundled model's kernels), served on a ring
+    port until the parent closes the pipe."""
+    from kernels import cpu
+    from kernels.cpu_ring import RingKernels
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.ring import RingMember
+    from shared.engine.ring_net import RingServer
+    if threads:
+        cpu.set_num_threads(threads)
+    engine = Engine.from_path(None, EngineConfig(threads=threads, enable_prefix_caching=False, num_kv_blocks=1))
+    k = RingKernels.of(engine.model)
+    server = RingServer(RingMember(k, engine.layout, kv_bytes, "remote"), "127.0.0.1", 0, key)
+    conn.send(server.start()[1])
+    try:
+        conn.recv()
+    except EOFError:   # the parent is done
+        pass
+    server.close()
+
+
+def _links(contexts: list[int], steps: int, threads: int | None) -> tuple[list[dict], str]:
+    """Per context: a ring of 2 in this process, then with member 1 in another process over TCP
+    and over shm; ms per step, alternating the links per round."""
+    import multiprocessing
+
+    import torch
+
+    from kernels import cpu
+    from kernels.cpu_ring import RingKernels
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.kv_cache import KV_DTYPE
+    from shared.engine.ring import Ring, RingMember
+    from shared.engine.ring_net import RemoteMember
+    from shared.strategy import shard_ranges
+
+    engine = Engine.from_path(None, EngineConfig(threads=threads, enable_prefix_caching=False, num_kv_blocks=1))
+    k = RingKernels.of(engine.model)
+    if k is None:
+        raise SystemExit("the fused CPU step is not available here: no ring")
+    layout, cfg, key = engine.layout, engine.model_config, b"bench-key"
+    budget = layout.blocks_for(max(contexts) + steps + 1) * layout.block_bytes
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_member_process, args=(child, threads, budget, key), daemon=True)
+    proc.start()
+    port = parent.recv()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    try:
+        for n in contexts:
+            raw = torch.randn(layout.blocks_for(n), *layout.block_shape, generator=gen).to(KV_DTYPE)
+            raw = raw.view(torch.uint8).numpy().tobytes()
+            ids = torch.randint(0, cfg.vocab_size, (n + steps + 2,), generator=gen).tolist()
+            rings = {"in process": [RingMember(k, layout, budget, "m1")]}
+            for link in ("tcp", "shm"):
+                rings[link] = [RemoteMember("remote", "127.0.0.1", port, key, layout, shm=link == "shm")]
+                assert rings[link][0].link == link
+            times: dict[str, list[float]] = {name: [] for name in rings}
+            scatter = {}
+            for i, (name, other) in enumerate(rings.items()):
+                ring = Ring(k, [RingMember(k, layout, budget, "m0"), *other])
+                t0 = time.perf_counter()
+                ring.admit(f"s{i}", ids[:n + 1], n, raw, n + steps + 2)
+                scatter[name] = time.perf_counter() - t0
+                rings[name] = ring
+            for step in range(steps + 1):      # the first step warms each ring up
+                order = list(rings.items())
+                for name, ring in (order if step % 2 else order[::-1]):
+                    sid = f"s{list(rings).index(name)}"
+                    t0 = time.perf_counter()
+                    ring.step(sid)
+                    if step:
+                        times[name].append(time.perf_counter() - t0)
+                    ring.append(sid, ids[n + 1 + step])
+            base = sorted(times["in process"])[len(times["in process"]) // 2]
+            for name, ring in rings.items():
+                med = sorted(times[name])[len(times[name]) // 2]
+                t = ring.times
+                rows.append({"context": n, "link": name, "scatter_ms": 1e3 * scatter[name], "step_ms": 1e3 * med, "extra_ms": 1e3 * (med - base),
+                             "vs_in_process": med / base, "bytes_out": t.bytes_out // t.steps,
+                             "bytes_back": t.bytes_back // t.steps, "ranges": shard_ranges(n + steps + 2, 2)})
+                ring.release(f"s{list(rings).index(name)}")
+                ring.close()
+    finally:
+        parent.close()
+        proc.join(10)
+    return rows, f"isa={cpu.isa()} threads={cpu.get_num_threads()} (each process)"
+
+
+def links_table(rows: list[dict]) -> str:
+    lines = ["| context | member 1 | scatter ms | step ms (median) | + ms vs in process | ratio | bytes out / step "
+             "| bytes back / step |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['context']} | {r['link']} | {fmt(r['scatter_ms'])} | {fmt(r['step_ms'])} "
+                     f"| {fmt(r['extra_ms'], 2)} "
+                     f"| {fmt(r['vs_in_process'], 2)}x | {r['bytes_out']} | {r['bytes_back']} |")
+    return "\n".join(lines)
+
+
 def margin_rows(machine: dict, contexts: list[int], members: list[int]) -> list[dict]:
     """The seed's model: per head group, attention time on a member vs its transfer time, for the
     bytes of this design (q out; one state per segment back: exact) and of one state per member
@@ -170,6 +277,14 @@ def main(args: argparse.Namespace) -> int:
                 json.dump(res, f, indent=2)
         return 0
     contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
+    if args.links:
+        rows, machine = _links(contexts, args.steps, args.threads)
+        print(machine, flush=True)
+        print(links_table(rows), flush=True)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"machine": machine, "links": rows}, f, indent=2)
+        return 0
     members = [int(x) for x in args.members.split(",") if x.strip()]
     if not contexts or not members or min(members) < 1 or args.steps < 2 or max(contexts) + args.steps >= 8192:
         raise SystemExit("--contexts and --members need positive values, --steps >= 2, context + steps < 8192")

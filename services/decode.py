@@ -61,7 +61,7 @@ class DecodeWorker(EngineWorker):
         if self.role == subjects.CPU_DECODE and RingKernels.of(self.engine.engine.model) is not None:
             d = self.settings.data
             self.ring_member = EngineMember(self.engine.engine, self.engine.run_blocking, self.worker_id)
-            self.ring_server = RingServer(self.ring_member, d.host, 0, d.secret(), d.timeout)
+            self.ring_server = RingServer(self.ring_member, d.host, 0, d.secret(), d.timeout, d.shm)
             self.ring_port = self.ring_server.start()[1]
         await self.bus.serve(subjects.worker_decode(self.worker_id), self.handle_decode, expected=DecodeRequest)
         await self.bus.serve(subjects.worker_generate(self.worker_id), self.handle_generate,
@@ -115,7 +115,7 @@ class DecodeWorker(EngineWorker):
 
         def scatter() -> tuple[Ring, list]:
             ring = Ring(k, connect_ring(req.ring, self.worker_id, self.ring_member, d.secret(), self.engine.layout,
-                                        d.timeout))
+                                        d.timeout, d.shm))
             try:
                 return ring, ring.admit(sid, h.token_ids, h.num_computed, kv, total)
             except BaseException:
@@ -130,8 +130,9 @@ class DecodeWorker(EngineWorker):
             raise BusError("overloaded" if isinstance(e, RingCapacityError) else e.code, str(e)) from None
         except RingMemberLost as e:
             raise BusError("unavailable", str(e)) from None
-        log.info("%s: ring of %d %s, ranges %s: %d tokens of KV scattered in %.0f ms", req.request_id,
-                 len(ranges), [w for w, _, _ in req.ring], ranges, h.num_computed, (time.monotonic() - t0) * 1e3)
+        log.info("%s: ring of %d %s (links %s), ranges %s: %d tokens of KV scattered in %.0f ms", req.request_id,
+                 len(ranges), [w for w, _, _ in req.ring], [getattr(m, "link", "local") for m in ring.members],
+                 ranges, h.num_computed, (time.monotonic() - t0) * 1e3)
         try:
             return await self.engine.submit_ring(req.request_id, blob, ring, sid, priority_of(req.tier))
         except BaseException:

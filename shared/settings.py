@@ -264,7 +264,8 @@ class DataPlaneSettings:
     max_pending_mb: int = _env("TANDEM_DATA_MAX_PENDING_MB", 4096,
                                "received-but-not-taken payload bytes held at most, MiB")
     timeout: float = _env("TANDEM_DATA_TIMEOUT", 30.0, "seconds a transfer may stall")
-    shm: bool = _env("TANDEM_DATA_SHM", True, "use shared memory (/dev/shm) for peers on the same host")
+    shm: bool = _env("TANDEM_DATA_SHM", True, "use shared memory (/dev/shm) for peers on the same host (KV "
+                     "transfers and ring connections; 0: TCP only)")
     key: str | None = _env("TANDEM_DATA_KEY", None, "secret every data-plane frame is tagged with (HMAC-SHA256); "
                            "a receiver refuses frames without it; unset: the one in TANDEM_DATA_KEY_FILE")
     key_file: str = _env("TANDEM_DATA_KEY_FILE", "~/.cache/tandem/data.key", "file holding the data-plane key "

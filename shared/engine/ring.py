@@ -12,7 +12,7 @@ Life cycle of a ring session:
                (prompt + max new tokens), one per member, the last one open to growth
     Scatter    admit(): every member reserves KV blocks for its whole range (or the admission
                fails with RingCapacityError naming the member and the shortfall: nothing is
-               kept), then loads its slice of the prefill's KV bytes
+               kept), then the members load their slices of the prefill's KV bytes, all at once
     Decoding   step(): per layer q|k|v → the member owning the new position stores k, v →
                each member with keys attends its segments → merge + o-proj + FFN; logits
     Gather     gather(): the shards' bytes end to end = the session's KV in layout v1, the
@@ -28,6 +28,7 @@ order: remote members attend while the coordinator's own member does.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -86,15 +87,17 @@ class RingMember:
         self.shards[sid] = _Shard(start, end, got, torch.tensor(pad + got, dtype=torch.int64))
 
     @torch.inference_mode()   # an engine's cache (``kv`` shared) is an inference tensor
-    def load(self, sid: str, kv) -> None:
-        """Fill the shard's first blocks with ``kv`` (bytes-like, whole blocks of layout v1)."""
+    def load(self, sid: str, kv, first: int = 0) -> None:
+        """Fill the shard's blocks from its ``first`` on with ``kv`` (bytes-like, whole blocks
+        of layout v1)."""
         sh = self.shards[sid]
         data = torch.frombuffer(bytearray(kv), dtype=torch.uint8).view(KV_DTYPE)
         n = data.numel() * 2 // self.layout.block_bytes
-        if n * self.layout.block_bytes != data.numel() * 2 or n > len(sh.blocks):
-            raise ValueError(f"{self.name}: {data.numel() * 2} bytes are not at most {len(sh.blocks)} whole KV blocks")
+        if n * self.layout.block_bytes != data.numel() * 2 or not 0 <= first <= first + n <= len(sh.blocks):
+            raise ValueError(f"{self.name}: {data.numel() * 2} bytes from block {first} are not whole KV blocks "
+                             f"within the shard's {len(sh.blocks)}")
         if n:
-            self.kv[torch.tensor(sh.blocks[:n])] = data.view(n, *self.layout.block_shape)
+            self.kv[torch.tensor(sh.blocks[first:first + n])] = data.view(n, *self.layout.block_shape)
 
     def owns(self, sid: str, pos: int) -> bool:
         sh = self.shards[sid]
@@ -207,9 +210,14 @@ class Ring:
                 m.release(sid)
             raise
         bs, bb = layout.block_size, layout.block_bytes
-        for m, (a, b) in zip(self.members, ranges):
-            hi = layout.blocks_for(min(b, num_computed)) if a < num_computed else a // bs
-            m.load(sid, mv[a // bs * bb:hi * bb])
+        slices = [mv[a // bs * bb:(layout.blocks_for(min(b, num_computed)) if a < num_computed else a // bs) * bb]
+                  for a, b in ranges]
+        if len(self.members) == 1:
+            self.members[0].load(sid, slices[0])
+        else:   # every member loads its range at the same time (remote ones on their own connections)
+            with ThreadPoolExecutor(len(self.members), thread_name_prefix="ring-scatter") as pool:
+                for f in [pool.submit(m.load, sid, kv_slice) for m, kv_slice in zip(self.members, slices)]:
+                    f.result()
         self.sessions[sid] = _Session(ranges, num_computed, list(token_ids))
         return ranges
 

@@ -20,6 +20,17 @@ has none) nothing is tagged, as for the KV frames.
 
 Message: ``!BIQ`` (op, meta bytes, payload bytes), the meta (JSON), the payload, the tag (32
 bytes, with a key). A member's reply has op ``OK`` or ``ERR`` (meta: code and message).
+
+Same host (docs/protocol.md "Ring connections"): right after the handshake the coordinator
+offers its host identity (``SHM``); a member on the same running kernel with shared memory on
+(``TANDEM_DATA_SHM``) creates a region in /dev/shm (``tandem-ring-<32 hex>``, mode 0600, two
+areas of ``SHM_AREA`` bytes: coordinator → member and back) and names it in its reply; the
+coordinator maps it and unlinks it, says so (``MAPPED``), and from then on each message's
+payload (up to an area) is written to the sender's area instead of the socket, while the
+header, meta and tag still go on the socket. The receiver copies the payload out of the region
+before it checks the tag, so the tag covers exactly the bytes it uses (a peer rewriting the
+region afterwards changes nothing). The name travels only on the authenticated connection and
+is unlinked once both sides hold it (the member unlinks it too, whatever the coordinator did).
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ import hashlib
 import hmac
 import json
 import logging
+import mmap
 import os
+import re
 import socket
 import struct
 import threading
@@ -38,6 +51,8 @@ import torch
 
 from kernels.cpu_ring import RingKernels
 from shared.engine.ring import RingCapacityError, RingMember
+from shared.transfer import link as links
+from shared.transfer.shm import SHM_DIR, available as shm_available
 
 log = logging.getLogger("tandem.ring")
 
@@ -45,10 +60,12 @@ MAGIC = b"TRG1"
 NONCE = 32
 TAG = 32
 HEAD = struct.Struct("!BIQ")
-RESERVE, LOAD, ATTEND, READ, RELEASE = 1, 2, 3, 4, 5
+RESERVE, LOAD, ATTEND, READ, RELEASE, SHM, MAPPED = 1, 2, 3, 4, 5, 6, 7
 OK, ERR = 0, 255
 MAX_META = 1 << 16
 CONNECT_TIMEOUT = 3.0
+SHM_AREA = 8 << 20       # bytes per direction of a same-host connection's region
+LOAD_CHUNK = 8 << 20     # a scatter's LOAD messages carry at most this many bytes of blocks
 
 
 class RingMemberLost(RuntimeError):
@@ -89,26 +106,53 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 
 class _Channel:
-    """One side of an authenticated connection: framed, tagged messages (module doc)."""
+    """One side of an authenticated connection: framed, tagged messages (module doc); with a
+    shared-memory region attached, payloads travel through it."""
 
     def __init__(self, sock: socket.socket, session_key: bytes, client: bool, max_payload: int):
-        self.sock, self.key, self.max_payload = sock, session_key, max_payload
+        self.sock, self.key, self.max_payload, self.client = sock, session_key, max_payload, client
         self.out_dir, self.in_dir = (b"c", b"s") if client else (b"s", b"c")
         self.sent = self.got = 0
+        self.region: mmap.mmap | None = None
+        self._out = self._in = None    # the two areas of the region, as seen from this side
+
+    @property
+    def link(self) -> str:
+        return "shm" if self.region is not None else "tcp"
+
+    def attach(self, region: mmap.mmap, area: int) -> None:
+        """Send and receive payloads of up to ``area`` bytes through ``region`` (2 × area bytes:
+        the coordinator's area first)."""
+        view = memoryview(region)
+        mine, theirs = (view[:area], view[area:2 * area]) if self.client else (view[area:2 * area], view[:area])
+        self.region, self._out, self._in = region, mine, theirs
+
+    def detach(self) -> None:
+        if self.region is not None:
+            self._out.release()
+            self._in.release()
+            self.region.close()
+            self.region = self._out = self._in = None
+
+    def _shared(self, n: int) -> bool:
+        return self.region is not None and 0 < n <= self._out.nbytes
 
     def send(self, op: int, meta: dict | None = None, payload=b"") -> None:
         m = json.dumps(meta or {}, separators=(",", ":")).encode()
         pv = memoryview(payload).cast("B")
         head = HEAD.pack(op, len(m), pv.nbytes)
-        parts = [head, m, pv]
-        if self.key:
-            parts.append(_mac(self.key, self.out_dir, self.sent.to_bytes(8, "big"), head, m, pv))
+        tag = _mac(self.key, self.out_dir, self.sent.to_bytes(8, "big"), head, m, pv) if self.key else b""
         self.sent += 1
-        self.sock.sendall(b"".join(parts) if pv.nbytes < 1 << 16 else head + m)
-        if pv.nbytes >= 1 << 16:
+        if self._shared(pv.nbytes):
+            self._out[:pv.nbytes] = pv
+            self.sock.sendall(head + m + tag)
+        elif pv.nbytes < 1 << 16:
+            self.sock.sendall(b"".join([head, m, pv, tag]))
+        else:
+            self.sock.sendall(head + m)
             self.sock.sendall(pv)
-            if self.key:
-                self.sock.sendall(parts[-1])
+            if tag:
+                self.sock.sendall(tag)
 
     def recv(self) -> tuple[int, dict, bytearray]:
         head = _recv_exact(self.sock, HEAD.size)
@@ -116,7 +160,11 @@ class _Channel:
         if mlen > MAX_META or plen > self.max_payload:
             raise ConnectionError(f"message of {mlen} + {plen} bytes is over the limit")
         m = _recv_exact(self.sock, mlen)
-        payload = _recv_exact(self.sock, plen)
+        if self._shared(plen):   # a private copy: what the tag is checked over is what is used
+            payload = bytearray(plen)
+            payload[:] = self._in[:plen]
+        else:
+            payload = _recv_exact(self.sock, plen)
         if self.key:
             tag = _recv_exact(self.sock, TAG)
             want = _mac(self.key, self.in_dir, self.got.to_bytes(8, "big"), head, m, payload)
@@ -124,6 +172,44 @@ class _Channel:
                 raise ConnectionError("message tag does not verify under the data-plane key")
         self.got += 1
         return op, json.loads(m) if mlen else {}, payload
+
+
+def _new_region(area: int) -> tuple[str, mmap.mmap]:
+    """A fresh /dev/shm region of two areas (the member's side): its name and mapping."""
+    name = f"tandem-ring-{os.urandom(16).hex()}"
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.ftruncate(fd, 2 * area)
+        return name, mmap.mmap(fd, 2 * area, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _map_region(name: str, area: int) -> mmap.mmap:
+    """Map a member's region (the coordinator's side) and unlink it."""
+    if not re.fullmatch(r"tandem-ring-[0-9a-f]{32}", name) or not 0 < area <= 1 << 30:
+        raise ValueError(f"not a ring region: {name!r} of 2 x {area} bytes")
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        os.unlink(path)
+        st = os.fstat(fd)
+        if st.st_size != 2 * area or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ValueError(f"region {name} is not 2 x {area} bytes of this user, mode 0600")
+        return mmap.mmap(fd, 2 * area, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
 
 
 def _session_key(key: bytes, sn: bytes, cn: bytes) -> bytes:
@@ -158,8 +244,11 @@ class RingServer:
     connection's shards are released when it closes (its coordinator ended, or died)."""
 
     def __init__(self, member: RingMember, host: str = "127.0.0.1", port: int = 0, key: bytes = b"",
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, shm: bool = True):
+        """``shm``: offer coordinators on this host a shared-memory region (module doc)."""
         self.member, self.key, self.timeout = member, key, timeout
+        self.shm = shm and shm_available()
+        self.identity = links.host_identity()
         self.max_payload = member.kv.numel() * member.kv.element_size() + (1 << 20)
         self._sock = socket.create_server((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
@@ -206,10 +295,43 @@ class RingServer:
         conn.sendall(b"\x00" + (_mac(self.key, b"tandem-ring-welcome-v1", sn, cn) if self.key else bytes(TAG)))
         return _Channel(conn, _session_key(self.key, sn, cn), client=False, max_payload=self.max_payload)
 
+    def _offer_region(self, ch: _Channel, meta: dict) -> str | None:
+        """``SHM``: a region for a coordinator on this host (its name in the reply), else none."""
+        if not (self.shm and links.same_host(self.identity, str(meta.get("host", "")))):
+            ch.send(OK, {"name": None})
+            return None
+        try:
+            name, region = _new_region(SHM_AREA)
+        except OSError as e:
+            log.warning("ring member %s: no shared-memory region (%s): the connection stays on TCP",
+                        self.member.name, e)
+            ch.send(OK, {"name": None})
+            return None
+        try:
+            ch.send(OK, {"name": name, "area": SHM_AREA})
+            op, answer, _ = ch.recv()
+        except BaseException:
+            region.close()
+            raise
+        finally:
+            _unlink(name)    # the coordinator holds it now, or never will
+        if op != MAPPED:
+            region.close()
+            raise ConnectionError(f"op {op} where the answer to a shared-memory offer belongs")
+        if not answer.get("ok"):
+            region.close()
+            ch.send(OK)
+            return None
+        ch.attach(region, SHM_AREA)
+        ch.send(OK)
+        return name
+
     def _serve(self, conn: socket.socket, peer, n: int) -> None:
         sids: set[str] = set()
         self._live.add(conn)
+        ch = None
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a reply's tag follows its payload
             conn.settimeout(self.timeout)
             ch = self._handshake(conn)
             if ch is None:
@@ -219,6 +341,9 @@ class RingServer:
             conn.settimeout(None)    # a session may be idle between steps as long as it likes
             while True:
                 op, meta, payload = ch.recv()
+                if op == SHM and ch.got == 1:   # only as the first message of a connection
+                    self._offer_region(ch, meta)
+                    continue
                 sid = f"{n}:{meta.get('sid', '')}"
                 try:
                     reply, body = self._do(op, sid, meta, payload, sids)
@@ -235,6 +360,8 @@ class RingServer:
         finally:
             for sid in sids:
                 self.member.release(sid)
+            if ch is not None:
+                ch.detach()
             self._live.discard(conn)
             conn.close()
 
@@ -245,7 +372,7 @@ class RingServer:
             sids.add(sid)
             return None, b""
         if op == LOAD:
-            m.load(sid, payload)
+            m.load(sid, payload, int(meta.get("first", 0)))
             return None, b""
         if op == ATTEND:
             layer, pos = int(meta["layer"]), int(meta["pos"])
@@ -269,7 +396,9 @@ class RemoteMember:
     """The coordinator's handle on a member in another worker (the ``RingMember`` calls ``Ring``
     makes, as messages). Connection failures raise ``RingMemberLost`` naming the worker."""
 
-    def __init__(self, worker: str, host: str, port: int, key: bytes, layout, timeout: float = 30.0):
+    def __init__(self, worker: str, host: str, port: int, key: bytes, layout, timeout: float = 30.0,
+                 shm: bool = True):
+        """``shm``: on the member's host, the payloads go through shared memory (module doc)."""
         self.name, self.layout, self.timeout = worker, layout, timeout
         self.ranges: dict[str, tuple[int, int]] = {}
         self.bytes_out = self.bytes_back = 0
@@ -291,6 +420,34 @@ class RemoteMember:
             raise RingMemberLost(worker, f"cannot open a ring connection to {host}:{port}: {e}") from None
         self.sock = sock
         self.ch = _Channel(sock, _session_key(key, sn, cn), client=True, max_payload=1 << 40)
+        if shm and shm_available():
+            try:
+                self._map_shared()
+            except BaseException:
+                sock.close()
+                raise
+
+    @property
+    def link(self) -> str:
+        """``shm`` or ``tcp``: where this connection's payloads go."""
+        return self.ch.link
+
+    def _map_shared(self) -> None:
+        """Offer our host identity; map the region a member on this host answers with."""
+        offer = self._call(SHM, {"host": links.host_identity()})[0]
+        name = offer.get("name")
+        if not name:
+            return
+        region, area = None, 0
+        try:
+            area = int(offer.get("area", 0))
+            region = _map_region(str(name), area)
+        except (OSError, ValueError) as e:
+            log.warning("ring member %s: cannot map its region %s (%s): the connection stays on TCP",
+                        self.name, name, e)
+        self._call(MAPPED, {"ok": region is not None})
+        if region is not None:
+            self.ch.attach(region, area)
 
     def _send(self, op: int, meta: dict, payload=b"") -> None:
         try:
@@ -320,8 +477,12 @@ class RemoteMember:
             raise
         self.ranges[sid] = (start, end)
 
-    def load(self, sid: str, kv) -> None:
-        self._call(LOAD, {"sid": sid}, kv)
+    def load(self, sid: str, kv, first: int = 0) -> None:
+        """In messages of at most ``LOAD_CHUNK`` bytes (whole blocks): each fits a shm area."""
+        mv, bb = memoryview(kv).cast("B"), self.layout.block_bytes
+        step = max(1, LOAD_CHUNK // bb) * bb
+        for off in range(0, mv.nbytes, step):
+            self._call(LOAD, {"sid": sid, "first": first + off // bb}, mv[off:off + step])
 
     def owns(self, sid: str, pos: int) -> bool:
         a, b = self.ranges[sid]
@@ -351,17 +512,20 @@ class RemoteMember:
 
     def close(self) -> None:
         self.sock.close()
+        self.ch.detach()
 
 
 def connect_ring(ring_plan: list, me: str, local: RingMember, key: bytes, layout,
-                 timeout: float = 30.0) -> list:
+                 timeout: float = 30.0, shm: bool = True) -> list:
     """The members of a plan's ring (``RoutePlan.ring``: [worker, host, port] in shard order):
-    ``local`` for this worker, a ``RemoteMember`` (connected, authenticated) for each other.
+    ``local`` for this worker, a ``RemoteMember`` (connected, authenticated; through shared
+    memory where the member is on this host and ``shm``) for each other.
     Blocking; on a failure the connections opened are closed and ``RingMemberLost`` raised."""
     members: list = []
     try:
         for worker, host, port in ring_plan:
-            members.append(local if worker == me else RemoteMember(worker, host, int(port), key, layout, timeout))
+            members.append(local if worker == me else RemoteMember(worker, host, int(port), key, layout, timeout,
+                                                                          shm))
     except BaseException:
         for m in members:
             if isinstance(m, RemoteMember):

@@ -22,6 +22,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.engine.engine import Engine, EngineConfig
 from shared.schemas import Heartbeat, RoutePlan
+from shared.transfer.shm import available as shm_available
 from services.tap import tap
 from tests.e2e.test_resilience import pid_of
 from tests.e2e.test_stack import local_chat, running_stack
@@ -119,6 +120,8 @@ async def test_a_ring_of_three_serves_what_no_worker_holds(ring_stack, nats_serv
     assert counted and float(counted[0].split()[-1]) >= 1, text
     scattered = [ln for ln in ring_stack.log if f"{got['id']}: ring of 3" in ln and "scattered" in ln]
     assert scattered, ring_stack.tail()
+    if shm_available():   # one host: the coordinator reaches both other members through shared memory
+        assert "(links ['local', 'shm', 'shm'])" in scattered[0], scattered[0]
     print(scattered[0])   # how long the coordinator took to scatter the KV (pytest -s)
 
 

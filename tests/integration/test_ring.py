@@ -6,6 +6,7 @@ give bitwise the single engine's logits at every step, and its greedy tokens."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -255,19 +256,26 @@ def two_workers(bundled_model):
         e.engine.seqs.clear()
 
 
-def ring_of(a, server, key=b"data-key"):
+def ring_of(a, server, key=b"data-key", shm=True):
     from shared.engine.ring_net import EngineMember, connect_ring
     ma = EngineMember(a.engine, a.run_blocking, "a")
     plan = [["a", "127.0.0.1", 0], ["b", "127.0.0.1", server.port]]
-    return Ring(ma.kernels, connect_ring(plan, "a", ma, key, a.layout))
+    return Ring(ma.kernels, connect_ring(plan, "a", ma, key, a.layout, shm=shm))
 
 
-async def test_ring_of_two_workers_over_the_data_plane_is_the_single_worker(two_workers, handoff, single):
-    """A ring of 2 — the coordinator's own member and one behind an authenticated connection —
-    gives the single worker's greedy tokens; both caches are free again when it finishes."""
+def ring_regions() -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith("tandem-ring-")] if os.path.isdir("/dev/shm") else []
+
+
+@pytest.mark.parametrize("link", ["tcp", "shm"])
+async def test_ring_of_two_workers_over_the_data_plane_is_the_single_worker(two_workers, handoff, single, link):
+    """A ring of 2 — the coordinator's own member and one behind an authenticated connection,
+    its payloads on the socket (TANDEM_DATA_SHM=0) or through shared memory (the default on one
+    host) — gives the single worker's greedy tokens; both caches are free again when it finishes."""
     import asyncio
     a, b, server = two_workers
-    ring = ring_of(a, server)
+    ring = ring_of(a, server, shm=link == "shm")
+    assert ring.members[1].link == link and not ring_regions()   # a region is unlinked once mapped
     h = KVBlobHeader.parse(handoff)[0]
     ranges = await asyncio.to_thread(ring.admit, "s#0", h.token_ids, h.num_computed, KVBlobHeader.parse(handoff)[1],
                                      len(h.token_ids) + NEW)
@@ -280,6 +288,32 @@ async def test_ring_of_two_workers_over_the_data_plane_is_the_single_worker(two_
     for e in (a, b):
         assert e.engine.blocks.num_free == e.engine.blocks.num_blocks
     assert ring.members[1].bytes_out > 0 and ring.members[1].bytes_back > 0
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no /dev/shm here")
+async def test_ring_of_two_in_one_process_over_shm_gives_the_single_worker_s_logits(two_workers, handoff, single):
+    """The acceptance's ring of 2 in one process over shm: the scatter (LOAD in 8 MiB messages)
+    and every step's q|k|v and states go through the member's shared-memory region; every
+    step's logits are bitwise the single worker's fused step, and its KV the same afterwards."""
+    import asyncio
+    a, b, server = two_workers
+    ring = ring_of(a, server)
+    remote = ring.members[1]
+    assert remote.link == "shm" and not ring_regions()
+    h, kv = KVBlobHeader.parse(handoff)
+    await asyncio.to_thread(ring.admit, "s", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
+    toks, logits = await asyncio.to_thread(ring.generate, "s", NEW)
+    assert toks == single[0]
+    for i, (x, y) in enumerate(zip(logits, single[1])):
+        assert torch.equal(x, y), f"step {i}: max |diff| {(x - y).abs().max().item()}"
+    n = len(h.token_ids) - 1 + NEW
+    gathered = await asyncio.to_thread(ring.gather, "s")
+    assert torch.equal(by_position(a.layout, gathered, n), by_position(a.layout, single[2], n))
+    assert remote.bytes_back > 0
+    await asyncio.to_thread(ring.release, "s")
+    ring.close()
+    await asyncio.sleep(0.2)
+    assert b.engine.blocks.num_free == b.engine.blocks.num_blocks
 
 
 async def test_a_lost_member_ends_the_request_with_a_coded_error(two_workers, handoff):

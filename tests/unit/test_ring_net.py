@@ -1,13 +1,16 @@
 """The ring connections' messages (shared/engine/ring_net.py): tagged, so a changed, replayed or
-reflected message is refused."""
+reflected message is refused, on the socket or through a same-host region."""
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
 
 import pytest
+import torch
 
-from shared.engine.ring_net import _Channel, _session_key
+from shared.engine.ring_net import _Channel, _map_region, _new_region, _session_key
 
 
 def pair(key: bytes = b"k"):
@@ -65,3 +68,74 @@ def test_without_a_key_nothing_is_tagged():
     c, s, _, _ = pair(key=b"")
     c.send(1, {"sid": "r", "start": 0, "end": 256})
     assert s.recv()[1]["end"] == 256
+
+
+shm = pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no /dev/shm here")
+
+
+def shared_pair(area: int = 1 << 16):
+    """A channel pair whose payloads go through a member's region (mapped by both, unlinked)."""
+    c, s, a, b = pair()
+    name, region = _new_region(area)
+    path = os.path.join("/dev/shm", name)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    s.attach(region, area)
+    c.attach(_map_region(name, area), area)
+    assert not os.path.exists(path)      # gone once mapped: no one else can open it
+    return c, s, a, b
+
+
+@shm
+@pytest.mark.parametrize("size", [1, 5000, 1 << 16, (1 << 16) + 1])   # the last does not fit the area
+def test_payloads_go_through_the_region_verified(size):
+    c, s, a, b = shared_pair()
+    body = os.urandom(size)
+    c.send(3, {"sid": "r"}, body)
+    op, meta, payload = s.recv()
+    assert bytes(payload) == body and c.link == s.link == "shm"
+    s.send(0, {"shape": [1]}, body[::-1])
+    assert bytes(c.recv()[2]) == body[::-1]
+    b.setblocking(False)
+    with pytest.raises(BlockingIOError):   # nothing of it left on the socket
+        b.recv(1)
+
+
+@shm
+def test_a_payload_changed_in_the_region_is_refused():
+    """The tag is checked over the receiver's private copy: whoever rewrites the region between
+    the send and the receive (a peer with the region but without the connection's key) is caught."""
+    c, s, a, b = shared_pair()
+    c.send(3, {"sid": "r"}, b"\x01" * 1000)
+    s._in[10:11] = b"\x02"
+    with pytest.raises(ConnectionError, match="tag"):
+        s.recv()
+
+
+def test_only_a_ring_region_is_mapped():
+    for name in ["tandem-kv-" + "0" * 32, "tandem-ring-../../etc/passwd", "tandem-ring-" + "0" * 31]:
+        with pytest.raises(ValueError, match="not a ring region"):
+            _map_region(name, 1 << 16)
+
+
+class _NoMember:
+    """Enough of a member for a connection's setup (no op reaches it)."""
+    name, kv = "m", torch.zeros(1)
+
+
+@shm
+@pytest.mark.parametrize("server_shm, client_shm, other_host, want", [
+    (True, True, False, "shm"), (False, True, False, "tcp"), (True, False, False, "tcp"), (True, True, True, "tcp")])
+def test_a_connection_takes_shm_only_on_one_host_with_both_ends_willing(monkeypatch, server_shm, client_shm,
+                                                                       other_host, want):
+    from shared.engine import ring_net
+    server = ring_net.RingServer(_NoMember(), key=b"k", shm=server_shm)
+    server.start()
+    if other_host:   # the coordinator's identity as another kernel's
+        monkeypatch.setattr(ring_net.links, "host_identity", lambda: "another-machine:another-boot")
+    try:
+        member = ring_net.RemoteMember("m", "127.0.0.1", server.port, b"k", None, shm=client_shm)
+        assert member.link == want
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-ring-")]
+        member.close()
+    finally:
+        server.close()
