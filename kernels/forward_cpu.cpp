@@ -604,7 +604,7 @@ TQ_CLONES void merge_segment(int64_t nq, int64_t hd, float* m, float* l, float* 
 // Per-call scratch, grown as needed and kept (one forward runs at a time per calling thread).
 struct Scratch {
     std::vector<float> x, h, qkv, attn, tmp, gu, act;
-    std::vector<int64_t> pos, chunk_of, tiles, split_items, part_off;
+    std::vector<int64_t> pos, chunk_of, tiles, att_items, split_items, part_off;
     std::vector<float> parts;
     std::vector<int32_t> xp, xs;   // q16 activations of the next matmul's input rows
     std::vector<float> dx;
@@ -631,10 +631,13 @@ struct Step {
     std::vector<float>* scratch;  // one per thread
     const int64_t *pos, *chunk_of;
     int64_t layer_stride, block_stride, slot_stride, v_off;
-    const int64_t* tiles;  // attention items: [n_tiles, 2] (chunk, first token)
+    const int64_t* tiles;  // attention tiles: [n_tiles, 2] (chunk, first token)
     int64_t n_tiles, tile;
-    // attention_split (null / 0 when the step does not split): [n_split, 3] (tile, kv head,
-    // segment) items, the offset of each tile's segment states in `parts`
+    // attention items: [n_att, 3] (tile, kv heads g0..g1): see heads_together
+    const int64_t* att_items;
+    int64_t n_att;
+    // attention_split (null / 0 when the step does not split): [n_split, 4] (tile, kv heads
+    // g0..g1, segment) items, the offset of each tile's segment states in `parts`
     const int64_t *split_items, *part_off;
     int64_t n_split;
     float* parts;
@@ -799,12 +802,12 @@ struct Step {
         }
     }
 
-    // Items: (query tile of a chunk, kv head), from `tiles` (chunk, first token of the tile),
-    // dealt round-robin (causal tiles differ in length). A tile's keys are taken in segments of
-    // SEG at absolute positions, each a fresh online softmax merged in order (merge_segment), so
-    // a row's bits depend on its position only — not on whether the segments of its tile were
-    // one item (here) or items of their own spread over the threads (attention_split, when a
-    // step has too few tiles to keep the threads busy: decode at a long context).
+    // Items: (query tile of a chunk, kv heads g0..g1), from `att_items`, dealt round-robin
+    // (causal tiles differ in length). A tile's keys are taken in segments of SEG at absolute
+    // positions, each a fresh online softmax merged in order (merge_segment), so a row's bits
+    // depend on its position only — not on whether the segments of its tile were one item (here)
+    // or items of their own spread over the threads (attention_split, when a step has too few
+    // tiles to keep the threads busy: decode at a long context).
     void attention(int64_t li, int tid, int nt) const {
         const int64_t group = nh / nkv, nq_max = tile * group, np_max = (nq_max + 7) / 8 * 8;
         float* buf = grow(scratch[tid], hd * np_max + 2 * KP * hd + KP * np_max + 2 * nq_max * hd + 6 * np_max);
@@ -812,20 +815,21 @@ struct Step {
         float *o2 = o + nq_max * hd, *mx = o2 + nq_max * hd, *sum = mx + np_max, *alpha = sum + np_max;
         float *mx2 = alpha + np_max, *sum2 = mx2 + np_max;
         int32_t* last = (int32_t*)(sum2 + np_max);  // one float's room per row
-        for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
-            const TileRows v = tile_rows(it / nkv);
-            const int64_t g = it % nkv;
-            load_rows(v, g, qt, last);
-            attend_segment(v, g, li, 0, qt, last, kf, vf, s, mx, sum, alpha, o);
-            for (int64_t sg = 1; sg * SEG < v.end; ++sg) {
-                attend_segment(v, g, li, sg, qt, last, kf, vf, s, mx2, sum2, alpha, o2);
-                merge_segment(v.nq, hd, mx, sum, o, mx2, sum2, o2);
+        for (int64_t it = tid; it < n_att; it += nt) {
+            const TileRows v = tile_rows(att_items[3 * it]);
+            for (int64_t g = att_items[3 * it + 1]; g < att_items[3 * it + 2]; ++g) {
+                load_rows(v, g, qt, last);
+                attend_segment(v, g, li, 0, qt, last, kf, vf, s, mx, sum, alpha, o);
+                for (int64_t sg = 1; sg * SEG < v.end; ++sg) {
+                    attend_segment(v, g, li, sg, qt, last, kf, vf, s, mx2, sum2, alpha, o2);
+                    merge_segment(v.nq, hd, mx, sum, o, mx2, sum2, o2);
+                }
+                finish_rows(v, g, sum, o);
             }
-            finish_rows(v, g, sum, o);
         }
     }
 
-    // attention() with each (tile, kv head, segment) an item of its own: the segments' states
+    // attention() with each (tile, kv heads, segment) an item of its own: the segments' states
     // go to `parts` (at part_off[tile] + (g * segments + sg) * rows * (hd + 2)), then, after a
     // barrier, each (tile, kv head) merges its segments in order.
     void attention_split(int64_t li, int tid, int nt) const {
@@ -834,12 +838,14 @@ struct Step {
         float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KP * hd, *s = vf + KP * hd, *alpha = s + KP * np_max;
         int32_t* last = (int32_t*)(alpha + np_max);
         for (int64_t it = tid; it < n_split; it += nt) {
-            const int64_t ti = split_items[3 * it], g = split_items[3 * it + 1], sg = split_items[3 * it + 2];
-            const TileRows v = tile_rows(ti);
-            const int64_t nseg = (v.end + SEG - 1) / SEG, rows = v.nqp;
-            float* part = parts + part_off[ti] + (g * nseg + sg) * rows * (hd + 2);
-            load_rows(v, g, qt, last);
-            attend_segment(v, g, li, sg, qt, last, kf, vf, s, part, part + rows, alpha, part + 2 * rows);
+            const int64_t* item = split_items + 4 * it;
+            const TileRows v = tile_rows(item[0]);
+            const int64_t nseg = (v.end + SEG - 1) / SEG, rows = v.nqp, sg = item[3];
+            for (int64_t g = item[1]; g < item[2]; ++g) {
+                float* part = parts + part_off[item[0]] + (g * nseg + sg) * rows * (hd + 2);
+                load_rows(v, g, qt, last);
+                attend_segment(v, g, li, sg, qt, last, kf, vf, s, part, part + rows, alpha, part + 2 * rows);
+            }
         }
 #pragma omp barrier
         for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
@@ -979,6 +985,27 @@ struct Step {
     }
 };
 
+// Whether one attention item takes all kv heads of tile v (out of `n` such units of work for
+// nt threads): a one-token tile's K/V rows of a block lie side by side for all its heads, so
+// one item reads them as one stream (every line it fetches is used) — when there are enough
+// units (2 a thread) to keep the threads busy; else an item per kv head.
+bool heads_together(const Step::TileRows& v, int64_t n, int nt) { return v.ntok == 1 && n >= 2 * nt; }
+
+// The attention items of a step: (tile, g0, g1).
+void plan_items(Step& st, Scratch& s, int nt) {
+    int64_t* items = grow(s.att_items, 3 * st.n_tiles * st.nkv);
+    int64_t i = 0;
+    for (int64_t ti = 0; ti < st.n_tiles; ++ti) {
+        if (heads_together(st.tile_rows(ti), st.n_tiles, nt)) {
+            items[3 * i] = ti, items[3 * i + 1] = 0, items[3 * i + 2] = st.nkv, ++i;
+            continue;
+        }
+        for (int64_t g = 0; g < st.nkv; ++g, ++i) items[3 * i] = ti, items[3 * i + 1] = g, items[3 * i + 2] = g + 1;
+    }
+    st.att_items = items;
+    st.n_att = i;
+}
+
 // A step whose tiles are too few to keep the threads busy (fewer than 4 items a thread: decode)
 // and whose keys span several segments spreads each tile's segments over the threads.
 void plan_split(Step& st, Scratch& s, int nt) {
@@ -993,16 +1020,21 @@ void plan_split(Step& st, Scratch& s, int nt) {
         n_parts += nseg * st.nkv * v.nqp * (st.hd + 2);
     }
     if (n_items == st.n_tiles * st.nkv) return;  // one segment each: nothing to spread
-    int64_t* items = grow(s.split_items, 3 * n_items);
+    int64_t* items = grow(s.split_items, 4 * n_items);
     int64_t i = 0;
     for (int64_t ti = 0; ti < st.n_tiles; ++ti) {
-        const int64_t nseg = (st.tile_rows(ti).end + SEG - 1) / SEG;
-        for (int64_t g = 0; g < st.nkv; ++g)
-            for (int64_t sg = 0; sg < nseg; ++sg, ++i) items[3 * i] = ti, items[3 * i + 1] = g, items[3 * i + 2] = sg;
+        const auto v = st.tile_rows(ti);
+        const int64_t nseg = (v.end + SEG - 1) / SEG;
+        const bool together = heads_together(v, nseg, nt);
+        for (int64_t sg = 0; sg < nseg; ++sg)
+            for (int64_t g = 0; g < st.nkv; g += together ? st.nkv : 1, ++i) {
+                int64_t* item = items + 4 * i;
+                item[0] = ti, item[1] = g, item[2] = together ? st.nkv : g + 1, item[3] = sg;
+            }
     }
     st.split_items = items;
     st.part_off = off;
-    st.n_split = n_items;
+    st.n_split = i;
     st.parts = grow(s.parts, n_parts);
 }
 
@@ -1043,7 +1075,8 @@ Step make_step(const Model* m, const Batch* b, Scratch& s, int nt, int isa, floa
                 grow(s.h, S * D), qkv ? qkv : grow(s.qkv, T * qkv_n), grow(s.attn, T * nh * hd), grow(s.tmp, T * D),
                 grow(s.gu, T * 2 * F), grow(s.act, T * F), s.per_thread.data(), pos, chunk_of,
                 layer_stride, m->n_layers * layer_stride, slot_stride, b->block_size * slot_stride,
-                tiles, n_tiles, tile, nullptr, nullptr, 0, nullptr, xp, xs, dx, kv_loaders(tq::resolve_isa(isa), hd)};
+                tiles, n_tiles, tile, nullptr, 0, nullptr, nullptr, 0, nullptr, xp, xs, dx,
+                kv_loaders(tq::resolve_isa(isa), hd)};
 }
 
 void embed(const Model* m, const Batch* b, float* x) {
@@ -1082,6 +1115,7 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
     const int nt = nthreads < 1 ? 1 : nthreads;
     Step st = make_step(m, b, s, nt, isa, nullptr, nullptr);
     embed(m, b, st.x);
+    plan_items(st, s, nt);
     plan_split(st, s, nt);
     on_team(nt, [&](int tid, int n) { st.run(tid, n); });
 }
