@@ -266,6 +266,20 @@ void load_kt_plain(const uint16_t* src, int64_t v_off, const int64_t* table, int
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
+// rows[k] = the K row of key j0 + k through the block table for k < n (its V row at + v_off),
+// ZERO_ROW for k in [n, KP).
+inline void key_rows(const uint16_t* src, const int64_t* table, int64_t j0, int64_t n, int64_t bs,
+                     int64_t block_stride, int64_t slot_stride, const uint16_t** rows) {
+    for (int64_t k = 0, bi = j0 / bs, slot = j0 % bs; k < KP; ++k) {
+        if (k >= n) {
+            rows[k] = ZERO_ROW;
+            continue;
+        }
+        rows[k] = src + table[bi] * block_stride + slot * slot_stride;
+        if (++slot == bs) slot = 0, ++bi;
+    }
+}
+
 // load_kt_plain with F16C: per 16 keys x 8 dims, an 8 x 8 transpose of 16-bit words in each
 // 128-bit half of 8 registers (half 0: keys 0-7, half 1: keys 8-15), then one conversion per
 // half. Keys past n read a zero row.
@@ -273,17 +287,10 @@ __attribute__((target("avx2,f16c"))) void load_kt_f16c(const uint16_t* src, int6
                                                        int64_t j0, int64_t n, int64_t bs, int64_t block_stride,
                                                        int64_t slot_stride, int64_t hd, float* kt, float* vf) {
     const uint16_t* rows[KP];
-    int64_t bi = j0 / bs, slot = j0 % bs;
-    for (int64_t k = 0; k < KP; ++k) {
-        if (k >= n) {
-            rows[k] = ZERO_ROW;
-            continue;
-        }
-        rows[k] = src + table[bi] * block_stride + slot * slot_stride;
+    key_rows(src, table, j0, n, bs, block_stride, slot_stride, rows);
+    for (int64_t k = 0; k < n; ++k)
         for (int64_t i = 0; i < hd; i += 8)
             _mm256_storeu_ps(vf + k * hd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rows[k] + v_off + i))));
-        if (++slot == bs) slot = 0, ++bi;
-    }
     auto ld = [](const uint16_t* p) { return _mm_loadu_si128((const __m128i*)p); };
     for (int64_t k0 = 0; k0 < n; k0 += KB)
         for (int64_t d0 = 0; d0 < hd; d0 += 8) {
@@ -320,17 +327,10 @@ __attribute__((target("avx512f,avx512bw,avx2,f16c"))) void load_kt_512(const uin
                                                               int64_t bs, int64_t block_stride, int64_t slot_stride,
                                                               int64_t hd, float* kt, float* vf) {
     const uint16_t* rows[KP];
-    int64_t bi = j0 / bs, slot = j0 % bs;
-    for (int64_t k = 0; k < KP; ++k) {
-        if (k >= n) {
-            rows[k] = ZERO_ROW;
-            continue;
-        }
-        rows[k] = src + table[bi] * block_stride + slot * slot_stride;
+    key_rows(src, table, j0, n, bs, block_stride, slot_stride, rows);
+    for (int64_t k = 0; k < n; ++k)
         for (int64_t i = 0; i < hd; i += 16)
             _mm512_storeu_ps(vf + k * hd + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rows[k] + v_off + i))));
-        if (++slot == bs) slot = 0, ++bi;
-    }
     auto ld = [](const uint16_t* p) { return _mm_loadu_si128((const __m128i*)p); };
     for (int64_t d0 = 0; d0 < hd; d0 += 8) {
         __m512i a[8], t[8];
