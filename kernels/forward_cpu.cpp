@@ -9,9 +9,9 @@
 // Threads: ONE OpenMP team for the whole step; stages are separated by barriers and every
 // stage splits its work into items whose arithmetic does not depend on which thread runs them
 // (matmul: 4-row weight tiles; norms / activations: rows; rope + KV write: (token, head);
-// attention: (query-row tile of a chunk, kv head), dealt round-robin because causal tiles
-// differ in length; a decode step with few tiles splits each into 256-key segments, merged in
-// order after a barrier). So the result is bitwise the same for any thread count, and a
+// attention: (query-row tile of a chunk, kv head) — or all kv heads of a one-token tile —,
+// dealt round-robin because causal tiles differ in length; a decode step with few tiles splits
+// each into 256-key segments, merged in order after a barrier). So the result is bitwise the same for any thread count, and a
 // sequence's numbers do not depend on its batch neighbours. Attention goes further: a row's
 // arithmetic does not depend on its tile either (keys are taken in segments at absolute
 // positions, whichever item computes them), so a token gets the same bits whether its sequence
@@ -179,7 +179,8 @@ TQ_CLONES void to_half(const float* x, uint16_t* out, int64_t n) {
 // V accumulated (lanes = head dims). Every row's arithmetic is the same whatever tile, chunk
 // length or thread it lands in: scores are a sequential fma chain over the head dims, keys
 // past a row's position are skipped (a block with none of its keys leaves the row untouched:
-// max unchanged, alpha = exp(0) = 1 exactly), and block edges are absolute positions.
+// max unchanged, alpha = exp(0) = 1 exactly), and block edges are absolute positions. A
+// one-token tile (decode) runs the same arithmetic with lanes = keys (attend_keys, below).
 
 constexpr int KB = 16;        // keys per attention block
 constexpr int KG = 8;         // keys per score pass (independent fma chains)
