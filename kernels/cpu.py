@@ -27,7 +27,8 @@ The same library holds the fused forward step (``forward_cpu.cpp``, driven by ``
 Every output element is computed in the same order whatever M and the thread count, so a
 row of a batched result is bitwise equal to the same row computed alone.
 
-Environment: ``CXX`` (compiler, default ``g++``), ``TANDEM_CACHE_DIR``,
+Environment: ``CXX`` (compiler, default ``g++``), ``TANDEM_CXXFLAGS`` (extra compiler flags, part
+of the cache key), ``TANDEM_CACHE_DIR``,
 ``TANDEM_CPU_ISA`` (``scalar``, ``avx2``, ``avx512vnni`` or, on ARM, ``neon``: cap the instruction
 set used; default: the best the CPU has). Every path gives the same bits. ``TANDEM_CPU_ACT`` (``q16``,
 ``f32`` or ``q8``: the activation mode, default ``q16``).
@@ -39,6 +40,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -77,12 +79,17 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
+def _cxx_flags() -> tuple[str, ...]:
+    """``CXX_FLAGS`` plus ``TANDEM_CXXFLAGS`` (e.g. ``-DTQ_ONE_CLONE=...``: tests build one clone alone)."""
+    return (*CXX_FLAGS, *shlex.split(os.environ.get("TANDEM_CXXFLAGS", "")))
+
+
 def library_path() -> Path:
     """The cached library file for the current source, compiler and flags."""
     key = hashlib.sha256()
     for f in (*SOURCES, *HEADERS):
         key.update(f.read_bytes())
-    key.update("\0".join((_compiler(), *CXX_FLAGS)).encode())
+    key.update("\0".join((_compiler(), *_cxx_flags())).encode())
     return cache_dir() / f"q4_0_cpu-{key.hexdigest()[:16]}.so"
 
 
@@ -95,7 +102,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *CXX_FLAGS, *map(str, SOURCES), "-o", tmp]
+        cmd = [cxx, *_cxx_flags(), *map(str, SOURCES), "-o", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")

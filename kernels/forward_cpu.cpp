@@ -9,9 +9,9 @@
 // Threads: ONE OpenMP team for the whole step; stages are separated by barriers and every
 // stage splits its work into items whose arithmetic does not depend on which thread runs them
 // (matmul: 4-row weight tiles; norms / activations: rows; rope + KV write: (token, head);
-// attention: (query-row tile of a chunk, kv head), dealt round-robin because causal tiles
-// differ in length; a decode step with few tiles splits each into 256-key segments, merged in
-// order after a barrier). So the result is bitwise the same for any thread count, and a
+// attention: (query-row tile of a chunk, kv head) — or all kv heads of a one-token tile —,
+// dealt round-robin because causal tiles differ in length; a decode step with few tiles splits
+// each into 256-key segments, merged in order after a barrier). So the result is bitwise the same for any thread count, and a
 // sequence's numbers do not depend on its batch neighbours. Attention goes further: a row's
 // arithmetic does not depend on its tile either (keys are taken in segments at absolute
 // positions, whichever item computes them), so a token gets the same bits whether its sequence
@@ -39,7 +39,13 @@
 
 #include "q4_0_cpu.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TQ_STR_(x) #x
+#define TQ_STR(x) TQ_STR_(x)
+#if defined(TQ_ONE_CLONE)  // one clone alone (-DTQ_ONE_CLONE=arch=x86-64-v3), to compare the clones' bits
+#define TQ_CLONES __attribute__((target(TQ_STR(TQ_ONE_CLONE))))
+#elif defined(TQ_NO_CLONES)  // baseline x86-64 only
+#define TQ_CLONES
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TQ_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TQ_CLONES
@@ -173,7 +179,8 @@ TQ_CLONES void to_half(const float* x, uint16_t* out, int64_t n) {
 // V accumulated (lanes = head dims). Every row's arithmetic is the same whatever tile, chunk
 // length or thread it lands in: scores are a sequential fma chain over the head dims, keys
 // past a row's position are skipped (a block with none of its keys leaves the row untouched:
-// max unchanged, alpha = exp(0) = 1 exactly), and block edges are absolute positions.
+// max unchanged, alpha = exp(0) = 1 exactly), and block edges are absolute positions. A
+// one-token tile (decode) runs the same arithmetic with lanes = keys (attend_keys, below).
 
 constexpr int KB = 16;        // keys per attention block
 constexpr int KG = 8;         // keys per score pass (independent fma chains)
@@ -230,11 +237,148 @@ __attribute__((target("avx,f16c"))) void load_kv_f16c(const uint16_t* src, int64
 using LoadKvFn = void (*)(const uint16_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, float*, float*);
 
-LoadKvFn load_kv_fn() {
+// ---- decode items: lanes over keys ----
+// A tile of one token (a decode step, or a one-token chunk) has only the `group` rows of that
+// token (3 on the bundled model), all seeing the same keys: lanes = rows would leave most lanes
+// empty. Its keys go KP at a time (two blocks) with lanes = keys instead, each lane its own
+// sequential fma chain over the head dims (the same chain, so the same score bits, as
+// block_scores), then per block of KB keys the same online-softmax and V updates. Each key is
+// converted fp16 -> f32 once for all rows, straight into the transposed layout the lanes need.
+
+constexpr int KP = 2 * KB;       // keys per score pass of a one-token tile
+constexpr int64_t MAX_HD = 512;  // head widths the F16C transposing loader takes (else the plain one)
+alignas(64) const uint16_t ZERO_ROW[MAX_HD] = {};
+
+// kt[d * KP + k] = f32 of key j0 + k and vf[k * hd + d] of its value for k < n <= KP (kt lanes
+// past n zeroed up to the next multiple of KB), read through the block table as load_kv_block.
+void load_kt_plain(const uint16_t* src, int64_t v_off, const int64_t* table, int64_t j0, int64_t n, int64_t bs,
+                   int64_t block_stride, int64_t slot_stride, int64_t hd, float* kt, float* vf) {
+    int64_t bi = j0 / bs, slot = j0 % bs;
+    const int64_t nk = (n + KB - 1) / KB * KB;
+    for (int64_t k = 0; k < nk; ++k) {
+        if (k >= n) {
+            for (int64_t d = 0; d < hd; ++d) kt[d * KP + k] = 0.0f;
+            continue;
+        }
+        const uint16_t* row = src + table[bi] * block_stride + slot * slot_stride;
+        for (int64_t d = 0; d < hd; ++d) kt[d * KP + k] = h2f(row[d]), vf[k * hd + d] = h2f(row[v_off + d]);
+        if (++slot == bs) slot = 0, ++bi;
+    }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return load_kv_f16c;
+// rows[k] = the K row of key j0 + k through the block table for k < n (its V row at + v_off),
+// ZERO_ROW for k in [n, KP).
+inline void key_rows(const uint16_t* src, const int64_t* table, int64_t j0, int64_t n, int64_t bs,
+                     int64_t block_stride, int64_t slot_stride, const uint16_t** rows) {
+    for (int64_t k = 0, bi = j0 / bs, slot = j0 % bs; k < KP; ++k) {
+        if (k >= n) {
+            rows[k] = ZERO_ROW;
+            continue;
+        }
+        rows[k] = src + table[bi] * block_stride + slot * slot_stride;
+        if (++slot == bs) slot = 0, ++bi;
+    }
+}
+
+// load_kt_plain with F16C: per 16 keys x 8 dims, an 8 x 8 transpose of 16-bit words in each
+// 128-bit half of 8 registers (half 0: keys 0-7, half 1: keys 8-15), then one conversion per
+// half. Keys past n read a zero row.
+__attribute__((target("avx2,f16c"))) void load_kt_f16c(const uint16_t* src, int64_t v_off, const int64_t* table,
+                                                       int64_t j0, int64_t n, int64_t bs, int64_t block_stride,
+                                                       int64_t slot_stride, int64_t hd, float* kt, float* vf) {
+    const uint16_t* rows[KP];
+    key_rows(src, table, j0, n, bs, block_stride, slot_stride, rows);
+    for (int64_t k = 0; k < n; ++k)
+        for (int64_t i = 0; i < hd; i += 8)
+            _mm256_storeu_ps(vf + k * hd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rows[k] + v_off + i))));
+    auto ld = [](const uint16_t* p) { return _mm_loadu_si128((const __m128i*)p); };
+    for (int64_t k0 = 0; k0 < n; k0 += KB)
+        for (int64_t d0 = 0; d0 < hd; d0 += 8) {
+            const uint16_t* const* r = rows + k0;
+            __m256i a[8], t[8];
+            for (int i = 0; i < 8; ++i)
+                a[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(r[i] + d0)), ld(r[i + 8] + d0), 1);
+            for (int i = 0; i < 4; ++i) {  // pairs of keys: (k, k+1) per dim
+                t[2 * i] = _mm256_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+                t[2 * i + 1] = _mm256_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+            }
+            for (int i = 0; i < 2; ++i) {  // quads of keys: dims (0,1) (2,3) (4,5) (6,7)
+                a[4 * i] = _mm256_unpacklo_epi32(t[4 * i], t[4 * i + 2]);
+                a[4 * i + 1] = _mm256_unpackhi_epi32(t[4 * i], t[4 * i + 2]);
+                a[4 * i + 2] = _mm256_unpacklo_epi32(t[4 * i + 1], t[4 * i + 3]);
+                a[4 * i + 3] = _mm256_unpackhi_epi32(t[4 * i + 1], t[4 * i + 3]);
+            }
+            for (int i = 0; i < 4; ++i) {  // eight keys: dims 2i, 2i+1
+                t[2 * i] = _mm256_unpacklo_epi64(a[i], a[i + 4]);
+                t[2 * i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 4]);
+            }
+            for (int j = 0; j < 8; ++j) {
+                float* out = kt + (d0 + j) * KP + k0;
+                _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm256_castsi256_si128(t[j])));
+                _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(t[j], 1)));
+            }
+        }
+}
+
+// load_kt_f16c with 512-bit registers: the four 128-bit quarters of a register hold keys k,
+// k+8, k+16, k+24, so one transpose serves all KP keys.
+__attribute__((target("avx512f,avx512bw,avx2,f16c"))) void load_kt_512(const uint16_t* src, int64_t v_off,
+                                                              const int64_t* table, int64_t j0, int64_t n,
+                                                              int64_t bs, int64_t block_stride, int64_t slot_stride,
+                                                              int64_t hd, float* kt, float* vf) {
+    const uint16_t* rows[KP];
+    key_rows(src, table, j0, n, bs, block_stride, slot_stride, rows);
+    for (int64_t k = 0; k < n; ++k)
+        for (int64_t i = 0; i < hd; i += 16)
+            _mm512_storeu_ps(vf + k * hd + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rows[k] + v_off + i))));
+    auto ld = [](const uint16_t* p) { return _mm_loadu_si128((const __m128i*)p); };
+    for (int64_t d0 = 0; d0 < hd; d0 += 8) {
+        __m512i a[8], t[8];
+        for (int i = 0; i < 8; ++i) {
+            const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(rows[i] + d0)), ld(rows[i + 8] + d0), 1);
+            const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(rows[i + 16] + d0)), ld(rows[i + 24] + d0), 1);
+            a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
+        for (int i = 0; i < 4; ++i) {
+            t[2 * i] = _mm512_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+        }
+        for (int i = 0; i < 2; ++i) {
+            a[4 * i] = _mm512_unpacklo_epi32(t[4 * i], t[4 * i + 2]);
+            a[4 * i + 1] = _mm512_unpackhi_epi32(t[4 * i], t[4 * i + 2]);
+            a[4 * i + 2] = _mm512_unpacklo_epi32(t[4 * i + 1], t[4 * i + 3]);
+            a[4 * i + 3] = _mm512_unpackhi_epi32(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for (int i = 0; i < 4; ++i) {
+            t[2 * i] = _mm512_unpacklo_epi64(a[i], a[i + 4]);
+            t[2 * i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 4]);
+        }
+        for (int j = 0; j < 8; ++j) {
+            float* out = kt + (d0 + j) * KP;
+            _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_castsi512_si256(t[j])));
+            _mm512_storeu_ps(out + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(t[j], 1)));
+        }
+    }
+}
 #endif
-    return load_kv_plain;
+
+// The K/V loaders of `isa` (a resolved TANDEM_CPU_ISA: 0 takes the plain ones). Every loader's
+// conversion is exact, so which one runs changes no bit.
+struct KvLoaders {
+    LoadKvFn rows, transposed;
+};
+
+KvLoaders kv_loaders(int isa, int64_t hd) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    const bool t_ok = hd <= MAX_HD && hd % 16 == 0;
+    if (isa > 1 && t_ok && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c"))
+        return {load_kv_f16c, load_kt_512};
+    if (isa > 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+        return {load_kv_f16c, t_ok ? load_kt_f16c : load_kt_plain};
+#endif
+    (void)isa, (void)hd;
+    return {load_kv_plain, load_kt_plain};
 }
 
 // Scores of keys k < n for the RL rows at r0 (lanes = rows); see block_scores.
@@ -309,9 +453,11 @@ TQ_CLONES void block_softmax(float* s, const int32_t* last, int32_t j0, int64_t 
 
 // o[r] = o[r] * alpha[r] + sum_{k < nk} p[k][r] v_k (keys in order) for NR rows (o stride hd),
 // lanes = head dims, W of them per pass (NR * W / 16 independent fma chains).
+// p[k * ks + r * rs] is row r's weight of key k (the rows' lanes: ks = nqp, rs = 1; the keys'
+// lanes of a decode item: ks = 1, rs = its row stride).
 template <int NR, int W>
 __attribute__((always_inline)) inline void block_values_rows(float* __restrict o, const float* __restrict p, const float* __restrict alpha,
-                              const float* __restrict vf, int64_t nqp, int64_t nk, int64_t hd) {
+                              const float* __restrict vf, int64_t ks, int64_t rs, int64_t nk, int64_t hd) {
     for (int64_t d0 = 0; d0 < hd; d0 += W) {
         float acc[NR][W];
         for (int r = 0; r < NR; ++r)
@@ -319,7 +465,7 @@ __attribute__((always_inline)) inline void block_values_rows(float* __restrict o
             for (int i = 0; i < W; ++i) acc[r][i] = o[r * hd + d0 + i] * alpha[r];
         for (int64_t k = 0; k < nk; ++k)
             for (int r = 0; r < NR; ++r) {
-                const float pk = p[k * nqp + r];
+                const float pk = p[k * ks + r * rs];
 #pragma omp simd
                 for (int i = 0; i < W; ++i) acc[r][i] = std::fma(pk, vf[k * hd + d0 + i], acc[r][i]);
             }
@@ -330,12 +476,12 @@ __attribute__((always_inline)) inline void block_values_rows(float* __restrict o
 }
 
 template <int NR>
-__attribute__((always_inline)) inline void block_values_rows(float* o, const float* p, const float* alpha, const float* vf, int64_t nqp,
-                              int64_t nk, int64_t hd) {
+__attribute__((always_inline)) inline void block_values_rows(float* o, const float* p, const float* alpha, const float* vf, int64_t ks,
+                              int64_t rs, int64_t nk, int64_t hd) {
     if (hd % (2 * LANES) == 0)
-        block_values_rows<NR, 2 * LANES>(o, p, alpha, vf, nqp, nk, hd);
+        block_values_rows<NR, 2 * LANES>(o, p, alpha, vf, ks, rs, nk, hd);
     else
-        block_values_rows<NR, LANES>(o, p, alpha, vf, nqp, nk, hd);
+        block_values_rows<NR, LANES>(o, p, alpha, vf, ks, rs, nk, hd);
 }
 
 // The V step of one block for rows 0..nq-1: runs of rows with the same number of unmasked keys
@@ -354,13 +500,90 @@ TQ_CLONES void block_values(float* o, const float* p, const float* alpha, const 
             float* orow = o + r * hd;
             const float *pr = p + r, *ar = alpha + r;
             switch (e - r) {
-                case 4: block_values_rows<4>(orow, pr, ar, vf, nqp, nk, hd); break;
-                case 3: block_values_rows<3>(orow, pr, ar, vf, nqp, nk, hd); break;
-                case 2: block_values_rows<2>(orow, pr, ar, vf, nqp, nk, hd); break;
-                default: block_values_rows<1>(orow, pr, ar, vf, nqp, nk, hd); break;
+                case 4: block_values_rows<4>(orow, pr, ar, vf, nqp, 1, nk, hd); break;
+                case 3: block_values_rows<3>(orow, pr, ar, vf, nqp, 1, nk, hd); break;
+                case 2: block_values_rows<2>(orow, pr, ar, vf, nqp, 1, nk, hd); break;
+                default: block_values_rows<1>(orow, pr, ar, vf, nqp, 1, nk, hd); break;
             }
         }
         r = e;
+    }
+}
+
+// s[r * KP + k] = scale * (q_r . k_k) for the nq rows of one token (row r at q + r * hd) and
+// keys k < W (W = KB or KP; kt[d * KP + k]), lanes = keys: each a sequential fma chain over
+// d = 0..hd-1, the chain block_scores computes for the same (row, key).
+template <int NR, int W>
+__attribute__((always_inline)) inline void keys_scores_rows(const float* __restrict q, const float* __restrict kt,
+                                                            int64_t hd, float scale, float* __restrict s) {
+    float acc[NR][W] = {};
+    for (int64_t d = 0; d < hd; ++d)
+        for (int r = 0; r < NR; ++r) {
+            const float qd = q[r * hd + d];
+#pragma omp simd
+            for (int k = 0; k < W; ++k) acc[r][k] = std::fma(kt[d * KP + k], qd, acc[r][k]);
+        }
+    for (int r = 0; r < NR; ++r)
+#pragma omp simd
+        for (int k = 0; k < W; ++k) s[r * KP + k] = acc[r][k] * scale;
+}
+
+template <int W>
+__attribute__((always_inline)) inline void keys_scores_w(const float* q, const float* kt, int64_t hd, int64_t nq,
+                                                         float scale, float* s) {
+    for (int64_t r = 0; r < nq; r += 3) {  // 3 rows x 32 keys: 12 AVX2 accumulators
+        switch (std::min<int64_t>(3, nq - r)) {
+            case 3: keys_scores_rows<3, W>(q + r * hd, kt, hd, scale, s + r * KP); break;
+            case 2: keys_scores_rows<2, W>(q + r * hd, kt, hd, scale, s + r * KP); break;
+            default: keys_scores_rows<1, W>(q + r * hd, kt, hd, scale, s + r * KP); break;
+        }
+    }
+}
+
+TQ_CLONES void keys_scores(const float* q, const float* kt, int64_t hd, int64_t nq, int64_t n, float scale,
+                           float* s) {
+    if (n > KB)
+        keys_scores_w<KP>(q, kt, hd, nq, scale, s);
+    else
+        keys_scores_w<KB>(q, kt, hd, nq, scale, s);
+}
+
+// block_softmax for the nq rows of one token over the keys k < n <= KB of one block (row r's
+// scores at s + r * KP, lanes = keys; every key visible to every row: a one-token tile's keys
+// end at its position). The block's max is the same whichever order finds it (a signed zero
+// aside, which no exp below tells apart); the sum is a sequential add in key order, as there.
+TQ_CLONES void keys_softmax(float* s, int64_t nq, int64_t n, float* m, float* l, float* alpha) {
+    for (int64_t r = 0; r < nq; ++r) {
+        float* sr = s + r * KP;
+        float v[KB];
+#pragma omp simd
+        for (int k = 0; k < KB; ++k) v[k] = k < n ? sr[k] : -INFINITY;
+        for (int w = KB / 2; w; w /= 2)
+#pragma omp simd
+            for (int k = 0; k < w; ++k) v[k] = v[k + w] > v[k] ? v[k + w] : v[k];
+        const float mx = v[0] > m[r] ? v[0] : m[r];
+#pragma omp simd
+        for (int k = 0; k < KB; ++k) sr[k] = k < n ? exp_fixed(sr[k] - mx) : 0.0f;
+        alpha[r] = exp_fixed(m[r] - mx);
+        l[r] *= alpha[r];
+        m[r] = mx;
+    }
+    for (int64_t k = 0; k < n; ++k)  // the rows' sums side by side (each in key order)
+        for (int64_t r = 0; r < nq; ++r) l[r] += s[r * KP + k];
+}
+
+// block_values for the nq rows of one token (weights p[r * KP + k], keys k < n).
+TQ_CLONES void keys_values(float* o, const float* p, const float* alpha, const float* vf, int64_t nq, int64_t n,
+                           int64_t hd) {
+    for (int64_t r = 0; r < nq; r += 4) {
+        float* orow = o + r * hd;
+        const float *pr = p + r * KP, *ar = alpha + r;
+        switch (std::min<int64_t>(4, nq - r)) {
+            case 4: block_values_rows<4>(orow, pr, ar, vf, 1, KP, n, hd); break;
+            case 3: block_values_rows<3>(orow, pr, ar, vf, 1, KP, n, hd); break;
+            case 2: block_values_rows<2>(orow, pr, ar, vf, 1, KP, n, hd); break;
+            default: block_values_rows<1>(orow, pr, ar, vf, 1, KP, n, hd); break;
+        }
     }
 }
 
@@ -382,7 +605,7 @@ TQ_CLONES void merge_segment(int64_t nq, int64_t hd, float* m, float* l, float* 
 // Per-call scratch, grown as needed and kept (one forward runs at a time per calling thread).
 struct Scratch {
     std::vector<float> x, h, qkv, attn, tmp, gu, act;
-    std::vector<int64_t> pos, chunk_of, tiles, split_items, part_off;
+    std::vector<int64_t> pos, chunk_of, tiles, att_items, split_items, part_off;
     std::vector<float> parts;
     std::vector<int32_t> xp, xs;   // q16 activations of the next matmul's input rows
     std::vector<float> dx;
@@ -409,10 +632,13 @@ struct Step {
     std::vector<float>* scratch;  // one per thread
     const int64_t *pos, *chunk_of;
     int64_t layer_stride, block_stride, slot_stride, v_off;
-    const int64_t* tiles;  // attention items: [n_tiles, 2] (chunk, first token)
+    const int64_t* tiles;  // attention tiles: [n_tiles, 2] (chunk, first token)
     int64_t n_tiles, tile;
-    // attention_split (null / 0 when the step does not split): [n_split, 3] (tile, kv head,
-    // segment) items, the offset of each tile's segment states in `parts`
+    // attention items: [n_att, 3] (tile, kv heads g0..g1): see heads_together
+    const int64_t* att_items;
+    int64_t n_att;
+    // attention_split (null / 0 when the step does not split): [n_split, 4] (tile, kv heads
+    // g0..g1, segment) items, the offset of each tile's segment states in `parts`
     const int64_t *split_items, *part_off;
     int64_t n_split;
     float* parts;
@@ -420,6 +646,7 @@ struct Step {
     // at that matmul's row stride of K / 32 blocks ([rows, K/32, 16] pairs, [rows, K/32] scales, sums)
     int32_t *xp, *xs;
     float* dx;
+    KvLoaders ld;
 
     // q16-quantize `nb` blocks of row t of a matmul input of width K, from block b0 of the row.
     void quantize(const float* v, int64_t t, int64_t K, int64_t b0, int64_t nb) const {
@@ -516,29 +743,51 @@ struct Step {
     // A fresh online softmax of the rows over segment `sg` of the tile's keys ([SEG*sg, ...)),
     // block by block: mx / sum / o (rows x hd) of the segment alone. A row whose position is
     // before the segment has no key in it: its mx stays -inf (merge_segment skips it).
+    // kf and vf hold KP * hd floats, s KP * nqp. A one-token tile takes its keys' lanes
+    // (attend_keys); others the rows' lanes, from qt.
     void attend_segment(const TileRows& v, int64_t g, int64_t li, int64_t sg, const float* qt, const int32_t* last,
                         float* kf, float* vf, float* s, float* mx, float* sum, float* alpha, float* o) const {
-        static const LoadKvFn load_kv = load_kv_fn();
         for (int64_t r = 0; r < v.nqp; ++r) mx[r] = -INFINITY, sum[r] = 0.0f;
         std::memset(o, 0, v.nq * hd * sizeof(float));
         const uint16_t* kbase = b.kv + li * layer_stride + g * hd;
         const int64_t* table = b.tables + b.chunks[v.c * 4 + 3];
         const int64_t stop = std::min(v.end, (sg + 1) * SEG);
-        for (int64_t j0 = sg * SEG; j0 < stop; j0 += KB) {
-            const int64_t n = std::min<int64_t>(KB, stop - j0);
-            // the next block's K/V rows: strided reads through the block table that the
+        const int64_t step = v.ntok == 1 ? KP : KB;
+        for (int64_t j0 = sg * SEG; j0 < stop; j0 += step) {
+            const int64_t n = std::min<int64_t>(step, stop - j0);
+            // the next keys' K/V rows: strided reads through the block table that the
             // hardware prefetcher does not see coming (decode attention waited on them)
-            for (int64_t j = j0 + KB; j < std::min<int64_t>(stop, j0 + 2 * KB); ++j) {
-                const uint16_t* row = kbase + table[j / b.block_size] * block_stride + (j % b.block_size) * slot_stride;
+            const int64_t pf = j0 + step, pf_end = std::min<int64_t>(stop, pf + step);
+            for (int64_t j = pf, bi = pf / b.block_size, slot = pf % b.block_size; j < pf_end; ++j) {
+                const uint16_t* row = kbase + table[bi] * block_stride + slot * slot_stride;
                 for (int64_t i = 0; i < hd; i += 32) {  // 64-byte lines
                     __builtin_prefetch(row + i);
                     __builtin_prefetch(row + v_off + i);
                 }
+                if (++slot == b.block_size) slot = 0, ++bi;
             }
-            load_kv(kbase, v_off, table, j0, n, b.block_size, block_stride, slot_stride, hd, kf, vf);
+            if (v.ntok == 1) {
+                attend_keys(v, g, kbase, table, j0, n, kf, vf, s, mx, sum, alpha, o);
+                continue;
+            }
+            ld.rows(kbase, v_off, table, j0, n, b.block_size, block_stride, slot_stride, hd, kf, vf);
             block_scores(qt, kf, hd, v.nqp, n, m.scale, s);
             block_softmax(s, last, (int32_t)j0, n, v.nqp, mx, sum, alpha);
             block_values(o, s, alpha, vf, last, (int32_t)j0, v.nq, v.nqp, hd);
+        }
+    }
+
+    // Keys j0..j0+n-1 (n <= KP, blocks of KB at absolute positions) of a one-token tile, lanes =
+    // keys: scores of both blocks in one pass, then each block's softmax and V update in order.
+    void attend_keys(const TileRows& v, int64_t g, const uint16_t* kbase, const int64_t* table, int64_t j0,
+                     int64_t n, float* kt, float* vf, float* s, float* mx, float* sum, float* alpha, float* o) const {
+        const float* q = qkv + v.t0 * qkv_n + g * (nh / nkv) * hd;  // the token's rows of kv head g
+        ld.transposed(kbase, v_off, table, j0, n, b.block_size, block_stride, slot_stride, hd, kt, vf);
+        keys_scores(q, kt, hd, v.nq, n, m.scale, s);
+        for (int64_t k0 = 0; k0 < n; k0 += KB) {
+            const int64_t nb = std::min<int64_t>(KB, n - k0);
+            keys_softmax(s + k0, v.nq, nb, mx, sum, alpha);
+            keys_values(o, s + k0, alpha, vf + k0 * hd, v.nq, nb, hd);
         }
     }
 
@@ -554,47 +803,50 @@ struct Step {
         }
     }
 
-    // Items: (query tile of a chunk, kv head), from `tiles` (chunk, first token of the tile),
-    // dealt round-robin (causal tiles differ in length). A tile's keys are taken in segments of
-    // SEG at absolute positions, each a fresh online softmax merged in order (merge_segment), so
-    // a row's bits depend on its position only — not on whether the segments of its tile were
-    // one item (here) or items of their own spread over the threads (attention_split, when a
-    // step has too few tiles to keep the threads busy: decode at a long context).
+    // Items: (query tile of a chunk, kv heads g0..g1), from `att_items`, dealt round-robin
+    // (causal tiles differ in length). A tile's keys are taken in segments of SEG at absolute
+    // positions, each a fresh online softmax merged in order (merge_segment), so a row's bits
+    // depend on its position only — not on whether the segments of its tile were one item (here)
+    // or items of their own spread over the threads (attention_split, when a step has too few
+    // tiles to keep the threads busy: decode at a long context).
     void attention(int64_t li, int tid, int nt) const {
         const int64_t group = nh / nkv, nq_max = tile * group, np_max = (nq_max + 7) / 8 * 8;
-        float* buf = grow(scratch[tid], hd * np_max + 2 * KB * hd + KB * np_max + 2 * nq_max * hd + 6 * np_max);
-        float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KB * hd, *s = vf + KB * hd, *o = s + KB * np_max;
+        float* buf = grow(scratch[tid], hd * np_max + 2 * KP * hd + KP * np_max + 2 * nq_max * hd + 6 * np_max);
+        float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KP * hd, *s = vf + KP * hd, *o = s + KP * np_max;
         float *o2 = o + nq_max * hd, *mx = o2 + nq_max * hd, *sum = mx + np_max, *alpha = sum + np_max;
         float *mx2 = alpha + np_max, *sum2 = mx2 + np_max;
         int32_t* last = (int32_t*)(sum2 + np_max);  // one float's room per row
-        for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
-            const TileRows v = tile_rows(it / nkv);
-            const int64_t g = it % nkv;
-            load_rows(v, g, qt, last);
-            attend_segment(v, g, li, 0, qt, last, kf, vf, s, mx, sum, alpha, o);
-            for (int64_t sg = 1; sg * SEG < v.end; ++sg) {
-                attend_segment(v, g, li, sg, qt, last, kf, vf, s, mx2, sum2, alpha, o2);
-                merge_segment(v.nq, hd, mx, sum, o, mx2, sum2, o2);
+        for (int64_t it = tid; it < n_att; it += nt) {
+            const TileRows v = tile_rows(att_items[3 * it]);
+            for (int64_t g = att_items[3 * it + 1]; g < att_items[3 * it + 2]; ++g) {
+                load_rows(v, g, qt, last);
+                attend_segment(v, g, li, 0, qt, last, kf, vf, s, mx, sum, alpha, o);
+                for (int64_t sg = 1; sg * SEG < v.end; ++sg) {
+                    attend_segment(v, g, li, sg, qt, last, kf, vf, s, mx2, sum2, alpha, o2);
+                    merge_segment(v.nq, hd, mx, sum, o, mx2, sum2, o2);
+                }
+                finish_rows(v, g, sum, o);
             }
-            finish_rows(v, g, sum, o);
         }
     }
 
-    // attention() with each (tile, kv head, segment) an item of its own: the segments' states
+    // attention() with each (tile, kv heads, segment) an item of its own: the segments' states
     // go to `parts` (at part_off[tile] + (g * segments + sg) * rows * (hd + 2)), then, after a
     // barrier, each (tile, kv head) merges its segments in order.
     void attention_split(int64_t li, int tid, int nt) const {
         const int64_t group = nh / nkv, nq_max = tile * group, np_max = (nq_max + 7) / 8 * 8;
-        float* buf = grow(scratch[tid], hd * np_max + 2 * KB * hd + KB * np_max + 2 * np_max);
-        float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KB * hd, *s = vf + KB * hd, *alpha = s + KB * np_max;
+        float* buf = grow(scratch[tid], hd * np_max + 2 * KP * hd + KP * np_max + 2 * np_max);
+        float *qt = buf, *kf = qt + hd * np_max, *vf = kf + KP * hd, *s = vf + KP * hd, *alpha = s + KP * np_max;
         int32_t* last = (int32_t*)(alpha + np_max);
         for (int64_t it = tid; it < n_split; it += nt) {
-            const int64_t ti = split_items[3 * it], g = split_items[3 * it + 1], sg = split_items[3 * it + 2];
-            const TileRows v = tile_rows(ti);
-            const int64_t nseg = (v.end + SEG - 1) / SEG, rows = v.nqp;
-            float* part = parts + part_off[ti] + (g * nseg + sg) * rows * (hd + 2);
-            load_rows(v, g, qt, last);
-            attend_segment(v, g, li, sg, qt, last, kf, vf, s, part, part + rows, alpha, part + 2 * rows);
+            const int64_t* item = split_items + 4 * it;
+            const TileRows v = tile_rows(item[0]);
+            const int64_t nseg = (v.end + SEG - 1) / SEG, rows = v.nqp, sg = item[3];
+            for (int64_t g = item[1]; g < item[2]; ++g) {
+                float* part = parts + part_off[item[0]] + (g * nseg + sg) * rows * (hd + 2);
+                load_rows(v, g, qt, last);
+                attend_segment(v, g, li, sg, qt, last, kf, vf, s, part, part + rows, alpha, part + 2 * rows);
+            }
         }
 #pragma omp barrier
         for (int64_t it = tid; it < n_tiles * nkv; it += nt) {
@@ -641,8 +893,8 @@ struct Step {
     void attend_range(int64_t li, float* out, int64_t lo, int64_t hi, int tid, int nt) const {
         const TileRows v = tile_rows(0);
         const int64_t nseg = hi - lo, stride = v.nqp * (hd + 2);
-        float* buf = grow(scratch[tid], hd * v.nqp + 2 * KB * hd + KB * v.nqp + 2 * v.nqp);
-        float *qt = buf, *kf = qt + hd * v.nqp, *vf = kf + KB * hd, *s = vf + KB * hd, *alpha = s + KB * v.nqp;
+        float* buf = grow(scratch[tid], hd * v.nqp + 2 * KP * hd + KP * v.nqp + 2 * v.nqp);
+        float *qt = buf, *kf = qt + hd * v.nqp, *vf = kf + KP * hd, *s = vf + KP * hd, *alpha = s + KP * v.nqp;
         int32_t* last = (int32_t*)(alpha + v.nqp);
         for (int64_t it = tid; it < nkv * nseg; it += nt) {
             const int64_t g = it / nseg, sg = lo + it % nseg;
@@ -734,6 +986,27 @@ struct Step {
     }
 };
 
+// Whether one attention item takes all kv heads of tile v (out of `n` such units of work for
+// nt threads): a one-token tile's K/V rows of a block lie side by side for all its heads, so
+// one item reads them as one stream (every line it fetches is used) — when there are enough
+// units (2 a thread) to keep the threads busy; else an item per kv head.
+bool heads_together(const Step::TileRows& v, int64_t n, int nt) { return v.ntok == 1 && n >= 2 * nt; }
+
+// The attention items of a step: (tile, g0, g1).
+void plan_items(Step& st, Scratch& s, int nt) {
+    int64_t* items = grow(s.att_items, 3 * st.n_tiles * st.nkv);
+    int64_t i = 0;
+    for (int64_t ti = 0; ti < st.n_tiles; ++ti) {
+        if (heads_together(st.tile_rows(ti), st.n_tiles, nt)) {
+            items[3 * i] = ti, items[3 * i + 1] = 0, items[3 * i + 2] = st.nkv, ++i;
+            continue;
+        }
+        for (int64_t g = 0; g < st.nkv; ++g, ++i) items[3 * i] = ti, items[3 * i + 1] = g, items[3 * i + 2] = g + 1;
+    }
+    st.att_items = items;
+    st.n_att = i;
+}
+
 // A step whose tiles are too few to keep the threads busy (fewer than 4 items a thread: decode)
 // and whose keys span several segments spreads each tile's segments over the threads.
 void plan_split(Step& st, Scratch& s, int nt) {
@@ -748,16 +1021,21 @@ void plan_split(Step& st, Scratch& s, int nt) {
         n_parts += nseg * st.nkv * v.nqp * (st.hd + 2);
     }
     if (n_items == st.n_tiles * st.nkv) return;  // one segment each: nothing to spread
-    int64_t* items = grow(s.split_items, 3 * n_items);
+    int64_t* items = grow(s.split_items, 4 * n_items);
     int64_t i = 0;
     for (int64_t ti = 0; ti < st.n_tiles; ++ti) {
-        const int64_t nseg = (st.tile_rows(ti).end + SEG - 1) / SEG;
-        for (int64_t g = 0; g < st.nkv; ++g)
-            for (int64_t sg = 0; sg < nseg; ++sg, ++i) items[3 * i] = ti, items[3 * i + 1] = g, items[3 * i + 2] = sg;
+        const auto v = st.tile_rows(ti);
+        const int64_t nseg = (v.end + SEG - 1) / SEG;
+        const bool together = heads_together(v, nseg, nt);
+        for (int64_t sg = 0; sg < nseg; ++sg)
+            for (int64_t g = 0; g < st.nkv; g += together ? st.nkv : 1, ++i) {
+                int64_t* item = items + 4 * i;
+                item[0] = ti, item[1] = g, item[2] = together ? st.nkv : g + 1, item[3] = sg;
+            }
     }
     st.split_items = items;
     st.part_off = off;
-    st.n_split = n_items;
+    st.n_split = i;
     st.parts = grow(s.parts, n_parts);
 }
 
@@ -798,7 +1076,8 @@ Step make_step(const Model* m, const Batch* b, Scratch& s, int nt, int isa, floa
                 grow(s.h, S * D), qkv ? qkv : grow(s.qkv, T * qkv_n), grow(s.attn, T * nh * hd), grow(s.tmp, T * D),
                 grow(s.gu, T * 2 * F), grow(s.act, T * F), s.per_thread.data(), pos, chunk_of,
                 layer_stride, m->n_layers * layer_stride, slot_stride, b->block_size * slot_stride,
-                tiles, n_tiles, tile, nullptr, nullptr, 0, nullptr, xp, xs, dx};
+                tiles, n_tiles, tile, nullptr, 0, nullptr, nullptr, 0, nullptr, xp, xs, dx,
+                kv_loaders(tq::resolve_isa(isa), hd)};
 }
 
 void embed(const Model* m, const Batch* b, float* x) {
@@ -837,6 +1116,7 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
     const int nt = nthreads < 1 ? 1 : nthreads;
     Step st = make_step(m, b, s, nt, isa, nullptr, nullptr);
     embed(m, b, st.x);
+    plan_items(st, s, nt);
     plan_split(st, s, nt);
     on_team(nt, [&](int tid, int n) { st.run(tid, n); });
 }

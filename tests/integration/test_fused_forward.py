@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -155,6 +162,92 @@ def test_long_context_chunks_match_one_pass_and_op_by_op(mode_engine):
             assert torch.equal(_chunked_logits(fast, ids, sizes), one_pass), t
     finally:
         cpu.set_num_threads(2)
+
+
+def _forward_chunks(engine: Engine, ids: list[int], table: torch.Tensor, start: int, sizes: list[int],
+                    keep_from: int) -> torch.Tensor:
+    """Forward ids[start:] in consecutive chunks of ``sizes`` tokens through ``table``; the
+    logits of the positions from ``keep_from`` on."""
+    bs, out = engine.layout.block_size, []
+    with torch.inference_mode():
+        for n in sizes:
+            pos = torch.arange(start, start + n)
+            rows = torch.nonzero(pos >= keep_from).flatten()
+            ctx = StepContext(pos, table[pos // bs], pos % bs, [AttnChunk(start, n, 0, table)], rows)
+            logits = engine.model.forward(torch.tensor(ids[start:start + n]), ctx, engine.kv)
+            if rows.numel():
+                out.append(logits)
+            start += n
+    return torch.cat(out) if out else torch.empty(0)
+
+
+def test_decode_keys_lanes_match_one_pass_at_long_context(fast, monkeypatch):
+    """A one-token tile (decode) computes its scores with lanes over keys (forward_cpu.cpp
+    attend_keys), a longer tile with lanes over query rows: the same bits at a long context.
+    2,060 tokens in one pass vs 2,036 prefilled in 512-token chunks then 24 single-token steps
+    (across the 256-key segment edge at 2,048, with part-full key blocks), on 1 and 2 threads
+    and with each K/V loader (TANDEM_CPU_ISA: scalar, AVX2 and, where the CPU has it, AVX-512)."""
+    ids = ([t for p in prompt_ids(fast) for t in p] * 40)[:2060]
+    assert len(ids) == 2060
+    prompt = 2036
+    blocks = fast.blocks.allocate(fast.layout.blocks_for(len(ids)))
+    assert blocks is not None
+    table = torch.tensor(blocks, dtype=torch.int64)
+    try:
+        one_pass = _forward_chunks(fast, ids, table, 0, [len(ids)], prompt)
+        _forward_chunks(fast, ids, table, 0, [512, 512, 512, prompt - 1536], prompt)
+        isas = ["scalar", "avx2"] + (["avx512vnni"] if cpu.isa() == "avx512vnni" else [])
+        for isa in isas:
+            monkeypatch.setattr(cpu, "_isa_choice", cpu._ISA_IDS[isa])
+            for t in (1, 2):
+                cpu.set_num_threads(t)
+                steps = _forward_chunks(fast, ids, table, prompt, [1] * (len(ids) - prompt), prompt)
+                assert torch.equal(steps, one_pass), (isa, t, (steps - one_pass).abs().max())
+    finally:
+        cpu.set_num_threads(2)
+        fast.blocks.release(blocks)
+
+
+def clone_probe(engine: Engine) -> str:
+    """sha256 of the logits of the last 8 positions of a 560-token prompt (one pass: lanes over
+    query rows) and of 40 decode steps after it (lanes over keys, across the 256-key edge at 768)."""
+    ids = ([t for p in prompt_ids(engine) for t in p] * 20)[:800]
+    assert len(ids) == 800
+    blocks = engine.blocks.allocate(engine.layout.blocks_for(len(ids)))
+    assert blocks is not None
+    table = torch.tensor(blocks, dtype=torch.int64)
+    try:
+        a = _forward_chunks(engine, ids, table, 0, [760], 752)
+        b = _forward_chunks(engine, ids, table, 760, [1] * 40, 760)
+    finally:
+        engine.blocks.release(blocks)
+    return hashlib.sha256(torch.cat([a, b]).numpy().tobytes()).hexdigest()
+
+
+_CLONE_SCRIPT = """
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.loader import load_model
+from tests.integration.test_fused_forward import clone_probe
+print("PROBE", clone_probe(Engine(load_model(), EngineConfig(num_kv_blocks=64, threads=2))))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="target_clones are x86-64 only")
+@pytest.mark.parametrize("flags", ["-DTQ_ONE_CLONE=arch=x86-64-v3", "-DTQ_NO_CLONES"])
+def test_each_clone_alone_gives_the_same_bits(fast, flags, tmp_path):
+    """forward_cpu.cpp's vector code is built as AVX-512 / AVX2 / baseline clones, picked by the
+    CPU: build the AVX2 one (x86-64-v3) and the baseline one alone (TANDEM_CXXFLAGS, in a fresh
+    cache) and compare their logits, prefill and decode, with this process's clone."""
+    if "v3" in flags and cpu.isa() not in ("avx2", "avx512vnni"):
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "TANDEM_CXXFLAGS": flags, "TANDEM_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", _CLONE_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=1200, cwd=Path(__file__).parents[2])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert list(tmp_path.glob("q4_0_cpu-*.so")), "the clone was not built in the fresh cache"
+    got = [line.split()[1] for line in res.stdout.splitlines() if line.startswith("PROBE ")]
+    assert got == [clone_probe(fast)]
 
 
 def test_batched_decode_rows_bitwise_equal_alone(bundled_model, fast):
