@@ -42,8 +42,10 @@ def nats_creds(tmp_path_factory):
         yield path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def nats_server(nats_creds):
-    """The e2e tests' NATS: secured as `tandem up`'s own (``secured_nats``)."""
+    """The e2e tests' NATS, one per module (a module's stacks leave JetStream state behind —
+    sessions, the prefix index — which the next module's router would load): secured as
+    `tandem up`'s own (``secured_nats``)."""
     with secured_nats(nats_creds) as url:
         yield url

@@ -103,11 +103,16 @@ async def stream(client, model, prompt: str, *, temperature: float = 0.0, seed: 
     s = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         temperature=temperature, seed=seed, stream=True, extra_body={"ignore_eos": True})
+    return await collect(s, on_chunk)
+
+
+async def collect(s, on_chunk=None) -> dict:
+    """A streamed chat completion's id, text, finish reason, usage and content chunk count;
+    ``await on_chunk(out)`` after each content chunk."""
     out = {"id": "", "text": "", "finish": None, "usage": None, "chunks": 0}
     async for ch in s:
         out["id"] = ch.id
-        if ch.usage:
-            out["usage"] = ch.usage
+        out["usage"] = ch.usage or out["usage"]
         if ch.choices:
             out["text"] += ch.choices[0].delta.content or ""
             out["finish"] = ch.choices[0].finish_reason or out["finish"]

@@ -24,7 +24,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.schemas import Heartbeat, RoutePlan
 from shared.transfer.shm import available as shm_available
 from services.tap import tap
-from tests.e2e.test_resilience import pid_of
+from tests.e2e.test_resilience import collect, pid_of
 from tests.e2e.test_stack import local_chat, running_stack
 
 pytestmark = pytest.mark.timeout(900)
@@ -52,17 +52,7 @@ async def chat(client, model: str, content: str, on_chunk=None) -> dict:
     s = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": content}], max_tokens=NEW, temperature=0,
         stream=True, stream_options={"include_usage": True}, extra_headers=BATCH, extra_body={"ignore_eos": True})
-    out = {"id": "", "text": "", "finish": None, "usage": None, "chunks": 0}
-    async for ch in s:
-        out["id"] = ch.id
-        out["usage"] = ch.usage or out["usage"]
-        if ch.choices:
-            out["text"] += ch.choices[0].delta.content or ""
-            out["finish"] = ch.choices[0].finish_reason or out["finish"]
-            out["chunks"] += 1
-            if on_chunk is not None:
-                await on_chunk(out)
-    return out
+    return await collect(s, on_chunk)
 
 
 async def router_metrics(bus: Bus) -> str:
@@ -192,29 +182,23 @@ async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, re
     async def on_chunk(o):
         if o["chunks"] != 3:
             return
-        for _ in range(60):
+        for _ in range(100):  # the holder's heartbeat lists the request; the other two have beaten once
             src = next((b for b in list(beats.values()) if b.role in subjects.DECODE_ROLES
                         and any(r[0] == o["id"] for r in b.requests)), None)
-            if src:
+            if src and sum(b.role == subjects.CPU_DECODE for b in list(beats.values())) >= 3:
                 break
             await asyncio.sleep(0.05)
         assert src is not None and src.role == subjects.CPU_DECODE
         ring = sorted((b for b in beats.values() if b.role == subjects.CPU_DECODE and b.worker_id != src.worker_id),
                       key=lambda b: b.worker_id)
+        assert len(ring) == 2, list(beats)
         replies.append(await migrate(bus, src.worker_id, to_target(o["id"], ring[0], "batch", "spread", ring), 60))
 
     try:
         s = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": content}], max_tokens=128, temperature=0,
             stream=True, extra_headers=BATCH, extra_body={"ignore_eos": True})
-        got = {"id": "", "text": "", "finish": None, "chunks": 0}
-        async for ch in s:
-            got["id"] = ch.id
-            if ch.choices:
-                got["text"] += ch.choices[0].delta.content or ""
-                got["finish"] = ch.choices[0].finish_reason or got["finish"]
-                got["chunks"] += 1
-                await on_chunk(got)
+        got = await collect(s, on_chunk)
     finally:
         watching.cancel()
         await bus.close()

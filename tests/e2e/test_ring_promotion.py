@@ -14,6 +14,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.schemas import RoutePlan
 from tests.e2e.test_ring import BATCH, ENV, _collect, question, reference  # noqa: F401 (fixture)
+from tests.e2e.test_resilience import collect
 from tests.e2e.test_stack import local_chat, running_stack
 
 pytestmark = pytest.mark.timeout(900)
@@ -47,14 +48,7 @@ def test_a_ring_session_is_promoted_to_a_gpu_worker_when_a_person_checks_in(nats
                 st = await client.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": content}], max_tokens=48, temperature=0,
                     stream=True, extra_headers=BATCH, extra_body={"ignore_eos": True, "session_id": "promote-me"})
-                out = {"id": "", "text": "", "finish": None, "chunks": 0}
-                async for ch in st:
-                    out["id"] = ch.id
-                    if ch.choices:
-                        out["text"] += ch.choices[0].delta.content or ""
-                        out["finish"] = ch.choices[0].finish_reason or out["finish"]
-                        out["chunks"] += 1
-                        await on_chunk(out)
+                out = await collect(st, on_chunk)
             finally:
                 noting.cancel()
                 await bus.close()

@@ -4,11 +4,14 @@ with the official openai client over real HTTP."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import asyncio
 import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 
 import httpx
@@ -29,8 +32,12 @@ def start_stack(nats_url: str | None, extra_args=(), env: dict | None = None) ->
     """`tandem up` as a user runs it; NATS at ``nats_url``, or embedded when None; ``env``: more
     variables for every service."""
     port = free_port()
+    # a pool directory of its own (unless ``env`` names one): entries left by earlier runs in the
+    # user's ~/.cache/tandem/kvpool would serve a repeated test prompt from the pool
+    pool_dir = tempfile.mkdtemp(prefix="tandem-e2e-pool-")
+    atexit.register(shutil.rmtree, pool_dir, True)
     env = {**os.environ, "TANDEM_PORT": str(port), "TANDEM_THREADS": "1", "TANDEM_KV_BUDGET_MB": "64",
-           "TANDEM_HEARTBEAT_INTERVAL": "0.5", "PYTHONUNBUFFERED": "1", **(env or {})}
+           "TANDEM_HEARTBEAT_INTERVAL": "0.5", "PYTHONUNBUFFERED": "1", "TANDEM_POOL_DIR": pool_dir, **(env or {})}
     env.pop("TANDEM_NATS_URL", None)
     if nats_url:
         env["TANDEM_NATS_URL"] = nats_url
