@@ -286,6 +286,8 @@ class Engine:
 
     def take_failed(self) -> list[tuple[str, Exception]]:
         """Ring requests that ended with an error since the last call (a member was lost)."""
+        if not self._failed:   # every step asks: no new list then
+            return self._failed
         out, self._failed = self._failed, []
         return out
 

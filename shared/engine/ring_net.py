@@ -52,7 +52,7 @@ import torch
 from kernels.cpu_ring import RingKernels
 from shared.engine.ring import RingCapacityError, RingMember
 from shared.transfer import link as links
-from shared.transfer.shm import SHM_DIR, available as shm_available
+from shared.transfer.shm import SHM_DIR, available as shm_available, shm_unlink
 
 log = logging.getLogger("tandem.ring")
 
@@ -205,13 +205,6 @@ def _map_region(name: str, area: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _unlink(name: str) -> None:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
-
-
 def _session_key(key: bytes, sn: bytes, cn: bytes) -> bytes:
     return _mac(key, b"tandem-ring-session-v1", sn, cn) if key else b""
 
@@ -314,7 +307,7 @@ class RingServer:
             region.close()
             raise
         finally:
-            _unlink(name)    # the coordinator holds it now, or never will
+            shm_unlink(name)    # the coordinator holds it now, or never will
         if op != MAPPED:
             region.close()
             raise ConnectionError(f"op {op} where the answer to a shared-memory offer belongs")
