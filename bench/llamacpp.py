@@ -3,7 +3,10 @@
 The package is not a dependency of Tandem (nor of its tests): ``ensure_installed()`` creates
 ``$TANDEM_CACHE_DIR/../llama-cpp-venv`` (default ``~/.cache/tandem/llama-cpp-venv``) on request and
 builds the package there from source for this CPU (``-DGGML_NATIVE=ON``; ~10+ minutes on 2
-cores, progress on stderr, full log next to the venv). ``run()`` runs ``llamacpp_runner.py``
+cores, progress on stderr, full log next to the venv). On a CPU with AMX the build leaves
+llama.cpp's AMX kernels out (``-mno-amx-*``, venv ``llama-cpp-venv-noamx``): in 0.3.36 they crash
+(SIGSEGV in ``llama_decode``) on the bundled model for any batch of more than one token, so
+llama.cpp's best path that runs there is its AVX-512 VNNI one with the Q4_0 repacking. ``run()`` runs ``llamacpp_runner.py``
 in that venv on a GGUF and returns its JSON.
 """
 
@@ -19,12 +22,26 @@ from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python, pinned so reruns compare the same llama.cpp
 CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit -mno-* win over -march=native
+
+
+def has_amx() -> bool:
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def cmake_args() -> str:
+    if not has_amx():
+        return CMAKE_ARGS
+    return f'{CMAKE_ARGS} -DCMAKE_C_FLAGS="{NO_AMX}" -DCMAKE_CXX_FLAGS="{NO_AMX}"'
 RUNNER = Path(__file__).with_name("llamacpp_runner.py")
 
 
 def venv_dir() -> Path:
     env = os.environ.get("TANDEM_LLAMA_CPP_VENV")
-    return Path(env) if env else Path.home() / ".cache" / "tandem" / "llama-cpp-venv"
+    return Path(env) if env else Path.home() / ".cache" / "tandem" / ("llama-cpp-venv" + ("-noamx" if has_amx() else ""))
 
 
 def _python() -> Path:
@@ -62,7 +79,7 @@ def _build(venv: Path) -> Path:
          f"log: {log_path}")
     if not _python().exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+    env = dict(os.environ, CMAKE_ARGS=cmake_args(), CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
     cmd = [str(_python()), "-m", "pip", "install", "--no-cache-dir", "-v", f"llama-cpp-python=={VERSION}"]
     step = re.compile(r"\[(\d+)/(\d+)\]")
     last = None

@@ -60,7 +60,7 @@ CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract
 ABI_VERSION = 4
 ACT_MODES = ("q16", "f32", "q8")
 GROUP = 16  # rows per group of the packed layout (tq::GROUP)
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni", 3: "neon"}  # the C++ ``Isa`` enum
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni", 3: "neon", 4: "amx"}  # the C++ ``Isa`` enum
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 
 _lock = threading.Lock()

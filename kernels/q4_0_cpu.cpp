@@ -34,6 +34,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #define TQ_X86 1
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 #if defined(__aarch64__) && defined(__GNUC__)
 #define TQ_ARM 1
@@ -54,7 +56,8 @@ using tq::TILE_ROWS;
 using tq::thread_rows;
 constexpr int64_t MIN_BYTES_PER_THREAD = 32 * 1024;  // weight bytes x M worth a thread
 
-enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_NEON = 3 };  // NEON: with dot product
+enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_NEON = 3, ISA_AMX = 4 };  // NEON: with dot product;
+// AMX: the AVX-512 VNNI paths plus q16 batches on the tile unit
 
 // ---------------------------------------------------------------- portable scalar path
 
@@ -841,6 +844,157 @@ void q16_rows_512(const int32_t* xp, const float* dx, const int32_t* xs, const u
     }
 }
 #pragma GCC pop_options
+
+// ---------------------------------------------------------------- q16 on AMX (Sapphire Rapids and later)
+// The same integers as q16_tile_512 from Intel's tile unit: per 16-row group, block and chunk of
+// 16 activation rows, two TDPBSSD (s8 activations x s8 weights n - 8) give h = sum_k xh_k (n_k - 8)
+// and l = sum_k xl_k (n_k - 8) for all 16 x 16 (activation, weight row) pairs at once, exactly in
+// int32. The tiles are stored and each activation row finishes its block with dp = 256 h + l (the
+// AVX-512 path's 256 sum n xh + sum n xl - 8 xs, the same integer) and acc = fma(float(dp),
+// d_w * dx, acc), so the bits are the same.
+//   A tiles (xh, xl): 16 activation rows x 32 bytes, k in the B tile's order (packed per call from
+//                     the q16 layout: the xh / xl dwords of steps 0..3, low then high nibbles)
+//   B tile:           8 rows x 64 bytes, row r = the group's weights n - 8 of step r & 3 (low
+//                     nibbles for r < 4, high after): per dword lane one weight row's four k —
+//                     the VNNI layout
+//   C tiles:          16 x 16 int32, row = activation, lane = weight row (the acc lanes)
+// For fewer than AMX_MIN_M activation rows the tile unit idles: the AVX-512 path runs them.
+constexpr int64_t AMX_MIN_M = 8;
+constexpr int AMX_ROWS = 16;  // activation rows per A tile
+
+struct alignas(64) AmxConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// The kernel may use AMX only after the OS granted this process the tile state (Linux >= 5.16).
+bool amx_permitted() {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
+
+void q16_rows_amx(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* p,
+                  float* out, int64_t M, int64_t N, int64_t nb, int64_t g0, int64_t g1) {
+    if (M < AMX_MIN_M) return q16_rows_512(xp, dx, xs, p, out, M, N, nb, g0, g1);
+    const int64_t gstride = nb * GBYTES;
+    const int64_t G = (N + GROUP - 1) / GROUP;
+    const int64_t chunks = (M + AMX_ROWS - 1) / AMX_ROWS;
+    // per chunk and block: A_h (16 x 32 bytes), A_l, 16 dx; padding rows are zero
+    thread_local std::vector<uint8_t> apack_buf, bpack_buf;
+    thread_local std::vector<float> dpad_buf;
+    const int64_t padded = chunks * AMX_ROWS;
+    if ((int64_t)apack_buf.size() < chunks * nb * 1024) apack_buf.resize(chunks * nb * 1024);
+    if ((int64_t)dpad_buf.size() < chunks * nb * AMX_ROWS) dpad_buf.resize(chunks * nb * AMX_ROWS);
+    if ((int64_t)bpack_buf.size() < 2 * nb * 512) bpack_buf.resize(2 * nb * 512);  // this group, the next
+    uint8_t* const apack = apack_buf.data();  // (thread_local names cost a TLS lookup per use)
+    uint8_t* const bpack = bpack_buf.data();
+    float* const dpad = dpad_buf.data();
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+    for (int64_t m = 0; m < padded; ++m) {
+        const int64_t c = m / AMX_ROWS, r = m % AMX_ROWS;
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* a = apack + (c * nb + b) * 1024 + r * 32;
+            if (m >= M) {  // padding rows: zero products, never stored
+                std::memset(a, 0, 32), std::memset(a + 512, 0, 32);
+                dpad[(c * nb + b) * AMX_ROWS + r] = 0.f;
+                continue;
+            }
+            const __m512i v = _mm512_permutexvar_epi32(idx, _mm512_loadu_si512((const void*)(xp + (m * nb + b) * 16)));
+            _mm256_storeu_si256((__m256i*)a, _mm512_castsi512_si256(v));
+            _mm256_storeu_si256((__m256i*)(a + 512), _mm512_extracti64x4_epi64(v, 1));
+            dpad[(c * nb + b) * AMX_ROWS + r] = dx[m * nb + b];
+        }
+    }
+    AmxConfig cfg;
+    for (int t = 0; t < 2; ++t) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;          // C_h, C_l
+    for (int t = 2; t < 4; ++t) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 32;          // A_h, A_l
+    for (int t = 5; t < 7; ++t) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;          // C of the odd block
+    cfg.rows[4] = cfg.rows[7] = 8, cfg.colsb[4] = cfg.colsb[7] = 64;                // B, even and odd
+    _tile_loadconfig(&cfg);
+    alignas(64) int32_t cbuf[4][2][AMX_ROWS * 16];
+    const __m512i mask = _mm512_set1_epi32(0x0F0F0F0F), eight = _mm512_set1_epi8(8);
+    // block b of group g as the B tile (n - 8 per byte) into buffer (g - g0) & 1
+    auto unpack = [&](int64_t g, int64_t b) {
+        const uint8_t* w = p + g * gstride + b * GBYTES + 32;
+        uint8_t* dst = bpack + ((g - g0) & 1) * nb * 512 + b * 512;
+        for (int s = 0; s < 4; ++s) {
+            const __m512i u = _mm512_loadu_si512((const void*)(w + s * 64));
+            _mm512_storeu_si512((void*)(dst + s * 64), _mm512_sub_epi8(_mm512_and_si512(u, mask), eight));
+            _mm512_storeu_si512((void*)(dst + (4 + s) * 64),
+                                _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(u, 4), mask), eight));
+        }
+    };
+    for (int64_t b = 0; b < nb; ++b) unpack(g0, b);
+    for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* w = p + g * gstride;
+        const uint8_t* bp = bpack + ((g - g0) & 1) * nb * 512;
+        const int64_t rows = g == G - 1 ? N - g * GROUP : GROUP;
+        const __mmask16 k = rows < GROUP ? (__mmask16)((1u << rows) - 1) : (__mmask16)0xffff;
+        for (int64_t c = 0; c < chunks; ++c) {
+            __m512 acc[AMX_ROWS];
+            for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+            auto finish = [&](int64_t b, const int32_t* ch, const int32_t* cl) {
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + b * GBYTES)));
+                const float* dxs = dpad + (c * nb + b) * AMX_ROWS;
+                for (int r = 0; r < AMX_ROWS; ++r) {
+                    const __m512i t = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void*)(ch + r * 16)), 8),
+                                                       _mm512_load_si512((const void*)(cl + r * 16)));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(dxs[r])), acc[r]);
+                }
+            };
+            // software pipeline: the tile products of block b + 2 are issued before block b is
+            // finished (even blocks on tiles 0, 1, 4, odd on 5, 6, 7; four buffers in a ring)
+            auto issue = [&](int64_t b) {
+                const uint8_t* a = apack + (c * nb + b) * 1024;
+                int32_t* cb = cbuf[b & 3][0];
+                _tile_loadd(2, a, 32);
+                _tile_loadd(3, a + 512, 32);
+                if (b & 1) {
+                    _tile_loadd(7, bp + b * 512, 64);
+                    _tile_zero(5);
+                    _tile_zero(6);
+                    _tile_dpbssd(5, 2, 7);
+                    _tile_dpbssd(6, 3, 7);
+                    _tile_stored(5, cb, 64);
+                    _tile_stored(6, cb + AMX_ROWS * 16, 64);
+                } else {
+                    _tile_loadd(4, bp + b * 512, 64);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_dpbssd(0, 2, 4);
+                    _tile_dpbssd(1, 3, 4);
+                    _tile_stored(0, cb, 64);
+                    _tile_stored(1, cb + AMX_ROWS * 16, 64);
+                }
+            };
+            issue(0);
+            if (nb > 1) issue(1);
+            // while the first chunk computes: the next group's weights unpacked block by block
+            // (their loads overlap the tile work) and the group after it prefetched (weights
+            // stream from memory every step)
+            const bool ahead = c == 0 && g + 1 < g1;
+            const char* far = (const char*)(w + 2 * gstride);
+            const int64_t lines = c == 0 && g + 2 < g1 ? (gstride + 63) / 64 : 0;
+            const int64_t per = (lines + nb - 1) / nb;
+            for (int64_t b = 0; b < nb; ++b) {
+                if (b + 2 < nb) issue(b + 2);
+                if (ahead) unpack(g + 1, b);
+                for (int64_t l = b * per; l < std::min(lines, (b + 1) * per); ++l)
+                    _mm_prefetch(far + l * 64, _MM_HINT_T0);
+                finish(b, cbuf[b & 3][0], cbuf[b & 3][1]);
+            }
+            const int64_t valid = std::min<int64_t>(AMX_ROWS, M - c * AMX_ROWS);
+            for (int64_t r = 0; r < valid; ++r)
+                _mm512_mask_storeu_ps(out + (c * AMX_ROWS + r) * N + g * GROUP, k, acc[r]);
+        }
+    }
+    _tile_release();
+}
+#pragma GCC pop_options
 #endif  // TQ_X86
 
 #ifdef TQ_ARM
@@ -909,7 +1063,8 @@ int detect_isa() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return ISA_AVX512VNNI;
+        return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted()
+                   ? ISA_AMX : ISA_AVX512VNNI;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ISA_AVX2;
 #endif
@@ -935,7 +1090,7 @@ QuantFn quant_fn(int isa) {
 
 RowsFn rows_fn(int isa) {
 #ifdef TQ_X86
-    if (isa == ISA_AVX512VNNI) return rows_vnni;
+    if (isa == ISA_AVX512VNNI || isa == ISA_AMX) return rows_vnni;
     if (isa == ISA_AVX2) return rows_avx2;
 #endif
     (void)isa;
@@ -947,7 +1102,7 @@ using RowsF32Fn = void (*)(const uint8_t*, int64_t, const float*, float*,
 
 RowsF32Fn rows_f32_fn(int isa) {
 #ifdef TQ_X86
-    if (isa == ISA_AVX512VNNI) return rows_f32_512;
+    if (isa == ISA_AVX512VNNI || isa == ISA_AMX) return rows_f32_512;
     if (isa == ISA_AVX2) return rows_f32_avx2;
 #endif
     (void)isa;
@@ -959,6 +1114,7 @@ using RowsQ16Fn = void (*)(const int32_t*, const float*, const int32_t*, const u
 
 RowsQ16Fn rows_q16_fn(int isa) {
 #ifdef TQ_X86
+    if (isa == ISA_AMX) return q16_rows_amx;
     if (isa == ISA_AVX512VNNI) return q16_rows_512;
     if (isa == ISA_AVX2) return q16_rows_avx2;
 #endif
@@ -988,7 +1144,7 @@ int resolve_isa(int isa) {
 #ifdef TQ_ARM
     return isa < 0 || isa >= ISA_NEON ? g_best_isa : ISA_SCALAR;  // the x86 paths do not exist here
 #else
-    if (isa < 0 || isa > g_best_isa) return g_best_isa;
+    if (isa < 0 || isa > g_best_isa || isa == ISA_NEON) return g_best_isa;
     return isa;
 #endif
 }
@@ -1085,7 +1241,8 @@ extern "C" {
 
 int tq_abi_version() { return 4; }
 
-// The best path this CPU runs: 2 AVX-512 VNNI, 1 AVX2/FMA/F16C, 3 NEON with dot product, 0 scalar.
+// The best path this CPU runs: 4 AMX (+ AVX-512 VNNI), 2 AVX-512 VNNI, 1 AVX2/FMA/F16C, 3 NEON with dot
+// product, 0 scalar.
 int tq_best_isa() { return g_best_isa; }
 
 // The path a request for `isa` runs (-1: the best).

@@ -196,7 +196,8 @@ def test_decode_keys_lanes_match_one_pass_at_long_context(fast, monkeypatch):
     try:
         one_pass = _forward_chunks(fast, ids, table, 0, [len(ids)], prompt)
         _forward_chunks(fast, ids, table, 0, [512, 512, 512, prompt - 1536], prompt)
-        isas = ["scalar", "avx2"] + (["avx512vnni"] if cpu.isa() == "avx512vnni" else [])
+        order = ["scalar", "avx2", "avx512vnni", "amx"]
+        isas = order[: order.index(cpu.isa()) + 1] if cpu.isa() in order else ["scalar"]
         for isa in isas:
             monkeypatch.setattr(cpu, "_isa_choice", cpu._ISA_IDS[isa])
             for t in (1, 2):
@@ -239,7 +240,7 @@ def test_each_clone_alone_gives_the_same_bits(fast, flags, tmp_path):
     """forward_cpu.cpp's vector code is built as AVX-512 / AVX2 / baseline clones, picked by the
     CPU: build the AVX2 one (x86-64-v3) and the baseline one alone (TANDEM_CXXFLAGS, in a fresh
     cache) and compare their logits, prefill and decode, with this process's clone."""
-    if "v3" in flags and cpu.isa() not in ("avx2", "avx512vnni"):
+    if "v3" in flags and cpu.isa() not in ("avx2", "avx512vnni", "amx"):
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "TANDEM_CXXFLAGS": flags, "TANDEM_CACHE_DIR": str(tmp_path)}
     res = subprocess.run([sys.executable, "-c", _CLONE_SCRIPT], env=env, capture_output=True, text=True,

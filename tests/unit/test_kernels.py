@@ -39,7 +39,7 @@ def acts(m: int, k: int, seed: int = 1) -> torch.Tensor:
 def paths() -> list[str]:
     """Instruction-set paths this CPU can run (the best one and every one below it)."""
     best = cpu.isa()
-    order = ["scalar", "avx2", "avx512vnni"]
+    order = ["scalar", "avx2", "avx512vnni", "amx"]
     return order[: order.index(best) + 1] if best in order else []
 
 
@@ -347,6 +347,21 @@ def test_q16_same_bits_on_every_path_thread_count_and_batch():
             assert torch.equal(cpu.matmul_with(x, p, isa=isa, num_threads=t), want), (isa, t)
     rows = torch.cat([cpu.matmul(x[i:i + 1].contiguous(), p) for i in range(x.shape[0])])
     assert torch.equal(rows, want)   # a row of a batch is that row alone
+
+
+@needs_lib
+@pytest.mark.parametrize("n,k", [(195, 96), (576, 1536), (49, 32)])
+@pytest.mark.parametrize("m", [7, 8, 16, 17, 40])
+def test_q16_tile_unit_gives_the_scalar_bits(m, n, k):
+    """The AMX path (Intel's tile unit: batches of 8 rows and more, 16 activation rows per tile,
+    padding rows, odd block counts, a last group of fewer than 16 rows) against the scalar path."""
+    if "amx" not in paths():
+        pytest.skip("this CPU (or its OS) has no AMX tile unit")
+    q, x = q4(n, k, seed=m), acts(m, k, seed=n)
+    p = cpu.pack(q)
+    want = cpu.matmul_with(x, p, isa="scalar", num_threads=1)
+    for t in (1, 2, 3):
+        assert torch.equal(cpu.matmul_with(x, p, isa="amx", num_threads=t), want), t
 
 
 @needs_lib
