@@ -29,8 +29,9 @@ row of a batched result is bitwise equal to the same row computed alone.
 
 Environment: ``CXX`` (compiler, default ``g++``), ``TANDEM_CXXFLAGS`` (extra compiler flags, part
 of the cache key), ``TANDEM_CACHE_DIR``,
-``TANDEM_CPU_ISA`` (``scalar``, ``avx2``, ``avx512vnni`` or, on ARM, ``neon``: cap the instruction
-set used; default: the best the CPU has). Every path gives the same bits. ``TANDEM_CPU_ACT`` (``q16``,
+``TANDEM_CPU_ISA`` (``scalar``, ``avx2``, ``avx512vnni``, ``amx`` — AVX-512 VNNI plus q16 batches on
+Intel's tile unit — or, on ARM, ``neon``: cap the instruction set used; default: the best the CPU
+has). Every path gives the same bits. ``TANDEM_CPU_ACT`` (``q16``,
 ``f32`` or ``q8``: the activation mode, default ``q16``).
 """
 
@@ -226,7 +227,7 @@ def set_act(mode: str | None) -> None:
 
 
 def isa() -> str:
-    """The path the kernels use here: ``avx512vnni``, ``avx2``, ``neon``, ``scalar`` or ``reference``."""
+    """The path the kernels use here: ``amx``, ``avx512vnni``, ``avx2``, ``neon``, ``scalar`` or ``reference``."""
     if _library() is None:
         return "reference"
     return ISA_NAMES[_lib.tq_resolve_isa(_isa_arg())]
