@@ -62,6 +62,7 @@ class PrefillWorker(EngineWorker):
     async def hand_off(self, req: PrefillRequest, next_seq: int, attempt: int) -> None:
         t0 = time.monotonic()
         blob = await self.engine.export_kv(req.request_id)
+        exported = time.monotonic()
         h, kv = KVBlobHeader.parse(blob)
         # the prompt's chunks and tail go to the pool whatever happens next: a retry, a resume or the
         # same prompt again finds them
@@ -69,7 +70,7 @@ class PrefillWorker(EngineWorker):
                             prompt_tail_end(h.num_prompt_tokens))
         claim, scattered = None, ""
         try:
-            if req.ring:
+            if req.ring and self.settings.data.ring_prefill_scatter:
                 blob, claim, scattered = await self._scatter(req, h, kv, attempt)
             _, res = await self.kv.hand_off(blob, subject=req.decode_subject, host=req.decode_data_host,
                                             port=req.decode_data_port, transfer_id=f"{req.request_id}-{attempt}",
@@ -80,9 +81,9 @@ class PrefillWorker(EngineWorker):
             # the gateway resumes the request on another worker (a ring's members keep nothing)
             raise BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}") from None
         self.hand_over(req.request_id, req.decode_worker)
-        log.info("%s handed to %s: %d KV bytes over %s in %.1f ms%s; %.1f ms from the prefill's end to the "
-                 "coordinator's ack", req.request_id, req.decode_worker, res.nbytes, res.path, res.seconds * 1e3,
-                 scattered, (time.monotonic() - t0) * 1e3)
+        log.info("%s handed to %s: %d KV bytes over %s in %.1f ms%s; hand-off %.1f ms (export %.1f ms, then to "
+                 "the decode worker's ack)", req.request_id, req.decode_worker, res.nbytes, res.path,
+                 res.seconds * 1e3, scattered, (time.monotonic() - t0) * 1e3, (exported - t0) * 1e3)
 
     async def _scatter(self, req: PrefillRequest, h: KVBlobHeader, kv, attempt: int) -> tuple[bytes, dict, str]:
         """A ring hand-off: the members but the coordinator get their ranges from here, all at the
