@@ -19,8 +19,10 @@ data-plane key and bus auth on as always), streamed through the official ``opena
 
 Hand-off (the prefill's log line of each stream): from the prefill's end (its KV exported) to the
 decode worker's ack, the coordinator's ring admitted (its next engine step is the first decode
-step): ``hand-off`` ms, of which ``scatter`` (the prefill's ``RESERVE`` + ``LOAD`` + ``PARK`` of
-the other members; for ``coord``, the coordinator's scatter, from its log).
+step): ``hand-off`` ms = ``export`` (the KV out of the prefill's engine) + ``send to ack`` (the
+data-plane send, then the DecodeRequest until the decode worker acks it); ``scatter``: the
+prefill's ``RESERVE`` + ``LOAD`` + ``PARK`` of the other members, alongside the send (for
+``coord``, the coordinator's scatter inside its ack, from its log).
 
 Per stream: TTFT (send -> first token: prefill, hand-off and, for the ring, the scatter) and
 decode tok/s = (tokens - 1) / (last - first token); rounds alternate the order, 2 s apart (the
@@ -136,7 +138,9 @@ def run(args) -> dict:
         rows.append({"system": name, "ttft_ms": 1e3 * statistics.median(x.ttft for x in xs),
                      "decode_tok_s": statistics.median(x.decode_tok_s for x in xs), "streams": len(xs),
                      "handoff_ms": statistics.median(h[0] for h in hs) if hs else None,
-                     "scatter_ms": statistics.median(h[1] for h in hs) if hs and hs[0][1] is not None else None})
+                     "scatter_ms": statistics.median(h[1] for h in hs) if hs and hs[0][1] is not None else None,
+                     "export_ms": statistics.median(h[2] for h in hs) if hs else None,
+                     "ack_ms": statistics.median(h[3] for h in hs) if hs else None})
     for r in rows:
         r["decode_ratio"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
         r["ttft_ratio"] = r["ttft_ms"] / rows[0]["ttft_ms"]
@@ -145,16 +149,17 @@ def run(args) -> dict:
             "rows": rows}
 
 
-_HANDOFF = re.compile(r"hand-off ([\d.]+) ms \(export")
+_HANDOFF = re.compile(r"hand-off ([\d.]+) ms \(export ([\d.]+) ms, then to the decode worker's ack ([\d.]+) ms")
 _SCATTER = re.compile(r"(?:scattered and parked in|tokens of KV scattered in) (\d+) ms")
 
 
-def handoff_of(lines: list[str]) -> tuple[float, float | None] | None:
-    """(hand-off ms, scatter ms or None) from a stream's log lines: the prefill's hand-off line,
-    the scatter's (the prefill's, or the coordinator's when it scattered)."""
-    hand = next((float(m.group(1)) for ln in lines if (m := _HANDOFF.search(ln))), None)
+def handoff_of(lines: list[str]) -> tuple[float, float | None, float, float] | None:
+    """(hand-off ms, scatter ms or None, export ms, send to ack ms) from a stream's log lines:
+    the prefill's hand-off line, the scatter's (the prefill's, or the coordinator's when it
+    scattered)."""
+    hand = next((m for ln in lines if (m := _HANDOFF.search(ln))), None)
     scat = next((float(m.group(1)) for ln in lines if (m := _SCATTER.search(ln))), None)
-    return None if hand is None else (hand, scat)
+    return None if hand is None else (float(hand.group(1)), scat, float(hand.group(2)), float(hand.group(3)))
 
 
 async def _one(stack: _Stack, prompt: list[int], max_tokens: int):
@@ -167,13 +172,16 @@ def table(res: dict) -> str:
     lines = [f"Ring vs one worker through the stack: {res['isa']}; {res['cpus']} CPUs (load {res['load']:.1f} at "
              f"start); prompt {res['context']} tokens, {res['max_tokens']} generated (greedy, ignore_eos), "
              f"{res['rounds']} alternating rounds; ring workers' KV budgets {budgets}", "",
-             "| system | streams | TTFT p50 ms | hand-off p50 ms | of which scatter ms | decode tok/s p50 | "
-             "TTFT ratio | decode ratio |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| system | streams | TTFT p50 ms | hand-off p50 ms | export ms | send to ack ms | scatter ms | "
+             "decode tok/s p50 | TTFT ratio | decode ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ms(v) -> str:
+        return "" if v is None else f"{v:.0f}"
+
     for r in res["rows"]:
-        hand = "" if r["handoff_ms"] is None else f"{r['handoff_ms']:.0f}"
-        scat = "" if r["scatter_ms"] is None else f"{r['scatter_ms']:.0f}"
-        lines.append(f"| {r['system']} | {r['streams']} | {r['ttft_ms']:.0f} | {hand} | {scat} | "
+        lines.append(f"| {r['system']} | {r['streams']} | {r['ttft_ms']:.0f} | {ms(r['handoff_ms'])} | "
+                     f"{ms(r['export_ms'])} | {ms(r['ack_ms'])} | {ms(r['scatter_ms'])} | "
                      f"{r['decode_tok_s']:.1f} | {r['ttft_ratio']:.2f} | {r['decode_ratio']:.2f} |")
     lines.append(f"\n- rounds whose texts differ between the systems: {res['mismatches']}")
     return "\n".join(lines)

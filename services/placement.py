@@ -37,6 +37,8 @@ is shorter: a worker that is only busy queues the request until its KV frees) an
 cpu-decode workers does, the plan is ``cpu-ring(N)``: its members in shard order (the coordinator first), a prefill
 worker that holds the prompt (it hands the KV to the coordinator, which scatters it). Otherwise
 ``place`` decides as above and the plan's strategy is its decode pool's (``gpu`` / ``cpu``).
+Spreading (``spread``, run by ``rebalance``): a cpu-decode worker whose free KV is below what its
+running requests may still need moves its longest background request onto a ring of others.
 """
 
 from __future__ import annotations

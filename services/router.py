@@ -241,6 +241,7 @@ class Router:
         src = self.workers.get(m.source)
         if src is not None:  # until the next heartbeats say so
             src.beat.requests = [r for r in src.beat.requests if r[0] != m.request_id]
+            src.beat.kv_tokens = {r: v for r, v in src.beat.kv_tokens.items() if r != m.request_id}
             src.routed = [r for r in src.routed if r[0] != m.request_id]
         m.target.beat.requests = [*m.target.beat.requests, [m.request_id, m.session_id, m.tier]]
         session = self.sessions.get(m.session_id)

@@ -264,5 +264,5 @@ async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring
     assert p.reason.startswith("spread: ") and p.moved_from not in [m[0] for m in p.ring], p
     assert [m[0] for m in p.ring][0] == p.decode_worker
     counted = [ln for ln in text.splitlines()
-               if ln.startswith('tandem_router_moves_total{kind="spread",strategy="cpu-ring(2)",outcome="ok"}')]
+               if ln.startswith('tandem_router_moves_total{kind="spread",outcome="ok",strategy="cpu-ring(2)"}')]
     assert counted and float(counted[0].split()[-1]) >= 1, text
