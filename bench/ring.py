@@ -47,7 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(bench/ring_stack.py)")
     p.add_argument("--context", type=int, default=3000, help="--stack: prompt tokens (default 3000)")
     p.add_argument("--max-tokens", type=int, default=64, help="--stack: tokens generated (default 64)")
-    p.add_argument("--ring-members", type=int, default=3, help="--stack: ring size (default 3)")
+    p.add_argument("--ring-members", default="3",
+                   help="--stack: ring sizes, comma-separated (default 3): a stack per size")
+    p.add_argument("--coordinator-scatter", action="store_true",
+                   help="--stack: also, per ring size, a stack whose coordinator receives the whole KV and "
+                        "scatters it (TANDEM_RING_PREFILL_SCATTER=0), against the prefill scattering it")
     p.add_argument("--rounds", type=int, default=2, help="--stack: rounds, order alternating (default 2)")
 
 

@@ -16,8 +16,9 @@ topology runs on any machine.
 Ring decode (the ``cpu-ring(N)`` strategy, docs/strategies.md): a cpu-decode worker hosts shards
 of ring sessions in its engine's KV cache and serves them on its ring port
 (``shared/engine/ring_net.py``); a DecodeRequest carrying a ring makes this worker the
-coordinator: it scatters the blob's block ranges over the members (Scattering), then decodes the
-request with the ring (each engine step runs one ring step of it: q|k|v out, segment states
+coordinator: it claims the members' shards the prefill scattered and parked (``DecodeRequest.claim``;
+the blob holds its own range only), or — a session spread from a running worker — scatters the
+blob's block ranges over the members itself (Scattering), then decodes the request with the ring (each engine step runs one ring step of it: q|k|v out, segment states
 back, on the data plane). A member lost mid-stream ends the request with a coded
 "unavailable" error naming it (``ErrorReply.lost``): the gateway resumes it without that worker.
 """
@@ -35,8 +36,8 @@ from shared import metrics, subjects
 from shared.bus import BusError
 from shared.engine.kv_cache import KVBlobHeader
 from shared.engine.ring import Ring, RingCapacityError
-from shared.engine.ring_net import EngineMember, RingMemberError, RingMemberLost, RingServer, connect_ring
-from shared.engine.sampling import SamplingParams
+from shared.engine.ring_net import (EngineMember, RingMemberError, RingMemberLost, RingServer, admit_claimed,
+                                    connect_ring, ring_ranges)
 from shared.schemas import ERROR_STATUS, DecodeRequest, GenerateRequest, MigrateReply, MigrateRequest
 from shared.settings import Settings
 from services.worker import EngineWorker, Held, priority_of, sampling_from
@@ -96,9 +97,11 @@ class DecodeWorker(EngineWorker):
 
     async def _ring(self, req: DecodeRequest, blob: bytes):
         """Scatter ``blob`` over ``req.ring`` (this worker among them) and decode it there: the
-        request's output stream. Coded errors: forbidden (a member address no live worker's
-        heartbeat names), overloaded (a member has no room: nothing is kept), unavailable (a
-        member cannot be reached)."""
+        request's output stream. With ``req.claim`` the prefill scattered the other members'
+        ranges itself: ``blob`` holds this worker's range only, the others are claimed with the
+        ticket. Coded errors: forbidden (a member address no live worker's heartbeat names),
+        overloaded (a member has no room: nothing is kept), unavailable (a member cannot be
+        reached), bad_request (a claim that does not match the plan, or a wrong ticket)."""
         if self.ring_member is None:
             raise BusError("bad_request", f"{self.worker_id} cannot coordinate a ring (no fused CPU kernels)")
         if not any(w == self.worker_id for w, _, _ in req.ring):
@@ -107,9 +110,15 @@ class DecodeWorker(EngineWorker):
             if worker != self.worker_id:
                 await self.kv.peers.check(host, int(port), worker, f"ring shards of {req.request_id}")
         h, kv = KVBlobHeader.parse(blob)
-        params = SamplingParams.from_dict(h.params)
         k = self.ring_member.kernels
-        total = min(len(h.token_ids) + params.max_tokens - len(h.output_token_ids), k.max_context)
+        try:
+            ranges = ring_ranges(h, len(req.ring), k.max_context)
+        except ValueError as e:
+            raise BusError("bad_request", f"{req.request_id}: no ring of {len(req.ring)}: {e}") from None
+        ticket = str(req.claim.get("ticket", "")) if req.claim else ""
+        if req.claim and [tuple(r) for r in req.claim.get("ranges", [])] != ranges:
+            raise BusError("bad_request", f"{req.request_id}: the prefill scattered the ranges "
+                                          f"{req.claim.get('ranges')}, this coordinator plans {ranges}")
         sid = f"{req.request_id}#{req.attempt}"
         d = self.settings.data
 
@@ -117,7 +126,10 @@ class DecodeWorker(EngineWorker):
             ring = Ring(k, connect_ring(req.ring, self.worker_id, self.ring_member, d.secret(), self.engine.layout,
                                         d.timeout, d.shm))
             try:
-                return ring, ring.admit(sid, h.token_ids, h.num_computed, kv, total)
+                if ticket:
+                    admit_claimed(ring, sid, ticket, h, kv, ranges)
+                    return ring, ranges
+                return ring, ring.admit(sid, h.token_ids, h.num_computed, kv, ranges[-1][1])
             except BaseException:
                 ring.release(sid)
                 ring.close()
@@ -130,9 +142,12 @@ class DecodeWorker(EngineWorker):
             raise BusError("overloaded" if isinstance(e, RingCapacityError) else e.code, str(e)) from None
         except RingMemberLost as e:
             raise BusError("unavailable", str(e)) from None
-        log.info("%s: ring of %d %s (links %s), ranges %s: %d tokens of KV scattered in %.0f ms", req.request_id,
+        except ValueError as e:
+            raise BusError("bad_request", f"{req.request_id}: {e}") from None
+        log.info("%s: ring of %d %s (links %s), ranges %s: %d tokens of KV %s in %.0f ms", req.request_id,
                  len(ranges), [w for w, _, _ in req.ring], [getattr(m, "link", "local") for m in ring.members],
-                 ranges, h.num_computed, (time.monotonic() - t0) * 1e3)
+                 ranges, h.num_computed, "claimed (the prefill scattered it)" if ticket else "scattered",
+                 (time.monotonic() - t0) * 1e3)
         try:
             return await self.engine.submit_ring(req.request_id, blob, ring, sid, priority_of(req.tier))
         except BaseException:

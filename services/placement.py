@@ -37,6 +37,8 @@ is shorter: a worker that is only busy queues the request until its KV frees) an
 cpu-decode workers does, the plan is ``cpu-ring(N)``: its members in shard order (the coordinator first), a prefill
 worker that holds the prompt (it hands the KV to the coordinator, which scatters it). Otherwise
 ``place`` decides as above and the plan's strategy is its decode pool's (``gpu`` / ``cpu``).
+Spreading (``spread``, run by ``rebalance``): a cpu-decode worker whose free KV is below what its
+running requests may still need moves its longest background request onto a ring of others.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from dataclasses import dataclass, field
 
 from shared import subjects
 from shared.bus import BusError
-from shared.strategy import CPU, GPU, RING, NoCapacity, PoolWorker, choose
+from shared.strategy import CPU, GPU, MAX_RING, RING, NoCapacity, PoolWorker, Strategy, choose, smallest_ring
 from shared.tier import Tier
 from shared.schemas import Heartbeat, RoutePlan, RouteRequest
 
@@ -138,13 +140,26 @@ class SessionView:
 
 @dataclass
 class Move:
-    """Move a running request to another decode worker (migration at a step boundary)."""
+    """Move a running request to another decode worker (migration at a step boundary), or spread
+    it onto a ring of cpu-decode workers (``ring``: the members in shard order, ``target`` first)."""
     request_id: str
     session_id: str
     source: str
     target: WorkerView
     tier: str
     reason: str
+    ring: list[WorkerView] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        """promote, demote or spread (the reason's first word)."""
+        return self.reason.split(":", 1)[0]
+
+    @property
+    def strategy(self) -> str:
+        if self.ring:
+            return str(Strategy(RING, tuple(w.id for w in self.ring)))
+        return GPU if self.target.role == subjects.GPU_DECODE else CPU
 
 
 def effective_tier(tier: str, session: SessionView | None) -> str:
@@ -340,12 +355,63 @@ def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, poli
     return plan, why
 
 
+def kv_need(view: WorkerView) -> int:
+    """Tokens of KV the running single-worker requests of a worker's heartbeat may still take
+    before they end (block-rounded: each grows to prompt + max_tokens); a ring session's blocks
+    were reserved for its whole range at admission."""
+    bt = view.beat.kv_block_tokens
+    if not bt:
+        return 0
+    return sum((-(-end // bt) - -(-now // bt)) * bt for now, end, members in view.beat.kv_tokens.values()
+               if members == 1 and end > now)
+
+
+def spread(workers: list[WorkerView], now: float, moving: set[str] = frozenset(),
+           max_members: int = MAX_RING) -> list[Move]:
+    """Spreading under KV pressure (docs/strategies.md): a cpu-decode worker whose free KV is
+    below what its running requests may still need (``kv_need``: they would preempt each other,
+    recomputing) spreads its longest running batch or standard request onto the smallest ring of
+    other cpu-decode workers that holds the request's whole length in the KV they can spare (free
+    less their own need) — a MigrateRequest naming the ring. Never an interactive request (a ring
+    step is slower), one already on a ring, one in ``moving``, nor onto a worker that is short
+    itself or already taken by another spread now. One request per short worker and call."""
+    live = [w for w in _decoders(workers, now) if w.role == subjects.CPU_DECODE and w.beat.kv_block_tokens]
+    spare = {w.id: w.beat.free_kv_blocks * w.beat.kv_block_tokens - kv_need(w) for w in live}
+    moves: list[Move] = []
+    taken: set[str] = set()
+    for w in sorted(live, key=lambda v: (spare[v.id], v.id)):
+        if spare[w.id] >= 0 or w.id in taken:
+            continue
+        tiers = {rid: tier for rid, _, tier in w.held()}
+        sessions = {rid: sid for rid, sid, _ in w.held()}
+        cands = [(now_, end, rid) for rid, (now_, end, members) in w.beat.kv_tokens.items()
+                 if members == 1 and rid not in moving and tiers.get(rid) in ("standard", "batch")]
+        if not cands:
+            continue
+        tokens, end, rid = max(cands)
+        pool = [PoolWorker(v.id, v.role, spare[v.id], v.beat.max_context) for v in live
+                if v.id != w.id and v.id not in taken and v.beat.ring_port and spare[v.id] > 0]
+        members = smallest_ring(pool, end, max_members)
+        if members is None:
+            continue
+        by_id = {v.id: v for v in live}
+        ring = [by_id[m.id] for m in members]
+        taken.update(m.id for m in members)
+        taken.add(w.id)
+        moves.append(Move(rid, sessions.get(rid, ""), w.id, ring[0], tiers[rid],
+                          f"spread: {w.id} has {w.beat.free_kv_blocks * w.beat.kv_block_tokens} tokens of KV free, "
+                          f"its requests may need {kv_need(w)}; {rid} ({tokens} of up to {end} tokens) onto "
+                          f"cpu-ring({len(ring)}) {[v.id for v in ring]}", ring))
+    return moves
+
+
 def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: float,
               limits: Limits | None = None, moving: set[str] = frozenset(),
               pressure: bool = True) -> list[Move]:
     """Moves to make now: requests running at another tier than their session's, whose new tier
     wants the other pool (promotion to GPU decode, demotion to CPU decode), and — with ``pressure`` — the lowest-tier request of a
-    GPU worker short of free KV blocks, to the CPU worker with the most free blocks. Requests in
+    GPU worker short of free KV blocks, to the CPU worker with the most free blocks, and a cpu-decode
+    worker's longest request spread onto a ring when it is short of KV (``spread``). Requests in
     ``moving`` are left alone. Also lapses idle sessions' tier overrides (mutates ``sessions``)."""
     limits = limits or Limits()
     for s in sessions.values():
@@ -389,4 +455,7 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
                 _, rid, sid, tier = max(cands)
                 taken[t.id] = taken.get(t.id, 0) + 1
                 moves.append(Move(rid, sid, w.id, t, tier, f"demote: {w.id} has {free:.0%} KV free"))
+        planned = {m.request_id for m in moves}
+        busy = {m.source for m in moves} | set(taken)
+        moves += spread([v for v in workers if v.id not in busy], now, set(moving) | planned)
     return moves

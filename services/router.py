@@ -11,8 +11,10 @@ The policy is pure (services/placement.py); this service feeds it and carries ou
   its load view (requests routed to a worker since its last heartbeat);
 - moves (services/migrate.py) happen on a session tier change (``tandem.router.session``, from
   POST /v1/sessions/{id}), when a session's request comes at a better tier than its running
-  ones, and under GPU KV pressure (checked every heartbeat interval by one router copy: the
-  live router with the smallest id).
+  ones, under GPU KV pressure, and — a cpu-decode worker short of KV for what its requests may
+  still need — spreading its longest background request onto a ring of cpu-decode workers
+  (checked every heartbeat interval by one router copy: the live router with the smallest id;
+  counted in ``tandem_router_moves_total{kind, strategy, outcome}``).
 """
 
 from __future__ import annotations
@@ -228,8 +230,10 @@ class Router:
     async def _move(self, m: Move) -> dict | None:
         t0 = time.monotonic()
         try:
-            reply = await migrate(self.bus, m.source, to_target(m.request_id, m.target.beat, m.tier, m.reason))
+            reply = await migrate(self.bus, m.source, to_target(m.request_id, m.target.beat, m.tier, m.reason,
+                                                                 [v.beat for v in m.ring]))
         except Exception as e:  # the request goes on where it was; the next tick may try again
+            metrics.ROUTER_MOVES.labels(m.kind, m.strategy, "failed").inc()
             log.warning("%s: %s -> %s failed: %s", m.request_id, m.source, m.target.id, e)
             return None
         finally:
@@ -237,6 +241,7 @@ class Router:
         src = self.workers.get(m.source)
         if src is not None:  # until the next heartbeats say so
             src.beat.requests = [r for r in src.beat.requests if r[0] != m.request_id]
+            src.beat.kv_tokens = {r: v for r, v in src.beat.kv_tokens.items() if r != m.request_id}
             src.routed = [r for r in src.routed if r[0] != m.request_id]
         m.target.beat.requests = [*m.target.beat.requests, [m.request_id, m.session_id, m.tier]]
         session = self.sessions.get(m.session_id)
@@ -245,7 +250,9 @@ class Router:
                          router=self.worker_id, moved_from=m.source, owner=(session.owner or "") if session else "",
                          reason=f"{m.reason}; moved {reply.num_tokens} tokens of KV from {m.source} in "
                                 f"{reply.seconds * 1e3:.0f} ms over {reply.path}")
-        plan.strategy = strategy_of(plan)
+        plan.strategy = m.strategy
+        plan.ring = [[v.id, v.beat.data_host, v.beat.ring_port] for v in m.ring]
+        metrics.ROUTER_MOVES.labels(m.kind, m.strategy, "ok").inc()
         self._apply(plan, time.monotonic())
         await self.bus.publish(subjects.ROUTER_DECISION, plan)
         log.info("%s: %s (%.0f ms)", m.request_id, plan.reason, (time.monotonic() - t0) * 1e3)

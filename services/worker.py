@@ -168,7 +168,8 @@ class EngineWorker:
                          requests=[[rid, h.session_id, h.tier] for rid, h in self.held.items()],
                          waiting_by_tier=self.waiting_by_tier(st), tpot_ms=round(self.tpot * 1e3, 3),
                          kv_scope=self.kv.scope.seed().hex(), chunk_tokens=self.kv.scope.chunk_tokens,
-                         kv_block_tokens=self.engine.layout.block_size, ring_port=self.ring_port)
+                         kv_block_tokens=self.engine.layout.block_size, ring_port=self.ring_port,
+                         kv_tokens=st.get("kv_tokens", {}))
 
     @staticmethod
     def waiting_by_tier(st: dict) -> dict:

@@ -210,20 +210,32 @@ class KVConnector:
     async def hand_off(self, blob: bytes, *, subject: str, host: str, port: int, transfer_id: str, tier: str,
                        stream_subject: str, next_seq: int, session_id: str | None, attempt: int = 0,
                        origin: str = "", timeout: float | None = None,
-                       ring: list | None = None) -> tuple[KVBlobHeader, SendResult]:
+                       ring: list | None = None, claim: dict | None = None,
+                       alongside: asyncio.Future | None = None) -> tuple[KVBlobHeader, SendResult]:
         """Move an exported sequence to the worker serving ``subject`` (its decode subject), whose
         receiver is ``host:port`` (the caller checked it is that worker's: ``peers.check``): the KV
         over the data plane, then a DecodeRequest carrying the handle; the receiver continues the
-        stream at ``next_seq``. Raises TransferError / BusError (RemoteError with the receiver's
+        stream at ``next_seq``. ``ring``: the receiver coordinates that ring (``claim``: the other
+        members hold their ranges already, parked by ``ring_net.scatter_parked``, which runs as
+        ``alongside`` while the KV is sent: the DecodeRequest goes once both are done, not if it
+        failed). Raises TransferError / BusError (RemoteError with the receiver's
         code) when it did not take it."""
         h, _ = KVBlobHeader.parse(blob)
-        res = await self.send(host, port, transfer_id, blob, request_id=h.request_id)
+        try:
+            res = await self.send(host, port, transfer_id, blob, request_id=h.request_id)
+        except BaseException:
+            if alongside is not None:
+                await asyncio.gather(alongside, return_exceptions=True)
+            raise
+        if alongside is not None:
+            await alongside
         handle = TransferHandle(transfer_id=transfer_id, host=host, port=port, nbytes=res.nbytes,
                                 checksum=res.checksum, path=res.path, num_tokens=h.num_computed)
         await self.bus.request(subject, DecodeRequest(
             request_id=h.request_id, handle=handle, prompt_token_ids=h.prompt_token_ids,
             output_token_ids=h.output_token_ids, sampling=h.params, tier=tier, stream_subject=stream_subject,
-            next_seq=next_seq, session_id=session_id, attempt=attempt, origin=origin, ring=ring or []),
+            next_seq=next_seq, session_id=session_id, attempt=attempt, origin=origin, ring=ring or [],
+            claim=claim or {}),
             timeout=timeout)
         return h, res
 

@@ -256,6 +256,10 @@ class DecodeRequest:
     origin: str = ""             # the gateway that waits for the stream
     ring: list = field(default_factory=list)  # RoutePlan.ring: scatter the KV over these members and
                                               # coordinate the ring (empty: decode here)
+    claim: dict = field(default_factory=dict)  # with ring: the prefill scattered the other members'
+                                               # ranges itself, parked under {"ticket": hex, "ranges":
+                                               # [[start, end], ...]}; the handle carries this worker's
+                                               # range only (empty: the whole KV, this worker scatters)
 
 
 @message("GenerateRequest", 3)
@@ -349,6 +353,8 @@ class Heartbeat:
     chunk_tokens: int = 0        # tokens per pool chunk key (0 = no pool keys)
     kv_block_tokens: int = 0     # tokens per KV block (free tokens = free_kv_blocks x this)
     ring_port: int = 0           # cpu-decode: the data-plane port it hosts ring members on (0 = none)
+    kv_tokens: dict = field(default_factory=dict)  # running requests: id -> [tokens now, tokens at its end
+                                                   # (prompt + max_tokens), ring members (1: here alone)]
 
 
 @message("Ack", 1)

@@ -266,6 +266,9 @@ class DataPlaneSettings:
     timeout: float = _env("TANDEM_DATA_TIMEOUT", 30.0, "seconds a transfer may stall")
     shm: bool = _env("TANDEM_DATA_SHM", True, "use shared memory (/dev/shm) for peers on the same host (KV "
                      "transfers and ring connections; 0: TCP only)")
+    ring_prefill_scatter: bool = _env("TANDEM_RING_PREFILL_SCATTER", True, "a ring plan's prefill worker loads "
+                                      "the members' KV ranges itself, all at once, and the coordinator receives "
+                                      "its own range only (0: the coordinator receives the whole KV and scatters it)")
     key: str | None = _env("TANDEM_DATA_KEY", None, "secret every data-plane frame is tagged with (HMAC-SHA256); "
                            "a receiver refuses frames without it; unset: the one in TANDEM_DATA_KEY_FILE")
     key_file: str = _env("TANDEM_DATA_KEY_FILE", "~/.cache/tandem/data.key", "file holding the data-plane key "

@@ -78,7 +78,7 @@ def _single(pool: list[PoolWorker], tokens: int) -> PoolWorker | None:
     return max(fits, key=lambda w: (w.free_tokens, w.id)) if fits else None
 
 
-def _ring(cpus: list[PoolWorker], tokens: int, max_members: int) -> tuple[PoolWorker, ...] | None:
+def smallest_ring(cpus: list[PoolWorker], tokens: int, max_members: int) -> tuple[PoolWorker, ...] | None:
     """The smallest ring of cpu workers holding ``tokens``: the workers with the most free KV,
     the largest shard on the freest one."""
     by_free = sorted(cpus, key=lambda w: (-w.free_tokens, w.id))
@@ -99,7 +99,7 @@ def choose(tier: str, context_tokens: int, workers: list[PoolWorker], max_member
     gpus = [w for w in workers if w.role == "gpu-decode"]
     cpus = [w for w in workers if w.role == "cpu-decode"]
     gpu, cpu = _single(gpus, context_tokens), _single(cpus, context_tokens)
-    ring = None if cpu else _ring(cpus, context_tokens, max_members)
+    ring = None if cpu else smallest_ring(cpus, context_tokens, max_members)
     order = [(GPU, gpu), (CPU, cpu), (RING, ring)] if tier == "interactive" else [(CPU, cpu), (RING, ring), (GPU, gpu)]
     for kind, got in order:
         if got is None:

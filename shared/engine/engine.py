@@ -244,7 +244,19 @@ class Engine:
                 "waiting_by_priority": by_priority,
                 "parked": sum(s.status is Status.PARKED for s in self.seqs.values()),
                 "free_kv_blocks": self.blocks.num_free, "total_kv_blocks": self.blocks.num_blocks,
-                "preemptions": self.scheduler.num_preemptions}
+                "preemptions": self.scheduler.num_preemptions, "kv_tokens": self.kv_tokens()}
+
+    def kv_tokens(self) -> dict[str, list[int]]:
+        """Running requests: id -> [tokens now, tokens at its end (prompt + max_tokens, within
+        the context), members of its ring (1: this engine alone)] — what the router's spreading
+        policy weighs (a ring session's blocks are reserved for its whole range at admission)."""
+        out = {s.request_id: [s.num_tokens, min(s.num_prompt_tokens + s.params.max_tokens, self.max_context), 1]
+               for s in self.scheduler.running}
+        for rid, (ring, sid) in self.rings.items():
+            s, sess = self.seqs.get(rid), ring.sessions.get(sid)
+            if s is not None and sess is not None:
+                out[rid] = [s.num_tokens, sess.ranges[-1][1], len(ring.members)]
+        return out
 
     # ---- the step ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -151,6 +151,13 @@ class RingMember:
             self.blocks.release(sh.blocks)
 
 
+def shard_bytes(layout: KVLayout, kv: memoryview, start: int, end: int, num_computed: int) -> memoryview:
+    """The bytes of ``kv`` (the whole blocks of a session's first ``num_computed`` positions)
+    that the shard of positions [start, end) loads: its blocks holding computed positions."""
+    bs, bb = layout.block_size, layout.block_bytes
+    return kv[start // bs * bb:(layout.blocks_for(min(end, num_computed)) if start < num_computed else start // bs) * bb]
+
+
 @dataclass
 class StepTimes:
     """Where a ring's decode steps spent their time (seconds, summed since the last reset)."""
@@ -209,9 +216,7 @@ class Ring:
             for m in done:
                 m.release(sid)
             raise
-        bs, bb = layout.block_size, layout.block_bytes
-        slices = [mv[a // bs * bb:(layout.blocks_for(min(b, num_computed)) if a < num_computed else a // bs) * bb]
-                  for a, b in ranges]
+        slices = [shard_bytes(layout, mv, a, b, num_computed) for a, b in ranges]
         if len(self.members) == 1:
             self.members[0].load(sid, slices[0])
         else:   # every member loads its range at the same time (remote ones on their own connections)
@@ -220,6 +225,16 @@ class Ring:
                     f.result()
         self.sessions[sid] = _Session(ranges, num_computed, list(token_ids))
         return ranges
+
+    def adopt(self, sid: str, token_ids: list[int], num_computed: int, ranges: list[tuple[int, int]]) -> None:
+        """A session whose shards the members hold already, in ``ranges`` (a prefill scattered
+        them and this coordinator claimed them: ``ring_net.admit_claimed``)."""
+        if sid in self.sessions:
+            raise ValueError(f"session {sid!r} is already on this ring")
+        if not 0 < num_computed < len(token_ids) <= ranges[-1][1]:
+            raise ValueError(f"need 0 < computed ({num_computed}) < tokens ({len(token_ids)}) <= the ring's "
+                             f"length ({ranges[-1][1]})")
+        self.sessions[sid] = _Session(list(ranges), num_computed, list(token_ids))
 
     def admit_blob(self, sid: str, blob, max_new_tokens: int) -> list[tuple[int, int]]:
         """``admit`` the session of a KV blob (``Engine.export_kv`` of a prefilled request),

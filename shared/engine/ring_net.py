@@ -7,7 +7,12 @@ worker's heartbeat counts as used) and serves them on a TCP port of its data pla
 session — the cpu-decode worker the plan names first — holds one ``RemoteMember`` per other
 member: a persistent connection carrying, per decode step and layer, the q|k|v rows out and the
 member's segment states back (docs/protocol.md "Ring decode"). The prefill's KV blob is
-scattered over the same connections (``LOAD``: each member its range's blocks).
+scattered over the same connections (``LOAD``: each member its range's blocks) — by the
+coordinator, or by the prefill worker itself (``scatter_parked``): it opens a connection per
+member, ``RESERVE``s and ``LOAD``s each member's range, all members at the same time, then
+``PARK``s each shard under a random claim ticket (the shard outlives that connection); the
+coordinator's connection ``CLAIM``s it with the ticket (from the DecodeRequest) and owns it from
+then on. A shard not claimed within the data-plane timeout is freed (logged).
 
 Authentication (docs/security.md "Data plane"): the connection opens with a handshake under
 the data-plane key — the server sends a fresh nonce, the client answers with its own and
@@ -46,11 +51,15 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from kernels.cpu_ring import RingKernels
-from shared.engine.ring import RingCapacityError, RingMember
+from shared.engine.kv_cache import KVBlobHeader
+from shared.engine.ring import Ring, RingCapacityError, RingMember, shard_bytes
+from shared.engine.sampling import SamplingParams
+from shared.strategy import shard_ranges
 from shared.transfer import link as links
 from shared.transfer.shm import SHM_DIR, available as shm_available, shm_unlink
 
@@ -61,6 +70,7 @@ NONCE = 32
 TAG = 32
 HEAD = struct.Struct("!BIQ")
 RESERVE, LOAD, ATTEND, READ, RELEASE, SHM, MAPPED = 1, 2, 3, 4, 5, 6, 7
+PARK, CLAIM = 16, 17     # the prefill's scatter: a loaded shard parked under a ticket, claimed by its coordinator
 OK, ERR = 0, 255
 MAX_META = 1 << 16
 CONNECT_TIMEOUT = 3.0
@@ -247,6 +257,8 @@ class RingServer:
         self.host, self.port = host, self._sock.getsockname()[1]
         self._conns = 0
         self._live: set[socket.socket] = set()   # open connections (closed with the server)
+        self._parked: dict[str, tuple[str, threading.Timer]] = {}   # claim ticket -> (shard's sid, expiry)
+        self._park_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="ring-server", daemon=True)
 
@@ -260,6 +272,11 @@ class RingServer:
         """Stop serving: no new connection, and the open ones end (their shards are released)."""
         self._closed = True
         self._sock.close()
+        with self._park_lock:
+            parked, self._parked = list(self._parked.values()), {}
+        for sid, timer in parked:
+            timer.cancel()
+            self.member.release(sid)
         for conn in list(self._live):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -382,7 +399,67 @@ class RingServer:
             m.release(sid)
             sids.discard(sid)
             return None, b""
+        if op == PARK:
+            return self._park(sid, _ticket(meta), sids), b""
+        if op == CLAIM:
+            return self._claim(sid, _ticket(meta), sids), b""
         raise ValueError(f"unknown ring op {op}")
+
+    def _park(self, sid: str, ticket: str, sids: set[str]) -> dict:
+        """A loaded shard of this connection (a prefill's) waits for its coordinator's ``CLAIM``
+        under ``ticket``: it outlives the connection, and is freed if not claimed within the
+        timeout."""
+        if sid not in sids:
+            raise ValueError(f"no shard {sid.split(':', 1)[1]!r} on this connection to park")
+        sh = self.member.shards[sid]
+        with self._park_lock:
+            if ticket in self._parked:
+                raise ValueError("a shard is parked under that ticket already")
+            timer = threading.Timer(self.timeout, self._expire, (ticket,))
+            timer.daemon = True
+            self._parked[ticket] = (sid, timer)
+            sids.discard(sid)
+        timer.start()
+        return {"start": sh.start, "end": sh.end}
+
+    def _claim(self, sid: str, ticket: str, sids: set[str]) -> dict:
+        """The shard parked under ``ticket`` becomes this connection's ``sid`` (released when the
+        connection closes, like one it reserved)."""
+        if sid in sids:
+            raise ValueError(f"this connection holds a shard {sid.split(':', 1)[1]!r} already")
+        with self._park_lock:
+            parked = self._parked.pop(ticket, None)
+            if parked is None:
+                raise ValueError("no shard is parked under that ticket (a wrong ticket, or it was not claimed "
+                                 f"within {self.timeout:.0f} s and was freed)")
+            old, timer = parked
+            timer.cancel()
+            sh = self.member.shards[sid] = self.member.shards.pop(old)
+            sids.add(sid)
+        return {"start": sh.start, "end": sh.end}
+
+    def _expire(self, ticket: str) -> None:
+        with self._park_lock:
+            parked = self._parked.pop(ticket, None)
+        if parked is None:
+            return
+        sh = self.member.shards.get(parked[0])
+        self.member.release(parked[0])
+        log.warning("ring member %s: a shard parked by a prefill (tokens [%s, %s)) was not claimed by its "
+                    "coordinator within %.0f s: freed", self.member.name, sh and sh.start, sh and sh.end,
+                    self.timeout)
+
+
+def _ticket(meta: dict) -> str:
+    ticket = str(meta.get("ticket", ""))
+    if not re.fullmatch(r"[0-9a-f]{32,128}", ticket):
+        raise ValueError("a claim ticket is 32 to 128 hex digits")
+    return ticket
+
+
+def new_ticket() -> str:
+    """A claim ticket for a prefill's scatter: 128 random bits."""
+    return os.urandom(16).hex()
 
 
 class RemoteMember:
@@ -477,6 +554,18 @@ class RemoteMember:
         for off in range(0, mv.nbytes, step):
             self._call(LOAD, {"sid": sid, "first": first + off // bb}, mv[off:off + step])
 
+    def park(self, sid: str, ticket: str) -> None:
+        """Leave the loaded shard ``sid`` to the coordinator that ``claim``s it with ``ticket``
+        (this connection no longer holds it)."""
+        self._call(PARK, {"sid": sid, "ticket": ticket})
+        self.ranges.pop(sid, None)
+
+    def claim(self, sid: str, ticket: str) -> tuple[int, int]:
+        """Take over the shard a prefill parked under ``ticket``, as ``sid``; its range."""
+        meta = self._call(CLAIM, {"sid": sid, "ticket": ticket})[0]
+        self.ranges[sid] = (int(meta["start"]), int(meta["end"]))
+        return self.ranges[sid]
+
     def owns(self, sid: str, pos: int) -> bool:
         a, b = self.ranges[sid]
         return a <= pos < b
@@ -525,3 +614,76 @@ def connect_ring(ring_plan: list, me: str, local: RingMember, key: bytes, layout
                 m.close()
         raise
     return members
+
+
+def ring_ranges(h: KVBlobHeader, members: int, max_context: int) -> list[tuple[int, int]]:
+    """The members' token ranges of the session a hand-off blob's header describes: planned over
+    its whole length (its tokens and the outputs it may still make, within the model's context)."""
+    max_tokens = SamplingParams.from_dict(h.params).max_tokens
+    return shard_ranges(min(len(h.token_ids) + max_tokens - len(h.output_token_ids), max_context), members)
+
+
+def scatter_parked(ring_plan: list, coordinator: str, ranges: list[tuple[int, int]], kv, num_computed: int,
+                   layout, key: bytes, sid: str, ticket: str, timeout: float = 30.0, shm: bool = True) -> list[str]:
+    """The prefill's side of a ring hand-off: every member of ``ring_plan`` ([worker, host,
+    port] in shard order) but the ``coordinator`` (which takes its range over the data plane)
+    ``RESERVE``s and ``LOAD``s its range of ``kv`` (the whole blocks of ``num_computed``
+    positions) — all at the same time, a connection and a thread each — then each shard is
+    ``PARK``ed under ``ticket`` for the coordinator to ``CLAIM``. Returns each member's link
+    (in plan order, the coordinator's "data plane"). On any failure nothing stays reserved
+    anywhere, and the error is raised: RingCapacityError (a member has no room: the message
+    names it), RingMemberLost (one cannot be reached), RingMemberError."""
+    mv = memoryview(kv).cast("B")
+    todo = [(w, h, int(p), r) for (w, h, p), r in zip(ring_plan, ranges) if w != coordinator]
+    opened: list[RemoteMember] = []
+    lock = threading.Lock()
+
+    def one(worker: str, host: str, port: int, rng: tuple[int, int]) -> RemoteMember:
+        m = RemoteMember(worker, host, port, key, layout, timeout, shm)
+        with lock:
+            opened.append(m)
+        m.reserve(sid, *rng)
+        m.load(sid, shard_bytes(layout, mv, rng[0], rng[1], num_computed))
+        return m
+
+    parked: list[RemoteMember] = []
+    try:
+        with ThreadPoolExecutor(max(1, len(todo)), thread_name_prefix="ring-scatter") as pool:
+            futures = [pool.submit(one, *t) for t in todo]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:   # the room a member lacks says more than the connections others lost meanwhile
+            raise next((e for e in errors if isinstance(e, RingCapacityError)), errors[0])
+        members = {m.name: m for m in opened}
+        for w, _, _, _ in todo:
+            members[w].park(sid, ticket)
+            parked.append(members[w])
+        links = {m.name: m.link for m in opened}
+        return [links.get(w, "data plane") for w, _, _ in ring_plan]
+    except BaseException:
+        for m in parked:   # back on this connection, which frees it as it closes
+            try:
+                m.claim(sid, ticket)
+            except (RingMemberLost, RingMemberError):
+                pass
+        raise
+    finally:
+        for m in opened:   # a member frees what a closed connection holds: what was not parked
+            m.close()
+
+
+def admit_claimed(ring: Ring, sid: str, ticket: str, h: KVBlobHeader, kv, ranges: list[tuple[int, int]]) -> None:
+    """The coordinator's side of a prefill's scatter (``scatter_parked``): each remote member's
+    shard is ``CLAIM``ed with ``ticket`` (it must hold the range the plan gives it), this
+    worker's own member reserves its range and loads ``kv`` (its range's blocks, from the data
+    plane); then ``ring`` decodes the session as ``sid``. On a failure the caller releases
+    ``sid`` on the ring (claimed shards are then freed)."""
+    for m, (a, b) in zip(ring.members, ranges):
+        if isinstance(m, RemoteMember):
+            got = m.claim(sid, ticket)
+            if got != (a, b):
+                raise ValueError(f"{m.name} holds tokens [{got[0]}, {got[1]}) of the session, not [{a}, {b})")
+    for m, (a, b) in zip(ring.members, ranges):
+        if isinstance(m, RingMember):
+            m.reserve(sid, a, b)
+            m.load(sid, kv)
+    ring.adopt(sid, h.token_ids, h.num_computed, ranges)

@@ -108,11 +108,15 @@ async def test_a_ring_of_three_serves_what_no_worker_holds(ring_stack, nats_serv
         await bus.close()
     counted = [ln for ln in text.splitlines() if ln.startswith('tandem_route_total{strategy="cpu-ring(3)"}')]
     assert counted and float(counted[0].split()[-1]) >= 1, text
-    scattered = [ln for ln in ring_stack.log if f"{got['id']}: ring of 3" in ln and "scattered" in ln]
-    assert scattered, ring_stack.tail()
-    if shm_available():   # one host: the coordinator reaches both other members through shared memory
-        assert "(links ['local', 'shm', 'shm'])" in scattered[0], scattered[0]
-    print(scattered[0])   # how long the coordinator took to scatter the KV (pytest -s)
+    # the prefill loaded the two other members' ranges itself and parked them; the coordinator
+    # received its own range and claimed the others
+    claimed = [ln for ln in ring_stack.log if f"{got['id']}: ring of 3" in ln and "claimed (the prefill scattered it)" in ln]
+    parked = [ln for ln in ring_stack.log if f"{got['id']} handed to" in ln and "scattered and parked" in ln]
+    assert claimed and parked, ring_stack.tail()
+    if shm_available():   # one host: the coordinator and the prefill reach the other members through shared memory
+        assert "(links ['local', 'shm', 'shm'])" in claimed[0], claimed[0]
+        assert "ring of 3 (links ['data plane', 'shm', 'shm'])" in parked[0], parked[0]
+    print(parked[0], claimed[0], sep="\n")   # how long the hand-off took (pytest -s)
 
 
 async def test_a_killed_ring_member_loses_nothing(ring_stack, nats_server, reference):
@@ -166,7 +170,7 @@ async def _collect(sub, into) -> None:
 async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, reference):
     """A 1,000-token chat fits one 1,360-token worker; mid-stream it is spread onto a ring of the
     two other workers (a MigrateRequest naming the ring: the source's KV goes to the coordinator,
-    which scatters it), and the client gets the undisturbed greedy text."""
+    which scatters it itself: no prefill takes part), and the client gets the undisturbed greedy text."""
     from services.migrate import migrate, to_target
     ring_stack.wait_workers({"cpu-decode": 3, "prefill": 1, "router": 1}, 180)   # a member killed above is back
     content = question(reference, 1000)
@@ -205,4 +209,60 @@ async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, re
     assert got["text"] == want.text and got["finish"] == "length"
     (reply,) = replies
     assert reply.target != reply.source and 1 <= reply.next_seq < got["chunks"]
-    assert f"{got['id']}: ring of 2" in ring_stack.tail(600)
+    assert any(f"{got['id']}: ring of 2" in ln and "KV scattered in" in ln for ln in ring_stack.log), ring_stack.tail()
+
+
+async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring_stack, nats_server, reference):
+    """The router's spreading policy, on its own: a long batch chat (prompt + 900 tokens, which
+    one 1,360-token worker holds) runs on one worker; a second chat of the same session joins it
+    there (session affinity); now the worker's free KV is below what the two may still need, so
+    the router's rebalance spreads the longer one onto a ring of the two other workers. Both
+    clients get the undisturbed greedy text; tap shows the move's plan, the router counts it."""
+    ring_stack.wait_workers({"cpu-decode": 3, "prefill": 1, "router": 1}, 180)
+    long_q, short_q = question(reference, 380), question(reference, 150)
+    ids, want_long = local_chat(reference, long_q, 900, ignore_eos=True)
+    short_ids, want_short = local_chat(reference, short_q, 300, ignore_eos=True)
+    # one worker holds the long one, not both: its free KV falls below what they may still need
+    assert len(ids) + 900 <= 1360 < (len(ids) + 900) + (len(short_ids) + 300)
+    client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    bus = await Bus.connect(url=nats_server, name="e2e-ring-policy")
+    plans: list[RoutePlan] = []
+    sub = await bus.subscribe(subjects.ROUTER_DECISION, RoutePlan, skip_invalid=True)
+    noting = asyncio.create_task(_collect(sub, plans))
+    session = {"X-Tandem-Session": "spread-me", **BATCH}
+    second: list[asyncio.Task] = []
+
+    async def one(content: str, n: int, on_chunk=None) -> dict:
+        s = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=n, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_headers=session, extra_body={"ignore_eos": True})
+        return await collect(s, on_chunk)
+
+    async def start_second(o):
+        if o["chunks"] == 3 and not second:   # the long one decodes on its worker: the short one joins it
+            second.append(asyncio.create_task(one(short_q, 300)))
+
+    try:
+        got = await asyncio.wait_for(one(long_q, 900, start_second), 600)
+        got_short = await asyncio.wait_for(second[0], 600)
+        await asyncio.sleep(0.3)
+    finally:
+        noting.cancel()
+    try:
+        text = await router_metrics(bus)
+    finally:
+        await bus.close()
+    assert got["text"] == want_long.text and got["usage"].completion_tokens == 900
+    assert got_short["text"] == want_short.text
+    placed = {p.request_id: p for p in plans if not p.moved_from}
+    assert placed[got_short["id"]].decode_worker == placed[got["id"]].decode_worker, plans   # one worker, both
+    spreads = [p for p in plans if p.request_id == got["id"] and p.moved_from]
+    assert spreads, [p.reason for p in plans]
+    p = spreads[0]
+    assert p.moved_from == placed[got["id"]].decode_worker and p.strategy == "cpu-ring(2)", p
+    assert p.reason.startswith("spread: ") and p.moved_from not in [m[0] for m in p.ring], p
+    assert [m[0] for m in p.ring][0] == p.decode_worker
+    counted = [ln for ln in text.splitlines()
+               if ln.startswith('tandem_router_moves_total{kind="spread",outcome="ok",strategy="cpu-ring(2)"}')]
+    assert counted and float(counted[0].split()[-1]) >= 1, text

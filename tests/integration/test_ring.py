@@ -375,3 +375,117 @@ async def test_a_ring_session_is_promoted_to_one_worker_by_a_migration(two_worke
     await asyncio.sleep(0.2)
     for e in (a, b):
         assert e.engine.blocks.num_free == e.engine.blocks.num_blocks
+
+
+# ---- the prefill's scatter: members' ranges parked under a ticket, claimed by the coordinator -----
+
+@pytest.fixture
+def three_workers(bundled_model):
+    """Three cpu-decode workers' engines: ``a`` coordinates, ``b`` and ``c`` host members on their
+    ring ports (data-plane key on; parked shards are freed 1.5 s after the scatter unless claimed)."""
+    from shared.engine.async_engine import AsyncEngine
+    from shared.engine.ring_net import EngineMember, RingServer
+    engines = [AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=1))) for _ in range(3)]
+    servers = []
+    for name, e in zip("bc", engines[1:]):
+        servers.append(RingServer(EngineMember(e.engine, e.run_blocking, name), "127.0.0.1", 0, key=b"data-key",
+                                  timeout=1.5))
+        servers[-1].start()
+    yield engines, servers
+    for s in servers:
+        s.close()
+    for e in engines:
+        e.engine.seqs.clear()
+
+
+def plan_of(servers) -> list:
+    return [["a", "127.0.0.1", 0]] + [[n, "127.0.0.1", s.port] for n, s in zip("bc", servers)]
+
+
+def all_free(*engines) -> bool:
+    return all(e.engine.blocks.num_free == e.engine.blocks.num_blocks for e in engines)
+
+
+async def test_the_prefill_s_scatter_claimed_by_the_coordinator_is_the_single_worker(three_workers, handoff, single):
+    """The prefill loads b's and c's ranges itself, at the same time, parks them under a ticket and
+    closes its connections; the coordinator claims them, loads its own range (what the data plane
+    brings it) and decodes: every step's logits bitwise the single worker's, the same greedy
+    tokens, the same KV afterwards; every cache free once the ring is released."""
+    import asyncio
+    from shared.engine.ring_net import EngineMember, admit_claimed, connect_ring, new_ticket, ring_ranges, scatter_parked
+    (a, b, c), servers = three_workers
+    h, kv = KVBlobHeader.parse(handoff)
+    ma = EngineMember(a.engine, a.run_blocking, "a")
+    ranges = ring_ranges(h, 3, ma.kernels.max_context)
+    assert len(ranges) == 3 and ranges[-1][1] == len(h.token_ids) + NEW
+    ticket = new_ticket()
+    links = await asyncio.to_thread(scatter_parked, plan_of(servers), "a", ranges, kv, h.num_computed, a.layout,
+                                    b"data-key", "pre#0", ticket)
+    assert links[0] == "data plane" and set(links[1:]) <= {"shm", "tcp"}
+    assert not all_free(b) and not all_free(c)   # parked: their shards outlive the prefill's connections
+    from shared.engine.ring import shard_bytes
+    own = shard_bytes(a.layout, kv, *ranges[0], h.num_computed)
+    assert own.nbytes < kv.nbytes   # the coordinator receives its own range only
+    ring = Ring(ma.kernels, connect_ring(plan_of(servers), "a", ma, b"data-key", a.layout))
+    await asyncio.to_thread(admit_claimed, ring, "r#0", ticket, h, own, ranges)
+    toks, logits = await asyncio.to_thread(ring.generate, "r#0", NEW)
+    assert toks == single[0]
+    for i, (x, y) in enumerate(zip(logits, single[1])):
+        assert torch.equal(x, y), f"step {i}: max |diff| {(x - y).abs().max().item()}"
+    n = len(h.token_ids) - 1 + NEW
+    gathered = await asyncio.to_thread(ring.gather, "r#0")
+    assert torch.equal(by_position(a.layout, gathered, n), by_position(a.layout, single[2], n))
+    await asyncio.to_thread(ring.release, "r#0")
+    ring.close()
+    await asyncio.sleep(0.2)
+    assert all_free(a, b, c)
+
+
+async def test_a_claim_with_a_wrong_ticket_is_refused_and_an_unclaimed_shard_is_freed(three_workers, handoff,
+                                                                                       caplog):
+    import asyncio
+    import logging
+    from shared.engine.ring_net import RemoteMember, RingMemberError, new_ticket, ring_ranges, scatter_parked
+    (a, b, c), servers = three_workers
+    h, kv = KVBlobHeader.parse(handoff)
+    ranges = ring_ranges(h, 3, RingKernels.of(a.engine.model).max_context)
+    ticket = new_ticket()
+    await asyncio.to_thread(scatter_parked, plan_of(servers), "a", ranges, kv, h.num_computed, a.layout,
+                            b"data-key", "pre#0", ticket)
+    mb = RemoteMember("b", "127.0.0.1", servers[0].port, b"data-key", a.layout, shm=False)
+    try:
+        with pytest.raises(RingMemberError, match="no shard is parked under that ticket") as err:
+            await asyncio.to_thread(mb.claim, "x", new_ticket())
+        assert err.value.code == "bad_request"
+        assert await asyncio.to_thread(mb.claim, "x", ticket) == ranges[1]   # the right one takes it
+    finally:
+        mb.close()
+    await asyncio.sleep(0.2)
+    assert all_free(b) and not all_free(c)   # b's claimed shard went with the claiming connection
+    with caplog.at_level(logging.WARNING, logger="tandem.ring"):
+        await asyncio.sleep(1.8)   # c's was never claimed: freed after the timeout
+    assert all_free(c)
+    assert any("was not claimed by its coordinator within 2 s: freed" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_member_without_room_fails_the_prefill_s_scatter_and_nothing_stays_reserved(bundled_model, three_workers,
+                                                                                          handoff):
+    import asyncio
+    from shared.engine.async_engine import AsyncEngine
+    from shared.engine.ring_net import EngineMember, RingServer, new_ticket, ring_ranges, scatter_parked
+    (a, b, _), servers = three_workers
+    small = AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=16, threads=1)))   # 256 tokens
+    tiny = RingServer(EngineMember(small.engine, small.run_blocking, "c"), "127.0.0.1", 0, key=b"data-key")
+    tiny.start()
+    try:
+        h, kv = KVBlobHeader.parse(handoff)
+        ranges = ring_ranges(h, 3, RingKernels.of(a.engine.model).max_context)
+        plan = [["a", "127.0.0.1", 0], ["b", "127.0.0.1", servers[0].port], ["c", "127.0.0.1", tiny.port]]
+        with pytest.raises(RingCapacityError, match=r"c: tokens \[1024, 1529\) need 32 KV blocks"):
+            await asyncio.to_thread(scatter_parked, plan, "a", ranges, kv, h.num_computed, a.layout, b"data-key",
+                                    "pre#0", new_ticket())
+        await asyncio.sleep(0.2)
+        assert all_free(b, small) and not servers[0]._parked and not tiny._parked
+    finally:
+        tiny.close()
+        small.engine.seqs.clear()

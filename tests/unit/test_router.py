@@ -6,7 +6,8 @@ import pytest
 
 from shared.bus import BusError
 from shared.schemas import Heartbeat, RouteRequest
-from services.placement import POOL, Limits, SessionView, WorkerView, place, rebalance, strategy_plan
+from services.placement import (POOL, Limits, SessionView, WorkerView, kv_need, place, rebalance, spread,
+                                strategy_plan)
 
 NOW = 1000.0
 
@@ -274,3 +275,75 @@ def test_a_ring_whose_workers_are_busy_now_is_overloaded_not_refused():
     assert e.value.code == "overloaded" and e.value.retry_after > 0
     # a context no ring of these workers could ever hold: place decides (and refuses it)
     assert strategy_plan(req("batch", n=5000), busy, NOW)[0] is None
+
+
+# ---- spreading under KV pressure: a cpu-decode worker short of KV spreads onto a ring ----------
+
+def sw(wid, free=80, kv=None, held=(), ring=7000, role="cpu-decode", **kw):
+    """A cpu-decode worker (80 blocks of 16 tokens) whose heartbeat lists ``held`` requests
+    ([id, session, tier]) with ``kv`` tokens ({id: [now, end, members]})."""
+    view = rw(wid, role, free=free, ring=ring, requests=held, **kw)
+    view.beat.kv_tokens = {k: list(v) for k, v in (kv or {}).items()}
+    return view
+
+
+# c1: 10 blocks (160 tokens) free; r1 grows 300 -> 1000 tokens (44 more blocks), r2 100 -> 200
+SHORT = sw("c1", free=10, kv={"r1": [300, 1000, 1], "r2": [100, 200, 1]},
+           held=[["r1", "s1", "batch"], ["r2", "", "standard"]])
+
+
+def test_kv_need_counts_the_blocks_running_requests_may_still_take():
+    assert kv_need(SHORT) == (63 - 19) * 16 + (13 - 7) * 16
+    assert kv_need(sw("c2", kv={"r": [300, 1000, 3]})) == 0   # a ring session reserved its range at admission
+    assert kv_need(sw("c2", kv={"r": [300, 300, 1]})) == 0
+
+
+@pytest.mark.parametrize("workers,moving,want", [
+    # short: the longest background request onto the smallest ring of the others, the freest first
+    ([SHORT, sw("c2", free=40), sw("c3", free=50)], set(), ("r1", "s1", "batch", ["c3", "c2"])),
+    # 1,000 tokens would fit c2 alone, but a spread is a ring (a move to one worker would be
+    # short there again as the others grow): the two freest
+    ([SHORT, sw("c2", free=80), sw("c3", free=50)], set(), ("r1", "s1", "batch", ["c2", "c3"])),
+    # not short: the free KV covers what the requests may still take
+    ([sw("c1", free=60, kv={"r1": [300, 1000, 1]}, held=[["r1", "", "batch"]]), sw("c2"), sw("c3")], set(), None),
+    # interactive requests stay (a ring step is slower); the next longest background one goes
+    ([sw("c1", free=10, kv={"r1": [300, 1000, 1], "r2": [100, 900, 1]},
+         held=[["r1", "", "interactive"], ["r2", "", "standard"]]), sw("c2"), sw("c3")], set(),
+     ("r2", None, "standard", None)),
+    ([sw("c1", free=10, kv={"r1": [300, 1000, 1]}, held=[["r1", "", "interactive"]]), sw("c2"), sw("c3")], set(), None),
+    # already a ring (its coordinator's heartbeat says 3 members), or moving now
+    ([sw("c1", free=10, kv={"r1": [300, 1000, 3]}, held=[["r1", "", "batch"]]), sw("c2"), sw("c3")], set(), None),
+    ([SHORT, sw("c2"), sw("c3")], {"r1"}, None),   # r2 (200 tokens: one segment) cannot be a ring
+    # no room on a ring: the others are full, short themselves, or host no ring members
+    ([SHORT, sw("c2", free=5), sw("c3", free=5)], set(), None),
+    ([SHORT, sw("c2", free=40, kv={"x": [100, 1000, 1]}, held=[["x", "", "batch"]]),
+      sw("c3", free=40, kv={"y": [100, 1000, 1]}, held=[["y", "", "batch"]])], set(), None),
+    ([SHORT, sw("c2", ring=0), sw("c3", ring=0)], set(), None),
+    # gpu-decode workers are never members (the GPU pool's pressure demotes instead)
+    ([SHORT, sw("g1", role="gpu-decode", free=400)], set(), None),
+])
+def test_spread_table(workers, moving, want):
+    moves = spread(workers, NOW, moving)
+    if want is None:
+        assert moves == []
+        return
+    (m,) = moves
+    rid, sid, tier, members = want
+    assert (m.request_id, m.source, m.tier) == (rid, "c1", tier)
+    assert sid is None or m.session_id == sid
+    assert members is None or [v.id for v in m.ring] == members
+    assert m.target is m.ring[0] and m.kind == "spread" and m.strategy == f"cpu-ring({len(m.ring)})"
+    assert "c1" not in [v.id for v in m.ring]
+
+
+def test_two_short_workers_never_share_a_member_and_rebalance_spreads_under_pressure_only():
+    short2 = sw("c4", free=10, kv={"q": [300, 1000, 1]}, held=[["q", "", "batch"]])
+    workers = [SHORT, short2, sw("c2"), sw("c3"), sw("c5"), sw("c6")]
+    moves = spread(workers, NOW)
+    assert len(moves) == 2 and not {v.id for v in moves[0].ring} & {v.id for v in moves[1].ring}
+    assert not any(v.id in ("c1", "c4") for m in moves for v in m.ring)
+    assert [m.request_id for m in rebalance(workers, {}, NOW)] == ["r1", "q"] or \
+        [m.request_id for m in rebalance(workers, {}, NOW)] == ["q", "r1"]
+    assert rebalance(workers, {}, NOW, pressure=False) == []
+    stale = [SHORT, sw("c2", seen=NOW - 10), sw("c3", seen=NOW - 10)]   # dead workers are no members
+    assert spread(stale, NOW) == []
