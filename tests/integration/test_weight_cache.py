@@ -119,6 +119,7 @@ def test_damaged_cache_file_is_rebuilt_never_used(tiny_dir, tmp_path, damage, ca
     os.replace(tmp_path / "damaged", file)
     with pytest.raises(weight_cache.CacheFileError):
         weight_cache.read(file)
+    caplog.clear()  # the first load's records, where an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger=weight_cache.__name__):
         again = Engine.from_path(tiny_dir, config(str(tmp_path)))
     assert any("unusable" in r.message for r in caplog.records)
