@@ -114,8 +114,10 @@ class DecodeWorker(EngineWorker):
         d = self.settings.data
 
         def scatter() -> tuple[Ring, list]:
+            nkv = k.cfg.n_kv_heads
             ring = Ring(k, connect_ring(req.ring, self.worker_id, self.ring_member, d.secret(), self.engine.layout,
-                                        d.timeout, d.shm))
+                                        d.timeout, d.shm),
+                        fold=d.ring_fold, groups=min(d.ring_groups or nkv, nkv), qpass=d.ring_qpass)
             try:
                 return ring, ring.admit(sid, h.token_ids, h.num_computed, kv, total)
             except BaseException:

@@ -335,6 +335,94 @@ async def test_a_lost_member_ends_the_request_with_a_coded_error(two_workers, ha
     assert b.engine.blocks.num_free == b.engine.blocks.num_blocks
 
 
+@pytest.fixture
+def three_workers(bundled_model):
+    """The coordinator's engine ``a`` and two members' workers ``b`` and ``c`` on ring ports."""
+    from shared.engine.async_engine import AsyncEngine
+    from shared.engine.ring_net import EngineMember, RingServer
+    engines = {w: AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=1))) for w in "abc"}
+    servers = {}
+    for w in "bc":
+        servers[w] = RingServer(EngineMember(engines[w].engine, engines[w].run_blocking, w), "127.0.0.1", 0,
+                                key=b"data-key")
+        servers[w].start()
+    yield engines, servers
+    for srv in servers.values():
+        srv.close()
+    for e in engines.values():
+        e.engine.seqs.clear()
+
+
+@pytest.mark.parametrize("link", ["tcp", "shm"])
+@pytest.mark.parametrize("order, groups, qpass", [
+    ("ab", 1, False),    # a ring of 2: the coordinator's member passes its state to b, b back
+    ("ab", 3, True),
+    ("abc", 3, False),   # b passes its state to c over a link of their own, c to the coordinator
+    ("abc", 1, True),    # ... and the q rows go a -> b -> c too
+    ("bca", 3, True),    # the coordinator's own member last: c hands it the state
+])
+async def test_the_fold_across_processes_is_bitwise_the_single_worker(three_workers, handoff, single, link, order,
+                                                                     groups, qpass):
+    """The fold along the ring between workers (each member folds its segments into the
+    running state the one before it passed on, head group by head group, over authenticated
+    connections of their own; shm or TCP): every step's logits are bitwise the single worker's
+    and the coordinator receives one state per kv head, whatever the context."""
+    import asyncio
+    from shared.engine.ring_net import EngineMember, connect_ring
+    engines, servers = three_workers
+    a = engines["a"]
+    ma = EngineMember(a.engine, a.run_blocking, "a")
+    plan = [[w, "127.0.0.1", servers[w].port if w in servers else 0] for w in order]
+    ring = Ring(ma.kernels, connect_ring(plan, "a", ma, b"data-key", a.layout, shm=link == "shm"),
+                fold=True, groups=groups, qpass=qpass)
+    assert all(m.link == link for m in ring.members if m is not ma)
+    h, kv = KVBlobHeader.parse(handoff)
+    await asyncio.to_thread(ring.admit, "s", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
+    toks, logits = await asyncio.to_thread(ring.generate, "s", NEW)
+    assert toks == single[0]
+    for i, (x, y) in enumerate(zip(logits, single[1])):
+        assert torch.equal(x, y), f"step {i}: max |diff| {(x - y).abs().max().item()}"
+    t = ring.times
+    state = ma.kernels.cfg.n_kv_heads * ma.kernels.part_floats(1) * 4
+    layers = ma.kernels.cfg.n_layers
+    # back to the coordinator: one state per kv head and layer (none when its own member is last)
+    assert t.bytes_back == (0 if order.endswith("a") else NEW * layers * state)
+    if "bc" in order:     # b -> c on their own link
+        assert t.bytes_ring >= NEW * layers * state
+    n = len(h.token_ids) - 1 + NEW
+    gathered = await asyncio.to_thread(ring.gather, "s")
+    assert torch.equal(by_position(a.layout, gathered, n), by_position(a.layout, single[2], n))
+    await asyncio.to_thread(ring.release, "s")
+    ring.close()
+    await asyncio.sleep(0.2)
+    for e in engines.values():
+        assert e.engine.blocks.num_free == e.engine.blocks.num_blocks
+    assert not any(srv._chains or srv._tickets for srv in servers.values())
+
+
+async def test_a_member_lost_inside_the_fold_is_named(three_workers, handoff):
+    """b dies between steps: c finds its link from b closed and says so down the ring; the
+    coordinator's step ends with RingMemberLost naming b."""
+    import asyncio
+    from shared.engine.ring_net import EngineMember, RingMemberLost, connect_ring
+    engines, servers = three_workers
+    a = engines["a"]
+    ma = EngineMember(a.engine, a.run_blocking, "a")
+    plan = [["a", "127.0.0.1", 0], ["b", "127.0.0.1", servers["b"].port], ["c", "127.0.0.1", servers["c"].port]]
+    ring = Ring(ma.kernels, connect_ring(plan, "a", ma, b"data-key", a.layout), fold=True, groups=3)
+    h, kv = KVBlobHeader.parse(handoff)
+    await asyncio.to_thread(ring.admit, "s", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
+    await asyncio.to_thread(ring.generate, "s", 1)
+    servers["b"].close()
+    with pytest.raises(RingMemberLost) as err:
+        await asyncio.to_thread(ring.generate, "s", 1)
+    assert err.value.lost == "b" and err.value.code == "unavailable"
+    await asyncio.to_thread(ring.release, "s")
+    await asyncio.sleep(0.2)
+    for e in engines.values():
+        assert e.engine.blocks.num_free == e.engine.blocks.num_blocks
+
+
 def test_a_member_refuses_a_connection_without_the_data_plane_key(two_workers):
     from shared.engine.ring_net import RingMemberLost
     a, _, server = two_workers
