@@ -256,25 +256,28 @@ def two_workers(bundled_model):
         e.engine.seqs.clear()
 
 
-def ring_of(a, server, key=b"data-key", shm=True):
+def ring_of(a, server, key=b"data-key", shm=True, fold=False):
     from shared.engine.ring_net import EngineMember, connect_ring
     ma = EngineMember(a.engine, a.run_blocking, "a")
     plan = [["a", "127.0.0.1", 0], ["b", "127.0.0.1", server.port]]
-    return Ring(ma.kernels, connect_ring(plan, "a", ma, key, a.layout, shm=shm))
+    return Ring(ma.kernels, connect_ring(plan, "a", ma, key, a.layout, shm=shm), fold=fold,
+                groups=ma.kernels.cfg.n_kv_heads if fold else 1)
 
 
 def ring_regions() -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith("tandem-ring-")] if os.path.isdir("/dev/shm") else []
 
 
-@pytest.mark.parametrize("link", ["tcp", "shm"])
-async def test_ring_of_two_workers_over_the_data_plane_is_the_single_worker(two_workers, handoff, single, link):
+@pytest.mark.parametrize("link, fold", [("tcp", False), ("shm", False), ("shm", True)])
+async def test_ring_of_two_workers_over_the_data_plane_is_the_single_worker(two_workers, handoff, single, link, fold):
     """A ring of 2 — the coordinator's own member and one behind an authenticated connection,
     its payloads on the socket (TANDEM_DATA_SHM=0) or through shared memory (the default on one
-    host) — gives the single worker's greedy tokens; both caches are free again when it finishes."""
+    host), every segment's state back or the fold by kv head (TANDEM_RING_FOLD) — gives the
+    single worker's greedy tokens through the engine's request path; both caches are free again
+    when it finishes."""
     import asyncio
     a, b, server = two_workers
-    ring = ring_of(a, server, shm=link == "shm")
+    ring = ring_of(a, server, shm=link == "shm", fold=fold)
     assert ring.members[1].link == link and not ring_regions()   # a region is unlinked once mapped
     h = KVBlobHeader.parse(handoff)[0]
     ranges = await asyncio.to_thread(ring.admit, "s#0", h.token_ids, h.num_computed, KVBlobHeader.parse(handoff)[1],
