@@ -22,7 +22,10 @@ Members are ``RingMember`` objects in the coordinator's process (the integration
 ``tandem bench ring``), or proxies of members in other cpu-decode workers
 (``shared/engine/ring_net.py``: the per-step messages on a data-plane connection). A step
 ``post``s the layer's q|k|v to every member first and ``collect``s their states after, in shard
-order: remote members attend while the coordinator's own member does.
+order: remote members attend while the coordinator's own member does. With ``fold`` the
+members fold the states along the ring instead, remote ones passing the running state to the
+next over links of their own, head group by head group (``groups``), the q rows broadcast or
+passed along the ring (``qpass``): the coordinator receives one state per kv head.
 """
 
 from __future__ import annotations

@@ -31,6 +31,18 @@ header, meta and tag still go on the socket. The receiver copies the payload out
 before it checks the tag, so the tag covers exactly the bytes it uses (a peer rewriting the
 region afterwards changes nothing). The name travels only on the authenticated connection and
 is unlinked once both sides hold it (the member unlinks it too, whatever the coordinator did).
+Several messages may be in flight (the fold's): a payload of up to 1/``SLOTS`` of an area goes in
+slot (message counter % ``SLOTS``), a larger one (only a request / reply carries one) fills it.
+
+Fold (``Ring(fold=True)`` with remote members; docs/protocol.md "Ring connections"): the members
+pass the running attention state member to member instead of every segment's state to the
+coordinator. ``CHAIN`` tells a member its place (index, where the state comes from, the next
+member's address and a ticket announced there); it opens an authenticated ring connection to
+the next member (``PEER`` with the ticket). A ``STEP`` carries a layer's q|k|v rows (from the
+coordinator, or forwarded along the ring with ``pass``); per head group the member attends,
+folds its segments into the predecessor's ``STATE`` and sends its own ``STATE`` on — to the
+next member, or to the coordinator when it is the tail or the coordinator's own member comes
+next. Failures travel down the ring as one ``ERR`` (``lost``: the member whose link broke).
 """
 
 from __future__ import annotations
