@@ -159,7 +159,7 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
     layer = 3
     ref_qkv = kernels.qkv(layer, x0, n - 1)
 
-    def run(bounds: list[int], order: list[int], fold: bool = False) -> torch.Tensor:
+    def run(bounds: list[int], order: list[int], fold: bool = False, groups: int = 0) -> torch.Tensor:
         members = []
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             m = RingMember(kernels, layout, member_budget(layout, 4096), f"m{i}")
@@ -169,7 +169,19 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
             members.append(m)
         arrived = {i: members[i].attend("s", layer, ref_qkv, n - 1) for i in order}
         x = x0.clone()
-        if fold:   # along the ring, in shard order
+        if groups:   # along the ring head group by head group: each group attended and folded on its own
+            nkv = kernels.cfg.n_kv_heads
+            states = []
+            for g in range(groups):
+                heads = (g * nkv // groups, (g + 1) * nkv // groups)
+                state = None
+                for i in range(len(members)):
+                    p = members[i].attend("s", layer, ref_qkv, n - 1, heads)
+                    assert torch.equal(p, arrived[i][heads[0]:heads[1]])   # the same states, head by head
+                    state = kernels.fold(p if state is None else torch.cat([state, p], dim=1), n - 1, 1, heads)
+                states.append(state)
+            kernels.merge_ffn(layer, x, ref_qkv, n - 1, torch.cat(states, dim=0), folded=True)
+        elif fold:   # along the ring, in shard order
             state = None
             for i in range(len(members)):
                 state = kernels.fold(arrived[i] if state is None else torch.cat([state, arrived[i]], dim=1), n - 1, 1)
@@ -186,6 +198,7 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
         rng.shuffle(order)
         assert torch.equal(run([0, *(c * SEG for c in cuts), n], order), one), cuts
         assert torch.equal(run([0, *(c * SEG for c in cuts), n], order, fold=True), one), cuts
+        assert torch.equal(run([0, *(c * SEG for c in cuts), n], order, groups=rng.randint(2, 3)), one), cuts
     try:   # members and coordinator on other thread counts: the same bits
         for t in (1, 3):
             cpu.set_num_threads(t)
@@ -201,6 +214,9 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
     x = x0.clone()
     kernels.merge_ffn(layer, x, ref_qkv, n - 1, parts.flip(1).contiguous())
     assert not torch.equal(x, one)
+    for bad in [(0, 0), (2, 1), (0, kernels.cfg.n_kv_heads + 1), (-1, 1)]:
+        with pytest.raises(ValueError, match="kv heads"):
+            members_parts.attend("s", layer, ref_qkv, n - 1, bad)
 
 
 def test_scatter_then_gather_gives_the_bytes_back(big, kernels):
