@@ -324,9 +324,12 @@ class RingServer:
         return self.host, self.port
 
     def close(self) -> None:
-        """Stop serving: no new connection, and the open ones end (their shards are released)."""
+        """Stop serving: no new connection, and the open ones end (their shards are released),
+        the links to next members too."""
         self._closed = True
         self._sock.close()
+        for chain in list(self._chains.values()):
+            chain.close()
         for conn in list(self._live):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -514,17 +517,42 @@ class RingServer:
             ch.send(ERR, {"code": "bad_request", "message": "no fold awaits this link"})
             return
         ch.send(OK)
+        lost = {"code": "unavailable", "lost": chain.prev_worker,
+                "message": f"{self.member.name}: the link from {chain.prev_worker} broke"}
         try:
             while True:
                 op, meta, payload = ch.recv()
                 if op == STEP:
                     self._step(chain, meta, payload, ch)
                 elif op in (STATE, ERR):
+                    if op == ERR and meta.get("lost"):
+                        lost = meta      # a member further up is gone: name it, not the messenger
                     chain.inbox.put((op, meta, payload))
                 else:
                     raise ConnectionError(f"op {op} on a predecessor's link")
+        except (ConnectionError, OSError, struct.error, json.JSONDecodeError):
+            pass
         finally:
             chain.inbox.put(None)
+            self._broken(chain, lost)
+
+    def _broken(self, chain: _Chain, err: dict) -> None:
+        """The link from the predecessor ended while the session is live (its worker died, or
+        its own predecessor did): say so down the ring and to the coordinator at once — with the
+        q rows passed along the ring no step would start here to report it — and close the link
+        to the next member, which does the same."""
+        if self._chains.get(chain.sid) is not chain:
+            return      # released: its predecessor's link ends with it
+        if chain.next is not None:
+            try:
+                chain.next.ch.send(ERR, err)
+            except OSError:
+                pass
+            chain.close()
+        try:
+            chain.coord.send(ERR, err)
+        except OSError:
+            pass
 
     def _step(self, chain: _Chain, meta: dict, payload: bytearray, src: _Channel) -> None:
         """``STEP``: a layer of a folding step. Store the new k, v (the tail), then head group by

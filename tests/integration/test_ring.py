@@ -419,23 +419,30 @@ async def test_the_fold_across_processes_is_bitwise_the_single_worker(three_work
     assert not any(srv._chains or srv._tickets for srv in servers.values())
 
 
-async def test_a_member_lost_inside_the_fold_is_named(three_workers, handoff):
-    """b dies between steps: c finds its link from b closed and says so down the ring; the
-    coordinator's step ends with RingMemberLost naming b."""
+@pytest.mark.parametrize("order, qpass", [("abc", False), ("bca", True)])
+async def test_a_member_lost_inside_the_fold_is_named(three_workers, handoff, order, qpass):
+    """b dies between steps (its connections and its link to c close): c finds its link from b
+    closed and says so down the ring and to the coordinator — also when b would have passed
+    it the q rows (no step starts at c then) —, or the coordinator finds b gone itself; either
+    way the next step ends with RingMemberLost naming b, at once."""
     import asyncio
+    import time
     from shared.engine.ring_net import EngineMember, RingMemberLost, connect_ring
     engines, servers = three_workers
     a = engines["a"]
     ma = EngineMember(a.engine, a.run_blocking, "a")
-    plan = [["a", "127.0.0.1", 0], ["b", "127.0.0.1", servers["b"].port], ["c", "127.0.0.1", servers["c"].port]]
-    ring = Ring(ma.kernels, connect_ring(plan, "a", ma, b"data-key", a.layout), fold=True, groups=3)
+    plan = [[w, "127.0.0.1", servers[w].port if w in servers else 0] for w in order]
+    ring = Ring(ma.kernels, connect_ring(plan, "a", ma, b"data-key", a.layout), fold=True, groups=3, qpass=qpass)
     h, kv = KVBlobHeader.parse(handoff)
     await asyncio.to_thread(ring.admit, "s", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
     await asyncio.to_thread(ring.generate, "s", 1)
     servers["b"].close()
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
     with pytest.raises(RingMemberLost) as err:
         await asyncio.to_thread(ring.generate, "s", 1)
     assert err.value.lost == "b" and err.value.code == "unavailable"
+    assert time.monotonic() - t0 < 5      # not the data-plane timeout (30 s)
     await asyncio.to_thread(ring.release, "s")
     await asyncio.sleep(0.2)
     for e in engines.values():
