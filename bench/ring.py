@@ -119,7 +119,8 @@ def _bench(contexts: list[int], members: list[int], steps: int, threads: int | N
                          "attend_ms": 1e3 * t.attend / t.steps, "merge_ffn_ms": 1e3 * t.merge_ffn / t.steps,
                          "rest_ms": 1e3 * (t.total - t.attend - t.merge_ffn) / t.steps,
                          "overhead_vs_single": step / single,
-                         "bytes_out": t.bytes_out // t.steps, "bytes_back": t.bytes_back // t.steps})
+                         "bytes_out": t.bytes_out // t.steps, "bytes_back": t.bytes_back // t.steps,
+                         "bytes_ring": t.bytes_ring // t.steps})
             if m == 1:
                 per_key.append((n, t.attend / t.steps / (cfg.n_layers * cfg.n_kv_heads)))
             ring.release("s")
@@ -396,15 +397,17 @@ def margin_rows(machine: dict, contexts: list[int], members: list[int]) -> list[
 
 def table(rows: list[dict]) -> str:
     lines = ["| context | members | states | step ms | tok/s | attend ms | merge+FFN ms | rest ms | vs single "
-             "| bytes out | bytes back |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| bytes out | bytes back | bytes member to member |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["members"] == 0:
-            lines.append(f"| {r['context']} | single | | {fmt(r['step_ms'])} | {fmt(r['tok_s'])} | | | | 1.0x | | |")
+            lines.append(f"| {r['context']} | single | | {fmt(r['step_ms'])} | {fmt(r['tok_s'])} | | | | 1.0x | | | |")
         else:
             lines.append(f"| {r['context']} | {r['members']} | {'folded' if r['fold'] else 'per segment'} "
                          f"| {fmt(r['step_ms'])} | {fmt(r['tok_s'])} "
                          f"| {fmt(r['attend_ms'])} | {fmt(r['merge_ffn_ms'])} | {fmt(r['rest_ms'])} "
-                         f"| {fmt(r['overhead_vs_single'], 2)}x | {r['bytes_out']} | {r['bytes_back']} |")
+                         f"| {fmt(r['overhead_vs_single'], 2)}x | {r['bytes_out']} | {r['bytes_back']} "
+                         f"| {r['bytes_ring']} |")
     return "\n".join(lines)
 
 

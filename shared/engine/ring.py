@@ -95,6 +95,8 @@ class RingMember:
         """Fill the shard's blocks from its ``first`` on with ``kv`` (bytes-like, whole blocks
         of layout v1)."""
         sh = self.shards[sid]
+        if not memoryview(kv).nbytes:   # a range past the computed positions: nothing to load yet
+            return
         data = torch.frombuffer(bytearray(kv), dtype=torch.uint8).view(KV_DTYPE)
         n = data.numel() * 2 // self.layout.block_bytes
         if n * self.layout.block_bytes != data.numel() * 2 or not 0 <= first <= first + n <= len(sh.blocks):
