@@ -232,6 +232,10 @@ def test_scatter_then_gather_gives_the_bytes_back(big, kernels):
     with pytest.raises(ValueError, match="not the 82 blocks"):
         ring.admit("t", list(range(n + 1)), n, raw[:-1], n + 100)
     assert "t" not in ring.sessions
+    # a member whose whole range lies past the computed positions loads nothing yet
+    short = layout.blocks_for(400) * layout.block_bytes
+    assert ring.admit("u", list(range(401)), 400, raw[:short], 1100) == [(0, 512), (512, 1024), (1024, 1100)]
+    assert ring.gather("u") == raw[:short]
 
 
 def test_bad_ring_inputs_are_refused(big, kernels):
