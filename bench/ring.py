@@ -14,6 +14,18 @@ another process (a ``RingServer``, as a cpu-decode worker runs it, data-plane ke
 over loopback TCP or through the connection's shared-memory region, against the same ring with
 both members in this process (no messages); per-segment states, the payloads ``Ring.step`` sends.
 
+``--procs``: the ring across processes, as cpu-decode workers run it: the coordinator (this
+process, with its own member 0, like the worker a plan names first) and members 1..N-1 each in a
+process of its own (a ``RingServer`` over a ``RingMember``, data-plane key on, shared memory or
+``--tcp``), 1 kernel thread per process by default, so a ring of N attends on N cores at once.
+Per context and ring size, one session per variant — every segment's state back, or the fold
+along the ring (member to member over their own links) unpipelined or by kv head, with the q
+rows broadcast by the coordinator or passed along the ring — the variants taking turns step by
+step (the machine's load falls on all alike), against a single worker's fused step on 1 thread
+and on all. A step's time is split from the coordinator's side: compute (its kernels, its own
+member's attention and fold included), transfer (sending and reading messages, their tags
+included) and wait (blocked until a member's message arrives).
+
 Then the seed's compute/transfer model per head group (docs/strategies.md): the attention time
 of one kv head's keys on a member (measured here per key; modelled for a 2-socket EPYC) against
 the bytes of that head group's q and partial states at 10 and 100 Gbps.
@@ -42,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     p.add_argument("--links", action="store_true",
                    help="the ring connections' per-step cost: a member in another process over TCP vs shm")
+    p.add_argument("--procs", action="store_true",
+                   help="the ring across processes: members 1..N-1 in processes of their own (fold, pipelining, "
+                        "q broadcast vs along the ring)")
+    p.add_argument("--tcp", action="store_true", help="--procs: loopback TCP instead of shared memory")
     p.add_argument("--stack", action="store_true",
                    help="instead: a ring of cpu-decode workers against one worker through two `tandem up` stacks "
                         "(bench/ring_stack.py)")
@@ -107,7 +123,8 @@ def _bench(contexts: list[int], members: list[int], steps: int, threads: int | N
                          "attend_ms": 1e3 * t.attend / t.steps, "merge_ffn_ms": 1e3 * t.merge_ffn / t.steps,
                          "rest_ms": 1e3 * (t.total - t.attend - t.merge_ffn) / t.steps,
                          "overhead_vs_single": step / single,
-                         "bytes_out": t.bytes_out // t.steps, "bytes_back": t.bytes_back // t.steps})
+                         "bytes_out": t.bytes_out // t.steps, "bytes_back": t.bytes_back // t.steps,
+                         "bytes_ring": t.bytes_ring // t.steps})
             if m == 1:
                 per_key.append((n, t.attend / t.steps / (cfg.n_layers * cfg.n_kv_heads)))
             ring.release("s")
@@ -120,7 +137,7 @@ def _bench(contexts: list[int], members: list[int], steps: int, threads: int | N
     return rows, machine
 
 
-def _member_process(conn, threads: int | None, kv_bytes: int, key: bytes) -> None:
+def _member_process(conn, threads: int | None, kv_bytes: int, key: bytes, shm: bool = True) -> None:
     """``--links``: a member in its own process (the bundled model's kernels), served on a ring
     port until the parent closes the pipe."""
     from kernels import cpu
@@ -132,7 +149,7 @@ def _member_process(conn, threads: int | None, kv_bytes: int, key: bytes) -> Non
         cpu.set_num_threads(threads)
     engine = Engine.from_path(None, EngineConfig(threads=threads, enable_prefix_caching=False, num_kv_blocks=1))
     k = RingKernels.of(engine.model)
-    server = RingServer(RingMember(k, engine.layout, kv_bytes, "remote"), "127.0.0.1", 0, key)
+    server = RingServer(RingMember(k, engine.layout, kv_bytes, "remote"), "127.0.0.1", 0, key, shm=shm)
     conn.send(server.start()[1])
     try:
         conn.recv()
@@ -210,6 +227,141 @@ def _links(contexts: list[int], steps: int, threads: int | None) -> tuple[list[d
     return rows, f"isa={cpu.isa()} threads={cpu.get_num_threads()} (each process)"
 
 
+PROC_VARIANTS = [   # (name, fold, groups (0: one per kv head), qpass)
+    ("per segment", False, 1, False),
+    ("fold, q broadcast", True, 1, False),
+    ("fold by head, q broadcast", True, 0, False),
+    ("fold, q along the ring", True, 1, True),
+    ("fold by head, q along the ring", True, 0, True),
+]
+
+
+def _procs(contexts: list[int], members: list[int], steps: int, threads: int | None, shm: bool
+           ) -> tuple[list[dict], str]:
+    """``--procs``: per context, the single worker (1 thread and ``threads`` or all), then per
+    ring size the variants, their steps interleaved; members 1.. in processes of their own."""
+    import multiprocessing
+    import os
+
+    import torch
+
+    from kernels import cpu
+    from kernels.cpu_ring import RingKernels
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.kv_cache import KV_DTYPE
+    from shared.engine.model import AttnChunk, StepContext
+    from shared.engine.ring import Ring, RingMember, StepTimes
+    from shared.engine.ring_net import RemoteMember
+    from shared.strategy import shard_ranges
+
+    threads = threads or 1
+    cores = os.cpu_count() or 1
+    top = max(contexts) + steps + 2
+    cpu.set_num_threads(threads)
+    engine = Engine.from_path(None, EngineConfig(threads=threads, enable_prefix_caching=False,
+                                                 num_kv_blocks=-(-top // 16) + 1))
+    k = RingKernels.of(engine.model)
+    if k is None:
+        raise SystemExit("the fused CPU step is not available here: no ring")
+    layout, bs, cfg, key = engine.layout, engine.layout.block_size, engine.model_config, b"bench-key"
+    nvar = len(PROC_VARIANTS)
+    shard = max(b - a for a, b in shard_ranges(top, min(members)))
+    budget = nvar * (layout.blocks_for(shard) + 1) * layout.block_bytes
+    ctx = multiprocessing.get_context("spawn")
+    procs, pipes, ports = [], [], []
+    for _ in range(max(members) - 1):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_member_process, args=(child, threads, budget, key, shm), daemon=True)
+        proc.start()
+        procs.append(proc)
+        pipes.append(parent)
+    ports = [p.recv() for p in pipes]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    try:
+        for n in contexts:
+            nb = layout.blocks_for(n + steps + 2)
+            kv = torch.randn(nb, *layout.block_shape, generator=gen).to(KV_DTYPE)
+            ids = torch.randint(0, cfg.vocab_size, (n + steps + 2,), generator=gen).tolist()
+            table = torch.arange(nb)
+            single = {}
+            for nt in sorted({1, threads, cores}):
+                cpu.set_num_threads(nt)
+                with torch.inference_mode():
+                    engine.kv[:nb] = kv
+                    times = []
+                    for p in range(n, n + steps + 1):
+                        pos = torch.tensor([p])
+                        t0 = time.perf_counter()
+                        engine.model.forward(torch.tensor([ids[p]]), StepContext(
+                            pos, table[pos // bs], pos % bs, [AttnChunk(p, 1, 0, table)], torch.tensor([0])),
+                            engine.kv)
+                        times.append(time.perf_counter() - t0)
+                single[nt] = sorted(times[1:])[steps // 2]
+                rows.append({"context": n, "members": 0, "threads": nt, "step_ms": 1e3 * single[nt],
+                             "tok_s": 1 / single[nt]})
+            cpu.set_num_threads(threads)
+            raw = kv[:layout.blocks_for(n)].view(torch.uint8).numpy().tobytes()
+            for m in members:
+                local = RingMember(k, layout, budget, "m0")
+                rings = []
+                for name, fold, groups, qpass in PROC_VARIANTS:
+                    remote = [RemoteMember(f"m{i + 1}", "127.0.0.1", ports[i], key, layout, shm=shm)
+                              for i in range(m - 1)]
+                    rings.append(Ring(k, [local, *remote], fold=fold, groups=groups or cfg.n_kv_heads, qpass=qpass))
+                for v, ring in enumerate(rings):
+                    ring.admit(f"s{v}", ids[:n + 1], n, raw, n + steps + 2)
+                step_times: list[list[float]] = [[] for _ in rings]
+                for step in range(steps + 1):   # the variants take turns; the first step warms each up
+                    order = list(enumerate(rings)) if step % 2 else list(enumerate(rings))[::-1]
+                    for v, ring in order:
+                        if step == 1:
+                            ring.times = StepTimes()
+                        t0 = time.perf_counter()
+                        ring.step(f"s{v}")
+                        if step:
+                            step_times[v].append(time.perf_counter() - t0)
+                        ring.append(f"s{v}", ids[n + 1 + step])
+                for v, ring in enumerate(rings):
+                    name, fold, groups, qpass = PROC_VARIANTS[v]
+                    t, med = ring.times, sorted(step_times[v])[len(step_times[v]) // 2]
+                    rows.append({"context": n, "members": m, "variant": name, "groups": ring.groups,
+                                 "step_ms": 1e3 * med, "tok_s": 1 / med,
+                                 "mean_ms": 1e3 * t.total / t.steps,
+                                 "compute_ms": 1e3 * (t.total - t.wait - t.transfer) / t.steps,
+                                 "transfer_ms": 1e3 * t.transfer / t.steps, "wait_ms": 1e3 * t.wait / t.steps,
+                                 "vs_single_1": med / single[1], "vs_single_all": med / single[cores],
+                                 "bytes_out": t.bytes_out // t.steps, "bytes_back": t.bytes_back // t.steps,
+                                 "bytes_ring": t.bytes_ring // t.steps,
+                                 "links": sorted({getattr(x, "link", "local") for x in ring.members})})
+                    ring.release(f"s{v}")
+                    ring.close()
+    finally:
+        for p in pipes:
+            p.close()
+        for proc in procs:
+            proc.join(10)
+    return rows, (f"isa={cpu.isa()} kernel threads={threads} per process, {cores} cores, "
+                  f"links {'shm' if shm else 'tcp'}")
+
+
+def procs_table(rows: list[dict]) -> str:
+    lines = ["| context | members | variant | step ms (median) | tok/s | compute ms | transfer ms | wait ms "
+             "| vs single 1 thread | vs single all cores | bytes out / step | bytes back / step "
+             "| bytes member to member / step |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["members"] == 0:
+            lines.append(f"| {r['context']} | single, {r['threads']} thread{'s' if r['threads'] > 1 else ''} | "
+                         f"| {fmt(r['step_ms'])} | {fmt(r['tok_s'])} | | | | | | | | |")
+        else:
+            lines.append(f"| {r['context']} | {r['members']} | {r['variant']} | {fmt(r['step_ms'])} "
+                         f"| {fmt(r['tok_s'])} | {fmt(r['compute_ms'])} | {fmt(r['transfer_ms'])} "
+                         f"| {fmt(r['wait_ms'])} | {fmt(r['vs_single_1'], 2)}x | {fmt(r['vs_single_all'], 2)}x "
+                         f"| {r['bytes_out']} | {r['bytes_back']} | {r['bytes_ring']} |")
+    return "\n".join(lines)
+
+
 def links_table(rows: list[dict]) -> str:
     lines = ["| context | member 1 | scatter ms | step ms (median) | + ms vs in process | ratio | bytes out / step "
              "| bytes back / step |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -249,15 +401,17 @@ def margin_rows(machine: dict, contexts: list[int], members: list[int]) -> list[
 
 def table(rows: list[dict]) -> str:
     lines = ["| context | members | states | step ms | tok/s | attend ms | merge+FFN ms | rest ms | vs single "
-             "| bytes out | bytes back |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| bytes out | bytes back | bytes member to member |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["members"] == 0:
-            lines.append(f"| {r['context']} | single | | {fmt(r['step_ms'])} | {fmt(r['tok_s'])} | | | | 1.0x | | |")
+            lines.append(f"| {r['context']} | single | | {fmt(r['step_ms'])} | {fmt(r['tok_s'])} | | | | 1.0x | | | |")
         else:
             lines.append(f"| {r['context']} | {r['members']} | {'folded' if r['fold'] else 'per segment'} "
                          f"| {fmt(r['step_ms'])} | {fmt(r['tok_s'])} "
                          f"| {fmt(r['attend_ms'])} | {fmt(r['merge_ffn_ms'])} | {fmt(r['rest_ms'])} "
-                         f"| {fmt(r['overhead_vs_single'], 2)}x | {r['bytes_out']} | {r['bytes_back']} |")
+                         f"| {fmt(r['overhead_vs_single'], 2)}x | {r['bytes_out']} | {r['bytes_back']} "
+                         f"| {r['bytes_ring']} |")
     return "\n".join(lines)
 
 
@@ -281,6 +435,17 @@ def main(args: argparse.Namespace) -> int:
                 json.dump(res, f, indent=2)
         return 0
     contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
+    if args.procs:
+        members = [int(x) for x in args.members.split(",") if x.strip()]
+        if not members or min(members) < 1 or args.steps < 2 or max(contexts) + args.steps + 2 > 8192:
+            raise SystemExit("--members >= 1, --steps >= 2, context + steps + 2 <= 8192")
+        rows, machine = _procs(contexts, members, args.steps, args.threads, not args.tcp)
+        print(machine, flush=True)
+        print(procs_table(rows), flush=True)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"machine": machine, "procs": rows}, f, indent=2)
+        return 0
     if args.links:
         rows, machine = _links(contexts, args.steps, args.threads)
         print(machine, flush=True)

@@ -140,7 +140,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.tq_resolve_isa.restype = cint
     lib.tq_forward.argtypes = [vp, vp, cint, cint]
     lib.tq_forward.restype = None
-    lib.tq_ring_stage.argtypes = [vp, vp, cint, i64, vp, vp, vp, i64, i64, cint, cint]
+    lib.tq_ring_stage.argtypes = [vp, vp, cint, i64, vp, vp, vp, i64, i64, i64, i64, cint, cint]
     lib.tq_ring_stage.restype = cint
     return lib
 

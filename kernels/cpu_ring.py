@@ -13,7 +13,9 @@ that each hold a SEG-aligned token range of its KV:
 
 or, instead of sending every segment's state, the members fold along the ring in shard order
 (``fold``: member 0 folds its states, member 1 folds its own into that running state, ...) and
-the coordinator finishes the one state it receives (``merge_ffn(..., folded=True)``).
+the coordinator finishes the one state it receives (``merge_ffn(..., folded=True)``). ``attend``
+and ``fold`` take a range of kv heads (a head group): the heads are independent, so a member
+can pass one group's state on while it attends the next.
 
 Every stage is the same C++ code the fused step runs (``Step::layer_qkv``, ``attend_segment``,
 ``merge_parts``, ``layer_ffn``, ``head``), and the fused step's attention is already a fold of
@@ -88,13 +90,15 @@ class RingKernels:
         self._parts(parts, T, nseg, f"every segment of {start + T} keys" if not folded else "the folded state")
         self._run(MERGE_FFN, layer, start, T, x=self._x(x), qkv=self._qkv(qkv, T), parts=parts, seg_hi=nseg)
 
-    def fold(self, parts: torch.Tensor, start: int, n_tokens: int) -> torch.Tensor:
-        """The left fold of ``parts`` [nkv, k, part] (consecutive segment states, in order; the
-        first may be the running state of the segments before them): [nkv, 1, part]. Merged in
-        place; the same merges ``merge_ffn`` would run, so folding along the ring is exact."""
-        self._parts(parts, n_tokens, parts.shape[1] if parts.dim() == 3 else -1, "consecutive states")
+    def fold(self, parts: torch.Tensor, start: int, n_tokens: int, heads: tuple[int, int] | None = None) -> torch.Tensor:
+        """The left fold of ``parts`` [kv heads, k, part] (consecutive segment states, in order;
+        the first may be the running state of the segments before them) of kv heads ``heads``
+        (default all): [kv heads, 1, part]. Merged in place; the same merges ``merge_ffn`` would
+        run, so folding along the ring is exact."""
+        lo, hi = self._heads(heads)
+        self._parts(parts, n_tokens, parts.shape[1] if parts.dim() == 3 else -1, "consecutive states", hi - lo)
         if parts.shape[1] > 1:
-            self._run(FOLD, 0, start, n_tokens, parts=parts, seg_hi=parts.shape[1], threads=1)
+            self._run(FOLD, 0, start, n_tokens, parts=parts, seg_hi=parts.shape[1], heads=(lo, hi), threads=1)
         return parts[:, :1].contiguous()
 
     def head(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -113,17 +117,19 @@ class RingKernels:
         self._run(STORE, layer, start, T, qkv=self._qkv(qkv, T), kv=kv, table=table, threads=1)  # 2 nkv rows: no team
 
     def attend(self, layer: int, qkv: torch.Tensor, start: int, kv: torch.Tensor, table: torch.Tensor,
-               seg_lo: int, seg_hi: int) -> torch.Tensor:
-        """Softmax states [nkv, seg_hi - seg_lo, part] of the q rows of ``qkv`` (positions
+               seg_lo: int, seg_hi: int, heads: tuple[int, int] | None = None) -> torch.Tensor:
+        """Softmax states [kv heads, seg_hi - seg_lo, part] of the q rows of ``qkv`` (positions
         start..start+T-1, causal) over key segments [seg_lo, seg_hi) of ``kv`` (read through
-        ``table`` by absolute position; only the segments' entries are read)."""
+        ``table`` by absolute position; only the segments' entries are read), for kv heads
+        ``heads`` = (lo, hi) (default all: a head group at a time pipelines the ring)."""
         T = qkv.shape[0]
+        lo, hi = self._heads(heads)
         if not 0 <= seg_lo < seg_hi or seg_lo * SEG >= start + T:
             raise ValueError(f"segments [{seg_lo}, {seg_hi}) hold no key of positions < {start + T}")
         self._check_kv(kv, table, min(seg_hi * SEG, start + T))
-        parts = torch.empty(self.cfg.n_kv_heads, seg_hi - seg_lo, self.part_floats(T), dtype=torch.float32)
+        parts = torch.empty(hi - lo, seg_hi - seg_lo, self.part_floats(T), dtype=torch.float32)
         self._run(ATTEND, layer, start, T, qkv=self._qkv(qkv, T), kv=kv, table=table, parts=parts,
-                  seg_lo=seg_lo, seg_hi=seg_hi)
+                  seg_lo=seg_lo, seg_hi=seg_hi, heads=(lo, hi))
         return parts
 
     # ---- plumbing ---------------------------------------------------------------------------
@@ -137,8 +143,14 @@ class RingKernels:
             raise ValueError(f"qkv must be contiguous float32 [{T}, {self.qkv_width}], got {qkv.dtype} {tuple(qkv.shape)}")
         return qkv
 
-    def _parts(self, parts: torch.Tensor, T: int, nseg: int, what: str) -> None:
-        want = (self.cfg.n_kv_heads, nseg, self.part_floats(T))
+    def _heads(self, heads: tuple[int, int] | None) -> tuple[int, int]:
+        lo, hi = heads if heads is not None else (0, self.cfg.n_kv_heads)
+        if not 0 <= lo < hi <= self.cfg.n_kv_heads:
+            raise ValueError(f"kv heads [{lo}, {hi}) outside [0, {self.cfg.n_kv_heads})")
+        return int(lo), int(hi)
+
+    def _parts(self, parts: torch.Tensor, T: int, nseg: int, what: str, nkv: int | None = None) -> None:
+        want = (self.cfg.n_kv_heads if nkv is None else nkv, nseg, self.part_floats(T))
         if parts.shape != want or parts.dtype != torch.float32 or not parts.is_contiguous():
             raise ValueError(f"parts must be contiguous float32 {want} ({what}), got {parts.dtype} {tuple(parts.shape)}")
 
@@ -154,7 +166,7 @@ class RingKernels:
 
     def _run(self, stage: int, layer: int, start: int, T: int, *, x=None, qkv=None, ids=None, kv=None,
              table=None, parts=None, rows=None, logits=None, seg_lo: int = 0, seg_hi: int = 0,
-             threads: int | None = None) -> None:
+             heads: tuple[int, int] = (0, 0), threads: int | None = None) -> None:
         if not 1 <= T <= self.max_tokens or start < 0 or start + T > self.max_context:
             raise ValueError(f"a ring step is 1..{self.max_tokens} tokens inside the context of "
                              f"{self.max_context}, got {T} at {start}")
@@ -165,7 +177,7 @@ class RingKernels:
         batch = _Batch(T, ptr(ids), 1, chunk.data_ptr(), ptr(table), 0 if rows is None else rows.numel(),
                        ptr(rows), ptr(kv), kv.shape[3] if kv is not None else 16, ptr(logits))
         rc = self.fused._lib.tq_ring_stage(ctypes.byref(self.fused._model), ctypes.byref(batch), stage, layer,
-                                           ptr(x), ptr(qkv), ptr(parts), seg_lo, seg_hi,
+                                           ptr(x), ptr(qkv), ptr(parts), seg_lo, seg_hi, heads[0], heads[1],
                                            threads or self.threads or cpu.get_num_threads(),
                                            cpu._isa_arg())
         if rc != 0:

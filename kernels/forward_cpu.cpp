@@ -887,17 +887,20 @@ struct Step {
         for (int64_t it = a; it < e; ++it) store_kv(li, it / (2 * nkv), nh + it % (2 * nkv));
     }
 
-    // States of segments [lo, hi) of tile 0 for every kv head, to out[g][sg - lo][nqp * (hd + 2)]
-    // (mx[nqp], sum[nqp], o[nqp * hd]: attention_split's layout). A segment past the tile's
-    // last key gets mx = -inf (merge_segment skips it), like a row before a segment.
-    void attend_range(int64_t li, float* out, int64_t lo, int64_t hi, int tid, int nt) const {
+    // States of segments [lo, hi) of tile 0 for kv heads [glo, ghi), to
+    // out[g - glo][sg - lo][nqp * (hd + 2)] (mx[nqp], sum[nqp], o[nqp * hd]: attention_split's
+    // layout). A segment past the tile's last key gets mx = -inf (merge_segment skips it), like
+    // a row before a segment. A head group at a time: a ring member passes each group's state on
+    // while it attends the next.
+    void attend_range(int64_t li, float* out, int64_t lo, int64_t hi, int64_t glo, int64_t ghi, int tid,
+                      int nt) const {
         const TileRows v = tile_rows(0);
         const int64_t nseg = hi - lo, stride = v.nqp * (hd + 2);
         float* buf = grow(scratch[tid], hd * v.nqp + 2 * KP * hd + KP * v.nqp + 2 * v.nqp);
         float *qt = buf, *kf = qt + hd * v.nqp, *vf = kf + KP * hd, *s = vf + KP * hd, *alpha = s + KP * v.nqp;
         int32_t* last = (int32_t*)(alpha + v.nqp);
-        for (int64_t it = tid; it < nkv * nseg; it += nt) {
-            const int64_t g = it / nseg, sg = lo + it % nseg;
+        for (int64_t it = tid; it < (ghi - glo) * nseg; it += nt) {
+            const int64_t g = glo + it / nseg, sg = lo + it % nseg;
             float* part = out + it * stride;
             std::memset(part, 0, stride * sizeof(float));
             if (sg * SEG >= v.end) {
@@ -909,11 +912,12 @@ struct Step {
         }
     }
 
-    // Fold parts[g][0..nseg) per kv head into parts[g][0], in order (a ring member folding its
-    // segments into the running state its predecessor passed on: the same left fold).
-    void fold_ring(float* all, int64_t nseg, int tid, int nt) const {
+    // Fold parts[g - glo][0..nseg) per kv head g in [glo, ghi) into parts[g - glo][0], in order
+    // (a ring member folding its segments into the running state its predecessor passed on: the
+    // same left fold).
+    void fold_ring(float* all, int64_t nseg, int64_t glo, int64_t ghi, int tid, int nt) const {
         const TileRows v = tile_rows(0);
-        for (int64_t g = tid; g < nkv; g += nt) fold_parts(v, all + g * nseg * v.nqp * (hd + 2), nseg);
+        for (int64_t g = glo + tid; g < ghi; g += nt) fold_parts(v, all + (g - glo) * nseg * v.nqp * (hd + 2), nseg);
     }
 
     // Merge parts[g][0..nseg) (every segment of the tile's keys, in order) per kv head and
@@ -1128,19 +1132,24 @@ void tq_forward(const Model* m, const Batch* b, int nthreads, int isa) {
 //   0 embed      x = embedding of the batch's tokens                      (coordinator)
 //   1 qkv        layer's norm, q|k|v, bias / norms / rope into qkv; b->kv null (coordinator)
 //   2 store      k and v rows of qkv into b->kv through b->tables          (the tail member)
-//   3 attend     states of segments [seg_lo, seg_hi) into parts
-//                [nkv][seg_hi - seg_lo][nqp * (hd + 2)], nqp = T * group rounded up to 8 (member)
+//   3 attend     states of segments [seg_lo, seg_hi) of kv heads [head_lo, head_hi) into parts
+//                [head_hi - head_lo][seg_hi - seg_lo][nqp * (hd + 2)], nqp = T * group rounded
+//                up to 8                                                   (member)
 //   4 merge_ffn  parts [nkv][seg_hi][...] (all segments, seg_lo = 0) merged in order, then
 //                o-proj, FFN and the residual adds into x                   (coordinator)
 //   5 head       logits of b->sample_rows into b->logits                    (coordinator)
-//   6 fold       parts [nkv][seg_hi][...] folded in order into parts[:, 0] (a member passing
-//                the running state along the ring; merge_ffn then takes it as one part)
-// Everything else validated by the caller. Returns 0, or -1 for a batch that is not one tile.
+//   6 fold       parts [head_hi - head_lo][seg_hi][...] folded in order into parts[:, 0] (a
+//                member passing the running state along the ring; merge_ffn then takes it,
+//                all kv heads, as one part)
+// Everything else validated by the caller. Returns 0, or -1 for a batch that is not one tile
+// (or a head range outside [0, nkv) for stages 3 and 6).
 int tq_ring_stage(const Model* m, const Batch* b, int stage, int64_t layer, float* x, float* qkv, float* parts,
-                  int64_t seg_lo, int64_t seg_hi, int nthreads, int isa) {
+                  int64_t seg_lo, int64_t seg_hi, int64_t head_lo, int64_t head_hi, int nthreads, int isa) {
     const int64_t tile = std::max<int64_t>(1, MAX_ROWS / (m->n_heads / m->n_kv_heads));
     if (b->n_chunks != 1 || b->chunks[2] != 0 || b->chunks[1] != b->n_tokens || b->n_tokens < 1 ||
         b->n_tokens > tile || stage < 0 || stage > 6)
+        return -1;
+    if ((stage == 3 || stage == 6) && !(0 <= head_lo && head_lo < head_hi && head_hi <= m->n_kv_heads))
         return -1;
     Scratch& s = thread_scratch();
     const int nt = nthreads < 1 ? 1 : nthreads;
@@ -1153,8 +1162,8 @@ int tq_ring_stage(const Model* m, const Batch* b, int stage, int64_t layer, floa
         switch (stage) {
             case 1: st.layer_qkv(layer, tid, n); break;
             case 2: st.store_rows(layer, tid, n); break;
-            case 6: st.fold_ring(parts, seg_hi, tid, n); break;
-            case 3: st.attend_range(layer, parts, seg_lo, seg_hi, tid, n); break;
+            case 6: st.fold_ring(parts, seg_hi, head_lo, head_hi, tid, n); break;
+            case 3: st.attend_range(layer, parts, seg_lo, seg_hi, head_lo, head_hi, tid, n); break;
             case 4:
                 st.merge_ring(parts, seg_hi, tid, n);
 #pragma omp barrier

@@ -123,8 +123,10 @@ class DecodeWorker(EngineWorker):
         d = self.settings.data
 
         def scatter() -> tuple[Ring, list]:
+            nkv = k.cfg.n_kv_heads
             ring = Ring(k, connect_ring(req.ring, self.worker_id, self.ring_member, d.secret(), self.engine.layout,
-                                        d.timeout, d.shm))
+                                        d.timeout, d.shm),
+                        fold=d.ring_fold, groups=min(d.ring_groups or nkv, nkv), qpass=d.ring_qpass)
             try:
                 if ticket:
                     admit_claimed(ring, sid, ticket, h, kv, ranges)

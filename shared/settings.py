@@ -269,6 +269,15 @@ class DataPlaneSettings:
     ring_prefill_scatter: bool = _env("TANDEM_RING_PREFILL_SCATTER", True, "a ring plan's prefill worker loads "
                                       "the members' KV ranges itself, all at once, and the coordinator receives "
                                       "its own range only (0: the coordinator receives the whole KV and scatters it)")
+    ring_fold: bool = _env("TANDEM_RING_FOLD", False, "ring decode: the members fold the attention states along "
+                           "the ring, member to member over links of their own, and the coordinator receives one "
+                           "state per kv head (bytes independent of the context); 0: every segment's state back "
+                           "to the coordinator (docs/strategies.md)")
+    ring_groups: int = _env("TANDEM_RING_GROUPS", 1, "ring decode with the fold: head groups a layer's fold is "
+                            "pipelined in (each group's state passed on while the next is attended); 0: one per "
+                            "kv head")
+    ring_qpass: bool = _env("TANDEM_RING_QPASS", False, "ring decode with the fold: the q rows go member to member "
+                            "along the ring instead of from the coordinator to each member (broadcast)")
     key: str | None = _env("TANDEM_DATA_KEY", None, "secret every data-plane frame is tagged with (HMAC-SHA256); "
                            "a receiver refuses frames without it; unset: the one in TANDEM_DATA_KEY_FILE")
     key_file: str = _env("TANDEM_DATA_KEY_FILE", "~/.cache/tandem/data.key", "file holding the data-plane key "
@@ -286,6 +295,8 @@ class DataPlaneSettings:
             raise ValueError("TANDEM_DATA_CHUNK_MB must be > 0 and <= TANDEM_DATA_MAX_PENDING_MB")
         if self.timeout <= 0:
             raise ValueError("TANDEM_DATA_TIMEOUT must be > 0")
+        if self.ring_groups < 0:
+            raise ValueError("TANDEM_RING_GROUPS must be >= 0 (0: one group per kv head)")
         if self.host in ("0.0.0.0", "::") and not self.advertise_host:
             raise ValueError("TANDEM_DATA_HOST binds every address: set TANDEM_DATA_ADVERTISE_HOST "
                              "to the address peers should dial")

@@ -22,11 +22,15 @@ Members are ``RingMember`` objects in the coordinator's process (the integration
 ``tandem bench ring``), or proxies of members in other cpu-decode workers
 (``shared/engine/ring_net.py``: the per-step messages on a data-plane connection). A step
 ``post``s the layer's q|k|v to every member first and ``collect``s their states after, in shard
-order: remote members attend while the coordinator's own member does.
+order: remote members attend while the coordinator's own member does. With ``fold`` the
+members fold the states along the ring instead, remote ones passing the running state to the
+next over links of their own, head group by head group (``groups``), the q rows broadcast or
+passed along the ring (``qpass``): the coordinator receives one state per kv head.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -91,6 +95,8 @@ class RingMember:
         """Fill the shard's blocks from its ``first`` on with ``kv`` (bytes-like, whole blocks
         of layout v1)."""
         sh = self.shards[sid]
+        if not memoryview(kv).nbytes:   # a range past the computed positions: nothing to load yet
+            return
         data = torch.frombuffer(bytearray(kv), dtype=torch.uint8).view(KV_DTYPE)
         n = data.numel() * 2 // self.layout.block_bytes
         if n * self.layout.block_bytes != data.numel() * 2 or not 0 <= first <= first + n <= len(sh.blocks):
@@ -116,13 +122,14 @@ class RingMember:
         lo = sh.start // SEG
         return lo, max(lo, -(-min(sh.end, keys) // SEG))
 
-    def attend(self, sid: str, layer: int, qkv: torch.Tensor, pos: int) -> torch.Tensor | None:
-        """Softmax states [nkv, segments, part] of the q rows at positions pos.. over this
-        shard's keys (None: it holds none of them yet)."""
+    def attend(self, sid: str, layer: int, qkv: torch.Tensor, pos: int,
+               heads: tuple[int, int] | None = None) -> torch.Tensor | None:
+        """Softmax states [kv heads, segments, part] of the q rows at positions pos.. over this
+        shard's keys, for kv heads ``heads`` (default all) (None: it holds none of them yet)."""
         lo, hi = self.segments(sid, pos + qkv.shape[0])
         if lo == hi:
             return None
-        return self.kernels.attend(layer, qkv, pos, self.kv, self.shards[sid].table, lo, hi)
+        return self.kernels.attend(layer, qkv, pos, self.kv, self.shards[sid].table, lo, hi, heads)
 
     def post(self, sid: str, layer: int, qkv: torch.Tensor, pos: int, store: bool) -> None:
         """A step's layer for this member (``store``: it owns the new position); computed by
@@ -163,11 +170,15 @@ class StepTimes:
     """Where a ring's decode steps spent their time (seconds, summed since the last reset)."""
     steps: int = 0
     total: float = 0.0         # whole steps
-    attend: float = 0.0        # members' store + attention (one after another in this process)
+    attend: float = 0.0        # from the q|k|v rows out to the states merged: the members' store
+                               # + attention (+ the fold), with the messages and the waits
     merge_ffn: float = 0.0     # the merge and the rest of each layer (the rest of total: embed,
                                # q|k|v, head)
-    bytes_out: int = 0         # q|k|v rows sent to the members (one copy per member with keys)
-    bytes_back: int = 0        # segment states returned (fold: the running state, once per hop)
+    wait: float = 0.0          # of which blocked on a remote member's message (its first bytes)
+    transfer: float = 0.0      # of which sending messages and reading them (and their tags)
+    bytes_out: int = 0         # q|k|v rows (and running states) the coordinator sends the members
+    bytes_back: int = 0        # segment states the coordinator receives (fold: the running state)
+    bytes_ring: int = 0        # member to member: running states (and q rows passed along the ring)
 
 
 @dataclass
@@ -180,13 +191,21 @@ class _Session:
 class Ring:
     """The coordinator: the model's weights and N members; each session decodes a token a step."""
 
-    def __init__(self, kernels: RingKernels, members: list[RingMember], fold: bool = False):
+    def __init__(self, kernels: RingKernels, members: list[RingMember], fold: bool = False, groups: int = 1,
+                 qpass: bool = False):
         """``fold``: the members fold their segment states along the ring in shard order and the
         coordinator receives one state per kv head (else every segment's state comes back and
-        the coordinator folds them). The same merges in the same order: the same bits."""
+        the coordinator folds them). The same merges in the same order: the same bits. Remote
+        members pass the state member to member over links of their own (``ring_net``);
+        ``groups``: head groups a layer's fold is pipelined in (each group's state passed on
+        while the next is attended; 1: the whole layer); ``qpass``: the q rows go along the
+        ring member to member instead of from the coordinator to each (broadcast)."""
         if not members:
             raise ValueError("a ring needs at least one member")
-        self.kernels, self.members, self.fold = kernels, members, fold
+        if not 1 <= groups <= kernels.cfg.n_kv_heads:
+            raise ValueError(f"head groups must be 1..{kernels.cfg.n_kv_heads}, got {groups}")
+        self.kernels, self.members, self.fold, self.groups, self.qpass = kernels, members, fold, groups, qpass
+        self.remote = [not isinstance(m, RingMember) for m in members]
         self.sessions: dict[str, _Session] = {}
         self.times = StepTimes()
 
@@ -223,6 +242,13 @@ class Ring:
             with ThreadPoolExecutor(len(self.members), thread_name_prefix="ring-scatter") as pool:
                 for f in [pool.submit(m.load, sid, kv_slice) for m, kv_slice in zip(self.members, slices)]:
                     f.result()
+        if self.fold and any(self.remote):
+            try:
+                self._chain(sid)
+            except BaseException:
+                for m in self.members:
+                    m.release(sid)
+                raise
         self.sessions[sid] = _Session(ranges, num_computed, list(token_ids))
         return ranges
 
@@ -235,6 +261,19 @@ class Ring:
             raise ValueError(f"need 0 < computed ({num_computed}) < tokens ({len(token_ids)}) <= the ring's "
                              f"length ({ranges[-1][1]})")
         self.sessions[sid] = _Session(list(ranges), num_computed, list(token_ids))
+
+    def _chain(self, sid: str) -> None:
+        """Tell each remote member its place in the fold, the last first: a member's link to
+        the next is opened with the ticket the next was told to expect."""
+        tickets = [os.urandom(16).hex() for _ in self.members]   # ticket i: the link into member i
+        for i in reversed(range(len(self.members))):
+            if not self.remote[i]:
+                continue
+            prev = "none" if i == 0 else "peer" if self.remote[i - 1] else "coord"
+            nxt = self.members[i + 1] if i + 1 < len(self.members) and self.remote[i + 1] else None
+            self.members[i].chain(sid, i, prev, self.members[i - 1].name if i else "",
+                                  tickets[i] if prev == "peer" else None,
+                                  [nxt.name, nxt.host, nxt.port, tickets[i + 1]] if nxt is not None else None)
 
     def admit_blob(self, sid: str, blob, max_new_tokens: int) -> list[tuple[int, int]]:
         """``admit`` the session of a KV blob (``Engine.export_kv`` of a prefilled request),
@@ -255,36 +294,90 @@ class Ring:
         if pos >= s.ranges[-1][1]:
             raise ValueError(f"session {sid!r} reached its planned length {s.ranges[-1][1]}")
         t0 = time.perf_counter()
+        chans = [m.ch for m, r in zip(self.members, self.remote) if r]
+        w0, x0 = sum(c.wait_s for c in chans), sum(c.xfer_s for c in chans)
         x = k.embed(torch.tensor([s.token_ids[pos]]), pos)
-        tail = next(m for m in self.members if m.owns(sid, pos))
-        for layer in range(k.cfg.n_layers):
-            qkv = k.qkv(layer, x, pos)
-            a0 = time.perf_counter()
-            for m in self.members:   # remote members first: they attend while a local one does
-                if not isinstance(m, RingMember):
-                    m.post(sid, layer, qkv, pos, m is tail)
-            for m in self.members:
-                if isinstance(m, RingMember):
-                    m.post(sid, layer, qkv, pos, m is tail)
-            parts = [p for p in (m.collect(sid) for m in self.members) if p is not None]   # shard order
-            t.bytes_out += qkv.numel() * 4 * len(parts)
-            if self.fold:   # member i folds its states into the running state member i - 1 passed on
-                state = None
-                for p in parts:
-                    state = k.fold(p if state is None else torch.cat([state, p], dim=1), pos, 1)
-                    t.bytes_back += state.numel() * 4
-                parts = [state]
-            else:
-                t.bytes_back += sum(p.numel() * 4 for p in parts)
-            a1 = time.perf_counter()
-            t.attend += a1 - a0
-            k.merge_ffn(layer, x, qkv, pos, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], self.fold)
-            t.merge_ffn += time.perf_counter() - a1
+        tail = next(i for i, m in enumerate(self.members) if m.owns(sid, pos))
+        try:
+            for layer in range(k.cfg.n_layers):
+                qkv = k.qkv(layer, x, pos)
+                a0 = time.perf_counter()
+                if self.fold:
+                    parts = self._fold_layer(sid, layer, qkv, pos, tail)
+                else:
+                    parts = self._parts_layer(sid, layer, qkv, pos, tail)
+                a1 = time.perf_counter()
+                t.attend += a1 - a0
+                k.merge_ffn(layer, x, qkv, pos, parts, self.fold)
+                t.merge_ffn += time.perf_counter() - a1
+        except BaseException:
+            if self.fold and any(self.remote):   # a fold broken mid-layer leaves messages in flight
+                self.close()
+            raise
         logits = k.head(x, pos)
         s.num_computed = pos + 1
         t.steps += 1
         t.total += time.perf_counter() - t0
+        t.wait += sum(c.wait_s for c in chans) - w0
+        t.transfer += sum(c.xfer_s for c in chans) - x0
         return logits
+
+    def _parts_layer(self, sid: str, layer: int, qkv: torch.Tensor, pos: int, tail: int) -> torch.Tensor:
+        """Every segment's state, in segment order: [nkv, segments, part]."""
+        t = self.times
+        for m, r in zip(self.members, self.remote):   # remote members first: they attend while a local one does
+            if r:
+                m.post(sid, layer, qkv, pos, m is self.members[tail])
+        for m, r in zip(self.members, self.remote):
+            if not r:
+                m.post(sid, layer, qkv, pos, m is self.members[tail])
+        parts = [p for p in (m.collect(sid) for m in self.members) if p is not None]   # shard order
+        t.bytes_out += qkv.numel() * 4 * len(parts)
+        t.bytes_back += sum(p.numel() * 4 for p in parts)
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def _fold_layer(self, sid: str, layer: int, qkv: torch.Tensor, pos: int, tail: int) -> torch.Tensor:
+        """The fold along the members 0..tail (those holding keys): member i folds its segments
+        into the running state member i - 1 passed on, head group by head group; remote members
+        pass it to the next remote member themselves. The folded state: [nkv, 1, part]."""
+        k, t, G, nkv = self.kernels, self.times, self.groups, self.kernels.cfg.n_kv_heads
+        chain, remote = self.members[:tail + 1], self.remote[:tail + 1]
+        meta = {"layer": layer, "pos": pos, "tail": tail, "groups": G, "pass": self.qpass}
+        q_bytes = qkv.numel() * 4
+        for i, m in enumerate(chain):   # the q rows: to every remote member, or along the ring
+            if remote[i]:
+                if not self.qpass or i == 0 or not remote[i - 1]:
+                    m.post_step(sid, meta, qkv)
+                    t.bytes_out += q_bytes
+                else:
+                    t.bytes_ring += q_bytes
+        heads = [(g * nkv // G, (g + 1) * nkv // G) for g in range(G)]
+        states: list[torch.Tensor | None] = [None] * G   # each group's running state, here
+        for i, m in enumerate(chain):   # the coordinator's own members, in shard order
+            if remote[i]:
+                if i < tail and remote[i + 1]:
+                    t.bytes_ring += sum(self._state_bytes(h, qkv) for h in heads)
+                continue
+            if i == tail:
+                m.store(sid, layer, qkv, pos)
+            for g in range(G):
+                parts = m.attend(sid, layer, qkv, pos, heads[g])
+                if i:
+                    prev = chain[i - 1].recv_state(g) if remote[i - 1] else states[g]
+                    parts = torch.cat([prev, parts], dim=1)
+                states[g] = k.fold(parts, pos, qkv.shape[0], heads[g])
+                if i < tail and remote[i + 1]:
+                    chain[i + 1].send_state(sid, g, states[g])
+                    t.bytes_out += states[g].numel() * 4
+                elif i < tail:   # to the next member in this process (a message between processes)
+                    t.bytes_ring += states[g].numel() * 4
+        if remote[tail]:
+            states = [chain[tail].recv_state(g) for g in range(G)]
+            t.bytes_back += sum(st.numel() * 4 for st in states)
+        return torch.cat(states, dim=0) if G > 1 else states[0]
+
+    def _state_bytes(self, heads: tuple[int, int], qkv: torch.Tensor) -> int:
+        return (heads[1] - heads[0]) * self.kernels.part_floats(qkv.shape[0]) * 4
 
     def append(self, sid: str, token: int) -> None:
         """Add the token sampled from the last step's logits (computed by the next step)."""
@@ -307,8 +400,10 @@ class Ring:
         return b"".join(m.read(sid, n) for m in self.members)
 
     def release(self, sid: str) -> None:
+        """Free the session's shards, the last member first (a member's link into the next
+        then ends after the next let go of the session: no loss to report)."""
         self.sessions.pop(sid, None)
-        for m in self.members:
+        for m in reversed(self.members):
             m.release(sid)
 
     def close(self) -> None:

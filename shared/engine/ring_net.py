@@ -36,6 +36,18 @@ header, meta and tag still go on the socket. The receiver copies the payload out
 before it checks the tag, so the tag covers exactly the bytes it uses (a peer rewriting the
 region afterwards changes nothing). The name travels only on the authenticated connection and
 is unlinked once both sides hold it (the member unlinks it too, whatever the coordinator did).
+Several messages may be in flight (the fold's): a payload of up to 1/``SLOTS`` of an area goes in
+slot (message counter % ``SLOTS``), a larger one (only a request / reply carries one) fills it.
+
+Fold (``Ring(fold=True)`` with remote members; docs/protocol.md "Ring connections"): the members
+pass the running attention state member to member instead of every segment's state to the
+coordinator. ``CHAIN`` tells a member its place (index, where the state comes from, the next
+member's address and a ticket announced there); it opens an authenticated ring connection to
+the next member (``PEER`` with the ticket). A ``STEP`` carries a layer's q|k|v rows (from the
+coordinator, or forwarded along the ring with ``pass``); per head group the member attends,
+folds its segments into the predecessor's ``STATE`` and sends its own ``STATE`` on — to the
+next member, or to the coordinator when it is the tail or the coordinator's own member comes
+next. Failures travel down the ring as one ``ERR`` (``lost``: the member whose link broke).
 """
 
 from __future__ import annotations
@@ -46,10 +58,12 @@ import json
 import logging
 import mmap
 import os
+import queue
 import re
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -70,11 +84,14 @@ NONCE = 32
 TAG = 32
 HEAD = struct.Struct("!BIQ")
 RESERVE, LOAD, ATTEND, READ, RELEASE, SHM, MAPPED = 1, 2, 3, 4, 5, 6, 7
+CHAIN, PEER, STEP, STATE = 8, 9, 10, 11   # the fold along the ring (module doc, "Fold")
 PARK, CLAIM = 16, 17     # the prefill's scatter: a loaded shard parked under a ticket, claimed by its coordinator
 OK, ERR = 0, 255
 MAX_META = 1 << 16
 CONNECT_TIMEOUT = 3.0
 SHM_AREA = 8 << 20       # bytes per direction of a same-host connection's region
+SLOTS = 16               # a payload of up to SHM_AREA / SLOTS goes in slot (message counter % SLOTS):
+                         # the fold has up to groups + 1 messages in flight per direction
 LOAD_CHUNK = 8 << 20     # a scatter's LOAD messages carry at most this many bytes of blocks
 
 
@@ -125,6 +142,8 @@ class _Channel:
         self.sent = self.got = 0
         self.region: mmap.mmap | None = None
         self._out = self._in = None    # the two areas of the region, as seen from this side
+        self._lock = threading.Lock()  # a member's states and its replies may leave from two threads
+        self.wait_s = self.xfer_s = 0.0  # blocked until a message's first bytes / sending and reading
 
     @property
     def link(self) -> str:
@@ -144,35 +163,52 @@ class _Channel:
             self.region.close()
             self.region = self._out = self._in = None
 
-    def _shared(self, n: int) -> bool:
-        return self.region is not None and 0 < n <= self._out.nbytes
+    def _area(self, area: memoryview, n: int, counter: int) -> memoryview | None:
+        """Where message ``counter``'s payload of ``n`` bytes goes in ``area`` (None: on the
+        socket). Small ones take slot counter % SLOTS, so up to SLOTS messages may be in flight
+        (the fold's states); a larger one the whole area, which only a request / reply carries
+        (nothing else in flight then)."""
+        if area is None or not 0 < n <= area.nbytes:
+            return None
+        slot = area.nbytes // SLOTS
+        off = counter % SLOTS * slot if n <= slot else 0
+        return area[off:off + n]
 
     def send(self, op: int, meta: dict | None = None, payload=b"") -> None:
+        t0 = time.perf_counter()
         m = json.dumps(meta or {}, separators=(",", ":")).encode()
         pv = memoryview(payload).cast("B")
         head = HEAD.pack(op, len(m), pv.nbytes)
-        tag = _mac(self.key, self.out_dir, self.sent.to_bytes(8, "big"), head, m, pv) if self.key else b""
-        self.sent += 1
-        if self._shared(pv.nbytes):
-            self._out[:pv.nbytes] = pv
-            self.sock.sendall(head + m + tag)
-        elif pv.nbytes < 1 << 16:
-            self.sock.sendall(b"".join([head, m, pv, tag]))
-        else:
-            self.sock.sendall(head + m)
-            self.sock.sendall(pv)
-            if tag:
-                self.sock.sendall(tag)
+        with self._lock:
+            tag = _mac(self.key, self.out_dir, self.sent.to_bytes(8, "big"), head, m, pv) if self.key else b""
+            area = self._area(self._out, pv.nbytes, self.sent)
+            self.sent += 1
+            if area is not None:
+                with area:      # released at once: the region can be closed whatever happens next
+                    area[:] = pv
+                self.sock.sendall(head + m + tag)
+            elif pv.nbytes < 1 << 16:
+                self.sock.sendall(b"".join([head, m, pv, tag]))
+            else:
+                self.sock.sendall(head + m)
+                self.sock.sendall(pv)
+                if tag:
+                    self.sock.sendall(tag)
+        self.xfer_s += time.perf_counter() - t0
 
     def recv(self) -> tuple[int, dict, bytearray]:
+        t0 = time.perf_counter()
         head = _recv_exact(self.sock, HEAD.size)
+        t1 = time.perf_counter()
         op, mlen, plen = HEAD.unpack(head)
         if mlen > MAX_META or plen > self.max_payload:
             raise ConnectionError(f"message of {mlen} + {plen} bytes is over the limit")
         m = _recv_exact(self.sock, mlen)
-        if self._shared(plen):   # a private copy: what the tag is checked over is what is used
+        area = self._area(self._in, plen, self.got)
+        if area is not None:   # a private copy: what the tag is checked over is what is used
             payload = bytearray(plen)
-            payload[:] = self._in[:plen]
+            with area:
+                payload[:] = area
         else:
             payload = _recv_exact(self.sock, plen)
         if self.key:
@@ -181,6 +217,8 @@ class _Channel:
             if not hmac.compare_digest(bytes(tag), want):
                 raise ConnectionError("message tag does not verify under the data-plane key")
         self.got += 1
+        self.wait_s += t1 - t0
+        self.xfer_s += time.perf_counter() - t1
         return op, json.loads(m) if mlen else {}, payload
 
 
@@ -223,6 +261,30 @@ def _tensor(payload: bytearray, shape) -> torch.Tensor:
     return torch.frombuffer(payload, dtype=torch.float32).view(*shape)
 
 
+def group_heads(nkv: int, groups: int, g: int) -> tuple[int, int]:
+    """The kv heads [lo, hi) of head group ``g`` of ``groups`` (the fold's pipelining unit)."""
+    return g * nkv // groups, (g + 1) * nkv // groups
+
+
+class _Chain:
+    """A member's place in a session's fold (module doc, "Fold"): its index in shard order,
+    where the running state comes from (``prev``: "none" for the first member, "coord" when
+    the member before it is the coordinator's own, "peer" over a link from the member before
+    it) and where it goes (``next``: a link to the member after it, else the coordinator)."""
+
+    def __init__(self, sid: str, index: int, prev: str, prev_worker: str, coord: _Channel):
+        self.sid, self.index, self.prev, self.prev_worker, self.coord = sid, index, prev, prev_worker, coord
+        self.next: RemoteMember | None = None
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # states from the peer link, when the
+                                                              # step runs on the coordinator's connection
+        self.ticket: str | None = None
+
+    def close(self) -> None:
+        if self.next is not None:
+            self.next.close()
+            self.next = None
+
+
 class EngineMember(RingMember):
     """A member over a worker's engine cache: ``reserve`` / ``release`` run on the engine's
     thread (``on_engine``: the block manager is the scheduler's), the rest where it is called
@@ -259,6 +321,11 @@ class RingServer:
         self._live: set[socket.socket] = set()   # open connections (closed with the server)
         self._parked: dict[str, tuple[str, threading.Timer]] = {}   # claim ticket -> (shard's sid, expiry)
         self._park_lock = threading.Lock()
+        self._chains: dict[str, _Chain] = {}      # session -> its place in a fold
+        self._tickets: dict[str, _Chain] = {}     # a predecessor's link, announced, not yet opened
+        self._chain_lock = threading.Lock()
+        self.step_s = self.wait_s = 0.0           # fold steps here, and their time blocked on a
+                                                  # predecessor's state (``tandem bench ring --procs``)
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="ring-server", daemon=True)
 
@@ -269,7 +336,8 @@ class RingServer:
         return self.host, self.port
 
     def close(self) -> None:
-        """Stop serving: no new connection, and the open ones end (their shards are released)."""
+        """Stop serving: no new connection, and the open ones end (their shards are released),
+        the links to next members too."""
         self._closed = True
         self._sock.close()
         with self._park_lock:
@@ -277,6 +345,8 @@ class RingServer:
         for sid, timer in parked:
             timer.cancel()
             self.member.release(sid)
+        for chain in list(self._chains.values()):
+            chain.close()
         for conn in list(self._live):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -354,11 +424,23 @@ class RingServer:
                 if op == SHM and ch.got == 1:   # only as the first message of a connection
                     self._offer_region(ch, meta)
                     continue
+                if op == PEER and not sids:      # a predecessor's link: this thread serves it
+                    self._serve_peer(ch, str(meta.get("ticket", "")))
+                    return
                 sid = f"{n}:{meta.get('sid', '')}"
+                if op == STEP:
+                    chain = self._chains.get(sid)
+                    if chain is None:
+                        ch.send(ERR, {"code": "bad_request", "message": f"no fold set up for {meta.get('sid')!r}"})
+                    else:
+                        self._step(chain, meta, payload, ch)
+                    continue
                 try:
-                    reply, body = self._do(op, sid, meta, payload, sids)
+                    reply, body = self._do(op, sid, meta, payload, sids, ch)
                 except RingCapacityError as e:
                     ch.send(ERR, {"code": "overloaded", "message": str(e)})
+                except RingMemberLost as e:
+                    ch.send(ERR, {"code": e.code, "lost": e.lost, "message": str(e)})
                 except (ValueError, KeyError) as e:
                     ch.send(ERR, {"code": "bad_request", "message": f"{type(e).__name__}: {e}"})
                 else:
@@ -369,13 +451,14 @@ class RingServer:
             log.exception("ring connection %d from %s failed", n, peer)
         finally:
             for sid in sids:
+                self._drop_chain(sid)
                 self.member.release(sid)
             if ch is not None:
                 ch.detach()
             self._live.discard(conn)
             conn.close()
 
-    def _do(self, op: int, sid: str, meta: dict, payload: bytearray, sids: set[str]):
+    def _do(self, op: int, sid: str, meta: dict, payload: bytearray, sids: set[str], ch: _Channel):
         m = self.member
         if op == RESERVE:
             m.reserve(sid, int(meta["start"]), int(meta["end"]))
@@ -396,6 +479,7 @@ class RingServer:
         if op == READ:
             return None, m.read(sid, int(meta["keys"]))
         if op == RELEASE:
+            self._drop_chain(sid)
             m.release(sid)
             sids.discard(sid)
             return None, b""
@@ -403,6 +487,11 @@ class RingServer:
             return self._park(sid, _ticket(meta), sids), b""
         if op == CLAIM:
             return self._claim(sid, _ticket(meta), sids), b""
+        if op == CHAIN:
+            if sid not in m.shards:
+                raise KeyError(f"no shard of {meta.get('sid')!r} here")
+            self._set_chain(sid, meta, ch)
+            return None, b""
         raise ValueError(f"unknown ring op {op}")
 
     def _park(self, sid: str, ticket: str, sids: set[str]) -> dict:
@@ -449,6 +538,157 @@ class RingServer:
                     "coordinator within %.0f s: freed", self.member.name, sh and sh.start, sh and sh.end,
                     self.timeout)
 
+    # ---- the fold along the ring (module doc, "Fold") -------------------------------------
+    def _set_chain(self, sid: str, meta: dict, ch: _Channel) -> None:
+        """``CHAIN``: this member's place in the session's fold; opens the link to the member
+        after it (authenticated like any ring connection) when the coordinator names one."""
+        prev = str(meta["prev"])
+        if prev not in ("none", "coord", "peer"):
+            raise ValueError(f"a fold's predecessor is none, coord or peer, not {prev!r}")
+        chain = _Chain(sid, int(meta["index"]), prev, str(meta.get("prev_worker", "")), ch)
+        self._drop_chain(sid)
+        with self._chain_lock:
+            self._chains[sid] = chain
+            if prev == "peer":
+                chain.ticket = str(meta["ticket"])
+                self._tickets[chain.ticket] = chain
+        nxt = meta.get("next")
+        if nxt:
+            worker, host, port, ticket = nxt
+            link = RemoteMember(str(worker), str(host), int(port), self.key, self.member.layout, self.timeout,
+                                self.shm)
+            try:
+                link._call(PEER, {"ticket": str(ticket)})
+            except BaseException:
+                link.close()
+                raise
+            chain.next = link
+
+    def _drop_chain(self, sid: str) -> None:
+        with self._chain_lock:
+            chain = self._chains.pop(sid, None)
+            if chain is not None and chain.ticket is not None:
+                self._tickets.pop(chain.ticket, None)
+        if chain is not None:
+            chain.close()
+
+    def _serve_peer(self, ch: _Channel, ticket: str) -> None:
+        """A predecessor's link (``PEER`` with the ticket the coordinator announced): its states
+        go to the session's inbox, or, when the q rows come along the ring too (``STEP`` here),
+        the step runs on this thread. Its end tells the step the predecessor is lost."""
+        with self._chain_lock:
+            chain = self._tickets.pop(ticket, None)
+        if chain is None:
+            ch.send(ERR, {"code": "bad_request", "message": "no fold awaits this link"})
+            return
+        ch.send(OK)
+        lost = {"code": "unavailable", "lost": chain.prev_worker,
+                "message": f"{self.member.name}: the link from {chain.prev_worker} broke"}
+        try:
+            while True:
+                op, meta, payload = ch.recv()
+                if op == STEP:
+                    self._step(chain, meta, payload, ch)
+                elif op in (STATE, ERR):
+                    if op == ERR and meta.get("lost"):
+                        lost = meta      # a member further up is gone: name it, not the messenger
+                    chain.inbox.put((op, meta, payload))
+                else:
+                    raise ConnectionError(f"op {op} on a predecessor's link")
+        except (ConnectionError, OSError, struct.error, json.JSONDecodeError):
+            pass
+        finally:
+            chain.inbox.put(None)
+            self._broken(chain, lost)
+
+    def _broken(self, chain: _Chain, err: dict) -> None:
+        """The link from the predecessor ended while the session is live (its worker died, or
+        its own predecessor did): say so down the ring and to the coordinator at once — with the
+        q rows passed along the ring no step would start here to report it — and close the link
+        to the next member, which does the same."""
+        if self._chains.get(chain.sid) is not chain:
+            return      # released: its predecessor's link ends with it
+        if chain.next is not None:
+            try:
+                chain.next.ch.send(ERR, err)
+            except OSError:
+                pass
+            chain.close()
+        try:
+            chain.coord.send(ERR, err)
+        except OSError:
+            pass
+
+    def _step(self, chain: _Chain, meta: dict, payload: bytearray, src: _Channel) -> None:
+        """``STEP``: a layer of a folding step. Store the new k, v (the tail), then head group by
+        head group: attend this shard's segments, fold them into the predecessor's running state
+        (the same left fold in segment order as ``Ring(fold=True)`` in one process) and pass the
+        group's state on at once — to the next member, or back to the coordinator (the tail, or
+        the coordinator's own member next) — while attending the next group. A failure goes on
+        down the ring as one ``ERR`` (``lost``: the member whose link broke) to the coordinator."""
+        m, sid = self.member, chain.sid
+        t0 = time.perf_counter()
+        err: dict | None = None
+        try:
+            layer, pos, tail, groups = int(meta["layer"]), int(meta["pos"]), int(meta["tail"]), int(meta["groups"])
+            if not 1 <= groups <= min(m.kernels.cfg.n_kv_heads, SLOTS - 2) or not chain.index <= tail:
+                raise ValueError(f"bad fold step: {groups} head groups, member {chain.index} of a tail {tail}")
+            qkv = _tensor(payload, (-1, m.kernels.qkv_width))
+        except (KeyError, ValueError, TypeError) as e:
+            err, groups = {"code": "bad_request", "message": f"{m.name}: {type(e).__name__}: {e}"}, 1
+        last = err is not None or chain.index == tail or chain.next is None
+        out = chain.coord if last else chain.next.ch
+        if err is None and meta.get("pass") and not last:   # the q rows go on along the ring first
+            try:
+                out.send(STEP, meta, payload)
+            except OSError:
+                return     # the next member is gone: the one after it (or the coordinator) says so
+        direct = (chain.prev == "coord") == (src is chain.coord)   # its states come on this connection
+        nkv = m.kernels.cfg.n_kv_heads
+        try:
+            if err is None and chain.index == tail:
+                m.store(sid, layer, qkv, pos)
+        except (KeyError, ValueError) as e:
+            err = {"code": "bad_request", "message": f"{m.name}: {type(e).__name__}: {e}"}
+        for g in range(groups):
+            if err is None:
+                heads = group_heads(nkv, groups, g)
+                try:
+                    parts = m.attend(sid, layer, qkv, pos, heads)
+                    if parts is None:
+                        raise ValueError(f"no key of positions < {pos + qkv.shape[0]} in this shard")
+                except (KeyError, ValueError) as e:
+                    err = {"code": "bad_request", "message": f"{m.name}: {type(e).__name__}: {e}"}
+            if err is None and chain.prev != "none":
+                w0 = time.perf_counter()
+                try:
+                    got = src.recv() if direct else chain.inbox.get(timeout=self.timeout)
+                except (queue.Empty, OSError, ConnectionError):
+                    got = None
+                self.wait_s += time.perf_counter() - w0
+                if got is None:
+                    err = {"code": "unavailable", "lost": chain.prev_worker,
+                           "message": f"{m.name}: the link from {chain.prev_worker} broke"}
+                elif got[0] == ERR:
+                    err = got[1]
+                elif got[0] != STATE or got[1].get("g") != g:
+                    err = {"code": "bad_request", "message": f"{m.name}: op {got[0]} where group {g}'s state belongs"}
+                else:
+                    parts = torch.cat([_tensor(got[2], got[1]["shape"]), parts], dim=1)
+            try:
+                if err is None:
+                    state = m.kernels.fold(parts, pos, qkv.shape[0], heads)
+            except ValueError as e:
+                err = {"code": "bad_request", "message": f"{m.name}: {e}"}
+            try:
+                if err is not None:
+                    out.send(ERR, err)
+                    return
+                out.send(STATE, {"g": g, "shape": list(state.shape)}, state.view(torch.uint8).numpy())
+            except OSError:
+                return
+        self.step_s += time.perf_counter() - t0
+
 
 def _ticket(meta: dict) -> str:
     ticket = str(meta.get("ticket", ""))
@@ -470,6 +710,7 @@ class RemoteMember:
                  shm: bool = True):
         """``shm``: on the member's host, the payloads go through shared memory (module doc)."""
         self.name, self.layout, self.timeout = worker, layout, timeout
+        self.host, self.port = host, port
         self.ranges: dict[str, tuple[int, int]] = {}
         self.bytes_out = self.bytes_back = 0
         try:
@@ -531,6 +772,8 @@ class RemoteMember:
         except (OSError, ConnectionError) as e:
             raise RingMemberLost(self.name, str(e) or type(e).__name__) from None
         if op == ERR:
+            if meta.get("lost"):   # a member further up the ring, named by the one after it
+                raise RingMemberLost(str(meta["lost"]), str(meta.get("message", "")))
             raise RingMemberError(meta.get("code", "internal"), f"{self.name}: {meta.get('message', '')}")
         return meta, payload
 
@@ -582,6 +825,34 @@ class RemoteMember:
 
     def read(self, sid: str, keys: int) -> bytes:
         return bytes(self._call(READ, {"sid": sid, "keys": keys})[1])
+
+    # ---- the fold along the ring -----------------------------------------------------------
+    def chain(self, sid: str, index: int, prev: str, prev_worker: str, ticket: str | None,
+              nxt: list | None) -> None:
+        """Tell the member its place in the session's fold (``_Chain``); ``nxt``: [worker, host,
+        port, ticket] of the member after it, which it links to (announced there first)."""
+        self._call(CHAIN, {"sid": sid, "index": index, "prev": prev, "prev_worker": prev_worker,
+                           "ticket": ticket, "next": nxt})
+
+    def post_step(self, sid: str, meta: dict, qkv: torch.Tensor) -> None:
+        """A layer of a folding step: the q|k|v rows (``meta``: layer, pos, tail, groups, pass)."""
+        body = qkv.contiguous().view(torch.uint8).numpy()
+        self.bytes_out += body.nbytes
+        self._send(STEP, {"sid": sid, **meta}, body)
+
+    def send_state(self, sid: str, g: int, state: torch.Tensor) -> None:
+        """Head group ``g``'s running state, folded by the coordinator's own member before this one."""
+        body = state.contiguous().view(torch.uint8).numpy()
+        self.bytes_out += body.nbytes
+        self._send(STATE, {"sid": sid, "g": g, "shape": list(state.shape)}, body)
+
+    def recv_state(self, g: int) -> torch.Tensor:
+        """Head group ``g``'s running state from this member (its own segments folded in last)."""
+        meta, payload = self._reply()
+        if meta.get("g") != g or not isinstance(meta.get("shape"), list):
+            raise RingMemberError("bad_request", f"{self.name}: {meta} where group {g}'s state belongs")
+        self.bytes_back += len(payload)
+        return _tensor(payload, meta["shape"])
 
     def release(self, sid: str) -> None:
         """Free the shard (best effort: a lost member's shards went with its connection)."""

@@ -159,7 +159,7 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
     layer = 3
     ref_qkv = kernels.qkv(layer, x0, n - 1)
 
-    def run(bounds: list[int], order: list[int], fold: bool = False) -> torch.Tensor:
+    def run(bounds: list[int], order: list[int], fold: bool = False, groups: int = 0) -> torch.Tensor:
         members = []
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             m = RingMember(kernels, layout, member_budget(layout, 4096), f"m{i}")
@@ -169,7 +169,19 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
             members.append(m)
         arrived = {i: members[i].attend("s", layer, ref_qkv, n - 1) for i in order}
         x = x0.clone()
-        if fold:   # along the ring, in shard order
+        if groups:   # along the ring head group by head group: each group attended and folded on its own
+            nkv = kernels.cfg.n_kv_heads
+            states = []
+            for g in range(groups):
+                heads = (g * nkv // groups, (g + 1) * nkv // groups)
+                state = None
+                for i in range(len(members)):
+                    p = members[i].attend("s", layer, ref_qkv, n - 1, heads)
+                    assert torch.equal(p, arrived[i][heads[0]:heads[1]])   # the same states, head by head
+                    state = kernels.fold(p if state is None else torch.cat([state, p], dim=1), n - 1, 1, heads)
+                states.append(state)
+            kernels.merge_ffn(layer, x, ref_qkv, n - 1, torch.cat(states, dim=0), folded=True)
+        elif fold:   # along the ring, in shard order
             state = None
             for i in range(len(members)):
                 state = kernels.fold(arrived[i] if state is None else torch.cat([state, arrived[i]], dim=1), n - 1, 1)
@@ -186,6 +198,7 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
         rng.shuffle(order)
         assert torch.equal(run([0, *(c * SEG for c in cuts), n], order), one), cuts
         assert torch.equal(run([0, *(c * SEG for c in cuts), n], order, fold=True), one), cuts
+        assert torch.equal(run([0, *(c * SEG for c in cuts), n], order, groups=rng.randint(2, 3)), one), cuts
     try:   # members and coordinator on other thread counts: the same bits
         for t in (1, 3):
             cpu.set_num_threads(t)
@@ -201,6 +214,9 @@ def test_merge_of_random_shards_in_fixed_order_is_exact(big, kernels):
     x = x0.clone()
     kernels.merge_ffn(layer, x, ref_qkv, n - 1, parts.flip(1).contiguous())
     assert not torch.equal(x, one)
+    for bad in [(0, 0), (2, 1), (0, kernels.cfg.n_kv_heads + 1), (-1, 1)]:
+        with pytest.raises(ValueError, match="kv heads"):
+            members_parts.attend("s", layer, ref_qkv, n - 1, bad)
 
 
 def test_scatter_then_gather_gives_the_bytes_back(big, kernels):
@@ -216,6 +232,10 @@ def test_scatter_then_gather_gives_the_bytes_back(big, kernels):
     with pytest.raises(ValueError, match="not the 82 blocks"):
         ring.admit("t", list(range(n + 1)), n, raw[:-1], n + 100)
     assert "t" not in ring.sessions
+    # a member whose whole range lies past the computed positions loads nothing yet
+    short = layout.blocks_for(400) * layout.block_bytes
+    assert ring.admit("u", list(range(401)), 400, raw[:short], 1100) == [(0, 512), (512, 1024), (1024, 1100)]
+    assert ring.gather("u") == raw[:short]
 
 
 def test_bad_ring_inputs_are_refused(big, kernels):
@@ -256,25 +276,28 @@ def two_workers(bundled_model):
         e.engine.seqs.clear()
 
 
-def ring_of(a, server, key=b"data-key", shm=True):
+def ring_of(a, server, key=b"data-key", shm=True, fold=False):
     from shared.engine.ring_net import EngineMember, connect_ring
     ma = EngineMember(a.engine, a.run_blocking, "a")
     plan = [["a", "127.0.0.1", 0], ["b", "127.0.0.1", server.port]]
-    return Ring(ma.kernels, connect_ring(plan, "a", ma, key, a.layout, shm=shm))
+    return Ring(ma.kernels, connect_ring(plan, "a", ma, key, a.layout, shm=shm), fold=fold,
+                groups=ma.kernels.cfg.n_kv_heads if fold else 1)
 
 
 def ring_regions() -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith("tandem-ring-")] if os.path.isdir("/dev/shm") else []
 
 
-@pytest.mark.parametrize("link", ["tcp", "shm"])
-async def test_ring_of_two_workers_over_the_data_plane_is_the_single_worker(two_workers, handoff, single, link):
+@pytest.mark.parametrize("link, fold", [("tcp", False), ("shm", False), ("shm", True)])
+async def test_ring_of_two_workers_over_the_data_plane_is_the_single_worker(two_workers, handoff, single, link, fold):
     """A ring of 2 — the coordinator's own member and one behind an authenticated connection,
     its payloads on the socket (TANDEM_DATA_SHM=0) or through shared memory (the default on one
-    host) — gives the single worker's greedy tokens; both caches are free again when it finishes."""
+    host), every segment's state back or the fold by kv head (TANDEM_RING_FOLD) — gives the
+    single worker's greedy tokens through the engine's request path; both caches are free again
+    when it finishes."""
     import asyncio
     a, b, server = two_workers
-    ring = ring_of(a, server, shm=link == "shm")
+    ring = ring_of(a, server, shm=link == "shm", fold=fold)
     assert ring.members[1].link == link and not ring_regions()   # a region is unlinked once mapped
     h = KVBlobHeader.parse(handoff)[0]
     ranges = await asyncio.to_thread(ring.admit, "s#0", h.token_ids, h.num_computed, KVBlobHeader.parse(handoff)[1],
@@ -333,6 +356,101 @@ async def test_a_lost_member_ends_the_request_with_a_coded_error(two_workers, ha
     assert a.engine.blocks.num_free == a.engine.blocks.num_blocks and "r" not in a.engine.seqs
     await asyncio.sleep(0.2)
     assert b.engine.blocks.num_free == b.engine.blocks.num_blocks
+
+
+@pytest.fixture
+def three_workers(bundled_model):
+    """The coordinator's engine ``a`` and two members' workers ``b`` and ``c`` on ring ports."""
+    from shared.engine.async_engine import AsyncEngine
+    from shared.engine.ring_net import EngineMember, RingServer
+    engines = {w: AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=1))) for w in "abc"}
+    servers = {}
+    for w in "bc":
+        servers[w] = RingServer(EngineMember(engines[w].engine, engines[w].run_blocking, w), "127.0.0.1", 0,
+                                key=b"data-key")
+        servers[w].start()
+    yield engines, servers
+    for srv in servers.values():
+        srv.close()
+    for e in engines.values():
+        e.engine.seqs.clear()
+
+
+@pytest.mark.parametrize("link", ["tcp", "shm"])
+@pytest.mark.parametrize("order, groups, qpass", [
+    ("ab", 1, False),    # a ring of 2: the coordinator's member passes its state to b, b back
+    ("ab", 3, True),
+    ("abc", 3, False),   # b passes its state to c over a link of their own, c to the coordinator
+    ("abc", 1, True),    # ... and the q rows go a -> b -> c too
+    ("bca", 3, True),    # the coordinator's own member last: c hands it the state
+])
+async def test_the_fold_across_processes_is_bitwise_the_single_worker(three_workers, handoff, single, link, order,
+                                                                     groups, qpass):
+    """The fold along the ring between workers (each member folds its segments into the
+    running state the one before it passed on, head group by head group, over authenticated
+    connections of their own; shm or TCP): every step's logits are bitwise the single worker's
+    and the coordinator receives one state per kv head, whatever the context."""
+    import asyncio
+    from shared.engine.ring_net import EngineMember, connect_ring
+    engines, servers = three_workers
+    a = engines["a"]
+    ma = EngineMember(a.engine, a.run_blocking, "a")
+    plan = [[w, "127.0.0.1", servers[w].port if w in servers else 0] for w in order]
+    ring = Ring(ma.kernels, connect_ring(plan, "a", ma, b"data-key", a.layout, shm=link == "shm"),
+                fold=True, groups=groups, qpass=qpass)
+    assert all(m.link == link for m in ring.members if m is not ma)
+    h, kv = KVBlobHeader.parse(handoff)
+    await asyncio.to_thread(ring.admit, "s", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
+    toks, logits = await asyncio.to_thread(ring.generate, "s", NEW)
+    assert toks == single[0]
+    for i, (x, y) in enumerate(zip(logits, single[1])):
+        assert torch.equal(x, y), f"step {i}: max |diff| {(x - y).abs().max().item()}"
+    t = ring.times
+    state = ma.kernels.cfg.n_kv_heads * ma.kernels.part_floats(1) * 4
+    layers = ma.kernels.cfg.n_layers
+    # back to the coordinator: one state per kv head and layer (none when its own member is last)
+    assert t.bytes_back == (0 if order.endswith("a") else NEW * layers * state)
+    if "bc" in order:     # b -> c on their own link
+        assert t.bytes_ring >= NEW * layers * state
+    n = len(h.token_ids) - 1 + NEW
+    gathered = await asyncio.to_thread(ring.gather, "s")
+    assert torch.equal(by_position(a.layout, gathered, n), by_position(a.layout, single[2], n))
+    await asyncio.to_thread(ring.release, "s")
+    ring.close()
+    await asyncio.sleep(0.2)
+    for e in engines.values():
+        assert e.engine.blocks.num_free == e.engine.blocks.num_blocks
+    assert not any(srv._chains or srv._tickets for srv in servers.values())
+
+
+@pytest.mark.parametrize("order, qpass", [("abc", False), ("bca", True)])
+async def test_a_member_lost_inside_the_fold_is_named(three_workers, handoff, order, qpass):
+    """b dies between steps (its connections and its link to c close): c finds its link from b
+    closed and says so down the ring and to the coordinator — also when b would have passed
+    it the q rows (no step starts at c then) —, or the coordinator finds b gone itself; either
+    way the next step ends with RingMemberLost naming b, at once."""
+    import asyncio
+    import time
+    from shared.engine.ring_net import EngineMember, RingMemberLost, connect_ring
+    engines, servers = three_workers
+    a = engines["a"]
+    ma = EngineMember(a.engine, a.run_blocking, "a")
+    plan = [[w, "127.0.0.1", servers[w].port if w in servers else 0] for w in order]
+    ring = Ring(ma.kernels, connect_ring(plan, "a", ma, b"data-key", a.layout), fold=True, groups=3, qpass=qpass)
+    h, kv = KVBlobHeader.parse(handoff)
+    await asyncio.to_thread(ring.admit, "s", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
+    await asyncio.to_thread(ring.generate, "s", 1)
+    servers["b"].close()
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
+    with pytest.raises(RingMemberLost) as err:
+        await asyncio.to_thread(ring.generate, "s", 1)
+    assert err.value.lost == "b" and err.value.code == "unavailable"
+    assert time.monotonic() - t0 < 5      # not the data-plane timeout (30 s)
+    await asyncio.to_thread(ring.release, "s")
+    await asyncio.sleep(0.2)
+    for e in engines.values():
+        assert e.engine.blocks.num_free == e.engine.blocks.num_blocks
 
 
 def test_a_member_refuses_a_connection_without_the_data_plane_key(two_workers):

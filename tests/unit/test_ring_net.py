@@ -139,3 +139,37 @@ def test_a_connection_takes_shm_only_on_one_host_with_both_ends_willing(monkeypa
         member.close()
     finally:
         server.close()
+
+
+@shm
+def test_messages_in_flight_each_keep_their_slot():
+    """The fold sends a layer's head groups' states before the receiver reads one: each small
+    payload takes its own slot of the area (message counter % SLOTS), so none overwrites another."""
+    from shared.engine.ring_net import SLOTS
+    c, s, a, b = shared_pair()
+    slot = (1 << 16) // SLOTS
+    bodies = [os.urandom(n) for n in [1, slot, 7, slot - 1] * ((SLOTS - 1) // 4)]
+    for i, body in enumerate(bodies):
+        c.send(11, {"g": i}, body)
+    for i, body in enumerate(bodies):
+        op, meta, payload = s.recv()
+        assert (op, meta["g"], bytes(payload)) == (11, i, body)
+
+
+def test_a_link_no_fold_announced_is_refused():
+    """A member's link into the next member must carry the ticket the coordinator announced there
+    (``CHAIN``); any other is refused and closed (and opening one needs the key, as always)."""
+    from shared.engine import ring_net
+    server = ring_net.RingServer(_NoMember(), key=b"k", shm=False)
+    server.start()
+    try:
+        link = ring_net.RemoteMember("m", "127.0.0.1", server.port, b"k", None, shm=False)
+        with pytest.raises(ring_net.RingMemberError, match="no fold awaits"):
+            link._call(ring_net.PEER, {"ticket": "0" * 32})
+        with pytest.raises(ring_net.RingMemberLost):
+            link._call(ring_net.PEER, {"ticket": "0" * 32})
+        link.close()
+        with pytest.raises(ring_net.RingMemberLost, match="refused our proof"):
+            ring_net.RemoteMember("m", "127.0.0.1", server.port, b"another key", None, shm=False)
+    finally:
+        server.close()
