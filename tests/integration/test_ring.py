@@ -498,7 +498,7 @@ async def test_a_ring_session_is_promoted_to_one_worker_by_a_migration(two_worke
 # ---- the prefill's scatter: members' ranges parked under a ticket, claimed by the coordinator -----
 
 @pytest.fixture
-def three_workers(bundled_model):
+def parking_workers(bundled_model):
     """Three cpu-decode workers' engines: ``a`` coordinates, ``b`` and ``c`` host members on their
     ring ports (data-plane key on; parked shards are freed 1.5 s after the scatter unless claimed)."""
     from shared.engine.async_engine import AsyncEngine
@@ -524,14 +524,14 @@ def all_free(*engines) -> bool:
     return all(e.engine.blocks.num_free == e.engine.blocks.num_blocks for e in engines)
 
 
-async def test_the_prefill_s_scatter_claimed_by_the_coordinator_is_the_single_worker(three_workers, handoff, single):
+async def test_the_prefill_s_scatter_claimed_by_the_coordinator_is_the_single_worker(parking_workers, handoff, single):
     """The prefill loads b's and c's ranges itself, at the same time, parks them under a ticket and
     closes its connections; the coordinator claims them, loads its own range (what the data plane
     brings it) and decodes: every step's logits bitwise the single worker's, the same greedy
     tokens, the same KV afterwards; every cache free once the ring is released."""
     import asyncio
     from shared.engine.ring_net import EngineMember, admit_claimed, connect_ring, new_ticket, ring_ranges, scatter_parked
-    (a, b, c), servers = three_workers
+    (a, b, c), servers = parking_workers
     h, kv = KVBlobHeader.parse(handoff)
     ma = EngineMember(a.engine, a.run_blocking, "a")
     ranges = ring_ranges(h, 3, ma.kernels.max_context)
@@ -559,12 +559,12 @@ async def test_the_prefill_s_scatter_claimed_by_the_coordinator_is_the_single_wo
     assert all_free(a, b, c)
 
 
-async def test_a_claim_with_a_wrong_ticket_is_refused_and_an_unclaimed_shard_is_freed(three_workers, handoff,
+async def test_a_claim_with_a_wrong_ticket_is_refused_and_an_unclaimed_shard_is_freed(parking_workers, handoff,
                                                                                        caplog):
     import asyncio
     import logging
     from shared.engine.ring_net import RemoteMember, RingMemberError, new_ticket, ring_ranges, scatter_parked
-    (a, b, c), servers = three_workers
+    (a, b, c), servers = parking_workers
     h, kv = KVBlobHeader.parse(handoff)
     ranges = ring_ranges(h, 3, RingKernels.of(a.engine.model).max_context)
     ticket = new_ticket()
@@ -586,12 +586,12 @@ async def test_a_claim_with_a_wrong_ticket_is_refused_and_an_unclaimed_shard_is_
     assert any("was not claimed by its coordinator within 2 s: freed" in r.getMessage() for r in caplog.records)
 
 
-async def test_a_member_without_room_fails_the_prefill_s_scatter_and_nothing_stays_reserved(bundled_model, three_workers,
+async def test_a_member_without_room_fails_the_prefill_s_scatter_and_nothing_stays_reserved(bundled_model, parking_workers,
                                                                                           handoff):
     import asyncio
     from shared.engine.async_engine import AsyncEngine
     from shared.engine.ring_net import EngineMember, RingServer, new_ticket, ring_ranges, scatter_parked
-    (a, b, _), servers = three_workers
+    (a, b, _), servers = parking_workers
     small = AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=16, threads=1)))   # 256 tokens
     tiny = RingServer(EngineMember(small.engine, small.run_blocking, "c"), "127.0.0.1", 0, key=b"data-key")
     tiny.start()
