@@ -33,9 +33,13 @@ def has_amx() -> bool:
 
 
 def cmake_args() -> str:
-    if not has_amx():
+    """``CMAKE_ARGS``, with AMX left out on AMX CPUs and ``TANDEM_LLAMA_CPP_CFLAGS`` added (e.g.
+    ``-mno-avx512f -mno-avxvnni`` with ``TANDEM_LLAMA_CPP_VENV`` elsewhere: llama.cpp as an AVX2-only
+    CPU runs it, to hold ``TANDEM_CPU_ISA=avx2`` against)."""
+    flags = " ".join(f for f in (NO_AMX if has_amx() else "", os.environ.get("TANDEM_LLAMA_CPP_CFLAGS", "")) if f)
+    if not flags:
         return CMAKE_ARGS
-    return f'{CMAKE_ARGS} -DCMAKE_C_FLAGS="{NO_AMX}" -DCMAKE_CXX_FLAGS="{NO_AMX}"'
+    return f'{CMAKE_ARGS} -DCMAKE_C_FLAGS="{flags}" -DCMAKE_CXX_FLAGS="{flags}"'
 RUNNER = Path(__file__).with_name("llamacpp_runner.py")
 
 
