@@ -953,6 +953,8 @@ void q16_rows_amx(const int32_t* xp, const float* dx, const int32_t* xs, const u
             };
             // software pipeline: the tile products of block b + 2 are issued before block b is
             // finished (even blocks on tiles 0, 1, 4, odd on 5, 6, 7; four buffers in a ring)
+            // (two written-out branches: GCC's tile intrinsics are macros that paste the tile
+            // number into the instruction, so it cannot be a variable or template parameter)
             auto issue = [&](int64_t b) {
                 const uint8_t* a = apack + (c * nb + b) * 1024;
                 int32_t* cb = cbuf[b & 3][0];

@@ -92,6 +92,23 @@ def by_position(layout, raw: bytes, n: int) -> torch.Tensor:
     return kv.permute(0, 3, 1, 2, 4, 5).flatten(0, 1)[:n]
 
 
+async def decodes_as_single(ring: Ring, sid: str, single) -> None:
+    """``NEW`` greedy steps of ``sid`` on ``ring``: the single worker's tokens, every logit bitwise."""
+    import asyncio
+    toks, logits = await asyncio.to_thread(ring.generate, sid, NEW)
+    assert toks == single[0]
+    for i, (x, y) in enumerate(zip(logits, single[1])):
+        assert torch.equal(x, y), f"step {i}: max |diff| {(x - y).abs().max().item()}"
+
+
+async def holds_single_kv(ring: Ring, sid: str, layout, single, prompt_tokens: int) -> None:
+    """The KV the ring's members hold for ``sid``, gathered: the single worker's, position by position."""
+    import asyncio
+    n = prompt_tokens - 1 + NEW
+    gathered = await asyncio.to_thread(ring.gather, sid)
+    assert torch.equal(by_position(layout, gathered, n), by_position(layout, single[2], n))
+
+
 def member_budget(layout, tokens: int) -> int:
     return layout.blocks_for(tokens) * layout.block_bytes
 
@@ -325,13 +342,8 @@ async def test_ring_of_two_in_one_process_over_shm_gives_the_single_worker_s_log
     assert remote.link == "shm" and not ring_regions()
     h, kv = KVBlobHeader.parse(handoff)
     await asyncio.to_thread(ring.admit, "s", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
-    toks, logits = await asyncio.to_thread(ring.generate, "s", NEW)
-    assert toks == single[0]
-    for i, (x, y) in enumerate(zip(logits, single[1])):
-        assert torch.equal(x, y), f"step {i}: max |diff| {(x - y).abs().max().item()}"
-    n = len(h.token_ids) - 1 + NEW
-    gathered = await asyncio.to_thread(ring.gather, "s")
-    assert torch.equal(by_position(a.layout, gathered, n), by_position(a.layout, single[2], n))
+    await decodes_as_single(ring, "s", single)
+    await holds_single_kv(ring, "s", a.layout, single, len(h.token_ids))
     assert remote.bytes_back > 0
     await asyncio.to_thread(ring.release, "s")
     ring.close()
@@ -361,13 +373,19 @@ async def test_a_lost_member_ends_the_request_with_a_coded_error(two_workers, ha
 @pytest.fixture
 def three_workers(bundled_model):
     """The coordinator's engine ``a`` and two members' workers ``b`` and ``c`` on ring ports."""
+    yield from _ring_workers(bundled_model)
+
+
+def _ring_workers(bundled_model, timeout: float = 30.0):
+    """Engines ``a`` (the coordinator), ``b`` and ``c`` ({name: AsyncEngine}), ``b`` and ``c``
+    hosting members on ring ports ({name: RingServer}, data-plane key on, ``timeout``)."""
     from shared.engine.async_engine import AsyncEngine
     from shared.engine.ring_net import EngineMember, RingServer
     engines = {w: AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=1))) for w in "abc"}
     servers = {}
     for w in "bc":
         servers[w] = RingServer(EngineMember(engines[w].engine, engines[w].run_blocking, w), "127.0.0.1", 0,
-                                key=b"data-key")
+                                key=b"data-key", timeout=timeout)
         servers[w].start()
     yield engines, servers
     for srv in servers.values():
@@ -401,10 +419,7 @@ async def test_the_fold_across_processes_is_bitwise_the_single_worker(three_work
     assert all(m.link == link for m in ring.members if m is not ma)
     h, kv = KVBlobHeader.parse(handoff)
     await asyncio.to_thread(ring.admit, "s", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
-    toks, logits = await asyncio.to_thread(ring.generate, "s", NEW)
-    assert toks == single[0]
-    for i, (x, y) in enumerate(zip(logits, single[1])):
-        assert torch.equal(x, y), f"step {i}: max |diff| {(x - y).abs().max().item()}"
+    await decodes_as_single(ring, "s", single)
     t = ring.times
     state = ma.kernels.cfg.n_kv_heads * ma.kernels.part_floats(1) * 4
     layers = ma.kernels.cfg.n_layers
@@ -412,9 +427,7 @@ async def test_the_fold_across_processes_is_bitwise_the_single_worker(three_work
     assert t.bytes_back == (0 if order.endswith("a") else NEW * layers * state)
     if "bc" in order:     # b -> c on their own link
         assert t.bytes_ring >= NEW * layers * state
-    n = len(h.token_ids) - 1 + NEW
-    gathered = await asyncio.to_thread(ring.gather, "s")
-    assert torch.equal(by_position(a.layout, gathered, n), by_position(a.layout, single[2], n))
+    await holds_single_kv(ring, "s", a.layout, single, len(h.token_ids))
     await asyncio.to_thread(ring.release, "s")
     ring.close()
     await asyncio.sleep(0.2)
@@ -499,21 +512,10 @@ async def test_a_ring_session_is_promoted_to_one_worker_by_a_migration(two_worke
 
 @pytest.fixture
 def parking_workers(bundled_model):
-    """Three cpu-decode workers' engines: ``a`` coordinates, ``b`` and ``c`` host members on their
-    ring ports (data-plane key on; parked shards are freed 1.5 s after the scatter unless claimed)."""
-    from shared.engine.async_engine import AsyncEngine
-    from shared.engine.ring_net import EngineMember, RingServer
-    engines = [AsyncEngine(Engine(bundled_model, EngineConfig(num_kv_blocks=64, threads=1))) for _ in range(3)]
-    servers = []
-    for name, e in zip("bc", engines[1:]):
-        servers.append(RingServer(EngineMember(e.engine, e.run_blocking, name), "127.0.0.1", 0, key=b"data-key",
-                                  timeout=1.5))
-        servers[-1].start()
-    yield engines, servers
-    for s in servers:
-        s.close()
-    for e in engines:
-        e.engine.seqs.clear()
+    """As ``three_workers`` ([a, b, c], [b's server, c's]), parked shards freed 1.5 s after the
+    scatter unless claimed."""
+    for engines, servers in _ring_workers(bundled_model, timeout=1.5):
+        yield list(engines.values()), list(servers.values())
 
 
 def plan_of(servers) -> list:
@@ -546,13 +548,8 @@ async def test_the_prefill_s_scatter_claimed_by_the_coordinator_is_the_single_wo
     assert own.nbytes < kv.nbytes   # the coordinator receives its own range only
     ring = Ring(ma.kernels, connect_ring(plan_of(servers), "a", ma, b"data-key", a.layout))
     await asyncio.to_thread(admit_claimed, ring, "r#0", ticket, h, own, ranges)
-    toks, logits = await asyncio.to_thread(ring.generate, "r#0", NEW)
-    assert toks == single[0]
-    for i, (x, y) in enumerate(zip(logits, single[1])):
-        assert torch.equal(x, y), f"step {i}: max |diff| {(x - y).abs().max().item()}"
-    n = len(h.token_ids) - 1 + NEW
-    gathered = await asyncio.to_thread(ring.gather, "r#0")
-    assert torch.equal(by_position(a.layout, gathered, n), by_position(a.layout, single[2], n))
+    await decodes_as_single(ring, "r#0", single)
+    await holds_single_kv(ring, "r#0", a.layout, single, len(h.token_ids))
     await asyncio.to_thread(ring.release, "r#0")
     ring.close()
     await asyncio.sleep(0.2)
