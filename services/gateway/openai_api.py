@@ -526,7 +526,8 @@ class ChatFormat(_Format):
             st = self._tools()
             st.feed("".join(acc.text))
             st.finish()
-            msg = {"role": "assistant", "content": st.content if st.content or not st.calls else None}
+            # a forced call's JSON is never content: no calls (cut by max_tokens) is no content either
+            msg = {"role": "assistant", "content": st.content if st.content or not (st.calls or st.forced) else None}
             if st.calls:
                 msg["tool_calls"] = [c.to_dict() for c in st.calls]
             choices.append({"index": i, "message": msg, "logprobs": self.logprobs(acc.logprobs),

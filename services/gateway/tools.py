@@ -300,7 +300,13 @@ def render_messages(messages: list[dict], plan: ToolPlan, parser, native: bool) 
 
 class ChoiceTools:
     """Text deltas of one choice -> (content delta, [tool_call delta]) in OpenAI's streaming
-    shape; ``finish()`` flushes what was held back. ``calls`` / ``content`` hold the result."""
+    shape; ``finish()`` flushes what was held back. ``calls`` / ``content`` hold the result.
+
+    The same object turns a whole text into the non-streamed message (one ``feed``, then
+    ``finish``), so the streamed calls always assemble to the non-streamed ones. A forced call
+    (``named`` / ``required``) is sent once it is complete — the grammar's JSON is never content:
+    a call cut by ``max_tokens`` is dropped (the calls before it stay, ``finish_reason: length``),
+    and a choice cut before its first call is complete has no calls and no content."""
 
     def __init__(self, plan: ToolPlan, parser):
         self.plan, self.parser = plan, parser
@@ -308,23 +314,21 @@ class ChoiceTools:
         self.content = ""
         self._buf = ""            # text held back (a call being written)
         self._holding = False
+        self._pos = 0             # required: where the next array item starts in _buf (0: before "[")
+
+    @property
+    def forced(self) -> bool:
+        return self.plan.mode in ("named", "required")
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         mode = self.plan.mode
         if mode == "none" or not text:
             self.content += text
             return text, []
-        if mode == "named":  # the text is the arguments: stream them as they come
-            deltas = []
-            if not self.calls:
-                self.calls.append(ToolCall(self.plan.name, ""))
-                deltas.append({"index": 0, "id": self.calls[0].id, "type": "function",
-                               "function": {"name": self.plan.name, "arguments": ""}})
-            self.calls[0].arguments += text
-            deltas.append({"index": 0, "function": {"arguments": text}})
-            return "", deltas
         self._buf += text
-        if mode == "required" or self._holding:
+        if mode == "required":
+            return "", self._complete_items() if "}" in text else []
+        if mode == "named" or self._holding:
             return "", []
         # auto: pass content through until the family's start marker (or a possible prefix of it)
         start = self.parser.start
@@ -347,29 +351,57 @@ class ChoiceTools:
         self.content += out
         return out, []
 
-    def finish(self) -> tuple[str, list[dict]]:
-        mode, buf, self._buf = self.plan.mode, self._buf, ""
-        if mode in ("none", "named"):
-            return "", []
-        if mode == "required":
-            try:
-                arr = json.loads(buf)
-                calls = [_call_from(o) for o in arr]
-            except (json.JSONDecodeError, TypeError):
-                calls = [None]
-            if None in calls or not calls:  # cut short (max_tokens): what was written stays text
-                self.content += buf
-                return buf, []
-        else:
-            text, calls = self.parser.parse(buf)
-            if not calls:
-                text = buf
-            self.content += text
-            if not calls:
-                return text, []
-        self.calls = calls
+    def _emit(self, calls: list[ToolCall]) -> list[dict]:
         deltas = []
-        for i, c in enumerate(calls):
+        for c in calls:
+            i = len(self.calls)
+            self.calls.append(c)
             deltas.append({"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}})
             deltas.append({"index": i, "function": {"arguments": c.arguments}})
-        return (text if mode == "auto" else ""), deltas
+        return deltas
+
+    def _complete_items(self) -> list[dict]:
+        """``required``: the array items of ``_buf`` completed since the last call, as calls."""
+        buf, dec, calls = self._buf, json.JSONDecoder(), []
+        if self._pos == 0:
+            i = len(buf) - len(buf.lstrip())
+            if not buf[i:i + 1] == "[":
+                return []
+            self._pos = i + 1
+        while True:
+            i = self._pos
+            while i < len(buf) and buf[i] in " \n\t\r,":
+                i += 1
+            if i >= len(buf) or buf[i] == "]":
+                break
+            try:
+                obj, end = dec.raw_decode(buf, i)
+            except json.JSONDecodeError:  # not complete yet (or cut)
+                break
+            self._pos = end
+            call = _call_from(obj)
+            if call is not None:  # the grammar allows nothing else; a bad item is skipped, never text
+                calls.append(call)
+        return self._emit(calls)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        mode = self.plan.mode
+        if mode == "none":
+            return "", []
+        if mode == "required":
+            deltas = self._complete_items()
+            self._buf = ""
+            return "", deltas
+        buf, self._buf = self._buf, ""
+        if mode == "named":
+            try:
+                args = json.loads(buf)
+            except json.JSONDecodeError:  # cut by max_tokens: no call
+                return "", []
+            # the text is the arguments, exactly as generated (the grammar made it one JSON object)
+            return "", self._emit([ToolCall(self.plan.name, buf)] if isinstance(args, dict) else [])
+        text, calls = self.parser.parse(buf)
+        if not calls:
+            text = buf
+        self.content += text
+        return text, self._emit(calls)

@@ -143,7 +143,7 @@ def test_streams_per_mode():
     content, calls = run_stream(ChoiceTools(req, hermes), [out[:10], out[10:]])
     assert content == "" and [c["name"] for c in calls] == ["get_time", "get_weather"]
     content, calls = run_stream(ChoiceTools(req, hermes), ['[{"name":"get_ti'])  # cut by max_tokens
-    assert content == '[{"name":"get_ti' and calls == []
+    assert content == "" and calls == []   # the grammar's JSON is never content
 
     llama = Llama3JsonParser()
     content, calls = run_stream(ChoiceTools(tool_plan([TIME], "auto", None), llama), [" ", '{"name": "get_time", ', '"parameters": {}}'])
@@ -165,3 +165,50 @@ def test_a_forced_call_wins_over_response_format():
     assert tools.turn_guide(named, rf) == (named.guide(), "tools")
     auto = tools.tool_plan([{"type": "function", "function": {"name": "f"}}], "auto", None)
     assert tools.turn_guide(auto, rf) == (tools.response_format_guide(rf), "response_format")
+
+
+def test_forced_calls_cut_by_max_tokens_keep_the_complete_ones():
+    hermes = HermesParser()
+    req = tool_plan([WEATHER, TIME], "required", None)
+    out = '[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"get_time","arguments":{}},{"name":"get_we'
+    for pieces in ([out], [out[i:i + 5] for i in range(0, len(out), 5)]):  # whole (not streamed) or streamed
+        ct = ChoiceTools(req, hermes)
+        content, calls = run_stream(ct, pieces)
+        assert content == "" and ct.content == ""
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Oslo"}),
+                                                                            ("get_time", {})]
+        assert [c.id for c in ct.calls] == [c["id"] for c in calls]
+    # streamed: a call goes out as soon as its item is complete, before the choice ends
+    ct = ChoiceTools(req, hermes)
+    _, first = ct.feed(out[:51])
+    assert out[:51].endswith("}}") and assemble(first)[0]["name"] == "get_weather"
+    assert ct.feed(out[51:60]) == ("", [])
+
+    named = tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
+    ct = ChoiceTools(named, hermes)
+    assert run_stream(ct, ['{"city":"Os']) == ("", []) and ct.calls == [] and ct.content == ""
+
+
+@pytest.mark.parametrize("mode", ["none", "auto", "named", "required", "required-one"])
+def test_streamed_calls_assemble_to_the_whole_texts_calls(mode):
+    """For every mode, a text fed in pieces gives the calls (names, arguments, order) and content
+    that the same text fed at once gives, ids aside."""
+    choice = {"named": {"type": "function", "function": {"name": "get_weather"}}, "required-one": "required"}.get(mode, mode)
+    plan = tool_plan([WEATHER, TIME], choice, False if mode == "required-one" else None)
+    texts = {"none": ["Plain text <tool_call> stays"],
+             "auto": ['Sure. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "Just text"],
+             "named": ['{"city":"Oslo","days":2}', '{"city":"Os'],
+             "required": ['[{"name":"get_time","arguments":{}},{"name":"get_weather","arguments":{"city":"A"}}]',
+                          '[{"name":"get_time","arguments":{}},{"name":"get_w'],
+             "required-one": ['[{"name":"get_time","arguments":{}}]', '[{"name":"get_ti']}[mode]
+    for text in texts:
+        whole = ChoiceTools(plan, HermesParser())
+        c_whole, calls_whole = run_stream(whole, [text])
+        for size in (1, 2, 7):
+            part = ChoiceTools(plan, HermesParser())
+            c_part, calls_part = run_stream(part, [text[i:i + size] for i in range(0, len(text), size)])
+            assert c_part == c_whole and part.content == whole.content
+            strip = lambda cs: [(c["name"], c["arguments"]) for c in cs]  # noqa: E731
+            assert strip(calls_part) == strip(calls_whole)
+            for c in calls_part:
+                json.loads(c["arguments"])
