@@ -97,26 +97,113 @@ def test_auto_gives_a_valid_call_or_text(client, model):
         assert msg.content and r.choices[0].finish_reason in ("stop", "length")
 
 
-def test_streamed_tool_call_deltas_assemble_to_a_valid_call(client, model):
-    for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
-        stream = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                                                max_tokens=80, stream=True)
-        calls: dict[int, dict] = {}
-        finish, content = None, ""
-        for chunk in stream:
-            for ch in chunk.choices:
-                content += ch.delta.content or ""
-                finish = ch.finish_reason or finish
-                for d in ch.delta.tool_calls or []:
-                    c = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
-                    if d.id:  # id and name first, then argument fragments
-                        assert c["id"] is None and not c["arguments"]
-                        c["id"], c["name"] = d.id, d.function.name
-                    c["arguments"] += d.function.arguments or ""
-        assert finish == "tool_calls" and content == "" and calls
-        for c in calls.values():
-            assert c["id"] and (choice == "required" or c["name"] == "get_time")
-            jsonschema.validate(json.loads(c["arguments"]), TOOLS[c["name"]])
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+# every tool_choice mode, and forced calls cut by the token cap (the complete calls stay, the cut one goes)
+MODES = [("none", "none", None, 40), ("auto", "auto", None, 40), ("named", NAMED, None, 40),
+         ("required", "required", None, 60), ("required-one", "required", False, 60),
+         ("required-cut", "required", None, 12), ("named-cut", NAMED, None, 4)]
+BOTH = [{"role": "user", "content": "What are the weather and the local time in Paris and in Rome?"}]
+
+
+def chat_streamed(stream) -> tuple[str, list[tuple[str, str]], str | None]:
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in stream:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                c = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                if d.id:  # id and name first, then argument fragments
+                    assert c["id"] is None and not c["arguments"]
+                    c["id"], c["name"] = d.id, d.function.name
+                c["arguments"] += d.function.arguments or ""
+    assert all(c["id"] for c in calls.values())
+    return content, [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)], finish
+
+
+def responses_streamed(events) -> tuple[str, list[tuple[str, str]], str]:
+    text, done, status, args = "", [], None, {}
+    for e in events:
+        if e.type == "response.output_text.delta":
+            text += e.delta
+        elif e.type == "response.function_call_arguments.delta":
+            args[e.item_id] = args.get(e.item_id, "") + e.delta
+        elif e.type == "response.output_item.done" and e.item.type == "function_call":
+            assert args.get(e.item.id, "") == e.item.arguments  # the deltas assemble to the item
+            done.append((e.item.name, e.item.arguments))
+        elif e.type in ("response.completed", "response.incomplete"):
+            status = e.response.status
+            assert [(i.name, i.arguments) for i in e.response.output if i.type == "function_call"] == done
+    return text, done, status
+
+
+@pytest.mark.parametrize("mode,choice,parallel,cap", MODES, ids=[m[0] for m in MODES])
+def test_streamed_tool_calls_equal_the_non_streamed_ones(client, model, mode, choice, parallel, cap):
+    """Chat and Responses, each tool_choice mode, greedy: the streamed calls assemble to exactly
+    the non-streamed ones (names, arguments, order); every argument string validates; a forced
+    call is never text, and a cut one is dropped (finish_reason length / status incomplete)."""
+    kw = {"parallel_tool_calls": parallel} if parallel is not None else {}
+    chat = dict(model=model, messages=BOTH, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=cap,
+                temperature=0, **kw)
+    r = client.chat.completions.create(**chat)
+    (c,) = r.choices
+    want = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+    assert chat_streamed(client.chat.completions.create(**chat, stream=True)) == (c.message.content or "", want,
+                                                                                   c.finish_reason)
+    for name, args in want:
+        jsonschema.validate(json.loads(args), TOOLS[name])
+    forced = mode.startswith(("named", "required"))
+    if forced:
+        assert c.message.content is None  # the grammar's JSON is never content
+        assert c.finish_reason == ("length" if mode.endswith("cut") else "tool_calls")
+        assert want or mode.endswith("cut")
+    if mode == "required-one" or mode == "named":
+        assert len(want) == 1
+    if mode.endswith("cut"):
+        assert want == []  # the cap cannot hold one complete call: no call (and no text)
+    if mode == "none":
+        assert want == [] and c.message.content
+
+    rtool = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+    rchoice = {"type": "function", "name": choice["function"]["name"]} if isinstance(choice, dict) else choice
+    resp = dict(model=model, input=BOTH[0]["content"], tools=rtool, tool_choice=rchoice, max_output_tokens=cap,
+                temperature=0, store=False, **kw)
+    r2 = client.responses.create(**resp)
+    got = [(i.name, i.arguments) for i in r2.output if i.type == "function_call"]
+    assert got == want  # the same request through the Responses API: the same calls
+    assert responses_streamed(client.responses.create(**resp, stream=True)) == (r2.output_text, got, r2.status)
+    if forced:
+        assert r2.output_text == "" and r2.status == ("incomplete" if mode.endswith("cut") else "completed")
+
+
+def test_required_calls_cut_by_the_cap_keep_the_complete_ones(client, model):
+    """``required`` with parallel calls, cut inside its last call: the complete calls come back as
+    tool_calls (finish_reason length), streamed or not, chat and Responses; the cut one is dropped.
+    Sampled with a seed (greedy, this model writes one call): the first seed whose uncapped
+    output has two or more calls, then the same request capped two tokens short of it."""
+    ask = [{"role": "user", "content": "Get the local time in Paris, in Rome, in Oslo and in Berlin."}]
+    base = dict(model=model, messages=ask, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0)
+    for seed in range(16):
+        full = client.chat.completions.create(**base, seed=seed, max_tokens=160)
+        if full.choices[0].finish_reason == "tool_calls" and len(full.choices[0].message.tool_calls) >= 2:
+            break
+    else:
+        pytest.fail("no seed in 16 gave parallel calls")
+    calls = [(t.function.name, t.function.arguments) for t in full.choices[0].message.tool_calls]
+    cut = dict(base, seed=seed, max_tokens=full.usage.completion_tokens - 2)
+    r = client.chat.completions.create(**cut)
+    (c,) = r.choices
+    assert c.finish_reason == "length" and c.message.content is None
+    assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == calls[:-1]
+    assert chat_streamed(client.chat.completions.create(**cut, stream=True)) == ("", calls[:-1], "length")
+    rtool = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+    resp = dict(model=model, input=ask[0]["content"], tools=rtool, tool_choice="required", temperature=1.0,
+                max_output_tokens=cut["max_tokens"], store=False, extra_body={"seed": seed})
+    r2 = client.responses.create(**resp)
+    assert r2.status == "incomplete" and r2.incomplete_details.reason == "max_output_tokens"
+    assert [(i.name, i.arguments) for i in r2.output] == calls[:-1]   # function_call items only, no text
+    assert responses_streamed(client.responses.create(**resp, stream=True)) == ("", calls[:-1], "incomplete")
 
 
 def test_a_turn_with_a_tool_message_is_served(client, model):
