@@ -44,8 +44,11 @@ running requests may still need moves its longest background request onto a ring
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from shared import subjects
 from shared.bus import BusError
@@ -136,6 +139,32 @@ class SessionView:
     worker: str | None = None      # decode worker that last held the session's KV
     last: float = 0.0              # router clock of the session's last request or update
     owner: str | None = None       # the API key's tenant that created it (None: not known yet)
+    context: int = 0               # prompt tokens of the session's last turn (0: not known)
+    digest: str = ""               # context_digest of that prompt (its tenant and tokens)
+
+
+def context_digest(tenant: str, token_ids: list[int]) -> str:
+    """What identifies a turn's prompt: a hash of its tenant and token ids."""
+    h = hashlib.blake2b(tenant.encode() + b"\0", digest_size=16)
+    h.update(np.asarray(token_ids, dtype="<u4").tobytes())
+    return h.hexdigest()
+
+
+def session_held(session: SessionView | None, tenant: str, token_ids: list[int], cached: dict[str, int],
+                 chunk_tokens: int, block_tokens: int) -> int:
+    """Prompt tokens the session's worker holds for this turn, at block granularity: the last
+    turn's prompt, when this prompt continues it (same tenant and tokens) — its KV and the reply's
+    stay in that worker's prefix cache (the reply's blocks too: the next prompt renders the reply
+    as the tokens it was generated as, so they match up to the first difference, which the
+    worker's block match finds). The prefix index sees whole chunks only; it must still list the
+    chunks of that prompt on the worker (none evicted). 0: nothing known."""
+    if session is None or not session.worker or not session.context or len(token_ids) <= session.context:
+        return 0
+    if context_digest(tenant, token_ids[:session.context]) != session.digest:
+        return 0
+    if cached.get(session.worker, 0) < session.context // chunk_tokens * chunk_tokens:
+        return 0  # some of its chunks were evicted there
+    return session.context // block_tokens * block_tokens
 
 
 @dataclass

@@ -30,8 +30,8 @@ from shared.schemas import Heartbeat, RoutePlan, RouteRequest, SessionState, Ses
 from shared.settings import Settings
 from shared.tier import Tier
 from services.migrate import migrate, to_target
-from services.placement import (POOL, Limits, Move, SessionView, WorkerView, place, rebalance, strategy_of,
-                                strategy_plan)
+from services.placement import (POOL, Limits, Move, SessionView, WorkerView, context_digest, place, rebalance,
+                                session_held, strategy_of, strategy_plan)
 from services.prefix_index import IndexFeed, PrefixIndex
 from services.sessions import SessionStore
 
@@ -123,6 +123,9 @@ class Router:
                 out[name] = max(out.get(name, 0), chunks * scope.chunk_tokens)
         return out, scope.chunk_tokens
 
+    def _block_tokens(self) -> int:
+        return next((w.beat.kv_block_tokens for w in self.workers.values() if w.beat.kv_block_tokens), 16)
+
     def _session(self, sid: str | None) -> SessionView | None:
         if sid is None:
             return None
@@ -145,6 +148,8 @@ class Router:
         s = self._owned(plan.session_id, plan.owner)
         if s is not None:
             s.worker, s.last = plan.decode_worker, now
+            if plan.context_tokens:
+                s.context, s.digest = plan.context_tokens, plan.context_digest
             if s.tier is None or Tier(plan.tier).priority < Tier(s.tier).priority:
                 s.tier = plan.tier
             if plan.router == self.worker_id and self.store is not None:
@@ -167,6 +172,9 @@ class Router:
         before = session.tier if session is not None else None
         cached, chunk = self.cached(req.prompt_token_ids, req.tenant)
         live = [w for w in self._live(now) if w.id not in req.exclude]  # found dead for this request
+        held = session_held(session, req.tenant, req.prompt_token_ids, cached, chunk, self._block_tokens())
+        if held > cached.get(session.worker if session else "", 0):
+            cached[session.worker] = held  # its last prompt and reply, block by block: no prefill worker
         plan, why = strategy_plan(req, live, now, self.policy, session, self.limits)
         if plan is None:
             plan = place(req, live, now, self.policy, self.turn, cached=cached, session=session,
@@ -177,6 +185,9 @@ class Router:
         plan.router, plan.owner = self.worker_id, req.owner
         if session is None:
             plan.session_id = None
+        elif req.prompt_token_ids and not req.attempt:
+            plan.context_tokens = len(req.prompt_token_ids)
+            plan.context_digest = context_digest(req.tenant, req.prompt_token_ids)
         self.turn += 1
         self._apply(plan, now)
         metrics.ROUTES.labels(self.policy, plan.decode_role, "yes" if plan.prefill_worker else "no").inc()

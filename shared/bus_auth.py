@@ -36,7 +36,7 @@ CREDS_VERSION = 1
 
 # JetStream streams and the services that use them (bucket ``b`` is stream ``KV_b``)
 KVEVENTS_STREAM = "TANDEM_KVEVENTS"     # shared/kv_events.py STREAM
-RESPONSES_BUCKET = "tandem_responses"   # services/gateway/responses.py BUCKET
+RESPONSES_BUCKET = "tandem_responses"   # services/gateway/response_store.py BUCKET
 SESSIONS_BUCKET = "tandem_sessions"     # services/sessions.py BUCKET
 PREFIX_BUCKET = "tandem_prefix_index"   # services/prefix_index.py BUCKET
 

@@ -85,6 +85,13 @@ ROUTER_MOVES = Counter("tandem_router_moves", "running requests the router moved
 MIGRATION_SECONDS = Histogram("tandem_migration_seconds", "seconds per migration, export to the target's ack",
                               ["source_role", "target_role"], buckets=_LATENCY)
 
+# -- stored Responses (services/gateway/response_store.py) -----------------------------------
+RESPONSES_STORED = Gauge("tandem_responses_stored", "stored Responses this gateway knows of, over every tenant "
+                         "(records, bytes)", ["what"])
+RESPONSES_EVICTED = Counter("tandem_responses_evicted", "stored Responses removed to keep a tenant within its cap "
+                            "(entries: TANDEM_RESPONSES_MAX_PER_TENANT, bytes: TANDEM_RESPONSES_MAX_BYTES_PER_TENANT)",
+                            ["cap"])
+
 # -- energy (only where the hardware reports power; see shared/energy.py) ---------------------
 ENERGY = Counter("tandem_energy_joules", "energy the process's power domain used while serving "
                  "(only where RAPL / NVML report it)", ["service", "domain"])

@@ -143,6 +143,9 @@ class RoutePlan:
     strategy: str = ""          # how it decodes: "gpu", "cpu" or "cpu-ring(N)" (shared/strategy.py)
     ring: list = field(default_factory=list)  # cpu-ring: [worker id, host, ring port] per member in
                                               # shard order; the first is the coordinator (decode_worker)
+    context_tokens: int = 0     # the session's prompt now (its length; 0: not a session's turn) ...
+    context_digest: str = ""    # ... and placement.context_digest of it: every router copy knows what
+                                # the session's worker holds for its next turn
 
 
 @message("MigrateRequest", 1)

@@ -409,6 +409,11 @@ class GatewaySettings:
                                  "requests (bodies over 16 KiB) off the event loop; more wait for one")
     responses_retention_s: float = _env("TANDEM_RESPONSES_RETENTION_S", 30 * 86400.0, "stored Responses "
                                         "(/v1/responses with store) are kept this long")
+    responses_max_per_tenant: int = _env("TANDEM_RESPONSES_MAX_PER_TENANT", 10000, "stored Responses one API "
+                                         "key keeps at most; one more removes its oldest; 0 = no cap")
+    responses_max_bytes_per_tenant: int = _env("TANDEM_RESPONSES_MAX_BYTES_PER_TENANT", 1 << 30, "bytes of stored "
+                                               "Responses (their records: response, input items, conversation) one "
+                                               "API key keeps at most; oldest out first; 0 = no cap")
     drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long")
     served_model_name: str | None = _env("TANDEM_SERVED_MODEL_NAME", None, "the model id clients send and "
                                          "/v1/models lists; unset: the model file's stem (SmolLM2-135M-Instruct)")
@@ -465,6 +470,9 @@ class GatewaySettings:
             raise ValueError("TANDEM_MAX_STREAMS_PER_KEY must be >= 0 (0 = no cap)")
         if self.tokenize_threads < 1:
             raise ValueError("TANDEM_TOKENIZE_THREADS must be >= 1")
+        if self.responses_max_per_tenant < 0 or self.responses_max_bytes_per_tenant < 0:
+            raise ValueError("TANDEM_RESPONSES_MAX_PER_TENANT and TANDEM_RESPONSES_MAX_BYTES_PER_TENANT must be >= 0 "
+                             "(0 = no cap)")
         if self.drain_s < 0:
             raise ValueError("TANDEM_DRAIN_S must be >= 0")
         if self.tool_parser is not None and self.tool_parser not in ("hermes", "llama3_json", "mistral"):

@@ -13,7 +13,7 @@ conversation as chat messages, per tenant (the API key): ``previous_response_id`
 conversation, and since the prompt is the same conversation rendered by the same template, the
 workers' prefix caches and the KV pool hold its prefix (``cached_tokens``). The conversation's
 session id (``prompt_cache_key``, else the first response's id) steers the router to the worker
-holding it. Where they are kept: ``ResponseStore`` below.
+holding it. Where they are kept, and their caps per tenant: ``response_store.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from . import streaming
 from .handlers import begin_generation, check_auth, prepare_chat, read_body, state, validated
+from .response_store import ResponseStore
 from .openai_api import (
     SESSION_RE, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
 )
@@ -39,9 +40,6 @@ from .openai_api import (
 log = logging.getLogger("tandem.gateway")
 
 router = APIRouter()
-
-BUCKET = "tandem_responses"      # JetStream KV bucket of stored responses (key: <tenant>.<response id>)
-DEFAULT_RETENTION_S = 30 * 86400
 
 
 class ResponsesRequest(BaseModel):
@@ -188,62 +186,11 @@ def session_of(key: str) -> str:
 
 # ---- the stored conversation ----------------------------------------------------------------------
 
-class ResponseStore:
-    """Stored responses: a JetStream KV bucket on the bus when there is one (durable on the NATS
-    server's store, so they outlive the gateway — and the stack, when the store is kept: compose's
-    volume, or ``TANDEM_NATS_STORE_DIR`` for ``tandem up``), else this process's memory.
-    Keys are ``<tenant>.<id>``: another API key's lookup misses."""
-
-    def __init__(self, bus=None, retention_s: float = DEFAULT_RETENTION_S):
-        self.bus, self.retention_s = bus, retention_s
-        self._kv = None
-        self._mem: dict[str, bytes] = {}
-        self._lock = asyncio.Lock()
-
-    async def _bucket(self):
-        async with self._lock:
-            if self._kv is None:
-                from nats.js.api import KeyValueConfig
-                js = self.bus.nc.jetstream()
-                try:
-                    self._kv = await js.key_value(BUCKET)
-                except Exception:
-                    self._kv = await js.create_key_value(KeyValueConfig(bucket=BUCKET, ttl=self.retention_s,
-                                                                        max_value_size=8 << 20))
-            return self._kv
-
-    async def put(self, tenant: str, rid: str, record: dict) -> None:
-        data = orjson.dumps(record)
-        if self.bus is None:
-            self._mem[f"{tenant}.{rid}"] = data
-            return
-        await (await self._bucket()).put(f"{tenant}.{rid}", data)
-
-    async def get(self, tenant: str, rid: str) -> dict | None:
-        if self.bus is None:
-            data = self._mem.get(f"{tenant}.{rid}")
-            return None if data is None else orjson.loads(data)
-        from nats.js.errors import KeyNotFoundError
-        try:
-            entry = await (await self._bucket()).get(f"{tenant}.{rid}")
-        except KeyNotFoundError:
-            return None
-        return orjson.loads(entry.value) if entry.value else None
-
-    async def delete(self, tenant: str, rid: str) -> bool:
-        if await self.get(tenant, rid) is None:
-            return False
-        if self.bus is None:
-            self._mem.pop(f"{tenant}.{rid}", None)
-        else:
-            await (await self._bucket()).purge(f"{tenant}.{rid}")
-        return True
-
-
 def store_of(request: Request) -> ResponseStore:
     gw = state(request)
     if gw.responses is None:
-        gw.responses = ResponseStore(getattr(gw.backend, "bus", None), gw.settings.responses_retention_s)
+        gw.responses = ResponseStore(getattr(gw.backend, "bus", None), gw.settings.responses_retention_s,
+                                     gw.settings.responses_max_per_tenant, gw.settings.responses_max_bytes_per_tenant)
     return gw.responses
 
 

@@ -81,7 +81,7 @@ def test_jetstream_per_stream():
 
 def test_the_names_match_the_services():
     from services import prefix_index, sessions
-    from services.gateway import responses
+    from services.gateway import response_store as responses
     from shared import kv_events
     assert (sessions.BUCKET, prefix_index.BUCKET, kv_events.STREAM, responses.BUCKET) == (
         bus_auth.SESSIONS_BUCKET, bus_auth.PREFIX_BUCKET, bus_auth.KVEVENTS_STREAM, bus_auth.RESPONSES_BUCKET)

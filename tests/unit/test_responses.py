@@ -132,3 +132,34 @@ def test_a_failure_mid_stream_is_a_failed_event(served, backend):
     events = list(client(served).responses.create(model=MODEL, input="Hi", stream=True))
     assert events[-2].type == "response.failed" and events[-2].response.error.code == "worker_lost"
     assert events[-1].type == "error"
+
+
+def _value(name: str, labels: dict) -> float:
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_the_store_keeps_each_tenant_within_its_caps_oldest_out_first():
+    from services.gateway.response_store import ResponseStore
+    store = ResponseStore(max_entries=3, max_bytes=400)
+    before = {cap: _value("tandem_responses_evicted_total", {"cap": cap}) for cap in ("entries", "bytes")}
+    for i in range(5):  # small records: the entry cap bites
+        await store.put("alice", f"resp_{i}", {"n": i})
+    await store.put("bob", "resp_b", {"n": 0})   # another tenant: its own caps
+    assert [await store.get("alice", f"resp_{i}") for i in range(5)] == [None, None, {"n": 2}, {"n": 3}, {"n": 4}]
+    assert await store.get("bob", "resp_b") == {"n": 0}
+    assert _value("tandem_responses_evicted_total", {"cap": "entries"}) == before["entries"] + 2
+    await store.put("alice", "resp_big", {"text": "x" * 385})  # 396 bytes: the older ones go by bytes
+    assert await store.get("alice", "resp_big") is not None and await store.get("alice", "resp_2") is None
+    assert _value("tandem_responses_evicted_total", {"cap": "bytes"}) > before["bytes"]
+    kept = [await store.get("alice", r) for r in store._ledgers["alice"]]
+    assert sum(len(orjson_dumps(v)) for v in kept) <= 400 and {"text": "x" * 385} in kept
+    with pytest.raises(ValueError):   # one record over the byte cap alone is not stored
+        await store.put("alice", "resp_huge", {"text": "x" * 500})
+    assert await store.delete("alice", "resp_big") and "resp_big" not in store._ledgers["alice"]
+    assert _value("tandem_responses_stored", {"what": "records"}) == sum(len(v) for v in store._ledgers.values())
+
+
+def orjson_dumps(obj) -> bytes:
+    import orjson
+    return orjson.dumps(obj)

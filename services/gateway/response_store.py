@@ -1,0 +1,148 @@
+"""Stored Responses (``/v1/responses`` with ``store``), capped per tenant.
+
+Where: a JetStream KV bucket on the bus when there is one (durable on the NATS server's store, so
+they outlive the gateway — and the stack, when the store is kept: compose's volume, or
+``TANDEM_NATS_STORE_DIR`` for ``tandem up``), else this process's memory. Keys are
+``<tenant>.<id>``: another API key's lookup misses.
+
+Bounded state: each tenant (API key) keeps at most ``max_entries`` responses and ``max_bytes`` of
+stored records (``TANDEM_RESPONSES_MAX_PER_TENANT``, ``TANDEM_RESPONSES_MAX_BYTES_PER_TENANT``);
+storing one more removes that tenant's oldest first until both hold (a single record larger than
+``max_bytes`` is not stored). The ledger of a tenant's records (id -> bytes, oldest first) lives
+in this process: on a bus it is read from the bucket at the tenant's first use here (the keys
+under ``<tenant>.``, ordered by their stream revision), then kept as this process stores and
+deletes. With several gateway copies, each enforces the caps over what it read at that first use
+plus what it stored itself; the bucket's TTL (``TANDEM_RESPONSES_RETENTION_S``) bounds the rest.
+Counted in ``tandem_responses_stored{what}`` (records, bytes this process knows of) and
+``tandem_responses_evicted_total{cap}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+import orjson
+
+from shared import metrics
+
+log = logging.getLogger("tandem.gateway")
+
+BUCKET = "tandem_responses"      # JetStream KV bucket of stored responses (key: <tenant>.<response id>)
+DEFAULT_RETENTION_S = 30 * 86400
+MAX_VALUE = 8 << 20              # a record larger than this is not stored (the bucket's value limit)
+
+class ResponseStore:
+    """Stored responses per tenant, with per-tenant caps (module doc)."""
+
+    def __init__(self, bus=None, retention_s: float = DEFAULT_RETENTION_S, max_entries: int = 0,
+                 max_bytes: int = 0):
+        self.bus, self.retention_s = bus, retention_s
+        self.max_entries, self.max_bytes = max_entries, max_bytes   # 0: no cap
+        self._kv = None
+        self._mem: dict[str, bytes] = {}
+        self._lock = asyncio.Lock()
+        self._ledgers: dict[str, OrderedDict[str, int]] = {}   # tenant -> response id -> bytes, oldest first
+        self._tenant_locks: dict[str, asyncio.Lock] = {}
+
+    async def _bucket(self):
+        async with self._lock:
+            if self._kv is None:
+                from nats.js.api import KeyValueConfig
+                js = self.bus.nc.jetstream()
+                try:
+                    self._kv = await js.key_value(BUCKET)
+                except Exception:
+                    self._kv = await js.create_key_value(KeyValueConfig(bucket=BUCKET, ttl=self.retention_s,
+                                                                        max_value_size=MAX_VALUE))
+            return self._kv
+
+    async def _ledger(self, tenant: str) -> OrderedDict[str, int]:
+        """The tenant's records, oldest first (read from the bucket at first use here)."""
+        ledger = self._ledgers.get(tenant)
+        if ledger is not None:
+            return ledger
+        found: list[tuple[int, str, int]] = []
+        if self.bus is not None:
+            from nats.js.errors import KeyNotFoundError, NoKeysError
+            kv = await self._bucket()
+            try:
+                keys = await kv.keys(filters=[f"{tenant}.*"])
+            except NoKeysError:
+                keys = []
+            for key in keys:
+                try:
+                    entry = await kv.get(key)
+                except KeyNotFoundError:
+                    continue
+                if entry.value:
+                    found.append((entry.revision or 0, key.split(".", 1)[1], len(entry.value)))
+        ledger = self._ledgers.setdefault(tenant, OrderedDict((rid, n) for _, rid, n in sorted(found)))
+        self._count()
+        return ledger
+
+    def _count(self) -> None:
+        metrics.RESPONSES_STORED.labels("records").set(sum(len(led) for led in self._ledgers.values()))
+        metrics.RESPONSES_STORED.labels("bytes").set(sum(sum(led.values()) for led in self._ledgers.values()))
+
+    async def put(self, tenant: str, rid: str, record: dict) -> None:
+        data = orjson.dumps(record)
+        if self.max_bytes and len(data) > self.max_bytes or len(data) > MAX_VALUE:
+            raise ValueError(f"the stored response is {len(data)} bytes, over the cap of "
+                             f"{min(self.max_bytes or MAX_VALUE, MAX_VALUE)}")
+        lock = self._tenant_locks.setdefault(tenant, asyncio.Lock())
+        async with lock:
+            ledger = await self._ledger(tenant)
+            ledger[rid] = len(data)
+            ledger.move_to_end(rid)
+            total = sum(ledger.values())
+            gone: list[tuple[str, str]] = []   # (response id, the cap it went for), oldest first
+            while len(ledger) > 1:             # never the new one (it fits max_bytes alone)
+                if self.max_entries and len(ledger) > self.max_entries:
+                    cap = "entries"
+                elif self.max_bytes and total > self.max_bytes:
+                    cap = "bytes"
+                else:
+                    break
+                old, n = ledger.popitem(last=False)
+                gone.append((old, cap))
+                total -= n
+            for old, cap in gone:
+                await self._remove(tenant, old)
+                metrics.RESPONSES_EVICTED.labels(cap).inc()
+            if gone:
+                log.info("stored responses of tenant %s: %d oldest removed (caps: %d entries, %d bytes)",
+                         tenant[:8], len(gone), self.max_entries, self.max_bytes)
+            if self.bus is None:
+                self._mem[f"{tenant}.{rid}"] = data
+            else:
+                await (await self._bucket()).put(f"{tenant}.{rid}", data)
+            self._count()
+
+    async def _remove(self, tenant: str, rid: str) -> None:
+        if self.bus is None:
+            self._mem.pop(f"{tenant}.{rid}", None)
+        else:
+            await (await self._bucket()).purge(f"{tenant}.{rid}")
+
+    async def get(self, tenant: str, rid: str) -> dict | None:
+        if self.bus is None:
+            data = self._mem.get(f"{tenant}.{rid}")
+            return None if data is None else orjson.loads(data)
+        from nats.js.errors import KeyNotFoundError
+        try:
+            entry = await (await self._bucket()).get(f"{tenant}.{rid}")
+        except KeyNotFoundError:
+            return None
+        return orjson.loads(entry.value) if entry.value else None
+
+    async def delete(self, tenant: str, rid: str) -> bool:
+        if await self.get(tenant, rid) is None:
+            return False
+        await self._remove(tenant, rid)
+        ledger = self._ledgers.get(tenant)
+        if ledger is not None:
+            ledger.pop(rid, None)
+            self._count()
+        return True
