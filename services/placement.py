@@ -229,11 +229,17 @@ def _choose_pool(tier: str, decoders: list[WorkerView], home: WorkerView | None 
         return other, f"{tier} -> {second} ({first} pool empty)"
     if tier != "interactive" and other and not any(w.waiting("interactive") for w in other):
         best_own, best_other = min(w.load() for w in own), min(w.load() for w in other)
-        if home is not None and home.role == second and home.load() <= best_own:
-            # an overflowed session stays where its KV is while that is no busier: going back
-            # would recompute its whole context
+        if home is not None and home.role == second and home.load() <= best_own + AFFINITY_SLACK:
+            # an overflowed session stays where its KV is while that is not much busier (the
+            # affinity slack, as within a pool): going back would recompute its whole context
             return other, f"{tier} -> {second} (session's KV on {home.id}, load {home.load()} <= {first} {best_own})"
         if best_own >= best_other + OVERFLOW:
+            if home is not None and home.role == first and home.load() < best_other + OVERFLOW + AFFINITY_SLACK:
+                # a session at home in its own pool overflows only past the affinity slack too:
+                # an agent's turns come faster than heartbeats, and the requests routed since the
+                # last one count as load until the next
+                return own, f"{tier} -> {first} (session's KV on {home.id}, load {home.load()}, " \
+                            f"{second} {best_other})"
             return other, f"{tier} -> {second} (overflow: {first} load {best_own}, {second} {best_other})"
     return own, f"{tier} -> {first}"
 

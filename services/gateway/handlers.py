@@ -205,7 +205,29 @@ def chat_prompt(gw: GatewayState, req: ChatCompletionRequest, plan) -> list[int]
     except (ValueError, TemplateError) as e:  # the template's raise_exception, or no template
         raise bad_param("messages", f"could not apply the chat template: {e}") from None
     # the template already holds BOS where the model wants one (as transformers tokenizes it)
-    return backend.tokenizer.encode(text, add_special_tokens=False)
+    replies = [m["content"] for m in messages if m.get("role") == "assistant" and isinstance(m.get("content"), str)]
+    return encode_turns(backend.tokenizer, text, replies)
+
+
+def encode_turns(tokenizer, text: str, replies: list[str]) -> list[int]:
+    """``text`` (a rendered conversation) as token ids, each assistant reply in ``replies`` encoded
+    on its own: the tokens before a reply are those its turn's prompt ended with (the template's
+    ``<|im_start|>assistant\n``...), and the reply's are those the model generated — not merged
+    with them by the BPE (a reply that starts with whitespace would merge with the prompt's last
+    newline: the next turn's prompt would differ from the last one at its last token, and the
+    reply's KV, still in the worker's prefix cache, would not match). So the next turn's prompt
+    starts with exactly the last turn's prompt and reply tokens, and the engine reuses their KV.
+    A reply the template changed (not found in the text as is) is encoded with its surroundings."""
+    ids, pos = [], 0
+    for reply in replies:
+        at = text.find(reply, pos) if reply else -1
+        if at < 0:
+            continue
+        if at > pos:
+            ids += tokenizer.encode(text[pos:at], add_special_tokens=False)
+        ids += tokenizer.encode(reply, add_special_tokens=False)
+        pos = at + len(reply)
+    return ids + (tokenizer.encode(text[pos:], add_special_tokens=False) if pos < len(text) else [])
 
 
 _SEED_STEP = 0x9E3779B97F4A7C15   # golden-ratio stride: choice i of seed s draws from seed s + i*step

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from shared.bus import BusError
@@ -43,10 +45,14 @@ BUSY_CPU = w("c1", "cpu-decode", running=4)
     ("batch", [GPU, BUSY_CPU], {}, None, "g1", None),
     ("batch", [w("g1", "gpu-decode", waiting={"interactive": 1}, queue=1), BUSY_CPU], {}, None, "c1", None),
     ("batch", [w("g1", "gpu-decode", running=3), BUSY_CPU], {}, None, "c1", None),  # GPU busy too
-    # an overflowed session stays with its KV on the GPU while that is no busier and has no
-    # interactive work waiting
+    # an overflowed session stays with its KV on the GPU while that is not busier by more than the
+    # affinity slack (2) and has no interactive work waiting
     ("batch", [GPU, w("c1", "cpu-decode", running=1)], {}, SessionView(worker="g1"), "g1", None),
-    ("batch", [w("g1", "gpu-decode", running=1), CPU], {}, SessionView(worker="g1"), "c1", None),
+    ("batch", [w("g1", "gpu-decode", running=2), CPU], {}, SessionView(worker="g1"), "g1", None),
+    ("batch", [w("g1", "gpu-decode", running=3), CPU], {}, SessionView(worker="g1"), "c1", None),
+    # a session at home on the CPU overflows only past the slack too (the GPU idle: at 4, not 3)
+    ("batch", [GPU, w("c1", "cpu-decode", running=3)], {}, SessionView(worker="c1"), "c1", None),
+    ("batch", [GPU, w("c1", "cpu-decode", running=4)], {}, SessionView(worker="c1"), "g1", None),
     ("batch", [w("g1", "gpu-decode", waiting={"interactive": 1}, queue=1), BUSY_CPU], {}, SessionView(worker="g1"),
      "c1", None),
     # load inside the pool
@@ -347,3 +353,25 @@ def test_two_short_workers_never_share_a_member_and_rebalance_spreads_under_pres
     assert rebalance(workers, {}, NOW, pressure=False) == []
     stale = [SHORT, sw("c2", seen=NOW - 10), sw("c3", seen=NOW - 10)]   # dead workers are no members
     assert spread(stale, NOW) == []
+
+
+def test_a_sessions_next_turn_finds_its_last_prompt_and_reply_on_its_worker():
+    """session_held: the last turn's prompt (same tenant, same tokens) at block granularity, while
+    the prefix index still lists its whole chunks on the session's worker; then place() lets that
+    decode worker prefill the rest itself (its prefix cache holds the reply too)."""
+    from services.placement import context_digest, session_held
+    last = list(range(300))
+    s = SessionView(worker="c1", context=len(last), digest=context_digest("t", last))
+    now = last + list(range(1000, 1150))                              # the reply and a new message
+    assert session_held(s, "t", now, {"c1": 256}, 256, 16) == 288   # 300 rounded down to the block
+    assert session_held(s, "t", now, {}, 256, 16) == 0               # its first chunk left the worker
+    assert session_held(s, "u", now, {"c1": 256}, 256, 16) == 0      # another tenant (cache_salt)
+    assert session_held(s, "t", [7] + now[1:], {"c1": 256}, 256, 16) == 0   # not a continuation
+    assert session_held(s, "t", last, {"c1": 256}, 256, 16) == 0     # no longer than the last turn
+    short = SessionView(worker="c1", context=40, digest=context_digest("t", now[:40]))
+    assert session_held(short, "t", now, {}, 256, 16) == 32          # under a chunk: no index evidence needed
+    prefill = w("p1", "prefill")
+    r = dataclasses.replace(req(n=len(now), session="s1"), prompt_token_ids=now)
+    plan = place(r, [CPU, prefill], NOW, session=s, cached={"c1": 288})
+    assert plan.prefill_worker is None and plan.decode_worker == "c1" and plan.cached_tokens == 288
+    assert place(r, [CPU, prefill], NOW, session=s, cached={}).prefill_worker == "p1"
