@@ -1,4 +1,4 @@
-"""``tandem bench BENCH`` (engine, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, stops, ring, startup, two-hosts): one module per benchmark.
+"""``tandem bench BENCH`` (engine, kernels, serve, stack, crossover, pool, migration, tiers, agents, chaos, grammar, stops, ring, startup, two-hosts): one module per benchmark.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
 benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
@@ -49,6 +49,9 @@ BENCHES = {
                   _module_arguments("bench.two_hosts"), _module_main("bench.two_hosts")),
     "ring": ("ring decode (cpu-ring(N), members in one process) vs a single worker per context; the compute/transfer model",
              _module_arguments("bench.ring"), _module_main("bench.ring")),
+    "agents": ("agent loops through /v1/responses (previous_response_id, tool pauses), idle and beside a batch "
+               "flood: turn TTFT, cached share of input, conversation prefilled again (bench/agents.py)",
+               _module_arguments("bench.agents"), _module_main("bench.agents")),
     "startup": ("seconds to ready, cold and warm weight cache, one engine and tandem up; RSS/PSS per engine",
                 _module_arguments("bench.startup"), _module_main("bench.startup")),
 }
