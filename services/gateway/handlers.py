@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -197,37 +198,47 @@ def common(request: Request, req, rid: str) -> dict:
 
 
 def chat_prompt(gw: GatewayState, req: ChatCompletionRequest, plan) -> list[int]:
-    """The prompt's token ids: messages (+ tools) rendered by the chat template, then tokenized."""
+    """The prompt's token ids: messages (+ tools) rendered by the chat template, then tokenized
+    (each assistant reply on its own: ``encode_turns``)."""
     messages, extra = tools.render_messages(chat_messages(req.messages), plan, gw.tool_parser, gw.native_tools)
-    backend = gw.backend
+    tok = gw.backend.tokenizer
     try:
-        text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(extra or {}))
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, **(extra or {}))
+        # the same conversation with each reply a placeholder: where the template puts the replies
+        marks = [f"\x00tandem-reply-{i}\x00" for i in range(len(messages))]
+        replies = {i: m["content"] for i, m in enumerate(messages)
+                   if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]}
+        marked = tok.apply_chat_template([dict(m, content=marks[i]) if i in replies else m
+                                          for i, m in enumerate(messages)], add_generation_prompt=True,
+                                         **(extra or {})) if replies else text
     except (ValueError, TemplateError) as e:  # the template's raise_exception, or no template
         raise bad_param("messages", f"could not apply the chat template: {e}") from None
     # the template already holds BOS where the model wants one (as transformers tokenizes it)
-    replies = [m["content"] for m in messages if m.get("role") == "assistant" and isinstance(m.get("content"), str)]
-    return encode_turns(backend.tokenizer, text, replies)
+    return encode_turns(tok, text, marked, {marks[i]: r for i, r in replies.items()})
 
 
-def encode_turns(tokenizer, text: str, replies: list[str]) -> list[int]:
-    """``text`` (a rendered conversation) as token ids, each assistant reply in ``replies`` encoded
-    on its own: the tokens before a reply are those its turn's prompt ended with (the template's
+_MARK = re.compile("(\x00tandem-reply-[0-9]+\x00)")
+
+
+def encode_turns(tokenizer, text: str, marked: str, replies: dict[str, str]) -> list[int]:
+    """``text`` (a rendered conversation) as token ids, each assistant reply encoded on its own:
+    the tokens before a reply are those its turn's prompt ended with (the template's
     ``<|im_start|>assistant\n``...), and the reply's are those the model generated — not merged
     with them by the BPE (a reply that starts with whitespace would merge with the prompt's last
     newline: the next turn's prompt would differ from the last one at its last token, and the
     reply's KV, still in the worker's prefix cache, would not match). So the next turn's prompt
     starts with exactly the last turn's prompt and reply tokens, and the engine reuses their KV.
-    A reply the template changed (not found in the text as is) is encoded with its surroundings."""
-    ids, pos = [], 0
-    for reply in replies:
-        at = text.find(reply, pos) if reply else -1
-        if at < 0:
-            continue
-        if at > pos:
-            ids += tokenizer.encode(text[pos:at], add_special_tokens=False)
-        ids += tokenizer.encode(reply, add_special_tokens=False)
-        pos = at + len(reply)
-    return ids + (tokenizer.encode(text[pos:], add_special_tokens=False) if pos < len(text) else [])
+    ``marked`` is the same rendering with each reply a placeholder (the keys of ``replies``); a
+    template that changes a reply (trims it, escapes it) does not render ``text`` from it: then
+    the whole text is encoded at once, and the reply's KV is reused up to its first changed token."""
+    parts = _MARK.split(marked) if replies else [text]
+    if "".join(replies.get(p, p) for p in parts) != text:
+        parts = [text]
+    ids: list[int] = []
+    for p in parts:
+        if p:
+            ids += tokenizer.encode(replies.get(p, p), add_special_tokens=False)
+    return ids
 
 
 _SEED_STEP = 0x9E3779B97F4A7C15   # golden-ratio stride: choice i of seed s draws from seed s + i*step

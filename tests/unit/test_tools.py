@@ -212,3 +212,28 @@ def test_streamed_calls_assemble_to_the_whole_texts_calls(mode):
             assert strip(calls_part) == strip(calls_whole)
             for c in calls_part:
                 json.loads(c["arguments"])
+
+
+def test_a_reply_in_the_history_keeps_the_tokens_it_was_generated_as():
+    """The next turn's prompt starts with exactly the last turn's prompt tokens and the reply's own
+    tokens, also for a reply whose leading whitespace the BPE would merge with the prompt's last
+    newline; a template that changes the reply falls back to encoding the whole text."""
+    from types import SimpleNamespace
+
+    from services.gateway.handlers import chat_prompt, encode_turns
+    from services.gateway.openai_api import ChatCompletionRequest
+    from shared.engine.loader import load_tokenizer
+
+    tok, _ = load_tokenizer()
+    gw = SimpleNamespace(backend=SimpleNamespace(tokenizer=tok), tool_parser=HermesParser(), native_tools=False)
+    first = [{"role": "user", "content": "Hi"}]
+    prompt = chat_prompt(gw, ChatCompletionRequest(model="m", messages=first), tool_plan(None, None, None))
+    for reply in ("  two spaces", " Hello there", "\nHello", "Plain.\n\n"):
+        messages = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
+        ids = chat_prompt(gw, ChatCompletionRequest(model="m", messages=messages), tool_plan(None, None, None))
+        generated = tok.encode(reply, add_special_tokens=False)
+        assert ids[:len(prompt) + len(generated)] == prompt + generated, reply
+        assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages, add_generation_prompt=True)
+    whole = "<s>user: Hi</s><s>assistant: two</s>"
+    assert encode_turns(tok, whole, "<s>user: Hi</s><s>assistant: \x00tandem-reply-1\x00</s>",
+                        {"\x00tandem-reply-1\x00": "  two"}) == tok.encode(whole, add_special_tokens=False)
