@@ -58,6 +58,7 @@ class Turn:
     cached_tokens: int = 0
     output_tokens: int = 0
     known: int = 0                # tokens of the conversation before this turn (previous input + output)
+    resumes: int = 0              # times the turn went on elsewhere after losing its worker (usage.tandem)
     error: str | None = None
 
     @property
@@ -116,6 +117,7 @@ async def _session(client, url: str, model: str, k: int, args: argparse.Namespac
             u = final["usage"]
             turn.input_tokens, turn.output_tokens = u["input_tokens"], u["output_tokens"]
             turn.cached_tokens = u["input_tokens_details"]["cached_tokens"]
+            turn.resumes = (u.get("tandem") or {}).get("resumes", 0)
             prev, known = final["id"], turn.input_tokens + turn.output_tokens
         except Exception as e:  # counted; the session goes on from its last good turn
             turn.error = f"{type(e).__name__}: {e}"
@@ -183,7 +185,7 @@ def summarize(turns: list[Turn]) -> dict:
     again = [t.reprefilled for t in later]
     last = max((t.turn for t in ok), default=0)
     n_last = sum(1 for t in ok if t.turn == last)
-    return {"turns": len(turns), "errors": len(turns) - len(ok),
+    return {"turns": len(turns), "errors": len(turns) - len(ok), "resumed": sum(t.resumes > 0 for t in ok),
             "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p90_ms": percentile(ttfts, 90) * 1e3,
             "later_ttft_p50_ms": percentile([t.ttft for t in later], 50) * 1e3,
             "later_ttft_p90_ms": percentile([t.ttft for t in later], 90) * 1e3,
@@ -198,7 +200,8 @@ ROWS = [("turn TTFT p50 ms (every turn)", "ttft_p50_ms"), ("turn TTFT p90 ms (ev
         ("conversation tokens prefilled again, median per turn", "reprefilled_p50"),
         ("  ... at most", "reprefilled_max"),
         (f"  turns with <= {NEAR} of them (target >= 90 %)", "turns_within_32_share"),
-        ("mean input tokens of the last turn", "input_tokens_last_mean"), ("errors", "errors")]
+        ("mean input tokens of the last turn", "input_tokens_last_mean"), ("turns resumed after a lost worker", "resumed"),
+        ("errors", "errors")]
 
 
 def run(args: argparse.Namespace) -> dict:
