@@ -5,8 +5,10 @@ idle and beside a batch flood — per-turn TTFT, and how much of each turn's pro
                         [--flood 6] [--flood-words 950] [--flood-tokens 16] [--flood-alone 60]
                         [--tier standard] [--threads 0] [--json F]
 
-One default ``tandem up`` (a prefill worker, gpu-decode, cpu-decode, the KV pool; engine threads as
-``tandem up`` picks them unless ``--threads``; its own embedded NATS) gets, in order:
+One default ``tandem up`` (a prefill worker, gpu-decode, cpu-decode, the KV pool — its disk tier in
+a fresh directory: the same seed sends the same prompts, which an earlier run's entries would hold;
+engine threads as ``tandem up`` picks them unless ``--threads``; its own embedded NATS) gets, in
+order:
 
 1. **idle**: ``--sessions`` agent sessions at once, each ``--turns`` turns: a turn sends the tool's
    output (``--tool-words`` words, fresh per session and turn) as the input of a streamed
@@ -34,8 +36,10 @@ import asyncio
 import json
 import math
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -208,7 +212,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.sessions < 1 or args.turns < 2 or args.reply_tokens < 1 or args.flood < 0 or args.pause < 0:
         raise ValueError("--sessions >= 1, --turns >= 2, --reply-tokens >= 1, --flood >= 0, --pause >= 0")
     port = free_port()
-    env = dict(bench_env(args.threads), TANDEM_PORT=str(port))
+    # a KV pool directory of its own: the disk tier keeps entries across runs, and the same seed
+    # sends the same prompts — a later run would find whole prompts there
+    pool_dir = tempfile.mkdtemp(prefix="tandem-bench-agents-pool-")
+    env = dict(bench_env(args.threads), TANDEM_PORT=str(port), TANDEM_POOL_DIR=pool_dir)
     if not args.threads:
         env.pop("TANDEM_THREADS")   # as `tandem up` picks them
     server = Server("stack", [sys.executable, "-m", "services.cli", "up", "--port", str(port)], env, port)
@@ -217,6 +224,7 @@ def run(args: argparse.Namespace) -> dict:
         load = asyncio.run(_phases(server.url, args))
     finally:
         rc = server.stop()
+        shutil.rmtree(pool_dir, ignore_errors=True)
         if rc not in (0, -signal.SIGTERM):
             sys.stderr.write(f"[agents] the stack exited with {rc}:\n{server.tail()}\n")
     idle, flood = summarize(load["idle"]), summarize(load["flood"])
