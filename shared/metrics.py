@@ -85,6 +85,23 @@ ROUTER_MOVES = Counter("tandem_router_moves", "running requests the router moved
 MIGRATION_SECONDS = Histogram("tandem_migration_seconds", "seconds per migration, export to the target's ack",
                               ["source_role", "target_role"], buckets=_LATENCY)
 
+# -- agent sessions: what each turn's prompt reused (gateway; a turn = a request with a session) ---
+SESSION_PROMPT_TOKENS = Counter("tandem_session_prompt_tokens", "prompt tokens of session turns, by whether "
+                                "their KV was reused (cached) or computed (computed): the cached share is "
+                                "cached / (cached + computed)", ["tier", "kind"])
+SESSION_TURN_COMPUTED = Histogram("tandem_session_turn_computed_tokens", "prompt tokens a session turn "
+                                  "computed (not found cached)", ["tier"],
+                                  buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768))
+
+
+def observe_session_turn(tier: str, prompt_tokens: int, cached_tokens: int) -> None:
+    """One finished session turn: its prompt tokens, cached and computed."""
+    computed = max(0, prompt_tokens - cached_tokens)
+    SESSION_PROMPT_TOKENS.labels(tier, "cached").inc(min(cached_tokens, prompt_tokens))
+    SESSION_PROMPT_TOKENS.labels(tier, "computed").inc(computed)
+    SESSION_TURN_COMPUTED.labels(tier).observe(computed)
+
+
 # -- stored Responses (services/gateway/response_store.py) -----------------------------------
 RESPONSES_STORED = Gauge("tandem_responses_stored", "stored Responses this gateway knows of, over every tenant "
                          "(records, bytes)", ["what"])

@@ -146,6 +146,8 @@ class Choices:
 
 def _done(g: GenerationRequest, accs: list[Accumulator], t0: float) -> None:
     now = time.monotonic()
+    if g.session_id:  # an agent's turn: how much of its prompt (the conversation so far) was reused
+        metrics.observe_session_turn(g.tier, accs[0].prompt_tokens, max(a.cached_tokens for a in accs))
     for acc in accs:
         ttft = (acc.first_token_at - t0) if acc.first_token_at else float("nan")
         tpot = (now - acc.first_token_at) / (acc.completion_tokens - 1) \

@@ -760,3 +760,17 @@ def test_in_process_backend_with_the_real_engine():
             assert info.value.code == "context_length_exceeded"
     finally:
         asyncio.run(engine.close())
+
+
+def test_a_session_turn_counts_its_cached_and_computed_prompt_tokens(url, client, backend):
+    from prometheus_client import REGISTRY
+
+    def value(kind):
+        return REGISTRY.get_sample_value("tandem_session_prompt_tokens_total", {"tier": "standard", "kind": kind}) or 0
+
+    before = value("cached") + value("computed")
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       extra_headers={"X-Tandem-Session": "s-metrics"})
+    assert value("cached") + value("computed") == before + r.usage.prompt_tokens
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert value("cached") + value("computed") == before + r.usage.prompt_tokens   # not a session's turn
