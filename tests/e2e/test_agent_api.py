@@ -298,14 +298,17 @@ async def test_constrained_request_migrated_mid_stream_equals_unmigrated(stack, 
     jsonschema.validate(json.loads(got), RECIPE)
 
 
-@pytest.mark.parametrize("settings", [{"temperature": 0}, {"seed": 3}], ids=["greedy", "sampled"])
-async def test_pydantic_ai_agent_gets_a_validated_output_object(stack, model, settings):
-    """pydantic-ai's ``Agent(model, output_type=...)`` (chat completions, ``tool_choice: required``
-    with its output tool, 80 output tokens), streamed and not: a validated object, the same one."""
+@pytest.mark.parametrize("api,settings", [("chat", {"temperature": 0}), ("chat", {"seed": 3}),
+                                          ("responses", {"temperature": 0})],
+                         ids=["chat-greedy", "chat-sampled", "responses-greedy"])
+async def test_pydantic_ai_agent_gets_a_validated_output_object(stack, model, api, settings):
+    """pydantic-ai's ``Agent(model, output_type=...)`` (``tool_choice: required`` with its output
+    tool, 80 output tokens; its chat and its Responses model), streamed and not: a validated
+    object, the same one. (Its Responses model sends no seed: sampled, it is another draw each run.)"""
     pytest.importorskip("pydantic_ai", reason="pydantic-ai-slim[openai] is in the test extras")
     from pydantic import BaseModel
     from pydantic_ai import Agent
-    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
     class Person(BaseModel):
@@ -313,7 +316,8 @@ async def test_pydantic_ai_agent_gets_a_validated_output_object(stack, model, se
         age: int
 
     provider = OpenAIProvider(base_url=stack.url + "/v1", api_key="none")
-    agent = Agent(OpenAIChatModel(model, provider=provider), output_type=Person)
+    kind = OpenAIChatModel if api == "chat" else OpenAIResponsesModel
+    agent = Agent(kind(model, provider=provider), output_type=Person)
     ask, ms = "Ada Lovelace was 36 years old. Extract the person.", {"max_tokens": 80, **settings}
     whole = (await agent.run(ask, model_settings=ms)).output
     async with agent.run_stream(ask, model_settings=ms) as run:
