@@ -34,7 +34,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from shared import bus_auth, schemas, tracing
+from shared import bus_auth, nats_cluster, schemas, tracing
 from shared.schemas import ERROR_STATUS, Ack, ErrorReply, SchemaError
 from shared.settings import NatsSettings, Settings
 
@@ -181,6 +181,7 @@ class Bus:
         self._subs: list = []                     # serve() subscriptions
         self._closing = False                     # close() called: disconnects are expected
         self.connected_since: float | None = None  # monotonic time of the last (re)connect; None: down
+        self.replicas_setting = 0                 # TANDEM_NATS_REPLICAS (0: auto, see stream_replicas)
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -199,6 +200,7 @@ class Bus:
             raise ValueError("no NATS server: set TANDEM_NATS_URL (or run `tandem up`, which "
                              "starts an embedded one)")
         bus = cls(None, s.request_timeout)
+        bus.replicas_setting = s.replicas
         opts: dict[str, Any] = dict(
             servers=servers, name=name or s.name, connect_timeout=s.connect_timeout,
             # a few tries to connect at all (bad credentials fail fast); forever once connected
@@ -402,6 +404,32 @@ class Bus:
         self._heartbeats.add(task)
         task.add_done_callback(self._heartbeats.discard)
         return task
+
+    # -- JetStream ----------------------------------------------------------------------------
+
+    def stream_replicas(self) -> tuple[int, str]:
+        """(replicas, why) for a stream or KV bucket this service creates: TANDEM_NATS_REPLICAS,
+        or auto from the connected server's INFO (3 in a cluster of >= 3 servers, else 1)."""
+        info = getattr(self.nc, "_server_info", None) or {}
+        return nats_cluster.replicas_for(self.replicas_setting, info)
+
+    async def jetstream_create(self, what: str, create: Callable[[int], Awaitable[Any]],
+                               attempts: int = 3) -> Any:
+        """``await create(replicas)`` (a stream or bucket create), logged with its replica
+        count. A timed-out create is tried again: a fresh cluster's first stream create can
+        time out while its JetStream meta group settles (a create of the same config is
+        idempotent)."""
+        n, why = self.stream_replicas()
+        for attempt in range(1, attempts + 1):
+            try:
+                result = await create(n)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                if attempt == attempts:
+                    raise
+                log.warning("JetStream %s: create timed out; trying again (%d/%d)", what, attempt, attempts)
+                continue
+            log.info("JetStream %s created with %d replica(s) (%s)", what, n, why)
+            return result
 
     # -- connection events --------------------------------------------------------------------
 

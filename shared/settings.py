@@ -54,6 +54,10 @@ class NatsSettings:
     connect_timeout: float = _env("TANDEM_NATS_CONNECT_TIMEOUT", 5.0, "seconds per connect attempt")
     request_timeout: float = _env("TANDEM_NATS_REQUEST_TIMEOUT", 10.0,
                                   "default seconds to wait for a bus reply")
+    replicas: int = _env("TANDEM_NATS_REPLICAS", 0,
+                         "replicas of every JetStream stream and KV bucket Tandem creates (stored "
+                         "responses, sessions, the prefix index, KV events); 0: auto, 3 when the "
+                         "server is in a cluster of >= 3 servers, else 1 (docs/deploy.md)")
 
     def validate(self) -> None:
         if (self.user is None) != (self.password is None):
@@ -62,6 +66,8 @@ class NatsSettings:
             raise ValueError("set TANDEM_NATS_TOKEN or TANDEM_NATS_USER/PASSWORD, not both")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TANDEM_NATS_TLS_CERT and TANDEM_NATS_TLS_KEY must be set together")
+        if self.replicas < 0 or self.replicas > 5:
+            raise ValueError("TANDEM_NATS_REPLICAS must be 0 (auto) or 1..5 (JetStream's limit)")
         if self.connect_timeout <= 0 or self.request_timeout <= 0:
             raise ValueError("TANDEM_NATS_CONNECT_TIMEOUT and TANDEM_NATS_REQUEST_TIMEOUT must be > 0")
         for u in self.servers():

@@ -208,8 +208,9 @@ class ResponseStore:
                 try:
                     self._kv = await js.key_value(BUCKET)
                 except Exception:
-                    self._kv = await js.create_key_value(KeyValueConfig(bucket=BUCKET, ttl=self.retention_s,
-                                                                        max_value_size=8 << 20))
+                    self._kv = await self.bus.jetstream_create(
+                        f"KV bucket {BUCKET}", lambda replicas: js.create_key_value(KeyValueConfig(
+                            bucket=BUCKET, ttl=self.retention_s, max_value_size=8 << 20, replicas=replicas)))
             return self._kv
 
     async def put(self, tenant: str, rid: str, record: dict) -> None:
