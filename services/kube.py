@@ -20,9 +20,10 @@ the render nor ``tandem kube secrets`` makes.
 ``podman``: what Kubernetes does that podman 4.3's ``kube play`` cannot, done beforehand: each
 StatefulSet and Deployment becomes its pods (``name-0``...; a StatefulSet's claim templates become
 PVCs, podman volumes), Secrets become ConfigMaps, Services go (pods reach each other by name on
-one podman network), DNS names ``pod.service`` become ``pod``, ``status.podIP`` goes (the image's
-entrypoint advertises the container's address), resource requests, node selectors, affinities,
-tolerations and GPU workers go, and the gateway's port is published on loopback.
+one podman network), DNS names ``pod.service`` become ``pod``, ``status.podIP`` becomes the
+pod's name (podman's DNS resolves it), probes other than exec liveness, resource requests, node selectors, affinities,
+tolerations and GPU workers go, and container ports too but the gateway's, published on loopback
+(podman publishes each one on the host).
 """
 
 from __future__ import annotations
@@ -312,6 +313,8 @@ def podman_form(docs: list[dict], secret_docs: list[dict], *, image: str | None 
                 for e in c.get("env", []):
                     src = e.get("valueFrom", {})
                     if src.get("fieldRef", {}).get("fieldPath") == "status.podIP":
+                        e = {"name": e["name"], "value": pod_name}   # its name on the podman network
+                        env.append(e)
                         continue
                     if "secretKeyRef" in src:
                         e = {"name": e["name"], "valueFrom": {"configMapKeyRef": {
@@ -322,12 +325,14 @@ def podman_form(docs: list[dict], secret_docs: list[dict], *, image: str | None 
                         e["value"] = _undns(e["value"], services, rename)
                     env.append(e)
                 c["env"] = env
-                for probe in ("startupProbe", "readinessProbe"):   # podman runs liveness only
-                    c.pop(probe, None)
-                if name == "tandem-gateway":
-                    for p in c.get("ports", []):
-                        if p["containerPort"] == 8000:
-                            p.update(hostPort=gateway_port, hostIP="127.0.0.1")
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    if probe != "livenessProbe" or "exec" not in c.get(probe, {"exec": 0}):
+                        c.pop(probe, None)     # podman 4.3 runs liveness only, httpGet with curl (not in the image)
+                # podman publishes every containerPort on the host: only the gateway's, on loopback
+                c["ports"] = [dict(p, hostPort=gateway_port, hostIP="127.0.0.1") for p in c.get("ports", [])
+                              if name == "tandem-gateway" and p["containerPort"] == 8000]
+                if not c["ports"]:
+                    del c["ports"]
                 values = {e["name"]: e["value"] for e in env if "value" in e}
                 c["command"] = [re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), m.group(0)),
                                        _undns(a, services, rename)) for a in c.get("command", [])]

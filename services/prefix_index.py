@@ -287,10 +287,8 @@ class IndexFeed:
         return await ensure_event_stream(js, self.stream, self.max_age, self.max_bytes, bus=self.bus)
 
     async def _ensure_bucket(self, js):
-        try:
-            return await js.key_value(self.bucket)
-        except nats.js.errors.BucketNotFoundError:
-            return await self.bus.jetstream_create(f"KV bucket {self.bucket}", lambda replicas: js.create_key_value(
+        return await self.bus.jetstream_ensure(
+            f"KV bucket {self.bucket}", lambda: js.key_value(self.bucket), lambda replicas: js.create_key_value(
                 bucket=self.bucket, history=1, storage=api.StorageType.FILE, replicas=replicas,
                 description="the router's prefix index (services/prefix_index.py)"))
 

@@ -31,6 +31,7 @@ from typing import Any, Awaitable, Callable
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
@@ -182,6 +183,7 @@ class Bus:
         self._closing = False                     # close() called: disconnects are expected
         self.connected_since: float | None = None  # monotonic time of the last (re)connect; None: down
         self.replicas_setting = 0                 # TANDEM_NATS_REPLICAS (0: auto, see stream_replicas)
+        self.jetstream_wait = 60.0                # seconds jetstream_ensure waits for JetStream to answer
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -413,20 +415,32 @@ class Bus:
         info = getattr(self.nc, "_server_info", None) or {}
         return nats_cluster.replicas_for(self.replicas_setting, info)
 
-    async def jetstream_create(self, what: str, create: Callable[[int], Awaitable[Any]],
-                               attempts: int = 3) -> Any:
-        """``await create(replicas)`` (a stream or bucket create), logged with its replica
-        count. A timed-out create is tried again: a fresh cluster's first stream create can
-        time out while its JetStream meta group settles (a create of the same config is
-        idempotent)."""
+    async def jetstream_ensure(self, what: str, lookup: Callable[[], Awaitable[Any]],
+                               create: Callable[[int], Awaitable[Any]], wait: float | None = None) -> Any:
+        """A stream or KV bucket: ``await lookup()`` when it exists (NotFoundError: it does not),
+        else ``await create(replicas)``, logged with its replica count (``stream_replicas``).
+
+        A timeout is tried again for ``wait`` seconds (default ``jetstream_wait``): a cluster
+        that is still electing its JetStream meta leader (every server started at once, as a
+        StatefulSet does) answers nothing, and a fresh cluster's first create can time out
+        while its meta group settles (a create of the same config is idempotent)."""
+        deadline = time.monotonic() + (self.jetstream_wait if wait is None else wait)
         n, why = self.stream_replicas()
-        for attempt in range(1, attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
+                try:
+                    return await lookup()
+                except nats.js.errors.NotFoundError:
+                    pass
                 result = await create(n)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                if attempt == attempts:
+                if time.monotonic() >= deadline:
                     raise
-                log.warning("JetStream %s: create timed out; trying again (%d/%d)", what, attempt, attempts)
+                log.warning("JetStream %s: no answer (attempt %d; a cluster still electing its leader "
+                            "answers nothing); trying again", what, attempt)
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
                 continue
             log.info("JetStream %s created with %d replica(s) (%s)", what, n, why)
             return result

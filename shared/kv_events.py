@@ -110,12 +110,7 @@ async def ensure_event_stream(js, name: str = STREAM, max_age: float = 3600.0,
                               max_bytes: int = 256 << 20, bus=None) -> api.StreamInfo:
     """The JetStream stream capturing every KVEvent, created if missing (by the first router or
     KV holder to start: events sent before any router runs are kept too), with the replicas
-    ``bus.jetstream_create`` picks (TANDEM_NATS_REPLICAS; one without a bus)."""
-    try:
-        return await js.stream_info(name)
-    except nats.js.errors.NotFoundError:
-        pass
-
+    ``bus.jetstream_ensure`` picks (TANDEM_NATS_REPLICAS; one without a bus)."""
     def create(replicas: int):
         return js.add_stream(api.StreamConfig(
             name=name, subjects=[subjects.KV_EVENTS_ALL], storage=api.StorageType.FILE,
@@ -123,7 +118,10 @@ async def ensure_event_stream(js, name: str = STREAM, max_age: float = 3600.0,
             max_age=max_age, max_bytes=max_bytes, num_replicas=replicas))
     try:
         if bus is None:
-            return await create(1)
-        return await bus.jetstream_create(f"stream {name}", create)
+            try:
+                return await js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                return await create(1)
+        return await bus.jetstream_ensure(f"stream {name}", lambda: js.stream_info(name), create)
     except nats.js.errors.BadRequestError:  # someone else created it meanwhile
         return await js.stream_info(name)

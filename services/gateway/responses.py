@@ -205,12 +205,10 @@ class ResponseStore:
             if self._kv is None:
                 from nats.js.api import KeyValueConfig
                 js = self.bus.nc.jetstream()
-                try:
-                    self._kv = await js.key_value(BUCKET)
-                except Exception:
-                    self._kv = await self.bus.jetstream_create(
-                        f"KV bucket {BUCKET}", lambda replicas: js.create_key_value(KeyValueConfig(
-                            bucket=BUCKET, ttl=self.retention_s, max_value_size=8 << 20, replicas=replicas)))
+                self._kv = await self.bus.jetstream_ensure(
+                    f"KV bucket {BUCKET}", lambda: js.key_value(BUCKET), lambda replicas: js.create_key_value(
+                        KeyValueConfig(bucket=BUCKET, ttl=self.retention_s, max_value_size=8 << 20,
+                                       replicas=replicas)))
             return self._kv
 
     async def put(self, tenant: str, rid: str, record: dict) -> None:

@@ -1,5 +1,5 @@
 """The cluster configuration (shared/nats_cluster.py, `tandem nats-auth --cluster`), the replica
-setting, and Bus.jetstream_create; no server (tests/integration/test_nats_cluster.py runs one)."""
+setting, and Bus.jetstream_ensure; no server (tests/integration/test_nats_cluster.py runs one)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import subprocess
 
 import nats.errors
+import nats.js.errors
 import pytest
 
 from services import nats_auth
@@ -98,25 +99,36 @@ class _NC:
         self._server_info = info
 
 
-async def test_jetstream_create_logs_replicas_and_retries_a_timeout(caplog):
+async def test_jetstream_ensure_looks_up_creates_with_replicas_and_waits_out_timeouts(caplog):
     bus = Bus(_NC({"cluster": "t", "connect_urls": ["a:1", "b:1", "c:1"]}))
     calls = []
 
+    async def lookup():
+        calls.append("lookup")
+        if len(calls) < 3:
+            raise nats.errors.TimeoutError       # a cluster electing its meta leader answers nothing
+        raise nats.js.errors.NotFoundError
+
     async def create(replicas):
         calls.append(replicas)
-        if len(calls) < 3:
-            raise nats.errors.TimeoutError
         return "made"
 
     with caplog.at_level(logging.INFO, "shared.bus"):
-        assert await bus.jetstream_create("stream S", create) == "made"
-    assert calls == [3, 3, 3]
-    assert "stream S created with 3 replica(s)" in caplog.text and "trying again" in caplog.text
+        assert await bus.jetstream_ensure("stream S", lookup, create, wait=5) == "made"
+    assert calls == ["lookup", "lookup", "lookup", 3]
+    assert "stream S created with 3 replica(s) (auto: cluster 't' has 3 servers)" in caplog.text
+    assert "trying again" in caplog.text
 
-    async def never(replicas):
+    async def found():
+        return "there"
+    assert await bus.jetstream_ensure("stream S", found, create) == "there"   # exists: no create
+
+    async def never():
         raise nats.errors.TimeoutError
+    t0 = asyncio.get_running_loop().time()
     with pytest.raises(asyncio.TimeoutError):
-        await bus.jetstream_create("stream S", never)
+        await bus.jetstream_ensure("stream S", never, create, wait=0.5)
+    assert asyncio.get_running_loop().time() - t0 < 3
 
 
 def test_nats_auth_cluster_writes_a_config_nats_server_reads(tmp_path, monkeypatch):
