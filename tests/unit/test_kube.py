@@ -178,3 +178,17 @@ def test_tandem_kube_cli_renders_and_validates(capsys):
     from services.cli import main
     assert main(["kube", "validate", "--builtin"]) == 0
     assert "valid" in capsys.readouterr().out
+
+
+def test_kube_check_offline_renders_and_validates():
+    """scripts/kube-check's first step, as it runs by hand (its play step needs podman and root)."""
+    import os
+    import sys
+    from pathlib import Path
+    assert subprocess.run(["bash", "-n", str(kube.ROOT / "scripts" / "kube-check")]).returncode == 0
+    env = dict(os.environ, TANDEM_VENV=str(Path(sys.executable).parent.parent))
+    res = subprocess.run(["bash", str(kube.ROOT / "scripts" / "kube-check"), "--offline"], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "objects (ConfigMap, Deployment, PersistentVolumeClaim, Service, StatefulSet): valid" in res.stdout
+    assert "validated against the Kubernetes API schemas" in res.stdout
