@@ -1,4 +1,4 @@
-"""``tandem bench BENCH`` (engine, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, stops, ring, startup, two-hosts): one module per benchmark.
+"""``tandem bench BENCH`` (engine, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, stops, ring, startup, two-hosts, hosts): one module per benchmark.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
 benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
@@ -44,6 +44,9 @@ BENCHES = {
               _module_arguments("bench.chaos"), _module_main("bench.chaos")),
     "stops": ("16 stop strings of 30 KB on one sequence vs the rest of its batch's decode speed (bench/stops.py)",
               _module_arguments("bench.stops"), _module_main("bench.stops")),
+    "hosts": ("N hosts on one machine (network namespaces, root), one NATS cluster: a server killed "
+              "mid-stream, a host killed, the host back (bench/hosts.py)",
+              _module_arguments("bench.hosts"), _module_main("bench.hosts")),
     "two-hosts": ("two hosts on one machine (network namespaces, root): prefill on one, decode on the other, "
                   "the pool shared (bench/two_hosts.py)",
                   _module_arguments("bench.two_hosts"), _module_main("bench.two_hosts")),

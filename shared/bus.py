@@ -45,6 +45,13 @@ Handler = Callable[[Any], Awaitable[Any]]
 _CONNECT_ATTEMPTS = 3  # per server, before Bus.connect gives up
 
 
+def _placement(e: Exception) -> bool:
+    """A JetStream API error that a forming cluster gives: too few servers up for the replicas."""
+    text = f"{getattr(e, 'description', '')} {e}".lower()
+    return getattr(e, "err_code", None) in (10005, 10023) or "insufficient resources" in text \
+        or "no suitable peers" in text
+
+
 class BusError(Exception):
     """An error with a wire code (a key of schemas.ERROR_STATUS); handlers raise it on purpose."""
 
@@ -184,6 +191,7 @@ class Bus:
         self.connected_since: float | None = None  # monotonic time of the last (re)connect; None: down
         self.replicas_setting = 0                 # TANDEM_NATS_REPLICAS (0: auto, see stream_replicas)
         self.jetstream_wait = 60.0                # seconds jetstream_ensure waits for JetStream to answer
+        self.configured_servers = 0               # the servers TANDEM_NATS_URL lists
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -203,6 +211,7 @@ class Bus:
                              "starts an embedded one)")
         bus = cls(None, s.request_timeout)
         bus.replicas_setting = s.replicas
+        bus.configured_servers = len(servers)
         opts: dict[str, Any] = dict(
             servers=servers, name=name or s.name, connect_timeout=s.connect_timeout,
             # a few tries to connect at all (bad credentials fail fast); forever once connected
@@ -413,7 +422,7 @@ class Bus:
         """(replicas, why) for a stream or KV bucket this service creates: TANDEM_NATS_REPLICAS,
         or auto from the connected server's INFO (3 in a cluster of >= 3 servers, else 1)."""
         info = getattr(self.nc, "_server_info", None) or {}
-        return nats_cluster.replicas_for(self.replicas_setting, info)
+        return nats_cluster.replicas_for(self.replicas_setting, info, self.configured_servers)
 
     async def jetstream_ensure(self, what: str, lookup: Callable[[], Awaitable[Any]],
                                create: Callable[[int], Awaitable[Any]], wait: float | None = None) -> Any:
@@ -435,11 +444,12 @@ class Bus:
                 except nats.js.errors.NotFoundError:
                     pass
                 result = await create(n)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                if time.monotonic() >= deadline:
+            except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.APIError) as e:
+                if time.monotonic() >= deadline or (isinstance(e, nats.js.errors.APIError) and not _placement(e)):
                     raise
-                log.warning("JetStream %s: no answer (attempt %d; a cluster still electing its leader "
-                            "answers nothing); trying again", what, attempt)
+                log.warning("JetStream %s: %s (attempt %d; a cluster still forming answers nothing, or "
+                            "has fewer servers up than replicas); trying again", what,
+                            str(e) or type(e).__name__, attempt)
                 await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
                 continue
             log.info("JetStream %s created with %d replica(s) (%s)", what, n, why)

@@ -94,18 +94,21 @@ def cluster_config(creds: dict, routes: list[str], *, name: str = DEFAULT_CLUSTE
     return conf
 
 
-def replicas_for(setting: int, server_info: dict) -> tuple[int, str]:
+def replicas_for(setting: int, server_info: dict, configured: int = 0) -> tuple[int, str]:
     """(replica count, why) for a stream or bucket, from TANDEM_NATS_REPLICAS and the INFO of
-    the server a client is connected to (its ``cluster`` name and ``connect_urls``: the client
-    addresses of every server of the cluster)."""
+    the server a client is connected to: its ``cluster`` name and ``connect_urls`` (the client
+    addresses of the servers it has routes to, which grow while a cluster forms), or the
+    ``configured`` URLs (TANDEM_NATS_URL's list) when they name more servers."""
     if setting > 0:
         return setting, "TANDEM_NATS_REPLICAS"
     cluster = server_info.get("cluster")
-    servers = len(set(server_info.get("connect_urls") or []))
+    seen = len(set(server_info.get("connect_urls") or []))
+    servers = max(seen, configured)
+    how = f"{seen} advertised" + (f", {configured} in TANDEM_NATS_URL" if configured > seen else "")
     if cluster and servers >= AUTO_REPLICAS:
-        return AUTO_REPLICAS, f"auto: cluster {cluster!r} has {servers} servers"
+        return AUTO_REPLICAS, f"auto: cluster {cluster!r}, {how}"
     if cluster:
-        return 1, f"auto: cluster {cluster!r} has {servers} server(s), fewer than {AUTO_REPLICAS}"
+        return 1, f"auto: cluster {cluster!r} of fewer than {AUTO_REPLICAS} servers ({how})"
     return 1, "auto: a single server"
 
 

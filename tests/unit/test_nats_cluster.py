@@ -87,6 +87,12 @@ def test_replicas_auto_and_set(setting, info, want):
     assert n == want and why
 
 
+def test_replicas_auto_counts_the_configured_servers_while_a_cluster_forms():
+    forming = {"cluster": "t", "connect_urls": ["a:1"]}          # routes not all up yet
+    assert replicas_for(0, forming, configured=3)[0] == 3
+    assert replicas_for(0, {}, configured=3)[0] == 1              # three URLs, but not a cluster
+
+
 def test_replicas_setting_is_validated():
     assert Settings.from_env({"TANDEM_NATS_REPLICAS": "3"}).nats.replicas == 3
     for bad in ("-1", "7"):
@@ -116,8 +122,26 @@ async def test_jetstream_ensure_looks_up_creates_with_replicas_and_waits_out_tim
     with caplog.at_level(logging.INFO, "shared.bus"):
         assert await bus.jetstream_ensure("stream S", lookup, create, wait=5) == "made"
     assert calls == ["lookup", "lookup", "lookup", 3]
-    assert "stream S created with 3 replica(s) (auto: cluster 't' has 3 servers)" in caplog.text
+    assert "stream S created with 3 replica(s) (auto: cluster 't', 3 advertised)" in caplog.text
     assert "trying again" in caplog.text
+
+    async def missing():
+        raise nats.js.errors.NotFoundError
+
+    tries = []
+
+    async def placed_later(replicas):   # an R3 create while only 2 of 3 servers are up
+        tries.append(replicas)
+        if len(tries) == 1:
+            raise nats.js.errors.APIError(code=500, err_code=10023, description="insufficient resources")
+        return "placed"
+    assert await bus.jetstream_ensure("stream S", missing, placed_later, wait=5) == "placed"
+    assert tries == [3, 3]
+
+    async def refused(replicas):         # any other API error is not waited out
+        raise nats.js.errors.APIError(code=400, err_code=10058, description="stream name already in use")
+    with pytest.raises(nats.js.errors.APIError):
+        await bus.jetstream_ensure("stream S", missing, refused, wait=5)
 
     async def found():
         return "there"
