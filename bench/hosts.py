@@ -180,6 +180,9 @@ def run(n_hosts: int = 3, streams: int = 4, prompt_tokens: int = 600, max_tokens
                     if f"nats-{hs[i]}" in hosts.procs]
             client("healthz", urls=urls)
 
+        def resumed() -> int:
+            return hosts.logs["gateway-a"].read_text(errors="replace").count("resuming at token")
+
         def routed_to(worker: str) -> int:
             return sum(len(re.findall(rf"-> cpu-decode {worker} ", hosts.logs[n].read_text(errors="replace")))
                        for n in hosts.logs if n.startswith("router-"))
@@ -207,12 +210,15 @@ def run(n_hosts: int = 3, streams: int = 4, prompt_tokens: int = 600, max_tokens
             # 2. one host's NATS server killed while streams run
             victim = "b"
             pid = hosts.procs[f"nats-{victim}"].pid
+            r0 = resumed()
             nk = client("fault", streams=streams, kill=[pid], reference=ref["text"])
+            nk["resumed"] = resumed() - r0
             hosts.procs.pop(f"nats-{victim}").wait()
             back = client("readback", response_id=ref["response_id"], reference=ref["response_text"])
             nk["readback"] = back
             res["nats_killed"] = nk
-            _progress(f"nats-{victim} killed mid-stream: {nk['same']}/{streams} streams the reference text, "
+            _progress(f"nats-{victim} killed mid-stream: {nk['same']}/{streams} streams the reference text "
+                      f"({nk['resumed']} resumed), "
                       f"a new request served {nk['recovery_s']:.2f} s after the kill; stored response read back: "
                       f"{back['response_ok']}, prefix index: {back['index_keys']} keys ({back['index_mode']})")
             t1 = time.monotonic()
@@ -224,10 +230,13 @@ def run(n_hosts: int = 3, streams: int = 4, prompt_tokens: int = 600, max_tokens
             # 3. every process of host C killed while streams run
             lost = hs[2]
             pids = [hosts.procs[name].pid for name in hosts.host_procs(lost)]
+            r0, on0 = resumed(), routed_to(f"decode-{lost}")
             hk = client("fault", streams=streams, kill=pids, reference=ref["text"])
             hosts.kill_host(lost)
+            hk["on_lost_host"], hk["resumed"] = routed_to(f"decode-{lost}") - on0, resumed() - r0
             res["host_killed"] = hk
-            _progress(f"host {lost.upper()} killed (every process): {hk['same']}/{streams} streams the reference text, "
+            _progress(f"host {lost.upper()} killed (every process): {hk['on_lost_host']} of {streams} streams were on it, "
+                      f"{hk['resumed']} resumed elsewhere; {hk['same']}/{streams} the reference text, "
                       f"a new request served {hk['recovery_s']:.2f} s after the kill")
 
             # 4. host C back: it rejoins and takes work
@@ -258,6 +267,7 @@ def run(n_hosts: int = 3, streams: int = 4, prompt_tokens: int = 600, max_tokens
     c["readback_after_server_loss"] = res["nats_killed"]["readback"]["response_ok"] and \
         res["nats_killed"]["readback"]["index_keys"] > 0
     c["host_kill_streams_reference"] = res["host_killed"]["same"] == streams
+    c["host_kill_streams_resumed"] = 0 < res["host_killed"]["on_lost_host"] <= res["host_killed"]["resumed"]
     c["host_back_takes_work"] = res["host_back"]["routed_to_rejoined"] > 0 and res["host_back"]["same"] == 2 * streams
     c["streams_r3"] = bool(res["replicas"]) and all(r == "3" for _, r in res["replicas"])
     c["kv_over_tcp"] = bool(res["kv_over_tcp"])
