@@ -33,7 +33,6 @@ import base64
 import copy
 import json
 import logging
-import os
 import re
 import secrets as _secrets
 import shutil

@@ -3,7 +3,8 @@ by authenticated routes (shared/nats_cluster.py), the role users of every server
 makes them. Tandem's own code creates its streams and buckets (R3 by the auto setting); one
 server is killed with SIGKILL, and stored responses, sessions and the prefix index are read back
 through the servers left, by services that reconnect on their own; the server restarts and
-rejoins. A server with the wrong route credential cannot join."""
+rejoins. A server with the wrong route credential cannot join. Permissions and the tap work across
+servers as on one."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from shared.bus import Bus
 from shared.kv_events import STREAM, KVEventPublisher
 from shared.nats_cluster import EmbeddedCluster, cluster_config
 from shared.nats_server import EmbeddedNats, free_port
+from shared.schemas import StreamChunk
 from shared.settings import NatsSettings
 from services.placement import SessionView
 
@@ -169,3 +171,38 @@ def test_a_server_without_the_route_credential_cannot_join(cluster, tmp_path):
         assert "Authorization Violation" in log or "authorization" in log.lower(), log[-2000:]
     finally:
         rogue.stop()
+
+
+async def test_permissions_and_the_tap_are_the_same_across_servers(cluster):
+    """Each role on a server of its own: the tap on server 0 reads what a worker on server 2
+    publishes for a gateway on server 1; a forged chunk (the gateway's) is refused, whichever
+    server it reaches."""
+    c, path = cluster
+
+    async def on(i: int, role: str):
+        bus = await Bus.connect(NatsSettings(url=c.servers[i].url, creds_file=path), name=f"t-{role}", role=role)
+        errors: list[str] = []
+        on_error = bus.nc._error_cb
+
+        async def record(e):
+            errors.append(str(e).lower())
+            await on_error(e)
+        bus.nc._error_cb = record
+        return bus, errors
+
+    (tap, _), (gateway, gw_err), (worker, _) = [await on(i, r) for i, r in
+                                                 enumerate((bus_auth.TAP, bus_auth.GATEWAY, "cpu-decode"))]
+    try:
+        seen = await tap.subscribe_raw("tandem.>")
+        chunks = await gateway.subscribe(subjects.stream("r9"), StreamChunk)
+        await asyncio.sleep(0.5)     # the subscriptions' interest reaches the other servers
+        await gateway.publish(subjects.stream("r9"), StreamChunk("r9", 0, [1], "forged", "gw"))
+        await worker.publish(subjects.stream("r9"), StreamChunk("r9", 0, [2], "real", "w"))
+        assert (await chunks.next(timeout=10)).text == "real"
+        msg = await asyncio.wait_for(seen.messages.__anext__(), 10)
+        assert msg.subject == subjects.stream("r9") and b"real" in msg.data
+        await wait_for("the gateway's forged chunk refused", lambda: _true(any(
+            "permissions violation" in e and subjects.stream("r9") in e for e in gw_err)))
+    finally:
+        for b in (tap, gateway, worker):
+            await b.close()
