@@ -198,13 +198,6 @@ def main(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    print(table(res))
-    if args.json:
-        report.write_json(args.json, res)
+    report.emit(res, table, args.json)
     return 0
 
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
-    sys.exit(main(ap.parse_args()))

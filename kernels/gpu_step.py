@@ -1,4 +1,4 @@
-"""The whole forward step on a GPU in a few fused Triton kernels (``kernels/gpu_step_triton.py``),
+"""The whole forward step on a GPU in a few fused Triton kernels (in ``kernels/gpu_triton.py``),
 and the decode step captured as a CUDA graph per batch-size bucket.
 
 Why: the op-by-op path (``Transformer.forward_ops``) launched ~1,860 kernels for one decode step
@@ -37,7 +37,6 @@ tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly through the interpre
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import os
@@ -53,20 +52,12 @@ BLOCK_Q, BLOCK_K_PREFILL = 16, 32
 MIN_PROGRAMS = 128  # a qmatmul whose N gives fewer weight tiles than this splits K (H100/H200: 132 SMs)
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 
-_module = None
 log = logging.getLogger("tandem.gpu")
 
 
 def _k():
-    """kernels.gpu_step_triton, defined for the current TRITON_INTERPRET."""
-    global _module
     from kernels import gpu
-    interpret = gpu.interpreting()
-    if _module is None:
-        _module = importlib.import_module("kernels.gpu_step_triton")
-    if _module.INTERPRET != interpret:
-        _module = importlib.reload(_module)
-    return _module
+    return gpu.triton_kernels()
 
 
 def _pow2(n: int) -> int:
