@@ -131,6 +131,16 @@ def run(args: argparse.Namespace) -> dict:
         res["engines"][mode] = row
         del engine
         torch.cuda.empty_cache()
+        if mode == "graphs":    # prefill with the matmuls of > 64 rows on the tensor cores (TF32)
+            os.environ["TANDEM_GPU_PRECISION"] = "tf32"
+            try:
+                engine = _cuda_engine(mode, top, args.prefill_tokens)
+                rate = bench_prefill(engine, args.prefill_tokens, 3)
+                res["prefill_tf32_ms"] = round(args.prefill_tokens / rate * 1000, 2)
+            finally:
+                del os.environ["TANDEM_GPU_PRECISION"]
+            del engine
+            torch.cuda.empty_cache()
     if not args.no_cpu:
         from kernels import cpu
         from kernels.dispatch import describe
@@ -184,6 +194,8 @@ def table(res: dict) -> str:
     if "graphs" in eng and "cpu" in eng:
         ratios = [eng["graphs"]["decode"][c] / eng["cpu"]["decode"][c] for c in cs]
         lines += ["", "graphs ÷ host CPU: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]
+    if "prefill_tf32_ms" in res:
+        lines += ["", f"prefill of the same prompt with TANDEM_GPU_PRECISION=tf32: {res['prefill_tf32_ms']} ms"]
     if "graphs" in eng and "ops" in eng:
         ratios = [eng["graphs"]["decode"][c] / eng["ops"]["decode"][c] for c in cs]
         lines += ["graphs ÷ ops: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]

@@ -363,6 +363,18 @@ class DecodeGraphs:
             g = self.graphs[bucket] = (graph, logits, best)
         return g
 
+    def warm_up(self) -> int:
+        """Capture every bucket's graph now (the kernels compile on the way), with padding rows
+        only: their KV goes to the scratch block, nothing else is touched. Returns the graphs
+        captured (none without CUDA)."""
+        if not self.capture:
+            return 0
+        for b in self.sizes:
+            self.inputs.fill([], [], [], self.block_size, b)
+            self._graph(b)
+        torch.cuda.synchronize()
+        return len(self.graphs)
+
     def try_step(self, chunks) -> tuple[torch.Tensor, list[int]] | None:
         """Run a scheduled step here when it is decode only (one sampled token per sequence, at
         most the largest bucket): (logits, greedy tokens) in chunk order; None otherwise."""
@@ -393,12 +405,10 @@ def wanted(device: torch.device, mode: str) -> bool:
     TANDEM_GPU_STEP_INTERPRET=1 (how the tests run the whole step without a GPU)."""
     if mode not in MODES:
         raise ValueError(f"gpu_step must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "ops" or (device.type != "cuda" and os.environ.get("TANDEM_GPU_STEP_INTERPRET") != "1"):
+        return False      # (a CPU engine never imports triton here)
     from kernels import gpu
-    if mode == "ops" or not gpu.available():
-        return False
-    if device.type == "cuda":
-        return True
-    return gpu.interpreting() and os.environ.get("TANDEM_GPU_STEP_INTERPRET") == "1"
+    return gpu.available() and (device.type == "cuda" or gpu.interpreting())
 
 
 def attach(model, kv: torch.Tensor, blocks, mode: str, max_context: int, max_seqs: int,

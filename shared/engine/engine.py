@@ -385,10 +385,13 @@ class Engine:
     def warm_up(self) -> float:
         """One short forward pass before the first request, on the thread that runs the steps:
         the weights' pages (memory-mapped from the weight cache) are faulted in and the kernels'
-        thread team exists, so the first request does not pay for them (~0.2 s on a 2-core VM).
+        thread team exists, so the first request does not pay for them (~0.2 s on a 2-core VM);
+        on CUDA the Triton kernels compile and the decode graphs are captured.
         Returns the seconds it took; the engine's state is unchanged."""
         t0 = time.perf_counter()
         self.prompt_logits([0] * self.layout.block_size)
+        if self.graphs is not None:   # CUDA: every bucket's decode graph captured before the first request
+            log.info("decode graphs captured for %d batch sizes", self.graphs.warm_up())
         return time.perf_counter() - t0
 
     @torch.inference_mode()

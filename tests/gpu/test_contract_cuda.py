@@ -16,11 +16,13 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["graphs", "ops"])
-def test_cpu_and_cuda_hold_the_contract(bundled_model, mode):
+@pytest.mark.parametrize("mode,precision", [("graphs", "ieee"), ("graphs", "tf32"), ("ops", "ieee")])
+def test_cpu_and_cuda_hold_the_contract(bundled_model, mode, precision, monkeypatch):
+    """tf32: the fused step's matmuls of more than 64 rows (the 512-token text) on the tensor cores."""
+    monkeypatch.setenv("TANDEM_GPU_PRECISION", precision)
     cpu = Engine(bundled_model, EngineConfig(num_kv_blocks=96))
     cuda = Engine(bundled_model, EngineConfig(device="cuda", gpu_step=mode, num_kv_blocks=96))
     got = contract.check(cpu, cuda)
-    print(f"\n[contract cpu vs cuda {mode}]", got)
+    print(f"\n[contract cpu vs cuda {mode} {precision}]", got)
     for name, figures in got.items():
         assert contract.holds(figures), (name, figures)

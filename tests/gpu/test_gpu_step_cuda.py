@@ -69,6 +69,8 @@ def cuda_engines(bundled_model):
 def test_engine_modes(cuda_engines):
     g, f, o = (cuda_engines[m] for m in ("graphs", "fused", "ops"))
     assert g.graphs is not None and g.model.gpu is not None
+    g.warm_up()                                   # every bucket captured before a request
+    assert sorted(g.graphs.graphs) == g.graphs.sizes == [1, 2, 4, 8, 16]
     assert f.graphs is None and f.model.gpu is not None
     assert o.graphs is None and o.model.gpu is None
 
