@@ -46,9 +46,16 @@ import numpy as np
 import torch
 
 SEG = 256          # keys per attention segment of a decode token (fixed: batch-independent numbers)
-BLOCK_B = 4        # Q4_0 blocks per step of a qmatmul's K loop (128 weights)
-BLOCK_K_DECODE = 16
-BLOCK_Q, BLOCK_K_PREFILL = 16, 32
+# Tile shapes, chosen from ptxas' register report for sm_90 (tests/unit/test_gpu_compile.py
+# compiles every variant the step launches and fails on a register spill): a qmatmul walks K one
+# Q4_0 block (32 weights) a step with 8 warps — with 4 blocks a step or 4 warps the f32 tl.dot
+# tiles spilled (up to 6.7 KB a thread at 64 rows); attention's prefill tiles 16 tokens x 32 keys
+# with 8 warps (4 spilled), decode 16 keys a step with 4.
+BLOCK_B = 1        # Q4_0 blocks per step of a qmatmul's K loop
+MM_WARPS = 8
+EMBED_BLOCK_B = 4
+BLOCK_K_DECODE, DECODE_WARPS = 16, 4
+BLOCK_Q, BLOCK_K_PREFILL, PREFILL_WARPS = 16, 32, 8
 MIN_PROGRAMS = 128  # a qmatmul whose N gives fewer weight tiles than this splits K (H100/H200: 132 SMs)
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 
@@ -150,7 +157,7 @@ class GpuStep:
         k = q.shape[1] // 18 * 32
         out = torch.empty(ids.shape[0], k, dtype=torch.float32, device=self.device)
         if ids.shape[0]:
-            _k().embed[(ids.shape[0],)](ids, q, out, k, q.shape[1], out.stride(0), BLOCK_B=BLOCK_B)
+            _k().embed[(ids.shape[0],)](ids, q, out, k, q.shape[1], out.stride(0), BLOCK_B=EMBED_BLOCK_B)
         return out
 
     def matmul(self, x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
@@ -168,7 +175,7 @@ class GpuStep:
         grid_mn = (-(-n // block_n), -(-m // block_m))
         kern = _k()
         args = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=BLOCK_B, NORM=norm is not None, SILU=silu,
-                    PRECISION=self.precision if m > 64 else "ieee")
+                    PRECISION=self.precision if m > 64 else "ieee", num_warps=MM_WARPS)
         nw = norm if norm is not None else x
         eps = self.cfg.rms_eps
         if splits == 1:
@@ -212,7 +219,7 @@ class GpuStep:
             kern.attn_decode[(e, self.nkv, self.nseg)](
                 q, layer_kv, pb.tables, pb.lens, pb.rows, out, po, pml, q.stride(0), pb.tables.stride(0),
                 s[0], s[1], s[2], s[3], scale, SEG=SEG, NSEG=self.nseg, GROUP=self.group, GROUP_P=gp,
-                HD=self.hd, BS=bs, BLOCK_K=BLOCK_K_DECODE, SPLIT=split)
+                HD=self.hd, BS=bs, BLOCK_K=BLOCK_K_DECODE, SPLIT=split, num_warps=DECODE_WARPS)
             if split:
                 kern.attn_merge[(e, self.nh)](po, pml, pb.lens, pb.rows, out, out.stride(0), SEG=SEG,
                                               NSEG=self.nseg, NSEG_P=_pow2(self.nseg), HD=self.hd)
@@ -221,7 +228,7 @@ class GpuStep:
             kern.attn_prefill[(c, self.nkv, -(-pb.max_q // BLOCK_Q))](
                 q, layer_kv, pb.ptables, pb.starts, pb.qlens, pb.offs, out, q.stride(0), pb.ptables.stride(0),
                 s[0], s[1], s[2], s[3], scale, GROUP=self.group, GROUP_P=gp, HD=self.hd, BS=bs,
-                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL, PRECISION="ieee")
+                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL, PRECISION="ieee", num_warps=PREFILL_WARPS)
         return out
 
     # ---- the step --------------------------------------------------------------------------
