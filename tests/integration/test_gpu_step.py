@@ -153,14 +153,13 @@ def _attention_case(max_context, lens_dec, chunks_pre, device="cpu"):
     return float((got - want).abs().max()), st.nseg
 
 
-def _step_context(model, kv_blocks, plan, device="cpu"):
-    """(ids, StepContext) of a flat batch: ``plan`` = [(token ids of the sequence, start, n)], each
-    sequence on its own blocks (taken from the front of ``kv_blocks``)."""
+def _step_context(model, plan, device="cpu"):
+    """(ids, StepContext) of a flat batch: ``plan`` = [(token ids of the sequence, start, n, its
+    block table)]."""
     from shared.engine.model import AttnChunk, StepContext
     ids, pos, sblk, chunks, rows = [], [], [], [], []
-    for toks, start, n in plan:
-        nb = -(-(start + n) // 16)
-        table, kv_blocks = kv_blocks[:nb], kv_blocks[nb:]
+    for toks, start, n, table in plan:
+        table = table[:-(-(start + n) // 16)]
         chunks.append(AttnChunk(start, n, len(ids), torch.tensor(table, device=device), table))
         for p in range(start, start + n):
             ids.append(toks[p])
@@ -172,6 +171,11 @@ def _step_context(model, kv_blocks, plan, device="cpu"):
             StepContext(p, torch.tensor(sblk, device=device), p % 16, chunks, torch.tensor(rows, device=device)))
 
 
+def _tables(n: int, per: int = 20) -> list[list[int]]:
+    """Block tables of ``n`` sequences, ``per`` blocks each, interleaved (not in order)."""
+    return [list(range(i, n * per, n)) for i in range(n)]
+
+
 def _step_case(arch_kw, long: int, device="cpu"):
     from kernels.gpu_step import GpuStep
     model = tiny_model(device, **arch_kw)
@@ -180,15 +184,18 @@ def _step_case(arch_kw, long: int, device="cpu"):
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist() for _ in range(4)]
     kv0 = torch.zeros(120, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, dtype=torch.float16, device=device)
-    free = list(range(120))
+    t = _tables(4)
     errs = []
-    # step 1: a prefill chunk after the prefix step 0 computed, and decodes (one past SEG keys
-    # where ``long`` > 256)
-    plan0 = [(seqs[0], 0, 40), (seqs[1], 0, long), (seqs[2], 0, 17), (seqs[3], 0, 1)]
-    plan1 = [(seqs[0], 40, 30), (seqs[1], long, 1), (seqs[2], 17, 1), (seqs[3], 1, 1)]
+    # the long sequence's prompt through the reference only (the interpreter is slow): its decode
+    # in step 1 reads past one key segment when ``long`` > 256
+    ids, ctx = _step_context(model, [(seqs[1], 0, long, t[1])], device)
+    model.forward_ops(ids, ctx, kv0)
+    # step 0: prefill chunks and a decode; step 1: a chunk after step 0's prefix, decodes
+    plan0 = [(seqs[0], 0, 40, t[0]), (seqs[2], 0, 17, t[2]), (seqs[3], 0, 1, t[3])]
+    plan1 = [(seqs[0], 40, 30, t[0]), (seqs[1], long, 1, t[1]), (seqs[2], 17, 1, t[2]), (seqs[3], 1, 1, t[3])]
     kv_ref, kv_got = kv0.clone(), kv0.clone()
     for plan in (plan0, plan1):
-        ids, ctx = _step_context(model, free, plan, device)
+        ids, ctx = _step_context(model, plan, device)
         want = model.forward_ops(ids, ctx, kv_ref)
         got = st.forward(ids, ctx, kv_got)
         errs.append(rel(got, want))
@@ -205,11 +212,12 @@ def _graphs_case(device="cpu"):
     g = torch.Generator().manual_seed(9)
     seqs = [torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist() for _ in range(3)]
     kv = torch.zeros(80, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, dtype=torch.float16, device=device)
-    plan0 = [(seqs[0], 0, 20), (seqs[1], 0, 270), (seqs[2], 0, 33)]
-    ids, ctx = _step_context(model, list(range(79)), plan0, device)
+    t = _tables(3, 26)                                               # blocks 0..77; 79: scratch
+    plan0 = [(seqs[0], 0, 20, t[0]), (seqs[1], 0, 270, t[1]), (seqs[2], 0, 33, t[2])]
+    ids, ctx = _step_context(model, plan0, device)
     model.forward_ops(ids, ctx, kv)                                  # the prompts' KV
-    plan1 = [(seqs[0], 20, 1), (seqs[1], 270, 1), (seqs[2], 33, 1)]
-    ids, ctx = _step_context(model, list(range(79)), plan1, device)
+    plan1 = [(seqs[0], 20, 1, t[0]), (seqs[1], 270, 1, t[1]), (seqs[2], 33, 1, t[2])]
+    ids, ctx = _step_context(model, plan1, device)
     kv_before, kv_ref = kv.clone(), kv.clone()
     want = model.forward_ops(ids, ctx, kv_ref)
     tables = [c.block_ids for c in ctx.chunks]
@@ -237,8 +245,8 @@ def _engine_case():
     tok, _ = load_tokenizer()
     cfg = tiny_config(max_context=512)
     out, graphs = {}, None
-    prompts = {f"p{i}": ([1 + 37 * i + j for j in range(5 + 11 * i)],
-                         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for i in range(3)}
+    prompts = {f"p{i}": ([1 + 37 * i + j for j in range(5 + 13 * i)],
+                         SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for i in range(2)}
     for mode in ("graphs", "ops"):
         e = Engine(LoadedModel(cfg, tiny_weights(cfg), tok, "tiny", "tiny"),
                    EngineConfig(num_kv_blocks=64, max_num_seqs=4, step_tokens=64, gpu_step=mode))
@@ -275,15 +283,15 @@ def interp():
 
 
 # M: one tile, two M tiles, past 64 rows (tf32 would apply there if chosen; ieee here);
-# N x K: no split, split over K (4 weight tiles -> 8 splits of 4 blocks), 3 splits with a short last
+# N x K: a split over K of 3 one-block steps (N: 7 tiles), of 16 (4 tiles), of 4 splits of 5 blocks (36 tiles)
 @pytest.mark.parametrize("m", [1, 5, 17, 70])
-@pytest.mark.parametrize("n,k", [(100, 96), (64, 1024), (576, 576)])
+@pytest.mark.parametrize("n,k", [(100, 96), (64, 512), (576, 576)])
 def test_matmul(interp, m, n, k):
     assert interp(_matmul_case, m, n, k, False, False, False) <= REL
 
 
 @pytest.mark.parametrize("norm,silu,residual", [(True, False, False), (False, True, True), (False, False, True)])
-@pytest.mark.parametrize("n,k", [(100, 96), (64, 1024)])
+@pytest.mark.parametrize("n,k", [(100, 96), (64, 512)])
 def test_matmul_prologues_and_epilogue(interp, norm, silu, residual, n, k):
     assert interp(_matmul_case, 3, n, k, norm, silu, residual) <= REL
 
@@ -305,10 +313,10 @@ def test_paged_attention(interp, max_context):
     assert err <= 1e-5
 
 
-# the arch variants differ only in rope_kv (tested above on its own): short contexts for them
-@pytest.mark.parametrize("arch,long", [({}, 280), ({"attn_bias": True}, 20), ({"qk_norm": True}, 20)])
-def test_whole_step_matches_op_by_op(interp, arch, long):
-    err, dkv = interp(_step_case, arch, long)
+# llama's layer; the qwen2 / qwen3 variants differ only in rope_kv (tested above on its own; their
+# whole step runs compiled in tests/gpu, where it is fast)
+def test_whole_step_matches_op_by_op(interp):
+    err, dkv = interp(_step_case, {}, 280)
     assert err <= REL_STEP and dkv <= 2e-3
 
 
