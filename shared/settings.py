@@ -112,6 +112,9 @@ class WorkerSettings:
                                         "in MiB (a context past it needs a ring: docs/strategies.md); "
                                         "0 = TANDEM_KV_BUDGET_MB")
     max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
+    gpu_step: str = _env("TANDEM_GPU_STEP", "graphs", "a CUDA engine's step: graphs (fused Triton kernels, "
+                         "decode steps replayed as CUDA graphs), fused (the same kernels launched eagerly) or "
+                         "ops (op by op around the Q4_0 GEMV; docs/kernels.md \"GPU\")")
     step_tokens: int = _env("TANDEM_STEP_TOKENS", 0, "tokens per engine step (prefill chunk budget); 0 = "
                             "64 on CPU (a step stalls every stream in the engine), 512 on CUDA")
     prefill_step_tokens: int = _env("TANDEM_PREFILL_STEP_TOKENS", 0, "tokens per engine step while no sequence "
@@ -152,6 +155,8 @@ class WorkerSettings:
                           ("guest_step_tokens", "TANDEM_GUEST_STEP_TOKENS")):
             if getattr(self, name) < 0:
                 raise ValueError(f"{var} must be >= 0")
+        if self.gpu_step not in ("graphs", "fused", "ops"):
+            raise ValueError(f"TANDEM_GPU_STEP must be graphs, fused or ops, got {self.gpu_step!r}")
         if 0 < self.step_tokens < 64:
             raise ValueError("TANDEM_STEP_TOKENS must be 0 (the device's default) or >= 64 (one token per sequence)")
         if self.kv_blocks == 0 and self.kv_budget_mb <= 0:
