@@ -1,4 +1,4 @@
-"""``tandem bench BENCH`` (engine, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, stops, ring, startup, two-hosts): one module per benchmark.
+"""``tandem bench BENCH`` (engine, gpu, node, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, stops, ring, startup, two-hosts, hosts): one module per benchmark.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
 benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
@@ -24,6 +24,12 @@ def _module_main(name: str):
 BENCHES = {
     "engine": ("engine prefill / decode tokens/s and peak RSS on CPU",
                _module_arguments("bench.engine"), _module_main("bench.engine")),
+    "gpu": ("the CUDA engine op by op, fused and as CUDA graphs vs the host's CPU engine: decode tok/s, "
+            "launches and GPU busy time per step, prefill, tokens per joule (bench/gpu.py; needs a GPU)",
+            _module_arguments("bench.gpu"), _module_main("bench.gpu")),
+    "node": ("the same streamed request on the node's gpu-decode (interactive) and cpu-decode (standard) "
+             "pools through the stack: TTFT / TPOT side by side (bench/node.py)",
+             _module_arguments("bench.node"), _module_main("bench.node")),
     "kernels": ("Q4_0 kernels: matmuls vs the reference, the model vs llama.cpp (--with-llama-cpp)",
                 _module_arguments("bench.kernels"), _module_main("bench.kernels")),
     "serve": ("load generator against any OpenAI-compatible server (bench/serve.py)",
@@ -44,6 +50,9 @@ BENCHES = {
               _module_arguments("bench.chaos"), _module_main("bench.chaos")),
     "stops": ("16 stop strings of 30 KB on one sequence vs the rest of its batch's decode speed (bench/stops.py)",
               _module_arguments("bench.stops"), _module_main("bench.stops")),
+    "hosts": ("N hosts on one machine (network namespaces, root), one NATS cluster: a server killed "
+              "mid-stream, a host killed, the host back (bench/hosts.py)",
+              _module_arguments("bench.hosts"), _module_main("bench.hosts")),
     "two-hosts": ("two hosts on one machine (network namespaces, root): prefill on one, decode on the other, "
                   "the pool shared (bench/two_hosts.py)",
                   _module_arguments("bench.two_hosts"), _module_main("bench.two_hosts")),

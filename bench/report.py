@@ -85,6 +85,13 @@ def plot(runs: list[dict], path: str, title: str, panels=(("throughput_tok_s", "
     return path
 
 
+def emit(res: dict, table, json_path: str | None) -> None:
+    """Print ``table(res)`` (Markdown) on stdout; write ``res`` as JSON to ``json_path`` if given."""
+    print(table(res))
+    if json_path:
+        write_json(json_path, res)
+
+
 def write_json(path: str, obj: dict) -> None:
     """Write ``obj`` (NaN -> null) atomically: a temporary file, then a rename."""
     import os

@@ -188,11 +188,12 @@ def run(prompt_tokens: int = 1100, max_tokens: int = 24, keep_logs: str | None =
             hosts.stop("decode-a")
             serve("a", "kvpool-a", "kvpool")
             serve("a", "prefill-a", "prefill")
-            serve("b", "decode-b", "cpu-decode")
+            # host B does not see host A's disk (two real hosts would not): its pool reads go over the network
+            serve("b", "decode-b", "cpu-decode", TANDEM_POOL_LOCAL_READ="0")
             split = client("two hosts", {"prefill": ["prefill-a"], "cpu-decode": ["decode-b"]}, pool_chunks=chunks)
             hosts.stop("prefill-a")
             hosts.stop("decode-b")
-            serve("b", "decode-b2", "cpu-decode")
+            serve("b", "decode-b2", "cpu-decode", TANDEM_POOL_LOCAL_READ="0")
             warm = client("other host warm", {"prefill": [], "cpu-decode": ["decode-b2"]})
         except BaseException:
             for name in hosts.procs:

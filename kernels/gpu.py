@@ -7,11 +7,12 @@ bytes q [N, K/32*18] on the GPU without ever materialising W in float:
   it walks K in runs of BLOCK_B Q4_0 blocks, rebuilds each weight exactly as
   ``(nibble - 8) * d`` in f32 registers and reduces ``w * x`` over the run — memory bound, every
   weight byte read once per activation row (the rows of a small M hit L2).
-- **GEMM** (prefill, batched decode): one program per BLOCK_M x BLOCK_N output tile; per run of
-  BLOCK_B blocks the weights are dequantized into a [BLOCK_B*16, BLOCK_N] tile twice (low
-  nibbles: weights 0..15 of each block; high nibbles: 16..31) and multiplied with the matching
-  activation columns by ``tl.dot`` in IEEE f32 (``input_precision="ieee"``): no TF32 rounding of
-  the activations, so the result matches the reference's f32 matmul up to summation order.
+- **GEMM** (M > GEMV_MAX_M): the fused step's ``qmatmul`` without its prologues (kernels/gpu_step.py):
+  one program per 64 x 64 output tile; per run of BLOCK_B blocks the weights are dequantized into
+  a [BLOCK_N, BLOCK_B*16] tile twice (low nibbles: weights 0..15 of each block; high nibbles:
+  16..31) and multiplied with the matching activation columns by ``tl.dot`` in IEEE f32
+  (``input_precision="ieee"``): no TF32 rounding of the activations, so the result matches the
+  reference's f32 matmul up to summation order.
 
 The weights stay in the one Q4_0 layout (llama.cpp's ``block_q4_0``, the bytes every backend and
 the KV pool see); nothing is repacked. ``embedding`` is a row gather + dequantize on the device
@@ -60,16 +61,16 @@ def available() -> bool:
     return _triton() is not None and (torch.cuda.is_available() or interpreting())
 
 
-def _kernels(interpret: bool):
-    """The kernels module, defined for ``interpret`` (reloaded when the setting changed)."""
+def triton_kernels():
+    """kernels.gpu_triton, defined for the current TRITON_INTERPRET (reloaded when it changed)."""
     global _module
     if _triton() is None:
         raise RuntimeError("triton is not installed: the Q4_0 GPU kernels need it (pip install triton)")
     if _module is None:
         _module = importlib.import_module("kernels.gpu_triton")
-    if _module.INTERPRET != interpret:
+    if _module.INTERPRET != interpreting():
         _module = importlib.reload(_module)
-    return _module.gemv, _module.gemm
+    return _module
 
 
 def _describe(t: object) -> str:
@@ -100,15 +101,15 @@ def matmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) ->
         raise ValueError(f"out must be a contiguous float32 tensor of shape {(m, n)} on {x.device}, got {_describe(out)}")
     if m == 0 or n == 0:
         return out
-    gemv, gemm = _kernels(interpreting())
+    kern = triton_kernels()
     if m <= GEMV_MAX_M:
         block_n = 64
-        gemv[(-(-n // block_n), m)](x, q, out, n, k, q.shape[1], x.stride(0), out.stride(0),
-                                    BLOCK_N=block_n, BLOCK_B=BLOCK_B)
-    else:
-        block_m, block_n = (16, 64) if m <= 64 else (64, 64)
-        gemm[(-(-m // block_m), -(-n // block_n))](x, q, out, m, n, k, q.shape[1], x.stride(0), out.stride(0),
-                                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=BLOCK_B)
+        kern.gemv[(-(-n // block_n), m)](x, q, out, n, k, q.shape[1], x.stride(0), out.stride(0),
+                                         BLOCK_N=block_n, BLOCK_B=BLOCK_B)
+    else:   # the fused step's matmul, plain: each weight block dequantized once per 64-row tile
+        kern.qmatmul[(-(-n // 64), -(-m // 64))](x, q, out, x, m, n, k, q.shape[1], x.stride(0), out.stride(0), 0.0, 0,
+                                                 BLOCK_M=64, BLOCK_N=64, BLOCK_B=BLOCK_B, NORM=False, SILU=False,
+                                                 RESIDUAL=False, SPLIT=False, PRECISION="ieee")
     return out
 
 

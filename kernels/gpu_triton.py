@@ -1,6 +1,12 @@
-"""The Triton kernels behind ``kernels.gpu`` (imported on first use: Triton reads
-TRITON_INTERPRET when a kernel is defined, and its kernels must live at module level).
-The layout and the math are described in kernels/gpu.py."""
+"""The Triton kernels behind ``kernels.gpu`` and ``kernels.gpu_step`` (imported on first use:
+Triton reads TRITON_INTERPRET when a kernel is defined, and its kernels must live at module level).
+The Q4_0 matmuls' layout and math are described in kernels/gpu.py, the fused step's in
+kernels/gpu_step.py.
+
+Layouts of the step's kernels: activations float32 row-major; Q4_0 weights as llama.cpp's
+``block_q4_0`` rows (kernels/q4_0.py); the KV cache one layer's view ``kv[:, layer]`` of the
+engine's ``[blocks, layers, 2, block_size, kv_heads, head_dim]`` float16 tensor, addressed through
+its strides (the view is not contiguous)."""
 
 from __future__ import annotations
 
@@ -48,32 +54,290 @@ def gemv(x_ptr, q_ptr, out_ptr, N, K, row_bytes, stride_xm, stride_om,
         acc += tl.sum(tl.sum(part, axis=2), axis=1)
     tl.store(out_ptr + m * stride_om + n, acc, mask=n_ok)
 
+# ---- the fused step (kernels/gpu_step.py) ------------------------------------------------------
 
 @triton.jit
-def gemm(x_ptr, q_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
-    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BN]
-    t = tl.arange(0, BLOCK_B * 16)                             # [T]: block t // 16, byte t % 16
+def embed(ids_ptr, q_ptr, out_ptr, K, row_bytes, stride_o, BLOCK_B: tl.constexpr):
+    """Row ``ids[t]`` of a Q4_0 table, dequantized: one program per token."""
+    t = tl.program_id(0).to(tl.int64)
+    tok = tl.load(ids_ptr + t).to(tl.int64)
+    b = tl.arange(0, BLOCK_B)
+    j = tl.arange(0, 16)
+    nb = K // 32
+    for kb in range(0, nb, BLOCK_B):
+        blk = kb + b                                            # [BB]
+        ok = blk < nb
+        base = tok * row_bytes + blk * 18
+        d = _scale(q_ptr, base, ok)                             # [BB]
+        qs = tl.load(q_ptr + base[:, None] + 2 + j[None, :], mask=ok[:, None], other=0)   # [BB, 16]
+        k = blk[:, None] * 32 + j[None, :]
+        tl.store(out_ptr + t * stride_o + k, ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d[:, None],
+                 mask=ok[:, None])
+        tl.store(out_ptr + t * stride_o + k + 16, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d[:, None],
+                 mask=ok[:, None])
+
+
+@triton.jit
+def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride_om, eps, blocks_per_split,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+            NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """out[m, n] (+)= sum_k a[m, k] * W[n, k] for a BLOCK_M x BLOCK_N tile, every weight block read
+    once for all BLOCK_M activation rows. ``a``: x (SILU=False) or silu(x[:, :K]) * x[:, K:]
+    (SILU); times rsqrt(mean(x^2) + eps) * nw (NORM: RMSNorm in the prologue). RESIDUAL: out +=.
+    SPLIT: this program covers blocks [s * blocks_per_split, (s + 1) * blocks_per_split) of K
+    (s = program_id(2)) and writes its partial sum to out + s * M * N (reduced by ``split_sum``)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
+    t = tl.arange(0, BLOCK_B * 16)                                   # [T]: block t // 16, byte t % 16
     m_ok = m < M
     n_ok = n < N
     nb = K // 32
+    if SPLIT:
+        s = tl.program_id(2)
+        kb0 = s * blocks_per_split
+        kb1 = tl.minimum(kb0 + blocks_per_split, nb)
+    else:
+        kb0 = 0
+        kb1 = nb
+    if NORM:  # the row's RMS over all of K, whatever part of K this program reduces
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_B * 16):
+            kk = k0 + t
+            xv = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
+                         other=0.0)
+            ss += tl.sum(xv * xv, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, nb, BLOCK_B):
-        blk = kb + t // 16                                     # [T]
-        t_ok = blk < nb
-        k_lo = blk * 32 + t % 16                               # [T]
+    for kb in range(kb0, kb1, BLOCK_B):
+        blk = kb + t // 16                                           # [T]
+        t_ok = blk < kb1
+        k_lo = blk * 32 + t % 16                                     # [T]
         x_ok = m_ok[:, None] & t_ok[None, :]
-        x_lo = tl.load(x_ptr + m[:, None] * stride_xm + k_lo[None, :], mask=x_ok, other=0.0)   # [BM, T]
-        x_hi = tl.load(x_ptr + m[:, None] * stride_xm + k_lo[None, :] + 16, mask=x_ok, other=0.0)
-        base = n[None, :] * row_bytes + blk[:, None] * 18      # [T, BN]
-        w_ok = t_ok[:, None] & n_ok[None, :]
+        xo = m[:, None] * stride_xm + k_lo[None, :]
+        if SILU:
+            g_lo = tl.load(x_ptr + xo, mask=x_ok, other=0.0)
+            g_hi = tl.load(x_ptr + xo + 16, mask=x_ok, other=0.0)
+            u_lo = tl.load(x_ptr + xo + K, mask=x_ok, other=0.0)
+            u_hi = tl.load(x_ptr + xo + K + 16, mask=x_ok, other=0.0)
+            x_lo = g_lo * tl.sigmoid(g_lo) * u_lo
+            x_hi = g_hi * tl.sigmoid(g_hi) * u_hi
+        else:
+            x_lo = tl.load(x_ptr + xo, mask=x_ok, other=0.0)         # [BM, T]
+            x_hi = tl.load(x_ptr + xo + 16, mask=x_ok, other=0.0)
+        if NORM:
+            w_lo_n = tl.load(nw_ptr + k_lo, mask=t_ok, other=0.0)
+            w_hi_n = tl.load(nw_ptr + k_lo + 16, mask=t_ok, other=0.0)
+            x_lo = x_lo * rstd[:, None] * w_lo_n[None, :]
+            x_hi = x_hi * rstd[:, None] * w_hi_n[None, :]
+        base = n[:, None] * row_bytes + blk[None, :] * 18            # [BN, T]
+        w_ok = n_ok[:, None] & t_ok[None, :]
         d = _scale(q_ptr, base, w_ok)
-        qs = tl.load(q_ptr + base + 2 + (t % 16)[:, None], mask=w_ok, other=0)              # [T, BN]
+        qs = tl.load(q_ptr + base + 2 + (t % 16)[None, :], mask=w_ok, other=0)            # [BN, T]
         w_lo = ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d
         w_hi = ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
-        acc = tl.dot(x_lo, w_lo, acc, input_precision="ieee")
-        acc = tl.dot(x_hi, w_hi, acc, input_precision="ieee")
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+    o_ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        o = out_ptr + tl.program_id(2).to(tl.int64) * M * N + m[:, None] * N + n[None, :]
+        tl.store(o, acc, mask=o_ok)
+    else:
+        o = out_ptr + m[:, None] * stride_om + n[None, :]
+        if RESIDUAL:
+            acc = tl.load(o, mask=o_ok, other=0.0) + acc
+        tl.store(o, acc, mask=o_ok)
+
+
+@triton.jit
+def split_sum(part_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, RESIDUAL: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """out[m, n] (+)= the SPLITS partial sums of ``qmatmul``, added in split order (deterministic)."""
+    m = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(part_ptr + s * M * N + m * N + n, mask=ok, other=0.0)
+    o = out_ptr + m * stride_om + n
+    if RESIDUAL:
+        acc = tl.load(o, mask=ok, other=0.0) + acc
+    tl.store(o, acc, mask=ok)
+
+
+@triton.jit
+def rope_kv(qkv_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, q_ptr, kv_ptr,
+            stride_qkv, stride_q, s_blk, s_kv, s_slot, s_head, eps,
+            NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+    """One (token, head) of the q|k|v projection: bias, per-head RMSNorm (qwen3), rotary embedding
+    (rotate-half); a query head goes to q, a kv head's rotated key and its value into the KV cache
+    at the token's slot (float16)."""
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    HALF: tl.constexpr = HD // 2
+    i = tl.arange(0, HALF)
+    col = h * HD
+    row = qkv_ptr + tok * stride_qkv
+    x1 = tl.load(row + col + i)
+    x2 = tl.load(row + col + HALF + i)
+    if HAS_BIAS:
+        x1 += tl.load(bias_ptr + col + i)
+        x2 += tl.load(bias_ptr + col + HALF + i)
+    if QK_NORM:
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
+        if h < NH:
+            x1 = x1 * r * tl.load(qn_ptr + i)
+            x2 = x2 * r * tl.load(qn_ptr + HALF + i)
+        else:
+            x1 = x1 * r * tl.load(kn_ptr + i)
+            x2 = x2 * r * tl.load(kn_ptr + HALF + i)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    c = tl.load(cos_ptr + pos * HALF + i)
+    s = tl.load(sin_ptr + pos * HALF + i)
+    r1 = x1 * c - x2 * s
+    r2 = x2 * c + x1 * s
+    if h < NH:
+        tl.store(q_ptr + tok * stride_q + col + i, r1)
+        tl.store(q_ptr + tok * stride_q + col + HALF + i, r2)
+    else:
+        kvh = h - NH
+        slot = (tl.load(sblk_ptr + tok).to(tl.int64) * s_blk + tl.load(soff_ptr + tok).to(tl.int64) * s_slot
+                + kvh * s_head)
+        tl.store(kv_ptr + slot + i, r1.to(tl.float16))
+        tl.store(kv_ptr + slot + HALF + i, r2.to(tl.float16))
+        d = tl.arange(0, HD)
+        vcol = (NH + NKV) * HD + kvh * HD
+        v = tl.load(row + vcol + d)
+        if HAS_BIAS:
+            v += tl.load(bias_ptr + vcol + d)
+        tl.store(kv_ptr + s_kv + slot + d, v.to(tl.float16))
+
+
+@triton.jit
+def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr,
+                stride_q, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
+                SEG: tl.constexpr, NSEG: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                HD: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """One query token against its whole context, for the GROUP query heads of one kv head, over the
+    keys of one segment [seg * SEG, (seg + 1) * SEG) read in place through the block table, with
+    an online softmax. Entry e = program_id(0): its token is row rows[e] of q, its context
+    lens[e] keys, its blocks bt[e]. SPLIT: the segment's unnormalised (acc, max, sum) go to the
+    partials (merged by ``attn_merge``); else (one segment) the result goes to out."""
+    e = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    seg = tl.program_id(2)
+    L = tl.load(lens_ptr + e)
+    lo = seg * SEG
+    if lo < L:
+        hi = tl.minimum(lo + SEG, L)
+        row = tl.load(rows_ptr + e).to(tl.int64)
+        g = tl.arange(0, GROUP_P)
+        g_ok = g < GROUP
+        d = tl.arange(0, HD)
+        heads = kvh * GROUP + g                                                   # [GP]
+        q = tl.load(q_ptr + row * stride_q + heads[:, None] * HD + d[None, :], mask=g_ok[:, None], other=0.0)
+        m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+        acc = tl.zeros([GROUP_P, HD], dtype=tl.float32)
+        kk0 = tl.arange(0, BLOCK_K)
+        for k0 in range(lo, hi, BLOCK_K):
+            kk = k0 + kk0
+            k_ok = kk < hi
+            blk = tl.load(bt_ptr + e * stride_bt + kk // BS, mask=k_ok, other=0).to(tl.int64)
+            slot = blk * s_blk + (kk % BS).to(tl.int64) * s_slot + kvh * s_head                # [BK]
+            k = tl.load(kv_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                          # [GP, BK]
+            sc = tl.where(k_ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(kv_ptr + s_kv + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        if SPLIT:
+            # partials: po [E, NH, NSEG, HD], pml [E, NH, NSEG, 2] (max, sum)
+            base = (e * (GROUP * tl.num_programs(1)) + heads) * NSEG + seg                  # [GP]
+            tl.store(po_ptr + base[:, None] * HD + d[None, :], acc, mask=g_ok[:, None])
+            tl.store(pml_ptr + base * 2, m_i, mask=g_ok)
+            tl.store(pml_ptr + base * 2 + 1, l_i, mask=g_ok)
+        else:
+            tl.store(out_ptr + row * stride_q + heads[:, None] * HD + d[None, :], acc / l_i[:, None],
+                     mask=g_ok[:, None])
+
+
+@triton.jit
+def attn_merge(po_ptr, pml_ptr, lens_ptr, rows_ptr, out_ptr, stride_o,
+               SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, HD: tl.constexpr):
+    """The segments of one (entry, query head) merged, in segment order: out = sum_j w_j acc_j /
+    sum_j w_j l_j with w_j = exp(m_j - max m)."""
+    e = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    nh = tl.num_programs(1)
+    L = tl.load(lens_ptr + e)
+    j = tl.arange(0, NSEG_P)
+    ok = j < (L + SEG - 1) // SEG
+    base = (e * nh + h) * NSEG + j
+    m = tl.load(pml_ptr + base * 2, mask=ok, other=float("-inf"))
+    lsum = tl.load(pml_ptr + base * 2 + 1, mask=ok, other=0.0)
+    mx = tl.max(m, axis=0)
+    w = tl.where(ok, tl.exp(m - mx), 0.0)
+    d = tl.arange(0, HD)
+    o = tl.load(po_ptr + base[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)     # [NSEG_P, HD]
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    row = tl.load(rows_ptr + e).to(tl.int64)
+    tl.store(out_ptr + row * stride_o + h * HD + d, res)
+
+
+@triton.jit
+def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr,
+                 stride_q, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
+                 GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Causal attention of BLOCK_Q query tokens of chunk c = program_id(0) (its tokens at rows
+    offs[c]..., positions starts[c]...) for the GROUP query heads of one kv head, against the keys
+    up to each token's own position, read in place through the chunk's block table: rows of the
+    tile are (token, head) pairs, scores and values through ``tl.dot``, online softmax."""
+    c = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    qt = tl.program_id(2)
+    n = tl.load(qlens_ptr + c)
+    if qt * BLOCK_Q < n:
+        start = tl.load(starts_ptr + c)
+        off = tl.load(offs_ptr + c).to(tl.int64)
+        r = tl.arange(0, BLOCK_Q * GROUP_P)
+        i = qt * BLOCK_Q + r // GROUP_P                       # token index inside the chunk
+        g = r % GROUP_P
+        r_ok = (i < n) & (g < GROUP)
+        qpos = start + i                                      # [R]
+        heads = kvh * GROUP + g
+        d = tl.arange(0, HD)
+        qaddr = (off + i.to(tl.int64))[:, None] * stride_q + heads[:, None] * HD + d[None, :]
+        q = tl.load(q_ptr + qaddr, mask=r_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_P, HD], dtype=tl.float32)
+        hi = tl.minimum(start + (qt + 1) * BLOCK_Q, start + n)    # keys past the tile's last token: none
+        kk0 = tl.arange(0, BLOCK_K)
+        for k0 in range(0, hi, BLOCK_K):
+            kk = k0 + kk0
+            k_ok = kk < hi
+            blk = tl.load(bt_ptr + c * stride_bt + kk // BS, mask=k_ok, other=0).to(tl.int64)
+            slot = blk * s_blk + (kk % BS).to(tl.int64) * s_slot + kvh * s_head
+            k = tl.load(kv_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale                    # [R, BK]
+            ok = k_ok[None, :] & (kk[None, :] <= qpos[:, None])
+            sc = tl.where(ok, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with no key yet (padding)
+            p = tl.exp(sc - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(kv_ptr + s_kv + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+        l_i = tl.where(r_ok, l_i, 1.0)
+        tl.store(out_ptr + qaddr, acc / l_i[:, None], mask=r_ok[:, None])

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("services.serve", "run one service (what a container runs)"),
     "tap": ("services.tap", "print live bus traffic"),
     "nats-auth": ("services.nats_auth", "write the bus role credentials and the nats-server config accepting them"),
+    "kube": ("services.kube", "Kubernetes: the Secrets, render, offline validation, podman form (docs/deploy.md)"),
     "health": ("services.health", "exit 0 when the service on this host takes work (container health checks)"),
     "bench": ("bench.cli", "benchmarks: engine, serve"),
 }

@@ -3,6 +3,8 @@
     tandem nats-auth --config /etc/nats/tandem-auth.conf   # creds file (kept), then the config
     tandem nats-auth --config -                             # the authorization block on stdout
     tandem nats-auth --config - --account TANDEM            # the users in an account of their own
+    tandem nats-auth --config nats.conf --cluster nats-0.nats:6222,nats-1.nats:6222,nats-2.nats:6222
+                                                            # every server of a 3-server cluster
 
 Creates TANDEM_NATS_CREDS_FILE (a random password per role, mode 0600) unless it exists, then
 writes the nats-server ``authorization`` block for it (every role user with its permissions,
@@ -11,6 +13,12 @@ with JetStream — which is a whole configuration file for ``nats-server -c`` an
 ``include``d in a larger one. What compose.yaml's ``nats-auth`` step runs; `tandem up` does the
 same for its embedded server by itself. docs/security.md shows how to use it with an external
 NATS.
+
+With ``--cluster`` (every server's route address), the file configures each server of one NATS
+cluster (shared/nats_cluster.py): the same users, JetStream, the routes, the route credential
+(kept in the credentials file: a server without it cannot join), TLS for clients and routes with
+``--tls-cert``/``--tls-key``. Start each server with ``nats-server -c FILE -n NAME -sd DIR`` (a
+name of its own, stable across restarts). docs/deploy.md.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import json
 import logging
 import sys
 
-from shared import bus_auth
+from shared import bus_auth, nats_cluster
 from shared.settings import Settings, env_help
 
 log = logging.getLogger("tandem.nats_auth")
@@ -31,6 +39,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write the nats-server authorization config (mode 0600); '-': stdout")
     p.add_argument("--account", default=None,
                    help="put the users in this NATS account (with JetStream) instead of the global one")
+    c = p.add_argument_group("a cluster of NATS servers (docs/deploy.md)")
+    c.add_argument("--cluster", default=None, metavar="HOST[:PORT],...",
+                   help="every server's route address (itself included; port 6222 if none): "
+                        "write the configuration of each server of that cluster")
+    c.add_argument("--cluster-name", default=nats_cluster.DEFAULT_CLUSTER, help="the cluster's name")
+    c.add_argument("--cluster-listen", default=f"0.0.0.0:{nats_cluster.DEFAULT_ROUTE_PORT}",
+                   help="where each server takes routes")
+    c.add_argument("--store-dir", default=None, help="JetStream store directory (else nats-server -sd)")
+    c.add_argument("--max-file-store", default=None,
+                   help="JetStream file storage limit per server, e.g. 10G (docs/deploy.md: sizing)")
+    c.add_argument("--tls-cert", default=None, help="server certificate (PEM): TLS for clients and routes")
+    c.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    c.add_argument("--tls-ca", default=None, help="CA (PEM) that verifies route peers (and clients with --tls-verify)")
+    c.add_argument("--tls-verify", action="store_true", help="mutual TLS for clients too")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = env_help()
 
@@ -41,12 +63,23 @@ def config_text(creds: dict, account: str | None = None) -> str:
                    for key, value in bus_auth.server_config(creds, account).items())
 
 
+def cluster_text(creds: dict, args: argparse.Namespace) -> str:
+    """Every server's configuration of the cluster ``args.cluster`` names."""
+    routes = [r.strip() for r in args.cluster.split(",") if r.strip()]
+    conf = nats_cluster.cluster_config(
+        creds, routes, name=args.cluster_name, listen=args.cluster_listen, account=args.account,
+        store_dir=args.store_dir, max_file_store=args.max_file_store, tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_ca=args.tls_ca, tls_verify=args.tls_verify)
+    return "".join(f"{key}: {json.dumps(value, indent=1)}\n" for key, value in conf.items())
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         path = Settings.from_env().nats.creds_file
         if not path:
             raise ValueError("TANDEM_NATS_CREDS_FILE is empty: nothing to make credentials in")
-        text = config_text(bus_auth.ensure_creds(path), args.account)
+        creds = bus_auth.ensure_creds(path)
+        text = cluster_text(creds, args) if getattr(args, "cluster", None) else config_text(creds, args.account)
     except ValueError as e:
         log.error("%s", e)
         return 2
@@ -54,5 +87,7 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         bus_auth.write_private(args.config, text, replace=True)
-        log.info("nats-server authorization for the roles of %s written to %s", path, args.config)
+        log.info("nats-server %s for the roles of %s written to %s",
+                 f"cluster configuration ({args.cluster})" if getattr(args, "cluster", None)
+                 else "authorization", path, args.config)
     return 0

@@ -284,14 +284,13 @@ class IndexFeed:
                 log.warning("prefix index: last snapshot not written: %s", e)
 
     async def _ensure_stream(self, js) -> api.StreamInfo:
-        return await ensure_event_stream(js, self.stream, self.max_age, self.max_bytes)
+        return await ensure_event_stream(js, self.stream, self.max_age, self.max_bytes, bus=self.bus)
 
     async def _ensure_bucket(self, js):
-        try:
-            return await js.key_value(self.bucket)
-        except nats.js.errors.BucketNotFoundError:
-            return await js.create_key_value(bucket=self.bucket, history=1, storage=api.StorageType.FILE,
-                                             description="the router's prefix index (services/prefix_index.py)")
+        return await self.bus.jetstream_ensure(
+            f"KV bucket {self.bucket}", lambda: js.key_value(self.bucket), lambda replicas: js.create_key_value(
+                bucket=self.bucket, history=1, storage=api.StorageType.FILE, replicas=replicas,
+                description="the router's prefix index (services/prefix_index.py)"))
 
     # ---- events -----------------------------------------------------------------------
     async def _on_msg(self, msg) -> None:

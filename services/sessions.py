@@ -50,11 +50,10 @@ class SessionStore:
         process's monotonic clock."""
         js = self.bus.nc.jetstream()
         try:
-            try:
-                self.kv = await js.key_value(self.bucket)
-            except nats.js.errors.BucketNotFoundError:
-                self.kv = await js.create_key_value(bucket=self.bucket, history=1, ttl=self.max_age,
-                                                    storage=api.StorageType.FILE)
+            self.kv = await self.bus.jetstream_ensure(
+                f"KV bucket {self.bucket}", lambda: js.key_value(self.bucket), lambda replicas: js.create_key_value(
+                    bucket=self.bucket, history=1, ttl=self.max_age, storage=api.StorageType.FILE,
+                    replicas=replicas))
             keys = await self.kv.keys()
         except nats.js.errors.NoKeysError:
             keys = []

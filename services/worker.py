@@ -52,7 +52,8 @@ def engine_config(settings: Settings, device: str, role: str = "") -> EngineConf
                         shared_step_tokens=w.shared_step_tokens or (8 if cpu else 64),
                         guest_step_tokens=(w.guest_step_tokens or (16 if cpu else None))
                         if role == subjects.GPU_DECODE else None, max_waiting=w.max_waiting,
-                        weight_cache_dir=w.weight_cache_dir, load_threads=w.load_threads or None)
+                        weight_cache_dir=w.weight_cache_dir, load_threads=w.load_threads or None,
+                        gpu_step=w.gpu_step)
 
 
 def batch_lane(settings: Settings, device) -> BatchLane | None:

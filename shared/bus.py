@@ -31,10 +31,11 @@ from typing import Any, Awaitable, Callable
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from shared import bus_auth, schemas, tracing
+from shared import bus_auth, nats_cluster, schemas, tracing
 from shared.schemas import ERROR_STATUS, Ack, ErrorReply, SchemaError
 from shared.settings import NatsSettings, Settings
 
@@ -42,6 +43,13 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Any], Awaitable[Any]]
 _CONNECT_ATTEMPTS = 3  # per server, before Bus.connect gives up
+
+
+def _placement(e: Exception) -> bool:
+    """A JetStream API error that a forming cluster gives: too few servers up for the replicas."""
+    text = f"{getattr(e, 'description', '')} {e}".lower()
+    return getattr(e, "err_code", None) in (10005, 10023) or "insufficient resources" in text \
+        or "no suitable peers" in text
 
 
 class BusError(Exception):
@@ -181,6 +189,9 @@ class Bus:
         self._subs: list = []                     # serve() subscriptions
         self._closing = False                     # close() called: disconnects are expected
         self.connected_since: float | None = None  # monotonic time of the last (re)connect; None: down
+        self.replicas_setting = 0                 # TANDEM_NATS_REPLICAS (0: auto, see stream_replicas)
+        self.jetstream_wait = 60.0                # seconds jetstream_ensure waits for JetStream to answer
+        self.configured_servers = 0               # the servers TANDEM_NATS_URL lists
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -199,6 +210,8 @@ class Bus:
             raise ValueError("no NATS server: set TANDEM_NATS_URL (or run `tandem up`, which "
                              "starts an embedded one)")
         bus = cls(None, s.request_timeout)
+        bus.replicas_setting = s.replicas
+        bus.configured_servers = len(servers)
         opts: dict[str, Any] = dict(
             servers=servers, name=name or s.name, connect_timeout=s.connect_timeout,
             # a few tries to connect at all (bad credentials fail fast); forever once connected
@@ -402,6 +415,45 @@ class Bus:
         self._heartbeats.add(task)
         task.add_done_callback(self._heartbeats.discard)
         return task
+
+    # -- JetStream ----------------------------------------------------------------------------
+
+    def stream_replicas(self) -> tuple[int, str]:
+        """(replicas, why) for a stream or KV bucket this service creates: TANDEM_NATS_REPLICAS,
+        or auto from the connected server's INFO (3 in a cluster of >= 3 servers, else 1)."""
+        info = getattr(self.nc, "_server_info", None) or {}
+        return nats_cluster.replicas_for(self.replicas_setting, info, self.configured_servers)
+
+    async def jetstream_ensure(self, what: str, lookup: Callable[[], Awaitable[Any]],
+                               create: Callable[[int], Awaitable[Any]], wait: float | None = None) -> Any:
+        """A stream or KV bucket: ``await lookup()`` when it exists (NotFoundError: it does not),
+        else ``await create(replicas)``, logged with its replica count (``stream_replicas``).
+
+        A timeout is tried again for ``wait`` seconds (default ``jetstream_wait``): a cluster
+        that is still electing its JetStream meta leader (every server started at once, as a
+        StatefulSet does) answers nothing, and a fresh cluster's first create can time out
+        while its meta group settles (a create of the same config is idempotent)."""
+        deadline = time.monotonic() + (self.jetstream_wait if wait is None else wait)
+        n, why = self.stream_replicas()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                try:
+                    return await lookup()
+                except nats.js.errors.NotFoundError:
+                    pass
+                result = await create(n)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.APIError) as e:
+                if time.monotonic() >= deadline or (isinstance(e, nats.js.errors.APIError) and not _placement(e)):
+                    raise
+                log.warning("JetStream %s: %s (attempt %d; a cluster still forming answers nothing, or "
+                            "has fewer servers up than replicas); trying again", what,
+                            str(e) or type(e).__name__, attempt)
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                continue
+            log.info("JetStream %s created with %d replica(s) (%s)", what, n, why)
+            return result
 
     # -- connection events --------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 GATEWAY, ROUTER, WORKER, KVPOOL, TAP = "gateway", "router", "worker", "kvpool", "tap"
 ROLES: tuple[str, ...] = (GATEWAY, ROUTER, WORKER, KVPOOL, TAP)
 USER_PREFIX = "tandem-"                 # a role's NATS user name: tandem-<role>
+ROUTE_USER = "tandem-route"             # the cluster's route credential (no client logs in with it)
 CREDS_VERSION = 1
 
 # JetStream streams and the services that use them (bucket ``b`` is stream ``KV_b``)
@@ -114,11 +115,19 @@ def permissions(role: str) -> dict:
 # -- the credentials file --------------------------------------------------------------------
 
 def new_creds(roles: tuple[str, ...] = ROLES, old: dict | None = None) -> dict:
-    """Credentials for ``roles``: ``old``'s entries kept, a random password for each missing one."""
+    """Credentials for ``roles``: ``old``'s entries kept, a random password for each missing one;
+    and the route credential the servers of a cluster present to each other (shared/nats_cluster.py)."""
     users = dict((old or {}).get("users", {}))
     for role in roles:
         users.setdefault(role, {"user": USER_PREFIX + role, "password": secrets.token_urlsafe(32)})
-    return {"version": CREDS_VERSION, "users": users}
+    route = (old or {}).get("route") or {"user": ROUTE_USER, "password": secrets.token_urlsafe(32)}
+    return {"version": CREDS_VERSION, "users": users, "route": route}
+
+
+def route_login(creds: dict) -> tuple[str, str] | None:
+    """(user, password) the servers of a cluster authenticate their routes with (None: none yet)."""
+    r = creds.get("route")
+    return (r["user"], r["password"]) if isinstance(r, dict) and "user" in r and "password" in r else None
 
 
 def read_creds(path: str) -> dict | None:
@@ -152,7 +161,7 @@ def ensure_creds(path: str) -> dict:
     """The credentials file at ``path`` with an entry for every role: created (random passwords,
     mode 0600, atomically) when missing, completed when a role is missing, else read."""
     old = read_creds(path)
-    if old is not None and all(r in old["users"] for r in ROLES):
+    if old is not None and all(r in old["users"] for r in ROLES) and route_login(old) is not None:
         return old
     creds = new_creds(old=old)
     if write_private(path, json.dumps(creds, indent=1), replace=old is not None):

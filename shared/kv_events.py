@@ -50,7 +50,7 @@ class KVEventPublisher:
         """Start sending; the first event announces the epoch and ``stored``, what the holder has.
         Makes sure the JetStream stream that keeps events for the routers exists first."""
         try:
-            await ensure_event_stream(self.bus.nc.jetstream())
+            await ensure_event_stream(self.bus.nc.jetstream(), bus=self.bus)
         except Exception as e:  # no JetStream: routers follow live events only (they log it)
             log.debug("KV event stream not ensured: %s", e)
         self._task = asyncio.create_task(self._send(), name=f"kvevents-{self.holder}")
@@ -107,17 +107,21 @@ class KVEventPublisher:
 
 
 async def ensure_event_stream(js, name: str = STREAM, max_age: float = 3600.0,
-                              max_bytes: int = 256 << 20) -> api.StreamInfo:
+                              max_bytes: int = 256 << 20, bus=None) -> api.StreamInfo:
     """The JetStream stream capturing every KVEvent, created if missing (by the first router or
-    KV holder to start: events sent before any router runs are kept too)."""
-    try:
-        return await js.stream_info(name)
-    except nats.js.errors.NotFoundError:
-        pass
-    try:
-        return await js.add_stream(api.StreamConfig(
+    KV holder to start: events sent before any router runs are kept too), with the replicas
+    ``bus.jetstream_ensure`` picks (TANDEM_NATS_REPLICAS; one without a bus)."""
+    def create(replicas: int):
+        return js.add_stream(api.StreamConfig(
             name=name, subjects=[subjects.KV_EVENTS_ALL], storage=api.StorageType.FILE,
             retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD,
-            max_age=max_age, max_bytes=max_bytes))
+            max_age=max_age, max_bytes=max_bytes, num_replicas=replicas))
+    try:
+        if bus is None:
+            try:
+                return await js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                return await create(1)
+        return await bus.jetstream_ensure(f"stream {name}", lambda: js.stream_info(name), create)
     except nats.js.errors.BadRequestError:  # someone else created it meanwhile
         return await js.stream_info(name)

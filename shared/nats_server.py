@@ -58,12 +58,13 @@ class EmbeddedNats:
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None,
                  extra_args: list[str] | None = None, startup_timeout: float = 10.0,
                  log_file: Path | None = None, store_dir: str | Path | None = None,
-                 config: dict | None = None):
+                 config: dict | None = None, server_name: str | None = None):
         self.host = host                          # bind address (loopback by default)
         self.port = port                          # None: a free port at start()
         self.extra_args = list(extra_args or [])  # e.g. ["--user", "u", "--pass", "p"]
         self.startup_timeout = startup_timeout    # seconds to wait for it to accept connections
         self.log_file = log_file                  # server output; None: discarded
+        self.fixed_name = server_name             # a cluster member's name: the same at every (re)start
         self.name = ""                            # the server name it is started with (-n)
         self.store_dir: Path | None = Path(store_dir).expanduser() if store_dir else None
         self.keep_store = self.store_dir is not None  # a given store is the user's: never removed
@@ -108,7 +109,7 @@ class EmbeddedNats:
         if self.store_dir is None:
             self.store_dir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        self.name = f"tandem-{uuid.uuid4().hex[:12]}"
+        self.name = self.fixed_name or f"tandem-{uuid.uuid4().hex[:12]}"
         cmd = [str(binary), "-js", "-sd", str(self.store_dir), "-a", self.host,
                "-p", str(self.port), "-n", self.name, *self._config_args(), *self.extra_args]
         out = subprocess.DEVNULL

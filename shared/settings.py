@@ -54,6 +54,10 @@ class NatsSettings:
     connect_timeout: float = _env("TANDEM_NATS_CONNECT_TIMEOUT", 5.0, "seconds per connect attempt")
     request_timeout: float = _env("TANDEM_NATS_REQUEST_TIMEOUT", 10.0,
                                   "default seconds to wait for a bus reply")
+    replicas: int = _env("TANDEM_NATS_REPLICAS", 0,
+                         "replicas of every JetStream stream and KV bucket Tandem creates (stored "
+                         "responses, sessions, the prefix index, KV events); 0: auto, 3 when the "
+                         "server is in a cluster of >= 3 servers, else 1 (docs/deploy.md)")
 
     def validate(self) -> None:
         if (self.user is None) != (self.password is None):
@@ -62,6 +66,8 @@ class NatsSettings:
             raise ValueError("set TANDEM_NATS_TOKEN or TANDEM_NATS_USER/PASSWORD, not both")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TANDEM_NATS_TLS_CERT and TANDEM_NATS_TLS_KEY must be set together")
+        if self.replicas < 0 or self.replicas > 5:
+            raise ValueError("TANDEM_NATS_REPLICAS must be 0 (auto) or 1..5 (JetStream's limit)")
         if self.connect_timeout <= 0 or self.request_timeout <= 0:
             raise ValueError("TANDEM_NATS_CONNECT_TIMEOUT and TANDEM_NATS_REQUEST_TIMEOUT must be > 0")
         for u in self.servers():
@@ -106,6 +112,9 @@ class WorkerSettings:
                                         "in MiB (a context past it needs a ring: docs/strategies.md); "
                                         "0 = TANDEM_KV_BUDGET_MB")
     max_context: int = _env("TANDEM_MAX_CONTEXT", 0, "longest context in tokens; 0 = the model's")
+    gpu_step: str = _env("TANDEM_GPU_STEP", "graphs", "a CUDA engine's step: graphs (fused Triton kernels, "
+                         "decode steps replayed as CUDA graphs), fused (the same kernels launched eagerly) or "
+                         "ops (op by op around the Q4_0 GEMV; docs/kernels.md \"GPU\")")
     step_tokens: int = _env("TANDEM_STEP_TOKENS", 0, "tokens per engine step (prefill chunk budget); 0 = "
                             "64 on CPU (a step stalls every stream in the engine), 512 on CUDA")
     prefill_step_tokens: int = _env("TANDEM_PREFILL_STEP_TOKENS", 0, "tokens per engine step while no sequence "
@@ -146,6 +155,8 @@ class WorkerSettings:
                           ("guest_step_tokens", "TANDEM_GUEST_STEP_TOKENS")):
             if getattr(self, name) < 0:
                 raise ValueError(f"{var} must be >= 0")
+        if self.gpu_step not in ("graphs", "fused", "ops"):
+            raise ValueError(f"TANDEM_GPU_STEP must be graphs, fused or ops, got {self.gpu_step!r}")
         if 0 < self.step_tokens < 64:
             raise ValueError("TANDEM_STEP_TOKENS must be 0 (the device's default) or >= 64 (one token per sequence)")
         if self.kv_blocks == 0 and self.kv_budget_mb <= 0:

@@ -51,11 +51,10 @@ class ResponseStore:
             if self._kv is None:
                 from nats.js.api import KeyValueConfig
                 js = self.bus.nc.jetstream()
-                try:
-                    self._kv = await js.key_value(BUCKET)
-                except Exception:
-                    self._kv = await js.create_key_value(KeyValueConfig(bucket=BUCKET, ttl=self.retention_s,
-                                                                        max_value_size=MAX_VALUE))
+                self._kv = await self.bus.jetstream_ensure(
+                    f"KV bucket {BUCKET}", lambda: js.key_value(BUCKET), lambda replicas: js.create_key_value(
+                        KeyValueConfig(bucket=BUCKET, ttl=self.retention_s, max_value_size=MAX_VALUE,
+                                       replicas=replicas)))
             return self._kv
 
     async def _ledger(self, tenant: str) -> OrderedDict[str, int]:

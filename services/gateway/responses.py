@@ -18,7 +18,6 @@ holding it. Where they are kept, and their caps per tenant: ``response_store.py`
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import time

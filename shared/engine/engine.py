@@ -50,6 +50,7 @@ class EngineConfig:
     guest_step_tokens: int | None = None  # prefill tokens of worse tiers per step, always (None: no cap)
     weight_cache_dir: str | None = None  # from_path: converted weights cached here (None: weight_cache.default_dir(); "": off)
     load_threads: int | None = None     # from_path: threads converting a model on a cache miss (None: weight_cache.LOAD_THREADS)
+    gpu_step: str = "graphs"            # on CUDA: graphs | fused | ops (kernels/gpu_step.py; TANDEM_GPU_STEP)
 
     def validate(self) -> "EngineConfig":
         if self.block_size < 1 or self.max_num_seqs < 1 or self.step_tokens < 1:
@@ -58,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.step_tokens < self.max_num_seqs:
             raise ValueError("step_tokens must be >= max_num_seqs (each decode needs a token)")
+        if self.gpu_step not in ("graphs", "fused", "ops"):
+            raise ValueError(f"gpu_step must be graphs, fused or ops, got {self.gpu_step!r}")
         return self
 
 
@@ -68,6 +71,15 @@ def resolve_device(name: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {name!r} (cpu or cuda)")
     return dev
+
+
+def _gpu_step(model: Transformer, kv: torch.Tensor, blocks: BlockManager, config: EngineConfig, max_context: int):
+    """The fused GPU step (kernels/gpu_step.py) where it runs: the decode graphs, or None."""
+    try:
+        from kernels import gpu_step
+    except ImportError:
+        return None
+    return gpu_step.attach(model, kv, blocks, config.gpu_step, max_context, config.max_num_seqs, config.block_size)
 
 
 def _get_ops(device: torch.device):
@@ -119,6 +131,7 @@ class Engine:
             del weights
             self.kv = torch.zeros((num_blocks, *self.layout.block_shape), dtype=KV_DTYPE, device=self.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.graphs = _gpu_step(self.model, self.kv, self.blocks, config, self.max_context)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.step_tokens,
                                    self.kv, config.swap_bytes, config.shared_step_tokens,
                                    config.guest_step_tokens, config.prefill_step_tokens)
@@ -266,18 +279,22 @@ class Engine:
         if not chunks:
             self._report_chunks()
             return outputs + self._ring_steps()
-        token_ids, ctx = self._build_context(chunks)
         sampled = [c.seq for c in chunks if c.sample]
         constrained = [s.matcher for s in sampled if s.matcher is not None]
         if constrained:  # the masks sampling needs, computed for the batch at once
             self.grammar.fill_masks([s.matcher for s in sampled if s.matcher is not None and sampler.needs_mask(s)])
-        logits = self.model.forward(token_ids, ctx, self.kv)
+        ran = self.graphs.try_step(chunks) if self.graphs is not None else None  # a decode-only step, replayed
+        if ran is not None:
+            logits, greedy = ran
+        else:
+            token_ids, ctx = self._build_context(chunks)
+            logits, greedy = self.model.forward(token_ids, ctx, self.kv), None
         self.scheduler.commit(chunks)
         if self.chunk_events is not None:
             for c in chunks:
                 self.chunk_events.note_seq(c.seq)
             self._report_chunks()
-        tokens, lps = sampler.sample(logits, sampled)
+        tokens, lps = sampler.sample(logits, sampled, greedy)
         step_out = [self._append(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, lps)]
         if constrained:
             self._fast_forward(sampled, step_out)
@@ -368,10 +385,13 @@ class Engine:
     def warm_up(self) -> float:
         """One short forward pass before the first request, on the thread that runs the steps:
         the weights' pages (memory-mapped from the weight cache) are faulted in and the kernels'
-        thread team exists, so the first request does not pay for them (~0.2 s on a 2-core VM).
+        thread team exists, so the first request does not pay for them (~0.2 s on a 2-core VM);
+        on CUDA the Triton kernels compile and the decode graphs are captured.
         Returns the seconds it took; the engine's state is unchanged."""
         t0 = time.perf_counter()
         self.prompt_logits([0] * self.layout.block_size)
+        if self.graphs is not None:   # CUDA: every bucket's decode graph captured before the first request
+            log.info("decode graphs captured for %d batch sizes", self.graphs.warm_up())
         return time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -395,7 +415,7 @@ class Engine:
                 self.kv[table[:start // bs].to(self.device)] = data.view(-1, *self.layout.block_shape).to(self.device)
             pos = torch.arange(start, n, dtype=torch.int64)
             ctx = StepContext(pos.to(self.device), table[pos // bs].to(self.device), (pos % bs).to(self.device),
-                              [AttnChunk(start, n - start, 0, table.to(self.device))],
+                              [AttnChunk(start, n - start, 0, table.to(self.device), blocks)],
                               torch.arange(n - start, device=self.device))
             ids = torch.tensor(token_ids[start:], dtype=torch.int64, device=self.device)
             return self.model.forward(ids, ctx, self.kv)
@@ -411,7 +431,8 @@ class Engine:
             ids.extend(seq.token_ids[c.start:c.start + c.num_tokens])
             pos.extend(range(c.start, c.start + c.num_tokens))
             nb = self.layout.blocks_for(c.start + c.num_tokens)
-            attn.append(AttnChunk(c.start, c.num_tokens, off, torch.tensor(seq.block_table[:nb], device=dev)))
+            ids_nb = seq.block_table[:nb]
+            attn.append(AttnChunk(c.start, c.num_tokens, off, torch.tensor(ids_nb, device=dev), ids_nb))
             off += c.num_tokens
             if c.sample:
                 sample_rows.append(off - 1)

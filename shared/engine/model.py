@@ -9,7 +9,7 @@ Weights are Q4_0 bytes (``kernels/q4_0.py``) on every device; norms and biases a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ class AttnChunk:
     num_tokens: int          # tokens computed in this step
     token_offset: int        # index of the chunk's first token in the flat batch
     blocks: torch.Tensor     # block ids covering positions [0, start + num_tokens), int64 [nb]
+    block_ids: list[int] = field(default_factory=list)  # the same ids on the host (the GPU step's tables)
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Transformer:
         self.kv_size = cfg.n_kv_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.fused = _fused_forward(self)  # the whole step in C++ where it applies (CPU kernels)
+        self.gpu = None  # kernels.gpu_step.GpuStep: the whole step in fused Triton kernels (set by the engine)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps) * w
@@ -150,6 +152,8 @@ class Transformer:
 
     def forward(self, token_ids: torch.Tensor, ctx: StepContext, kv: torch.Tensor) -> torch.Tensor:
         """Run the flat batch; write its KV into ``kv``; return logits [S, vocab] of ``ctx.sample_rows``."""
+        if self.gpu is not None:
+            return self.gpu.forward(token_ids, ctx, kv)
         if self.fused is not None:
             return self.fused(token_ids, ctx, kv)
         return self.forward_ops(token_ids, ctx, kv)

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -213,9 +212,3 @@ def _tokenizer_metadata(writer, tok, src: str, arch: str) -> None:
                                                    tok.bos_token_id in tok.backend.encode("a").ids))
     if tok.chat_template:
         writer.add_chat_template(tok.chat_template)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from services.cli import main as cli_main
-
-    sys.exit(cli_main(["quantize", *sys.argv[1:]]))

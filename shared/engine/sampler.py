@@ -87,21 +87,39 @@ def needs_mask(seq: Sequence) -> bool:
     return not p.greedy or bool(p.logprobs or p.top_logprobs)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One next token per row of ``logits`` [S, vocab] (float32), for ``seqs`` in row order."""
+def _plain_greedy(seq: Sequence) -> bool:
+    """Greedy with nothing that reads its row: no penalties, no grammar, no logprobs."""
+    p = seq.params
+    return (p.greedy and seq.matcher is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and not p.logprobs and not p.top_logprobs)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           best: list[int] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One next token per row of ``logits`` [S, vocab] (float32), for ``seqs`` in row order.
+    ``best``: each row's argmax, computed already (on the GPU, in the decode graph): a greedy row
+    without penalties takes it instead of reading its row back. On a GPU the rows that are read
+    (all of them without ``best``) come to the host in one copy."""
     tokens: list[int] = []
     lps: list[TokenLogprob | None] = []
-    for row, seq in zip(logits, seqs):
+    host: dict[int, torch.Tensor] = {}
+    if logits.device.type != "cpu":   # the rows read on the host, in one device-to-host copy
+        need = [i for i, s in enumerate(seqs) if best is None or not _plain_greedy(s)]
+        if need:
+            host = dict(zip(need, logits[need].cpu()))
+    for i, (row, seq) in enumerate(zip(logits, seqs)):
+        row = host.get(i, row)
         p = seq.params
         m = seq.matcher  # the grammar's state, or None
         if m is not None and needs_mask(seq):
             row = row + _bias(m.mask(), row)   # the whole distribution counts: mask every banned token
             m = None
         raw = row
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        penalised = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        if penalised:
             row = _apply_penalties(row.clone(), seq)
         if p.greedy:
-            tok = _argmax(row)
+            tok = best[i] if best is not None and not penalised and row is raw else _argmax(row)
             if m is not None and not m.allows(tok):
                 # greedy under a grammar: only when the best token is banned does the row need
                 # the mask (most steps of a JSON string do not; the check costs ~2 us, a mask 3-80)

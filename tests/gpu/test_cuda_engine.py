@@ -1,9 +1,10 @@
-"""The engine on CUDA: same Q4_0 bytes, greedy tokens vs CPU, KV hand-off across devices.
+"""The engine on CUDA: same Q4_0 bytes as the CPU engine, a request handed over between devices.
 
-Numerics differ between the devices (CUDA: the Triton kernels, or the torch reference; CPU: the
-fused C++ step; all with f32 activations but different summation orders), so greedy tokens are compared
-as an agreement rate over the first 32 tokens, and exactly only up to the first divergence.
-Hand-off tests continue on the *importing* device and compare with an uninterrupted run there.
+Numerics differ between the devices (CPU: q16 activations; CUDA: f32): what holds between them is
+the contract of tests/integration/contract.py (tests/gpu/test_contract_cuda.py: teacher-forced
+logits, KV continued across devices). Here the hand-off as a request sees it: prefilled on one
+device, decoded on the other, the stream whole and the same as an uninterrupted run there up to
+the first near-tie.
 """
 
 from __future__ import annotations
@@ -48,24 +49,6 @@ def test_same_q4_0_bytes_on_cuda(engines):
             assert torch.equal(rows(a[k]), rows(b[k])), k
 
 
-def test_greedy_tokens_cuda_vs_cpu(engines):
-    tok = engines["cpu"].tokenizer
-    reqs = {f"p{i}": (tok.encode(p), greedy()) for i, p in enumerate(PROMPTS)}
-    got = {dev: run_to_completion(e, reqs) for dev, e in engines.items()}
-    same = total = 0
-    first_divergence = []
-    for rid in reqs:
-        a, b = got["cpu"][rid].token_ids, got["cuda"][rid].token_ids
-        assert len(a) == len(b) == N
-        same += sum(x == y for x, y in zip(a, b))
-        total += N
-        first_divergence.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), N))
-    rate = same / total
-    print(f"\n[cuda vs cpu] greedy token agreement {rate:.3f}; first divergence per prompt {first_divergence}")
-    assert min(first_divergence) >= 8, "greedy paths diverge within the first 8 tokens"
-    assert rate >= 0.75
-
-
 @pytest.mark.parametrize("src,dst", [("cpu", "cuda"), ("cuda", "cpu")])
 def test_export_import_across_devices(engines, src, dst):
     tok = engines[src].tokenizer
@@ -88,7 +71,6 @@ def test_export_import_across_devices(engines, src, dst):
     got = first + rest
     assert len(got) == N
     # the first token was sampled on the source; the rest continue on dst from src's KV
-    agree = sum(x == y for x, y in zip(got, reference)) / N
-    print(f"\n[hand-off {src}->{dst}] agreement with an uninterrupted {dst} run {agree:.3f}")
-    assert got[:4] == reference[:4]
-    assert agree >= 0.75
+    first = next((i for i, (x, y) in enumerate(zip(got, reference)) if x != y), N)
+    print(f"\n[hand-off {src}->{dst}] the same as an uninterrupted {dst} run for {first} of {N} tokens")
+    assert first >= 8

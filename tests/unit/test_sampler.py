@@ -52,3 +52,14 @@ def test_seeded_sampling_reproducible():
     assert len(set(a)) == 1
     draws = {sample(logits, [seq([0], temperature=1.0, seed=s)])[0][0] for s in range(20)}
     assert len(draws) > 1
+
+
+def test_precomputed_argmax_serves_plain_greedy_rows_only():
+    """``best`` (the decode graph's argmax on the GPU) is taken by plain greedy rows; a row with a
+    penalty reads its own logits."""
+    logits = torch.tensor([[0.0, 1.0, 5.0], [0.0, 1.0, 5.0], [0.0, 1.0, 5.0]])
+    seqs = [seq([0], temperature=0.0), seq([2], temperature=0.0, repetition_penalty=100.0),
+            seq([0], temperature=0.0, logprobs=True)]
+    tokens, lps = sample(logits, seqs, best=[0, 0, 2])
+    assert tokens == [0, 1, 2]          # row 0 trusts best (even where it is not the row's argmax)
+    assert lps[0] is None and lps[2] is not None and lps[2].token_id == 2

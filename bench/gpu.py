@@ -1,0 +1,215 @@
+"""GPU engine benchmark: the CUDA engine op by op, fused (eager) and as CUDA graphs, beside the
+host's CPU engine on all its cores, in one run and one table.
+
+    tandem bench gpu [--concurrency 1 8 32 64] [--gen-tokens 64] [--cpu-threads N] [--quick] [--json FILE]
+
+Per engine and batch size: decode tokens/s (``bench.engine.bench_decode``: every sequence has its
+first token before the clock starts), after a warm-up at the same batch size (Triton compiles,
+graphs are captured there). Per CUDA engine, from the torch profiler over a few decode steps of
+1 and of 16 sequences: the launches the host makes per step (``cudaLaunchKernel`` and siblings,
+``cudaGraphLaunch``) and the GPU's busy time per step (the kernels' summed durations). Prefill of
+a 2,048-token prompt. Energy where readable (``shared/energy.py``: NVML for the GPU, RAPL for
+the host): tokens per joule of the decode runs at the largest batch. The op-by-op engine decodes
+fewer tokens per sequence (``--ops-gen-tokens``): it is the slow baseline, its rate is what counts.
+
+Needs a CUDA device (and Triton); on a machine without one it says so and exits 2.
+Prints a Markdown table on stdout, progress on stderr. Run on a lent GPU by ``scripts/gpu-check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+from bench import report
+from bench.engine import bench_decode, bench_prefill
+
+LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+            "cudaLaunchCooperativeKernel"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64], help="decode batch sizes")
+    p.add_argument("--gen-tokens", type=int, default=64, help="tokens per sequence in decode (default 64)")
+    p.add_argument("--ops-gen-tokens", type=int, default=16, help="the same for the op-by-op engine (default 16)")
+    p.add_argument("--cpu-threads", type=int, default=0, help="threads of the host's CPU engine (0: every core)")
+    p.add_argument("--prefill-tokens", type=int, default=2048, help="prompt of the prefill line (default 2048)")
+    p.add_argument("--modes", nargs="+", default=["ops", "fused", "graphs"], help="CUDA engines to run")
+    p.add_argument("--no-cpu", action="store_true", help="leave out the host's CPU engine")
+    p.add_argument("--quick", action="store_true", help="1 and 8 sequences, 16 tokens")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+
+
+def _progress(msg: str) -> None:
+    sys.stderr.write(f"[bench gpu] {msg}\n")
+    sys.stderr.flush()
+
+
+def _cuda_engine(mode: str, max_seqs: int, prefill: int):
+    from shared.engine.engine import Engine, EngineConfig
+    return Engine.from_path(None, EngineConfig(device="cuda", gpu_step=mode, enable_prefix_caching=False,
+                                               max_num_seqs=max_seqs, step_tokens=max(prefill, max_seqs),
+                                               kv_cache_bytes=1 << 30))
+
+
+def profile_steps(engine, seqs: int, steps: int = 5) -> dict:
+    """Host launches and GPU busy microseconds per decode step of ``seqs`` sequences."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from shared.engine.sampling import SamplingParams
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(seqs):
+        engine.add(f"prof{seqs}-{i}", [1000 + i] * 16, params)
+    started: set[str] = set()
+    while len(started) < seqs:
+        started.update(o.request_id for o in engine.step())
+    engine.step()                      # one more: the bucket's graph exists before the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    launches, busy = 0, 0.0
+    for ev in prof.events():
+        if ev.name in LAUNCHES:
+            launches += 1
+        if str(getattr(ev, "device_type", "")).endswith("CUDA"):
+            busy += float(getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0) or 0.0)
+    if busy == 0.0:   # kernels attributed to the host ops that launched them (older profilers)
+        busy = sum(float(getattr(ev, "self_device_time_total", 0.0) or 0.0) for ev in prof.events())
+    while engine.has_work():
+        engine.step()
+    return {"launches": round(launches / steps, 1), "gpu_busy_us": round(busy / steps, 1)}
+
+
+def _energy_run(engine, c: int, gen: int, meter) -> tuple[float, dict | None]:
+    before = meter.read() if meter is not None else None
+    rate = bench_decode(engine, c, gen)
+    used = meter.joules_since(before) if meter is not None else None
+    return rate, used
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from shared.energy import EnergyMeter, tokens_per_joule
+    if args.quick:
+        args.concurrency, args.gen_tokens, args.ops_gen_tokens = [1, 8], 16, 8
+    if not torch.cuda.is_available():
+        raise SystemExit("tandem bench gpu: no CUDA device here (torch.cuda.is_available() is False)")
+    dev = torch.cuda.get_device_properties(0)
+    meter = EnergyMeter()
+    top = max(args.concurrency)
+    res: dict = {"gpu": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
+                 "host_cpu": platform.processor() or _cpu_name(), "energy": meter.describe(),
+                 "concurrency": args.concurrency, "gen_tokens": args.gen_tokens, "engines": {}}
+    for mode in args.modes:
+        _progress(f"CUDA engine, gpu_step={mode}: loading")
+        engine = _cuda_engine(mode, top, args.prefill_tokens)
+        gen = args.ops_gen_tokens if mode == "ops" else args.gen_tokens
+        row: dict = {"decode": {}, "gen_tokens": gen}
+        for c in args.concurrency:
+            bench_decode(engine, c, 4)                                   # compile, capture
+            if c == top and meter.available:
+                rate, used = _energy_run(engine, c, gen, meter)
+                row["joules"] = used
+                row["tokens_per_joule"] = tokens_per_joule(c * (gen - 1), used)
+            else:
+                rate = bench_decode(engine, c, gen)
+            row["decode"][str(c)] = round(rate, 1)
+        for seqs in (1, 16):
+            row[f"profile_{seqs}"] = profile_steps(engine, seqs)
+            _progress(f"{mode}: {seqs} seqs: {row[f'profile_{seqs}']}")
+        rate = bench_prefill(engine, args.prefill_tokens, 3)
+        row["prefill_ms"] = round(args.prefill_tokens / rate * 1000, 2)
+        if engine.graphs is not None:
+            row["graph_replays"] = engine.graphs.replays
+        res["engines"][mode] = row
+        del engine
+        torch.cuda.empty_cache()
+        if mode == "graphs":    # prefill with the matmuls of > 64 rows on the tensor cores (TF32)
+            os.environ["TANDEM_GPU_PRECISION"] = "tf32"
+            try:
+                engine = _cuda_engine(mode, top, args.prefill_tokens)
+                rate = bench_prefill(engine, args.prefill_tokens, 3)
+                res["prefill_tf32_ms"] = round(args.prefill_tokens / rate * 1000, 2)
+            finally:
+                del os.environ["TANDEM_GPU_PRECISION"]
+            del engine
+            torch.cuda.empty_cache()
+    if not args.no_cpu:
+        from kernels import cpu
+        from kernels.dispatch import describe
+        from shared.engine.engine import Engine, EngineConfig
+        threads = args.cpu_threads or os.cpu_count() or 1
+        _progress(f"host CPU engine, {threads} threads: loading")
+        engine = Engine.from_path(None, EngineConfig(threads=threads, enable_prefix_caching=False,
+                                                     max_num_seqs=top, step_tokens=max(512, top)))
+        row = {"decode": {}, "gen_tokens": args.gen_tokens, "path": describe("cpu"), "threads": threads,
+               "isa": cpu.isa()}
+        for c in args.concurrency:
+            bench_decode(engine, c, 4)
+            if c == top and meter.available:
+                rate, used = _energy_run(engine, c, args.gen_tokens, meter)
+                row["joules"] = used
+                row["tokens_per_joule"] = tokens_per_joule(c * (args.gen_tokens - 1), used)
+            else:
+                rate = bench_decode(engine, c, args.gen_tokens)
+            row["decode"][str(c)] = round(rate, 1)
+        res["engines"]["cpu"] = row
+    return res
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def table(res: dict) -> str:
+    cs = [str(c) for c in res["concurrency"]]
+    eng = res["engines"]
+    lines = [f"{res['gpu']} ({res['sms']} SMs), torch {res['torch']}; host {res['host_cpu']}; energy: {res['energy']}",
+             "", "| engine | " + " | ".join(f"decode x{c} tok/s" for c in cs)
+             + " | launches/step x1 / x16 | GPU busy µs/step x1 / x16 | prefill ms | tok/J |",
+             "|---|" + "---:|" * (len(cs) + 4)]
+    for name, row in eng.items():
+        label = f"cuda {name}" if name != "cpu" else f"host CPU ({row['threads']} threads, {row['isa']})"
+        p1, p16 = row.get("profile_1"), row.get("profile_16")
+        prof = f"{p1['launches']} / {p16['launches']}" if p1 else "—"
+        busy = f"{p1['gpu_busy_us']} / {p16['gpu_busy_us']}" if p1 else "—"
+        tpj = row.get("tokens_per_joule")
+        lines.append(f"| {label} | " + " | ".join(f"{row['decode'].get(c, float('nan')):.1f}" for c in cs)
+                     + f" | {prof} | {busy} | {row.get('prefill_ms', '—')} | "
+                     + (f"{tpj:.1f}" if tpj else "n/a") + " |")
+    if "graphs" in eng and "cpu" in eng:
+        ratios = [eng["graphs"]["decode"][c] / eng["cpu"]["decode"][c] for c in cs]
+        lines += ["", "graphs ÷ host CPU: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]
+    if "prefill_tf32_ms" in res:
+        lines += ["", f"prefill of the same prompt with TANDEM_GPU_PRECISION=tf32: {res['prefill_tf32_ms']} ms"]
+    if "graphs" in eng and "ops" in eng:
+        ratios = [eng["graphs"]["decode"][c] / eng["ops"]["decode"][c] for c in cs]
+        lines += ["graphs ÷ ops: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    try:
+        res = run(args)
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        return 2
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    report.emit(res, table, args.json)
+    return 0
+

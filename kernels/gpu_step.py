@@ -1,0 +1,442 @@
+"""The whole forward step on a GPU in a few fused Triton kernels (in ``kernels/gpu_triton.py``),
+and the decode step captured as a CUDA graph per batch-size bucket.
+
+Why: the op-by-op path (``Transformer.forward_ops``) launched ~1,860 kernels for one decode step
+of one sequence on an H200 (32.9 ms of wall time for 4.3 ms of GPU work), and ran attention per
+sequence. Here a layer is five launches for the whole batch, plus the attention's merge and the
+split-K sums where they apply:
+
+1. ``qmatmul`` q|k|v — RMSNorm of the residual stream in its prologue (each program recomputes
+   its rows' RMS over the whole of K: the rows are a few KB and in L2), every Q4_0 weight block
+   dequantized once for all activation rows of the tile (``tl.dot``, f32 "ieee" by default:
+   no TF32 rounding of the activations), split over K where N alone gives few programs;
+2. ``rope_kv`` — bias and per-head norm where the arch has them, rotary embedding, and the new
+   token's key and value written into its KV slot (float16), one program per (token, head);
+3. attention over the paged cache in place through the block tables: ``attn_decode`` for every
+   one-token chunk (grid: entry × kv head × key segment of ``SEG`` keys; the query heads of a kv
+   head together; online softmax), ``attn_merge`` joining the segments in order, and
+   ``attn_prefill`` for chunks of several tokens (tiles of (token, head) rows against key tiles
+   through ``tl.dot``, causal);
+4. ``qmatmul`` o with the residual add in its epilogue;
+5. ``qmatmul`` gate|up with the FFN's RMSNorm in its prologue;
+6. ``qmatmul`` down with SiLU(gate)·up in its prologue and the residual add in its epilogue.
+
+The lm head is one more ``qmatmul`` with the final norm in its prologue; the embedding one
+``embed`` launch. Numbers: every kernel accumulates in f32; a token's result does not depend on
+its batch neighbours (per-row reductions; key segments at fixed multiples of ``SEG``; the split
+over K chosen from N and K only), so a sequence decodes the same alone or in any batch, eager or
+replayed.
+
+``DecodeGraphs`` runs decode-only steps through static buffers — ids, positions, KV slots,
+block tables padded to the context's width, context lengths — and captures ``GpuStep.decode``
+once per bucket (1, 2, 4, …, up to the engine's sequence cap); a step of n sequences replays the
+smallest bucket ≥ n, its padding rows writing their KV to a scratch block of their own. Greedy
+argmax runs in the graph; one device-to-host copy returns the step's tokens. Without CUDA (the
+tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly through the interpreter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SEG = 256          # keys per attention segment of a decode token (fixed: batch-independent numbers)
+# Tile shapes, chosen from ptxas' register report for sm_90 (tests/unit/test_gpu_compile.py
+# compiles every variant the step launches and fails on a register spill): a qmatmul walks K one
+# Q4_0 block (32 weights) a step with 8 warps — with 4 blocks a step or 4 warps the f32 tl.dot
+# tiles spilled (up to 6.7 KB a thread at 64 rows); attention's prefill tiles 16 tokens x 32 keys
+# with 8 warps (4 spilled), decode 16 keys a step with 4.
+BLOCK_B = 1        # Q4_0 blocks per step of a qmatmul's K loop
+MM_WARPS = 8
+EMBED_BLOCK_B = 4
+BLOCK_K_DECODE, DECODE_WARPS = 16, 4
+BLOCK_Q, BLOCK_K_PREFILL, PREFILL_WARPS = 16, 32, 8
+MIN_PROGRAMS = 128  # a qmatmul whose N gives fewer weight tiles than this splits K (H100/H200: 132 SMs)
+MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
+
+log = logging.getLogger("tandem.gpu")
+
+
+def _k():
+    from kernels import gpu
+    return gpu.triton_kernels()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def unsupported(cfg, block_size: int) -> str | None:
+    """Why the fused step cannot run this model (None: it can)."""
+    hd = cfg.head_dim
+    if hd < 16 or hd & (hd - 1):
+        return f"head_dim {hd} is not a power of two >= 16"
+    if block_size & (block_size - 1):
+        return f"KV block size {block_size} is not a power of two"
+    if cfg.hidden_size % 32 or cfg.ffn_size % 32:
+        return "hidden and FFN sizes must be multiples of 32 (Q4_0 blocks)"
+    return None
+
+
+def split_for(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, splits over K, Q4_0 blocks per split) of a qmatmul with N outputs and K inputs:
+    from N and K only, never from M (a row's sum must not depend on its batch)."""
+    block_n = 64 if n >= 8192 else 16
+    tiles = -(-n // block_n)
+    nb = k // 32
+    splits = 1
+    if tiles < MIN_PROGRAMS and nb >= 2 * BLOCK_B:
+        splits = min(-(-MIN_PROGRAMS // tiles), nb // BLOCK_B)
+    per = -(-(-(-nb // splits)) // BLOCK_B) * BLOCK_B
+    return block_n, -(-nb // per), per
+
+
+@dataclass
+class PagedBatch:
+    """Where each token's attention reads, as device tensors (int32).
+
+    Decode entries (one-token chunks): ``rows`` (the token's row of the flat batch), ``tables``
+    [E, width] (block ids, padded), ``lens`` (keys, the new one included). Prefill chunks:
+    ``offs`` (first row), ``starts`` (first position), ``qlens``, ``ptables`` [C, width];
+    ``max_q``: the longest chunk (host int, for the grid)."""
+    rows: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    offs: torch.Tensor
+    starts: torch.Tensor
+    qlens: torch.Tensor
+    ptables: torch.Tensor
+    max_q: int
+
+    @classmethod
+    def of(cls, chunks, device) -> "PagedBatch":
+        """From the step's ``AttnChunk`` list (their ``block_ids``)."""
+        dec = [c for c in chunks if c.num_tokens == 1]
+        pre = [c for c in chunks if c.num_tokens > 1]
+
+        def table(cs):
+            ids = [c.block_ids or c.blocks.tolist() for c in cs]
+            t = np.zeros((len(cs), max([len(b) for b in ids], default=1)), dtype=np.int32)
+            for i, b in enumerate(ids):
+                t[i, :len(b)] = b
+            return torch.from_numpy(t).to(device)
+
+        def ints(v):
+            return torch.tensor(v, dtype=torch.int32).to(device)
+        return cls(ints([c.token_offset for c in dec]), table(dec), ints([c.start + 1 for c in dec]),
+                   ints([c.token_offset for c in pre]), ints([c.start for c in pre]),
+                   ints([c.num_tokens for c in pre]), table(pre), max([c.num_tokens for c in pre], default=0))
+
+
+class GpuStep:
+    """The forward step of a ``Transformer`` in the fused kernels (its weights on the device)."""
+
+    def __init__(self, model, max_context: int, precision: str | None = None):
+        cfg = model.cfg
+        self.m = model
+        self.cfg = cfg
+        self.device = model.device
+        self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.group = self.nh // self.nkv
+        self.nseg = -(-max_context // SEG)
+        # f32 "ieee" keeps the activations' bits (no TF32 rounding); "tf32" runs the tensor cores
+        self.precision = precision or os.environ.get("TANDEM_GPU_PRECISION", "ieee")
+        if self.precision not in ("ieee", "tf32"):
+            raise ValueError(f"TANDEM_GPU_PRECISION must be ieee or tf32, got {self.precision!r}")
+        self.cos = model.cos.contiguous()
+        self.sin = model.sin.contiguous()
+
+    # ---- the kernels, launched ------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.m.embed
+        k = q.shape[1] // 18 * 32
+        out = torch.empty(ids.shape[0], k, dtype=torch.float32, device=self.device)
+        if ids.shape[0]:
+            _k().embed[(ids.shape[0],)](ids, q, out, k, q.shape[1], out.stride(0), BLOCK_B=EMBED_BLOCK_B)
+        return out
+
+    def matmul(self, x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
+               norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False) -> torch.Tensor:
+        """``a @ W.T`` for Q4_0 W [N, K]: a = x, or silu(x[:, :K]) * x[:, K:] (``silu``), RMS-normed
+        with weight ``norm`` (given); into ``out``, added to it (``residual``)."""
+        m = x.shape[0]
+        n, k = q.shape[0], q.shape[1] // 18 * 32
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32, device=self.device)
+        if m == 0:
+            return out
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n, splits, per = split_for(n, k)
+        grid_mn = (-(-n // block_n), -(-m // block_m))
+        kern = _k()
+        args = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=BLOCK_B, NORM=norm is not None, SILU=silu,
+                    PRECISION=self.precision if m > 64 else "ieee", num_warps=MM_WARPS)
+        nw = norm if norm is not None else x
+        eps = self.cfg.rms_eps
+        if splits == 1:
+            kern.qmatmul[grid_mn](x, q, out, nw, m, n, k, q.shape[1], x.stride(0), out.stride(0), eps, 0,
+                                  RESIDUAL=residual, SPLIT=False, **args)
+            return out
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=self.device)
+        kern.qmatmul[(*grid_mn, splits)](x, q, part, nw, m, n, k, q.shape[1], x.stride(0), n, eps, per,
+                                         RESIDUAL=False, SPLIT=True, **args)
+        kern.split_sum[(-(-n // 256), m)](part, out, m, n, out.stride(0), SPLITS=splits, RESIDUAL=residual,
+                                          BLOCK=256)
+        return out
+
+    def rope_kv(self, qkv, layer, positions, slot_blocks, slot_offsets, layer_kv) -> torch.Tensor:
+        t = qkv.shape[0]
+        q = torch.empty(t, self.nh * self.hd, dtype=torch.float32, device=self.device)
+        if t:
+            bias = layer.get("qkv_bias", qkv)
+            qn, kn = layer.get("q_norm", qkv), layer.get("k_norm", qkv)
+            s = layer_kv.stride()
+            _k().rope_kv[(t, self.nh + self.nkv)](
+                qkv, bias, qn, kn, self.cos, self.sin, positions, slot_blocks, slot_offsets, q, layer_kv,
+                qkv.stride(0), q.stride(0), s[0], s[1], s[2], s[3], self.cfg.rms_eps,
+                NH=self.nh, NKV=self.nkv, HD=self.hd, HAS_BIAS="qkv_bias" in layer, QK_NORM="q_norm" in layer)
+        return q
+
+    def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, pb: PagedBatch) -> torch.Tensor:
+        out = torch.empty_like(q)
+        s = layer_kv.stride()
+        kern = _k()
+        scale = self.m.scale
+        bs = layer_kv.shape[2]
+        gp = _pow2(self.group)
+        e = pb.rows.shape[0]
+        if e:
+            split = self.nseg > 1
+            po = pml = out
+            if split:
+                po = torch.empty(e, self.nh, self.nseg, self.hd, dtype=torch.float32, device=self.device)
+                pml = torch.empty(e, self.nh, self.nseg, 2, dtype=torch.float32, device=self.device)
+            kern.attn_decode[(e, self.nkv, self.nseg)](
+                q, layer_kv, pb.tables, pb.lens, pb.rows, out, po, pml, q.stride(0), pb.tables.stride(0),
+                s[0], s[1], s[2], s[3], scale, SEG=SEG, NSEG=self.nseg, GROUP=self.group, GROUP_P=gp,
+                HD=self.hd, BS=bs, BLOCK_K=BLOCK_K_DECODE, SPLIT=split, num_warps=DECODE_WARPS)
+            if split:
+                kern.attn_merge[(e, self.nh)](po, pml, pb.lens, pb.rows, out, out.stride(0), SEG=SEG,
+                                              NSEG=self.nseg, NSEG_P=_pow2(self.nseg), HD=self.hd)
+        c = pb.offs.shape[0]
+        if c:
+            kern.attn_prefill[(c, self.nkv, -(-pb.max_q // BLOCK_Q))](
+                q, layer_kv, pb.ptables, pb.starts, pb.qlens, pb.offs, out, q.stride(0), pb.ptables.stride(0),
+                s[0], s[1], s[2], s[3], scale, GROUP=self.group, GROUP_P=gp, HD=self.hd, BS=bs,
+                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL, PRECISION="ieee", num_warps=PREFILL_WARPS)
+        return out
+
+    # ---- the step --------------------------------------------------------------------------
+    def _layers(self, ids, positions, slot_blocks, slot_offsets, kv, pb: PagedBatch) -> torch.Tensor:
+        x = self.embed(ids)
+        for li, L in enumerate(self.m.layers):
+            layer_kv = kv[:, li]
+            qkv = self.matmul(x, L["qkv"], norm=L["attn_norm"])
+            q = self.rope_kv(qkv, L, positions, slot_blocks, slot_offsets, layer_kv)
+            attn = self.attend(q, layer_kv, pb)
+            self.matmul(attn, L["o"], out=x, residual=True)
+            gu = self.matmul(x, L["gate_up"], norm=L["ffn_norm"])
+            self.matmul(gu, L["down"], out=x, silu=True, residual=True)
+        return x
+
+    def forward(self, token_ids: torch.Tensor, ctx, kv: torch.Tensor) -> torch.Tensor:
+        """``Transformer.forward`` (any mix of prefill chunks and decodes): logits of ``ctx.sample_rows``."""
+        pb = PagedBatch.of(ctx.chunks, self.device)
+        x = self._layers(token_ids, ctx.positions, ctx.slot_blocks, ctx.slot_offsets, kv, pb)
+        if ctx.sample_rows.shape[0] != x.shape[0]:
+            x = x.index_select(0, ctx.sample_rows)
+        return self.matmul(x, self.m.output, norm=self.m.output_norm)
+
+    def decode(self, ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv) -> torch.Tensor:
+        """One decode token per row, every row sampled: logits [B, vocab]. No host sync, fixed
+        grids for a given B: capturable as a CUDA graph."""
+        empty = torch.empty(0, dtype=torch.int32, device=self.device)
+        pb = PagedBatch(rows, tables, lens, empty, empty, empty, tables, 0)
+        x = self._layers(ids, positions, slot_blocks, slot_offsets, kv, pb)
+        return self.matmul(x, self.m.output, norm=self.m.output_norm)
+
+
+# ---- CUDA graphs over the decode step ------------------------------------------------------
+
+def buckets(max_seqs: int) -> list[int]:
+    """Batch sizes a decode graph is captured for: powers of two up to the cap, and the cap."""
+    if max_seqs < 1:
+        raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
+    out = [1 << i for i in range(max_seqs.bit_length()) if 1 << i < max_seqs]
+    return out + [max_seqs]
+
+
+def bucket_for(n: int, sizes: list[int]) -> int:
+    """The smallest bucket holding ``n`` rows (ValueError past the largest)."""
+    for b in sizes:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} decode rows exceed the largest graph bucket {sizes[-1]}")
+
+
+class DecodeInputs:
+    """The static inputs of the decode graphs: one int32 buffer on the device, laid out as
+    ``ids | positions | slot blocks | slot offsets | lens | rows | tables`` (``cap`` entries each,
+    tables ``cap × width``), filled from a pinned host twin with one copy per step. Rows past a
+    step's n (up to its bucket) are padding: token 0 at position 0, its KV slot in the scratch
+    block, a table of the scratch block, one key."""
+
+    FIELDS = ("ids", "positions", "slot_blocks", "slot_offsets", "lens", "rows")
+
+    def __init__(self, cap: int, width: int, scratch_block: int, device):
+        self.cap, self.width, self.scratch = cap, width, scratch_block
+        size = cap * (len(self.FIELDS) + width)
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+        self.h = self.host.numpy()
+        self.dev = torch.zeros(size, dtype=torch.int32, device=device)
+        self.views = {f: self.dev[i * cap:(i + 1) * cap] for i, f in enumerate(self.FIELDS)}
+        self.views["tables"] = self.dev[len(self.FIELDS) * cap:].view(cap, width)
+        self.h[5 * cap:6 * cap] = np.arange(cap)      # rows: entry i is row i
+
+    def host_view(self, name: str) -> np.ndarray:
+        i = self.FIELDS.index(name) if name != "tables" else len(self.FIELDS)
+        if name == "tables":
+            return self.h[i * self.cap:].reshape(self.cap, self.width)
+        return self.h[i * self.cap:(i + 1) * self.cap]
+
+    def fill(self, ids, positions, tables: list[list[int]], block_size: int, bucket: int) -> None:
+        """Rows 0..n-1 from the step, n..bucket-1 padding; one host-to-device copy."""
+        n = len(ids)
+        if len(positions) != n or len(tables) != n:
+            raise ValueError("ids, positions and tables must have one entry per row")
+        if not n <= bucket <= self.cap:
+            raise ValueError(f"{n} rows in a bucket of {bucket} (cap {self.cap})")
+        pos = np.asarray(positions, dtype=np.int64)
+        tab = self.host_view("tables")
+        for i, t in enumerate(tables):
+            if len(t) > self.width:
+                raise ValueError(f"row {i}: {len(t)} blocks exceed the table width {self.width}")
+            tab[i, :len(t)] = t
+            tab[i, len(t):] = self.scratch
+        tab[n:bucket] = self.scratch
+        self.host_view("ids")[:n] = ids
+        self.host_view("ids")[n:bucket] = 0
+        self.host_view("positions")[:n] = pos
+        self.host_view("positions")[n:bucket] = 0
+        blk = self.host_view("slot_blocks")
+        blk[:n] = tab[np.arange(n), pos // block_size] if n else blk[:0]
+        blk[n:bucket] = self.scratch
+        self.host_view("slot_offsets")[:n] = pos % block_size
+        self.host_view("slot_offsets")[n:bucket] = 0
+        self.host_view("lens")[:n] = pos + 1
+        self.host_view("lens")[n:bucket] = 1
+        self.dev.copy_(self.host, non_blocking=True)
+
+    def args(self, bucket: int) -> tuple:
+        v = self.views
+        return (v["ids"][:bucket], v["positions"][:bucket], v["slot_blocks"][:bucket],
+                v["slot_offsets"][:bucket], v["tables"][:bucket], v["lens"][:bucket], v["rows"][:bucket])
+
+
+class DecodeGraphs:
+    """Decode-only steps through static buffers, replayed as one CUDA graph per bucket (captured on
+    first use) where ``capture``; run eagerly over the same buffers otherwise."""
+
+    def __init__(self, step: GpuStep, kv: torch.Tensor, max_seqs: int, width: int, block_size: int,
+                 scratch_block: int, capture: bool):
+        self.step, self.kv, self.block_size = step, kv, block_size
+        self.sizes = buckets(max_seqs)
+        self.inputs = DecodeInputs(self.sizes[-1], width, scratch_block, step.device)
+        self.capture = capture
+        self.graphs: dict[int, tuple] = {}    # bucket -> (CUDAGraph, logits, argmax)
+        self.steps = 0       # decode steps run here
+        self.replays = 0     # of them, graph replays
+
+    def _body(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.step.decode(*self.inputs.args(bucket), self.kv)
+        return logits, torch.argmax(logits, dim=-1)
+
+    def _graph(self, bucket: int) -> tuple:
+        g = self.graphs.get(bucket)
+        if g is None:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):          # compile and warm up outside the capture
+                self._body(bucket)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits, best = self._body(bucket)
+            g = self.graphs[bucket] = (graph, logits, best)
+        return g
+
+    def warm_up(self) -> int:
+        """Capture every bucket's graph now (the kernels compile on the way), with padding rows
+        only: their KV goes to the scratch block, nothing else is touched. Returns the graphs
+        captured (none without CUDA)."""
+        if not self.capture:
+            return 0
+        for b in self.sizes:
+            self.inputs.fill([], [], [], self.block_size, b)
+            self._graph(b)
+        torch.cuda.synchronize()
+        return len(self.graphs)
+
+    def try_step(self, chunks) -> tuple[torch.Tensor, list[int]] | None:
+        """Run a scheduled step here when it is decode only (one sampled token per sequence, at
+        most the largest bucket): (logits, greedy tokens) in chunk order; None otherwise."""
+        if not chunks or len(chunks) > self.sizes[-1] or any(c.num_tokens != 1 or not c.sample for c in chunks):
+            return None
+        bs = self.block_size
+        return self.run([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                        [c.seq.block_table[:c.start // bs + 1] for c in chunks])
+
+    def run(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """(logits [n, vocab], greedy tokens) of one decode token for each of the n rows."""
+        n = len(ids)
+        bucket = bucket_for(n, self.sizes)
+        self.inputs.fill(ids, positions, tables, self.block_size, bucket)
+        self.steps += 1
+        if self.capture:
+            graph, logits, best = self._graph(bucket)
+            graph.replay()
+            self.replays += 1
+        else:
+            logits, best = self._body(bucket)
+        return logits[:n], best[:n].tolist()
+
+
+def wanted(device: torch.device, mode: str) -> bool:
+    """Does an engine on ``device`` run the fused step in ``mode`` (``MODES``)? On CUDA unless
+    "ops" (where Triton imports); on the CPU only in Triton's interpreter when
+    TANDEM_GPU_STEP_INTERPRET=1 (how the tests run the whole step without a GPU)."""
+    if mode not in MODES:
+        raise ValueError(f"gpu_step must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "ops" or (device.type != "cuda" and os.environ.get("TANDEM_GPU_STEP_INTERPRET") != "1"):
+        return False      # (a CPU engine never imports triton here)
+    from kernels import gpu
+    return gpu.available() and (device.type == "cuda" or gpu.interpreting())
+
+
+def attach(model, kv: torch.Tensor, blocks, mode: str, max_context: int, max_seqs: int,
+           block_size: int) -> DecodeGraphs | None:
+    """Give ``model`` (a Transformer) its fused step where ``wanted``; with "graphs", return the
+    decode graphs (their scratch block taken from ``blocks`` for good). Logs what it chose."""
+    if not wanted(model.device, mode):
+        return None
+    reason = unsupported(model.cfg, block_size)
+    if reason:
+        log.warning("the fused GPU step cannot run %s (%s): op by op", model.cfg.name, reason)
+        return None
+    model.gpu = GpuStep(model, max_context)
+    if mode != "graphs":
+        log.info("GPU step: fused Triton kernels, launched eagerly (precision %s)", model.gpu.precision)
+        return None
+    scratch = blocks.allocate(1)
+    if scratch is None:
+        raise ValueError("no KV block left for the decode graphs' scratch block")
+    graphs = DecodeGraphs(model.gpu, kv, max_seqs, math.ceil(max_context / block_size), block_size, scratch[0],
+                          capture=model.device.type == "cuda")
+    log.info("GPU step: fused Triton kernels, decode steps as CUDA graphs (buckets %s, precision %s)",
+             graphs.sizes, model.gpu.precision)
+    return graphs

@@ -1,0 +1,108 @@
+"""The fused GPU step (kernels/gpu_step.py) compiled on a CUDA device: every interpreter case of
+tests/integration/test_gpu_step.py again on CUDA, graph replay bitwise the eager step, the bundled
+model's fused step against its op-by-op step, the engine's greedy tokens through the graphs, and
+the launches a replayed decode step costs the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+]
+pytest.importorskip("triton", reason="triton is not installed")
+
+from bench.gpu import profile_steps  # noqa: E402
+from shared.engine.engine import Engine, EngineConfig, run_to_completion  # noqa: E402
+from shared.engine.sampling import SamplingParams  # noqa: E402
+from tests.integration import test_gpu_step as cases  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "In 1905, Albert Einstein published", "def fibonacci(n):",
+           "The largest planet in the solar system is", "Write a haiku about the sea."]
+
+
+@pytest.mark.parametrize("m", [1, 5, 17, 70])
+@pytest.mark.parametrize("n,k", [(100, 96), (64, 512), (576, 576)])
+def test_matmul(m, n, k):
+    assert cases._matmul_case(m, n, k, False, False, False, "cuda") <= cases.REL
+
+
+@pytest.mark.parametrize("norm,silu,residual", [(True, False, False), (False, True, True), (False, False, True)])
+def test_matmul_prologues_and_epilogue(norm, silu, residual):
+    assert cases._matmul_case(3, 64, 512, norm, silu, residual, "cuda") <= cases.REL
+
+
+@pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])
+def test_rope_and_kv_write(bias, qk_norm):
+    dq, dkv = cases._rope_case(bias, qk_norm, "cuda")
+    assert dq <= 1e-5 and dkv <= 2e-3
+
+
+@pytest.mark.parametrize("max_context", [1024, 256])
+def test_paged_attention(max_context):
+    lens = [1, 15, 16, 17, 100, 255, 256] + ([257, 600, 1024] if max_context > 256 else [])
+    err, _ = cases._attention_case(max_context, lens, [(0, 20), (32, 17), (200, 40)], "cuda")
+    assert err <= 1e-5
+
+
+@pytest.mark.parametrize("arch,long", [({}, 280), ({"attn_bias": True}, 20), ({"qk_norm": True}, 20)])
+def test_whole_step_matches_op_by_op(arch, long):
+    err, dkv = cases._step_case(arch, long, "cuda")
+    assert err <= cases.REL_STEP and dkv <= 2e-3
+
+
+def test_graph_replay_is_bitwise_the_eager_step():
+    err, same_best, dkv_others, scratch_written, bitwise = cases._graphs_case("cuda")
+    assert err <= cases.REL_STEP and same_best and dkv_others <= 2e-3 and scratch_written
+    assert bitwise
+
+
+@pytest.fixture(scope="module")
+def cuda_engines(bundled_model):
+    return {mode: Engine(bundled_model, EngineConfig(device="cuda", gpu_step=mode, num_kv_blocks=512,
+                                                     max_num_seqs=16))
+            for mode in ("graphs", "fused", "ops")}
+
+
+def test_engine_modes(cuda_engines):
+    g, f, o = (cuda_engines[m] for m in ("graphs", "fused", "ops"))
+    assert g.graphs is not None and g.model.gpu is not None
+    g.warm_up()                                   # every bucket captured before a request
+    assert sorted(g.graphs.graphs) == g.graphs.sizes == [1, 2, 4, 8, 16]
+    assert f.graphs is None and f.model.gpu is not None
+    assert o.graphs is None and o.model.gpu is None
+
+
+def test_greedy_tokens_graphs_equal_fused_and_close_to_ops(cuda_engines):
+    """Graphs and eager fused run the same kernels on the same rows: the same tokens. The op-by-op
+    path sums in other orders: the same tokens up to the first near-tie."""
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    tok = cuda_engines["graphs"].tokenizer
+    reqs = {f"p{i}": (tok.encode(p), greedy) for i, p in enumerate(PROMPTS)}
+    got = {m: {r: o.token_ids for r, o in run_to_completion(e, reqs).items()} for m, e in cuda_engines.items()}
+    assert cuda_engines["graphs"].graphs.replays > 0
+    assert got["graphs"] == got["fused"]
+    for r in reqs:
+        a, b = got["graphs"][r], got["ops"][r]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        print(f"\n[graphs vs ops] {r}: same for {first} of {len(a)} tokens")
+        assert first >= 16
+
+
+def test_bundled_model_fused_step_matches_op_by_op(cuda_engines):
+    """prompt_logits through the fused prefill path against the op-by-op path, on the real model."""
+    f, o = cuda_engines["fused"], cuda_engines["ops"]
+    ids = f.tokenizer.encode("The printing press changed how knowledge moved through Europe. " * 20)[:300]
+    a, b = f.prompt_logits(ids), o.prompt_logits(ids)
+    rel = float((a - b).abs().max() / b.abs().max())
+    print(f"\n[fused vs ops, bundled model, 300 tokens] max |Δ| / max |logit| = {rel:.2e}")
+    assert rel <= 1e-3
+
+
+@pytest.mark.parametrize("seqs", [1, 16])
+def test_a_replayed_decode_step_launches_at_most_200_kernels(cuda_engines, seqs):
+    figures = profile_steps(cuda_engines["graphs"], seqs)
+    print(f"\n[graphs, {seqs} seqs] {figures}")
+    assert figures["launches"] <= 200

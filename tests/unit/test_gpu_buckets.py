@@ -1,0 +1,85 @@
+"""The decode graphs' bucket and padding logic (kernels/gpu_step.py), without a GPU or Triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import gpu_step
+from kernels.gpu_step import DecodeInputs, bucket_for, buckets, split_for
+
+
+def test_buckets_are_powers_of_two_up_to_the_cap():
+    assert buckets(1) == [1]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    with pytest.raises(ValueError, match="max_seqs"):
+        buckets(0)
+
+
+@pytest.mark.parametrize("n,want", [(1, 1), (2, 2), (3, 4), (5, 8), (17, 32), (33, 48), (48, 48)])
+def test_bucket_for_takes_the_smallest_that_holds(n, want):
+    assert bucket_for(n, buckets(48)) == want
+
+
+def test_bucket_for_refuses_more_rows_than_the_largest():
+    with pytest.raises(ValueError, match="exceed the largest graph bucket 48"):
+        bucket_for(49, buckets(48))
+
+
+def test_split_depends_on_n_and_k_only_and_covers_k():
+    for n, k in [(576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (64, 1024), (100, 96)]:
+        block_n, splits, per = split_for(n, k)
+        nb = k // 32
+        assert per % gpu_step.BLOCK_B == 0 and (splits - 1) * per < nb <= splits * per
+        if -(-n // block_n) >= gpu_step.MIN_PROGRAMS:
+            assert splits == 1
+    assert split_for(49152, 576) == (64, 1, 18)        # the lm head: 768 weight tiles already
+    assert split_for(576, 1536)[1] > 1                  # down: 36 tiles of 16 rows, so K is split
+
+
+def _tables():
+    return [[7, 3], [5], [9, 2, 4]]
+
+
+def test_fill_pads_rows_to_the_bucket_with_the_scratch_block():
+    inp = DecodeInputs(cap=8, width=4, scratch_block=99, device="cpu")
+    inp.fill([11, 12, 13], [17, 0, 40], _tables(), block_size=16, bucket=4)
+    ids, pos, sblk, soff, tables, lens, rows = (t.tolist() for t in inp.args(4))
+    assert ids == [11, 12, 13, 0] and pos == [17, 0, 40, 0]
+    assert sblk == [3, 5, 4, 99] and soff == [1, 0, 8, 0]          # the slot of each new token
+    assert lens == [18, 1, 41, 1] and rows == [0, 1, 2, 3]
+    assert tables == [[7, 3, 99, 99], [5, 99, 99, 99], [9, 2, 4, 99], [99, 99, 99, 99]]
+
+
+def test_fill_overwrites_a_larger_earlier_step():
+    inp = DecodeInputs(cap=8, width=4, scratch_block=99, device="cpu")
+    inp.fill([1] * 8, [3] * 8, [[6]] * 8, block_size=16, bucket=8)
+    inp.fill([11, 12, 13], [17, 0, 40], _tables(), block_size=16, bucket=4)
+    ids, _, sblk, _, tables, lens, _ = (t.tolist() for t in inp.args(4))
+    assert ids[3] == 0 and sblk[3] == 99 and lens[3] == 1 and tables[3] == [99] * 4
+
+
+def test_fill_refuses_bad_rows():
+    inp = DecodeInputs(cap=4, width=2, scratch_block=9, device="cpu")
+    with pytest.raises(ValueError, match="table width 2"):
+        inp.fill([1], [40], [[1, 2, 3]], block_size=16, bucket=1)
+    with pytest.raises(ValueError, match="one entry per row"):
+        inp.fill([1, 2], [0], [[1], [2]], block_size=16, bucket=2)
+    with pytest.raises(ValueError, match="bucket of 2"):
+        inp.fill([1, 2, 3], [0, 0, 0], [[1], [2], [3]], block_size=16, bucket=2)
+
+
+def test_modes_and_cpu_engines():
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="gpu_step must be one of"):
+        gpu_step.wanted(cpu, "fast")
+    assert not gpu_step.wanted(cpu, "ops")
+
+
+def test_unsupported_shapes_say_why():
+    from tests.integration.test_gpu_step import tiny_config
+    assert gpu_step.unsupported(tiny_config(), 16) is None
+    assert "head_dim 24" in gpu_step.unsupported(tiny_config(head_dim=24), 16)
+    assert "block size 12" in gpu_step.unsupported(tiny_config(), 12)

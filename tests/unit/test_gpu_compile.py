@@ -1,0 +1,143 @@
+"""Every kernel variant the fused GPU step launches for the bundled model compiles for Hopper
+(sm_90: H100 / H200) here, without a GPU, and keeps its registers: ptxas (Triton's own) reports no
+spill for any of them.
+
+The variants are not listed by hand: the step runs once on the CPU with the kernels replaced by
+a recorder, over the launches a real engine makes — a mixed step (a prefill chunk, a chunk after
+a cached prefix, decodes) and decode steps at every M tile (1, 17, 40 rows), f32 "ieee" and TF32
+— and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
+``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
+blocks a K step with 4 warps did: 6.7 KB a thread at 64 rows) fails here, not on a lent GPU.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+
+from kernels import gpu_step  # noqa: E402
+from shared.engine.model import AttnChunk, StepContext, Transformer  # noqa: E402
+
+TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.uint8: "*u8", torch.int32: "*i32",
+         torch.int64: "*i64"}
+
+
+class Recorder:
+    """Stands for kernels.gpu_triton: ``kern.NAME[grid](*args, **constexprs)`` records the launch."""
+
+    def __init__(self):
+        from kernels import gpu_triton
+        self.real = gpu_triton
+        self.launches: dict[tuple, tuple] = {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.real, name)
+
+        def launcher(grid):
+            def launch(*args, num_warps=4, **consts):
+                names = [n for n in fn.arg_names if n not in consts]
+                sig = {}
+                for n, a in zip(names, args):
+                    sig[n] = TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
+                sig |= {n: "constexpr" for n in consts}
+                key = (name, tuple(sorted(sig.items())), tuple(sorted(consts.items())), num_warps)
+                self.launches[key] = (fn, sig, consts, num_warps)
+            return launch
+        return _Indexable(launcher)
+
+
+class _Indexable:
+    def __init__(self, f):
+        self.f = f
+
+    def __getitem__(self, grid):
+        return self.f(grid)
+
+
+def bundled_shapes_model() -> Transformer:
+    """A Transformer of the bundled model's shapes on the CPU, weights left empty (nothing computes)."""
+    from shared.engine.loader import load_tokenizer
+    _, cfg = load_tokenizer()
+    D, hd, F = cfg.hidden_size, cfg.head_dim, cfg.ffn_size
+
+    def q(n, k):
+        return torch.zeros(n, k // 32 * 18, dtype=torch.uint8)
+    w = {"output": q(cfg.vocab_size, D), "output_norm": torch.ones(D)}
+    w["embed"] = w["output"]
+    for i in range(cfg.n_layers):
+        w |= {f"blk.{i}.attn_norm": torch.ones(D), f"blk.{i}.ffn_norm": torch.ones(D),
+              f"blk.{i}.qkv": q((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, D), f"blk.{i}.o": q(D, cfg.n_heads * hd),
+              f"blk.{i}.gate_up": q(2 * F, D), f"blk.{i}.down": q(D, F)}
+    m = Transformer(cfg, w, torch.device("cpu"), None)
+    m.fused = None
+    return m
+
+
+@pytest.fixture(scope="module")
+def launches():
+    rec = Recorder()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gpu_step, "_k", lambda: rec)
+    try:
+        model = bundled_shapes_model()
+        kv = torch.zeros(64, model.cfg.n_layers, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=torch.float16)
+        for precision in ("ieee", "tf32"):
+            st = gpu_step.GpuStep(model, 8192, precision)
+            plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
+            chunks, off = [], 0
+            for start, n in plan:
+                chunks.append(AttnChunk(start, n, off, torch.zeros(1), [0] * (-(-(start + n) // 16))))
+                off += n
+            z = torch.zeros(off, dtype=torch.int64)
+            st.forward(z, StepContext(z, z, z, chunks, torch.tensor([99, 119, 120, 121])), kv)
+            for b in (1, 17, 40):                                    # every M tile of a decode step
+                i = torch.zeros(b, dtype=torch.int32)
+                st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
+    finally:
+        mp.undo()
+    return list(rec.launches.values())
+
+
+def _ptxas():
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        p = get_ptxas(90)
+        return getattr(p, "path", p)
+    except Exception as e:  # noqa: BLE001 - no NVIDIA backend in this triton build
+        pytest.skip(f"triton's NVIDIA backend (ptxas) is not available: {e}")
+
+
+def test_the_step_launches_the_variants_expected(launches):
+    names = {fn.__name__ for fn, *_ in launches}
+    assert names == {"embed", "qmatmul", "split_sum", "rope_kv", "attn_decode", "attn_merge", "attn_prefill"}
+    assert {c["PRECISION"] for fn, s, c, w in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
+
+
+def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    ptxas = _ptxas()
+    target = GPUTarget("cuda", 90, 32)
+    report = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k, (fn, sig, consts, warps) in enumerate(launches):
+            c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
+                               options={"num_warps": warps})
+            ptx = tmp_path / f"k{k}.ptx"
+            ptx.write_text(c.asm["ptx"])
+            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(ptx), "-o", "/dev/null"],
+                                 capture_output=True, text=True, check=True).stderr
+            regs = int(re.search(r"Used (\d+) registers", out).group(1))
+            spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
+            shown = {n: v for n, v in consts.items() if n in ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT",
+                                                               "PRECISION", "RESIDUAL", "BLOCK_K", "BLOCK_Q")}
+            report.append((fn.__name__, shown, warps, regs, spills))
+    print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled" for n, s, w, r, sp in report))
+    assert not [r for r in report if r[4]], "register spills"
