@@ -1,4 +1,4 @@
-"""``tandem bench BENCH`` (engine, gpu, node, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, stops, ring, startup, two-hosts, hosts): one module per benchmark.
+"""``tandem bench BENCH`` (engine, gpu, node, agents, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, stops, ring, startup, two-hosts, hosts): one module per benchmark.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
 benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
