@@ -20,7 +20,7 @@ from shared.bus import Bus, RemoteError
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import free_port
-from shared.schemas import Abort, Ack, GenerateRequest, Heartbeat, MigrateRequest, StreamChunk
+from shared.schemas import Abort, GenerateRequest, Heartbeat, Lease, LeaseReply, MigrateRequest, StreamChunk
 from shared.tier import TIERS
 from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings, WorkerSettings
 
@@ -297,8 +297,9 @@ async def test_the_requests_of_a_dead_gateway_are_dropped(workers, reference, na
     _, cpu, _, bus = workers
     ids, _ = reference["short"]
     gw = await Bus.connect(url=nats_server, name="lease-gateway")
-    await gw.serve(subjects.gateway_alive("gw-lease"), lambda _: asyncio.sleep(0, Ack(worker="gw-lease")),
-                   expected=Ack)
+    async def alive(lease: Lease) -> LeaseReply:  # it waits for every request it is asked about
+        return LeaseReply(gateway="gw-lease", attempts=dict(lease.requests))
+    await gw.serve(subjects.gateway_alive("gw-lease"), alive, expected=Lease)
     rid = f"lease-{uuid.uuid4().hex[:8]}"
     s = await Stream(bus, rid).start(cpu, ids, 4000, origin="gw-lease")
     try:
