@@ -20,6 +20,7 @@ import pytest
 from shared import subjects
 from shared.bus import Bus
 from shared.schemas import Heartbeat
+from shared.settings import Settings
 from tests.e2e.test_stack import running_stack
 
 pytestmark = pytest.mark.timeout(600)
@@ -261,7 +262,7 @@ async def test_a_worker_kill_then_a_bus_kill_loses_nothing(nats_creds):
     with running_stack(None, ["--cpu-decode", "2", "--kvpool", "1"]) as s:
         client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
         model = (await client.models.list()).data[0].id
-        bus = await Bus.connect(url=embedded_nats_url(s), name="e2e-double-fault", role="tap")
+        bus = await Bus.connect(Settings.from_env(), url=embedded_nats_url(s), name="e2e-double-fault", role="tap")
         watch = await Watch(bus).start()
         try:
             n, prompt = 300, STORY.format(33)
