@@ -16,14 +16,19 @@ parameters with a seed (one is drawn here when the client gave none; draws are k
 stream goes quiet for ``TANDEM_LIVENESS_CHECK_S`` the gateway asks the request's holder
 ``Where`` it is (following hand-offs and migrations): *no responders* means the holder's process
 is gone (the NATS server drops a dead client's subscriptions at once); a holder that no longer
-has it, a stale heartbeat, a hung engine, a gap in the seqs that does not fill, or a worker's
-"unavailable" error mean the same. Then the request resumes: a new attempt is routed (the dead
+has it, a stale heartbeat, a hung engine, a gap in the seqs that does not fill, a worker's
+"unavailable" error, a stream that ends with a finish reason outside OpenAI's (a worker dropped
+it) or a chunk that does not start where the client's text ends (two copies of one attempt) mean
+the same. Then the request resumes: a new attempt is routed (the dead
 worker excluded) and continues from the next token the client has not seen, computing its KV
 from the prefix cache / KV pool where it can; chunks of older attempts are ignored and an
 ``Abort(below_attempt=...)`` fences any copy still running. No worker able to take it within
 ``TANDEM_RESUME_WAIT_S`` (or more than ``TANDEM_RESUME_ATTEMPTS`` losses) ends the stream with an
 OpenAI-shaped error, never a silently closed stream. While the gateway's own NATS connection is
-down it waits (outages of a few seconds are ridden out), then checks every request.
+down it waits (outages of a few seconds are ridden out), then checks every request. A route
+request nobody answers (a router killed holding it, the bus reconnecting) is asked again within
+the same wait. Workers renew their lease of each request with this gateway (``_alive``): it names
+the attempt it waits for; what it no longer runs, the workers drop.
 
 Health comes from heartbeats: ready when a router and a decode worker are live.
 """
