@@ -125,6 +125,7 @@ class EngineWorker:
         self.handed: dict[str, tuple[str, float]] = {}    # request id -> (worker it went to, when)
         self.tpot = 0.0                            # moving average seconds per output token
         self.heard: dict[str, float] = {}          # gateway id -> when it last answered a lease check
+        self.admitting: dict[str, tuple[int, asyncio.Future]] = {}  # request id -> (attempt, done) in admission
         self._lease_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -192,6 +193,9 @@ class EngineWorker:
         during a slow move is not a lost one."""
         held = self.held.get(req.request_id)
         handed = self.handed.get(req.request_id)
+        admitting = self.admitting.get(req.request_id)
+        if held is None and admitting is not None:  # its engine is taking it (behind a long step, say)
+            return WhereReply(worker=self.worker_id, holds=True, ready=self.ready(), attempt=admitting[0])
         return WhereReply(worker=self.worker_id, holds=held is not None,
                           handed_to=handed[0] if handed and held is None else "", ready=self.ready(),
                           attempt=held.attempt if held else 0)
@@ -387,20 +391,34 @@ class EngineWorker:
         """Run the engine admission of ``req`` (a message with request_id, tier, stream subject,
         session and origin); engine errors become coded bus errors for the requester. Records the
         request's queue time. An older attempt of the same request still here is dropped first;
-        an Abort that came before the engine took it ends it at once."""
+        an Abort that came before the engine took it ends it at once. Admissions of one request
+        id run one at a time: a resume that comes while an older attempt is still being admitted
+        here (its dispatch unanswered in time, so the gateway went on) waits for it, then drops it
+        (the engine knows requests by id: the two would collide); an older attempt that comes
+        after a newer one is refused."""
         rid = req.request_id
+        while (pending := self.admitting.get(rid)) is not None:
+            await asyncio.shield(pending[1])
         if self.is_aborted(rid, attempt):
             coro.close()
             raise BusError("not_found", f"request {rid} was aborted")
         old = self.held.get(rid)
+        if old is not None and old.attempt > attempt:
+            coro.close()
+            raise BusError("not_found", f"request {rid} runs here as attempt {old.attempt}, after {attempt}")
         if old is not None and old.attempt < attempt:
             await self._on_abort(Abort(request_id=rid, reason="superseded by a resume", below_attempt=attempt))
         received = time.monotonic()
+        done = asyncio.get_running_loop().create_future()
+        self.admitting[rid] = (attempt, done)
         try:
             out = await coro
         except EngineFull as e:
             metrics.observe_request(self.role, req.tier, outcome="error")
             raise BusError("overloaded", str(e)) from None
+        finally:
+            del self.admitting[rid]
+            done.set_result(None)
         metrics.observe_request(self.role, req.tier, queue=time.monotonic() - received)
         self.timings[rid] = _Timing(req.tier, received)
         self.held[rid] = Held(req.session_id or "", req.tier, req.stream_subject, attempt, req.origin)

@@ -83,7 +83,7 @@ class AsyncEngine:
             except Exception as e:  # a failed step fails the requests in it, not the service
                 log.exception("engine step failed")
                 for rid in list(self._streams):
-                    self.engine.abort(rid)
+                    self._abort(rid, deliver=False)  # the stream gets the error instead
                     self._deliver(rid, e)
                 continue
             finally:
@@ -243,7 +243,19 @@ class AsyncEngine:
         return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids, tenant))
 
     async def abort(self, request_id: str) -> bool:
-        return await self._call(lambda: self.engine.abort(request_id))
+        return await self._call(lambda: self._abort(request_id, deliver=True))
+
+    def _abort(self, request_id: str, deliver: bool) -> bool:
+        """``Engine.abort`` on the engine thread, its "abort" output handed over at once: to the
+        stream open under the id now (``deliver``), or to none. Left for the next step, it went to
+        whatever stream was open under the id then: a resume of the request admitted here
+        meanwhile, which ended with the older attempt's abort (issue 33)."""
+        if not self.engine.abort(request_id):
+            return False
+        for out in self.engine.take_pending(request_id):
+            if deliver:
+                self._deliver(request_id, out)
+        return True
 
     def _open(self, request_id: str) -> asyncio.Queue:
         if request_id in self._streams:
@@ -279,8 +291,8 @@ class AsyncEngine:
             # id) must not abort the newer one, which the engine knows by the same id
             if self._streams.get(request_id, (None, None))[1] is q:
                 self._streams.pop(request_id, None)
-                if not finished:  # the consumer left early: free the request's KV
-                    self._commands.put((lambda: self.engine.abort(request_id), None, None))
+                if not finished:  # the consumer left early: free the request's KV (nobody reads its abort)
+                    self._commands.put((lambda: self._abort(request_id, deliver=False), None, None))
 
     async def close(self) -> None:
         self._closed = True
