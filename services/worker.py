@@ -125,7 +125,8 @@ class EngineWorker:
         self.handed: dict[str, tuple[str, float]] = {}    # request id -> (worker it went to, when)
         self.tpot = 0.0                            # moving average seconds per output token
         self.heard: dict[str, float] = {}          # gateway id -> when it last answered a lease check
-        self.admitting: dict[str, tuple[int, asyncio.Future]] = {}  # request id -> (attempt, done) in admission
+        self.admitting: dict[str, tuple[int, asyncio.Future]] = {}  # request id -> (attempt, done): the engine takes it
+        self.arriving: dict[str, int] = {}         # request id -> the newest attempt being admitted (Where: held)
         self._lease_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -193,9 +194,10 @@ class EngineWorker:
         during a slow move is not a lost one."""
         held = self.held.get(req.request_id)
         handed = self.handed.get(req.request_id)
-        admitting = self.admitting.get(req.request_id)
-        if held is None and admitting is not None:  # its engine is taking it (behind a long step, say)
-            return WhereReply(worker=self.worker_id, holds=True, ready=self.ready(), attempt=admitting[0])
+        arriving = self.arriving.get(req.request_id)
+        if arriving is not None and (held is None or arriving > held.attempt):
+            # being admitted (behind a long engine step, say): not a lost one
+            return WhereReply(worker=self.worker_id, holds=True, ready=self.ready(), attempt=arriving)
         return WhereReply(worker=self.worker_id, holds=held is not None,
                           handed_to=handed[0] if handed and held is None else "", ready=self.ready(),
                           attempt=held.attempt if held else 0)
@@ -396,6 +398,15 @@ class EngineWorker:
         here (its dispatch unanswered in time, so the gateway went on) waits for it, then drops it
         (the engine knows requests by id: the two would collide); an older attempt that comes
         after a newer one is refused."""
+        rid = req.request_id
+        self.arriving[rid] = max(attempt, self.arriving.get(rid, -1))
+        try:
+            return await self._admit(req, coro, attempt)
+        finally:
+            if self.arriving.get(rid) == attempt:
+                del self.arriving[rid]
+
+    async def _admit(self, req, coro, attempt: int):
         rid = req.request_id
         while (pending := self.admitting.get(rid)) is not None:
             await asyncio.shield(pending[1])
