@@ -274,11 +274,15 @@ class EngineWorker:
         if task is not None:
             task.cancel()
             await asyncio.wait([task], timeout=5)  # its stream is closed before a new attempt opens one
-        if self.held.get(msg.request_id) is not held:
-            return  # a newer attempt was admitted while we waited (the engine knows only the id): it stays
+        # (the stream's end dropped ``held`` already, or not yet: either way the engine drops it now,
+        # before a resume waiting on this can add its own sequence under the same id)
+        now_held, pending = self.held.get(msg.request_id), self.admitting.get(msg.request_id)
+        if (now_held is not None and now_held is not held) or (pending is not None and pending[0] >= below):
+            return  # a newer attempt was admitted, or is being admitted, meanwhile: it stays
         if await self.engine.abort(msg.request_id):
             log.info("%s aborted (%s)", msg.request_id, msg.reason or "client gone")
-        self.held.pop(msg.request_id, None)
+        if self.held.get(msg.request_id) is held:
+            self.held.pop(msg.request_id, None)
 
     def spawn(self, request_id: str, coro) -> None:
         task = asyncio.create_task(coro, name=f"stream-{request_id}")

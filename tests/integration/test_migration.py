@@ -324,8 +324,9 @@ async def test_a_resume_that_comes_while_the_older_attempt_is_admitted(workers, 
     the request, to the same worker, while attempt 0 was still being admitted there: attempt 1
     waits for that admission, supersedes it and streams the undisturbed text, and meanwhile Where
     says the worker holds it. (The two once collided in the engine — "request id ... is already
-    in the engine", a 400 → worker_lost — and, once serialised, attempt 1 ended with attempt 0's
-    "abort": the engine handed an abort to whatever stream was open under the id a step later.)"""
+    in the engine", a 400 → worker_lost; once serialised, attempt 1's stream, opened while the
+    engine thread was inside a step with attempt 0, got attempt 0's token of that step — a token
+    twice: a drifted text — or its "abort" a step later.)"""
     gpu, _, _, bus = workers
     ids, want = reference["short"]
     busy = await Stream(bus, f"mig-busy-{uuid.uuid4().hex[:8]}").start(gpu, reference["long"][0], 8)
