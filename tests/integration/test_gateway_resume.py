@@ -11,14 +11,12 @@ import asyncio
 
 import pytest
 
-from services.gateway.backend import GenerationRequest
+from services.gateway.backend import BackendError, GenerationRequest
 from services.gateway.nats_backend import NatsBackend
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, BusError
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import EmbeddedNats
-from shared.bus import BusError
-from services.gateway.backend import BackendError
 from shared.schemas import Ack, GenerateRequest, RoutePlan, RouteRequest, StreamChunk
 from shared.settings import GatewaySettings, NatsSettings, Settings
 
