@@ -1,21 +1,28 @@
 """``tandem bench chaos``: a steady load while processes die, and what the clients saw.
 
-    tandem bench chaos                                   # 120 s, 8 clients, a kill every 15 s, NATS once
+    tandem bench chaos                                   # 120 s, 8 clients, a kill every 15 s
+    tandem bench chaos --duration 900 --concurrency 16 --kill-every 10 --json chaos.json --plot chaos.png
     tandem bench chaos --duration 1800 --concurrency 16 --kill-every 0 --json soak.json   # the soak
 
-Starts `tandem up` (embedded NATS, ``--cpu-decode 2``, a prefill worker, a gpu-decode worker and
-the KV pool: every kind of worker a kill can hit) and keeps ``--concurrency`` clients streaming
-greedy requests of the agent workload in a mix of tiers (bench/loadgen.py), each through the
-official HTTP API with ``ignore_eos`` so it yields exactly ``--max-tokens`` tokens. Every
-``--kill-every`` seconds a random engine worker (prefill, gpu-decode, cpu-decode) gets SIGKILL;
-the embedded nats-server gets one once, halfway. Every response is checked against the
-undisturbed text of its prompt (taken before the chaos starts): a stream whose text differs
-repeated or skipped tokens. It prints requests completed / resumed / failed, streams with
-duplicated or missing tokens (should be 0), the extra latency of resumed requests over the
-others (p50, p99), tokens of KV reused vs recomputed by the resumes, and per kill the time until
-the killed copy is back and until a request is served again (heal). With ``--kill-every 0`` it is
-the soak: no kills, and the RSS of every service sampled over the run (flat = no leak).
-``--plot PNG`` draws requests over time with the kills marked; ``--json FILE`` keeps everything.
+Starts `tandem up` (embedded NATS, ``--cpu-decode 2``, a prefill worker, a gpu-decode worker, the
+router and the KV pool) and keeps ``--concurrency`` clients sending greedy requests through the
+official HTTP API with ``ignore_eos`` (so each yields exactly ``--max-tokens`` tokens): the agent
+workload's sessions plus a few ~1K-token documents, in a mix of tiers, streamed or not
+(``--stream-share``). Every ``--kill-every`` seconds one process of a random role among
+``--roles`` (default: prefill, gpu-decode, cpu-decode, kvpool, router and the nats-server; never
+the gateway) gets SIGKILL. Every answer is checked against the undisturbed text of its prompt
+(taken before the chaos starts) and counted in exactly one class:
+- exact: the reference text, ``finish_reason: "length"``;
+- clear error: an OpenAI-shaped error (an HTTP error status, or an ``error`` event mid-stream);
+- finish outside OpenAI's (e.g. "abort"): an answer a client takes for complete, whatever its text;
+- cut short: a proper prefix of the reference with a normal finish; drifted: any other text;
+- silent: the connection ended with neither an answer nor an error.
+Only exact answers and clear errors are acceptable; the bench exits 1 on anything else. It also
+prints resumes, their extra latency, KV tokens reused vs recomputed by them, and per kill the
+time until the killed copy is back and until a request is served again (heal). With
+``--kill-every 0`` it is the soak: no kills, and the RSS of every service sampled over the run
+(flat = no leak). ``--plot PNG`` draws answers per class over time with the kills marked;
+``--json FILE`` keeps everything (and the stack's log beside it).
 """
 
 from __future__ import annotations
@@ -36,7 +43,10 @@ from bench.loadgen import make_jobs, parse_mix
 from bench.serve import Server
 from shared.nats_server import free_port
 
-ENGINE_ROLES = ("prefill", "gpu-decode", "cpu-decode")
+ROLES = ("prefill", "gpu-decode", "cpu-decode", "kvpool", "router", "nats")   # what a kill may hit
+OPENAI_FINISHES = {"stop", "length", "tool_calls", "content_filter", "function_call"}
+CLASSES = ("exact", "error", "abort", "cut_short", "drifted", "silent")   # one per answer (module doc)
+BAD = ("abort", "cut_short", "drifted", "silent")                          # never acceptable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,9 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="clients streaming at once (default 8)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     p.add_argument("--kill-every", type=float, default=15.0,
-                   help="seconds between SIGKILLs of a random engine worker (0: none, the soak)")
-    p.add_argument("--no-nats-kill", action="store_true", help="do not kill the embedded nats-server")
-    p.add_argument("--prompts", type=int, default=12, help="distinct prompts (references) in the load")
+                   help="seconds between SIGKILLs of a process of a random role (0: none, the soak)")
+    p.add_argument("--roles", default=",".join(ROLES),
+                   help=f"roles a kill picks from (default: {','.join(ROLES)}; nats = the embedded nats-server)")
+    p.add_argument("--prompts", type=int, default=12, help="agent-session prompts (references) in the load")
+    p.add_argument("--long-prompts", type=int, default=2, help="~1K-token document prompts in the load")
+    p.add_argument("--stream-share", type=float, default=0.5, help="share of requests streamed (default 0.5)")
     p.add_argument("--tiers", default="interactive=1,standard=2,batch=2", help="tier mix")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="TANDEM_THREADS per engine (default 1)")
@@ -108,45 +121,67 @@ def start_stack(threads: int) -> Server:
 
 # ---- the load --------------------------------------------------------------------------------
 
-async def one(client, url: str, model: str, job, max_tokens: int) -> dict:
-    """Stream one request; its text, outcome, latency and resume figures."""
+async def one(client, url: str, model: str, job, max_tokens: int, stream: bool = True) -> dict:
+    """One request, streamed or not; its text, finish reason, error, latency and resume figures."""
     import orjson
     body = {"model": model, "messages": job.messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+            "stream": stream, "ignore_eos": True}
     t0 = time.monotonic()
-    out = {"prompt": job.key, "tier": job.tier, "start": time.time(), "text": "", "ok": False, "error": "",
+    out = {"prompt": job.key, "tier": job.tier, "stream": stream, "start": time.time(), "text": "", "error": "",
            "resumes": 0, "reused": 0, "recomputed": 0, "tokens": 0, "id": "", "finish": None}
+
+    def usage(u: dict | None) -> None:
+        if u:
+            t = u.get("tandem") or {}
+            out.update(tokens=u.get("completion_tokens", 0), resumes=t.get("resumes", 0),
+                       reused=t.get("reused_tokens", 0), recomputed=t.get("recomputed_tokens", 0))
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body,
                                  headers={"X-Tandem-SLA": job.tier}, timeout=600) as r:
             if r.status_code != 200:
                 out["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = orjson.loads(line[6:])
-                if "error" in ev:
-                    out["error"] = ev["error"].get("message", "error event")
-                    break
-                out["id"] = ev.get("id", out["id"])
-                for ch in ev.get("choices", []):
-                    out["text"] += ch.get("delta", {}).get("content") or ""
-                    out["finish"] = ch.get("finish_reason") or out["finish"]
-                    out["ok"] = out["ok"] or ch.get("finish_reason") == "length"
-                if ev.get("usage"):
-                    out["tokens"] = ev["usage"].get("completion_tokens", 0)
-                    t = ev["usage"].get("tandem") or {}
-                    out.update(resumes=t.get("resumes", 0), reused=t.get("reused_tokens", 0),
-                               recomputed=t.get("recomputed_tokens", 0))
-    except Exception as e:  # a broken connection without an error event: counted as silent loss
+            elif not stream:
+                full = orjson.loads(await r.aread())
+                choice = full["choices"][0]
+                out.update(id=full.get("id", ""), text=choice["message"].get("content") or "",
+                           finish=choice.get("finish_reason"))
+                usage(full.get("usage"))
+            else:
+                done = False
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    if not line.startswith("data: {"):
+                        continue
+                    ev = orjson.loads(line[6:])
+                    if "error" in ev:
+                        out["error"] = "error event: " + (ev["error"].get("message") or "")
+                        break
+                    out["id"] = ev.get("id", out["id"])
+                    for ch in ev.get("choices", []):
+                        out["text"] += ch.get("delta", {}).get("content") or ""
+                        out["finish"] = ch.get("finish_reason") or out["finish"]
+                    usage(ev.get("usage"))
+                if not out["error"] and (not done or out["finish"] is None):
+                    out["silent"] = True   # ended without [DONE] or without a finish: neither answer nor error
+    except Exception as e:  # a broken connection without an error: silent
         out["error"] = f"connection: {type(e).__name__}: {e}"
-        out["silent"] = True
-    if not out["ok"] and not out["error"]:  # ended, but not as asked (ignore_eos: always "length")
-        out["error"] = f"ended with finish_reason={out['finish']!r} after {out['tokens']} tokens"
         out["silent"] = True
     out["seconds"] = time.monotonic() - t0
     return out
+
+
+def verdict(r: dict, ref: str) -> str:
+    """The class of one answer (CLASSES; the module doc)."""
+    if r.get("silent"):
+        return "silent"
+    if r["error"]:
+        return "error"
+    if r["finish"] not in OPENAI_FINISHES:
+        return "abort"
+    if r["text"] == ref and r["finish"] == "length":
+        return "exact"
+    return "cut_short" if ref.startswith(r["text"]) else "drifted"
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -156,26 +191,38 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+def role_of(name: str) -> str:
+    """The role of a process of the stack (its worker id, or "nats")."""
+    return next((r for r in ROLES if name == r or name.startswith(r + "-")), name)
+
+
 async def run(args) -> dict:
     import httpx
 
     rng = random.Random(args.seed)
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    if unknown := set(roles) - set(ROLES):
+        raise SystemExit(f"--roles: unknown {sorted(unknown)} (known: {', '.join(ROLES)})")
     stack = start_stack(args.threads)
     try:
         stack.wait_workers({"router": 1, "prefill": 1, "gpu-decode": 1, "cpu-decode": 2}, 600)
         url = stack.url
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=args.concurrency + 8)) as client:
             model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+            tiers = parse_mix(args.tiers)
             jobs = [r for job in make_jobs("agent", args.prompts, max_tokens=args.max_tokens, seed=args.seed,
-                                           tiers=parse_mix(args.tiers), turns=4, turn_words=120) for r in job]
+                                           tiers=tiers, turns=4, turn_words=120) for r in job]
+            if args.long_prompts:
+                jobs += [r for job in make_jobs("long", args.long_prompts, max_tokens=args.max_tokens,
+                                                seed=args.seed, tiers=tiers, long_words=700) for r in job]
             for i, j in enumerate(jobs):
                 j.key = i
             print(f"references: {len(jobs)} prompts, undisturbed ...", file=sys.stderr)
             refs = {}
             for j in jobs:
                 r = await one(client, url, model, j, args.max_tokens)
-                if not r["ok"]:
-                    raise RuntimeError(f"reference run failed: {r['error']}\n{stack.tail()}")
+                if r["error"] or r["finish"] != "length":
+                    raise RuntimeError(f"reference run failed: {r['error'] or r['finish']}\n{stack.tail()}")
                 refs[j.key] = r["text"]
             results: list[dict] = []
             kills: list[dict] = []
@@ -184,26 +231,39 @@ async def run(args) -> dict:
 
             async def client_loop(k: int) -> None:
                 while time.monotonic() < t_end:
-                    r = await one(client, url, model, rng.choice(jobs), args.max_tokens)
+                    job = rng.choice(jobs)
+                    r = await one(client, url, model, job, args.max_tokens, stream=rng.random() < args.stream_share)
                     r["end"] = time.time()
+                    r["class"] = verdict(r, refs[job.key])
+                    if r["class"] in BAD:
+                        print(f"chaos: {r['class']}: {r['id'] or '-'} ({'streamed' if r['stream'] else 'unstreamed'}"
+                              f", {r['tier']}) finish={r['finish']!r} text={r['text'][:60]!r}", file=sys.stderr)
                     results.append(r)
 
             async def served_after(t_kill: float) -> float | None:
-                """Seconds from the kill until a request that started after it finished."""
+                """Seconds from the kill until a request that started after it finished exact."""
                 while time.monotonic() < t_end + 60:
-                    done = [r["end"] for r in results if r["ok"] and r["start"] > t_kill]
+                    done = [r["end"] for r in results if r["class"] == "exact" and r["start"] > t_kill]
                     if done:
                         return min(done) - t_kill
                     await asyncio.sleep(0.2)
                 return None
 
+            def nats_restarts() -> int:
+                return sum("embedded nats-server back on" in ln for ln in stack.log)
+
             async def back_after(name: str, t_kill: float) -> float | None:
-                """Seconds until a copy of the killed one (its name, a new worker id) runs again."""
+                """Seconds until a copy of the killed one (its name, a new worker id) runs again:
+                live in the gateway's /health for engines and routers, a process for the pool."""
                 # worker ids are <copy name>-<tandem up's pid>[-<restart>]: the same copy, a new id
                 base = name.split(f"-{stack.proc.pid}")[0] + f"-{stack.proc.pid}"
+                restarts = nats_restarts()
                 while time.monotonic() < t_end + 120:
                     if name == "nats":
-                        if "embedded nats-server back on" in "".join(stack.log[-400:]):
+                        if nats_restarts() > restarts:
+                            return time.time() - t_kill
+                    elif role_of(name) == "kvpool":
+                        if any(n.startswith(base) and n != name for n in stack_processes(stack.proc.pid)):
                             return time.time() - t_kill
                     else:
                         live = stack.health().get("details", {})
@@ -216,24 +276,22 @@ async def run(args) -> dict:
             async def chaos() -> None:
                 if args.kill_every <= 0:
                     return
-                nats_at = time.monotonic() + args.duration / 2 if not args.no_nats_kill else None
                 while True:
                     await asyncio.sleep(args.kill_every)
                     if time.monotonic() > t_end - args.kill_every / 2:
                         return
                     procs = stack_processes(stack.proc.pid)
-                    if nats_at is not None and time.monotonic() >= nats_at and "nats" in procs:
-                        name, nats_at = "nats", None
-                    else:
-                        engines = [n for n in procs if n.split("-")[0] in ("prefill",)
-                                   or n.startswith(("gpu-decode", "cpu-decode"))]
-                        if not engines:
-                            continue
-                        name = rng.choice(sorted(engines))
+                    by_role: dict[str, list[str]] = {}
+                    for n in procs:
+                        by_role.setdefault(role_of(n), []).append(n)
+                    live = sorted(r for r in roles if by_role.get(r))
+                    if not live:
+                        continue
+                    name = rng.choice(sorted(by_role[rng.choice(live)]))
                     t = time.time()
                     os.kill(procs[name], signal.SIGKILL)
                     print(f"chaos: killed {name} (pid {procs[name]})", file=sys.stderr)
-                    kill = {"t": t, "name": name}
+                    kill = {"t": t, "name": name, "role": role_of(name)}
                     kills.append(kill)
                     kill["back_task"] = asyncio.create_task(back_after(name, t))
                     kill["served_task"] = asyncio.create_task(served_after(t))
@@ -259,24 +317,26 @@ async def run(args) -> dict:
 
 
 def summarize_chaos(args, refs: dict, results: list[dict], kills: list[dict], rss: dict, t0: float) -> dict:
-    ok = [r for r in results if r["ok"]]
-    wrong = [r for r in ok if r["text"] != refs[r["prompt"]]]
-    failed = [r for r in results if not r["ok"]]
-    silent = [r for r in failed if r.get("silent")]
-    resumed = [r for r in ok if r["resumes"]]
-    plain = [r["seconds"] for r in ok if not r["resumes"]]
+    for r in results:
+        r.setdefault("class", verdict(r, refs[r["prompt"]]))
+    by = {c: [r for r in results if r["class"] == c] for c in CLASSES}
+    exact = by["exact"]
+    resumed = [r for r in exact if r["resumes"]]
+    plain = [r["seconds"] for r in exact if not r["resumes"]]
     base = statistics.median(plain) if plain else float("nan")
     extra = [r["seconds"] - base for r in resumed]
     return {
         "config": {k: v for k, v in vars(args).items() if k not in ("func",)},
-        "requests": len(results), "completed": len(ok), "resumed": len(resumed), "failed": len(failed),
-        "failed_silently": len(silent), "wrong_text": len(wrong),
-        "errors": sorted({r["error"][:120] for r in failed}),
+        "requests": len(results), "streamed": sum(1 for r in results if r.get("stream", True)),
+        "counts": {c: len(v) for c, v in by.items()}, "resumed": len(resumed),
+        "errors": sorted({r["error"][:120] for r in by["error"] + by["silent"]}),
+        "bad": [{k: r.get(k) for k in ("class", "id", "stream", "tier", "finish", "text", "start")}
+                for r in results if r["class"] in BAD],
         "resumed_extra_s": {"p50": pct(extra, 50), "p99": pct(extra, 99)},
         "median_request_s": base,
         "reused_tokens": sum(r["reused"] for r in resumed), "recomputed_tokens": sum(r["recomputed"] for r in resumed),
         "kills": kills, "rss_mb": {k: v for k, v in rss.items()}, "t0": t0,
-        "timeline": [(r["end"] - t0, r["ok"], bool(r["resumes"])) for r in results if "end" in r],
+        "timeline": [(r["end"] - t0, r["class"], bool(r["resumes"])) for r in results if "end" in r],
     }
 
 
@@ -288,20 +348,30 @@ def rss_growth(vals: list[float]) -> float:
 
 
 def print_report(res: dict) -> None:
+    n, c = res["requests"], res["counts"]
+    per_k = f" ({c['error'] / n * 1e3:.2f} per 1,000)" if n else ""
     rows = [
-        ("requests", res["requests"]), ("completed (exact text)", res["completed"] - res["wrong_text"]),
-        ("resumed after a kill", res["resumed"]), ("failed with an error event / status", res["failed"]),
-        ("failed silently (no error)", res["failed_silently"]),
-        ("duplicated or missing tokens (text differs)", res["wrong_text"]),
+        ("requests (streamed)", f"{n} ({res['streamed']})"), ("exact text", c["exact"]),
+        ("... of them resumed after a kill", res["resumed"]),
+        ("clear errors (an error status / error event)", f"{c['error']}{per_k}"),
+        ("finish_reason outside OpenAI's (\"abort\")", c["abort"]), ("cut short (a prefix, normal finish)", c["cut_short"]),
+        ("drifted (not the reference's text)", c["drifted"]), ("silent (neither an answer nor an error)", c["silent"]),
         ("resumed: extra latency p50 / p99 (s)",
          f"{report.fmt(res['resumed_extra_s']['p50'], 2)} / {report.fmt(res['resumed_extra_s']['p99'], 2)}"),
         ("median request (s)", report.fmt(res["median_request_s"], 2)),
         ("KV tokens reused / recomputed by resumes", f"{res['reused_tokens']} / {res['recomputed_tokens']}"),
     ]
+    if res["kills"]:
+        heal = res["kills"][-1]["heal_s"]
+        rows.append(("an exact answer served after the last kill (s)", report.fmt(heal, 1)))
     print("| measure | value |\n|---|---:|")
     for k, v in rows:
         print(f"| {k} | {v} |")
     if res["kills"]:
+        roles: dict[str, int] = {}
+        for k in res["kills"]:
+            roles[k.get("role", role_of(k["name"]))] = roles.get(k.get("role", role_of(k["name"])), 0) + 1
+        print("\nkills:", ", ".join(f"{r} ×{m}" for r, m in sorted(roles.items())))
         print("\n| kill | at (s) | copy back after (s) | a request served after (s) |\n|---|---:|---:|---:|")
         for k in res["kills"]:
             print(f"| {k['name']} | {k['t'] - res['t0']:.1f} | {report.fmt(k['back_s'], 1)} | "
@@ -314,6 +384,9 @@ def print_report(res: dict) -> None:
             print(f"| {name} | {vals[0]:.0f} | {vals[-1]:.0f} | {max(vals):.0f} | {rss_growth(vals):+.1f} |")
     if res["errors"]:
         print("\nerrors seen:", *res["errors"], sep="\n  ")
+    for b in res["bad"]:
+        print(f"\n{b['class']}: {b['id']} ({'streamed' if b['stream'] else 'unstreamed'}, {b['tier']}) "
+              f"finish={b['finish']!r}: {b['text'][:100]!r}")
 
 
 def plot(res: dict, path: str) -> None:
@@ -323,18 +396,25 @@ def plot(res: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 3.5))
     tl = res["timeline"]
-    for ok, resumed, color, label in ((True, False, "tab:green", "completed"), (True, True, "tab:orange", "resumed"),
-                                      (False, False, "tab:red", "failed")):
-        xs = [t for t, o, r in tl if o == ok and (r == resumed or not ok)]
-        ax.hist(xs, bins=max(10, int(res["config"]["duration"] // 5)), histtype="step", color=color, label=label)
+    bins = max(10, int(res["config"]["duration"] // 5))
+    series = [("exact", lambda c, r: c == "exact" and not r, "tab:green", "exact"),
+              ("exact, resumed", lambda c, r: c == "exact" and r, "tab:orange", "exact, resumed"),
+              ("error", lambda c, r: c == "error", "tab:blue", "clear error"),
+              ("abort", lambda c, r: c == "abort", "tab:red", "finish outside OpenAI's"),
+              ("wrong", lambda c, r: c in ("cut_short", "drifted"), "tab:purple", "cut short / drifted"),
+              ("silent", lambda c, r: c == "silent", "black", "silent")]
+    for _, keep, color, label in series:
+        xs = [t for t, c, r in tl if keep(c, r)]
+        if xs or label.startswith("exact"):
+            ax.hist(xs, bins=bins, range=(0, res["config"]["duration"]), histtype="step", color=color, label=label)
     for k in res["kills"]:
         x = k["t"] - res["t0"]
-        ax.axvline(x, color="black", lw=0.8, ls="--")
-        ax.text(x, ax.get_ylim()[1] * 0.95, k["name"].split("-")[0], rotation=90, fontsize=7, va="top")
+        ax.axvline(x, color="black", lw=0.6, ls="--")
+        ax.text(x, ax.get_ylim()[1] * 0.95, k.get("role", role_of(k["name"])), rotation=90, fontsize=6, va="top")
     ax.set_xlabel("seconds")
-    ax.set_ylabel("requests finished / bin")
-    ax.set_title("tandem bench chaos: requests over time, kills dashed")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("answers / bin")
+    ax.set_title("tandem bench chaos: answers by class over time, kills dashed")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -346,8 +426,7 @@ def main(args: argparse.Namespace) -> int:
         report.write_json(args.json, res)
     if args.plot:
         plot(res, args.plot)
-    bad = res["failed_silently"] + res["wrong_text"]
-    return 1 if bad else 0
+    return 1 if any(res["counts"][c] for c in BAD) else 0
 
 
 if __name__ == "__main__":

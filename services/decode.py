@@ -33,13 +33,14 @@ import torch
 
 from kernels.cpu_ring import RingKernels
 from shared import metrics, subjects
-from shared.bus import BusError
+from shared.bus import BusError, RemoteError
 from shared.engine.kv_cache import KVBlobHeader
 from shared.engine.ring import Ring, RingCapacityError
 from shared.engine.ring_net import (EngineMember, RingMemberError, RingMemberLost, RingServer, admit_claimed,
                                     connect_ring, ring_ranges)
 from shared.schemas import ERROR_STATUS, DecodeRequest, GenerateRequest, MigrateReply, MigrateRequest
 from shared.settings import Settings
+from shared.transfer import TransferError
 from services.worker import EngineWorker, Held, priority_of, sampling_from
 
 log = logging.getLogger("tandem.decode")
@@ -77,7 +78,7 @@ class DecodeWorker(EngineWorker):
         submit = self._ring(req, blob) if req.ring else self.engine.submit_kv(req.request_id, blob, priority_of(req.tier))
         outputs = await self.admit(req, submit, req.attempt)
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, req.next_seq,
-                                                       attempt=req.attempt))
+                                                       attempt=req.attempt, offset=len(req.output_token_ids)))
 
     async def handle_generate(self, req: GenerateRequest) -> None:
         """Run the prompt here; a prefix the KV pool holds (a session's earlier turns, written
@@ -93,7 +94,8 @@ class DecodeWorker(EngineWorker):
             resume_token_ids=outputs_so_far, emitted_chars=resume.emitted_chars if resume else 0,
             tenant=req.tenant), attempt)
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs,
-                                                       resume.next_seq if resume else 0, attempt=attempt))
+                                                       resume.next_seq if resume else 0, attempt=attempt,
+                                                       offset=len(outputs_so_far)))
 
     async def _ring(self, req: DecodeRequest, blob: bytes):
         """Scatter ``blob`` over ``req.ring`` (this worker among them) and decode it there: the
@@ -211,9 +213,19 @@ class DecodeWorker(EngineWorker):
                                             stream_subject=held.stream_subject, next_seq=next_seq,
                                             session_id=held.session_id or None, attempt=held.attempt,
                                             origin=held.origin, ring=req.ring)
-        except Exception as e:  # the request is never lost: it goes on here, same stream, same seq
+        except Exception as e:
             metrics.migration(self.role, target_role, "failed")
-            if not await self._stay(rid, held, next_seq):
+            if not _refused(e):
+                # no answer (a bus outage): the target may have taken it, and two workers must never
+                # stream one attempt (their chunks would interleave: a drifted text). It is dropped
+                # here; Where points at the target: the gateway finds it there, or resumes it.
+                await self.engine.end_move(rid, moved=True)
+                self.hand_over(rid, target)
+                log.warning("%s: no answer from %s to the move (%s); left to it, or to a resume", rid, target, e)
+                raise BusError("timeout", f"moving {rid} to {target}: no answer ({e}); {self.worker_id} "
+                                          "dropped it, the gateway finds it or resumes it") from None
+            offset = len(KVBlobHeader.parse(blob)[0].output_token_ids)
+            if not await self._stay(rid, held, next_seq, offset):  # never lost: it goes on here
                 raise BusError("not_found", f"request {rid} was aborted while moving") from None
             code = getattr(e, "code", "unavailable")
             log.warning("%s stays on %s: moving it to %s failed: %s", rid, self.worker_id, target, e)
@@ -229,15 +241,24 @@ class DecodeWorker(EngineWorker):
         return MigrateReply(request_id=rid, source=self.worker_id, target=target, next_seq=next_seq,
                             num_tokens=h.num_computed, nbytes=res.nbytes, seconds=seconds, path=res.path)
 
-    async def _stay(self, rid: str, held: Held, next_seq: int) -> bool:
-        """A failed move: the parked request decodes on here from ``next_seq``; False if it was
-        aborted meanwhile (then it is dropped)."""
+    async def _stay(self, rid: str, held: Held, next_seq: int, offset: int) -> bool:
+        """A failed move: the parked request decodes on here from ``next_seq`` (``offset`` output
+        tokens before it); False if it was aborted meanwhile (then it is dropped)."""
         if self.is_aborted(rid, held.attempt):
             await self.engine.end_move(rid, moved=True)
             return False
         outputs = await self.engine.end_move(rid, moved=False)
         if outputs is None:
             return False
-        self.spawn(rid, self.stream_outputs(rid, held.stream_subject, outputs, next_seq, attempt=held.attempt))
+        self.spawn(rid, self.stream_outputs(rid, held.stream_subject, outputs, next_seq, attempt=held.attempt,
+                                            offset=offset))
         return True
+
+
+def _refused(e: Exception) -> bool:
+    """A failed hand-off the target certainly did not take: the KV never got there, the target
+    answered an error, or nobody listens on its subject (a timeout is none of these)."""
+    if isinstance(e, RemoteError) or isinstance(e, TransferError):
+        return True
+    return isinstance(e, BusError) and e.code == "unavailable"
 

@@ -57,7 +57,7 @@ class PrefillWorker(EngineWorker):
             await self.hand_off(req, first_seq + 1, attempt)
 
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, first_seq,
-                                                       hand_off, attempt))
+                                                       hand_off, attempt, offset=len(outputs_so_far)))
 
     async def hand_off(self, req: PrefillRequest, next_seq: int, attempt: int) -> None:
         t0 = time.monotonic()

@@ -28,7 +28,7 @@ from shared.engine.sampling import RequestOutput, SamplingParams
 from shared.kv_connector import KVConnector
 from shared.os_priority import BatchLane
 from shared.tier import Tier
-from shared.schemas import Abort, Ack, ErrorReply, Heartbeat, StreamChunk, Where, WhereReply
+from shared.schemas import Abort, ErrorReply, Heartbeat, Lease, LeaseReply, StreamChunk, Where, WhereReply
 from shared.settings import Settings
 
 log = logging.getLogger("tandem.worker")
@@ -125,6 +125,9 @@ class EngineWorker:
         self.aborted: dict[str, tuple[float, int]] = {}  # request id -> (when, attempts below this) aborted
         self.handed: dict[str, tuple[str, float]] = {}    # request id -> (worker it went to, when)
         self.tpot = 0.0                            # moving average seconds per output token
+        self.heard: dict[str, float] = {}          # gateway id -> when it last answered a lease check
+        self.admitting: dict[str, tuple[int, asyncio.Future]] = {}  # request id -> (attempt, done): the engine takes it
+        self.arriving: dict[str, int] = {}         # request id -> the newest attempt being admitted (Where: held)
         self._lease_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -192,6 +195,10 @@ class EngineWorker:
         during a slow move is not a lost one."""
         held = self.held.get(req.request_id)
         handed = self.handed.get(req.request_id)
+        arriving = self.arriving.get(req.request_id)
+        if arriving is not None and (held is None or arriving > held.attempt):
+            # being admitted (behind a long engine step, say): not a lost one
+            return WhereReply(worker=self.worker_id, holds=True, ready=self.ready(), attempt=arriving)
         return WhereReply(worker=self.worker_id, holds=held is not None,
                           handed_to=handed[0] if handed and held is None else "", ready=self.ready(),
                           attempt=held.attempt if held else 0)
@@ -203,27 +210,44 @@ class EngineWorker:
         self.handed[request_id] = (worker, now)
 
     async def _leases(self) -> None:
-        """Every second: a request whose gateway is gone (no responders on its alive subject)
-        is aborted, so no generation runs on for nobody (a dead gateway's KV is freed)."""
+        """Every heartbeat interval, ask each gateway whose requests this worker holds which of
+        them it still waits for (``Lease`` -> ``LeaseReply``): what it let go (finished, failed, its
+        client gone: an Abort lost in a bus outage) and attempts it has replaced are dropped. No
+        responders means the gateway is gone only when it has answered since this worker's own
+        connection last came back: after a bus outage (a restarted nats-server) every client
+        reconnects in its own time, and a gateway not back yet is not a dead one, however long it
+        takes. A timeout proves nothing either. A dead gateway's requests are dropped (KV freed)."""
         interval = max(0.5, self.settings.worker.heartbeat_interval)
         while True:
             await asyncio.sleep(interval)
             origins = {h.origin for h in self.held.values() if h.origin}
             for origin in origins:
                 try:
-                    await self.bus.request(subjects.gateway_alive(origin), Ack(worker=self.worker_id), timeout=interval)
-                except BusError as e:
-                    # a timeout: busy or a network blip, not proof; no responders within two
-                    # intervals of a reconnect: the gateway may still be resubscribing after the
-                    # same outage (a restarted NATS), not proof either
-                    if e.code != "unavailable" or self.bus.connected_for() < 2 * interval:
-                        continue
-                    gone = [rid for rid, h in self.held.items() if h.origin == origin]
-                    log.warning("gateway %s is gone: aborting its %d request(s)", origin, len(gone))
-                    for rid in gone:
-                        await self._on_abort(Abort(request_id=rid, reason=f"gateway {origin} gone"))
+                    await self._lease(origin, interval)
                 except Exception:
                     log.exception("lease check of gateway %s failed", origin)
+
+    async def _lease(self, origin: str, interval: float) -> None:
+        mine = {rid: h.attempt for rid, h in self.held.items() if h.origin == origin}
+        try:
+            reply = await self.bus.request(subjects.gateway_alive(origin), Lease(worker=self.worker_id, requests=mine),
+                                           timeout=interval, expected=LeaseReply)
+        except BusError as e:
+            heard = self.heard.get(origin)
+            since = self.bus.connected_since
+            if e.code != "unavailable" or since is None or heard is None or heard < since:
+                return  # busy, a blip, or not back since the outage: not proof it is gone
+            log.warning("gateway %s is gone: dropping its %d request(s)", origin, len(mine))
+            self.heard.pop(origin, None)
+            lapsed = mine
+        else:
+            self.heard[origin] = time.monotonic()
+            lapsed = {rid: a for rid, a in mine.items() if reply.attempts.get(rid, a + 1) > a}
+            if lapsed:
+                log.info("gateway %s let go of %d request(s) here: %s", origin, len(lapsed), sorted(lapsed))
+        for rid, attempt in lapsed.items():  # only the attempt judged: a newer one admitted meanwhile stays
+            await self._on_abort(Abort(request_id=rid, reason=f"lease of gateway {origin} lapsed",
+                                       below_attempt=attempt + 1))
 
     def is_aborted(self, request_id: str, attempt: int) -> bool:
         entry = self.aborted.get(request_id)
@@ -251,11 +275,15 @@ class EngineWorker:
         if task is not None:
             task.cancel()
             await asyncio.wait([task], timeout=5)  # its stream is closed before a new attempt opens one
-        if self.held.get(msg.request_id) is not held:
-            return  # a newer attempt was admitted while we waited (the engine knows only the id): it stays
+        # (the stream's end dropped ``held`` already, or not yet: either way the engine drops it now,
+        # before a resume waiting on this can add its own sequence under the same id)
+        now_held, pending = self.held.get(msg.request_id), self.admitting.get(msg.request_id)
+        if (now_held is not None and now_held is not held) or (pending is not None and pending[0] >= below):
+            return  # a newer attempt was admitted, or is being admitted, meanwhile: it stays
         if await self.engine.abort(msg.request_id):
             log.info("%s aborted (%s)", msg.request_id, msg.reason or "client gone")
-        self.held.pop(msg.request_id, None)
+        if self.held.get(msg.request_id) is held:
+            self.held.pop(msg.request_id, None)
 
     def spawn(self, request_id: str, coro) -> None:
         task = asyncio.create_task(coro, name=f"stream-{request_id}")
@@ -269,12 +297,16 @@ class EngineWorker:
             self.held.pop(request_id, None)
 
     async def stream_outputs(self, request_id: str, subject: str, outputs: AsyncIterator[RequestOutput],
-                             first_seq: int, on_parked=None, attempt: int = 0) -> int | None:
+                             first_seq: int, on_parked=None, attempt: int = 0, offset: int = 0) -> int | None:
         """Publish each output as a StreamChunk; the last one carries finish_reason and usage. An
         output carries every token made since the previous one was taken (one message for them);
         batch-tier streams may wait ``TANDEM_BATCH_COALESCE_MS`` between chunks to make that more.
-        ``on_parked`` is awaited with the output that ends a prefill-only request. A request
-        migrated away ends without a chunk: the seq the next worker starts at is returned."""
+        ``offset``: output tokens of the request before this stream's first (each chunk says where
+        it starts: StreamChunk.offset). ``on_parked`` is awaited with the output that ends a
+        prefill-only request. A request migrated away ends without a chunk: the seq the next
+        worker starts at is returned. A request the engine dropped ("abort") ends without one too:
+        an abort is never an answer (whoever dropped it either is the gateway, or a fence of an
+        attempt the gateway has replaced, or a lease the gateway let go: nobody waits for it)."""
         seq = first_seq
         timing = self.timings.pop(request_id, None)
         held = self.held.get(request_id)
@@ -299,15 +331,20 @@ class EngineWorker:
                     metrics.resumed(self.role, out.reused_tokens, out.recomputed_tokens)
                     log.info("%s resumed (attempt %d): %d token(s) of KV reused, %d recomputed", request_id,
                              attempt, out.reused_tokens, out.recomputed_tokens)
+                if out.finish_reason == "abort":
+                    self._observe(timing, first_at, emitted, "aborted")
+                    return
                 if out.finish_reason == "prefilled":
-                    await self.bus.publish(subject, self.chunk(out, seq, finish=False, attempt=attempt))
+                    await self.bus.publish(subject, self.chunk(out, seq, finish=False, attempt=attempt, offset=offset))
                     self._observe(timing, first_at, emitted, "parked")
                     await on_parked(out)
                     return
-                await self.bus.publish(subject, self.chunk(out, seq, finish=out.finished, attempt=attempt))
+                await self.bus.publish(subject, self.chunk(out, seq, finish=out.finished, attempt=attempt,
+                                                           offset=offset))
                 seq += 1
+                offset += len(out.token_ids)
                 if out.finished:
-                    self._observe(timing, first_at, emitted, "aborted" if out.finish_reason == "abort" else "ok")
+                    self._observe(timing, first_at, emitted, "ok")
                 elif coalesce:  # the outputs of the steps meanwhile come merged (AsyncEngine._drain)
                     await asyncio.sleep(coalesce)
         except asyncio.CancelledError:  # aborted (client gone, a fence) or the worker stopping
@@ -332,7 +369,7 @@ class EngineWorker:
             if aclose is not None:
                 await aclose()
 
-    def chunk(self, out: RequestOutput, seq: int, finish: bool, attempt: int = 0) -> StreamChunk:
+    def chunk(self, out: RequestOutput, seq: int, finish: bool, attempt: int = 0, offset: int = -1) -> StreamChunk:
         lps = None
         if out.logprobs is not None:
             lps = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
@@ -344,7 +381,7 @@ class EngineWorker:
         return StreamChunk(request_id=out.request_id, seq=seq, token_ids=out.token_ids, text=out.text,
                            worker=self.worker_id, logprobs=lps,
                            finish_reason=out.finish_reason if finish else None, usage=usage, attempt=attempt,
-                           reused_tokens=out.reused_tokens, recomputed_tokens=out.recomputed_tokens)
+                           reused_tokens=out.reused_tokens, recomputed_tokens=out.recomputed_tokens, offset=offset)
 
     def _observe(self, timing: _Timing | None, first_at: float | None, emitted: int, outcome: str) -> None:
         """Per-tier metrics of a request that ended here: finished (ok / aborted), handed on
@@ -361,20 +398,43 @@ class EngineWorker:
         """Run the engine admission of ``req`` (a message with request_id, tier, stream subject,
         session and origin); engine errors become coded bus errors for the requester. Records the
         request's queue time. An older attempt of the same request still here is dropped first;
-        an Abort that came before the engine took it ends it at once."""
+        an Abort that came before the engine took it ends it at once. Admissions of one request
+        id run one at a time: a resume that comes while an older attempt is still being admitted
+        here (its dispatch unanswered in time, so the gateway went on) waits for it, then drops it
+        (the engine knows requests by id: the two would collide); an older attempt that comes
+        after a newer one is refused."""
         rid = req.request_id
+        self.arriving[rid] = max(attempt, self.arriving.get(rid, -1))
+        try:
+            return await self._admit(req, coro, attempt)
+        finally:
+            if self.arriving.get(rid) == attempt:
+                del self.arriving[rid]
+
+    async def _admit(self, req, coro, attempt: int):
+        rid = req.request_id
+        while (pending := self.admitting.get(rid)) is not None:
+            await asyncio.shield(pending[1])
         if self.is_aborted(rid, attempt):
             coro.close()
             raise BusError("not_found", f"request {rid} was aborted")
         old = self.held.get(rid)
+        if old is not None and old.attempt > attempt:
+            coro.close()
+            raise BusError("not_found", f"request {rid} runs here as attempt {old.attempt}, after {attempt}")
         if old is not None and old.attempt < attempt:
             await self._on_abort(Abort(request_id=rid, reason="superseded by a resume", below_attempt=attempt))
         received = time.monotonic()
+        done = asyncio.get_running_loop().create_future()
+        self.admitting[rid] = (attempt, done)
         try:
             out = await coro
         except EngineFull as e:
             metrics.observe_request(self.role, req.tier, outcome="error")
             raise BusError("overloaded", str(e)) from None
+        finally:
+            del self.admitting[rid]
+            done.set_result(None)
         metrics.observe_request(self.role, req.tier, queue=time.monotonic() - received)
         self.timings[rid] = _Timing(req.tier, received)
         self.held[rid] = Held(req.session_id or "", req.tier, req.stream_subject, attempt, req.origin)

@@ -281,7 +281,7 @@ class GenerateRequest:
     tenant: str = ""             # whose cached KV it may reuse (RouteRequest.tenant)
 
 
-@message("StreamChunk", 2)
+@message("StreamChunk", 3)
 class StreamChunk:
     """worker -> gateway on subjects.stream(request_id): new tokens, in seq order."""
     SCHEMA: ClassVar[str]
@@ -292,11 +292,13 @@ class StreamChunk:
     text: str                    # their text (stop strings trimmed)
     worker: str                  # worker id that produced it
     logprobs: list | None = None  # per token {"token_id", "logprob", "top": [[id, lp], ...]}
-    finish_reason: str | None = None  # set on the last chunk: "stop" | "length" | "abort"
+    finish_reason: str | None = None  # set on the last chunk: "stop" | "length" (a dropped request sends none)
     usage: dict | None = None    # last chunk: {"prompt_tokens", "completion_tokens", "cached_tokens"}
     attempt: int = 0             # the request's attempt that produced it (a resume starts a new one)
     reused_tokens: int = -1      # first chunk of a resumed attempt: tokens of KV reused (-1: not a resume)
     recomputed_tokens: int = 0   # ... and recomputed
+    offset: int = -1             # output tokens of the request before this chunk's (-1: not said); the
+    #                              gateway takes a chunk only where it continues what the client has
 
 
 @message("Abort", 2)
@@ -327,6 +329,26 @@ class WhereReply:
     handed_to: str = ""          # not here: the worker it was handed to or moved to ("" = finished/unknown)
     ready: bool = True           # the engine makes progress (False: a step has hung)
     attempt: int = 0             # the attempt it holds
+
+
+@message("Lease", 1)
+class Lease:
+    """worker -> subjects.gateway_alive(gateway), every heartbeat interval: the requests of that
+    gateway it holds (request id -> attempt). Answered with a LeaseReply."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    worker: str
+    requests: dict = field(default_factory=dict)   # request id -> the attempt held here
+
+
+@message("LeaseReply", 1)
+class LeaseReply:
+    """gateway -> worker: the attempt the gateway waits for, per request it still runs; a
+    request it does not list is one it let go (finished, failed, its client gone)."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    gateway: str
+    attempts: dict = field(default_factory=dict)   # request id -> current attempt
 
 
 @message("Heartbeat", 3)

@@ -84,8 +84,8 @@ def worker_where(worker_id: str) -> str:
 
 
 def gateway_alive(gateway_id: str) -> str:
-    """Directed request to one gateway copy: Ack while it runs. Workers ask it for the requests
-    it waits on; no responders: the gateway is gone, its requests are dropped."""
+    """Directed request to one gateway copy: Lease -> LeaseReply (the attempts it still waits
+    for). Workers ask it for the requests they hold of it (their lease; services/worker.py)."""
     return f"{PREFIX}.gateway.{check_token(gateway_id, 'gateway_id')}.alive"
 
 

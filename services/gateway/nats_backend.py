@@ -16,14 +16,19 @@ parameters with a seed (one is drawn here when the client gave none; draws are k
 stream goes quiet for ``TANDEM_LIVENESS_CHECK_S`` the gateway asks the request's holder
 ``Where`` it is (following hand-offs and migrations): *no responders* means the holder's process
 is gone (the NATS server drops a dead client's subscriptions at once); a holder that no longer
-has it, a stale heartbeat, a hung engine, a gap in the seqs that does not fill, or a worker's
-"unavailable" error mean the same. Then the request resumes: a new attempt is routed (the dead
+has it, a stale heartbeat, a hung engine, a gap in the seqs that does not fill, a worker's
+"unavailable" error, a stream that ends with a finish reason outside OpenAI's (a worker dropped
+it) or a chunk that does not start where the client's text ends (two copies of one attempt) mean
+the same. Then the request resumes: a new attempt is routed (the dead
 worker excluded) and continues from the next token the client has not seen, computing its KV
 from the prefix cache / KV pool where it can; chunks of older attempts are ignored and an
 ``Abort(below_attempt=...)`` fences any copy still running. No worker able to take it within
 ``TANDEM_RESUME_WAIT_S`` (or more than ``TANDEM_RESUME_ATTEMPTS`` losses) ends the stream with an
 OpenAI-shaped error, never a silently closed stream. While the gateway's own NATS connection is
-down it waits (outages of a few seconds are ridden out), then checks every request.
+down it waits (outages of a few seconds are ridden out), then checks every request. A route
+request nobody answers (a router killed holding it, the bus reconnecting) is asked again within
+the same wait. Workers renew their lease of each request with this gateway (``_alive``): it names
+the attempt it waits for; what it no longer runs, the workers drop.
 
 Health comes from heartbeats: ready when a router and a decode worker are live.
 """
@@ -43,9 +48,9 @@ from nats.errors import MaxPayloadError
 from shared import metrics, subjects, tracing
 from shared.bus import Bus, BusError, RemoteError
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
-from shared.schemas import (MAX_PAYLOAD, Abort, Ack, ErrorReply, GenerateRequest, Heartbeat, MessageTooLarge,
-                            PrefillRequest, Resume, RoutePlan, RouteRequest, SessionState, SessionUpdate, StreamChunk,
-                            Where, WhereReply)
+from shared.schemas import (MAX_PAYLOAD, Abort, ErrorReply, GenerateRequest, Heartbeat, Lease, LeaseReply,
+                            MessageTooLarge, PrefillRequest, Resume, RoutePlan, RouteRequest, SessionState,
+                            SessionUpdate, StreamChunk, Where, WhereReply)
 from shared.settings import GatewaySettings
 from services.gateway.backend import BackendError, GenerationRequest
 
@@ -57,6 +62,9 @@ CODE_MAP = {  # bus error code -> (gateway code, HTTP status)
     "timeout": ("timeout", 504), "internal": ("internal_error", 500),
 }
 RESUMABLE = {"unavailable", "timeout"}   # a worker's stream error that another worker may not hit
+FINISHES = {"stop", "length"}            # the finish reasons a worker may end a stream with (OpenAI's)
+ROUTE_TRY_S = 3.0        # a route request unanswered this long is asked again (the router may have died
+#                          holding it, or the bus be reconnecting), up to TANDEM_RESUME_WAIT_S in all
 LIVENESS_FACTOR = 3.0    # a holder whose heartbeat is older than this many intervals is taken for gone
 GAP_S = 1.0              # a missing seq not filled for this long (chunks lost in a NATS outage): resume
 HOPS = 4                 # Where replies followed (prefill -> decode -> migration targets) per check
@@ -101,6 +109,7 @@ class NatsBackend:
         self.settings = settings or GatewaySettings()
         self.gateway_id = subjects.check_token(gateway_id, "gateway_id")
         self.beats: dict[str, tuple[Heartbeat, float]] = {}
+        self.flights: dict[str, _Flight] = {}   # request id -> the request under way (workers' leases)
         self._watch_task: asyncio.Task | None = None
         self.resumes = 0                 # requests resumed by this gateway (tests, logs)
 
@@ -112,11 +121,13 @@ class NatsBackend:
                 self.beats[beat.worker_id] = (beat, time.monotonic())
 
         self._watch_task = asyncio.create_task(watch(), name="gateway-heartbeats")
-        await self.bus.serve(subjects.gateway_alive(self.gateway_id), self._alive, expected=Ack)
+        await self.bus.serve(subjects.gateway_alive(self.gateway_id), self._alive, expected=Lease)
 
-    async def _alive(self, _: Ack) -> Ack:
-        """Workers ask whether the gateway their requests stream to still runs (their lease)."""
-        return Ack(worker=self.gateway_id)
+    async def _alive(self, lease: Lease) -> LeaseReply:
+        """A worker's lease check: the attempt this gateway waits for, per request of the worker's
+        it still runs. What it does not list it let go: the worker drops it (services/worker.py)."""
+        return LeaseReply(gateway=self.gateway_id, attempts={
+            rid: self.flights[rid].attempt for rid in lease.requests if rid in self.flights})
 
     def health(self) -> tuple[bool, dict]:
         now = time.monotonic()
@@ -141,6 +152,7 @@ class NatsBackend:
         # SUB, and the server handles one connection's protocol in order
         sub = await self.bus.subscribe(subjects.stream(rid), flush=False)
         finished = False
+        self.flights[rid] = st
         try:
             with tracing.span("gateway.dispatch", tier=req.tier):  # parent of the router's and workers' spans
                 await self._dispatch_patiently(st)
@@ -151,12 +163,19 @@ class NatsBackend:
                     if finished:
                         break
         finally:
+            if self.flights.get(rid) is st:
+                del self.flights[rid]
             await sub.unsubscribe()
             if not finished:
                 await self.abort(rid)
 
     async def _next_chunks(self, st: _Flight, sub) -> list[StreamChunk]:
-        """The next chunks in seq order (at least one); resumes the request when its holder is lost."""
+        """The next chunks in seq order (at least one); resumes the request when its holder is lost.
+        A chunk is taken only where it continues what the client has (its ``offset``): two copies
+        of one attempt (a hand-off that timed out, yet arrived) would otherwise interleave chunks
+        cut at different tokens, a text with tokens repeated or skipped. A stream that ends with a
+        finish reason other than OpenAI's (a worker dropped the request: "abort") is a lost holder
+        too: its tokens are the client's, the rest comes from a resume."""
         check = self.settings.liveness_check_s
         while True:
             try:
@@ -175,15 +194,30 @@ class NatsBackend:
                 continue  # not a chunk, an older attempt's, or one already delivered
             st.holder, st.suspect_since, st.stalled_since = msg.worker, None, None
             st.held[msg.seq] = msg
-            ready = []
+            ready, broken = [], None
             while st.next_seq in st.held:  # prefill and decode publish from different connections
                 chunk = st.held.pop(st.next_seq)
+                if chunk.offset >= 0 and chunk.offset != len(st.token_ids):
+                    broken = (f"chunk {chunk.seq} from {chunk.worker} starts at token {chunk.offset}, the client "
+                              f"has {len(st.token_ids)} (two copies of attempt {st.attempt})", "")
+                    break
+                dropped = chunk.finish_reason is not None and chunk.finish_reason not in FINISHES
+                if dropped:
+                    broken = (f"{chunk.worker} dropped it (finish_reason {chunk.finish_reason!r})", chunk.worker)
+                    chunk = dataclasses.replace(chunk, finish_reason=None, usage=None)
                 st.next_seq += 1
                 st.token_ids += chunk.token_ids
                 st.chars += len(chunk.text)
                 ready.append(chunk)
-                if chunk.finish_reason is not None:
+                if chunk.finish_reason is not None or dropped:
+                    break
+            if broken is not None:
+                await self._resume(st, *broken)
+                if ready:
                     return ready
+                continue
+            if ready and ready[-1].finish_reason is not None:
+                return ready
             st.gap_since = None if not st.held else (st.gap_since or time.monotonic())
             if ready:
                 return ready
@@ -256,18 +290,24 @@ class NatsBackend:
             raise BackendError("worker_lost", f"{why}; no worker could take the request over: {e.message}",
                                502) from None
 
-    async def _dispatch_patiently(self, st: _Flight, retry_on=("no_workers",), keep_excluded: bool = False) -> None:
-        """Dispatch; while the answer is one of ``retry_on`` (no worker: a bus restart, copies
-        reconnecting or restarting), try again, up to TANDEM_RESUME_WAIT_S. A new request forgets
-        the workers it found gone (they may be back); a resumed one keeps its dead worker out."""
-        deadline = time.monotonic() + self.settings.resume_wait_s
+    async def _dispatch_patiently(self, st: _Flight, retry_on=("no_workers", "timeout"),
+                                  keep_excluded: bool = False) -> None:
+        """Dispatch; while the answer is one of ``retry_on`` (no worker or no router: a bus restart,
+        copies reconnecting or restarting; a route request a dying router took with it), try again,
+        up to TANDEM_RESUME_WAIT_S. A new request forgets the workers it found gone (they may be
+        back); a resumed one keeps its dead worker out."""
+        wait = self.settings.resume_wait_s
+        deadline = time.monotonic() + wait
         while True:
             try:
                 await self._dispatch(st)
                 return
             except BackendError as e:
-                if e.code not in retry_on or time.monotonic() > deadline:
+                if e.code not in retry_on:
                     raise
+                if time.monotonic() > deadline:
+                    raise BackendError(e.code, f"{e.message} (tried for {wait:g} s)", e.status,
+                                       retry_after=e.retry_after) from None
                 log.info("%s: %s; waiting for a worker", st.req.request_id, e.message)
             if not keep_excluded:
                 st.exclude.clear()
@@ -282,11 +322,13 @@ class NatsBackend:
             resume = Resume(output_token_ids=list(st.token_ids), emitted_chars=st.chars, next_seq=st.next_seq,
                             attempt=st.attempt)
         for _ in range(3):
-            plan = await self._call(subjects.ROUTE, RouteRequest(
+            route = RouteRequest(
                 request_id=req.request_id, model=req.model, tier=req.tier, session_id=req.session_id,
                 num_prompt_tokens=len(req.prompt_token_ids) + len(st.token_ids), max_tokens=req.sampling.max_tokens,
                 prompt_token_ids=req.prompt_token_ids + st.token_ids, exclude=sorted(st.exclude),
-                attempt=st.attempt, tenant=req.tenant, owner=req.owner), RoutePlan)
+                attempt=st.attempt, tenant=req.tenant, owner=req.owner)
+            plan = await self._call(subjects.ROUTE, route, RoutePlan,
+                                    timeout=min(ROUTE_TRY_S, self.bus.request_timeout))
             target = plan.prefill_worker or plan.decode_worker
             sampling = st.sampling.to_dict()
             stream_subject = subjects.stream(req.request_id)
@@ -307,7 +349,13 @@ class NatsBackend:
                         tier=plan.tier, stream_subject=stream_subject, session_id=plan.session_id, resume=resume,
                         origin=self.gateway_id, tenant=req.tenant))
             except RemoteError as e:
-                raise backend_error(e.code, e.message, e.retry_after) from None
+                if e.code != "not_found":
+                    raise backend_error(e.code, e.message, e.retry_after) from None
+                # the worker dropped this request (an abort this gateway did not send: a fence or a
+                # lease of an older attempt): another worker takes it
+                log.info("%s: %s refused it (%s); routing again", req.request_id, target, e.message)
+                st.exclude.add(target)
+                continue
             except (MessageTooLarge, MaxPayloadError) as e:
                 raise too_large(e) from None
             except BusError as e:
@@ -334,9 +382,9 @@ class NatsBackend:
         return {"id": state.session_id, "object": "session", "tier": state.tier, "worker": state.worker,
                 "running": state.running, "moved": state.moved}
 
-    async def _call(self, subject: str, msg, expected=None):
+    async def _call(self, subject: str, msg, expected=None, timeout: float | None = None):
         try:
-            return await self.bus.request(subject, msg, expected=expected)
+            return await self.bus.request(subject, msg, timeout=timeout, expected=expected)
         except RemoteError as e:
             raise backend_error(e.code, e.message, e.retry_after) from None
         except BusError as e:

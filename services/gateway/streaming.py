@@ -4,7 +4,10 @@ as server-sent events; a client that goes away aborts the request everywhere.
 ``run`` is the one place a request meets ``Backend.generate``:
 - not streamed: outputs are collected (cancelled if the client disconnects) into ``fmt.response``;
 - streamed: the first output is awaited before the 200 goes out, so admission errors keep their
-  HTTP status; later errors become an SSE error event followed by ``[DONE]``;
+  HTTP status; later errors become an SSE error event, the stream's last (never ``[DONE]`` after
+  a partial text: ``[DONE]`` says the answer is complete);
+- an answer is exact or an error: an output that ends with a finish reason outside OpenAI's (a
+  backend that dropped the request: "abort") is the error ``worker_lost`` (``Choices``);
 - in every path an unfinished request is aborted (``backend.abort``) and the backend's iterator
   is closed, also when the client disconnects between two chunks (``SSEResponse``).
 """
@@ -28,6 +31,16 @@ from .openai_api import Accumulator, APIError, _Format, json_response
 log = logging.getLogger("tandem.gateway")
 
 ABORT_TIMEOUT_S = 5.0     # a backend.abort that takes longer is logged and given up on
+FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter", "function_call"}  # OpenAI's
+
+
+def checked(out):
+    """``out``, unless it ends its generation with a finish reason no OpenAI client knows: a
+    request dropped behind the gateway's back is an error, never a short answer."""
+    if out.finished and out.finish_reason is not None and out.finish_reason not in FINISH_REASONS:
+        raise BackendError("worker_lost", f"the request was dropped before it finished "
+                                          f"(finish_reason {out.finish_reason!r})", 502)
+    return out
 
 
 class ClientGone(Exception):
@@ -116,7 +129,7 @@ class Choices:
     async def __anext__(self) -> tuple[int, object]:
         if len(self.its) == 1:
             out = await self.its[0].__anext__()
-            return 0, out
+            return 0, checked(out)
         for i, it in enumerate(self.its):
             if i not in self.finished and i not in self.pending:
                 self.pending[i] = asyncio.ensure_future(it.__anext__())
@@ -124,7 +137,7 @@ class Choices:
             raise StopAsyncIteration
         await asyncio.wait(self.pending.values(), return_when=asyncio.FIRST_COMPLETED)
         i = min(i for i, t in self.pending.items() if t.done())
-        out = self.pending.pop(i).result()
+        out = checked(self.pending.pop(i).result())
         if out.finished:
             self.finished.add(i)
         return i, out
@@ -257,19 +270,15 @@ async def _events(backend: Backend, gens: list[GenerationRequest], it: Choices, 
         if fmt.done:
             yield fmt.done
         _done(gens[0], accs, t0)
-    except BackendError as e:  # mid-stream: the status is sent already; an error event instead
+    except BackendError as e:  # mid-stream: the status is sent already; an error event instead (no [DONE])
         metrics.observe_request("gateway", gens[0].tier, outcome="error")
         log.warning("%s failed mid-stream %d %s: %s", rid, e.status, e.code, e.message)
         for chunk in fmt.error_chunks(APIError.from_backend(e)):
             yield fmt.frame(chunk)
-        if fmt.done:
-            yield fmt.done
     except Exception as e:  # a bug: tell the client, abort (in finally), keep serving
         log.exception("%s internal error mid-stream", rid)
         for chunk in fmt.error_chunks(APIError(500, f"internal error: {type(e).__name__}", code="internal_error")):
             yield fmt.frame(chunk)
-        if fmt.done:
-            yield fmt.done
     finally:
         if not finished:
             await abort(backend, [r for r, a in zip(rids, accs) if a.finish_reason is None], "stream ended early")

@@ -83,7 +83,7 @@ class AsyncEngine:
             except Exception as e:  # a failed step fails the requests in it, not the service
                 log.exception("engine step failed")
                 for rid in list(self._streams):
-                    self.engine.abort(rid)
+                    self._abort(rid, deliver=False)  # the stream gets the error instead
                     self._deliver(rid, e)
                 continue
             finally:
@@ -168,12 +168,13 @@ class AsyncEngine:
         return await self._opened(request_id, lambda: self.engine.add_ring(request_id, blob, ring, sid, priority))
 
     async def _opened(self, request_id: str, add: Callable[[], Any]) -> AsyncIterator[RequestOutput]:
-        q = self._open(request_id)
-        try:
-            await self._call(add)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+
+        def open_and_add() -> None:
+            self._check_closed(request_id)
+            add()
+            self._streams[request_id] = (loop, q)
+        await self._call(open_and_add)
         return self._drain(request_id, q)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -209,14 +210,15 @@ class AsyncEngine:
         if moved:
             await self._call(lambda: self.engine.settle_export(request_id, True))
             return None
-        q = self._open(request_id)
-        try:
-            resumed = await self._call(lambda: self.engine.settle_export(request_id, False))
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        if not resumed:
-            self._streams.pop(request_id, None)
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+
+        def settle() -> bool:
+            self._check_closed(request_id)
+            resumed = self.engine.settle_export(request_id, False)
+            if resumed:
+                self._streams[request_id] = (loop, q)
+            return resumed
+        if not await self._call(settle):
             return None
         return self._drain(request_id, q)
 
@@ -243,14 +245,29 @@ class AsyncEngine:
         return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids, tenant))
 
     async def abort(self, request_id: str) -> bool:
-        return await self._call(lambda: self.engine.abort(request_id))
+        return await self._call(lambda: self._abort(request_id, deliver=True))
 
-    def _open(self, request_id: str) -> asyncio.Queue:
+    def _abort(self, request_id: str, deliver: bool) -> bool:
+        """``Engine.abort`` on the engine thread, its "abort" output handed over at once: to the
+        stream open under the id now (``deliver``), or to none. Left for the next step, it went to
+        whatever stream was open under the id then: a resume of the request admitted here
+        meanwhile, which ended with the older attempt's abort (issue 33)."""
+        if not self.engine.abort(request_id):
+            return False
+        for out in self.engine.take_pending(request_id):
+            if deliver:
+                self._deliver(request_id, out)
+        return True
+
+    def _check_closed(self, request_id: str) -> None:
+        """On the engine thread, before a request's stream opens. A stream is registered in the
+        same engine command that adds its sequence, never before: outputs are handed to the
+        stream open under their request id at that moment, and one registered early (on the event
+        loop, while the engine thread was inside a step) got the last outputs of an older
+        sequence of the same id still in that step — a token and then its abort, at the start of
+        a resumed attempt: issue 33's drifted texts ending "abort"."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already streaming")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        return q
 
     async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """The stream's outputs in order. Outputs that are already waiting when the consumer
@@ -279,8 +296,8 @@ class AsyncEngine:
             # id) must not abort the newer one, which the engine knows by the same id
             if self._streams.get(request_id, (None, None))[1] is q:
                 self._streams.pop(request_id, None)
-                if not finished:  # the consumer left early: free the request's KV
-                    self._commands.put((lambda: self.engine.abort(request_id), None, None))
+                if not finished:  # the consumer left early: free the request's KV (nobody reads its abort)
+                    self._commands.put((lambda: self._abort(request_id, deliver=False), None, None))
 
     async def close(self) -> None:
         self._closed = True

@@ -233,13 +233,20 @@ class Engine:
         seq.resumed = True
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its last output says finish_reason "abort"."""
+        """Drop a request wherever it is; its last output says finish_reason "abort" (the next
+        ``step`` returns it, unless ``take_pending`` took it first)."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
         self._release(seq)
         self._pending.append(self._output(seq, [], "", None, "abort"))
         return True
+
+    def take_pending(self, request_id: str) -> list[RequestOutput]:
+        """The outputs of ``request_id`` not tied to a step (its abort), taken out of the next step's."""
+        mine = [o for o in self._pending if o.request_id == request_id]
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        return mine
 
     def has_work(self) -> bool:
         return (self.scheduler.has_work() or bool(self._pending)

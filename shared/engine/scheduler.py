@@ -154,7 +154,10 @@ class Scheduler:
             budget -= took
             if seq.priority != INTERACTIVE_PRIORITY:
                 worse_left -= took
-        return out
+        # a better sequence's blocks may have come from a worse one scheduled earlier in this step
+        # (decodes go first, whatever their tier): preempted, it has no blocks now and sits out
+        # this step (its KV swapped out, it resumes where it stopped)
+        return [c for c in out if c.seq.status is Status.RUNNING]
 
     def _run(self, seq: Sequence, budget: int, out: list[ScheduledChunk]) -> int:
         """Schedule a running sequence's next chunk; the tokens it takes (0: it was preempted)."""

@@ -20,6 +20,7 @@ import pytest
 from shared import subjects
 from shared.bus import Bus
 from shared.schemas import Heartbeat
+from shared.settings import Settings
 from tests.e2e.test_stack import running_stack
 
 pytestmark = pytest.mark.timeout(600)
@@ -244,6 +245,51 @@ def test_the_bus_dies_and_comes_back():
                 pass
             time.sleep(0.1)
         assert served is not None, ("no request served within 60 s of the bus being back", s.tail())
+
+
+def embedded_nats_url(stack) -> str:
+    """The address of the nats-server a stack started itself (its start-up log line)."""
+    m = re.search(r"embedded NATS \(JetStream\) at (\S+)", stack.tail(2000))
+    assert m, stack.tail()
+    return m.group(1)
+
+
+@pytest.mark.slow
+async def test_a_worker_kill_then_a_bus_kill_loses_nothing(nats_creds):
+    """The double fault of issue 33: the decode worker holding a stream is killed; once the stream
+    goes on from the resume, the embedded nats-server is killed too. The stream ends with the
+    undisturbed text (greedy), no token repeated or skipped, finish "length" — never "abort"."""
+    with running_stack(None, ["--cpu-decode", "2", "--kvpool", "1"]) as s:
+        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        model = (await client.models.list()).data[0].id
+        bus = await Bus.connect(Settings.from_env(), url=embedded_nats_url(s), name="e2e-double-fault", role="tap")
+        watch = await Watch(bus).start()
+        try:
+            n, prompt = 300, STORY.format(33)
+            want = await stream(client, model, prompt, max_tokens=n)   # undisturbed
+            assert want["finish"] == "length" and want["text"]
+            seen = {"id": None, "chunks": 0, "killed_at": None, "bus_killed": False}
+
+            async def on_chunk(out):
+                seen["id"], seen["chunks"] = out["id"], out["chunks"]
+                if seen["killed_at"] is not None and not seen["bus_killed"] and out["chunks"] >= seen["killed_at"] + 4:
+                    seen["bus_killed"] = True    # the resumed stream is flowing: now the bus dies
+                    os.kill(nats_pid(s), signal.SIGKILL)
+
+            run = asyncio.create_task(stream(client, model, prompt, max_tokens=n, on_chunk=on_chunk))
+            while seen["id"] is None:
+                await asyncio.sleep(0.02)
+            victim = await watch.wait_holder(seen["id"])
+            os.kill(pid_of(victim), signal.SIGKILL)
+            seen["killed_at"] = seen["chunks"]
+            got = await asyncio.wait_for(run, 300)
+            assert seen["bus_killed"], "the stream ended before the bus could be killed"
+            assert got["finish"] == "length" and got["text"] == want["text"]
+            assert got["usage"].completion_tokens == n
+            assert (got["usage"].model_extra or {}).get("tandem", {}).get("resumes", 0) >= 1
+        finally:
+            watch.task.cancel()
+            await bus.close()
 
 
 def aborted_on_worker(stack, rid: str) -> bool:

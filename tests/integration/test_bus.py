@@ -347,7 +347,7 @@ async def test_tap_prints_decoded_lines(private_nats):
     assert len(lines) == 3
     assert "tandem.worker.cpu-0.generate" in lines[0] and f"GenerateRequest/v{GenerateRequest.VERSION}" in lines[0]
     assert "prompt_token_ids=<3 ids>" in lines[0] and "101" not in lines[0]
-    assert "StreamChunk/v2" in lines[1] and "text=<12 chars>" in lines[1]
+    assert "StreamChunk/v3" in lines[1] and "text=<12 chars>" in lines[1]
     assert "secret" not in lines[1]
     assert "undecodable" in lines[2] and "<5 bytes>" in lines[2]
 

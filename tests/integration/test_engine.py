@@ -121,6 +121,34 @@ def test_interactive_preempts_running_batch_and_batch_still_finishes(bundled_mod
     assert eng.blocks.num_free == 256
 
 
+def test_a_prompt_that_evicts_a_decode_scheduled_in_the_same_step(bundled_model):
+    """The KV is full with a batch request decoding; an interactive prompt arrives that needs its
+    blocks. Decodes are scheduled first, so the batch sequence already has its chunk in the step
+    when the interactive admission preempts it: that chunk must leave the step with it (it once
+    stayed, with no blocks left, and the step failed with an IndexError — every request on the
+    engine lost: issue 33's "list index out of range" under chaos). Both answers are the
+    undisturbed ones."""
+    tok = bundled_model.tokenizer
+    batch_ids = tok.encode(" ".join(f"b{i}" for i in range(20)))       # ~55 tokens: 4 blocks, growing to 5
+    inter_ids = tok.encode(" ".join(f"i{i}" for i in range(45)))       # ~125 tokens: 8 blocks
+    roomy = Engine(bundled_model, EngineConfig(num_kv_blocks=256, enable_prefix_caching=False))
+    want = run_to_completion(roomy, {"batch": (batch_ids, greedy(24)), "inter": (inter_ids, greedy(8))})
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=10, enable_prefix_caching=False))
+    assert len(inter_ids) > 16 * (10 - -(-(len(batch_ids) + 3) // 16))  # it cannot fit beside the batch one
+    eng.add("batch", batch_ids, greedy(24), priority=2)
+    got = {"batch": [], "inter": []}
+    while len(got["batch"]) < 3:
+        for o in eng.step():
+            got[o.request_id] += o.token_ids
+    eng.add("inter", inter_ids, greedy(8), priority=0)
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.token_ids
+    assert eng.scheduler.num_preemptions >= 1
+    assert got["batch"] == want["batch"].token_ids and got["inter"] == want["inter"].token_ids
+    assert eng.blocks.num_free == 10
+
+
 def test_interactive_prompt_is_not_held_behind_a_batch_prefill(bundled_model):
     """A long batch prompt is in chunked prefill; an interactive prompt that arrives gets the
     step's token budget first and its first token comes out while the batch prefill goes on;

@@ -1,6 +1,9 @@
 """The gateway's NatsBackend on a real NATS server with scripted workers (fakes of the bus
 protocol, no engine): a worker that dies holding the dispatch (no ack, then gone) costs the
-request nothing — the liveness check finds it gone and the request goes to another worker."""
+request nothing — the liveness check finds it gone and the request goes to another worker; a
+worker that drops a request (its stream ends "abort") is a lost holder: the request is resumed
+elsewhere, or, with no worker left, ends with a clear worker_lost error; two copies of one
+attempt streaming chunks cut at different tokens never make a drifted text."""
 
 from __future__ import annotations
 
@@ -8,10 +11,10 @@ import asyncio
 
 import pytest
 
-from services.gateway.backend import GenerationRequest
+from services.gateway.backend import BackendError, GenerationRequest
 from services.gateway.nats_backend import NatsBackend
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, BusError
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import EmbeddedNats
 from shared.schemas import Ack, GenerateRequest, RoutePlan, RouteRequest, StreamChunk
@@ -71,3 +74,115 @@ async def test_a_worker_that_dies_holding_the_dispatch_loses_nothing():
         for b in (gw_bus, router, live):
             await b.close()
         server.stop()
+
+
+WORDS = ["all ", "of ", "it"]
+
+
+def chunk(req: GenerateRequest, worker: str, seq: int, offset: int, ids: list[int],
+          finish: str | None = None) -> StreamChunk:
+    """Chunk ``seq`` of ``req``'s stream: ``offset`` tokens before it, then the words ``ids``
+    (token i is WORDS[i])."""
+    return StreamChunk(request_id=req.request_id, seq=seq, token_ids=ids, text="".join(WORDS[i] for i in ids),
+                       worker=worker, finish_reason=finish, attempt=req.resume.attempt if req.resume else 0,
+                       offset=offset)
+
+
+class Scripted:
+    """A real NATS server, a gateway backend, a router sending each attempt to the first worker
+    of ``order`` not excluded (none left: no workers), and workers whose GenerateRequest handler
+    is ``script(bus, req)`` (it publishes the chunks)."""
+
+    def __init__(self, order: list[str], scripts: dict, resume_wait_s: float = 5.0):
+        self.order, self.scripts, self.wait = order, scripts, resume_wait_s
+        self.routed: list[RouteRequest] = []
+
+    async def __aenter__(self) -> "Scripted":
+        self.server = EmbeddedNats()
+        s = Settings(nats=NatsSettings(url=self.server.start(), request_timeout=2.0))
+        self.buses = {n: await Bus.connect(s, name=n) for n in ["gw", "router", *self.scripts]}
+
+        async def route(req: RouteRequest) -> RoutePlan:
+            self.routed.append(req)
+            left = [w for w in self.order if w not in req.exclude]
+            if not left:
+                raise BusError("unavailable", "no decode worker is ready")
+            return RoutePlan(request_id=req.request_id, prefill_worker=None, decode_worker=left[0],
+                             decode_role=subjects.CPU_DECODE, reason=f"to {left[0]}")
+
+        await self.buses["router"].serve(subjects.ROUTE, route, expected=RouteRequest)
+        for name, script in self.scripts.items():
+            bus = self.buses[name]
+
+            async def generate(req: GenerateRequest, bus=bus, script=script) -> Ack:
+                asyncio.get_running_loop().create_task(script(bus, req))
+                return Ack()
+            await bus.serve(subjects.worker_generate(name), generate, expected=GenerateRequest)
+        self.backend = NatsBackend(self.buses["gw"], "m", 1024, tokenizer=None,
+                                   settings=GatewaySettings(liveness_check_s=0.2, resume_wait_s=self.wait))
+        await self.backend.start()
+        return self
+
+    async def run(self) -> list:
+        req = GenerationRequest("r-1", "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None)
+        return await asyncio.wait_for(self._collect(req), 30)
+
+    async def _collect(self, req) -> list:
+        return [o async for o in self.backend.generate(req)]
+
+    async def __aexit__(self, *exc) -> None:
+        await self.backend.close()
+        for b in self.buses.values():
+            await b.close()
+        self.server.stop()
+
+
+async def finishing(bus: Bus, req: GenerateRequest) -> None:
+    """A worker that streams the words from where the client is, to the end."""
+    start = len(req.resume.output_token_ids) if req.resume else 0
+    seq = req.resume.next_seq if req.resume else 0
+    for i in range(start, len(WORDS)):
+        await bus.publish(req.stream_subject, chunk(req, "w-live", seq + i - start, i, [i],
+                                                    "stop" if i == len(WORDS) - 1 else None))
+
+
+async def dropping(bus: Bus, req: GenerateRequest) -> None:
+    """A worker that streams one word, then drops the request (an engine abort nobody asked for)."""
+    await bus.publish(req.stream_subject, chunk(req, "w-drop", 0, 0, [0]))
+    await bus.publish(req.stream_subject, chunk(req, "w-drop", 1, 1, [], "abort"))
+
+
+async def test_a_request_a_worker_dropped_is_resumed_elsewhere():
+    async with Scripted(["w-drop", "w-live"], {"w-drop": dropping, "w-live": finishing}) as t:
+        outs = await t.run()
+        assert "".join(o.text for o in outs) == "all of it" and outs[-1].finish_reason == "stop"
+        assert [o.finish_reason for o in outs[:-1]] == [None] * (len(outs) - 1)  # "abort" never came out
+        assert [r.exclude for r in t.routed] == [[], ["w-drop"]] and t.backend.resumes == 1
+
+
+async def test_a_dropped_request_with_no_worker_left_is_a_clear_error():
+    async with Scripted(["w-drop"], {"w-drop": dropping}, resume_wait_s=1.0) as t:
+        with pytest.raises(BackendError) as e:
+            await t.run()
+        assert e.value.code == "worker_lost" and e.value.status == 502 and "dropped it" in e.value.message
+
+
+async def test_two_copies_of_one_attempt_never_drift():
+    """The same attempt streamed by two workers (a hand-off that got no answer, yet arrived) with
+    chunks cut at different tokens: the gateway takes a chunk only where it continues the text
+    the client has, resumes, and the text is exact — not "all of itit"."""
+    async def two_copies(bus: Bus, req: GenerateRequest) -> None:
+        if req.resume:   # the resume (routed here again: no worker was lost) continues from the client's text
+            return await ending(bus, req)
+        await bus.publish(req.stream_subject, chunk(req, "w-a", 0, 0, [0]))
+        await bus.publish(req.stream_subject, chunk(req, "w-b", 1, 1, [1, 2]))   # the copy that merged two steps
+        await bus.publish(req.stream_subject, chunk(req, "w-a", 2, 2, [2], "stop"))
+
+    async def ending(bus: Bus, req: GenerateRequest) -> None:   # the resume: the client has every word
+        assert req.resume.output_token_ids == [0, 1, 2] and req.resume.emitted_chars == len("all of it")
+        await bus.publish(req.stream_subject, chunk(req, "w-live", req.resume.next_seq, 3, [], "stop"))
+
+    async with Scripted(["w-a"], {"w-a": two_copies}) as t:
+        outs = await t.run()
+        assert "".join(o.text for o in outs) == "all of it" and outs[-1].finish_reason == "stop"
+        assert t.backend.resumes == 1

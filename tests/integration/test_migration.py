@@ -20,7 +20,8 @@ from shared.bus import Bus, RemoteError
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import free_port
-from shared.schemas import Abort, Ack, GenerateRequest, Heartbeat, MigrateRequest, StreamChunk
+from shared.schemas import (Abort, GenerateRequest, Heartbeat, Lease, LeaseReply, MigrateRequest, Resume,
+                            StreamChunk, Where, WhereReply)
 from shared.tier import TIERS
 from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings, WorkerSettings
 
@@ -297,8 +298,9 @@ async def test_the_requests_of_a_dead_gateway_are_dropped(workers, reference, na
     _, cpu, _, bus = workers
     ids, _ = reference["short"]
     gw = await Bus.connect(url=nats_server, name="lease-gateway")
-    await gw.serve(subjects.gateway_alive("gw-lease"), lambda _: asyncio.sleep(0, Ack(worker="gw-lease")),
-                   expected=Ack)
+    async def alive(lease: Lease) -> LeaseReply:  # it waits for every request it is asked about
+        return LeaseReply(gateway="gw-lease", attempts=dict(lease.requests))
+    await gw.serve(subjects.gateway_alive("gw-lease"), alive, expected=Lease)
     rid = f"lease-{uuid.uuid4().hex[:8]}"
     s = await Stream(bus, rid).start(cpu, ids, 4000, origin="gw-lease")
     try:
@@ -315,3 +317,38 @@ async def test_the_requests_of_a_dead_gateway_are_dropped(workers, reference, na
     finally:
         s.task.cancel()
         await s.sub.unsubscribe()
+
+
+async def test_a_resume_that_comes_while_the_older_attempt_is_admitted(workers, reference):
+    """The gateway got no ack in time for attempt 0 (the engine was inside a long step) and resumed
+    the request, to the same worker, while attempt 0 was still being admitted there: attempt 1
+    waits for that admission, supersedes it and streams the undisturbed text, and meanwhile Where
+    says the worker holds it. (The two once collided in the engine — "request id ... is already
+    in the engine", a 400 → worker_lost; once serialised, attempt 1's stream, opened while the
+    engine thread was inside a step with attempt 0, got attempt 0's token of that step — a token
+    twice: a drifted text — or its "abort" a step later.)"""
+    gpu, _, _, bus = workers
+    ids, want = reference["short"]
+    busy = await Stream(bus, f"mig-busy-{uuid.uuid4().hex[:8]}").start(gpu, reference["long"][0], 8)
+    rid = f"mig-twice-{uuid.uuid4().hex[:8]}"
+    s = Stream(bus, rid)
+    s.sub = await bus.subscribe(subjects.stream(rid))
+    s.task = asyncio.create_task(s._collect())
+
+    def attempt(k: int) -> GenerateRequest:
+        return GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=greedy(MAX_TOKENS).to_dict(),
+                               tier="standard", stream_subject=subjects.stream(rid), session_id=None,
+                               resume=Resume(output_token_ids=[], emitted_chars=0, next_seq=0, attempt=k) if k else None)
+    first = asyncio.create_task(bus.request(subjects.worker_generate(gpu.worker_id), attempt(0)))
+    while rid not in gpu.admitting and not first.done():
+        await asyncio.sleep(0.001)
+    if rid in gpu.admitting:   # still inside the long step's wait: the case at hand
+        where = await bus.request(subjects.worker_where(gpu.worker_id), Where(request_id=rid), expected=WhereReply)
+        assert where.holds and where.attempt == 0
+    await asyncio.gather(first, bus.request(subjects.worker_generate(gpu.worker_id), attempt(1)))
+    await s.wait_for(lambda cs: any(c.finish_reason and c.attempt == 1 for c in cs))
+    chunks = [c for c in await s.finish() if c.attempt == 1]
+    check_stream(chunks, want)
+    await busy.finish()
+    await asyncio.sleep(0.2)
+    assert idle(gpu)

@@ -67,6 +67,7 @@ class FakeBackend:
         self.ready = True
         self.error: BackendError | None = None       # raised before the first output
         self.mid_error: BackendError | None = None   # raised after 3 outputs
+        self.drop_after: int | None = None           # outputs sent before one that ends "abort" (dropped)
         self.hang_after = None                       # outputs sent before waiting forever (0 = none)
         self.endless = False                         # stream "x" every 2 ms until aborted
         self.sessions: dict[str, str] = {}          # update_session calls
@@ -92,6 +93,10 @@ class FakeBackend:
                 await asyncio.sleep(3600)
             if self.mid_error is not None and n > 3:
                 raise self.mid_error
+            if self.drop_after is not None and n > self.drop_after:
+                yield RequestOutput(req.request_id, [], "", finished=True, finish_reason="abort",
+                                    num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=n - 1)
+                return
             finish = "stop" if n >= len(ids) else "length" if n >= sp.max_tokens else None
             lps = None
             if sp.logprobs and tid is not None:
@@ -519,11 +524,38 @@ def test_mid_stream_error_is_an_sse_error_event(client, url, backend):
             pass
     with httpx.stream("POST", f"{url}/v1/completions", json={"model": MODEL, "prompt": "p", "stream": True}) as r:
         events = r.read().decode().split("\n\n")
-    assert events[-2] == "data: [DONE]"
-    assert json.loads(events[-3][len("data: "):])["error"]["code"] == "worker_lost"
+    assert "data: [DONE]" not in events  # [DONE] would say the partial text is the whole answer
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == "worker_lost"
     r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=10)
     assert r.status_code == 502 and r.json()["error"]["code"] == "worker_lost"  # not streamed yet: a status
     backend.mid_error = None
+    still_serving(url)
+
+
+@pytest.mark.parametrize("after", [0, 3])
+def test_a_dropped_request_is_an_error_never_an_answer(client, url, backend, after):
+    """A backend whose request ends "abort" (dropped, not by the client) — before any text or
+    after some: the client gets worker_lost, never finish_reason "abort" nor a [DONE] after the
+    partial text."""
+    backend.drop_after = after
+    r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "worker_lost"
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "p"}, timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "worker_lost"
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=_chat(stream=True), timeout=10) as r:
+        status, events = r.status_code, [e for e in r.read().decode().split("\n\n") if e]
+    if after == 0:  # nothing sent yet: a real status
+        assert status == 502 and json.loads(events[0])["error"]["code"] == "worker_lost"
+    else:
+        payloads = [json.loads(e[len("data: "):]) for e in events]
+        text = "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads if p.get("choices"))
+        assert status == 200 and text == REPLY[:after] and "data: [DONE]" not in events
+        assert payloads[-1]["error"]["code"] == "worker_lost"
+        assert not any(c.get("finish_reason") for p in payloads for c in p.get("choices", []))
+        with pytest.raises(openai.APIError, match="dropped"):
+            for _ in client.chat.completions.create(model=MODEL, messages=MSGS, stream=True):
+                pass
+    backend.drop_after = None
     still_serving(url)
 
 

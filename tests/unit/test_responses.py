@@ -163,3 +163,18 @@ async def test_the_store_keeps_each_tenant_within_its_caps_oldest_out_first():
 def orjson_dumps(obj) -> bytes:
     import orjson
     return orjson.dumps(obj)
+
+
+@pytest.mark.parametrize("after", [0, 3])
+def test_a_dropped_request_is_a_failed_response(served, backend, after):
+    """A request the backend dropped ("abort"): response.failed when streamed (after text), a
+    502 worker_lost otherwise — never a completed response with a cut text."""
+    backend.drop_after = after
+    with pytest.raises(openai.APIStatusError) as e:
+        client(served).responses.create(model=MODEL, input="Hi")
+    assert e.value.status_code == 502 and e.value.response.json()["error"]["code"] == "worker_lost"
+    if after:
+        events = list(client(served).responses.create(model=MODEL, input="Hi", stream=True))
+        assert events[-2].type == "response.failed" and events[-2].response.error.code == "worker_lost"
+        assert events[-1].type == "error"
+        assert not any(ev.type in ("response.completed", "response.incomplete") for ev in events)

@@ -60,8 +60,10 @@ EXAMPLES = [
     schemas.Resume([4, 5], 7, 3, 1),
     schemas.Where("r1"),
     schemas.WhereReply("cpu-0", False, handed_to="gpu-0", ready=True, attempt=1),
+    schemas.Lease("cpu-0", requests={"r1": 0, "r2": 2}),
+    schemas.LeaseReply("gw-1", attempts={"r1": 0}),
     Abort("r1", "resumed", below_attempt=2),
-    StreamChunk("r1", 3, [9], "x", "cpu-1", attempt=1, reused_tokens=256, recomputed_tokens=12),
+    StreamChunk("r1", 3, [9], "x", "cpu-1", attempt=1, reused_tokens=256, recomputed_tokens=12, offset=7),
 ]
 
 

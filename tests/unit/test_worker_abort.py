@@ -25,6 +25,7 @@ class FakeEngine:
 def bare_worker() -> EngineWorker:
     w = EngineWorker.__new__(EngineWorker)  # the abort bookkeeping only: no model, no bus
     w.engine, w.held, w.tasks, w.aborted, w.moving, w.timings, w.handed = FakeEngine(), {}, {}, {}, set(), {}, {}
+    w.admitting, w.arriving = {}, {}
     return w
 
 
@@ -68,7 +69,9 @@ def test_an_abort_of_every_attempt_ends_the_request_and_refuses_a_late_admission
         w.spawn("r", slow_to_cancel_stream(w, cancelled))
         await asyncio.sleep(0)
         await w._on_abort(Abort(request_id="r", reason="client gone"))
-        assert w.engine.aborted == ["r"] and "r" not in w.held and cancelled.is_set()
+        # dropped in the engine by the worker itself too, whether or not the stream got to do it
+        # (a stream task cancelled before it ran never does): a second abort is a no-op there
+        assert set(w.engine.aborted) == {"r"} and "r" not in w.held and cancelled.is_set()
 
         async def engine_add():
             return "admitted"
@@ -97,4 +100,22 @@ def test_a_fence_for_a_request_not_held_here_leaves_the_engine_alone():
         with pytest.raises(BusError):
             coro = engine_add()
             await w.admit(req, coro, attempt=0)
+    asyncio.run(go())
+
+
+def test_a_superseded_attempt_whose_stream_never_ran_is_dropped_in_the_engine():
+    """A resume supersedes an attempt whose stream task was spawned but had not run yet: cancelled,
+    it never closes its engine stream, so nothing but the worker drops it in the engine (it once
+    stayed there, its stream still registered: the resume could not open one)."""
+    async def go():
+        w = bare_worker()
+        w.held["r"] = Held("", "standard", "s1", attempt=1)
+        ran = []
+
+        async def stream() -> None:
+            ran.append(True)
+            await asyncio.sleep(3600)
+        w.spawn("r", stream())                      # not run yet: no await since
+        await w._on_abort(Abort(request_id="r", reason="superseded by a resume", below_attempt=2))
+        assert not ran and w.engine.aborted == ["r"] and "r" not in w.held and "r" not in w.tasks
     asyncio.run(go())
