@@ -128,7 +128,8 @@ class KVPool:
 
     def put(self, key: str, entry, pin: tuple[str, float] | None = None) -> list[str]:
         """Store a verified entry in every tier; returns the tiers that hold it now. ``pin``:
-        (tenant, until) — pinned there (``Tier.pin``). Raises CorruptEntry for an entry that does not check out (nothing is stored)."""
+        (tenant, until) — pinned there (``Tier.pin``). Raises CorruptEntry for an entry that does
+        not check out (nothing is stored)."""
         check_key(key)
         try:
             verify_entry(entry, key)

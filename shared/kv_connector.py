@@ -359,7 +359,7 @@ class PoolClient:
         self._tasks: set[asyncio.Task] = set()
         self._skip_until = 0.0    # after a pool failure, prompts do not wait on it until then
         self.hits = self.misses = self.errors = self.stored = self.forged = 0
-        self.reloads = 0          # fetches whose hit ended in a spilled session's tail (read and reset by the connector)
+        self.reloads = 0          # fetches whose hit ended in a spilled session's tail (the connector resets it)
 
     def keys(self, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
         return chunk_keys(self.scope, token_ids, limit, tenant)
