@@ -271,9 +271,9 @@ class KVConnector:
         short = len(prompt) - 1 < self.settings.pool.chunk_tokens
         have = 0 if short else await self.engine.cached_prefix_tokens(prompt, tenant)
         got = await self.pool.fetch_prefix(prompt, have, tenant)
-        if got is not None and self.pool.reloads:
+        if self.pool.reloads:
+            metrics.SESSIONS_RELOADED.labels(self.role).inc(self.pool.reloads)
             self.pool.reloads = 0
-            metrics.SESSIONS_RELOADED.labels(self.role).inc()
         return got
 
     def _spilled(self, tokens: list[int], kv, tenant: str, retention: str) -> None:

@@ -34,7 +34,8 @@ from typing import Callable
 log = logging.getLogger("tandem.engine")
 
 RETENTIONS = ("in_memory", "24h")   # OpenAI's prompt_cache_retention values
-TAGS_MAX = 100_000                  # tags of requests never finished here (failed admissions): bounded
+TAGS_MAX = 4096   # tags live from admission to Engine.add (at most TANDEM_MAX_WAITING or so at once); a
+                  # failed admission's stays until pushed out, oldest first
 
 
 @dataclass
@@ -82,7 +83,10 @@ class Residency:
         if retention and retention not in RETENTIONS:
             raise ValueError(f"prompt_cache_retention must be one of {', '.join(RETENTIONS)}, got {retention!r}")
         if len(self.tags) >= TAGS_MAX:
-            self.tags.pop(next(iter(self.tags)))
+            try:
+                self.tags.pop(next(iter(self.tags)), None)
+            except RuntimeError:   # the engine thread took one meanwhile: room enough
+                pass
         self.tags[request_id] = Tag(session, retention)
 
     def untag(self, request_id: str) -> Tag | None:
