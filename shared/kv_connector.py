@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,7 @@ async def _report(bus: Bus, reporter: str, event: TransferEvent) -> None:
         log.debug("transfer event %s not published: %s", event.transfer_id, e)
 
 
+SPILLED_HEADS = 4096    # first blocks of the sessions this worker spilled, remembered (short prompts ask the pool)
 LIVENESS_FACTOR = 3.0   # a worker's address is live for this many of its heartbeat intervals
 
 
@@ -181,6 +183,7 @@ class KVConnector:
         self.events: KVEventPublisher | None = None
         self.pool: PoolClient | None = None
         self._write_back = write_back
+        self._spilled_heads: OrderedDict[tuple, None] = OrderedDict()  # (tenant, first block) of spilled sessions
 
     async def start(self) -> None:
         host, self.data_port = await self.receiver.listen()
@@ -265,10 +268,14 @@ class KVConnector:
         """The longest prefix of ``prompt`` the pool holds for ``tenant`` beyond what the engine's own
         prefix cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better.
         A prompt shorter than one chunk can only match a spilled session's tail: the pool is asked
-        first (no wait for an engine step; blocks the engine holds already are skipped when loaded)."""
-        if self.pool is None or len(prompt) - 1 < self.engine.layout.block_size:
+        only when this worker spilled a session starting with the prompt's first block (no wait for
+        an engine step then; blocks the engine holds already are skipped when loaded)."""
+        bs = self.engine.layout.block_size
+        if self.pool is None or len(prompt) - 1 < bs:
             return None  # not one whole block: no pool entry can match
         short = len(prompt) - 1 < self.settings.pool.chunk_tokens
+        if short and (tenant, tuple(prompt[:bs])) not in self._spilled_heads:
+            return None  # no chunk, and no session of this worker's spilled that it may continue
         have = 0 if short else await self.engine.cached_prefix_tokens(prompt, tenant)
         got = await self.pool.fetch_prefix(prompt, have, tenant)
         if self.pool.reloads:
@@ -280,6 +287,11 @@ class KVConnector:
         """A resident session evicted from the engine: its whole blocks to the pool (pinned for 24h
         sessions), so that its next turn loads them."""
         metrics.SESSIONS_EVICTED.labels(self.role).inc()
+        head = (tenant, tuple(tokens[:self.engine.layout.block_size]))
+        self._spilled_heads[head] = None
+        self._spilled_heads.move_to_end(head)
+        while len(self._spilled_heads) > SPILLED_HEADS:
+            self._spilled_heads.popitem(last=False)
         if self.pool is not None:
             self.pool.store_later(tokens, kv, tenant, session=True, pin_s=pin_seconds(retention))
 

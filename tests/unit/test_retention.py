@@ -122,3 +122,41 @@ def test_bad_retention_value_is_refused():
         res.tag("r", "s", "1h")
     res.tag("r", "s", "24h")
     assert res.untag("r").retention == "24h"
+
+
+async def test_a_short_prompt_asks_the_pool_only_after_this_worker_spilled_its_session():
+    """Under one chunk a prompt can only continue a spilled session's tail: the worker's connector
+    asks the pool for it only when it spilled a session starting with the prompt's first block
+    (an ordinary short chat pays no pool round trip); the spill goes to the pool, pinned for 24h."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from shared.kv_connector import KVConnector
+    from shared.settings import Settings
+
+    class Pool:
+        reloads = 0
+
+        def __init__(self):
+            self.asked, self.stored = [], []
+
+        async def fetch_prefix(self, prompt, have, tenant):
+            self.asked.append((len(prompt), have, tenant))
+            return None
+
+        def store_later(self, tokens, kv, tenant, **kw):
+            self.stored.append((tokens, tenant, kw))
+
+    async def cached_prefix_tokens(prompt, tenant):
+        raise AssertionError("a short prompt never waits for an engine step")
+
+    conn = object.__new__(KVConnector)
+    conn.pool, conn.settings, conn.role, conn._spilled_heads = Pool(), Settings(), "cpu-decode", OrderedDict()
+    conn.engine = SimpleNamespace(layout=SimpleNamespace(block_size=16), cached_prefix_tokens=cached_prefix_tokens)
+    session = list(range(100, 164))
+    assert await conn.fetch_prefix(session + [1, 2, 3], "alice") is None and conn.pool.asked == []
+    conn._spilled(session, b"kv", "alice", "24h")
+    assert conn.pool.stored == [(session, "alice", {"session": True, "pin_s": 86400.0})]
+    assert await conn.fetch_prefix(session + [1, 2, 3], "bob") is None and conn.pool.asked == []  # another tenant
+    await conn.fetch_prefix(session + [1, 2, 3], "alice")
+    assert conn.pool.asked == [(67, 0, "alice")]
