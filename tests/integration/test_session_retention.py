@@ -149,3 +149,68 @@ async def test_an_evicted_session_is_reloaded_from_the_pool(bundled_model, nats_
         await rx.close()
         await pool.close()
         await asyncio.sleep(0)
+
+
+@pytest.mark.slow   # two decode workers and a pool started: 90 s on a loaded 2-core machine
+async def test_a_workers_evicted_session_is_reloaded_by_its_next_turn(bundled_model, nats_server, tmp_path):
+    """Through real decode workers (GenerateRequest on a real NATS, a pool service, the data plane):
+    the worker tags a session's turn, keeps its KV resident, spills it to the pool when a flood
+    needs the blocks, and the next turn — on another worker — loads it (cached_tokens), the same
+    greedy output as computing it. Counted in tandem_sessions_evicted / _reloaded."""
+    import uuid
+
+    from prometheus_client import REGISTRY
+
+    from services.decode import DecodeWorker
+    from shared import subjects
+    from shared.settings import WorkerSettings
+    from tests.integration.test_migration import Stream
+
+    def cfg(wid: str) -> Settings:
+        return Settings(nats=NatsSettings(url=nats_server), data=DataPlaneSettings(timeout=10.0),
+                        pool=PoolSettings(dir=str(tmp_path / "pool"), ram_mb=64, chunk_tokens=64, timeout=10.0),
+                        worker=WorkerSettings(worker_id=wid, threads=1, kv_blocks=24, heartbeat_interval=0.3,
+                                              metrics_port=-1, session_retention_s=600.0))
+
+    def count(name: str, role: str) -> float:
+        return REGISTRY.get_sample_value(name, {"service": role}) or 0.0
+
+    tag = uuid.uuid4().hex[:6]
+    pool = PoolService(cfg(f"pool-{tag}"))
+    await pool.start()
+    a, b = DecodeWorker(cfg(f"ret-a-{tag}"), subjects.CPU_DECODE), DecodeWorker(cfg(f"ret-b-{tag}"), subjects.GPU_DECODE)
+    for w in (a, b):
+        await w.start()
+    bus = await Bus.connect(url=nats_server, name="retention-test")
+    try:
+        for _ in range(100):   # the pool sends gets only to workers whose heartbeats it has seen
+            if all(w.worker_id in pool.peers.roles for w in (a, b)):
+                break
+            await asyncio.sleep(0.1)
+        tok = a.engine.engine.tokenizer
+        ids = tok.encode(TEXT * 2, add_special_tokens=False)[:70]
+        evicted, reloaded = count("tandem_sessions_evicted_total", "cpu-decode"), \
+            count("tandem_sessions_reloaded_total", "gpu-decode")
+        t1 = await (await Stream(bus, f"t1-{tag}").start(a, ids, 27, session="agent-9")).finish()
+        reply = [t for c in sorted(t1, key=lambda c: c.seq) for t in c.token_ids]
+        assert a.engine.stats()["sessions_resident"] == 1
+        words = " ".join(f"item{i}" for i in range(400))
+        flood = tok.encode(words, add_special_tokens=False)[:24 * 16 - 20]
+        await (await Stream(bus, f"flood-{tag}").start(a, flood, 4)).finish()
+        for _ in range(100):   # the spill's write-back runs in the background
+            if count("tandem_sessions_evicted_total", "cpu-decode") > evicted and pool.stored >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert count("tandem_sessions_evicted_total", "cpu-decode") == evicted + 1 and pool.stored >= 2
+        nxt = ids + reply + tok.encode(" Next: rerun the parser tests.", add_special_tokens=False)
+        t2 = await (await Stream(bus, f"t2-{tag}").start(b, nxt, 8, session="agent-9")).finish()
+        last = max(t2, key=lambda c: c.seq)
+        assert last.usage["cached_tokens"] == 96 and count("tandem_sessions_reloaded_total", "gpu-decode") == reloaded + 1
+        cold = run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=24, threads=1)),
+                                 {"c": (nxt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))})["c"]
+        assert [t for c in sorted(t2, key=lambda c: c.seq) for t in c.token_ids] == cold.token_ids
+    finally:
+        await bus.close()
+        for w in (a, b):
+            await w.close()
+        await pool.close()
