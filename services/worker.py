@@ -426,7 +426,11 @@ class EngineWorker:
         if old is not None and old.attempt < attempt:
             await self._on_abort(Abort(request_id=rid, reason="superseded by a resume", below_attempt=attempt))
         if req.session_id:  # its KV stays resident between turns (shared/engine/retention.py)
-            self.engine.tag_session(rid, req.session_id, getattr(req, "cache_retention", ""))
+            try:
+                self.engine.tag_session(rid, req.session_id, getattr(req, "cache_retention", ""))
+            except ValueError as e:
+                coro.close()
+                raise BusError("bad_request", str(e)) from None
         received = time.monotonic()
         done = asyncio.get_running_loop().create_future()
         self.admitting[rid] = (attempt, done)
