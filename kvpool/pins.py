@@ -14,6 +14,14 @@ from collections import OrderedDict
 from typing import Callable
 
 
+PIN_S = {"24h": 86400.0}   # prompt_cache_retention -> seconds a session's pool entries are pinned
+
+
+def pin_seconds(retention: str) -> float:
+    """How long a session with this ``prompt_cache_retention`` pins its entries (0: not)."""
+    return PIN_S.get(retention, 0.0)
+
+
 class Pins:
     def __init__(self, share: float, capacity: int, clock: Callable[[], float] = time.time):
         if not 0 <= share <= 1:

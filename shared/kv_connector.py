@@ -45,6 +45,7 @@ from kvpool.codec import (
     unpack_entries,
 )
 from kvpool.keys import KeyScope, chunk_keys, tail_key, tenant_seed
+from kvpool.pins import pin_seconds
 from kvpool.store import entry_path
 from shared import metrics, subjects
 from shared.bus import Bus, BusError
@@ -309,13 +310,6 @@ class KVConnector:
         await self.peers.close()
         await self.receiver.close()
         await self.sender.close()
-
-
-PIN_S = {"24h": 86400.0}   # prompt_cache_retention -> seconds its pool entries are pinned
-
-
-def pin_seconds(retention: str) -> float:
-    return PIN_S.get(retention, 0.0)
 
 
 def prompt_tail_end(num_prompt_tokens: int) -> int:

@@ -137,8 +137,7 @@ class WorkerSettings:
     metrics_port: int = _env("TANDEM_METRICS_PORT", 0, "Prometheus /metrics HTTP port of a worker or "
                              "router (the gateway uses its own port); 0 = a free one (in heartbeats), -1 = off")
     metrics_host: str = _env("TANDEM_METRICS_HOST", "127.0.0.1", "bind address of that /metrics server")
-    session_retention_s: float = _env("TANDEM_SESSION_RETENTION_S", 600.0, "seconds idle a session's KV is kept "
-                                      "on its worker before other sessions' (docs/api.md); 0: off")
+    session_retention_s: float = _env("TANDEM_SESSION_RETENTION_S", 600.0, "session KV kept resident, s idle; 0: off")
 
     def validate(self) -> None:
         if self.worker_id is not None:
@@ -366,7 +365,7 @@ class PoolSettings:
         if min(self.ram_mb, self.disk_gb, self.shared_gb, self.redis_gb) < 0:
             raise ValueError("TANDEM_POOL_RAM_MB, TANDEM_POOL_DISK_GB, TANDEM_POOL_SHARED_GB and "
                              "TANDEM_POOL_REDIS_GB must be >= 0")
-        if self.chunk_tokens < 1 or self.timeout <= 0 or min(self.backoff_s, self.drain_s) < 0 \
+        if min(self.chunk_tokens - 1, self.backoff_s, self.drain_s) < 0 or self.timeout <= 0 \
                 or not 0 <= self.pin_share <= 1:
             raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0, TANDEM_POOL_BACKOFF_S "
                              ">= 0, TANDEM_POOL_DRAIN_S >= 0 and TANDEM_POOL_PIN_SHARE in [0, 1]")
