@@ -144,10 +144,9 @@ class Engine:
         # session id there); their KV is on the ring's members, a step each runs after the batch
         self.rings: dict[str, tuple] = {}
         self._failed: list[tuple[str, Exception]] = []  # ring requests that failed (take_failed)
-        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant, prompt
-        # tokens, prompt_cache_retention) when a request finishes, for its first
-        # ``finished_kv_align``-multiple computed tokens (the KV pool's write-back of a finished
-        # session). None: not called.
+        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant, prompt tokens,
+        # retention) when a request finishes, for its first ``finished_kv_align``-multiple computed
+        # tokens (the KV pool's write-back of a finished session). None: not called.
         self.finished_kv_hook: Callable[[str, list[int], bytes, str, int, str], None] | None = None
         # sessions' KV resident between turns (retention.py); an evicted one's (token ids, KV, tenant,
         # retention, session) go to ``spill_hook`` (the pool's write-back), on the engine's thread
@@ -531,8 +530,6 @@ class Engine:
             ring[0].release(ring[1])
             ring[0].close()
         self.scheduler.drop(seq)
-        if self.residency is not None:
-            self.residency.untag(seq.request_id)
         if self.chunk_events is not None:
             self.chunk_events.forget(seq.request_id)
 
