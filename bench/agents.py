@@ -3,7 +3,7 @@ idle and beside a batch flood — per-turn TTFT, and how much of each turn's pro
 
     tandem bench agents [--sessions 3] [--turns 10] [--reply-tokens 64] [--pause 2] [--tool-words 40]
                         [--flood 6] [--flood-words 950] [--flood-tokens 16] [--flood-alone 60]
-                        [--tier standard] [--threads 0] [--json F]
+                        [--tier standard] [--threads 0] [--gpu-decode 1] [--json F]
 
 One default ``tandem up`` (a prefill worker, gpu-decode, cpu-decode, the KV pool — its disk tier in
 a fresh directory: the same seed sends the same prompts, which an earlier run's entries would hold;
@@ -84,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier", default="standard", help="the sessions' SLA tier (default standard)")
     p.add_argument("--threads", type=int, default=0, help="TANDEM_THREADS of every engine (default 0: as "
                    "`tandem up` picks them)")
+    p.add_argument("--gpu-decode", type=int, default=1, help="gpu-decode worker copies of the stack (default 1, "
+                   "as `tandem up`; 0: every decode on the cpu-decode worker)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
@@ -218,9 +220,12 @@ def run(args: argparse.Namespace) -> dict:
     env = dict(bench_env(args.threads), TANDEM_PORT=str(port), TANDEM_POOL_DIR=pool_dir)
     if not args.threads:
         env.pop("TANDEM_THREADS")   # as `tandem up` picks them
-    server = Server("stack", [sys.executable, "-m", "services.cli", "up", "--port", str(port)], env, port)
+    if args.gpu_decode < 0:
+        raise ValueError("--gpu-decode >= 0")
+    server = Server("stack", [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+                              "--gpu-decode", str(args.gpu_decode)], env, port)
     try:
-        server.wait_workers({"prefill": 1, "gpu-decode": 1, "cpu-decode": 1})
+        server.wait_workers({"prefill": 1, "gpu-decode": args.gpu_decode, "cpu-decode": 1})
         load = asyncio.run(_phases(server.url, args))
     finally:
         rc = server.stop()
@@ -233,7 +238,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"agents: {args.sessions} sessions x {args.turns} turns through /v1/responses (previous_response_id), "
           f"{args.reply_tokens}-token replies, {args.pause:g} s tool pauses, {args.tool_words}-word tool outputs, "
           f"tier {args.tier}; flood: {args.flood} batch clients, ~{args.flood_words}-word prompts, "
-          f"{args.flood_tokens} output tokens; the default tandem up")
+          f"{args.flood_tokens} output tokens; "
+          f"{'the default tandem up' if args.gpu_decode == 1 else f'tandem up --gpu-decode {args.gpu_decode}'}")
     print()
     print("| metric | idle | beside the flood |\n|---|---|---|")
     for title, key in ROWS:

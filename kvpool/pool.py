@@ -20,6 +20,7 @@ from typing import Callable
 
 from kvpool.codec import CorruptEntry, verify_entry
 from kvpool.keys import check_key
+from kvpool.pins import Pins
 from kvpool.store import DirTier, MemoryTier, RedisTier, Tier
 
 log = logging.getLogger("tandem.kvpool")
@@ -35,10 +36,13 @@ class PoolConfig:
     redis_url: str | None = None        # Redis server every node shares (None: none)
     redis_bytes: int = 16 << 30
     redis_prefix: str = "tandem:kvpool:"
+    pin_share: float = 0.25             # share of each tier a tenant's pinned entries may take (kvpool/pins.py)
 
     def validate(self) -> "PoolConfig":
         if min(self.ram_bytes, self.disk_bytes, self.shared_bytes, self.redis_bytes) < 0:
             raise ValueError("pool tier capacities must be >= 0")
+        if not 0 <= self.pin_share <= 1:
+            raise ValueError(f"the pool's pin share must be in [0, 1], got {self.pin_share}")
         if self.ram_bytes == 0 and not self.disk_dir and not self.shared_dir and not self.redis_url:
             raise ValueError("the pool needs at least one tier (RAM bytes > 0, a disk or a shared directory, Redis)")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -70,22 +74,44 @@ class KVPool:
             tiers.append(DirTier(cfg.shared_dir, cfg.shared_bytes, "shared", shared=True))
         if cfg.redis_url:
             tiers.append(RedisTier(cfg.redis_url, cfg.redis_bytes, prefix=cfg.redis_prefix))
+        for t in tiers:
+            t.pins = Pins(cfg.pin_share, t.capacity)
         return cls(tiers, on_event)
 
     def lookup(self, keys: list[str], touch: bool = False) -> list[str]:
         """Tier name of each leading stored key; stops at the first key no tier has. ``touch``:
         the hits count as used (LRU) — a worker on this host reads them from the disk tier's
         files itself, without a ``get``."""
+        return self.lookup_alternatives(keys, touch)[0]
+
+    def lookup_alternatives(self, keys: list[str], touch: bool = False,
+                            alternatives: int = 0) -> tuple[list[str], int]:
+        """``lookup`` of all but the last ``alternatives`` keys, then — when every one of those is
+        stored — the index among the alternatives of the first stored one, its tier appended to
+        the tiers (-1: none)."""
+        lead, alts = keys[:len(keys) - alternatives], keys[len(keys) - alternatives:]
         out = []
-        for k in keys:
-            tier = next((t for t in self.tiers if t.contains(k)), None)
-            if tier is None:
-                break
-            if touch:
-                for t in self.tiers:
-                    t.touch(k)
-            out.append(tier.name)
-        return out
+        for k in lead:
+            if not self._found(k, touch, out):
+                return out, -1
+        for i, k in enumerate(alts):
+            if self._found(k, touch, out):
+                return out, i
+        return out, -1
+
+    def _found(self, key: str, touch: bool, out: list[str]) -> bool:
+        tier = next((t for t in self.tiers if t.contains(key)), None)
+        if tier is None:
+            return False
+        if touch:
+            for t in self.tiers:
+                t.touch(key)
+        out.append(tier.name)
+        return True
+
+    def pin(self, keys: list[str], tenant: str, until: float) -> int:
+        """Pin the held ``keys`` in every tier holding them (``Tier.pin``); how many got a pin."""
+        return sum(any([t.pin(k, tenant, until) for t in self.tiers]) for k in keys)
 
     def get(self, key: str) -> bytes | None:
         """The verified entry for ``key``, or None (a corrupt copy is removed, then a miss)."""
@@ -100,9 +126,10 @@ class KVPool:
             return entry
         return None
 
-    def put(self, key: str, entry) -> list[str]:
-        """Store a verified entry in every tier; returns the tiers that hold it now.
-        Raises CorruptEntry for an entry that does not check out (nothing is stored)."""
+    def put(self, key: str, entry, pin: tuple[str, float] | None = None) -> list[str]:
+        """Store a verified entry in every tier; returns the tiers that hold it now. ``pin``:
+        (tenant, until) — pinned there (``Tier.pin``). Raises CorruptEntry for an entry that does
+        not check out (nothing is stored)."""
         check_key(key)
         try:
             verify_entry(entry, key)
@@ -111,6 +138,8 @@ class KVPool:
             raise
         entry = bytes(entry)
         stored = [t.name for t in self.tiers if t.put(key, entry)]
+        if pin is not None:
+            self.pin([key], *pin)
         self.puts += 1
         self.put_bytes += len(entry)
         if stored and self.on_event is not None:

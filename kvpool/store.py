@@ -35,6 +35,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from kvpool.codec import HEADER, CorruptEntry, entry_info, verify_entry
+from kvpool.pins import Pins
 
 log = logging.getLogger("tandem.kvpool")
 
@@ -56,6 +57,16 @@ class Tier(abc.ABC):
         self.used = 0          # bytes held
         self.hits = self.misses = self.corrupt = self.write_errors = self.evictions = 0
         self._lock = threading.Lock()
+        self.pins: Pins | None = None   # entries eviction skips while pinned (kvpool/pins.py; None: none)
+
+    def pin(self, key: str, tenant: str, until: float) -> bool:
+        """Pin a held ``key`` for ``tenant`` until ``until`` (time.time()); False when not held or
+        pins are off. Past the tenant's share its oldest pins are unpinned (``Pins.pin``)."""
+        with self._lock:
+            size = self._index.get(key)
+            if size is None or self.pins is None:
+                return False
+            return key not in self.pins.pin(key, tenant, size, until)
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
@@ -118,18 +129,22 @@ class Tier(abc.ABC):
             return True
         if nbytes > self.capacity:
             return False
-        self._evict_for(nbytes)
-        return None
+        return None if self._evict_for(nbytes) else False
 
-    def _evict_for(self, nbytes: int) -> None:
-        """Drop least recently used entries until ``nbytes`` more fit (caller holds the lock)."""
-        while self._index and self.used + nbytes > self.capacity:
-            key, size = self._index.popitem(last=False)
+    def _evict_for(self, nbytes: int) -> bool:
+        """Drop least recently used entries — unpinned ones: a pinned entry stays while its pin
+        lasts — until ``nbytes`` more fit (caller holds the lock); False when pins leave no room."""
+        while self.used + nbytes > self.capacity:
+            key = next((k for k in self._index if self.pins is None or not self.pins.pinned(k)), None)
+            if key is None:
+                return False
+            size = self._index.pop(key)
             self.used -= size
             self.evictions += 1
             self._drop(key)
             if self.on_evict is not None:
                 self.on_evict(self.name, key)
+        return True
 
     def _drop(self, key: str) -> None:
         """Free an evicted entry's storage."""
@@ -156,6 +171,8 @@ class Tier(abc.ABC):
             size = self._index.pop(key, None)
             if size is not None:
                 self.used -= size
+            if self.pins is not None:
+                self.pins.forget(key)
 
 
 class MemoryTier(Tier):
@@ -188,6 +205,8 @@ class MemoryTier(Tier):
             if size is not None:
                 self.used -= size
                 self._data.pop(key, None)
+            if self.pins is not None:
+                self.pins.forget(key)
 
     def _drop(self, key: str) -> None:
         self._data.pop(key, None)

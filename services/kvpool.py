@@ -91,16 +91,23 @@ class PoolService:
 
     async def lookup(self, req: PoolLookup) -> PoolLookupReply:
         self._last_seen = time.monotonic()
-        tiers = await asyncio.to_thread(self.pool.lookup, _keys(req.keys), not req.for_put)
-        if req.for_put and len(tiers) < len(req.keys):  # the writer puts keys[hits:] next
-            self._announced[req.keys[len(tiers)]].append(time.monotonic())
+        if not 0 <= req.alternatives <= len(req.keys) or req.pin_s < 0:
+            raise BusError("bad_request", f"alternatives={req.alternatives} of {len(req.keys)} keys, "
+                                          f"pin_s={req.pin_s}")
+        tiers, alt = await asyncio.to_thread(self.pool.lookup_alternatives, _keys(req.keys), not req.for_put,
+                                             req.alternatives)
+        hits = len(tiers) - (alt >= 0)
+        if req.for_put and req.pin_s and hits:   # a pinned session's write-back: what is stored already
+            await asyncio.to_thread(self.pool.pin, req.keys[:hits], req.tenant, time.time() + req.pin_s)
+        if req.for_put and hits < len(req.keys):  # the writer puts keys[hits:] next
+            self._announced[req.keys[hits]].append(time.monotonic())
         for t in tiers:
             metrics.pool_lookup(t, hit=True)
-        if len(tiers) < len(req.keys):
+        if hits < len(req.keys) - req.alternatives:
             metrics.pool_lookup("all", hit=False)
-        return PoolLookupReply(pool_id=self.pool_id, hits=len(tiers), tiers=tiers,
+        return PoolLookupReply(pool_id=self.pool_id, hits=hits, tiers=tiers,
                                chunk_tokens=self.settings.pool.chunk_tokens,
-                               data_host=self.data_host, data_port=self.data_port)
+                               data_host=self.data_host, data_port=self.data_port, alternative=alt)
 
     async def get(self, req: PoolGet) -> PoolGetReply:
         keys = _keys(req.keys)
@@ -124,6 +131,8 @@ class PoolService:
 
     async def put(self, req: PoolPut) -> PoolPutReply:
         keys = _keys(req.keys)
+        if req.pin_s < 0:
+            raise BusError("bad_request", f"pin_s must be >= 0, got {req.pin_s}")
         self._putting += 1
         try:
             payload = await self.receiver.take(req.transfer_id, timeout=self.settings.data.timeout)
@@ -131,8 +140,9 @@ class PoolService:
                 payload.expect(req.checksum, req.nbytes)
             except ChecksumError as e:
                 raise BusError("bad_request", f"put {req.transfer_id} not stored: {e}") from None
+            pin = (req.tenant, time.time() + req.pin_s) if req.pin_s else None
             with payload:
-                stored = await asyncio.to_thread(self._store, keys, payload.data)
+                stored = await asyncio.to_thread(self._store, keys, payload.data, pin)
         finally:
             self._putting -= 1
             self._last_seen = time.monotonic()
@@ -168,14 +178,14 @@ class PoolService:
         log.info("kvpool %s: %d chunk(s) stored while stopping, in %.1f s", self.pool_id, self.stored - stored,
                  time.monotonic() - t0)
 
-    def _store(self, keys: list[str], bundle) -> int:
+    def _store(self, keys: list[str], bundle, pin: tuple[str, float] | None = None) -> int:
         entries = unpack_entries(bundle)
         if len(entries) != len(keys):
             raise ValueError(f"PoolPut.keys names {len(keys)} entries, the bundle holds {len(entries)}")
         stored = 0
         for k, e in zip(keys, entries):
             try:
-                stored += bool(self.pool.put(k, e))
+                stored += bool(self.pool.put(k, e, pin))
             except CorruptEntry as err:
                 log.warning("rejected entry %s: %s", k[:16], err)
         for t in self.pool.tiers:

@@ -53,7 +53,7 @@ def engine_config(settings: Settings, device: str, role: str = "") -> EngineConf
                         guest_step_tokens=(w.guest_step_tokens or (16 if cpu else None))
                         if role == subjects.GPU_DECODE else None, max_waiting=w.max_waiting,
                         weight_cache_dir=w.weight_cache_dir, load_threads=w.load_threads or None,
-                        gpu_step=w.gpu_step)
+                        gpu_step=w.gpu_step, session_retention_s=w.session_retention_s)
 
 
 def batch_lane(settings: Settings, device) -> BatchLane | None:
@@ -160,7 +160,8 @@ class EngineWorker:
         for domain, j in (self.energy.tick() or {}).items():
             metrics.ENERGY.labels(self.role, domain).inc(j)
         metrics.set_engine_load(self.role, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
-                                kv_used=st["total_kv_blocks"] - st["free_kv_blocks"], kv_free=st["free_kv_blocks"])
+                                kv_used=st["total_kv_blocks"] - st["free_kv_blocks"], kv_free=st["free_kv_blocks"],
+                                sessions_resident=st.get("sessions_resident", 0))
         ready = self.ready()
         metrics.set_ready(self.role, ready and self.bus.nc.is_connected)
         return Heartbeat(worker_id=self.worker_id, role=self.role, device=self.device, model=self.model_name,
@@ -424,6 +425,12 @@ class EngineWorker:
             raise BusError("not_found", f"request {rid} runs here as attempt {old.attempt}, after {attempt}")
         if old is not None and old.attempt < attempt:
             await self._on_abort(Abort(request_id=rid, reason="superseded by a resume", below_attempt=attempt))
+        if req.session_id:  # its KV stays resident between turns (shared/engine/retention.py)
+            try:
+                self.engine.tag_session(rid, req.session_id, getattr(req, "cache_retention", ""))
+            except ValueError as e:
+                coro.close()
+                raise BusError("bad_request", str(e)) from None
         received = time.monotonic()
         done = asyncio.get_running_loop().create_future()
         self.admitting[rid] = (attempt, done)

@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,8 @@ from kvpool.codec import (
     LOSSY, ChunkShape, Codec, CorruptEntry, ForgedEntry, decode_entry_into, pack_entries, read_entry_into,
     unpack_entries,
 )
-from kvpool.keys import KeyScope, chunk_keys, tail_key
+from kvpool.keys import KeyScope, chunk_keys, tail_key, tenant_seed
+from kvpool.pins import pin_seconds
 from kvpool.store import entry_path
 from shared import metrics, subjects
 from shared.bus import Bus, BusError
@@ -94,6 +96,7 @@ async def _report(bus: Bus, reporter: str, event: TransferEvent) -> None:
         log.debug("transfer event %s not published: %s", event.transfer_id, e)
 
 
+SPILLED_HEADS = 4096    # first blocks of the sessions this worker spilled, remembered (short prompts ask the pool)
 LIVENESS_FACTOR = 3.0   # a worker's address is live for this many of its heartbeat intervals
 
 
@@ -181,6 +184,7 @@ class KVConnector:
         self.events: KVEventPublisher | None = None
         self.pool: PoolClient | None = None
         self._write_back = write_back
+        self._spilled_heads: OrderedDict[tuple, None] = OrderedDict()  # (tenant, first block) of spilled sessions
 
     async def start(self) -> None:
         host, self.data_port = await self.receiver.listen()
@@ -195,11 +199,16 @@ class KVConnector:
         if self.settings.pool.enabled:
             self.pool = PoolClient(self.bus, self.settings.pool, self.scope, self.engine.layout, self.worker_id,
                                    self.sender, self.receiver, self.data_host, self.data_port)
+            pool = self.pool
             if self._write_back:  # a finished sequence's full chunks (the session's next turn) and its
-                pool = self.pool  # prompt's tail (the same prompt again) go to the pool
+                # prompt's tail (the same prompt again) go to the pool (a 24h session's pinned)
                 await self.engine.on_finished_kv(
-                    1, lambda tokens, kv, tenant, prompt: loop.call_soon_threadsafe(
-                        pool.store_later, tokens, kv, tenant, prompt_tail_end(prompt)))
+                    1, lambda tokens, kv, tenant, prompt, ret: loop.call_soon_threadsafe(
+                        functools.partial(pool.store_later, tokens, kv, tenant, prompt_tail_end(prompt),
+                                          pin_s=pin_seconds(ret))))
+            # a resident session evicted from the engine (retention.py): its KV to the pool, tail too
+            await self.engine.on_spill(lambda tokens, kv, tenant, ret, session: loop.call_soon_threadsafe(
+                self._spilled, tokens, kv, tenant, ret))
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -258,11 +267,34 @@ class KVConnector:
 
     async def fetch_prefix(self, prompt: list[int], tenant: str = "") -> tuple[list[int], memoryview] | None:
         """The longest prefix of ``prompt`` the pool holds for ``tenant`` beyond what the engine's own
-        prefix cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better."""
-        if self.pool is None or len(prompt) - 1 < self.settings.pool.chunk_tokens:
-            return None  # not one full chunk: no pool entry can match (and no wait for an engine step)
-        have = await self.engine.cached_prefix_tokens(prompt, tenant)
-        return await self.pool.fetch_prefix(prompt, have, tenant)
+        prefix cache has, as (tokens, KV) for ``AsyncEngine.submit(prefix=...)``; None: nothing better.
+        A prompt shorter than one chunk can only match a spilled session's tail: the pool is asked
+        only when this worker spilled a session starting with the prompt's first block (no wait for
+        an engine step then; blocks the engine holds already are skipped when loaded)."""
+        bs = self.engine.layout.block_size
+        if self.pool is None or len(prompt) - 1 < bs:
+            return None  # not one whole block: no pool entry can match
+        short = len(prompt) - 1 < self.settings.pool.chunk_tokens
+        if short and (tenant, tuple(prompt[:bs])) not in self._spilled_heads:
+            return None  # no chunk, and no session of this worker's spilled that it may continue
+        have = 0 if short else await self.engine.cached_prefix_tokens(prompt, tenant)
+        got = await self.pool.fetch_prefix(prompt, have, tenant)
+        if self.pool.reloads:
+            metrics.SESSIONS_RELOADED.labels(self.role).inc(self.pool.reloads)
+            self.pool.reloads = 0
+        return got
+
+    def _spilled(self, tokens: list[int], kv, tenant: str, retention: str) -> None:
+        """A resident session evicted from the engine: its whole blocks to the pool (pinned for 24h
+        sessions), so that its next turn loads them."""
+        metrics.SESSIONS_EVICTED.labels(self.role).inc()
+        head = (tenant, tuple(tokens[:self.engine.layout.block_size]))
+        self._spilled_heads[head] = None
+        self._spilled_heads.move_to_end(head)
+        while len(self._spilled_heads) > SPILLED_HEADS:
+            self._spilled_heads.popitem(last=False)
+        if self.pool is not None:
+            self.pool.store_later(tokens, kv, tenant, session=True, pin_s=pin_seconds(retention))
 
     def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> None:
         """Write the full chunks of (``token_ids``, their KV) of ``tenant`` back to the pool, in the
@@ -333,6 +365,7 @@ class PoolClient:
         self._tasks: set[asyncio.Task] = set()
         self._skip_until = 0.0    # after a pool failure, prompts do not wait on it until then
         self.hits = self.misses = self.errors = self.stored = self.forged = 0
+        self.reloads = 0          # fetches whose hit ended in a spilled session's tail (the connector resets it)
 
     def keys(self, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
         return chunk_keys(self.scope, token_ids, limit, tenant)
@@ -352,18 +385,47 @@ class PoolClient:
             out.append((tail_key(keys[whole - 1], token_ids[whole * c:tail_end]), whole * c, tail_end))
         return out
 
-    async def _lookup(self, keys: list[str], for_put: bool = False) -> PoolLookupReply:
-        return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(keys=keys, for_put=for_put),
-                                      timeout=self.settings.timeout)
+    def session_pieces(self, token_ids: list[int], tenant: str = "") -> list[tuple[str, int, int]]:
+        """(key, first token, end) of a spilled session's entries: its full chunks, then its
+        tokens after them (whole blocks) as a tail — hung off the last chunk, or off the tenant's
+        seed when there is none — under the key ``fetch_prefix`` tries for a prompt continuing it."""
+        c, n = self.settings.chunk_tokens, len(token_ids)
+        keys = self.keys(token_ids, n, tenant)
+        out = [(k, i * c, (i + 1) * c) for i, k in enumerate(keys)]
+        whole = n // c * c
+        if whole < n:
+            parent = keys[-1] if keys else tenant_seed(self.scope.seed(), tenant)
+            out.append((tail_key(parent, token_ids[whole:n]), whole, n))
+        return out
+
+    def tails(self, prompt: list[int], keys: list[str], tenant: str = "") -> list[tuple[str, int, int]]:
+        """The tails a prompt may continue after its full chunks (``keys``), longest first: its own
+        (up to its last token but one), then every whole-block end after the last chunk — where a
+        spilled session (``session_pieces``) ended."""
+        c, bs, end = self.settings.chunk_tokens, self.block_size, prompt_tail_end(len(prompt))
+        whole = len(keys) * c
+        parent = keys[-1] if keys else tenant_seed(self.scope.seed(), tenant)
+        ends = [end] if end % bs else []
+        ends += range(end // bs * bs, whole, -bs)
+        return [(tail_key(parent, prompt[whole:e]), whole, e) for e in ends if e > whole]
+
+    async def _lookup(self, keys: list[str], for_put: bool = False, alternatives: int = 0,
+                      pin_s: float = 0.0, tenant: str = "") -> PoolLookupReply:
+        return await self.bus.request(subjects.POOL_LOOKUP, PoolLookup(
+            keys=keys, for_put=for_put, alternatives=alternatives, pin_s=pin_s, tenant=tenant),
+            timeout=self.settings.timeout)
 
     async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0,
                            tenant: str = "") -> tuple[list[int], memoryview] | None:
         """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` — its full chunks,
-        then, when every one is stored, its tail (``prompt_tail_end``: the last token is always
-        computed) — or None when the pool has no more than ``have_tokens``."""
+        then, when every one is stored, the longest stored of its tails (``tails``: its own, up to
+        ``prompt_tail_end`` — the last token is always computed —, or where a spilled session it
+        continues ended) — or None when the pool has no more than ``have_tokens``."""
         t0 = time.perf_counter()
-        pieces = self.pieces(prompt, len(prompt) - 1, prompt_tail_end(len(prompt)), tenant)
-        if not pieces or pieces[-1][2] <= have_tokens:
+        chunks = self.pieces(prompt, len(prompt) - 1, 0, tenant)
+        tails = self.tails(prompt, [k for k, _, _ in chunks], tenant)
+        pieces = chunks + tails
+        if not pieces or max(e for _, _, e in pieces) <= have_tokens:
             return None
         if time.monotonic() < self._skip_until:  # the pool failed just now: do not wait on it again
             return None
@@ -371,18 +433,19 @@ class PoolClient:
         tid = f"{self.worker_id}-pool-{next(self._ids)}"
         try:
             async with asyncio.timeout(self.settings.timeout):  # the whole fetch, not each step
-                found = await self._lookup(keys)
+                found = await self._lookup(keys, alternatives=len(tails))
                 t1 = time.perf_counter()
-                if not found.hits or pieces[found.hits - 1][2] <= have_tokens:
+                hit = chunks[:found.hits] + ([tails[found.alternative]] if found.alternative >= 0 else [])
+                if not hit or hit[-1][2] <= have_tokens:
                     self.misses += 1
                     return None
-                hit = pieces[:found.hits]
+                keys = [k for k, _, _ in hit]
                 kv = await asyncio.to_thread(self._read_local, hit) if self.local_dir else None
                 if kv is not None:
                     stages = f"read+verify {(time.perf_counter() - t1) * 1e3:.1f} (the disk tier's files, here)"
                 else:
                     reply = await self.bus.request(subjects.kvpool_get(found.pool_id), PoolGet(
-                        keys=keys[:found.hits], transfer_id=tid, host=self.data_host, port=self.data_port),
+                        keys=keys, transfer_id=tid, host=self.data_host, port=self.data_port),
                         timeout=self.settings.timeout)
                     if reply.found == 0:
                         self.receiver.discard(tid)
@@ -406,6 +469,8 @@ class PoolClient:
                         "for %.0f s", str(e) or f"no answer within {self.settings.timeout:.1f} s", self.settings.backoff_s)
             return None
         self.hits += 1
+        if found.alternative >= 0 and n == hit[-1][2] and n % self.block_size == 0:
+            self.reloads += 1   # a whole-block tail: where a spilled session ended
         log.info("KV pool: %d prefix tokens (%s) in %.1f ms: keys+lookup %.1f, %s", n, ",".join(sorted(set(found.tiers))),
                  (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, stages)
         return prompt[:n], kv
@@ -457,22 +522,29 @@ class PoolClient:
                    for (k, a, b), e in zip(pieces, entries)]
         return self._settle(pieces, futures, out)
 
-    def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> None:
+    def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0, *,
+                    session: bool = False, pin_s: float = 0.0) -> None:
         """Write back the full chunks of (``token_ids``, their KV) of ``tenant``, and the tail up
-        to ``tail_end`` (0: none), in the background."""
-        if len(token_ids) < self.settings.chunk_tokens:
+        to ``tail_end`` (0: none) — or a spilled ``session``'s entries (``session_pieces``) — in
+        the background, pinned ``pin_s`` seconds (0: not)."""
+        if len(token_ids) < (self.block_size if session else self.settings.chunk_tokens):
             return
-        t = asyncio.create_task(self.store(token_ids, kv, tenant, tail_end), name="pool-store")
+        t = asyncio.create_task(self.store(token_ids, kv, tenant, tail_end, session=session, pin_s=pin_s),
+                                name="pool-store")
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def store(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0) -> int:
-        """Put the entries the pool lacks; returns how many it stored (0 on any failure)."""
-        pieces = self.pieces(token_ids, len(token_ids), tail_end, tenant)
+    async def store(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0, *,
+                    session: bool = False, pin_s: float = 0.0) -> int:
+        """Put the entries the pool lacks (``session``: a spilled session's, ``session_pieces``),
+        pinning them all ``pin_s`` seconds under ``tenant`` (0: none); returns how many it stored
+        (0 on any failure)."""
+        pieces = self.session_pieces(token_ids, tenant) if session else \
+            self.pieces(token_ids, len(token_ids), tail_end, tenant)
         keys = [k for k, _, _ in pieces]
         t0 = time.perf_counter()
         try:
-            found = await self._lookup(keys, for_put=True)
+            found = await self._lookup(keys, for_put=True, pin_s=pin_s, tenant=tenant)
             missing = pieces[found.hits:]
             if not missing or not found.data_port:
                 return 0
@@ -481,7 +553,8 @@ class PoolClient:
             res = await send_and_report(self.bus, self.sender, self.worker_id, found.data_host, found.data_port,
                                         tid, pack_entries(entries), compressible=False)
             reply = await self.bus.request(subjects.kvpool_put(found.pool_id), PoolPut(
-                keys=[k for k, _, _ in missing], transfer_id=tid, nbytes=res.nbytes, checksum=res.checksum),
+                keys=[k for k, _, _ in missing], transfer_id=tid, nbytes=res.nbytes, checksum=res.checksum,
+                pin_s=pin_s, tenant=tenant),
                 timeout=self.settings.timeout)
         except (BusError, TransferError, TimeoutError) as e:
             self.errors += 1

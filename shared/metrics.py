@@ -93,6 +93,17 @@ SESSION_TURN_COMPUTED = Histogram("tandem_session_turn_computed_tokens", "prompt
                                   "computed (not found cached)", ["tier"],
                                   buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768))
 
+SESSION_TURN_CACHED = Histogram("tandem_session_turn_cached_tokens", "prompt tokens a session turn found "
+                                "cached (usage cached_tokens)", ["tier"],
+                                buckets=(0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072))
+# a worker's sessions held between turns (shared/engine/retention.py)
+SESSIONS_RESIDENT = Gauge("tandem_sessions_resident", "sessions whose KV a worker holds resident between turns",
+                          ["service"])
+SESSIONS_EVICTED = Counter("tandem_sessions_evicted", "resident sessions evicted to make room, their KV "
+                           "written to the KV pool", ["service"])
+SESSIONS_RELOADED = Counter("tandem_sessions_reloaded", "prompts that loaded an evicted session's KV from the "
+                            "KV pool (instead of computing it)", ["service"])
+
 
 def observe_session_turn(tier: str, prompt_tokens: int, cached_tokens: int) -> None:
     """One finished session turn: its prompt tokens, cached and computed."""
@@ -100,6 +111,7 @@ def observe_session_turn(tier: str, prompt_tokens: int, cached_tokens: int) -> N
     SESSION_PROMPT_TOKENS.labels(tier, "cached").inc(min(cached_tokens, prompt_tokens))
     SESSION_PROMPT_TOKENS.labels(tier, "computed").inc(computed)
     SESSION_TURN_COMPUTED.labels(tier).observe(computed)
+    SESSION_TURN_CACHED.labels(tier).observe(min(cached_tokens, prompt_tokens))
 
 
 # -- stored Responses (services/gateway/response_store.py) -----------------------------------
@@ -129,11 +141,13 @@ def observe_request(service: str, tier: str, *, ttft: float | None = None, tpot:
         REQUESTS.labels(service, tier, outcome).inc()
 
 
-def set_engine_load(service: str, *, queue_depth: int, running: int, kv_used: int, kv_free: int) -> None:
+def set_engine_load(service: str, *, queue_depth: int, running: int, kv_used: int, kv_free: int,
+                    sessions_resident: int = 0) -> None:
     QUEUE_DEPTH.labels(service).set(queue_depth)
     RUNNING.labels(service).set(running)
     KV_BLOCKS.labels(service, "used").set(kv_used)
     KV_BLOCKS.labels(service, "free").set(kv_free)
+    SESSIONS_RESIDENT.labels(service).set(sessions_resident)
 
 
 def set_ready(service: str, ready: bool) -> None:

@@ -218,7 +218,7 @@ class Resume:
     attempt: int                 # k-th resume (k >= 1); chunks and aborts of older attempts are ignored
 
 
-@message("PrefillRequest", 3)
+@message("PrefillRequest", 4)
 class PrefillRequest:
     """gateway -> one prefill worker (reply Ack); it streams the first token, then hands off."""
     SCHEMA: ClassVar[str]
@@ -238,6 +238,7 @@ class PrefillRequest:
     origin: str = ""             # the gateway that waits for the stream (workers drop the request if it dies)
     tenant: str = ""             # whose cached KV it may reuse (RouteRequest.tenant)
     ring: list = field(default_factory=list)  # RoutePlan.ring: the decode worker coordinates this ring
+    cache_retention: str = ""    # prompt_cache_retention: "" | in_memory | 24h (the session's KV, docs/api.md)
 
 
 @message("DecodeRequest", 2)
@@ -265,7 +266,7 @@ class DecodeRequest:
                                                # range only (empty: the whole KV, this worker scatters)
 
 
-@message("GenerateRequest", 3)
+@message("GenerateRequest", 4)
 class GenerateRequest:
     """gateway -> decode worker: run prefill and decode here (plan without a prefill worker)."""
     SCHEMA: ClassVar[str]
@@ -279,6 +280,7 @@ class GenerateRequest:
     resume: Resume | None = None  # continue a request whose worker was lost
     origin: str = ""             # the gateway that waits for the stream
     tenant: str = ""             # whose cached KV it may reuse (RouteRequest.tenant)
+    cache_retention: str = ""    # prompt_cache_retention: "" | in_memory | 24h (the session's KV, docs/api.md)
 
 
 @message("StreamChunk", 3)
@@ -430,7 +432,7 @@ class TransferEvent:
 # KV pool (services/kvpool.py): lookup / get / put over the bus, bulk bytes on the data plane
 # ---------------------------------------------------------------------------------------------
 
-@message("PoolLookup", 1)
+@message("PoolLookup", 2)
 class PoolLookup:
     """How many leading chunks of a prompt the pool holds (kvpool.keys chunk keys)."""
     SCHEMA: ClassVar[str]
@@ -438,18 +440,24 @@ class PoolLookup:
     keys: list[str]              # chunk keys in prompt order (64 hex chars each)
     for_put: bool = False        # a write-back asks: it puts the missing chunks next (a pool
                                  # stopping waits for that put, TANDEM_POOL_DRAIN_S at most)
+    alternatives: int = 0        # the last N keys are alternatives for the piece after the others
+                                 # (tails, longest first): the first stored one is the hit
+    pin_s: float = 0.0           # for_put: pin the stored leading keys this long (prompt_cache_retention 24h)
+    tenant: str = ""             # ... under this tenant (its share of the pool: TANDEM_POOL_PIN_SHARE)
 
 
-@message("PoolLookupReply", 1)
+@message("PoolLookupReply", 2)
 class PoolLookupReply:
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     pool_id: str                 # the answering pool copy (get/put go to it: subjects.kvpool_get/put)
     hits: int                    # leading keys stored
-    tiers: list[str]             # tier of each hit ("ram", "disk", "shared")
+    tiers: list[str]             # tier of each hit ("ram", "disk", "shared"), then the alternative's
     chunk_tokens: int = 256      # tokens per chunk
     data_host: str = ""          # the pool's data-plane receiver (for put)
     data_port: int = 0
+    alternative: int = -1        # index among PoolLookup's alternatives of the first stored one
+                                 # (looked at only when every other key is stored; -1: none)
 
 
 @message("PoolGet", 1)
@@ -473,7 +481,7 @@ class PoolGetReply:
     checksum: str = ""           # "<algo>:<hex>" of the bundle sent: the requester checks it ("" when found == 0)
 
 
-@message("PoolPut", 2)
+@message("PoolPut", 3)
 class PoolPut:
     """Entries (a bundle) already sent to the pool's receiver under ``transfer_id``."""
     SCHEMA: ClassVar[str]
@@ -482,6 +490,8 @@ class PoolPut:
     transfer_id: str
     nbytes: int                  # the bundle's size and checksum ("<algo>:<hex>", as sent): the pool
     checksum: str                # stores it only if what it received matches
+    pin_s: float = 0.0           # pin the entries this long (prompt_cache_retention 24h; 0: not pinned)
+    tenant: str = ""             # ... under this tenant (its share of the pool: TANDEM_POOL_PIN_SHARE)
 
 
 @message("PoolPutReply", 1)

@@ -137,6 +137,7 @@ class WorkerSettings:
     metrics_port: int = _env("TANDEM_METRICS_PORT", 0, "Prometheus /metrics HTTP port of a worker or "
                              "router (the gateway uses its own port); 0 = a free one (in heartbeats), -1 = off")
     metrics_host: str = _env("TANDEM_METRICS_HOST", "127.0.0.1", "bind address of that /metrics server")
+    session_retention_s: float = _env("TANDEM_SESSION_RETENTION_S", 600.0, "session KV kept resident, s idle; 0: off")
 
     def validate(self) -> None:
         if self.worker_id is not None:
@@ -145,8 +146,8 @@ class WorkerSettings:
                 check_token(self.worker_id, "worker_id")
             except ValueError as e:
                 raise ValueError(f"TANDEM_WORKER_ID: {e}") from None
-        if self.batch_coalesce_ms < 0:
-            raise ValueError(f"TANDEM_BATCH_COALESCE_MS must be >= 0, got {self.batch_coalesce_ms}")
+        if self.batch_coalesce_ms < 0 or self.session_retention_s < 0:
+            raise ValueError("TANDEM_BATCH_COALESCE_MS and TANDEM_SESSION_RETENTION_S must be >= 0")
         for name, var in (("threads", "TANDEM_THREADS"), ("kv_blocks", "TANDEM_KV_BLOCKS"),
                           ("load_threads", "TANDEM_LOAD_THREADS"),
                           ("max_context", "TANDEM_MAX_CONTEXT"), ("step_tokens", "TANDEM_STEP_TOKENS"),
@@ -343,6 +344,7 @@ class PoolSettings:
                       "TANDEM_POOL_REDIS_URL or TANDEM_POOL_SHARED_DIR is set (bytes cost more there), else raw")
     chunk_tokens: int = _env("TANDEM_POOL_CHUNK_TOKENS", 256, "tokens per pool chunk (a multiple of the block size)")
     tenant: str = _env("TANDEM_POOL_TENANT", "", "tenant salt: tenants never share pool entries")
+    pin_share: float = _env("TANDEM_POOL_PIN_SHARE", 0.25, "a tenant's share of a pool tier for 24h pins (docs/api.md)")
     timeout: float = _env("TANDEM_POOL_TIMEOUT", 2.0, "seconds a worker waits, at most, for the pool to deliver "
                           "a prompt's cached prefix before it computes the prompt instead")
     backoff_s: float = _env("TANDEM_POOL_BACKOFF_S", 5.0, "after the pool failed or was too slow, seconds during "
@@ -363,9 +365,10 @@ class PoolSettings:
         if min(self.ram_mb, self.disk_gb, self.shared_gb, self.redis_gb) < 0:
             raise ValueError("TANDEM_POOL_RAM_MB, TANDEM_POOL_DISK_GB, TANDEM_POOL_SHARED_GB and "
                              "TANDEM_POOL_REDIS_GB must be >= 0")
-        if self.chunk_tokens < 1 or self.timeout <= 0 or self.backoff_s < 0 or self.drain_s < 0:
-            raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0, "
-                             "TANDEM_POOL_BACKOFF_S >= 0 and TANDEM_POOL_DRAIN_S >= 0")
+        if min(self.chunk_tokens - 1, self.backoff_s, self.drain_s) < 0 or self.timeout <= 0 \
+                or not 0 <= self.pin_share <= 1:
+            raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0, TANDEM_POOL_BACKOFF_S "
+                             ">= 0, TANDEM_POOL_DRAIN_S >= 0 and TANDEM_POOL_PIN_SHARE in [0, 1]")
 
     def resolved_codec(self) -> str:
         """The codec workers write with: TANDEM_POOL_CODEC, ``auto`` resolved from the tiers."""
@@ -386,7 +389,7 @@ class PoolSettings:
                           disk_bytes=int(self.disk_gb * 2**30),
                           shared_dir=self.shared_dir, shared_bytes=int(self.shared_gb * 2**30),
                           redis_url=self.redis_url or None, redis_bytes=int(self.redis_gb * 2**30),
-                          redis_prefix=self.redis_prefix).validate()
+                          redis_prefix=self.redis_prefix, pin_share=self.pin_share).validate()
 
 
 # the sampling parameters TANDEM_GENERATION_DEFAULTS may set, with their types

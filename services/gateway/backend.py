@@ -66,6 +66,7 @@ class GenerationRequest:
     session_id: str | None           # agent session (X-Tandem-Session), None when not given
     tenant: str = ""                 # whose cached KV it may reuse (handlers.cache_tenant; "" = public)
     owner: str = "public"            # the API key's tenant: sessions belong to it
+    cache_retention: str = ""        # prompt_cache_retention: "" | in_memory | 24h (its session's KV)
 
 
 class Tokenizer(Protocol):
@@ -137,6 +138,8 @@ class InProcessBackend:
         if session in self.session_tiers:  # one engine: a session's tier only raises priority
             priority = min(priority, Tier(self.session_tiers[session]).priority)
         self.running[req.request_id] = session
+        if session:   # its KV stays resident between turns (shared/engine/retention.py)
+            self.engine.tag_session(req.request_id, session, req.cache_retention)
         try:
             stream = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, priority=priority,
                                           tenant=req.tenant)

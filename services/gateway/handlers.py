@@ -43,7 +43,8 @@ from .limits import StreamCap, TokenizePool
 from .openai_api import (
     SESSION_HEADER, SESSION_RE, SLA_HEADER, APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
     CompletionRequest, TokenStrings, bad_param, chat_messages, check_unsupported, completion_prompt,
-    ignored_fields, json_response, model_card, models_list, parse_json, resolve_session, resolve_tier,
+    ignored_fields, json_response, model_card, models_list, parse_json, resolve_retention, resolve_session,
+    resolve_tier,
     sampling_params, validate_model,
 )
 
@@ -194,7 +195,7 @@ def common(request: Request, req, rid: str) -> dict:
         raise bad_param("cache_salt", f"cache_salt must be 1-{MAX_CACHE_SALT} characters", code="invalid_cache_salt")
     request.state.tier = tier
     return {"tier": tier, "session_id": session, "tenant": cache_tenant(request.state.tenant, req.cache_salt),
-            "owner": request.state.tenant}
+            "owner": request.state.tenant, "cache_retention": resolve_retention(req.prompt_cache_retention)}
 
 
 def chat_prompt(gw: GatewayState, req: ChatCompletionRequest, plan) -> list[int]:

@@ -342,12 +342,12 @@ class NatsBackend:
                         decode_subject=subjects.worker_decode(plan.decode_worker), stream_subject=stream_subject,
                         decode_data_host=plan.decode_data_host, decode_data_port=plan.decode_data_port,
                         session_id=plan.session_id, resume=resume, origin=self.gateway_id, tenant=req.tenant,
-                        ring=plan.ring))
+                        ring=plan.ring, cache_retention=req.cache_retention))
                 else:
                     await self.bus.request(subjects.worker_generate(plan.decode_worker), GenerateRequest(
                         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling,
                         tier=plan.tier, stream_subject=stream_subject, session_id=plan.session_id, resume=resume,
-                        origin=self.gateway_id, tenant=req.tenant))
+                        origin=self.gateway_id, tenant=req.tenant, cache_retention=req.cache_retention))
             except RemoteError as e:
                 if e.code != "not_found":
                     raise backend_error(e.code, e.message, e.retry_after) from None

@@ -6,6 +6,7 @@ Pure functions and data; no I/O. ``handlers.py`` and ``streaming.py`` string the
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -139,6 +140,10 @@ class _Sampling(_Request):
     tier: str | None = None
     session_id: str | None = None
     cache_salt: str | None = None            # vLLM's: only requests with the same salt share cached KV
+    # OpenAI's prompt caching: the key names the conversation (a session), the retention how long
+    # its KV is kept (docs/api.md, "A session's KV survives its tool pauses")
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None   # in_memory | 24h
 
 
 class ChatCompletionRequest(_Sampling):
@@ -219,14 +224,34 @@ def resolve_tier(req: _Sampling, header: str | None, default: str, cap: str = "i
 
 
 def resolve_session(req: _Sampling, header: str | None) -> str | None:
-    """Body ``session_id`` over header ``X-Tandem-Session``."""
+    """Body ``session_id`` over header ``X-Tandem-Session`` over ``prompt_cache_key``."""
     for param, value in (("session_id", req.session_id), ("X-Tandem-Session", header)):
         if value is not None:
             if not SESSION_RE.match(value):
                 raise bad_param(param, "invalid session id: 1-256 visible ASCII characters, no spaces",
                                 code="invalid_session")
             return value
-    return None
+    return session_of(req.prompt_cache_key) if req.prompt_cache_key else None
+
+
+def session_of(key: str) -> str:
+    """A prompt_cache_key as a session id (any string; hashed when it is not a valid id)."""
+    if SESSION_RE.match(key):
+        return key
+    return "pck-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+CACHE_RETENTIONS = ("in_memory", "24h")
+
+
+def resolve_retention(value: str | None) -> str:
+    """``prompt_cache_retention`` (OpenAI's values; "" when not given); 400 for another value."""
+    if value is None:
+        return ""
+    if value not in CACHE_RETENTIONS:
+        raise bad_param("prompt_cache_retention", f"invalid prompt_cache_retention {value!r}: expected one of "
+                        f"{', '.join(CACHE_RETENTIONS)}")
+    return value
 
 
 # ---- prompts --------------------------------------------------------------------------------

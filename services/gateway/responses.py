@@ -18,7 +18,6 @@ holding it. Where they are kept, and their caps per tenant: ``response_store.py`
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import uuid
@@ -34,6 +33,7 @@ from .handlers import begin_generation, check_auth, prepare_chat, read_body, sta
 from .response_store import ResponseStore
 from .openai_api import (
     SESSION_RE, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
+    resolve_retention, session_of,
 )
 
 log = logging.getLogger("tandem.gateway")
@@ -60,6 +60,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     previous_response_id: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None   # in_memory | 24h (docs/api.md)
     truncation: str | None = None               # "disabled" (default) or "auto": accepted, never truncates
     reasoning: dict[str, Any] | None = None     # accepted; the model has no reasoning mode
     stream: bool = False
@@ -174,13 +175,6 @@ def item_of(m: dict) -> dict:
     part = "output_text" if m["role"] == "assistant" else "input_text"
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": m["role"], "status": "completed",
             "content": [{"type": part, "text": m.get("content") or ""}]}
-
-
-def session_of(key: str) -> str:
-    """A prompt_cache_key as a session id (any string; hashed when it is not a valid id)."""
-    if SESSION_RE.match(key):
-        return key
-    return "pck-" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 # ---- the stored conversation ----------------------------------------------------------------------
@@ -389,6 +383,7 @@ async def create_response(request: Request) -> Response:
         "model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "user": req.user,
         "sla": req.sla, "tier": req.tier, "session_id": session, "cache_salt": req.cache_salt,
+        "prompt_cache_retention": resolve_retention(req.prompt_cache_retention) or None,
         "ignore_eos": req.ignore_eos,
         "tools": tools, "tool_choice": chat_tool_choice(req.tool_choice) if tools else None,
         "response_format": chat_response_format(req.text), "top_k": req.top_k, "min_p": req.min_p,
@@ -406,7 +401,8 @@ async def create_response(request: Request) -> Response:
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
             "previous_response_id": req.previous_response_id, "store": req.store, "metadata": req.metadata or {},
             "text": req.text or {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
-            "user": req.user, "reasoning": {"effort": None, "summary": None}, "prompt_cache_key": req.prompt_cache_key}
+            "user": req.user, "reasoning": {"effort": None, "summary": None}, "prompt_cache_key": req.prompt_cache_key,
+            "prompt_cache_retention": req.prompt_cache_retention}
     tenant, store = request.state.tenant, store_of(request)
     input_items = [item_of(m) for m in new_messages]
 

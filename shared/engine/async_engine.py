@@ -229,13 +229,27 @@ class AsyncEngine:
         ``call_soon_threadsafe``)."""
         await self._call(lambda: self.engine.watch_chunks(seed, chunk_tokens, hook))
 
-    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes, str, int], None]) -> None:
-        """``hook(token_ids, kv, tenant, prompt tokens)`` on the engine thread when a request finishes,
-        with its first ``align``-multiple computed tokens and their KV (the KV pool's write-back)."""
+    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes, str, int, str], None]) -> None:
+        """``hook(token_ids, kv, tenant, prompt tokens, retention)`` on the engine thread when a
+        request finishes, with its first ``align``-multiple computed tokens and their KV (the KV
+        pool's write-back)."""
         def install() -> None:
             self.engine.finished_kv_align = align
-            self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant, prompt: hook(tokens, kv, tenant, prompt)
+            self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant, prompt, ret: hook(tokens, kv, tenant,
+                                                                                           prompt, ret)
         await self._call(install)
+
+    async def on_spill(self, hook: Callable[[list[int], bytes, str, str, str], None]) -> None:
+        """``hook(token_ids, kv, tenant, retention, session)`` on the engine thread when a resident
+        session is evicted (``retention.py``): its KV, to keep in the pool."""
+        def install() -> None:
+            self.engine.spill_hook = hook
+        await self._call(install)
+
+    def tag_session(self, request_id: str, session: str, retention: str = "") -> None:
+        """Before a session's request is submitted: its session and retention (``retention.Residency.tag``)."""
+        if self.engine.residency is not None:
+            self.engine.residency.tag(request_id, session, retention)
 
     async def warm_up(self) -> float:
         """``Engine.warm_up`` on the engine's thread (its kernel thread team is that thread's)."""

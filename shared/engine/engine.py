@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from shared.engine import grammar, sampler
+from shared.engine import grammar, retention, sampler
 from kvpool.keys import tenant_salt
 from shared.engine.kv_cache import KV_DTYPE, BlockManager, ChunkEvents, KVBlobHeader, KVLayout, block_hash
 from shared.engine.loader import LoadedModel, release_freed_memory
@@ -51,6 +51,7 @@ class EngineConfig:
     weight_cache_dir: str | None = None  # from_path: converted weights cached here (None: weight_cache.default_dir(); "": off)
     load_threads: int | None = None     # from_path: threads converting a model on a cache miss (None: weight_cache.LOAD_THREADS)
     gpu_step: str = "graphs"            # on CUDA: graphs | fused | ops (kernels/gpu_step.py; TANDEM_GPU_STEP)
+    session_retention_s: float = 0.0    # sessions' KV resident between turns this long idle (retention.py; 0: off)
 
     def validate(self) -> "EngineConfig":
         if self.block_size < 1 or self.max_num_seqs < 1 or self.step_tokens < 1:
@@ -59,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.step_tokens < self.max_num_seqs:
             raise ValueError("step_tokens must be >= max_num_seqs (each decode needs a token)")
+        if self.session_retention_s < 0:
+            raise ValueError(f"session_retention_s must be >= 0, got {self.session_retention_s}")
         if self.gpu_step not in ("graphs", "fused", "ops"):
             raise ValueError(f"gpu_step must be graphs, fused or ops, got {self.gpu_step!r}")
         return self
@@ -141,10 +144,14 @@ class Engine:
         # session id there); their KV is on the ring's members, a step each runs after the batch
         self.rings: dict[str, tuple] = {}
         self._failed: list[tuple[str, Exception]] = []  # ring requests that failed (take_failed)
-        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant, prompt
-        # tokens) when a request finishes, for its first ``finished_kv_align``-multiple computed
+        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant, prompt tokens,
+        # retention) when a request finishes, for its first ``finished_kv_align``-multiple computed
         # tokens (the KV pool's write-back of a finished session). None: not called.
-        self.finished_kv_hook: Callable[[str, list[int], bytes, str, int], None] | None = None
+        self.finished_kv_hook: Callable[[str, list[int], bytes, str, int, str], None] | None = None
+        # sessions' KV resident between turns (retention.py); an evicted one's (token ids, KV, tenant,
+        # retention, session) go to ``spill_hook`` (the pool's write-back), on the engine's thread
+        self.residency = retention.attach(self, config.session_retention_s)
+        self.spill_hook: Callable[[list[int], bytes, str, str, str], None] | None = None
         self.finished_kv_align = config.block_size
         # Chunk events (``watch_chunks``): called on the engine's thread with (stored, evicted)
         # pool chunk keys, net, at most once per step. None: not tracked.
@@ -206,6 +213,7 @@ class Engine:
             raise ValueError(f"prompt of {n} tokens needs {self.layout.blocks_for(n + 1)} KV blocks; "
                              f"this engine has {self.blocks.num_blocks}")
         seq = Sequence(request_id, prompt_token_ids, params, priority, prefill_only, tenant)
+        retention.adopt(self.residency, seq)
         if resume_token_ids:
             self._resume(seq, resume_token_ids, emitted_chars)
         if prefix is not None:
@@ -264,7 +272,8 @@ class Engine:
                 "waiting_by_priority": by_priority,
                 "parked": sum(s.status is Status.PARKED for s in self.seqs.values()),
                 "free_kv_blocks": self.blocks.num_free, "total_kv_blocks": self.blocks.num_blocks,
-                "preemptions": self.scheduler.num_preemptions, "kv_tokens": self.kv_tokens()}
+                "preemptions": self.scheduler.num_preemptions, "kv_tokens": self.kv_tokens(),
+                **retention.stats(self.residency)}
 
     def kv_tokens(self) -> dict[str, list[int]]:
         """Running requests: id -> [tokens now, tokens at its end (prompt + max_tokens, within
@@ -488,6 +497,7 @@ class Engine:
             self.seqs.pop(seq.request_id, None)
             if self.finished_kv_hook is not None and seq.request_id not in self.rings:
                 self._report_finished_kv(seq)
+            retention.finished(self, seq)
             self._release(seq)
             seq.status, seq.finish_reason = Status.FINISHED, finish
         elif seq.prefill_only:  # keep the KV for export_kv; the decode worker continues
@@ -546,7 +556,8 @@ class Engine:
             return
         try:  # the partial last block too: a prompt's tail entry ends at its last token but one
             kv = self.read_blocks(seq.block_table[:self.layout.blocks_for(n)])
-            self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant, seq.num_prompt_tokens)
+            self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant, seq.num_prompt_tokens,
+                                  seq.retention)
         except Exception:  # the hook is best effort; the request finishes regardless
             log.exception("finished-KV hook failed for %s", seq.request_id)
 
@@ -626,7 +637,8 @@ class Engine:
             token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
             num_computed=seq.num_computed, num_cached_tokens=seq.num_cached_tokens,
             params=seq.params.to_dict(), priority=seq.priority, kv_blocks=nb,
-            detok=[seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars], tenant=seq.tenant)
+            detok=[seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars], tenant=seq.tenant,
+            session=seq.session, retention=seq.retention)
         blob = header.pack(ring[0].gather(ring[1]) if ring else self.read_blocks(seq.block_table[:nb]))
         if keep:
             self.scheduler.remove(seq)
@@ -664,6 +676,8 @@ class Engine:
         seq.token_ids = list(h.token_ids)
         seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars = h.detok
         seq.num_cached_tokens = h.num_cached_tokens
+        seq.session, seq.retention = h.session, h.retention
+        retention.adopt(self.residency, seq)
         self._attach_guide(seq)  # the grammar state: the guide (in params) replayed over the output
         return seq
 

@@ -105,6 +105,8 @@ class KVBlobHeader:
     kv_blocks: int               # blocks of KV after the header
     detok: list = field(default_factory=list)  # [prefix_offset, read_offset, output_text, emitted_chars]
     tenant: str = ""             # the request's tenant (its block hashes are salted with it)
+    session: str = ""            # its session id ("" none): its KV stays resident between turns
+    retention: str = ""          # its prompt_cache_retention ("" | in_memory | 24h)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -163,12 +165,18 @@ class BlockManager:
         self.block_of: dict[bytes, int] = {}
         self.free: deque[int] = deque(range(num_blocks))  # oldest-freed first: cached blocks live longest
         self.on_uncache: Callable[[bytes], None] | None = None  # a hash left the cache (its block reused)
+        # free blocks resident sessions hold between turns (retention.py): not in ``free``, taken
+        # only once it is empty; None: no session retention
+        self.resident = None
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + (self.resident.held_free if self.resident is not None else 0)
 
     def _take(self) -> int:
+        while not self.free:   # only resident sessions' blocks left: spill one (retention.py)
+            if not self.resident.evict():
+                raise RuntimeError("no free KV block although num_free counted one")
         b = self.free.popleft()
         old = self.hash_of[b]
         if old is not None and self.block_of.get(old) == b:
@@ -181,8 +189,12 @@ class BlockManager:
 
     def _release(self, b: int) -> None:
         self.ref[b] -= 1
-        if self.ref[b] == 0:
+        if self.ref[b] == 0 and not self._held(b):
             self.free.append(b)
+
+    def _held(self, b: int) -> bool:
+        """``b`` just became free: True when a resident session holds it (kept out of ``free``)."""
+        return self.resident is not None and self.resident.hold_freed(b)
 
     def match_prefix(self, tokens: list[int], limit: int, salt: bytes = b"") -> list[int]:
         """Cached blocks holding the first full blocks of ``tokens`` (at most ``limit`` tokens)
@@ -204,7 +216,10 @@ class BlockManager:
         """Take references on blocks found by ``match_prefix``."""
         for b in blocks:
             if self.ref[b] == 0:
-                self.free.remove(b)
+                if self.resident is not None and self.resident.is_held(b):
+                    self.resident.take_back(b)
+                else:
+                    self.free.remove(b)
             self.ref[b] += 1
 
     def blocks_needed(self, have: int, num_tokens: int) -> int:
@@ -213,7 +228,7 @@ class BlockManager:
 
     def allocate(self, n: int) -> list[int] | None:
         """``n`` fresh blocks, or None when they do not fit (nothing is taken then)."""
-        if n > len(self.free):
+        if n > self.num_free:
             return None
         return [self._take() for _ in range(n)]
 
@@ -224,7 +239,7 @@ class BlockManager:
         if evict_first:
             for b in blocks:  # the tail ends up first in line: evicted before the shared head
                 self.ref[b] -= 1
-                if self.ref[b] == 0:
+                if self.ref[b] == 0 and not self._held(b):
                     self.free.appendleft(b)
             return
         for b in reversed(blocks):  # the tail is least likely to be shared: free it first

@@ -32,6 +32,8 @@ class Sequence:
                  priority: int = 1, prefill_only: bool = False, tenant: str = ""):
         self.request_id = request_id
         self.tenant = tenant                  # its KV is shared only within this tenant ("" = public)
+        self.session = ""                     # its session id, when it has one (retention.py)
+        self.retention = ""                   # its prompt_cache_retention: "" | in_memory | 24h
         self.salt = tenant_salt(tenant)       # ... by salting its first block hash
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

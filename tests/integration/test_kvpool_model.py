@@ -62,7 +62,7 @@ def test_pool_prefix_gives_identical_greedy_output(bundled_model, prompt, codec)
     cold = engine(bundled_model)
     captured = {}
     cold.finished_kv_align = 1
-    cold.finished_kv_hook = lambda rid, toks, kv, tenant, n: captured.update(tokens=toks, kv=kv, prompt=n)
+    cold.finished_kv_hook = lambda rid, toks, kv, tenant, n, ret: captured.update(tokens=toks, kv=kv, prompt=n)
     want = greedy(cold, prompt)
     end = prompt_tail_end(captured["prompt"])
     assert captured["prompt"] == len(prompt) and end == 2 * CHUNK + 39 and captured["tokens"][:end] == prompt[:end]

@@ -730,6 +730,10 @@ class _FakeEngine:
         self.calls: list = []
         self.tenants: list[str] = []
         self.aborted: list[str] = []
+        self.tags: list[tuple] = []
+
+    def tag_session(self, request_id, session, retention=""):
+        self.tags.append((request_id, session, retention))
 
     async def generate(self, request_id, prompt_token_ids, params, priority=1, tenant=""):
         self.calls.append((request_id, prompt_token_ids, params, priority))

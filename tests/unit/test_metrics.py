@@ -76,3 +76,26 @@ def test_gateway_metrics_after_a_request():
     assert value("tandem_generated_tokens_total", service="gateway", tier="interactive") >= 4
     assert sum(v for (name, labels), v in samples().items()
                if name == "tandem_requests_total" and ("outcome", "error") in labels) >= 1
+
+
+def test_session_kv_series():
+    """Sessions resident (heartbeat load), evicted (the connector's spill), cached tokens per turn."""
+    from collections import OrderedDict
+
+    from shared.kv_connector import KVConnector
+    metrics.set_engine_load("test-sessions", queue_depth=0, running=0, kv_used=1, kv_free=1, sessions_resident=3)
+    assert value("tandem_sessions_resident", service="test-sessions") == 3
+    conn = object.__new__(KVConnector)     # the spill path alone: no bus, no pool
+    conn.role, conn.pool = "test-sessions", None
+    conn._spilled_heads = OrderedDict()
+    conn.engine = type("E", (), {"layout": type("L", (), {"block_size": 16})})()
+    n = value("tandem_sessions_evicted_total", service="test-sessions")
+    conn._spilled([1] * 16, b"", "", "24h")
+    assert value("tandem_sessions_evicted_total", service="test-sessions") == n + 1
+    r = value("tandem_sessions_reloaded_total", service="test-sessions")
+    metrics.SESSIONS_RELOADED.labels("test-sessions").inc()   # KVConnector.fetch_prefix, on a session tail hit
+    assert value("tandem_sessions_reloaded_total", service="test-sessions") == r + 1
+    c = value("tandem_session_turn_cached_tokens_count", tier="batch")
+    metrics.observe_session_turn("batch", prompt_tokens=300, cached_tokens=256)
+    assert value("tandem_session_turn_cached_tokens_count", tier="batch") == c + 1
+    assert value("tandem_session_turn_cached_tokens_sum", tier="batch") >= 256

@@ -111,6 +111,34 @@ def test_prompt_cache_key_is_the_session(served, backend):
     assert backend.requests[-1].session_id == sid
 
 
+def test_prompt_cache_retention_on_both_apis(served, backend):
+    """OpenAI's ``prompt_cache_retention`` (in_memory | 24h) reaches the backend with the request's
+    session, on chat completions and Responses; another value is an OpenAI-shaped 400 naming it."""
+    h = {"Authorization": "Bearer alice"}
+    base = served[0].url + "/v1"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    for value in ("in_memory", "24h"):
+        r = httpx.post(base + "/chat/completions", json={**chat, "prompt_cache_retention": value,
+                                                         "prompt_cache_key": "agent 7"}, headers=h)
+        assert r.status_code == 200, r.text
+        assert backend.requests[-1].cache_retention == value and backend.requests[-1].session_id.startswith("pck-")
+        r = httpx.post(base + "/responses", json={"model": MODEL, "input": "Hi", "prompt_cache_retention": value},
+                       headers=h)
+        assert r.status_code == 200 and r.json()["prompt_cache_retention"] == value, r.text
+        assert backend.requests[-1].cache_retention == value
+    httpx.post(base + "/chat/completions", json=chat, headers=h)
+    assert backend.requests[-1].cache_retention == "" and backend.requests[-1].session_id is None
+    for url, body in ((base + "/chat/completions", chat), (base + "/responses", {"model": MODEL, "input": "Hi"}),
+                      (base + "/completions", {"model": MODEL, "prompt": "Hi"})):
+        n = len(backend.requests)
+        for bad in ("1h", "IN_MEMORY", ""):
+            r = httpx.post(url, json={**body, "prompt_cache_retention": bad}, headers=h)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "prompt_cache_retention", r.text
+            assert err["type"] == "invalid_request_error" and "in_memory, 24h" in err["message"]
+        assert len(backend.requests) == n   # nothing ran
+
+
 def test_bad_input_is_an_openai_400(served, backend):
     h = {"Authorization": "Bearer alice"}
     url = served[0].url + "/v1/responses"
