@@ -32,8 +32,8 @@ block tables padded to the context's width, context lengths — and captures ``G
 once per bucket (1, 2, 4, …, up to the engine's sequence cap); a step of n sequences replays the
 smallest bucket ≥ n, its padding rows writing their KV to a scratch block of their own. Greedy
 argmax runs in the graph; where some rows sample (temperature, top-k / top-p / min-p, their
-seeds), a second small graph per bucket draws their tokens on the device (kernels/gpu_sample.py);
-either way one device-to-host copy returns the step's tokens. Without CUDA (the tests,
+seeds), the bucket's graph with the sampler after the step draws their tokens on the device
+(kernels/gpu_sample.py); either way one replay, and one device-to-host copy returns the tokens. Without CUDA (the tests,
 ``TRITON_INTERPRET=1``) the same buffers run eagerly through the interpreter.
 """
 
@@ -384,10 +384,10 @@ class DecodeInputs:
 
 class DecodeGraphs:
     """Decode-only steps through static buffers, replayed as one CUDA graph per bucket (captured on
-    first use) where ``capture``; run eagerly over the same buffers otherwise. Rows that sample
-    (``sampler.on_device``) are drawn by a second graph per (bucket, filtered) over the first's
-    logits (kernels/gpu_sample.py) unless TANDEM_GPU_SAMPLE=0 (then the host draws them, as
-    before)."""
+    first use) where ``capture``; run eagerly over the same buffers otherwise. A step with rows
+    that sample (``sampler.on_device``) replays instead the bucket's graph with the sampler
+    (kernels/gpu_sample.py) after the step — one per (bucket, filtered): still one replay —
+    unless TANDEM_GPU_SAMPLE=0 (then the host draws them, as before)."""
 
     def __init__(self, step: GpuStep, kv: torch.Tensor, max_seqs: int, width: int, block_size: int,
                  scratch_block: int, capture: bool):
@@ -398,15 +398,20 @@ class DecodeGraphs:
         self.device_sample = os.environ.get("TANDEM_GPU_SAMPLE", "1") != "0"
         self.u = torch.zeros(self.sizes[-1], dtype=torch.float64, device=step.device)
         self.graphs: dict[int, tuple] = {}    # bucket -> (CUDAGraph, logits, argmax)
-        self.samplers: dict[tuple[int, bool], tuple] = {}   # (bucket, filtered) -> (CUDAGraph, tokens)
+        self.samplers: dict[tuple[int, bool], tuple] = {}   # (bucket, filtered) -> (CUDAGraph, logits, tokens)
         self._pool = None    # the sampler graphs' one memory pool (never replayed at once)
         self.steps = 0       # decode steps run here
         self.replays = 0     # of them, graph replays
         self.drawn = 0       # rows whose token was drawn on the device (not argmax)
 
-    def _body(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, bucket: int, filtered: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, tokens) of the bucket's rows: argmax, or (``filtered`` not None) the sampler's
+        tokens over it."""
         logits = self.step.decode(*self.inputs.args(bucket), self.kv)
-        return logits, torch.argmax(logits, dim=-1)
+        best = torch.argmax(logits, dim=-1)
+        if filtered is not None:
+            best = self._sample_body(bucket, filtered, logits, best)
+        return logits, best
 
     def _sample_body(self, bucket: int, filtered: bool, logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
         from kernels import gpu_sample
@@ -434,16 +439,15 @@ class DecodeGraphs:
         return g
 
     def _sampler(self, bucket: int, filtered: bool) -> tuple | None:
-        """The sampler graph of (bucket, filtered); None (and the host draws from now on) where it
-        cannot be captured."""
+        """The graph of (bucket, filtered): the decode step and the sampler in one replay; None
+        (and the host draws from now on) where it cannot be captured."""
         g = self.samplers.get((bucket, filtered))
         if g is None and self.device_sample:
-            _, logits, best = self._graph(bucket)
-            if self._pool is None:
+            if self._pool is None:      # one pool for these graphs: they never replay at once
                 self._pool = torch.cuda.graph_pool_handle()
             try:
-                g = self.samplers[(bucket, filtered)] = self._capture(
-                    lambda: self._sample_body(bucket, filtered, logits, best), self._pool)
+                graph, (logits, tokens) = self._capture(lambda: self._body(bucket, filtered), self._pool)
+                g = self.samplers[(bucket, filtered)] = (graph, logits, tokens)
             except Exception:  # noqa: BLE001 - a sampler that cannot be captured leaves the draws to the host
                 log.exception("the decode graphs' sampler could not be captured: sampled rows are drawn on the host")
                 self.device_sample = False
@@ -493,19 +497,15 @@ class DecodeGraphs:
         bucket = bucket_for(n, self.sizes)
         variant = self.inputs.fill(ids, positions, tables, self.block_size, bucket, sampling)
         self.steps += 1
-        drawn = False
         if self.capture:
-            graph, logits, best = self._graph(bucket)
+            g = self._sampler(bucket, variant) if variant is not None else None
+            drawn = g is not None
+            graph, logits, best = g or self._graph(bucket)
             graph.replay()
             self.replays += 1
-            sampler = self._sampler(bucket, variant) if variant is not None else None
-            if sampler is not None:
-                sampler[0].replay()
-                best, drawn = sampler[1], True
         else:
-            logits, best = self._body(bucket)
-            if variant is not None:
-                best, drawn = self._sample_body(bucket, variant, logits, best), True
+            logits, best = self._body(bucket, variant)
+            drawn = variant is not None
         tokens = best[:n].tolist()             # the step's one device-to-host copy
         if drawn:
             self.drawn += sum(s is not None for s in sampling)

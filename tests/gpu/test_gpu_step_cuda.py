@@ -159,7 +159,7 @@ def test_sampled_tokens_graphs_equal_fused(cuda_engines):
         assert first == len(a) if r.startswith("g") else first >= 24
 
 
-def test_a_sampled_decode_step_is_two_replays(cuda_engines):
+def test_a_sampled_decode_step_is_one_replay(cuda_engines):
     from bench.gpu import SAMPLED
     figures = profile_steps(cuda_engines["graphs"], 16, sampled=SAMPLED)
     print(f"\n[graphs, 16 seqs, sampled {SAMPLED}] {figures}")
