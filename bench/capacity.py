@@ -6,7 +6,8 @@ A level: ``level_s`` seconds of Poisson arrivals at ``rate`` requests/s of the c
 a tier mix (by default interactive 1 : batch 2), ``max_tokens`` each (``ignore_eos``), then the
 drain. It **passes** when every request finished without error, the whole level took at most
 ``level_s + drain_s`` (the node kept up: a backlog shows here first), and the interactive tier's
-TTFT p90 and TPOT p90 are within the SLO. The ladder doubles the rate from ``start`` until a
+TTFT p90 and TPOT p90 are within the SLO. After a failed level the ladder waits ``settle_s``
+(what the level left queued drains or is aborted). The ladder doubles the rate from ``start`` until a
 level fails, then tries the geometric mean of the last pass and the first fail once; the
 capacity is the highest passing rate, bracketed by the lowest failing one. It stops early —
 and says so — when the next level would not fit the time left (``deadline``): without a
@@ -38,6 +39,8 @@ def judge(summary: dict, wall_s: float, level_s: float, drain_s: float, slo: Slo
     output; a level that timed out has ``wall_s`` = inf."""
     if summary["errors"]:
         return False, f"{summary['errors']} of {summary['requests']} requests failed"
+    if wall_s == math.inf:
+        return False, f"did not drain: cut off past {level_s:g} + {drain_s:g} s"
     if wall_s > level_s + drain_s:
         return False, f"did not drain: {wall_s:.1f} s > {level_s:g} + {drain_s:g} s"
     inter = summary["per_tier"].get("interactive")
@@ -103,7 +106,7 @@ def ladder(url: str, args, name: str, deadline: float) -> dict:
         if rate > args.max_rate:
             stopped = f"--max-rate {args.max_rate:g} reached"
             break
-        need = args.level_s + args.drain_s
+        need = args.level_s + args.drain_s + args.settle_s
         if time.monotonic() + need > deadline:
             stopped = f"time budget: {deadline - time.monotonic():.0f} s left, a level may take {need:g} s"
             break
@@ -117,7 +120,9 @@ def ladder(url: str, args, name: str, deadline: float) -> dict:
                        "interactive_ttft_p90_ms": inter.get("ttft_p90_ms"),
                        "interactive_tpot_p90_ms": inter.get("tpot_p90_ms"),
                        "tiers": {t: v["requests"] for t, v in s.get("per_tier", {}).items()}})
-        sys.stderr.write(f"[capacity {name}] {rate:g} req/s: {'pass' if ok else 'FAIL'} ({why})\n")
+        sys.stderr.write(f"[capacity {name}] {rate:.3g} req/s: {'pass' if ok else 'FAIL'} ({why})\n")
+        if not ok:      # what a failed level left queued must not weigh on the next one
+            time.sleep(args.settle_s)
     fails = [r for r, ok in tried if not ok]
     return {"capacity_req_s": capacity(tried), "first_fail_req_s": min(fails) if fails else None,
             "stopped": stopped, "levels": levels}
@@ -131,9 +136,9 @@ def table(res: dict) -> str:
              f"(+ {res['drain_s']:g} s to drain)", "",
              "| stack | capacity req/s | levels (req/s: verdict) |", "|---|---:|---|"]
     for label, r in (("gpu-decode + cpu-decode", a), ("gpu-decode alone", b)):
-        lv = "; ".join(f"{x['rate']:g}: {'pass' if x['passed'] else 'fail'} ({x['why']})" for x in r["levels"])
-        cap = (f"{r['capacity_req_s']:g} (fails at {r['first_fail_req_s']:g})" if r["first_fail_req_s"]
-               else f"≥ {r['capacity_req_s']:g}")
+        lv = "; ".join(f"{x['rate']:.3g}: {'pass' if x['passed'] else 'fail'} ({x['why']})" for x in r["levels"])
+        cap = (f"{r['capacity_req_s']:.3g} (fails at {r['first_fail_req_s']:.3g})" if r["first_fail_req_s"]
+               else f"≥ {r['capacity_req_s']:.3g}")
         stop = f" — stopped: {r['stopped']}" if r["stopped"] else ""
         lines.append(f"| {label} | {cap} | {lv}{stop} |")
     ratio = res.get("ratio")

@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cap-max-tokens", type=int, default=64, help="tokens a request (default 64)")
     c.add_argument("--level-s", type=float, default=10.0, help="seconds of arrivals a level (default 10)")
     c.add_argument("--drain-s", type=float, default=15.0, help="seconds a level may take to drain (default 15)")
+    c.add_argument("--settle-s", type=float, default=5.0, help="pause after a failed level (default 5)")
     c.add_argument("--start-rate", type=float, default=1.0, help="first rate, req/s (default 1; doubled)")
     c.add_argument("--max-rate", type=float, default=256.0, help="highest rate tried (default 256)")
     c.add_argument("--budget-s", type=float, default=200.0,
