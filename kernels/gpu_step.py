@@ -33,8 +33,9 @@ once per bucket (1, 2, 4, …, up to the engine's sequence cap); a step of n seq
 smallest bucket ≥ n, its padding rows writing their KV to a scratch block of their own. Greedy
 argmax runs in the graph; where some rows sample (temperature, top-k / top-p / min-p, their
 seeds), the bucket's graph with the sampler after the step draws their tokens on the device
-(kernels/gpu_sample.py); either way one replay, and one device-to-host copy returns the tokens. Without CUDA (the tests,
-``TRITON_INTERPRET=1``) the same buffers run eagerly through the interpreter.
+(kernels/gpu_sample.py); either way one replay, and one device-to-host copy returns the tokens.
+Without CUDA (the tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly through the
+interpreter.
 """
 
 from __future__ import annotations
@@ -332,7 +333,8 @@ class DecodeInputs:
             temp, top_k, top_p, min_p, seed, counter = s
             if not temp > 0:
                 raise ValueError(f"row {i}: a drawn row needs temperature > 0, got {temp}")
-            h["mode"][i], h["temp"][i], h["top_k"][i], h["top_p"][i], h["min_p"][i] = 1, temp, top_k, top_p, min_p
+            h["mode"][i], h["temp"][i], h["top_p"][i], h["min_p"][i] = 1, temp, top_p, min_p
+            h["top_k"][i] = min(top_k, 1 << 30)                # (past the vocabulary: off)
             h["seed_lo"][i], h["seed_hi"][i] = seed_halves(seed)
             h["counter"][i] = counter
             filtered = filtered or bool(top_k) or top_p < 1.0

@@ -150,7 +150,7 @@ def test_sampled_tokens_graphs_equal_fused(cuda_engines):
     g = cuda_engines["graphs"]
     drawn = g.graphs.drawn
     got = {m: {r: o.token_ids for r, o in run_to_completion(cuda_engines[m], reqs).items()} for m in ("graphs", "fused")}
-    assert g.graphs.drawn - drawn >= 5 * 40
+    assert g.graphs.drawn - drawn >= 5 * 30          # 47 decode tokens each, most in decode-only steps
     assert g.graphs.device_sample and g.graphs.samplers
     for r in reqs:
         a, b = got["graphs"][r], got["fused"][r]

@@ -172,6 +172,8 @@ def test_decode_inputs_carry_the_sampling_rows():
     assert (a["seed_lo"][1].item(), a["seed_hi"][1].item()) == gpu_sample.seed_halves(2**63 + 1)
     assert inp.fill([1], [0], [[1]], 16, 1, [(1.0, 40, 1.0, 0.0, 3, 0)]) is True
     assert inp.fill([1], [0], [[1]], 16, 1, [(1.0, 0, 0.9, 0.0, 3, 0)]) is True
+    assert inp.fill([1], [0], [[1]], 16, 1, [(1.0, 10**12, 1.0, 0.0, 3, 0)]) is True      # top-k past int32
+    assert inp.sample_args(1)["top_k"].item() == 1 << 30
     with pytest.raises(ValueError, match="temperature > 0"):
         inp.fill([1], [0], [[1]], 16, 1, [(0.0, 0, 1.0, 0.0, 3, 0)])
 
