@@ -83,7 +83,7 @@ def bench_decode(engine, concurrency: int, gen: int, prompt_tokens: int = 16, sa
 
     from shared.engine.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True, **(sampled or {}))
+    params = SamplingParams(**{"max_tokens": gen, "temperature": 0.0, "ignore_eos": True, **(sampled or {})})
     for i in range(concurrency):
         engine.add(f"d{concurrency}-{i}", _prompt(engine.tokenizer, prompt_tokens, 1000 + i),
                    dataclasses.replace(params, seed=i) if sampled else params)

@@ -65,7 +65,7 @@ def profile_steps(engine, seqs: int, steps: int = 5, sampled: dict | None = None
     from torch.profiler import ProfilerActivity, profile
 
     from shared.engine.sampling import SamplingParams
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, **(sampled or {}))
+    params = SamplingParams(**{"max_tokens": steps + 8, "temperature": 0.0, "ignore_eos": True, **(sampled or {})})
     for i in range(seqs):
         engine.add(f"prof{seqs}-{i}", [1000 + i] * 16, params)
     started: set[str] = set()
