@@ -78,9 +78,22 @@ def capacity(tried: list[tuple[float, bool]]) -> float:
     return max([r for r, ok in tried if ok and r < cap], default=0.0)
 
 
+def level_jobs(rate: float, level_s: float, mix: str, max_tokens: int, seed: int) -> list:
+    """The jobs of one level: ``rate × level_s`` chat requests (at least 6) in the tier ``mix``,
+    two of them at least interactive (the SLO is the interactive tier's)."""
+    tiers = parse_mix(mix)
+    if not tiers.get("interactive"):
+        raise ValueError(f"--mix {mix!r} has no interactive requests: the capacity is measured at their SLO")
+    jobs = make_jobs("chat", max(6, round(rate * level_s)), max_tokens=max_tokens, tiers=tiers, seed=seed)
+    for job in [j for j in jobs if j[0].tier != "interactive"][:max(0, 2 - sum(j[0].tier == "interactive"
+                                                                                for j in jobs))]:
+        job[0].tier = "interactive"
+    return jobs
+
+
 def _level(url: str, rate: float, args, k: int) -> tuple[dict, float]:
-    n = max(4, round(rate * args.level_s))
-    jobs = make_jobs("chat", n, max_tokens=args.cap_max_tokens, tiers=parse_mix(args.mix), seed=k)
+    jobs = level_jobs(rate, args.level_s, args.mix, args.cap_max_tokens, k)
+    n = len(jobs)
     t0 = time.perf_counter()
 
     async def go():

@@ -113,6 +113,9 @@ def _stop(server: Server) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     res: dict = {"gpu_decode_on": _device(), "max_tokens": args.max_tokens, "levels": {}}
+    if args.capacity:
+        from bench import capacity
+        capacity.level_jobs(1, 1, args.mix, 1, 0)      # a --mix without interactive fails now, not later
     t_start = time.monotonic()
     server = _stack(args, 1)
     try:

@@ -62,3 +62,13 @@ def test_the_table_states_the_slo_and_the_ratio():
     assert "GPU + CPU ÷ GPU alone at this SLO: 1.50 of lower bounds — not a capacity ratio" in t
     res["bracketed"] = True
     assert "GPU + CPU ÷ GPU alone at this SLO: 1.50\n" in capacity.table(res) + "\n"
+
+
+def test_a_level_has_interactive_requests_whatever_the_draw():
+    import pytest
+    for seed in range(20):
+        jobs = capacity.level_jobs(0.5, 6, "interactive=1,batch=9", 16, seed)
+        assert len(jobs) == 6 and sum(j[0].tier == "interactive" for j in jobs) >= 2
+    assert len(capacity.level_jobs(4, 10, "interactive=1,batch=2", 16, 0)) == 40
+    with pytest.raises(ValueError, match="no interactive"):
+        capacity.level_jobs(1, 10, "batch=1", 16, 0)
