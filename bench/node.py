@@ -152,9 +152,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = [f"gpu-decode on {res['gpu_decode_on']}; cpu-decode on the host; {res['max_tokens']} tokens a request", "",
-             "| streams | tier (pool) | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | errors |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [f"gpu-decode on {res['gpu_decode_on']}; cpu-decode on the host"]
+    if res["levels"]:
+        lines += [f"{res['max_tokens']} tokens a request", "",
+                  "| streams | tier (pool) | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | errors |",
+                  "|---:|---|---:|---:|---:|---:|---:|"]
     for c, level in res["levels"].items():
         for tier, pool in (("interactive", "gpu-decode"), ("standard", "cpu-decode")):
             s = level[tier]
