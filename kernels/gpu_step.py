@@ -398,6 +398,9 @@ class DecodeGraphs:
         self.inputs = DecodeInputs(self.sizes[-1], width, scratch_block, step.device)
         self.capture = capture
         self.device_sample = os.environ.get("TANDEM_GPU_SAMPLE", "1") != "0"
+        # the sampler's variants that may run: False (temperature / min-p), True (top-k / top-p: a sort);
+        # one whose graph could not be captured leaves its rows to the host from then on
+        self.variants = {False: self.device_sample, True: self.device_sample}
         self.u = torch.zeros(self.sizes[-1], dtype=torch.float64, device=step.device)
         self.graphs: dict[int, tuple] = {}    # bucket -> (CUDAGraph, logits, argmax)
         self.samplers: dict[tuple[int, bool], tuple] = {}   # (bucket, filtered) -> (CUDAGraph, logits, tokens)
@@ -444,15 +447,16 @@ class DecodeGraphs:
         """The graph of (bucket, filtered): the decode step and the sampler in one replay; None
         (and the host draws from now on) where it cannot be captured."""
         g = self.samplers.get((bucket, filtered))
-        if g is None and self.device_sample:
+        if g is None and self.variants[filtered]:
             if self._pool is None:      # one pool for these graphs: they never replay at once
                 self._pool = torch.cuda.graph_pool_handle()
             try:
                 graph, (logits, tokens) = self._capture(lambda: self._body(bucket, filtered), self._pool)
                 g = self.samplers[(bucket, filtered)] = (graph, logits, tokens)
             except Exception:  # noqa: BLE001 - a sampler that cannot be captured leaves the draws to the host
-                log.exception("the decode graphs' sampler could not be captured: sampled rows are drawn on the host")
-                self.device_sample = False
+                log.exception("the decode graphs' sampler (%s) could not be captured: those rows are drawn on the "
+                              "host", "top-k / top-p" if filtered else "temperature / min-p")
+                self.variants[filtered] = False
                 torch.cuda.synchronize()
         return g
 
@@ -480,11 +484,10 @@ class DecodeGraphs:
         from shared.engine import sampler
         bs = self.block_size
         sampling = [None] * len(chunks)
-        if self.device_sample:
-            for i, c in enumerate(chunks):
-                if sampler.on_device(c.seq):
-                    p = c.seq.params
-                    sampling[i] = (p.temperature, p.top_k, p.top_p, p.min_p, c.seq.seed, c.seq.num_output_tokens)
+        for i, c in enumerate(chunks):
+            p = c.seq.params
+            if sampler.on_device(c.seq) and self.variants[bool(p.top_k) or p.top_p < 1.0]:
+                sampling[i] = (p.temperature, p.top_k, p.top_p, p.min_p, c.seq.seed, c.seq.num_output_tokens)
         logits, tokens = self.run([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
                                   [c.seq.block_table[:c.start // bs + 1] for c in chunks], sampling)
         return logits, [t if c.seq.params.greedy or s is not None else None

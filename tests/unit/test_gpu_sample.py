@@ -194,3 +194,51 @@ def test_the_host_sampler_takes_device_draws_without_reading_their_rows():
     assert tokens[:2] == best[:2] and lps[1] is None
     assert tokens[2] == sampler.draw(sampler._filter(logits[2].clone(), seqs[2]).softmax(-1), 5, 0)
     assert lps[2] is not None
+
+
+class _FakeStep:
+    """Stands for GpuStep in DecodeGraphs: fixed logits per row (its token id picks the row)."""
+    device = torch.device("cpu")
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def decode(self, ids, *args):
+        return self.logits[ids.long()]
+
+
+def _chunk(tok, params, out_tokens=0):
+    seq = Sequence("r", [tok], params)
+    seq.token_ids += [tok] * out_tokens
+    seq.num_prompt_tokens = 1
+    seq.block_table = [0]
+    return SimpleNamespace(num_tokens=1, sample=True, start=len(seq.token_ids) - 1, seq=seq)
+
+
+def test_decode_graphs_draw_sampled_rows_and_leave_the_rest(monkeypatch):
+    """A decode-only step through DecodeGraphs (eager, a stand-in step): greedy rows their argmax,
+    sampled rows the device draw — the host sampler's token with the same uniform — rows with
+    logprobs None (the host's), and rows of a variant that could not be captured None too."""
+    from kernels import gpu_step
+
+    def uniforms(lo, hi, ctr, out):     # the Philox kernel is tested in the interpreter
+        seeds = [(int(h) & 0xFFFFFFFF) << 32 | (int(l) & 0xFFFFFFFF) for l, h in zip(lo, hi)]
+        out.copy_(torch.tensor([sampler.uniform(s, int(c)) for s, c in zip(seeds, ctr)], dtype=torch.float64))
+        return out
+    monkeypatch.setattr(gpu_sample, "uniforms", uniforms)
+    logits = _logits(8, 7)
+    g = gpu_step.DecodeGraphs(_FakeStep(logits), torch.zeros(1), max_seqs=8, width=4, block_size=16,
+                              scratch_block=0, capture=False)
+    plain = SamplingParams(temperature=0.9, seed=3)
+    nucleus = SamplingParams(temperature=0.7, top_p=0.8, seed=4)
+    chunks = [_chunk(0, SamplingParams(temperature=0.0)), _chunk(1, plain, 5), _chunk(2, nucleus, 2),
+              _chunk(3, SamplingParams(temperature=0.9, seed=5, logprobs=True))]
+    _, toks = g.try_step(chunks)
+    want = [int(torch.argmax(logits[0]))]
+    for c in chunks[1:3]:
+        row = sampler._filter(logits[c.seq.token_ids[-1]].clone(), c.seq).softmax(-1)
+        want.append(sampler.draw(row, c.seq.seed, c.seq.num_output_tokens))
+    assert toks == want + [None] and g.drawn == 2
+    g.variants[True] = False                        # top-k / top-p could not be captured: the host's
+    _, toks = g.try_step(chunks)
+    assert toks == [want[0], want[1], None, None] and g.drawn == 3
