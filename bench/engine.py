@@ -75,14 +75,18 @@ def bench_prefill(engine, n: int, reps: int) -> float:
     return n / best
 
 
-def bench_decode(engine, concurrency: int, gen: int, prompt_tokens: int = 16) -> float:
+def bench_decode(engine, concurrency: int, gen: int, prompt_tokens: int = 16, sampled: dict | None = None) -> float:
     """Decode tokens/s of ``concurrency`` sequences with ``prompt_tokens``-token prompts, counted
-    once every sequence has its first token (``gen - 1`` decode steps each)."""
+    once every sequence has its first token (``gen - 1`` decode steps each). Greedy, or with the
+    ``sampled`` parameters (e.g. ``{"temperature": 0.8, "top_p": 0.95}``; seeded per sequence)."""
+    import dataclasses
+
     from shared.engine.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(**{"max_tokens": gen, "temperature": 0.0, "ignore_eos": True, **(sampled or {})})
     for i in range(concurrency):
-        engine.add(f"d{concurrency}-{i}", _prompt(engine.tokenizer, prompt_tokens, 1000 + i), params)
+        engine.add(f"d{concurrency}-{i}", _prompt(engine.tokenizer, prompt_tokens, 1000 + i),
+                   dataclasses.replace(params, seed=i) if sampled else params)
     started: set[str] = set()
     t_start = None
     tokens = 0

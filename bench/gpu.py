@@ -55,13 +55,17 @@ def _cuda_engine(mode: str, max_seqs: int, prefill: int):
                                                kv_cache_bytes=1 << 30))
 
 
-def profile_steps(engine, seqs: int, steps: int = 5) -> dict:
-    """Host launches and GPU busy microseconds per decode step of ``seqs`` sequences."""
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}   # the sampled decode lines: every row drawn on the device
+
+
+def profile_steps(engine, seqs: int, steps: int = 5, sampled: dict | None = None) -> dict:
+    """Host launches and GPU busy microseconds per decode step of ``seqs`` sequences (greedy, or
+    with the ``sampled`` parameters)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from shared.engine.sampling import SamplingParams
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(**{"max_tokens": steps + 8, "temperature": 0.0, "ignore_eos": True, **(sampled or {})})
     for i in range(seqs):
         engine.add(f"prof{seqs}-{i}", [1000 + i] * 16, params)
     started: set[str] = set()
@@ -124,6 +128,13 @@ def run(args: argparse.Namespace) -> dict:
         for seqs in (1, 16):
             row[f"profile_{seqs}"] = profile_steps(engine, seqs)
             _progress(f"{mode}: {seqs} seqs: {row[f'profile_{seqs}']}")
+        if engine.graphs is not None and engine.graphs.device_sample:
+            # the same decode with every row drawn in the graphs' sampler (top-p: the sorting variant)
+            row["decode_sampled"] = {str(c): round(bench_decode(engine, c, gen, sampled=SAMPLED), 1)
+                                     for c in args.concurrency}
+            row["profile_16_sampled"] = profile_steps(engine, 16, sampled=SAMPLED)
+            row["rows_drawn"] = engine.graphs.drawn
+            _progress(f"{mode}, sampled {SAMPLED}: {row['decode_sampled']}, 16 seqs: {row['profile_16_sampled']}")
         rate = bench_prefill(engine, args.prefill_tokens, 3)
         row["prefill_ms"] = round(args.prefill_tokens / rate * 1000, 2)
         if engine.graphs is not None:
@@ -191,6 +202,11 @@ def table(res: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(f"{row['decode'].get(c, float('nan')):.1f}" for c in cs)
                      + f" | {prof} | {busy} | {row.get('prefill_ms', '—')} | "
                      + (f"{tpj:.1f}" if tpj else "n/a") + " |")
+        if "decode_sampled" in row:
+            ps = row["profile_16_sampled"]
+            lines.append(f"| cuda {name}, sampled (T {SAMPLED['temperature']}, top-p {SAMPLED['top_p']}) | "
+                         + " | ".join(f"{row['decode_sampled'].get(c, float('nan')):.1f}" for c in cs)
+                         + f" | — / {ps['launches']} | — / {ps['gpu_busy_us']} | | |")
     if "graphs" in eng and "cpu" in eng:
         ratios = [eng["graphs"]["decode"][c] / eng["cpu"]["decode"][c] for c in cs]
         lines += ["", "graphs ÷ host CPU: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]

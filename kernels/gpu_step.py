@@ -31,8 +31,11 @@ replayed.
 block tables padded to the context's width, context lengths — and captures ``GpuStep.decode``
 once per bucket (1, 2, 4, …, up to the engine's sequence cap); a step of n sequences replays the
 smallest bucket ≥ n, its padding rows writing their KV to a scratch block of their own. Greedy
-argmax runs in the graph; one device-to-host copy returns the step's tokens. Without CUDA (the
-tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly through the interpreter.
+argmax runs in the graph; where some rows sample (temperature, top-k / top-p / min-p, their
+seeds), the bucket's graph with the sampler after the step draws their tokens on the device
+(kernels/gpu_sample.py); either way one replay, and one device-to-host copy returns the tokens.
+Without CUDA (the tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly through the
+interpreter.
 """
 
 from __future__ import annotations
@@ -284,9 +287,13 @@ class DecodeInputs:
     ``ids | positions | slot blocks | slot offsets | lens | rows | tables`` (``cap`` entries each,
     tables ``cap × width``), filled from a pinned host twin with one copy per step. Rows past a
     step's n (up to its bucket) are padding: token 0 at position 0, its KV slot in the scratch
-    block, a table of the scratch block, one key."""
+    block, a table of the scratch block, one key. The sampler's per-row parameters follow
+    ``rows`` (``SAMPLE_FIELDS``; the float ones as float32 bit patterns): mode (0: argmax, 1:
+    draw), temperature, top-k, top-p, min-p, the seed's two 32-bit halves and the draw's index."""
 
-    FIELDS = ("ids", "positions", "slot_blocks", "slot_offsets", "lens", "rows")
+    SAMPLE_FIELDS = ("mode", "temp", "top_k", "top_p", "min_p", "seed_lo", "seed_hi", "counter")
+    FLOATS = ("temp", "top_p", "min_p")
+    FIELDS = ("ids", "positions", "slot_blocks", "slot_offsets", "lens", "rows") + SAMPLE_FIELDS
 
     def __init__(self, cap: int, width: int, scratch_block: int, device):
         self.cap, self.width, self.scratch = cap, width, scratch_block
@@ -296,16 +303,48 @@ class DecodeInputs:
         self.dev = torch.zeros(size, dtype=torch.int32, device=device)
         self.views = {f: self.dev[i * cap:(i + 1) * cap] for i, f in enumerate(self.FIELDS)}
         self.views["tables"] = self.dev[len(self.FIELDS) * cap:].view(cap, width)
+        for f in self.FLOATS:
+            self.views[f] = self.views[f].view(torch.float32)
         self.h[5 * cap:6 * cap] = np.arange(cap)      # rows: entry i is row i
+        self.host_view("temp")[:] = 1.0                # (no division by 0 in an idle row)
+        self.host_view("top_p")[:] = 1.0
 
     def host_view(self, name: str) -> np.ndarray:
         i = self.FIELDS.index(name) if name != "tables" else len(self.FIELDS)
         if name == "tables":
             return self.h[i * self.cap:].reshape(self.cap, self.width)
-        return self.h[i * self.cap:(i + 1) * self.cap]
+        v = self.h[i * self.cap:(i + 1) * self.cap]
+        return v.view(np.float32) if name in self.FLOATS else v
 
-    def fill(self, ids, positions, tables: list[list[int]], block_size: int, bucket: int) -> None:
-        """Rows 0..n-1 from the step, n..bucket-1 padding; one host-to-device copy."""
+    def _fill_sampling(self, sampling, bucket: int) -> bool | None:
+        """The sampler's rows: None (no row draws: they are left as they were), else whether some
+        row has top-k or top-p (the "filtered" variant)."""
+        if sampling is None or all(s is None for s in sampling):
+            return None
+        from kernels.gpu_sample import seed_halves
+        h = {f: self.host_view(f) for f in self.SAMPLE_FIELDS}
+        for f, pad in (("mode", 0), ("temp", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("seed_lo", 0),
+                       ("seed_hi", 0), ("counter", 0)):
+            h[f][:bucket] = pad
+        filtered = False
+        for i, s in enumerate(sampling):
+            if s is None:
+                continue
+            temp, top_k, top_p, min_p, seed, counter = s
+            if not temp > 0:
+                raise ValueError(f"row {i}: a drawn row needs temperature > 0, got {temp}")
+            h["mode"][i], h["temp"][i], h["top_p"][i], h["min_p"][i] = 1, temp, top_p, min_p
+            h["top_k"][i] = min(top_k, 1 << 30)                # (past the vocabulary: off)
+            h["seed_lo"][i], h["seed_hi"][i] = seed_halves(seed)
+            h["counter"][i] = counter
+            filtered = filtered or bool(top_k) or top_p < 1.0
+        return filtered
+
+    def fill(self, ids, positions, tables: list[list[int]], block_size: int, bucket: int,
+             sampling: list | None = None) -> bool | None:
+        """Rows 0..n-1 from the step, n..bucket-1 padding; one host-to-device copy. ``sampling``:
+        per row None (argmax) or (temperature, top_k, top_p, min_p, seed, index) of a row drawn
+        on the device. Returns None when no row draws, else whether the draw filters (top-k/p)."""
         n = len(ids)
         if len(positions) != n or len(tables) != n:
             raise ValueError("ids, positions and tables must have one entry per row")
@@ -330,17 +369,27 @@ class DecodeInputs:
         self.host_view("slot_offsets")[n:bucket] = 0
         self.host_view("lens")[:n] = pos + 1
         self.host_view("lens")[n:bucket] = 1
+        if sampling is not None and len(sampling) != n:
+            raise ValueError("sampling must have one entry per row")
+        variant = self._fill_sampling(sampling, bucket)
         self.dev.copy_(self.host, non_blocking=True)
+        return variant
 
     def args(self, bucket: int) -> tuple:
         v = self.views
         return (v["ids"][:bucket], v["positions"][:bucket], v["slot_blocks"][:bucket],
                 v["slot_offsets"][:bucket], v["tables"][:bucket], v["lens"][:bucket], v["rows"][:bucket])
 
+    def sample_args(self, bucket: int) -> dict:
+        return {f: self.views[f][:bucket] for f in self.SAMPLE_FIELDS}
+
 
 class DecodeGraphs:
     """Decode-only steps through static buffers, replayed as one CUDA graph per bucket (captured on
-    first use) where ``capture``; run eagerly over the same buffers otherwise."""
+    first use) where ``capture``; run eagerly over the same buffers otherwise. A step with rows
+    that sample (``sampler.on_device``) replays instead the bucket's graph with the sampler
+    (kernels/gpu_sample.py) after the step — one per (bucket, filtered): still one replay —
+    unless TANDEM_GPU_SAMPLE=0 (then the host draws them, as before)."""
 
     def __init__(self, step: GpuStep, kv: torch.Tensor, max_seqs: int, width: int, block_size: int,
                  scratch_block: int, capture: bool):
@@ -348,62 +397,126 @@ class DecodeGraphs:
         self.sizes = buckets(max_seqs)
         self.inputs = DecodeInputs(self.sizes[-1], width, scratch_block, step.device)
         self.capture = capture
+        self.device_sample = os.environ.get("TANDEM_GPU_SAMPLE", "1") != "0"
+        # the sampler's variants that may run: False (temperature / min-p), True (top-k / top-p: a sort);
+        # one whose graph could not be captured leaves its rows to the host from then on
+        self.variants = {False: self.device_sample, True: self.device_sample}
+        self.u = torch.zeros(self.sizes[-1], dtype=torch.float64, device=step.device)
         self.graphs: dict[int, tuple] = {}    # bucket -> (CUDAGraph, logits, argmax)
+        self.samplers: dict[tuple[int, bool], tuple] = {}   # (bucket, filtered) -> (CUDAGraph, logits, tokens)
+        self._pool = None    # the sampler graphs' one memory pool (never replayed at once)
         self.steps = 0       # decode steps run here
         self.replays = 0     # of them, graph replays
+        self.drawn = 0       # rows whose token was drawn on the device (not argmax)
 
-    def _body(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, bucket: int, filtered: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, tokens) of the bucket's rows: argmax, or (``filtered`` not None) the sampler's
+        tokens over it."""
         logits = self.step.decode(*self.inputs.args(bucket), self.kv)
-        return logits, torch.argmax(logits, dim=-1)
+        best = torch.argmax(logits, dim=-1)
+        if filtered is not None:
+            best = self._sample_body(bucket, filtered, logits, best)
+        return logits, best
+
+    def _sample_body(self, bucket: int, filtered: bool, logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+        from kernels import gpu_sample
+        a = self.inputs.sample_args(bucket)
+        u = gpu_sample.uniforms(a["seed_lo"], a["seed_hi"], a["counter"], self.u[:bucket])
+        return gpu_sample.select(logits, best, a["mode"], a["temp"], a["top_k"], a["top_p"], a["min_p"], u, filtered)
+
+    @staticmethod
+    def _capture(body, pool=None):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):          # compile and warm up outside the capture
+            body()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = body()
+        return graph, out
 
     def _graph(self, bucket: int) -> tuple:
         g = self.graphs.get(bucket)
         if g is None:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):          # compile and warm up outside the capture
-                self._body(bucket)
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits, best = self._body(bucket)
+            graph, (logits, best) = self._capture(lambda: self._body(bucket))
             g = self.graphs[bucket] = (graph, logits, best)
         return g
 
+    def _sampler(self, bucket: int, filtered: bool) -> tuple | None:
+        """The graph of (bucket, filtered): the decode step and the sampler in one replay; None
+        (and the host draws from now on) where it cannot be captured."""
+        g = self.samplers.get((bucket, filtered))
+        if g is None and self.variants[filtered]:
+            if self._pool is None:      # one pool for these graphs: they never replay at once
+                self._pool = torch.cuda.graph_pool_handle()
+            try:
+                graph, (logits, tokens) = self._capture(lambda: self._body(bucket, filtered), self._pool)
+                g = self.samplers[(bucket, filtered)] = (graph, logits, tokens)
+            except Exception:  # noqa: BLE001 - a sampler that cannot be captured leaves the draws to the host
+                log.exception("the decode graphs' sampler (%s) could not be captured: those rows are drawn on the "
+                              "host", "top-k / top-p" if filtered else "temperature / min-p")
+                self.variants[filtered] = False
+                torch.cuda.synchronize()
+        return g
+
     def warm_up(self) -> int:
-        """Capture every bucket's graph now (the kernels compile on the way), with padding rows
-        only: their KV goes to the scratch block, nothing else is touched. Returns the graphs
-        captured (none without CUDA)."""
+        """Capture every bucket's graphs now (the kernels compile on the way), with padding rows
+        only: their KV goes to the scratch block, nothing else is touched. Returns the decode
+        graphs captured (none without CUDA); the sampler's two variants are captured too."""
         if not self.capture:
             return 0
         for b in self.sizes:
             self.inputs.fill([], [], [], self.block_size, b)
             self._graph(b)
+            if self.device_sample:
+                for filtered in (False, True):
+                    self._sampler(b, filtered)
         torch.cuda.synchronize()
         return len(self.graphs)
 
-    def try_step(self, chunks) -> tuple[torch.Tensor, list[int]] | None:
+    def try_step(self, chunks) -> tuple[torch.Tensor, list[int | None]] | None:
         """Run a scheduled step here when it is decode only (one sampled token per sequence, at
-        most the largest bucket): (logits, greedy tokens) in chunk order; None otherwise."""
+        most the largest bucket): (logits, tokens) in chunk order — greedy rows their argmax,
+        rows drawn on the device their draw, None where the host samples; None otherwise."""
         if not chunks or len(chunks) > self.sizes[-1] or any(c.num_tokens != 1 or not c.sample for c in chunks):
             return None
+        from shared.engine import sampler
         bs = self.block_size
-        return self.run([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
-                        [c.seq.block_table[:c.start // bs + 1] for c in chunks])
+        sampling = [None] * len(chunks)
+        for i, c in enumerate(chunks):
+            p = c.seq.params
+            if sampler.on_device(c.seq) and self.variants[bool(p.top_k) or p.top_p < 1.0]:
+                sampling[i] = (p.temperature, p.top_k, p.top_p, p.min_p, c.seq.seed, c.seq.num_output_tokens)
+        logits, tokens = self.run([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                                  [c.seq.block_table[:c.start // bs + 1] for c in chunks], sampling)
+        return logits, [t if c.seq.params.greedy or s is not None else None
+                        for t, c, s in zip(tokens, chunks, sampling)]
 
-    def run(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        """(logits [n, vocab], greedy tokens) of one decode token for each of the n rows."""
+    def run(self, ids: list[int], positions: list[int], tables: list[list[int]],
+            sampling: list | None = None) -> tuple[torch.Tensor, list[int | None]]:
+        """(logits [n, vocab], tokens) of one decode token for each of the n rows: each row's
+        argmax, or its draw where ``sampling`` gives it parameters (``DecodeInputs.fill``; None
+        there if the sampler could not be captured)."""
         n = len(ids)
         bucket = bucket_for(n, self.sizes)
-        self.inputs.fill(ids, positions, tables, self.block_size, bucket)
+        variant = self.inputs.fill(ids, positions, tables, self.block_size, bucket, sampling)
         self.steps += 1
         if self.capture:
-            graph, logits, best = self._graph(bucket)
+            g = self._sampler(bucket, variant) if variant is not None else None
+            drawn = g is not None
+            graph, logits, best = g or self._graph(bucket)
             graph.replay()
             self.replays += 1
         else:
-            logits, best = self._body(bucket)
-        return logits[:n], best[:n].tolist()
+            logits, best = self._body(bucket, variant)
+            drawn = variant is not None
+        tokens = best[:n].tolist()             # the step's one device-to-host copy
+        if drawn:
+            self.drawn += sum(s is not None for s in sampling)
+        elif variant is not None:              # no sampler: those rows are the host's to draw
+            tokens = [None if s is not None else t for t, s in zip(tokens, sampling)]
+        return logits[:n], tokens
 
 
 def wanted(device: torch.device, mode: str) -> bool:

@@ -341,3 +341,46 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
             m_i = m_new
         l_i = tl.where(r_ok, l_i, 1.0)
         tl.store(out_ptr + qaddr, acc / l_i[:, None], mask=r_ok[:, None])
+
+
+# ---- token selection on the device (kernels/gpu_sample.py) ---------------------------------------
+
+@triton.jit
+def _mulhilo64(a_hi, a_lo, b):
+    """(high, low) 64-bit halves of the 128-bit product a * b, a = a_hi * 2**32 + a_lo (32-bit
+    halves held in uint64), from 32 x 32 -> 64-bit products: no 64-bit mulhi needed."""
+    b_lo = b & 0xFFFFFFFF
+    b_hi = b >> 32
+    ll = a_lo * b_lo
+    hl = a_hi * b_lo
+    lh = a_lo * b_hi
+    hh = a_hi * b_hi
+    cross = (ll >> 32) + (hl & 0xFFFFFFFF) + lh           # <= 2**64 - 1: no carry lost
+    return (hl >> 32) + (cross >> 32) + hh, (cross << 32) | (ll & 0xFFFFFFFF)
+
+
+@triton.jit
+def philox_uniform(seed_lo_ptr, seed_hi_ptr, ctr_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """u[i] in [0, 1): numpy's ``Generator(Philox(key=seed, counter=ctr)).random()`` for row i —
+    Philox-4x64-10 of counter (ctr + 1, 0, 0, 0) under key (seed, 0), its first word's top 53
+    bits over 2**53 (shared/engine/sampler.py ``uniform``: the host's draw, bit for bit). Seeds
+    as two int32 halves (the 64-bit pattern), counters int32 >= 0."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    lo = tl.load(seed_lo_ptr + i, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    hi = tl.load(seed_hi_ptr + i, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    k0 = (hi << 32) | lo
+    k1 = tl.zeros([BLOCK], dtype=tl.uint64)
+    c0 = tl.load(ctr_ptr + i, mask=ok, other=0).to(tl.uint64) + 1
+    c1 = tl.zeros([BLOCK], dtype=tl.uint64)
+    c2 = tl.zeros([BLOCK], dtype=tl.uint64)
+    c3 = tl.zeros([BLOCK], dtype=tl.uint64)
+    for r in tl.static_range(10):
+        if r > 0:                                           # the key schedule (Weyl constants)
+            k0 = k0 + 0x9E3779B97F4A7C15
+            k1 = k1 + 0xBB67AE8584CAA73B
+        hi0, lo0 = _mulhilo64(c0 * 0 + 0xD2E7470E, c0 * 0 + 0xE14C6C93, c0)
+        hi1, lo1 = _mulhilo64(c0 * 0 + 0xCA5A8263, c0 * 0 + 0x95121157, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    u = (c0 >> 11).to(tl.float64) * (1.0 / 9007199254740992.0)
+    tl.store(out_ptr + i, u, mask=ok)

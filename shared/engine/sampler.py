@@ -87,29 +87,45 @@ def needs_mask(seq: Sequence) -> bool:
     return not p.greedy or bool(p.logprobs or p.top_logprobs)
 
 
-def _plain_greedy(seq: Sequence) -> bool:
-    """Greedy with nothing that reads its row: no penalties, no grammar, no logprobs."""
+def _plain(seq: Sequence) -> bool:
+    """Nothing reads its row but the choice itself: no penalties, no grammar, no logprobs."""
     p = seq.params
-    return (p.greedy and seq.matcher is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+    return (seq.matcher is None and p.repetition_penalty == 1.0 and not p.presence_penalty
             and not p.frequency_penalty and not p.logprobs and not p.top_logprobs)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    return seq.params.greedy and _plain(seq)
+
+
+def on_device(seq: Sequence) -> bool:
+    """May the decode graph draw this sampled row's token (kernels/gpu_sample.py: temperature,
+    top-k / top-p / min-p, the same seeded uniform as ``draw``)? Only where nothing else needs
+    its row on the host."""
+    return not seq.params.greedy and _plain(seq)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence],
            best: list[int] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """One next token per row of ``logits`` [S, vocab] (float32), for ``seqs`` in row order.
-    ``best``: each row's argmax, computed already (on the GPU, in the decode graph): a greedy row
-    without penalties takes it instead of reading its row back. On a GPU the rows that are read
-    (all of them without ``best``) come to the host in one copy."""
+    ``best``: tokens chosen already on the GPU, in the decode graph: a greedy row's argmax (a
+    greedy row without penalties takes it instead of reading its row back), an ``on_device``
+    row's draw (taken as is), None for a sampled row the host draws. On a GPU the rows that are
+    read (all of them without ``best``) come to the host in one copy."""
     tokens: list[int] = []
     lps: list[TokenLogprob | None] = []
     host: dict[int, torch.Tensor] = {}
     if logits.device.type != "cpu":   # the rows read on the host, in one device-to-host copy
-        need = [i for i, s in enumerate(seqs) if best is None or not _plain_greedy(s)]
+        need = [i for i, s in enumerate(seqs) if best is None or best[i] is None or not _plain(s)]
         if need:
             host = dict(zip(need, logits[need].cpu()))
     for i, (row, seq) in enumerate(zip(logits, seqs)):
-        row = host.get(i, row)
         p = seq.params
+        if best is not None and best[i] is not None and on_device(seq):
+            tokens.append(best[i])           # drawn on the device (kernels/gpu_sample.py)
+            lps.append(None)
+            continue
+        row = host.get(i, row)
         m = seq.matcher  # the grammar's state, or None
         if m is not None and needs_mask(seq):
             row = row + _bias(m.mask(), row)   # the whole distribution counts: mask every banned token

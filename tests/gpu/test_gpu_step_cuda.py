@@ -106,3 +106,61 @@ def test_a_replayed_decode_step_launches_at_most_200_kernels(cuda_engines, seqs)
     figures = profile_steps(cuda_engines["graphs"], seqs)
     print(f"\n[graphs, {seqs} seqs] {figures}")
     assert figures["launches"] <= 200
+
+
+def test_device_sampler_on_cuda_against_the_host_sampler():
+    """The graphs' sampler (kernels/gpu_sample.py) on CUDA: the Philox uniforms bit for bit the
+    host's, and the tokens the host sampler draws from the same logits with them — all but a
+    draw whose uniform falls within float rounding of a CDF boundary (none expected in 256)."""
+    from kernels import gpu_sample
+    from shared.engine import sampler
+    from types import SimpleNamespace
+    b, v = 256, 49152
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, v, generator=g) * 4
+    rows = [(0.8, 0, 0.95, 0.0), (1.0, 40, 1.0, 0.0), (0.7, 0, 1.0, 0.05), (1.2, 100, 0.9, 0.0)] * (b // 4)
+    seeds, idx = [2**63 + 17 * i for i in range(b)], [3 * i for i in range(b)]
+    halves = [gpu_sample.seed_halves(s) for s in seeds]
+    dev = lambda x, t: torch.tensor(x, dtype=t, device="cuda")  # noqa: E731
+    u = gpu_sample.uniforms(dev([h[0] for h in halves], torch.int32), dev([h[1] for h in halves], torch.int32),
+                            dev(idx, torch.int32), torch.empty(b, dtype=torch.float64, device="cuda"))
+    assert u.cpu().tolist() == [sampler.uniform(s, i) for s, i in zip(seeds, idx)]
+    t, k, p, m = (dev([r[j] for r in rows], ty) for j, ty in enumerate((torch.float32, torch.int32, torch.float32,
+                                                                         torch.float32)))
+    tok = gpu_sample.select(logits.cuda(), torch.zeros(b, dtype=torch.int64, device="cuda"),
+                            torch.ones(b, dtype=torch.int32, device="cuda"), t, k, p, m, u, True).cpu().tolist()
+    host = [sampler.draw(sampler._filter(logits[i].clone(), SimpleNamespace(params=SamplingParams(
+        temperature=r[0], top_k=r[1], top_p=r[2], min_p=r[3]))).softmax(-1), seeds[i], idx[i])
+        for i, r in enumerate(rows)]
+    same = sum(a == h for a, h in zip(tok, host))
+    print(f"\n[sampler] device draws equal to the host's: {same} of {b}")
+    assert same >= b - 2
+
+
+def test_sampled_tokens_graphs_equal_fused(cuda_engines):
+    """Seeded sampled requests beside greedy ones: the graphs draw them on the device, the eager
+    fused engine on the host, from the same logits and uniforms — the same tokens up to a draw
+    within float rounding of a CDF boundary (then the streams part)."""
+    tok = cuda_engines["graphs"].tokenizer
+    reqs = {f"g{i}": (tok.encode(p), SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS[:2])}
+    reqs |= {f"s{i}": (tok.encode(p), SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, top_k=50 * i,
+                                                      seed=100 + i, ignore_eos=True))
+             for i, p in enumerate(PROMPTS)}
+    g = cuda_engines["graphs"]
+    drawn = g.graphs.drawn
+    got = {m: {r: o.token_ids for r, o in run_to_completion(cuda_engines[m], reqs).items()} for m in ("graphs", "fused")}
+    assert g.graphs.drawn - drawn >= 5 * 30          # 47 decode tokens each, most in decode-only steps
+    assert g.graphs.variants == {False: True, True: True} and g.graphs.samplers    # both captured
+    for r in reqs:
+        a, b = got["graphs"][r], got["fused"][r]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        print(f"\n[sampled graphs vs fused] {r}: same for {first} of {len(a)} tokens")
+        assert first == len(a) if r.startswith("g") else first >= 24
+
+
+def test_a_sampled_decode_step_is_one_replay(cuda_engines):
+    from bench.gpu import SAMPLED
+    figures = profile_steps(cuda_engines["graphs"], 16, sampled=SAMPLED)
+    print(f"\n[graphs, 16 seqs, sampled {SAMPLED}] {figures}")
+    assert figures["launches"] <= 200

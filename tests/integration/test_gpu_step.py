@@ -247,14 +247,30 @@ def _engine_case():
     out, graphs = {}, None
     prompts = {f"p{i}": ([1 + 37 * i + j for j in range(5 + 13 * i)],
                          SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for i in range(2)}
+    # rows drawn in the graphs' sampler (kernels/gpu_sample.py), beside the greedy ones; the ops
+    # engine draws them on the host with the same seeded uniforms
+    prompts["s0"] = ([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9,
+                                                                seed=7, ignore_eos=True))
+    prompts["s1"] = ([2, 7, 1, 8, 2, 8], SamplingParams(max_tokens=6, temperature=1.3, min_p=0.02, seed=11,
+                                                         ignore_eos=True))
     for mode in ("graphs", "ops"):
         e = Engine(LoadedModel(cfg, tiny_weights(cfg), tok, "tiny", "tiny"),
                    EngineConfig(num_kv_blocks=64, max_num_seqs=4, step_tokens=64, gpu_step=mode))
         res = run_to_completion(e, prompts)
         out[mode] = {r: res[r].token_ids for r in prompts}
         if mode == "graphs":
-            graphs = (e.graphs is not None, e.graphs.steps if e.graphs else 0)
+            graphs = (e.graphs is not None, e.graphs.steps if e.graphs else 0, e.graphs.drawn if e.graphs else 0)
     return out, graphs
+
+
+def _philox_case(pairs):
+    """The device's uniform of each (seed, index) (kernels/gpu_sample.uniforms)."""
+    from kernels.gpu_sample import seed_halves, uniforms
+    halves = [seed_halves(s) for s, _ in pairs]
+    out = torch.empty(len(pairs), dtype=torch.float64)
+    uniforms(torch.tensor([h[0] for h in halves], dtype=torch.int32), torch.tensor([h[1] for h in halves], dtype=torch.int32),
+             torch.tensor([c for _, c in pairs], dtype=torch.int32), out)
+    return out.tolist()
 
 
 def _call(fn, *args):
@@ -327,7 +343,20 @@ def test_decode_buffers_with_padding_rows(interp):
     assert scratch_written             # the padding row wrote its KV into the scratch block
 
 
+def test_philox_uniforms_are_the_host_samplers_bit_for_bit(interp):
+    """The device's uniform is numpy's Philox draw (sampler.uniform), for seeds across the 64-bit
+    range (the sign bit, all ones, negative Python ints), indexes 0 to 2**31 - 1, more rows than
+    one program's block."""
+    from shared.engine.sampler import uniform
+    seeds = [0, 1, 12345, 2**31, 2**32 + 7, 2**63 - 1, 2**63 + 5, 2**64 - 1, -3, 987654321987654321]
+    idx = [0, 1, 2, 7, 1000, 65537, 2**31 - 1]
+    pairs = [(s, c) for s in seeds for c in idx]
+    got = interp(_philox_case, pairs)
+    assert got == [uniform(s, c) for s, c in pairs]
+
+
 def test_engine_decodes_through_the_graph_buffers(interp):
-    out, (has_graphs, steps) = interp(_engine_case)
+    out, (has_graphs, steps, drawn) = interp(_engine_case)
     assert has_graphs and steps > 0
-    assert out["graphs"] == out["ops"]
+    assert drawn >= 8                   # the sampled rows' decode tokens were drawn in the graphs' sampler
+    assert out["graphs"] == out["ops"]  # greedy and seeded sampled rows alike

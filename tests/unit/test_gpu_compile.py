@@ -4,7 +4,8 @@ spill for any of them.
 
 The variants are not listed by hand: the step runs once on the CPU with the kernels replaced by
 a recorder, over the launches a real engine makes — a mixed step (a prefill chunk, a chunk after
-a cached prefix, decodes) and decode steps at every M tile (1, 17, 40 rows), f32 "ieee" and TF32
+a cached prefix, decodes) and decode steps at every M tile (1, 17, 40 rows), f32 "ieee" and TF32,
+and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
 ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
 blocks a K step with 4 warps did: 6.7 KB a thread at 64 rows) fails here, not on a lent GPU.
@@ -21,11 +22,11 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from kernels import gpu_step  # noqa: E402
+from kernels import gpu_sample, gpu_step  # noqa: E402
 from shared.engine.model import AttnChunk, StepContext, Transformer  # noqa: E402
 
 TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.uint8: "*u8", torch.int32: "*i32",
-         torch.int64: "*i64"}
+         torch.int64: "*i64", torch.float64: "*fp64"}
 
 
 class Recorder:
@@ -84,6 +85,7 @@ def launches():
     rec = Recorder()
     mp = pytest.MonkeyPatch()
     mp.setattr(gpu_step, "_k", lambda: rec)
+    mp.setattr(gpu_sample, "_k", lambda: rec)
     try:
         model = bundled_shapes_model()
         kv = torch.zeros(64, model.cfg.n_layers, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=torch.float16)
@@ -99,6 +101,8 @@ def launches():
             for b in (1, 17, 40):                                    # every M tile of a decode step
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
+        i = torch.zeros(3, dtype=torch.int32)                         # the decode graphs' sampler
+        gpu_sample.uniforms(i, i, i, torch.zeros(3, dtype=torch.float64))
     finally:
         mp.undo()
     return list(rec.launches.values())
@@ -115,7 +119,8 @@ def _ptxas():
 
 def test_the_step_launches_the_variants_expected(launches):
     names = {fn.__name__ for fn, *_ in launches}
-    assert names == {"embed", "qmatmul", "split_sum", "rope_kv", "attn_decode", "attn_merge", "attn_prefill"}
+    assert names == {"embed", "qmatmul", "split_sum", "rope_kv", "attn_decode", "attn_merge", "attn_prefill",
+                     "philox_uniform"}
     assert {c["PRECISION"] for fn, s, c, w in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
 
 
