@@ -28,7 +28,7 @@ from shared.engine.sampling import RequestOutput, SamplingParams
 from shared.kv_connector import KVConnector
 from shared.os_priority import BatchLane
 from shared.tier import Tier
-from shared.schemas import Abort, ErrorReply, Heartbeat, Lease, LeaseReply, StreamChunk, Where, WhereReply
+from shared.schemas import Abort, ErrorReply, Heartbeat, InFlight, Lease, LeaseReply, StreamChunk, Where, WhereReply
 from shared.settings import Settings
 
 log = logging.getLogger("tandem.worker")
@@ -169,7 +169,7 @@ class EngineWorker:
                          max_context=self.engine.max_context, data_host=self.data_host,
                          data_port=self.data_port, ts=time.time(),
                          interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port,
-                         requests=[[rid, h.session_id, h.tier] for rid, h in self.held.items()],
+                         requests=[InFlight(rid, h.session_id, h.tier) for rid, h in self.held.items()],
                          waiting_by_tier=self.waiting_by_tier(st), tpot_ms=round(self.tpot * 1e3, 3),
                          kv_scope=self.kv.scope.seed().hex(), chunk_tokens=self.kv.scope.chunk_tokens,
                          kv_block_tokens=self.engine.layout.block_size, ring_port=self.ring_port,
