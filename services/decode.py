@@ -39,7 +39,7 @@ from shared.ring import RingConnector
 from shared.schemas import ERROR_STATUS, DecodeRequest, GenerateRequest, MigrateReply, MigrateRequest
 from shared.settings import Settings
 from shared.transfer import TransferError
-from services.worker import EngineWorker, Held, priority_of, sampling_from
+from services.worker import EngineWorker, Request, State, priority_of, sampling_from
 
 log = logging.getLogger("tandem.decode")
 
@@ -108,10 +108,10 @@ class DecodeWorker(EngineWorker):
         already moving: retry), or the failed step's code (the request then goes on here)."""
         rid = req.request_id
         await self.kv.peers.check(req.target_data_host, req.target_data_port, req.target_worker, f"the KV of {rid}")
-        held, task = self.held.get(rid), self.tasks.get(rid)
-        if held is None or task is None:
+        rec = self.requests.get(rid)
+        if rec is None or not rec.live or rec.task is None:
             raise BusError("not_found", f"{self.worker_id} holds no request {rid!r}")
-        if rid in self.moving:
+        if rec.state in (State.MOVING, State.HELD):
             raise BusError("unavailable", f"request {rid} is already moving; retry")
         if req.target_worker == self.worker_id:
             raise BusError("bad_request", f"request {rid} already runs on {self.worker_id}")
@@ -119,15 +119,14 @@ class DecodeWorker(EngineWorker):
             raise BusError("bad_request", f"{self.worker_id} cannot be a member of the ring {rid} spreads onto")
         if req.ring and req.ring[0].worker != req.target_worker:
             raise BusError("bad_request", f"the target {req.target_worker} must be the ring's first member")
-        self.moving.add(rid)
+        rec.state = State.MOVING
         try:
-            return await self._move(req, held, task)
-        finally:
-            self.moving.discard(rid)
-            if rid not in self.tasks:
-                self.held.pop(rid, None)
+            return await self._move(req, rec, rec.task)
+        finally:   # moved (handed_to says where), aborted meanwhile, or going on here (_stay)
+            if rec.state in (State.MOVING, State.HELD):
+                rec.state = State.RUNNING if rec.task is not None else State.DONE
 
-    async def _move(self, req: MigrateRequest, held: Held, task: asyncio.Task) -> MigrateReply:
+    async def _move(self, req: MigrateRequest, held: Request, task: asyncio.Task) -> MigrateReply:
         rid, target = req.request_id, req.target_worker
         target_role = self.kv.peers.roles.get(target, "unknown")   # metric labels
         started = time.monotonic()
@@ -178,7 +177,7 @@ class DecodeWorker(EngineWorker):
         return MigrateReply(request_id=rid, source=self.worker_id, target=target, next_seq=next_seq,
                             num_tokens=h.num_computed, nbytes=res.nbytes, seconds=seconds, path=res.path)
 
-    async def _stay(self, rid: str, held: Held, next_seq: int, offset: int) -> bool:
+    async def _stay(self, rid: str, held: Request, next_seq: int, offset: int) -> bool:
         """A failed move: the parked request decodes on here from ``next_seq`` (``offset`` output
         tokens before it); False if it was aborted meanwhile (then it is dropped)."""
         if self.is_aborted(rid, held.attempt):
