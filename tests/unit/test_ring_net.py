@@ -176,3 +176,31 @@ def test_a_link_no_fold_announced_is_refused():
             ring_net.RemoteMember("m", "127.0.0.1", server.port, b"another key", None, shm=False)
     finally:
         server.close()
+
+
+def test_both_kinds_of_member_speak_the_ring_member_protocol():
+    """``Ring`` calls a member through ``RingMember`` only: the one in this process and the proxy
+    of one in another worker both have every call, with the same parameters."""
+    import inspect
+
+    from shared.ring.remote import RemoteMember
+    from shared.ring.session import LocalMember, RingMember
+    calls = [n for n, v in vars(RingMember).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert {"reserve", "load", "owns", "post", "collect", "read", "release"} <= set(calls)
+    for cls in (LocalMember, RemoteMember):
+        for n in calls:
+            want = list(inspect.signature(getattr(RingMember, n)).parameters)
+            assert list(inspect.signature(getattr(cls, n)).parameters) == want, (cls.__name__, n)
+
+
+def test_ring_steps_and_bytes_reach_the_metrics():
+    from prometheus_client import REGISTRY
+
+    from shared import metrics
+
+    def value(name, labels=None):
+        return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+    steps, out = value("tandem_ring_steps_total"), value("tandem_ring_bytes_total", {"direction": "out"})
+    metrics.ring_step(0.01, out=4096, back=512, ring=0)
+    assert value("tandem_ring_steps_total") == steps + 1
+    assert value("tandem_ring_bytes_total", {"direction": "out"}) == out + 4096
