@@ -189,7 +189,7 @@ class RingConnector:
                 metrics.ring_session("parked", bus_error(e, h.request_id).code if isinstance(e, Exception)
                                      else "aborted")
                 raise
-            own = len(shard_bytes(layout, memoryview(kv).cast("B"), *ranges[me], h.num_computed))
+            own = shard_bytes(layout, memoryview(kv).cast("B"), *ranges[me], h.num_computed).nbytes
             metrics.ring_session("parked", "ok", memoryview(kv).nbytes - own)
             return links, time.monotonic() - t0
 
@@ -211,7 +211,7 @@ class RingConnector:
             raise BusError("bad_request", f"{self.worker_id} cannot coordinate a ring (no fused CPU kernels)")
         h, kv = KVBlobHeader.parse(blob)
         rid = h.request_id
-        await self.check(ring, self.worker_id, rid)
+        me = await self.check(ring, self.worker_id, rid)
         k = self.member.kernels
         ranges = self.ranges(h, len(ring), k.max_context)
         if claim is not None and [tuple(r) for r in claim.ranges] != ranges:
@@ -242,8 +242,11 @@ class RingConnector:
             err = bus_error(e, rid)
             metrics.ring_session(how, err.code)
             raise err from None
-        own = len(shard_bytes(self.engine.layout, memoryview(kv).cast("B"), *ranges[0], h.num_computed))
-        metrics.ring_session(how, "ok", 0 if claim is not None else memoryview(kv).nbytes - own)
+        if claim is None:   # the other members' ranges went from here
+            own = shard_bytes(self.engine.layout, memoryview(kv).cast("B"), *ranges[me], h.num_computed).nbytes
+            metrics.ring_session(how, "ok", memoryview(kv).nbytes - own)
+        else:
+            metrics.ring_session(how, "ok")
         log.info("%s: ring of %d %s (links %s), ranges %s: %d tokens of KV %s in %.0f ms", rid, len(ranges),
                  [p.worker for p in ring], [getattr(m, "link", "local") for m in r.members], ranges,
                  h.num_computed, "claimed (the prefill scattered it)" if claim is not None else "scattered",
