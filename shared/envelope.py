@@ -169,13 +169,16 @@ def _check(value: Any, tp: Any, path: str) -> Any:
     if origin is typing.Union or origin is types.UnionType:
         if value is None and type(None) in typing.get_args(tp):
             return None
-        arms = [arm for arm in typing.get_args(tp) if arm is not type(None)]
-        for arm in arms:
+        args, err = typing.get_args(tp), None
+        for arm in args:
+            if arm is type(None):
+                continue
             try:
                 return _check(value, arm, path)
             except SchemaError as e:
-                if len(arms) == 1:   # X | None: the error inside X names the bad field
-                    raise e from None
+                err = e
+        if err is not None and len(args) == 2 and type(None) in args:
+            raise err from None   # X | None: the error inside X names the bad field
         raise _type_error(path, value, tp)
     if tp is Any:
         return value
