@@ -2,7 +2,7 @@
 
 Per context length: a single worker's fused decode step over its paged KV, then rings of
 ``--members`` members (for N > 1 both with every segment's state to the coordinator and folded
-along the ring) (``shared/engine/ring.py``) decoding the same positions; each step split
+along the ring) (``shared/ring/session.py``) decoding the same positions; each step split
 into the members' attention (store + attend, the members one after another in this process),
 the coordinator's merge + o-proj + FFN, and the rest (embed, q|k|v, head), with the bytes a step
 would put on the wire (q|k|v rows out to each member with keys, segment states back). The KV is
@@ -16,7 +16,7 @@ both members in this process (no messages); per-segment states, the payloads ``R
 
 ``--procs``: the ring across processes, as cpu-decode workers run it: the coordinator (this
 process, with its own member 0, like the worker a plan names first) and members 1..N-1 each in a
-process of its own (a ``RingServer`` over a ``RingMember``, data-plane key on, shared memory or
+process of its own (a ``RingServer`` over a ``LocalMember``, data-plane key on, shared memory or
 ``--tcp``), 1 kernel thread per process by default, so a ring of N attends on N cores at once.
 Per context and ring size, one session per variant — every segment's state back, or the fold
 along the ring (member to member over their own links) unpipelined or by kv head, with the q
@@ -79,7 +79,7 @@ def _bench(contexts: list[int], members: list[int], steps: int, threads: int | N
     from shared.engine.engine import Engine, EngineConfig
     from shared.engine.kv_cache import KV_DTYPE
     from shared.engine.model import AttnChunk, StepContext
-    from shared.engine.ring import Ring, RingMember, StepTimes
+    from shared.ring.session import LocalMember, Ring, StepTimes
     from shared.strategy import shard_ranges
 
     top = max(contexts) + steps + 1
@@ -108,7 +108,7 @@ def _bench(contexts: list[int], members: list[int], steps: int, threads: int | N
         raw = kv[:layout.blocks_for(n)].view(torch.uint8).numpy().tobytes()
         for m, fold in [(m, f) for m in members for f in ((False, True) if m > 1 else (False,))]:
             shard = max(b - a for a, b in shard_ranges(n + steps + 1, m))
-            ring = Ring(k, [RingMember(k, layout, layout.blocks_for(shard) * layout.block_bytes, f"m{i}")
+            ring = Ring(k, [LocalMember(k, layout, layout.blocks_for(shard) * layout.block_bytes, f"m{i}")
                             for i in range(m)], fold=fold)
             ring.admit("s", ids[:n + 1], n, raw, n + steps + 1)
             ring.step("s")            # warm: the members' buffers
@@ -143,13 +143,13 @@ def _member_process(conn, threads: int | None, kv_bytes: int, key: bytes, shm: b
     from kernels import cpu
     from kernels.cpu_ring import RingKernels
     from shared.engine.engine import Engine, EngineConfig
-    from shared.engine.ring import RingMember
-    from shared.engine.ring_net import RingServer
+    from shared.ring.session import LocalMember
+    from shared.ring import RingServer
     if threads:
         cpu.set_num_threads(threads)
     engine = Engine.from_path(None, EngineConfig(threads=threads, enable_prefix_caching=False, num_kv_blocks=1))
     k = RingKernels.of(engine.model)
-    server = RingServer(RingMember(k, engine.layout, kv_bytes, "remote"), "127.0.0.1", 0, key, shm=shm)
+    server = RingServer(LocalMember(k, engine.layout, kv_bytes, "remote"), "127.0.0.1", 0, key, shm=shm)
     conn.send(server.start()[1])
     try:
         conn.recv()
@@ -169,8 +169,8 @@ def _links(contexts: list[int], steps: int, threads: int | None) -> tuple[list[d
     from kernels.cpu_ring import RingKernels
     from shared.engine.engine import Engine, EngineConfig
     from shared.engine.kv_cache import KV_DTYPE
-    from shared.engine.ring import Ring, RingMember
-    from shared.engine.ring_net import RemoteMember
+    from shared.ring.session import LocalMember, Ring
+    from shared.ring import RemoteMember
     from shared.strategy import shard_ranges
 
     engine = Engine.from_path(None, EngineConfig(threads=threads, enable_prefix_caching=False, num_kv_blocks=1))
@@ -191,14 +191,14 @@ def _links(contexts: list[int], steps: int, threads: int | None) -> tuple[list[d
             raw = torch.randn(layout.blocks_for(n), *layout.block_shape, generator=gen).to(KV_DTYPE)
             raw = raw.view(torch.uint8).numpy().tobytes()
             ids = torch.randint(0, cfg.vocab_size, (n + steps + 2,), generator=gen).tolist()
-            rings = {"in process": [RingMember(k, layout, budget, "m1")]}
+            rings = {"in process": [LocalMember(k, layout, budget, "m1")]}
             for link in ("tcp", "shm"):
                 rings[link] = [RemoteMember("remote", "127.0.0.1", port, key, layout, shm=link == "shm")]
                 assert rings[link][0].link == link
             times: dict[str, list[float]] = {name: [] for name in rings}
             scatter = {}
             for i, (name, other) in enumerate(rings.items()):
-                ring = Ring(k, [RingMember(k, layout, budget, "m0"), *other])
+                ring = Ring(k, [LocalMember(k, layout, budget, "m0"), *other])
                 t0 = time.perf_counter()
                 ring.admit(f"s{i}", ids[:n + 1], n, raw, n + steps + 2)
                 scatter[name] = time.perf_counter() - t0
@@ -250,8 +250,8 @@ def _procs(contexts: list[int], members: list[int], steps: int, threads: int | N
     from shared.engine.engine import Engine, EngineConfig
     from shared.engine.kv_cache import KV_DTYPE
     from shared.engine.model import AttnChunk, StepContext
-    from shared.engine.ring import Ring, RingMember, StepTimes
-    from shared.engine.ring_net import RemoteMember
+    from shared.ring.session import LocalMember, Ring, StepTimes
+    from shared.ring import RemoteMember
     from shared.strategy import shard_ranges
 
     threads = threads or 1
@@ -303,7 +303,7 @@ def _procs(contexts: list[int], members: list[int], steps: int, threads: int | N
             cpu.set_num_threads(threads)
             raw = kv[:layout.blocks_for(n)].view(torch.uint8).numpy().tobytes()
             for m in members:
-                local = RingMember(k, layout, budget, "m0")
+                local = LocalMember(k, layout, budget, "m0")
                 rings = []
                 for name, fold, groups, qpass in PROC_VARIANTS:
                     remote = [RemoteMember(f"m{i + 1}", "127.0.0.1", ports[i], key, layout, shm=shm)

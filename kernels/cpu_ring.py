@@ -1,6 +1,6 @@
 """The fused CPU step cut at the attention, for ring decode (``forward_cpu.cpp`` ``tq_ring_stage``).
 
-A ring decode step (``shared/engine/ring.py``; docs/strategies.md) runs the layers on a
+A ring decode step (``shared/ring/session.py``; docs/strategies.md) runs the layers on a
 coordinator that holds the weights, and the attention over the session's keys on ring members
 that each hold a SEG-aligned token range of its KV:
 

@@ -165,6 +165,30 @@ void rows_f32_scalar(const uint8_t* q, int64_t row_bytes, const float* x,
             out[m * N + n] = dot_row_f32_scalar(q + n * row_bytes, x + m * K, nb);
 }
 
+// The drivers of a q8-activation tile ``tile_<ISA><R, C>``: weight rows 4 at a time (then one by
+// one), activation rows C4 at a time for 4-row tiles and 4 at a time for single rows. Expanded in
+// each ISA's target region (the tiles inline only into code of their own target).
+#define TQ_Q8_ROWS(ISA, C4)                                                                             \
+    template <int R>                                                                                    \
+    void rows_tile_##ISA(const uint8_t* w, int64_t row_bytes, const int8_t* qa, const float* da,       \
+                         float* out, int64_t M, int64_t N, int64_t K) {                                 \
+        const int64_t nb = K / QK;                                                                      \
+        constexpr int C = R == 4 ? C4 : 4;                                                              \
+        int64_t m = 0;                                                                                  \
+        for (; m + C <= M; m += C)                                                                      \
+            tile_##ISA<R, C>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);            \
+        for (; m < M; ++m)                                                                              \
+            tile_##ISA<R, 1>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);            \
+    }                                                                                                   \
+    void rows_##ISA(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const float* da,            \
+                    float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {              \
+        int64_t n = r0;                                                                                 \
+        for (; n + 4 <= r1; n += 4)                                                                     \
+            rows_tile_##ISA<4>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);                \
+        for (; n < r1; ++n)                                                                             \
+            rows_tile_##ISA<1>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);                \
+    }
+
 // ---------------------------------------------------------------- AVX2 + FMA + F16C path
 #ifdef TQ_X86
 #pragma GCC push_options
@@ -245,26 +269,7 @@ inline __attribute__((always_inline)) void tile_avx2(
         for (int c = 0; c < C; ++c) out[c * N + r] = hsum8_avx2(acc[r][c]);
 }
 
-template <int R>
-void rows_tile_avx2(const uint8_t* w, int64_t row_bytes, const int8_t* qa, const float* da,
-                    float* out, int64_t M, int64_t N, int64_t K) {
-    const int64_t nb = K / QK;
-    constexpr int C = R == 4 ? 2 : 4;
-    int64_t m = 0;
-    for (; m + C <= M; m += C)
-        tile_avx2<R, C>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);
-    for (; m < M; ++m)
-        tile_avx2<R, 1>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);
-}
-
-void rows_avx2(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const float* da,
-               float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {
-    int64_t n = r0;
-    for (; n + 4 <= r1; n += 4)
-        rows_tile_avx2<4>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
-    for (; n < r1; ++n)
-        rows_tile_avx2<1>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
-}
+TQ_Q8_ROWS(avx2, 2)
 
 // f32 activations, 8-wide: the 16 lanes as two halves (lanes 0-7: weights 0-7 and 16-23;
 // lanes 8-15: weights 8-15 and 24-31), each a full pass over the blocks (lanes are independent,
@@ -425,26 +430,7 @@ inline __attribute__((always_inline)) void tile_vnni(
         for (int c = 0; c < C; ++c) out[c * N + r] = hsum8_avx2(acc[r][c]);
 }
 
-template <int R>
-void rows_tile_vnni(const uint8_t* w, int64_t row_bytes, const int8_t* qa, const float* da,
-                    float* out, int64_t M, int64_t N, int64_t K) {
-    const int64_t nb = K / QK;
-    constexpr int C = R == 4 ? 4 : 4;
-    int64_t m = 0;
-    for (; m + C <= M; m += C)
-        tile_vnni<R, C>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);
-    for (; m < M; ++m)
-        tile_vnni<R, 1>(w, row_bytes, qa + m * K, da + m * nb, K, nb, out + m * N, N);
-}
-
-void rows_vnni(const uint8_t* q, int64_t row_bytes, const int8_t* qa, const float* da,
-               float* out, int64_t M, int64_t N, int64_t K, int64_t r0, int64_t r1) {
-    int64_t n = r0;
-    for (; n + 4 <= r1; n += 4)
-        rows_tile_vnni<4>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
-    for (; n < r1; ++n)
-        rows_tile_vnni<1>(q + n * row_bytes, row_bytes, qa, da, out + n, M, N, K);
-}
+TQ_Q8_ROWS(vnni, 4)
 
 // f32 activations, 16-wide (512-bit): lane l holds weights l and l+16 of every block.
 template <int R, int C>

@@ -15,7 +15,7 @@ topology runs on any machine.
 
 Ring decode (the ``cpu-ring(N)`` strategy, docs/strategies.md): a cpu-decode worker hosts shards
 of ring sessions in its engine's KV cache and serves them on its ring port
-(``shared/engine/ring_net.py``); a DecodeRequest carrying a ring makes this worker the
+(``shared/ring/``, driven by its ``RingConnector``); a DecodeRequest carrying a ring makes this worker the
 coordinator: it claims the members' shards the prefill scattered and parked (``DecodeRequest.claim``;
 the blob holds its own range only), or — a session spread from a running worker — scatters the
 blob's block ranges over the members itself (Scattering), then decodes the request with the ring (each engine step runs one ring step of it: q|k|v out, segment states
@@ -35,13 +35,11 @@ from kernels.cpu_ring import RingKernels
 from shared import metrics, subjects
 from shared.bus import BusError, RemoteError
 from shared.engine.kv_cache import KVBlobHeader
-from shared.engine.ring import Ring, RingCapacityError
-from shared.engine.ring_net import (EngineMember, RingMemberError, RingMemberLost, RingServer, admit_claimed,
-                                    connect_ring, ring_ranges)
+from shared.ring import RingConnector
 from shared.schemas import ERROR_STATUS, DecodeRequest, GenerateRequest, MigrateReply, MigrateRequest
 from shared.settings import Settings
 from shared.transfer import TransferError
-from services.worker import EngineWorker, Held, priority_of, sampling_from
+from services.worker import EngineWorker, Request, State, priority_of, sampling_from
 
 log = logging.getLogger("tandem.decode")
 
@@ -56,15 +54,12 @@ class DecodeWorker(EngineWorker):
             log.warning("%s: no CUDA device visible to torch; running on the CPU instead", role)
             device = "cpu"
         super().__init__(settings, device)
-        self.ring_member: EngineMember | None = None
-        self.ring_server: RingServer | None = None
+        self.ring: RingConnector | None = None
 
     async def register(self) -> None:
+        self.ring = RingConnector(self.worker_id, self.settings.data, self.kv.peers, self.engine)
         if self.role == subjects.CPU_DECODE and RingKernels.of(self.engine.engine.model) is not None:
-            d = self.settings.data
-            self.ring_member = EngineMember(self.engine.engine, self.engine.run_blocking, self.worker_id)
-            self.ring_server = RingServer(self.ring_member, d.host, 0, d.secret(), d.timeout, d.shm)
-            self.ring_port = self.ring_server.start()[1]
+            self.ring_port = self.ring.host()   # this worker's cache hosts ring members' shards
         await self.bus.serve(subjects.worker_decode(self.worker_id), self.handle_decode, expected=DecodeRequest)
         await self.bus.serve(subjects.worker_generate(self.worker_id), self.handle_generate,
                              expected=GenerateRequest)
@@ -75,7 +70,11 @@ class DecodeWorker(EngineWorker):
             self.kv.discard(req.handle.transfer_id)
             raise BusError("not_found", f"request {req.request_id} was aborted")
         blob = await self.kv.receive(req.handle)
-        submit = self._ring(req, blob) if req.ring else self.engine.submit_kv(req.request_id, blob, priority_of(req.tier))
+        if req.ring:   # this worker coordinates the ring (the prefill may have scattered the others' ranges)
+            submit = self.ring.coordinate(req.ring, blob, f"{req.request_id}#{req.attempt}", req.claim,
+                                          priority_of(req.tier))
+        else:
+            submit = self.engine.submit_kv(req.request_id, blob, priority_of(req.tier))
         outputs = await self.admit(req, submit, req.attempt)
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, req.next_seq,
                                                        attempt=req.attempt, offset=len(req.output_token_ids)))
@@ -97,71 +96,9 @@ class DecodeWorker(EngineWorker):
                                                        resume.next_seq if resume else 0, attempt=attempt,
                                                        offset=len(outputs_so_far)))
 
-    async def _ring(self, req: DecodeRequest, blob: bytes):
-        """Scatter ``blob`` over ``req.ring`` (this worker among them) and decode it there: the
-        request's output stream. With ``req.claim`` the prefill scattered the other members'
-        ranges itself: ``blob`` holds this worker's range only, the others are claimed with the
-        ticket. Coded errors: forbidden (a member address no live worker's heartbeat names),
-        overloaded (a member has no room: nothing is kept), unavailable (a member cannot be
-        reached), bad_request (a claim that does not match the plan, or a wrong ticket)."""
-        if self.ring_member is None:
-            raise BusError("bad_request", f"{self.worker_id} cannot coordinate a ring (no fused CPU kernels)")
-        if not any(w == self.worker_id for w, _, _ in req.ring):
-            raise BusError("bad_request", f"{self.worker_id} is not a member of the ring {req.ring}")
-        for worker, host, port in req.ring:   # KV goes only to live members' advertised ring ports
-            if worker != self.worker_id:
-                await self.kv.peers.check(host, int(port), worker, f"ring shards of {req.request_id}")
-        h, kv = KVBlobHeader.parse(blob)
-        k = self.ring_member.kernels
-        try:
-            ranges = ring_ranges(h, len(req.ring), k.max_context)
-        except ValueError as e:
-            raise BusError("bad_request", f"{req.request_id}: no ring of {len(req.ring)}: {e}") from None
-        ticket = str(req.claim.get("ticket", "")) if req.claim else ""
-        if req.claim and [tuple(r) for r in req.claim.get("ranges", [])] != ranges:
-            raise BusError("bad_request", f"{req.request_id}: the prefill scattered the ranges "
-                                          f"{req.claim.get('ranges')}, this coordinator plans {ranges}")
-        sid = f"{req.request_id}#{req.attempt}"
-        d = self.settings.data
-
-        def scatter() -> tuple[Ring, list]:
-            nkv = k.cfg.n_kv_heads
-            ring = Ring(k, connect_ring(req.ring, self.worker_id, self.ring_member, d.secret(), self.engine.layout,
-                                        d.timeout, d.shm),
-                        fold=d.ring_fold, groups=min(d.ring_groups or nkv, nkv), qpass=d.ring_qpass)
-            try:
-                if ticket:
-                    admit_claimed(ring, sid, ticket, h, kv, ranges)
-                    return ring, ranges
-                return ring, ring.admit(sid, h.token_ids, h.num_computed, kv, ranges[-1][1])
-            except BaseException:
-                ring.release(sid)
-                ring.close()
-                raise
-
-        t0 = time.monotonic()
-        try:
-            ring, ranges = await asyncio.to_thread(scatter)
-        except (RingCapacityError, RingMemberError) as e:
-            raise BusError("overloaded" if isinstance(e, RingCapacityError) else e.code, str(e)) from None
-        except RingMemberLost as e:
-            raise BusError("unavailable", str(e)) from None
-        except ValueError as e:
-            raise BusError("bad_request", f"{req.request_id}: {e}") from None
-        log.info("%s: ring of %d %s (links %s), ranges %s: %d tokens of KV %s in %.0f ms", req.request_id,
-                 len(ranges), [w for w, _, _ in req.ring], [getattr(m, "link", "local") for m in ring.members],
-                 ranges, h.num_computed, "claimed (the prefill scattered it)" if ticket else "scattered",
-                 (time.monotonic() - t0) * 1e3)
-        try:
-            return await self.engine.submit_ring(req.request_id, blob, ring, sid, priority_of(req.tier))
-        except BaseException:
-            await asyncio.to_thread(ring.release, sid)
-            ring.close()
-            raise
-
     async def close(self) -> None:
-        if self.ring_server is not None:
-            self.ring_server.close()
+        if self.ring is not None:
+            self.ring.close()
         await super().close()
 
     async def handle_migrate(self, req: MigrateRequest) -> MigrateReply:
@@ -171,26 +108,25 @@ class DecodeWorker(EngineWorker):
         already moving: retry), or the failed step's code (the request then goes on here)."""
         rid = req.request_id
         await self.kv.peers.check(req.target_data_host, req.target_data_port, req.target_worker, f"the KV of {rid}")
-        held, task = self.held.get(rid), self.tasks.get(rid)
-        if held is None or task is None:
+        rec = self.requests.get(rid)
+        if rec is None or not rec.live or rec.task is None:
             raise BusError("not_found", f"{self.worker_id} holds no request {rid!r}")
-        if rid in self.moving:
+        if rec.state in (State.MOVING, State.HELD):
             raise BusError("unavailable", f"request {rid} is already moving; retry")
         if req.target_worker == self.worker_id:
             raise BusError("bad_request", f"request {rid} already runs on {self.worker_id}")
-        if any(m[0] == self.worker_id for m in req.ring):   # its blocks here are held until the move ends
+        if any(p.worker == self.worker_id for p in req.ring):   # its blocks here are held until the move ends
             raise BusError("bad_request", f"{self.worker_id} cannot be a member of the ring {rid} spreads onto")
-        if req.ring and req.ring[0][0] != req.target_worker:
+        if req.ring and req.ring[0].worker != req.target_worker:
             raise BusError("bad_request", f"the target {req.target_worker} must be the ring's first member")
-        self.moving.add(rid)
+        rec.state = State.MOVING
         try:
-            return await self._move(req, held, task)
-        finally:
-            self.moving.discard(rid)
-            if rid not in self.tasks:
-                self.held.pop(rid, None)
+            return await self._move(req, rec, rec.task)
+        finally:   # moved (handed_to says where), aborted meanwhile, or going on here (_stay)
+            if rec.state in (State.MOVING, State.HELD):
+                rec.state = State.RUNNING if rec.task is not None else State.DONE
 
-    async def _move(self, req: MigrateRequest, held: Held, task: asyncio.Task) -> MigrateReply:
+    async def _move(self, req: MigrateRequest, held: Request, task: asyncio.Task) -> MigrateReply:
         rid, target = req.request_id, req.target_worker
         target_role = self.kv.peers.roles.get(target, "unknown")   # metric labels
         started = time.monotonic()
@@ -241,7 +177,7 @@ class DecodeWorker(EngineWorker):
         return MigrateReply(request_id=rid, source=self.worker_id, target=target, next_seq=next_seq,
                             num_tokens=h.num_computed, nbytes=res.nbytes, seconds=seconds, path=res.path)
 
-    async def _stay(self, rid: str, held: Held, next_seq: int, offset: int) -> bool:
+    async def _stay(self, rid: str, held: Request, next_seq: int, offset: int) -> bool:
         """A failed move: the parked request decodes on here from ``next_seq`` (``offset`` output
         tokens before it); False if it was aborted meanwhile (then it is dropped)."""
         if self.is_aborted(rid, held.attempt):

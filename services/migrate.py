@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from shared import subjects
 from shared.bus import Bus
-from shared.schemas import Heartbeat, MigrateReply, MigrateRequest
+from shared.schemas import Heartbeat, MigrateReply, MigrateRequest, RingPeer
 
 
 async def migrate(bus: Bus, source_worker: str, req: MigrateRequest, timeout: float = 30.0) -> MigrateReply:
@@ -29,4 +29,4 @@ def to_target(request_id: str, target: Heartbeat, tier: str, reason: str = "",
     that ring (docs/strategies.md)."""
     return MigrateRequest(request_id=request_id, target_worker=target.worker_id, target_data_host=target.data_host,
                           target_data_port=target.data_port, tier=tier, reason=reason,
-                          ring=[[b.worker_id, b.data_host, b.ring_port] for b in ring])
+                          ring=[RingPeer(b.worker_id, b.data_host, b.ring_port) for b in ring])

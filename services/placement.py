@@ -1,7 +1,7 @@
 """The router's placement policy: pure functions of what the router knows, tested over tables.
 
-``place(req, workers, now, ...)`` decides how one request runs; ``rebalance(workers, sessions,
-now, ...)`` lists the moves of running requests the router should make now. Neither does I/O.
+``decide(req, workers, now, ...)`` decides how one request runs (its strategy, then ``place``
+when no ring is needed); ``rebalance(workers, sessions, now, ...)`` lists the moves of running requests the router should make now. Neither does I/O.
 
 Inputs: the request (tier, prompt length, session), the live workers' heartbeats (queue depth
 per tier, running sequences, free KV blocks, measured TPOT, the requests they hold), the
@@ -30,7 +30,8 @@ docs/routing.md); else a prefill worker when one is live (GPU first, then one wi
 work, then cache overlap, then load) and the decode worker has a data plane; else the decode
 worker prefills.
 
-Execution strategy (``strategy_plan``, before ``place``; shared/strategy.py, docs/strategies.md):
+Execution strategy and placement are one decision (``decide``: ``strategy_plan``, else ``place``;
+shared/strategy.py, docs/strategies.md):
 ``choose`` sees the tier, the session's prospective context (prompt + max_tokens) and each live
 decode worker's free KV. When no single worker can hold it (its context, capped by its KV budget,
 is shorter: a worker that is only busy queues the request until its KV frees) and a ring of
@@ -52,19 +53,19 @@ import numpy as np
 
 from shared import subjects
 from shared.bus import BusError
+from shared.liveness import fresh
 from shared.strategy import CPU, GPU, MAX_RING, RING, NoCapacity, PoolWorker, Strategy, choose, smallest_ring
 from shared.tier import Tier
-from shared.schemas import Heartbeat, RoutePlan, RouteRequest
+from shared.schemas import Heartbeat, InFlight, RingPeer, RoutePlan, RouteRequest
 
-LIVENESS_FACTOR = 3.0    # a worker is gone after this many missed heartbeat intervals
 OVERFLOW = 2             # standard/batch use the GPU pool when every CPU worker is this much busier
 AFFINITY_SLACK = 2       # a session's (or a cache holder's) worker wins unless this much busier
 DEFAULT_TPOT_S = 0.05    # per output token, for Retry-After, before any worker measured one
 POLICIES = ("sla", "fifo", "round-robin")
 POOLS = {
-    "interactive": (subjects.GPU_DECODE, subjects.CPU_DECODE),
-    "standard": (subjects.CPU_DECODE, subjects.GPU_DECODE),
-    "batch": (subjects.CPU_DECODE, subjects.GPU_DECODE),
+    Tier.INTERACTIVE: (subjects.GPU_DECODE, subjects.CPU_DECODE),
+    Tier.STANDARD: (subjects.CPU_DECODE, subjects.GPU_DECODE),
+    Tier.BATCH: (subjects.CPU_DECODE, subjects.GPU_DECODE),
 }
 POOL = "pool"            # the KV pool's key in the overlap map
 
@@ -72,7 +73,7 @@ POOL = "pool"            # the KV pool's key in the overlap map
 @dataclass
 class Limits:
     """Admission and move thresholds (shared.settings.RouterSettings)."""
-    queue: dict[str, int] = field(default_factory=lambda: {"interactive": 64, "standard": 256, "batch": 1024})
+    queue: dict[str, int] = field(default_factory=lambda: {Tier.INTERACTIVE: 64, Tier.STANDARD: 256, Tier.BATCH: 1024})
     pressure_free: float = 0.1    # gpu-decode below this free-KV fraction demotes batch/standard work
     session_idle_s: float = 300.0  # a session's tier override lapses after this long idle
     local_prefill_tokens: int = 256  # an interactive prompt of at most this many uncached tokens
@@ -90,7 +91,7 @@ class WorkerView:
         """The view after a new heartbeat. A request routed here less than one heartbeat interval
         ago that the beat does not list may still be on its way (the beat was built before it
         arrived): it stays counted until the next beat, which was built after it arrived."""
-        listed = {r[0] for r in beat.requests}
+        listed = {r.request_id for r in beat.requests}
         return WorkerView(beat, now, [r for r in self.routed if r[0] not in listed and now - r[3] < beat.interval])
 
     @property
@@ -102,7 +103,7 @@ class WorkerView:
         return out
 
     def alive(self, now: float) -> bool:
-        return self.beat.ready and now - self.seen <= LIVENESS_FACTOR * self.beat.interval
+        return self.beat.ready and fresh(self.seen, self.beat.interval, now)   # shared/liveness.py
 
     @property
     def id(self) -> str:
@@ -115,15 +116,15 @@ class WorkerView:
     def load(self) -> int:
         return self.beat.queue_depth + self.beat.running + len(self.routed)
 
-    def held(self) -> list:
+    def held(self) -> list[InFlight]:
         """The requests this worker holds: its heartbeat's, and those routed here since."""
-        return self.beat.requests + [r[:3] for r in self.routed]
+        return [*self.beat.requests, *(InFlight(r[0], r[1], r[2]) for r in self.routed)]
 
     def holds_worse_than(self, tier: str) -> bool:
         """Holds (or was just sent) a request of a worse tier than ``tier``: a prompt of ``tier``
         that arrives may find that request's step in flight."""
         mine = Tier(tier).priority
-        return any(Tier(t).priority > mine for _, _, t in self.held())
+        return any(Tier(r.tier).priority > mine for r in self.held())
 
     def waiting(self, tier: str) -> int:
         return self.beat.waiting_by_tier.get(tier, 0) + self.pending.get(tier, 0)
@@ -227,7 +228,7 @@ def _choose_pool(tier: str, decoders: list[WorkerView], home: WorkerView | None 
     other = [w for w in decoders if w.role == second]
     if not own:
         return other, f"{tier} -> {second} ({first} pool empty)"
-    if tier != "interactive" and other and not any(w.waiting("interactive") for w in other):
+    if tier != Tier.INTERACTIVE and other and not any(w.waiting(Tier.INTERACTIVE) for w in other):
         best_own, best_other = min(w.load() for w in own), min(w.load() for w in other)
         if home is not None and home.role == second and home.load() <= best_own + AFFINITY_SLACK:
             # an overflowed session stays where its KV is while that is not much busier (the
@@ -276,7 +277,7 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
                                               f"longest context of a ready decode worker is "
                                               f"{max(w.beat.max_context for w in live)} tokens")
         raise BusError("unavailable", "no decode worker is ready")
-    tier = "standard" if policy == "fifo" else effective_tier(req.tier, session)
+    tier = Tier.STANDARD if policy == "fifo" else effective_tier(req.tier, session)
     if policy == "round-robin":
         pool = sorted(decoders, key=lambda w: w.id)
         admit(req, tier, pool, limits.queue[tier])
@@ -302,7 +303,7 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
     uncached = req.num_prompt_tokens - max(have, cached.get(POOL, 0))
     if req.num_prompt_tokens - have < chunk_tokens and have > 0:
         why += f"; decode worker holds {have} prefix tokens, no prefill"
-    elif (policy == "sla" and tier == "interactive" and decode.role == subjects.GPU_DECODE and prefills
+    elif (policy == "sla" and tier == Tier.INTERACTIVE and decode.role == subjects.GPU_DECODE and prefills
           and 0 < uncached <= limits.local_prefill_tokens and all(w.holds_worse_than(tier) for w in prefills)):
         # its prompt would wait for a worse tier's prefill step in flight there (a batch-only step
         # runs at the batch priority); the interactive pool runs worse tiers only in short slices
@@ -368,7 +369,7 @@ def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, poli
     if strategy.kind != RING:
         return None, why
     # a busy worker of a pool the tier prefers to a ring frees its KV as its requests end: it queues there
-    singles = [w for w in decoders if tier == "interactive" or w.role == subjects.CPU_DECODE]
+    singles = [w for w in decoders if tier == Tier.INTERACTIVE or w.role == subjects.CPU_DECODE]
     longest = max((w.beat.max_context for w in singles), default=0)
     if longest >= context:
         return None, f"{why}, but {longest} tokens fit one worker once its KV frees: no ring"
@@ -386,8 +387,27 @@ def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, poli
                      decode_role=head.role, reason=f"{why}; prefill on {prefill.id}; coordinator {head.id}",
                      decode_data_host=head.beat.data_host, decode_data_port=head.beat.data_port, tier=tier,
                      session_id=req.session_id, strategy=str(strategy),
-                     ring=[[w.id, w.beat.data_host, w.beat.ring_port] for w in members])
+                     ring=[RingPeer(w.id, w.beat.data_host, w.beat.ring_port) for w in members])
     return plan, why
+
+
+def decide(req: RouteRequest, workers: list[WorkerView], now: float, policy: str = "sla", turn: int = 0,
+           cached: dict[str, int] | None = None, session: SessionView | None = None,
+           limits: Limits | None = None, chunk_tokens: int = 256) -> RoutePlan:
+    """The router's one decision for a request: its strategy (gpu, cpu or cpu-ring(N)) and where
+    it runs. A ring when ``strategy_plan`` finds one (no single worker holds the prospective
+    context), else ``place`` picks the single decode worker (and a prefill worker), the plan's
+    strategy its pool's; why no ring is in the reason. Pure: the caller keeps ``turn``. Raises
+    what ``strategy_plan`` and ``place`` raise."""
+    plan, why = strategy_plan(req, workers, now, policy, session, limits)
+    if plan is not None:
+        return plan
+    plan = place(req, workers, now, policy, turn, cached=cached, session=session, limits=limits,
+                 chunk_tokens=chunk_tokens)
+    plan.strategy = strategy_of(plan)
+    if why:
+        plan.reason += f"; strategy {plan.strategy} ({why})"
+    return plan
 
 
 def kv_need(view: WorkerView) -> int:
@@ -417,10 +437,10 @@ def spread(workers: list[WorkerView], now: float, moving: set[str] = frozenset()
     for w in sorted(live, key=lambda v: (spare[v.id], v.id)):
         if spare[w.id] >= 0 or w.id in taken:
             continue
-        tiers = {rid: tier for rid, _, tier in w.held()}
-        sessions = {rid: sid for rid, sid, _ in w.held()}
+        tiers = {r.request_id: r.tier for r in w.held()}
+        sessions = {r.request_id: r.session_id for r in w.held()}
         cands = [(now_, end, rid) for rid, (now_, end, members) in w.beat.kv_tokens.items()
-                 if members == 1 and rid not in moving and tiers.get(rid) in ("standard", "batch")]
+                 if members == 1 and rid not in moving and tiers.get(rid) in (Tier.STANDARD, Tier.BATCH)]
         if not cands:
             continue
         tokens, end, rid = max(cands)
@@ -463,7 +483,8 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
         return min(pool, key=lambda w: (w.load() + taken.get(w.id, 0), -w.beat.free_kv_blocks, w.id))
 
     for w in live:
-        for rid, sid, tier in w.held():
+        for r in w.held():
+            rid, sid, tier = r.request_id, r.session_id, r.tier
             s = sessions.get(sid) if sid else None
             if rid in moving or s is None or s.tier is None or s.tier == tier:
                 continue  # only a tier change moves a request (overflow placements stay put)
@@ -483,8 +504,8 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
             free = w.beat.free_kv_blocks / w.beat.total_kv_blocks
             if free >= limits.pressure_free:
                 continue
-            cands = [(Tier(tier).priority, rid, sid, tier) for rid, sid, tier in w.held()
-                     if tier != "interactive" and rid not in moving and rid not in planned]
+            cands = [(Tier(r.tier).priority, r.request_id, r.session_id, r.tier) for r in w.held()
+                     if r.tier != Tier.INTERACTIVE and r.request_id not in moving and r.request_id not in planned]
             t = target(subjects.CPU_DECODE)
             if cands and t is not None:
                 _, rid, sid, tier = max(cands)

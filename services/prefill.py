@@ -12,18 +12,15 @@ in the background). A request whose first token already ends it finishes here.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
 import time
 
 from shared import subjects
 from shared.bus import BusError
 from shared.engine.kv_cache import KVBlobHeader
-from shared.engine.ring import RingCapacityError, shard_bytes
-from shared.engine.ring_net import RingMemberError, RingMemberLost, new_ticket, ring_ranges, scatter_parked
-from shared.kv_connector import prompt_tail_end
 from shared.engine.sampling import RequestOutput
+from shared.kv_connector import prompt_tail_end
+from shared.ring import RING_ERRORS, RingConnector
 from shared.schemas import PrefillRequest
 from shared.transfer import TransferError
 from services.worker import EngineWorker, priority_of, sampling_from
@@ -35,6 +32,7 @@ class PrefillWorker(EngineWorker):
     role = subjects.PREFILL
 
     async def register(self) -> None:
+        self.ring = RingConnector(self.worker_id, self.settings.data, self.kv.peers, self.engine)
         await self.bus.serve(subjects.worker_prefill(self.worker_id), self.handle, expected=PrefillRequest)
 
     async def handle(self, req: PrefillRequest) -> None:
@@ -70,15 +68,16 @@ class PrefillWorker(EngineWorker):
                             prompt_tail_end(h.num_prompt_tokens))
         claim, scatter = None, None
         try:
-            if req.ring and self.settings.data.ring_prefill_scatter:
-                blob, claim, scatter = await self._scatter(req, h, kv, attempt)
+            if req.ring and self.settings.data.ring_prefill_scatter:   # the other members' ranges from here
+                blob, claim, scatter = await self.ring.scatter(req.ring, req.decode_worker, h, kv,
+                                                               f"{req.request_id}#{attempt}")
             sent = time.monotonic()
             _, res = await self.kv.hand_off(blob, subject=req.decode_subject, host=req.decode_data_host,
                                             port=req.decode_data_port, transfer_id=f"{req.request_id}-{attempt}",
                                             tier=req.tier, stream_subject=req.stream_subject, next_seq=next_seq,
                                             session_id=req.session_id, attempt=attempt, origin=req.origin,
                                             ring=req.ring, claim=claim, alongside=scatter)
-        except (TransferError, BusError, RingCapacityError, RingMemberError, RingMemberLost) as e:
+        except (TransferError, BusError, *RING_ERRORS) as e:
             # the gateway resumes the request on another worker (a ring's members keep nothing)
             raise BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}") from None
         self.hand_over(req.request_id, req.decode_worker)
@@ -86,38 +85,8 @@ class PrefillWorker(EngineWorker):
         scattered = ""
         if scatter is not None:
             links, seconds = scatter.result()
-            scattered = (f"; ring of {len(req.ring)} (links {links}), ranges {claim['ranges']}: the other members' "
+            scattered = (f"; ring of {len(req.ring)} (links {links}), ranges {claim.ranges}: the other members' "
                          f"ranges scattered and parked in {seconds * 1e3:.0f} ms, alongside the send")
         log.info("%s handed to %s: %d KV bytes over %s in %.1f ms%s; hand-off %.1f ms (export %.1f ms, then to "
                  "the decode worker's ack %.1f ms)", req.request_id, req.decode_worker, res.nbytes, res.path,
                  res.seconds * 1e3, scattered, (done - t0) * 1e3, (exported - t0) * 1e3, (done - sent) * 1e3)
-
-    async def _scatter(self, req: PrefillRequest, h: KVBlobHeader, kv, attempt: int):
-        """A ring hand-off: the members but the coordinator get their ranges from here, all at the
-        same time, parked under a fresh ticket (``ring_net.scatter_parked``, started here, in a
-        thread: the coordinator's range goes over the data plane meanwhile); the coordinator's
-        blob carries its own range only. (blob, DecodeRequest.claim, the scatter: a future of
-        (links, seconds))."""
-        for worker, host, port in req.ring:   # KV goes only to live members' advertised ring ports
-            if worker != req.decode_worker:
-                await self.kv.peers.check(host, int(port), worker, f"ring shards of {req.request_id}")
-        me = next((i for i, m in enumerate(req.ring) if m[0] == req.decode_worker), None)
-        if me is None:
-            raise BusError("bad_request", f"the coordinator {req.decode_worker} is not in the ring {req.ring}")
-        layout = self.engine.layout
-        try:
-            ranges = ring_ranges(h, len(req.ring), self.engine.engine.model_config.max_context)
-        except ValueError as e:
-            raise BusError("bad_request", f"{req.request_id}: no ring of {len(req.ring)}: {e}") from None
-        ticket, d = new_ticket(), self.settings.data
-
-        def scatter() -> tuple[list[str], float]:
-            t0 = time.monotonic()
-            links = scatter_parked(req.ring, req.decode_worker, ranges, kv, h.num_computed, layout, d.secret(),
-                                   f"{req.request_id}#{attempt}", ticket, d.timeout, d.shm)
-            return links, time.monotonic() - t0
-
-        task = asyncio.ensure_future(asyncio.to_thread(scatter))
-        own = shard_bytes(layout, kv, *ranges[me], h.num_computed)
-        blob = dataclasses.replace(h, kv_blocks=own.nbytes // layout.block_bytes).pack(own)
-        return blob, {"ticket": ticket, "ranges": [list(r) for r in ranges]}, task

@@ -26,12 +26,13 @@ import time
 from kvpool.keys import chunk_keys_from_seed
 from shared import metrics, subjects, tracing
 from shared.bus import Bus, BusError
-from shared.schemas import Heartbeat, RoutePlan, RouteRequest, SessionState, SessionUpdate
+from shared.liveness import Heartbeats
+from shared.schemas import Heartbeat, InFlight, RingPeer, RoutePlan, RouteRequest, SessionState, SessionUpdate
 from shared.settings import Settings
 from shared.tier import Tier
 from services.migrate import migrate, to_target
-from services.placement import (POOL, Limits, Move, SessionView, WorkerView, context_digest, place, rebalance,
-                                session_held, strategy_of, strategy_plan)
+from services.placement import (POOL, Limits, Move, SessionView, WorkerView, context_digest, decide, rebalance,
+                                session_held)
 from services.prefix_index import IndexFeed, PrefixIndex
 from services.sessions import SessionStore
 
@@ -59,6 +60,7 @@ class Router:
         self.feed: IndexFeed | None = None
         self.store: SessionStore | None = None           # the session table in JetStream (services/sessions.py)
         self._tasks: list[asyncio.Task] = []
+        self.heartbeats: Heartbeats | None = None   # every worker's last heartbeat (shared/liveness.py)
         self._moves: set[asyncio.Task] = set()
         self.started = time.monotonic()
         self._swept = False                          # stale holders of the restored index dropped
@@ -72,10 +74,10 @@ class Router:
         await self.feed.start()
         self.store = SessionStore(self.bus)
         self.sessions.update(await self.store.start())
-        beats = await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
+        self.heartbeats = Heartbeats(self.bus, self._seen)
+        await self.heartbeats.start()
         decisions = await self.bus.subscribe(subjects.ROUTER_DECISION, skip_invalid=True)
-        self._tasks = [asyncio.create_task(self._watch(beats), name="heartbeats"),
-                       asyncio.create_task(self._follow(decisions), name="decisions"),
+        self._tasks = [asyncio.create_task(self._follow(decisions), name="decisions"),
                        asyncio.create_task(self._tick(), name="rebalance")]
         await self.bus.serve(subjects.ROUTE, self.route, queue=subjects.ROUTE_QUEUE, expected=RouteRequest)
         await self.bus.serve(subjects.ROUTER_SESSION, self.update_session, queue=subjects.ROUTE_QUEUE,
@@ -92,10 +94,10 @@ class Router:
                          interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port)
 
     # ---- what the router knows -------------------------------------------------------
-    async def _watch(self, beats) -> None:
-        async for beat in beats:
-            old, now = self.workers.get(beat.worker_id), time.monotonic()
-            self.workers[beat.worker_id] = old.renewed(beat, now) if old else WorkerView(beat, now)
+    def _seen(self, beat: Heartbeat, now: float) -> None:
+        """A heartbeat (``Heartbeats``, shared/liveness.py): the worker's view renewed."""
+        old = self.workers.get(beat.worker_id)
+        self.workers[beat.worker_id] = old.renewed(beat, now) if old else WorkerView(beat, now)
 
     def _live(self, now: float) -> list[WorkerView]:
         for wid, w in list(self.workers.items()):
@@ -175,13 +177,8 @@ class Router:
         held = session_held(session, req.tenant, req.prompt_token_ids, cached, chunk, self._block_tokens())
         if held > cached.get(session.worker if session else "", 0):
             cached[session.worker] = held  # its last prompt and reply, block by block: no prefill worker
-        plan, why = strategy_plan(req, live, now, self.policy, session, self.limits)
-        if plan is None:
-            plan = place(req, live, now, self.policy, self.turn, cached=cached, session=session,
-                         limits=self.limits, chunk_tokens=chunk)
-            plan.strategy = strategy_of(plan)
-            if why:
-                plan.reason += f"; strategy {plan.strategy} ({why})"
+        plan = decide(req, live, now, self.policy, self.turn, cached=cached, session=session, limits=self.limits,
+                      chunk_tokens=chunk)
         plan.router, plan.owner = self.worker_id, req.owner
         if session is None:
             plan.session_id = None
@@ -212,8 +209,8 @@ class Router:
             session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=[], router=self.worker_id,
             owner=upd.owner))
         done = await self._run_moves(moves)
-        running = list(dict.fromkeys(rid for w in self.workers.values() for rid, sid, _ in w.held()
-                                     if sid == upd.session_id))   # a prompt's prefill and decode worker both count it
+        running = list(dict.fromkeys(r.request_id for w in self.workers.values() for r in w.held()
+                                     if r.session_id == upd.session_id))   # a prompt's prefill and decode worker both count it
         log.info("session %s -> %s: %d request(s) moved", upd.session_id, upd.tier, len(done))
         return SessionState(session_id=upd.session_id, tier=upd.tier, worker=s.worker, running=running,
                             moved=done, reason=f"tier {upd.tier}", router=self.worker_id, owner=upd.owner)
@@ -251,10 +248,10 @@ class Router:
             self.moving.discard(m.request_id)
         src = self.workers.get(m.source)
         if src is not None:  # until the next heartbeats say so
-            src.beat.requests = [r for r in src.beat.requests if r[0] != m.request_id]
+            src.beat.requests = [r for r in src.beat.requests if r.request_id != m.request_id]
             src.beat.kv_tokens = {r: v for r, v in src.beat.kv_tokens.items() if r != m.request_id}
             src.routed = [r for r in src.routed if r[0] != m.request_id]
-        m.target.beat.requests = [*m.target.beat.requests, [m.request_id, m.session_id, m.tier]]
+        m.target.beat.requests = [*m.target.beat.requests, InFlight(m.request_id, m.session_id, m.tier)]
         session = self.sessions.get(m.session_id)
         plan = RoutePlan(request_id=m.request_id, prefill_worker=None, decode_worker=m.target.id,
                          decode_role=m.target.role, tier=m.tier, session_id=m.session_id or None,
@@ -262,7 +259,7 @@ class Router:
                          reason=f"{m.reason}; moved {reply.num_tokens} tokens of KV from {m.source} in "
                                 f"{reply.seconds * 1e3:.0f} ms over {reply.path}")
         plan.strategy = m.strategy
-        plan.ring = [[v.id, v.beat.data_host, v.beat.ring_port] for v in m.ring]
+        plan.ring = [RingPeer(v.id, v.beat.data_host, v.beat.ring_port) for v in m.ring]
         metrics.ROUTER_MOVES.labels(m.kind, m.strategy, "ok").inc()
         self._apply(plan, time.monotonic())
         await self.bus.publish(subjects.ROUTER_DECISION, plan)
@@ -294,6 +291,8 @@ class Router:
     async def close(self) -> None:
         for t in [*self._tasks, *self._moves]:
             t.cancel()
+        if self.heartbeats is not None:
+            await self.heartbeats.close()
         if self.feed is not None:
             await self.feed.close()   # writes a last snapshot of the prefix index
         if self.store is not None:

@@ -193,7 +193,7 @@ class Child:
                           "rest of the stack keeps serving", self.name, code, len(self.exits),
                           _nth(len(self.exits)), RESTART_WINDOW_S)
                 return
-            wait = min(BACKOFF_S[0] * 2 ** (len(self.exits) - 1), BACKOFF_S[1])
+            wait = backoff(len(self.exits))
             metrics.RESTARTS.labels(self.service).inc()
             log.warning("%s exited with code %s; restarting in %.1f s (restart %d in %.0f s)", self.name, code, wait,
                         len(self.exits), RESTART_WINDOW_S)
@@ -218,6 +218,12 @@ class Child:
             log.warning("%s did not stop in %.0f s; killing it", self.name, timeout)
             p.kill()
             await p.wait()
+
+
+def backoff(restarts: int) -> float:
+    """Seconds to wait before restart number ``restarts`` (1, 2, ...) within the window: the first
+    of ``BACKOFF_S``, doubling, at most the second."""
+    return min(BACKOFF_S[0] * 2 ** (restarts - 1), BACKOFF_S[1])
 
 
 def _die_with_parent() -> None:
@@ -254,7 +260,7 @@ async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
             if len(failures) > RESTART_LIMIT:
                 log.error("!!! GIVING UP on the embedded nats-server: no service can talk to another now")
                 return
-            await asyncio.sleep(min(BACKOFF_S[0] * 2 ** len(failures), BACKOFF_S[1]))
+            await asyncio.sleep(backoff(len(failures)))
 
 
 def key_file(path: str, what: str = "pool secret") -> None:

@@ -1,9 +1,18 @@
 """What every engine worker (prefill, gpu-decode, cpu-decode) shares: the engine, the bus
 connection, heartbeats with load, aborts, and streaming outputs as ``StreamChunk`` messages.
 
-Life cycle of a request in a worker: Accepted (the engine took it; the handler acks) →
-Streaming (a task publishes each output on the request's stream subject) → Done (finished,
-aborted, or failed: a failure is published on the stream as an ``ErrorReply``, never silence).
+Life cycle of a request in a worker: one ``Request`` record per request id, its ``State``:
+
+    queued ─▶ running ─┬─▶ done           finished, or failed (an ``ErrorReply`` on the stream, never silence)
+                       ├─▶ handing off ─▶ done        prefill: handed_to the decode worker
+                       ├─▶ moving ─▶ held ─┬─▶ done   migration: handed_to the target
+                       │                   └─▶ running    the move failed: it goes on here
+                       └─▶ aborted        an Abort, a resume's fence, a lapsed lease (from any live state)
+
+A record that is no longer live is remembered a while: an aborted one (``fence``: attempts below
+it are refused, ABORTED_TTL) and a handed one (``handed_to``: Where replies, HANDED_TTL). The
+engine ends a stream that is no answer with its own markers ("prefilled", "migrated", "abort");
+they become states here (``ENDS``): a ``StreamChunk``'s ``finish_reason`` is OpenAI's.
 
 Metrics (shared/metrics.py, on this process's own /metrics port, announced in heartbeats):
 per tier, queue time = handler received → engine took the request, TTFT = received → first
@@ -14,6 +23,7 @@ the requests held (id, session, tier), waiting requests per tier and a moving av
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +38,7 @@ from shared.engine.sampling import RequestOutput, SamplingParams
 from shared.kv_connector import KVConnector
 from shared.os_priority import BatchLane
 from shared.tier import Tier
-from shared.schemas import Abort, ErrorReply, Heartbeat, Lease, LeaseReply, StreamChunk, Where, WhereReply
+from shared.schemas import Abort, ErrorReply, Heartbeat, InFlight, Lease, LeaseReply, StreamChunk, Where, WhereReply
 from shared.settings import Settings
 
 log = logging.getLogger("tandem.worker")
@@ -84,14 +94,51 @@ class _Timing:
     received: float      # time.monotonic() when the handler got it
 
 
-@dataclass
-class Held:
-    """A request in flight on this worker (heartbeat ``requests``; a migration reuses it)."""
-    session_id: str      # "" = none
-    tier: str
-    stream_subject: str
-    attempt: int = 0     # its attempt (a resume after a lost worker starts a new one)
-    origin: str = ""     # the gateway waiting for it ("" = unknown: no lease)
+class State(enum.Enum):
+    """Where a request is on this worker (module doc)."""
+    QUEUED = "queued"            # the engine took it; its stream has not started
+    RUNNING = "running"          # its stream publishes the engine's outputs
+    HANDING_OFF = "handing off"  # prefill done: its KV goes to the decode worker (services/prefill.py)
+    MOVING = "moving"            # a migration exports and sends it (services/decode.py); its stream may still run
+    HELD = "held"                # its stream ended at the move's park: held here until the move ends
+    ABORTED = "aborted"          # dropped here (an Abort, a resume's fence, a lapsed lease)
+    DONE = "done"                # ended here, or handed to another worker (``handed_to``)
+
+
+LIVE = frozenset({State.QUEUED, State.RUNNING, State.HANDING_OFF, State.MOVING, State.HELD})
+# the engine's ends that are no answer to the client -> the state the request goes to here
+ENDS = {"prefilled": State.HANDING_OFF, "migrated": State.MOVING, "abort": State.ABORTED}
+
+
+@dataclass(eq=False)
+class Request:
+    """One request on this worker: its attempt's routing, its stream task, its state; once not
+    live, what is remembered of it (a fence, where it went)."""
+    request_id: str
+    state: State = State.QUEUED
+    attempt: int = 0             # its attempt (a resume after a lost worker starts a new one)
+    tier: str = "standard"
+    session_id: str = ""         # "" = none
+    stream_subject: str = ""
+    origin: str = ""             # the gateway waiting for it ("" = unknown: no lease)
+    received: float = 0.0        # when the handler got it (queue time, TTFT); 0: taken by its stream
+    task: asyncio.Task | None = None  # its stream
+    fence: int = 0               # attempts below this were aborted (0: none)
+    fenced_at: float = 0.0
+    handed_to: str = ""          # the worker it was handed or moved to ("": none)
+    handed_at: float = 0.0
+
+    @property
+    def live(self) -> bool:
+        """Held here: in heartbeats and leases, ``Where`` says so."""
+        return self.state in LIVE
+
+    def timing(self) -> _Timing | None:
+        """Its arrival, for the first stream only (a stream resumed after a failed move has none)."""
+        if not self.received:
+            return None
+        t, self.received = _Timing(self.tier, self.received), 0.0
+        return t
 
 
 ABORTED_TTL = 300.0      # seconds an aborted request id is remembered (a move may still bring it)
@@ -113,17 +160,12 @@ class EngineWorker:
         self.device = self.engine.device
         self.bus: Bus | None = None
         self.kv: KVConnector | None = None         # hand-off, migration, the KV pool, chunk events
-        self.tasks: dict[str, asyncio.Task] = {}   # request id -> its streaming task
+        self.requests: dict[str, Request] = {}     # request id -> its record (live, or remembered a while)
         self.data_host, self.data_port = "", 0
         self.ring_port = 0                         # hosts ring members there (cpu-decode, services/decode.py)
         self.metrics_port = 0
         on_gpu = self.device.startswith("cuda")  # a GPU worker counts its GPUs (NVML), a CPU one RAPL
         self.energy = EnergyMeter(nvml=on_gpu, rapl=not on_gpu)
-        self.timings: dict[str, _Timing] = {}      # request id -> when it arrived, its tier
-        self.held: dict[str, Held] = {}            # requests in flight here (heartbeat ``requests``)
-        self.moving: set[str] = set()              # requests being migrated away (services/decode.py)
-        self.aborted: dict[str, tuple[float, int]] = {}  # request id -> (when, attempts below this) aborted
-        self.handed: dict[str, tuple[str, float]] = {}    # request id -> (worker it went to, when)
         self.tpot = 0.0                            # moving average seconds per output token
         self.heard: dict[str, float] = {}          # gateway id -> when it last answered a lease check
         self.admitting: dict[str, tuple[int, asyncio.Future]] = {}  # request id -> (attempt, done): the engine takes it
@@ -170,7 +212,7 @@ class EngineWorker:
                          max_context=self.engine.max_context, data_host=self.data_host,
                          data_port=self.data_port, ts=time.time(),
                          interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port,
-                         requests=[[rid, h.session_id, h.tier] for rid, h in self.held.items()],
+                         requests=[InFlight(rid, r.session_id, r.tier) for rid, r in self.held.items()],
                          waiting_by_tier=self.waiting_by_tier(st), tpot_ms=round(self.tpot * 1e3, 3),
                          kv_scope=self.kv.scope.seed().hex(), chunk_tokens=self.kv.scope.chunk_tokens,
                          kv_block_tokens=self.engine.layout.block_size, ring_port=self.ring_port,
@@ -188,27 +230,54 @@ class EngineWorker:
         """Takes work: the engine is not stuck in a step (TANDEM_STEP_DEADLINE_S)."""
         return not self.engine.stalled(self.settings.worker.step_deadline_s)
 
+    # ---- views of the records ----------------------------------------------------------
+    @property
+    def held(self) -> dict[str, Request]:
+        """The requests held here (live), by id."""
+        return {rid: r for rid, r in self.requests.items() if r.live}
+
+    @property
+    def tasks(self) -> dict[str, asyncio.Task]:
+        """The stream tasks running, by request id."""
+        return {rid: r.task for rid, r in self.requests.items() if r.task is not None}
+
+    @property
+    def moving(self) -> set[str]:
+        """The requests a migration is moving away."""
+        return {rid for rid, r in self.requests.items() if r.state in (State.MOVING, State.HELD)}
+
+    def _prune(self, now: float) -> None:
+        """Forget fences and hand-overs past their time; records with nothing left to say go."""
+        for rid, r in list(self.requests.items()):
+            if r.fence and now - r.fenced_at >= ABORTED_TTL:
+                r.fence = 0
+            if r.handed_to and now - r.handed_at >= HANDED_TTL:
+                r.handed_to = ""
+            if not r.live and not r.fence and not r.handed_to and r.task is None:
+                del self.requests[rid]
+
     # ---- where a request is, who still wants it ----------------------------------------
     async def where(self, req: Where) -> WhereReply:
         """Does this worker hold the request (or where did it send it)? The gateway asks when a
         stream goes quiet; no responders tells it this worker is gone. A request being moved is
         still held here until the target has it (a failed move goes on here): a quiet stream
         during a slow move is not a lost one."""
-        held = self.held.get(req.request_id)
-        handed = self.handed.get(req.request_id)
+        rec = self.requests.get(req.request_id)
+        held = rec if rec is not None and rec.live else None
         arriving = self.arriving.get(req.request_id)
         if arriving is not None and (held is None or arriving > held.attempt):
             # being admitted (behind a long engine step, say): not a lost one
             return WhereReply(worker=self.worker_id, holds=True, ready=self.ready(), attempt=arriving)
         return WhereReply(worker=self.worker_id, holds=held is not None,
-                          handed_to=handed[0] if handed and held is None else "", ready=self.ready(),
+                          handed_to=rec.handed_to if rec is not None and held is None else "", ready=self.ready(),
                           attempt=held.attempt if held else 0)
 
     def hand_over(self, request_id: str, worker: str) -> None:
         """``request_id`` now runs on ``worker`` (hand-off or migration): Where replies say so."""
         now = time.monotonic()
-        self.handed = {rid: v for rid, v in self.handed.items() if now - v[1] < HANDED_TTL}
-        self.handed[request_id] = (worker, now)
+        self._prune(now)
+        rec = self.requests.setdefault(request_id, Request(request_id, State.DONE))
+        rec.handed_to, rec.handed_at = worker, now
 
     async def _leases(self) -> None:
         """Every heartbeat interval, ask each gateway whose requests this worker holds which of
@@ -221,7 +290,7 @@ class EngineWorker:
         interval = max(0.5, self.settings.worker.heartbeat_interval)
         while True:
             await asyncio.sleep(interval)
-            origins = {h.origin for h in self.held.values() if h.origin}
+            origins = {r.origin for r in self.held.values() if r.origin}
             for origin in origins:
                 try:
                     await self._lease(origin, interval)
@@ -229,7 +298,7 @@ class EngineWorker:
                     log.exception("lease check of gateway %s failed", origin)
 
     async def _lease(self, origin: str, interval: float) -> None:
-        mine = {rid: h.attempt for rid, h in self.held.items() if h.origin == origin}
+        mine = {rid: r.attempt for rid, r in self.held.items() if r.origin == origin}
         try:
             reply = await self.bus.request(subjects.gateway_alive(origin), Lease(worker=self.worker_id, requests=mine),
                                            timeout=interval, expected=LeaseReply)
@@ -251,8 +320,8 @@ class EngineWorker:
                                        below_attempt=attempt + 1))
 
     def is_aborted(self, request_id: str, attempt: int) -> bool:
-        entry = self.aborted.get(request_id)
-        return entry is not None and attempt < entry[1]
+        rec = self.requests.get(request_id)
+        return rec is not None and attempt < rec.fence
 
     async def _abort_loop(self) -> None:
         async for msg in self._abort_sub:
@@ -261,10 +330,11 @@ class EngineWorker:
     async def _on_abort(self, msg: Abort) -> None:
         """Drop the request (all attempts, or those below ``msg.below_attempt``: a resume fences them)."""
         now = time.monotonic()
-        self.aborted = {rid: v for rid, v in self.aborted.items() if now - v[0] < ABORTED_TTL}
+        self._prune(now)
         below = msg.below_attempt or ALL_ATTEMPTS
-        self.aborted[msg.request_id] = (now, max(below, self.aborted.get(msg.request_id, (0, 0))[1]))
-        held = self.held.get(msg.request_id)
+        rec = self.requests.setdefault(msg.request_id, Request(msg.request_id, State.ABORTED))
+        rec.fence, rec.fenced_at = max(below, rec.fence), now   # remembered: a move may still bring it
+        held = rec if rec.live else None
         if held is not None and held.attempt >= below:
             return  # a newer attempt runs here: the abort fences older ones only
         if held is None and msg.below_attempt:
@@ -272,30 +342,47 @@ class EngineWorker:
             # there would end the newer attempt whose admission may be under way on this worker
             # (an older one still being admitted finds itself in ``aborted`` when it is taken).
             return
-        task = self.tasks.pop(msg.request_id, None)
+        task, rec.task = rec.task, None
         if task is not None:
             task.cancel()
             await asyncio.wait([task], timeout=5)  # its stream is closed before a new attempt opens one
-        # (the stream's end dropped ``held`` already, or not yet: either way the engine drops it now,
+        # (the stream's end ended the record already, or not yet: either way the engine drops it now,
         # before a resume waiting on this can add its own sequence under the same id)
-        now_held, pending = self.held.get(msg.request_id), self.admitting.get(msg.request_id)
-        if (now_held is not None and now_held is not held) or (pending is not None and pending[0] >= below):
+        now_rec, pending = self.requests.get(msg.request_id), self.admitting.get(msg.request_id)
+        if (now_rec is not rec and now_rec is not None and now_rec.live) or (pending is not None and pending[0] >= below):
             return  # a newer attempt was admitted, or is being admitted, meanwhile: it stays
         if await self.engine.abort(msg.request_id):
             log.info("%s aborted (%s)", msg.request_id, msg.reason or "client gone")
-        if self.held.get(msg.request_id) is held:
-            self.held.pop(msg.request_id, None)
+        rec.state = State.ABORTED   # (its stream's end may have called it done first)
 
     def spawn(self, request_id: str, coro) -> None:
-        task = asyncio.create_task(coro, name=f"stream-{request_id}")
-        self.tasks[request_id] = task
-        task.add_done_callback(lambda t, rid=request_id: self._stream_done(rid, t))
+        """Run the request's stream (``stream_outputs``) as its task: queued -> running."""
+        rec = self.requests[request_id]
+        rec.task = asyncio.create_task(coro, name=f"stream-{request_id}")
+        if rec.state is State.QUEUED:
+            rec.state = State.RUNNING
+        rec.task.add_done_callback(lambda t, r=rec: self._stream_done(r, t))
 
-    def _stream_done(self, request_id: str, task: asyncio.Task) -> None:
-        if self.tasks.get(request_id) is task:
-            self.tasks.pop(request_id)
-        if request_id not in self.tasks and request_id not in self.moving:
-            self.held.pop(request_id, None)
+    def hold(self, rec: Request) -> None:
+        """``rec`` (an attempt the engine took) becomes its request's record: the fence of older
+        attempts stays; where an older attempt went is no news now."""
+        prev = self.requests.get(rec.request_id)
+        if prev is not None:
+            rec.fence, rec.fenced_at = prev.fence, prev.fenced_at
+        self.requests[rec.request_id] = rec
+
+    def _stream_done(self, rec: Request, task: asyncio.Task) -> None:
+        """Its stream ended: running / handing off -> done; moving -> held (the move decides)."""
+        if rec.task is task:
+            rec.task = None
+        if rec.task is not None:
+            return
+        if rec.state is State.MOVING:
+            rec.state = State.HELD
+        elif rec.state in (State.QUEUED, State.RUNNING, State.HANDING_OFF):
+            rec.state = State.DONE
+            if not rec.fence and not rec.handed_to and self.requests.get(rec.request_id) is rec:
+                del self.requests[rec.request_id]   # nothing to remember
 
     async def stream_outputs(self, request_id: str, subject: str, outputs: AsyncIterator[RequestOutput],
                              first_seq: int, on_parked=None, attempt: int = 0, offset: int = 0) -> int | None:
@@ -309,9 +396,9 @@ class EngineWorker:
         an abort is never an answer (whoever dropped it either is the gateway, or a fence of an
         attempt the gateway has replaced, or a lease the gateway let go: nobody waits for it)."""
         seq = first_seq
-        timing = self.timings.pop(request_id, None)
-        held = self.held.get(request_id)
-        coalesce = self.settings.worker.batch_coalesce_ms / 1e3 if held and held.tier == Tier.BATCH else 0.0
+        rec = self.requests.get(request_id)
+        timing = rec.timing() if rec is not None else None
+        coalesce = self.settings.worker.batch_coalesce_ms / 1e3 if rec and rec.tier == Tier.BATCH else 0.0
         first_at, emitted = None, 0     # this worker's first token, tokens it published
         last_at = None                  # when the previous output with tokens came
         try:
@@ -325,19 +412,24 @@ class EngineWorker:
                         first_at = now
                     last_at = now
                 emitted += len(out.token_ids)
-                if out.finish_reason == "migrated":
+                end = ENDS.get(out.finish_reason)   # None: an answer (a token, OpenAI's finish reason)
+                if end is State.MOVING:             # parked for a move: the target goes on from ``seq``
                     self._observe(timing, first_at, emitted, "migrated")
                     return seq
                 if out.reused_tokens >= 0:
                     metrics.resumed(self.role, out.reused_tokens, out.recomputed_tokens)
                     log.info("%s resumed (attempt %d): %d token(s) of KV reused, %d recomputed", request_id,
                              attempt, out.reused_tokens, out.recomputed_tokens)
-                if out.finish_reason == "abort":
+                if end is State.ABORTED:            # the engine dropped it: nobody waits for an answer
                     self._observe(timing, first_at, emitted, "aborted")
+                    if rec is not None and rec.live:
+                        rec.state = State.ABORTED
                     return
-                if out.finish_reason == "prefilled":
+                if end is State.HANDING_OFF:        # prefill done: the first token, then the hand-off
                     await self.bus.publish(subject, self.chunk(out, seq, finish=False, attempt=attempt, offset=offset))
                     self._observe(timing, first_at, emitted, "parked")
+                    if rec is not None and rec.state is State.RUNNING:
+                        rec.state = State.HANDING_OFF
                     await on_parked(out)
                     return
                 await self.bus.publish(subject, self.chunk(out, seq, finish=out.finished, attempt=attempt,
@@ -443,9 +535,8 @@ class EngineWorker:
             del self.admitting[rid]
             done.set_result(None)
         metrics.observe_request(self.role, req.tier, queue=time.monotonic() - received)
-        self.timings[rid] = _Timing(req.tier, received)
-        self.held[rid] = Held(req.session_id or "", req.tier, req.stream_subject, attempt, req.origin)
-        self.handed.pop(rid, None)
+        self.hold(Request(rid, State.QUEUED, attempt, req.tier, req.session_id or "", req.stream_subject,
+                          req.origin, received))
         if self.is_aborted(rid, attempt):  # the Abort came while the engine took it
             await self.engine.abort(rid)
         return out

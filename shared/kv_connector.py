@@ -51,8 +51,10 @@ from shared import metrics, subjects
 from shared.bus import Bus, BusError
 from shared.engine.kv_cache import KVBlobHeader
 from shared.kv_events import KVEventPublisher
+from shared.liveness import Heartbeats, clock, fresh
 from shared.schemas import (
-    DecodeRequest, Heartbeat, PoolGet, PoolLookup, PoolLookupReply, PoolPut, TransferEvent, TransferHandle,
+    DecodeRequest, Heartbeat, PoolGet, PoolLookup, PoolLookupReply, PoolPut, RingClaim, RingPeer, TransferEvent,
+    TransferHandle,
 )
 from shared.settings import PoolSettings, Settings
 from shared.transfer import make_transport
@@ -97,13 +99,12 @@ async def _report(bus: Bus, reporter: str, event: TransferEvent) -> None:
 
 
 SPILLED_HEADS = 4096    # first blocks of the sessions this worker spilled, remembered (short prompts ask the pool)
-LIVENESS_FACTOR = 3.0   # a worker's address is live for this many of its heartbeat intervals
 
 
 class DataPeers:
     """The data-plane addresses of live workers, learnt from every heartbeat (``tandem.heartbeat.>``):
-    (host, port) -> the worker there, while its last heartbeat is younger than LIVENESS_FACTOR of its
-    intervals. KV that a bus message asks for goes only to such an address (``check``)."""
+    (host, port) -> the worker there, while the last heartbeat naming it is fresh (shared/liveness.py).
+    KV that a bus message asks for goes only to such an address (``check``)."""
 
     def __init__(self, bus: Bus, wait_s: float):
         self.bus = bus
@@ -111,27 +112,24 @@ class DataPeers:
         self._seen: dict[tuple[str, int], tuple[str, float, float]] = {}  # -> (worker id, monotonic, interval)
         self.roles: dict[str, str] = {}  # worker id -> role, of every worker heard from
         self._beat = asyncio.Event()     # set (then cleared) on every heartbeat with an address
-        self._sub = None
-        self._task: asyncio.Task | None = None
+        self.heartbeats = Heartbeats(bus, self._seen_beat, name="data-peers")
 
     async def start(self) -> None:
-        self._sub = await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
-        self._task = asyncio.create_task(self._watch(self._sub), name="data-peers")
+        await self.heartbeats.start()
 
-    async def _watch(self, sub) -> None:
-        async for beat in sub:
-            self.roles[beat.worker_id] = beat.role
-            if beat.data_port:
-                self._seen[(beat.data_host, beat.data_port)] = (beat.worker_id, time.monotonic(), beat.interval)
-                if beat.ring_port:  # ring members: KV is scattered there too
-                    self._seen[(beat.data_host, beat.ring_port)] = (beat.worker_id, time.monotonic(), beat.interval)
-                self._beat.set()
-                self._beat.clear()
+    def _seen_beat(self, beat: Heartbeat, now: float) -> None:
+        self.roles[beat.worker_id] = beat.role
+        if beat.data_port:
+            self._seen[(beat.data_host, beat.data_port)] = (beat.worker_id, now, beat.interval)
+            if beat.ring_port:  # ring members: KV is scattered there too
+                self._seen[(beat.data_host, beat.ring_port)] = (beat.worker_id, now, beat.interval)
+            self._beat.set()
+            self._beat.clear()
 
     def worker_at(self, host: str, port: int) -> str | None:
         """The live worker whose receiver is (host, port), or None."""
         seen = self._seen.get((host, port))
-        if seen is None or time.monotonic() - seen[1] > LIVENESS_FACTOR * seen[2]:
+        if seen is None or not fresh(seen[1], seen[2], clock()):
             return None
         return seen[0]
 
@@ -156,11 +154,7 @@ class DataPeers:
         return found
 
     async def close(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.heartbeats.close()
 
 
 class KVConnector:
@@ -219,13 +213,13 @@ class KVConnector:
     async def hand_off(self, blob: bytes, *, subject: str, host: str, port: int, transfer_id: str, tier: str,
                        stream_subject: str, next_seq: int, session_id: str | None, attempt: int = 0,
                        origin: str = "", timeout: float | None = None,
-                       ring: list | None = None, claim: dict | None = None,
+                       ring: list[RingPeer] | None = None, claim: RingClaim | None = None,
                        alongside: asyncio.Future | None = None) -> tuple[KVBlobHeader, SendResult]:
         """Move an exported sequence to the worker serving ``subject`` (its decode subject), whose
         receiver is ``host:port`` (the caller checked it is that worker's: ``peers.check``): the KV
         over the data plane, then a DecodeRequest carrying the handle; the receiver continues the
         stream at ``next_seq``. ``ring``: the receiver coordinates that ring (``claim``: the other
-        members hold their ranges already, parked by ``ring_net.scatter_parked``, which runs as
+        members hold their ranges already, parked by ``shared/ring`` (``RingConnector.scatter``), run as
         ``alongside`` while the KV is sent: the DecodeRequest goes once both are done, not if it
         failed). Raises TransferError / BusError (RemoteError with the receiver's
         code) when it did not take it."""
@@ -244,7 +238,7 @@ class KVConnector:
             request_id=h.request_id, handle=handle, prompt_token_ids=h.prompt_token_ids,
             output_token_ids=h.output_token_ids, sampling=h.params, tier=tier, stream_subject=stream_subject,
             next_seq=next_seq, session_id=session_id, attempt=attempt, origin=origin, ring=ring or [],
-            claim=claim or {}),
+            claim=claim),
             timeout=timeout)
         return h, res
 

@@ -13,6 +13,7 @@ How a service feeds them:
     metrics.pool_stored("disk", nbytes=64 << 20)             # bytes the tier now holds
     metrics.transfer("tcp", nbytes=2_000_000, seconds=0.004) # KV moved, per data-plane path
     metrics.migration("gpu-decode", "cpu-decode", "ok", 0.02) # a running request moved between workers
+    metrics.ring_step(0.03, out=4096, back=512, ring=0)       # a ring decode step with remote members
 
 Labels: ``service`` is the role (gateway, router, prefill, gpu-decode, cpu-decode, kvpool);
 ``tier`` on request series is the SLA tier (interactive|standard|batch); on pool series it is
@@ -72,6 +73,16 @@ TRANSFER_SECONDS = Histogram("tandem_transfer_seconds", "seconds per KV transfer
                              buckets=_LATENCY)
 DATA_REFUSED = Counter("tandem_data_refused_frames", "data-plane frames a receiver refused: no valid tag under "
                        "TANDEM_DATA_KEY (reason: no tag, wrong tag), or addressed to no live worker", ["reason"])
+RING_BYTES = Counter("tandem_ring_bytes", "ring decode traffic between processes (cpu-ring(N)): scatter = the "
+                     "members' KV ranges loaded, out = q|k|v rows (and states) the coordinator sends, back = states "
+                     "it receives, ring = member to member (the fold)", ["direction"])
+RING_STEPS = Counter("tandem_ring_steps", "ring decode steps a coordinator ran with members in other processes")
+RING_STEP_SECONDS = Histogram("tandem_ring_step_seconds", "seconds per ring decode step (coordinator)",
+                              buckets=_PER_TOKEN)
+RING_SESSIONS = Counter("tandem_ring_sessions", "ring sessions set up, by how (scattered: by the coordinator; "
+                        "parked: by the prefill; claimed: by the coordinator, parked by the prefill) and outcome "
+                        "(ok, or the error code)",
+                        ["how", "outcome"])
 RESUMES = Counter("tandem_resumes", "requests resumed on this role after the worker holding them was lost",
                   ["role"])
 RESUME_TOKENS = Counter("tandem_resume_tokens", "tokens of resumed requests: KV reused (prefix cache, KV pool) "
@@ -177,6 +188,22 @@ def transfer(path: str, nbytes: int, seconds: float) -> None:
     """One KV transfer over data-plane ``path``."""
     TRANSFER_BYTES.labels(path).inc(nbytes)
     TRANSFER_SECONDS.labels(path).observe(seconds)
+
+
+def ring_step(seconds: float, *, out: int, back: int, ring: int) -> None:
+    """One ring decode step of a coordinator with remote members, and the bytes it moved."""
+    RING_STEPS.inc()
+    RING_STEP_SECONDS.observe(seconds)
+    for direction, n in (("out", out), ("back", back), ("ring", ring)):
+        if n:
+            RING_BYTES.labels(direction).inc(n)
+
+
+def ring_session(how: str, outcome: str, scattered_bytes: int = 0) -> None:
+    """A ring session set up (or refused): ``how`` scattered | parked | claimed, ``outcome`` ok | an error code."""
+    RING_SESSIONS.labels(how, outcome).inc()
+    if scattered_bytes:
+        RING_BYTES.labels("scatter").inc(scattered_bytes)
 
 
 def migration(source_role: str, target_role: str, outcome: str = "ok", seconds: float | None = None) -> None:

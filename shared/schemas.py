@@ -1,86 +1,17 @@
-"""Every message on the bus: a typed, versioned dataclass, encoded with orjson.
+"""Every message on the bus: a typed, versioned dataclass (the envelope: shared/envelope.py).
 
-Wire envelope (one JSON object)::
-
-    {"schema": "<name>", "v": <version>, ...fields}
-
-``encode(msg)`` checks the payload stays under ``MAX_PAYLOAD`` (512 KiB, well below NATS's
-1 MiB including headers); KV bytes never travel in a message, only a ``TransferHandle``.
-``decode(data, expected)`` checks the schema name, the version and every field's type and
-raises ``SchemaError`` (a ValueError) naming the bad field. ``REGISTRY`` maps schema name to
-class so ``tandem tap`` can decode anything.
-
-A change to a message's fields that an old reader cannot accept bumps its VERSION.
+A change to a message's fields that an old reader cannot accept bumps its VERSION; a peer
+speaking the old one is refused by ``decode`` with both versions named.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import field
+from typing import ClassVar
 
-import orjson
-
-from shared.tier import TIERS
-
-MAX_PAYLOAD = 512 * 1024  # bytes; NATS's default max_payload is 1 MiB including headers
-
-# error code -> HTTP status the gateway answers with
-ERROR_STATUS: dict[str, int] = {
-    "bad_request": 400,
-    "prompt_too_long": 400,   # OpenAI answers context-length errors with 400
-    "forbidden": 403,         # e.g. KV asked to go to an address that is no live worker's
-    "not_found": 404,
-    "overloaded": 429,
-    "internal": 500,
-    "unavailable": 503,
-    "timeout": 504,
-}
-
-
-class SchemaError(ValueError):
-    """A message that does not match its schema; ``field`` names the offending field."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-class MessageTooLarge(ValueError):
-    """An encoded message over MAX_PAYLOAD: send bulk data over the data plane instead."""
-
-
-REGISTRY: dict[str, type] = {}
-_HINTS: dict[type, dict[str, Any]] = {}    # class -> resolved field types
-_NAMES: dict[type, tuple[str, ...]] = {}   # class -> field names, in order
-_REQUIRED: dict[type, frozenset[str]] = {}  # class -> fields without a default
-
-
-def message(name: str, version: int):
-    """Class decorator: make a dataclass a wire message named ``name`` at ``version``."""
-
-    def wrap(cls):
-        cls = dataclass(cls)
-        cls.SCHEMA = name
-        cls.VERSION = version
-        if name in REGISTRY:
-            raise ValueError(f"duplicate schema name {name!r}")
-        REGISTRY[name] = cls
-        _prepare(cls)
-        return cls
-
-    return wrap
-
-
-def _prepare(cls: type) -> None:
-    fs = dataclasses.fields(cls)
-    _HINTS[cls] = typing.get_type_hints(cls)
-    _NAMES[cls] = tuple(f.name for f in fs)
-    _REQUIRED[cls] = frozenset(
-        f.name for f in fs
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+from shared.envelope import (  # noqa: F401  (re-exported: the bus and every service import them from here)
+    ERROR_STATUS, MAX_PAYLOAD, REGISTRY, MessageTooLarge, SchemaError, decode, encode, from_fields, message, to_dict,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +33,39 @@ class TransferHandle:
     meta: dict = field(default_factory=dict)  # layout (dtype, shapes, block size): small only
 
 
+@message("RingPeer", 1)
+class RingPeer:
+    """A member of a ring (cpu-ring(N), docs/strategies.md), in shard order in a plan."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    worker: str                 # its worker id
+    host: str                   # its data-plane host (from its heartbeat)
+    port: int                   # its ring port (Heartbeat.ring_port)
+
+    def as_list(self) -> list:
+        """[worker, host, port] (what ``shared/ring`` plans and logs take)."""
+        return [self.worker, self.host, self.port]
+
+
+@message("RingClaim", 1)
+class RingClaim:
+    """The ticket a prefill parked a ring's other shards under, for the coordinator to claim."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    ticket: str                 # 32 to 128 hex digits (shared/ring/connector.new_ticket)
+    ranges: list[list[int]]     # [start, end) of every member in shard order, as the prefill planned them
+
+
+@message("InFlight", 1)
+class InFlight:
+    """A request a worker holds, as its heartbeat lists it."""
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    request_id: str
+    session_id: str             # "" = none
+    tier: str
+
+
 @message("RouteRequest", 4)
 class RouteRequest:
     """gateway -> router: how should this request run?"""
@@ -120,7 +84,7 @@ class RouteRequest:
     owner: str = ""             # the API key's tenant: a session belongs to the key that created it
 
 
-@message("RoutePlan", 3)
+@message("RoutePlan", 4)
 class RoutePlan:
     """router -> gateway: the execution strategy for one request; also published on
     ``tandem.router.decision`` (every router copy applies it to its session table; tap shows it)."""
@@ -141,14 +105,14 @@ class RoutePlan:
     moved_from: str = ""        # a move of a running request: the worker it left ("" = a placement)
     owner: str = ""             # the session's owner (RouteRequest.owner)
     strategy: str = ""          # how it decodes: "gpu", "cpu" or "cpu-ring(N)" (shared/strategy.py)
-    ring: list = field(default_factory=list)  # cpu-ring: [worker id, host, ring port] per member in
-                                              # shard order; the first is the coordinator (decode_worker)
+    ring: list[RingPeer] = field(default_factory=list)  # cpu-ring: the members in shard order; the
+                                                        # first is the coordinator (decode_worker)
     context_tokens: int = 0     # the session's prompt now (its length; 0: not a session's turn) ...
     context_digest: str = ""    # ... and placement.context_digest of it: every router copy knows what
                                 # the session's worker holds for its next turn
 
 
-@message("MigrateRequest", 1)
+@message("MigrateRequest", 2)
 class MigrateRequest:
     """router -> subjects.worker_migrate(source): move a running request to another decode worker
     at a decode-step boundary (KV + sampler state over the data plane; the stream goes on)."""
@@ -160,8 +124,8 @@ class MigrateRequest:
     target_data_port: int
     tier: str                    # the tier the request runs at from now on
     reason: str = ""             # why (logged)
-    ring: list = field(default_factory=list)  # spread it onto this ring (RoutePlan.ring; the target
-                                              # is its coordinator, the first member); empty: one worker
+    ring: list[RingPeer] = field(default_factory=list)  # spread it onto this ring (RoutePlan.ring; the
+                                                        # target is its coordinator); empty: one worker
 
 
 @message("MigrateReply", 1)
@@ -237,11 +201,11 @@ class PrefillRequest:
     resume: Resume | None = None  # continue a request whose worker was lost (first chunk: resume.next_seq)
     origin: str = ""             # the gateway that waits for the stream (workers drop the request if it dies)
     tenant: str = ""             # whose cached KV it may reuse (RouteRequest.tenant)
-    ring: list = field(default_factory=list)  # RoutePlan.ring: the decode worker coordinates this ring
+    ring: list[RingPeer] = field(default_factory=list)  # RoutePlan.ring: the decode worker coordinates it
     cache_retention: str = ""    # prompt_cache_retention: "" | in_memory | 24h (the session's KV, docs/api.md)
 
 
-@message("DecodeRequest", 2)
+@message("DecodeRequest", 3)
 class DecodeRequest:
     """prefill worker -> decode worker: import the KV in ``handle`` and continue decoding (the
     blob's header carries the request's tenant)."""
@@ -258,12 +222,11 @@ class DecodeRequest:
     session_id: str | None = None
     attempt: int = 0             # the request's attempt (StreamChunk.attempt)
     origin: str = ""             # the gateway that waits for the stream
-    ring: list = field(default_factory=list)  # RoutePlan.ring: scatter the KV over these members and
-                                              # coordinate the ring (empty: decode here)
-    claim: dict = field(default_factory=dict)  # with ring: the prefill scattered the other members'
-                                               # ranges itself, parked under {"ticket": hex, "ranges":
-                                               # [[start, end], ...]}; the handle carries this worker's
-                                               # range only (empty: the whole KV, this worker scatters)
+    ring: list[RingPeer] = field(default_factory=list)  # RoutePlan.ring: scatter the KV over these
+                                                        # members and coordinate it (empty: decode here)
+    claim: RingClaim | None = None  # with ring: the prefill scattered the other members' ranges itself,
+                                    # parked under this ticket; the handle carries this worker's range
+                                    # only (None: the whole KV, this worker scatters)
 
 
 @message("GenerateRequest", 4)
@@ -353,7 +316,7 @@ class LeaseReply:
     attempts: dict = field(default_factory=dict)   # request id -> current attempt
 
 
-@message("Heartbeat", 3)
+@message("Heartbeat", 4)
 class Heartbeat:
     """worker -> subjects.heartbeat(role, id), every few seconds: readiness and load."""
     SCHEMA: ClassVar[str]
@@ -375,7 +338,7 @@ class Heartbeat:
     metrics_port: int = 0        # the sender's Prometheus /metrics HTTP port (0 = none)
     waiting_by_tier: dict = field(default_factory=dict)  # tier -> requests waiting at that tier
     tpot_ms: float = 0.0         # measured time per output token, recent average (0 = none yet)
-    requests: list = field(default_factory=list)  # in flight: [request_id, session_id or "", tier]
+    requests: list[InFlight] = field(default_factory=list)  # the requests it holds
     kv_scope: str = ""           # hex seed of the pool key scope (kvpool.keys.KeyScope.seed())
     chunk_tokens: int = 0        # tokens per pool chunk key (0 = no pool keys)
     kv_block_tokens: int = 0     # tokens per KV block (free tokens = free_kv_blocks x this)
@@ -514,142 +477,3 @@ class KVEvent:
     seq: int                     # 1, 2, ... per holder and epoch
     stored: list[str] = field(default_factory=list)   # chunk keys now held
     evicted: list[str] = field(default_factory=list)  # chunk keys no longer held
-
-
-# ---------------------------------------------------------------------------------------------
-# Encode / decode
-# ---------------------------------------------------------------------------------------------
-
-def to_dict(msg: Any) -> dict:
-    """The envelope dict of a message (nested messages stay dataclasses; orjson handles them)."""
-    cls = type(msg)
-    if cls not in _NAMES:
-        raise TypeError(f"{cls.__name__} is not a registered message")
-    d = {"schema": cls.SCHEMA, "v": cls.VERSION}
-    for name in _NAMES[cls]:
-        d[name] = getattr(msg, name)
-    return d
-
-
-def encode(msg: Any) -> bytes:
-    """Type-check ``msg`` and serialize it; raise MessageTooLarge past MAX_PAYLOAD."""
-    cls = type(msg)
-    if cls not in _NAMES:
-        raise TypeError(f"{cls.__name__} is not a registered message")
-    for name in _NAMES[cls]:
-        _check(getattr(msg, name), _HINTS[cls][name], f"{cls.SCHEMA}.{name}")
-    _check_values(msg.__dict__, cls.SCHEMA)
-    data = orjson.dumps(to_dict(msg))
-    if len(data) >= MAX_PAYLOAD:
-        raise MessageTooLarge(
-            f"{cls.SCHEMA} message is {len(data)} bytes, limit {MAX_PAYLOAD}: "
-            "bulk data belongs on the data plane")
-    return data
-
-
-def decode(data: bytes | bytearray | memoryview | str, expected: type | None = None) -> Any:
-    """Parse and validate one message; ``expected`` (a message class) also checks its schema."""
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError as e:
-        raise SchemaError(f"not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise SchemaError("a message must be a JSON object")
-    name = obj.pop("schema", None)
-    version = obj.pop("v", None)
-    if not isinstance(name, str):
-        raise SchemaError("missing or non-string 'schema'", "schema")
-    cls = REGISTRY.get(name)
-    if cls is None:
-        raise SchemaError(f"unknown schema {name!r}", "schema")
-    if expected is not None and cls is not expected:
-        raise SchemaError(f"expected schema {expected.SCHEMA!r}, got {name!r}", "schema")
-    if version != cls.VERSION:
-        raise SchemaError(f"{name} version {version!r} not supported (this build speaks "
-                          f"v{cls.VERSION})", "v")
-    return _build(cls, obj, name)
-
-
-def from_fields(cls: type, obj: dict) -> Any:
-    """Build and validate a message from a fields-only dict (no envelope)."""
-    return _build(cls, dict(obj), cls.SCHEMA)
-
-
-def _build(cls: type, obj: dict, where: str) -> Any:
-    hints = _HINTS[cls]
-    unknown = obj.keys() - hints.keys()
-    if unknown:
-        bad = sorted(unknown)[0]
-        raise SchemaError(f"{where}: unknown field {bad!r}", bad)
-    missing = _REQUIRED[cls] - obj.keys()
-    if missing:
-        bad = sorted(missing)[0]
-        raise SchemaError(f"{where}: missing field {bad!r}", bad)
-    kwargs = {k: _check(v, hints[k], f"{where}.{k}") for k, v in obj.items()}
-    _check_values(kwargs, where)
-    return cls(**kwargs)
-
-
-def _check_values(fields: dict, where: str) -> None:
-    """Value checks shared by several messages (types are checked already)."""
-    tier = fields.get("tier")
-    if tier is not None and tier not in TIERS:
-        raise SchemaError(f"{where}.tier: {tier!r} is not one of {', '.join(TIERS)}", "tier")
-
-
-def _check(value: Any, tp: Any, path: str) -> Any:
-    """Return ``value`` (nested messages built) if it has type ``tp``, else raise SchemaError."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        for arm in typing.get_args(tp):
-            if arm is type(None):
-                continue
-            try:
-                return _check(value, arm, path)
-            except SchemaError:
-                pass
-        raise _type_error(path, value, tp)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is list or origin is list:
-        if isinstance(value, list):
-            args = typing.get_args(tp)
-            if args and args[0] in (str, int) and all(type(v) is args[0] for v in value):
-                return value  # fast path (KV event keys, token ids); the general check says the same
-            if args and args[0] is not Any:
-                return [_check(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
-            return value
-    elif tp is dict or origin is dict:
-        if isinstance(value, dict):
-            return value
-    elif tp in _NAMES:  # a nested message
-        if isinstance(value, tp):
-            return value
-        if isinstance(value, dict):
-            return _build(tp, dict(value), path)
-    else:  # pragma: no cover - a schema author's mistake
-        raise TypeError(f"{path}: unsupported field type {tp!r}")
-    raise _type_error(path, value, tp)
-
-
-def _type_error(path: str, value: Any, tp: Any) -> SchemaError:
-    name = getattr(tp, "__name__", None) or str(tp)
-    shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return SchemaError(f"{path}: expected {name}, got {type(value).__name__} {shown}",
-                       path.rsplit(".", 1)[-1])

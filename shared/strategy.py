@@ -3,7 +3,7 @@
     gpu           one gpu-decode worker (interactive sessions: fastest steps)
     cpu           one cpu-decode worker (background sessions that fit one worker's KV)
     cpu-ring(N)   N cpu-decode workers, each holding a SEG-aligned token range of the KV;
-                  the queries travel (shared/engine/ring.py) — a context no single worker holds
+                  the queries travel (shared/ring/) — a context no single worker holds
 
 ``choose(tier, context_tokens, workers)`` is a pure function of what the router knows (each
 live decode worker's role and free KV in tokens); ``shard_ranges`` is the ring's split, shared
@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from shared import subjects
+from shared.tier import Tier
 
 SEG = 256          # keys per attention segment (kernels/forward_cpu.cpp SEG): ring shards are SEG-aligned
 MAX_RING = 8       # members of a ring at most
@@ -96,11 +99,11 @@ def choose(tier: str, context_tokens: int, workers: list[PoolWorker], max_member
     it, else the gpu pool. NoCapacity when nothing holds it."""
     if context_tokens < 1:
         raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
-    gpus = [w for w in workers if w.role == "gpu-decode"]
-    cpus = [w for w in workers if w.role == "cpu-decode"]
+    gpus = [w for w in workers if w.role == subjects.GPU_DECODE]
+    cpus = [w for w in workers if w.role == subjects.CPU_DECODE]
     gpu, cpu = _single(gpus, context_tokens), _single(cpus, context_tokens)
     ring = None if cpu else smallest_ring(cpus, context_tokens, max_members)
-    order = [(GPU, gpu), (CPU, cpu), (RING, ring)] if tier == "interactive" else [(CPU, cpu), (RING, ring), (GPU, gpu)]
+    order = [(GPU, gpu), (CPU, cpu), (RING, ring)] if tier == Tier.INTERACTIVE else [(CPU, cpu), (RING, ring), (GPU, gpu)]
     for kind, got in order:
         if got is None:
             continue

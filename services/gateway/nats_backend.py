@@ -48,7 +48,8 @@ from nats.errors import MaxPayloadError
 from shared import metrics, subjects, tracing
 from shared.bus import Bus, BusError, RemoteError
 from shared.engine.sampling import RequestOutput, SamplingParams, TokenLogprob
-from shared.schemas import (MAX_PAYLOAD, Abort, ErrorReply, GenerateRequest, Heartbeat, Lease, LeaseReply,
+from shared.liveness import Heartbeats
+from shared.schemas import (MAX_PAYLOAD, Abort, ErrorReply, GenerateRequest, Lease, LeaseReply,
                             MessageTooLarge, PrefillRequest, Resume, RoutePlan, RouteRequest, SessionState,
                             SessionUpdate, StreamChunk, Where, WhereReply)
 from shared.settings import GatewaySettings
@@ -65,7 +66,6 @@ RESUMABLE = {"unavailable", "timeout"}   # a worker's stream error that another 
 FINISHES = {"stop", "length"}            # the finish reasons a worker may end a stream with (OpenAI's)
 ROUTE_TRY_S = 3.0        # a route request unanswered this long is asked again (the router may have died
 #                          holding it, or the bus be reconnecting), up to TANDEM_RESUME_WAIT_S in all
-LIVENESS_FACTOR = 3.0    # a holder whose heartbeat is older than this many intervals is taken for gone
 GAP_S = 1.0              # a missing seq not filled for this long (chunks lost in a NATS outage): resume
 HOPS = 4                 # Where replies followed (prefill -> decode -> migration targets) per check
 
@@ -108,19 +108,12 @@ class NatsBackend:
         self.tokenizer = tokenizer
         self.settings = settings or GatewaySettings()
         self.gateway_id = subjects.check_token(gateway_id, "gateway_id")
-        self.beats: dict[str, tuple[Heartbeat, float]] = {}
+        self.heartbeats = Heartbeats(bus, name="gateway-heartbeats")   # who is alive (shared/liveness.py)
         self.flights: dict[str, _Flight] = {}   # request id -> the request under way (workers' leases)
-        self._watch_task: asyncio.Task | None = None
         self.resumes = 0                 # requests resumed by this gateway (tests, logs)
 
     async def start(self) -> None:
-        sub = await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
-
-        async def watch() -> None:
-            async for beat in sub:
-                self.beats[beat.worker_id] = (beat, time.monotonic())
-
-        self._watch_task = asyncio.create_task(watch(), name="gateway-heartbeats")
+        await self.heartbeats.start()
         await self.bus.serve(subjects.gateway_alive(self.gateway_id), self._alive, expected=Lease)
 
     async def _alive(self, lease: Lease) -> LeaseReply:
@@ -130,11 +123,9 @@ class NatsBackend:
             rid: self.flights[rid].attempt for rid in lease.requests if rid in self.flights})
 
     def health(self) -> tuple[bool, dict]:
-        now = time.monotonic()
         roles: dict[str, list[str]] = {}
-        for beat, seen in self.beats.values():
-            if beat.ready and now - seen <= LIVENESS_FACTOR * beat.interval:
-                roles.setdefault(beat.role, []).append(beat.worker_id)
+        for beat in self.heartbeats.live():
+            roles.setdefault(beat.role, []).append(beat.worker_id)
         decode = roles.get(subjects.GPU_DECODE, []) + roles.get(subjects.CPU_DECODE, [])
         ready = bool(roles.get(subjects.ROUTER)) and bool(decode)
         details = {r: {"ready": bool(roles.get(r)), "workers": sorted(roles.get(r, []))}
@@ -262,8 +253,7 @@ class NatsBackend:
             await self._resume(st, f"no worker holds it any more (last seen on {worker})", "")
 
     def _stale(self, worker: str, now: float) -> bool:
-        seen = self.beats.get(worker)
-        return seen is None or now - seen[1] > LIVENESS_FACTOR * seen[0].interval
+        return self.heartbeats.gone(worker, now)
 
     async def _resume(self, st: _Flight, why: str, dead: str) -> None:
         """Go on from the next token the client has not seen, on another worker (module doc)."""
@@ -401,8 +391,7 @@ class NatsBackend:
             log.warning("%s: could not broadcast abort", request_id, exc_info=True)
 
     async def close(self) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
+        await self.heartbeats.close()
 
 
 def to_output(c: StreamChunk) -> RequestOutput:

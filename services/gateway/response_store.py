@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from dataclasses import asdict, dataclass
 
 import orjson
 
@@ -32,6 +33,28 @@ log = logging.getLogger("tandem.gateway")
 BUCKET = "tandem_responses"      # JetStream KV bucket of stored responses (key: <tenant>.<response id>)
 DEFAULT_RETENTION_S = 30 * 86400
 MAX_VALUE = 8 << 20              # a record larger than this is not stored (the bucket's value limit)
+
+@dataclass
+class StoredResponse:
+    """One stored response: what ``GET /v1/responses/{id}`` answers and a next turn continues."""
+    response: dict               # the response object as sent (its public fields)
+    input_items: list[dict]      # the turn's input items (``GET .../input_items``)
+    messages: list[dict]         # the conversation as chat messages, this turn's reply last
+    session: str | None          # the conversation's session (its next turn goes to the same worker)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StoredResponse":
+        """ValueError naming the field a stored record lacks or has of the wrong type."""
+        for name, tp in (("response", dict), ("input_items", list), ("messages", list)):
+            if not isinstance(d.get(name), tp):
+                raise ValueError(f"stored response: field {name!r} is not a {tp.__name__}")
+        if d.get("session") is not None and not isinstance(d["session"], str):
+            raise ValueError("stored response: field 'session' is not a string")
+        return cls(d["response"], d["input_items"], d["messages"], d.get("session"))
+
 
 class ResponseStore:
     """Stored responses per tenant, with per-tenant caps (module doc)."""

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict
 
 from . import streaming
 from .handlers import begin_generation, check_auth, prepare_chat, read_body, state, validated
-from .response_store import ResponseStore
+from .response_store import ResponseStore, StoredResponse
 from .openai_api import (
     SESSION_RE, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
     resolve_retention, session_of,
@@ -195,12 +195,12 @@ def check_id(rid: str) -> None:
         raise APIError(404, f"No response found with id '{rid}'.", param="response_id", code="not_found")
 
 
-async def load(request: Request, rid: str) -> dict:
+async def load(request: Request, rid: str) -> StoredResponse:
     check_id(rid)
     record = await store_of(request).get(request.state.tenant, rid)
     if record is None:
         raise APIError(404, f"No response found with id '{rid}'.", param="response_id", code="not_found")
-    return record
+    return StoredResponse.from_dict(record)
 
 
 # ---- the response object and its events -----------------------------------------------------------
@@ -284,9 +284,8 @@ class ResponsesFormat(_Format):
         return events
 
     async def finish(self, accs: list[Accumulator]) -> None:
-        full = self._full(accs)
-        self.final = public(full)
-        await self.on_finish(full)
+        self.final, message = self._full(accs)
+        await self.on_finish(self.final, message)
 
     def end_chunks(self, accs: list[Accumulator]) -> list[dict]:
         final = self.final or self.response(accs)
@@ -334,9 +333,10 @@ class ResponsesFormat(_Format):
         return items
 
     def response(self, accs: list[Accumulator]) -> dict:
-        return self.final or public(self._full(accs))
+        return self.final or self._full(accs)[0]
 
-    def _full(self, accs: list[Accumulator]) -> dict:
+    def _full(self, accs: list[Accumulator]) -> tuple[dict, dict]:
+        """The response object, and the assistant turn as a chat message (stored, never sent)."""
         chat = self.chat.response(accs)
         choice = chat["choices"][0]
         u = chat["usage"]
@@ -349,12 +349,7 @@ class ResponsesFormat(_Format):
         incomplete = "max_output_tokens" if choice["finish_reason"] == "length" else None
         obj = self._object("incomplete" if incomplete else "completed", self.output_items(choice["message"]),
                            usage=usage, incomplete=incomplete)
-        obj["_message"] = choice["message"]   # the assistant turn as a chat message (never sent)
-        return obj
-
-
-def public(obj: dict) -> dict:
-    return {k: v for k, v in obj.items() if not k.startswith("_")}
+        return obj, choice["message"]
 
 
 # ---- endpoints ------------------------------------------------------------------------------------
@@ -367,7 +362,7 @@ async def create_response(request: Request) -> Response:
     if req.truncation not in (None, "disabled", "auto"):
         raise bad_param("truncation", "truncation must be 'disabled' or 'auto'")
     previous = await load(request, req.previous_response_id) if req.previous_response_id else None
-    history = list(previous["messages"]) if previous else []
+    history = list(previous.messages) if previous else []
     new_messages = input_messages(req.input)
     conversation = history + new_messages            # what is stored and continued next turn
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
@@ -378,7 +373,7 @@ async def create_response(request: Request) -> Response:
         log.info("%s leaving out tools the server cannot run: %s", rid, ", ".join(dropped))
     # the conversation's session: its turns go to the worker holding its prefix
     session = req.session_id or (session_of(req.prompt_cache_key) if req.prompt_cache_key else None) \
-        or (previous or {}).get("session") or (rid if req.store else None)
+        or (previous.session if previous else None) or (rid if req.store else None)
     chat_body = {
         "model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "user": req.user,
@@ -406,17 +401,15 @@ async def create_response(request: Request) -> Response:
     tenant, store = request.state.tenant, store_of(request)
     input_items = [item_of(m) for m in new_messages]
 
-    async def on_finish(final: dict) -> None:
+    async def on_finish(final: dict, message: dict) -> None:
         if not req.store:
             return
-        message = final.get("_message") or {"role": "assistant", "content": ""}
         turn = {"role": "assistant", "content": message.get("content")}
         if message.get("tool_calls"):
             turn["tool_calls"] = message["tool_calls"]
-        record = {"response": public(final), "input_items": input_items, "messages": conversation + [turn],
-                  "session": session}
+        record = StoredResponse(final, input_items, conversation + [turn], session)
         try:
-            await store.put(tenant, rid, record)
+            await store.put(tenant, rid, record.to_dict())
         except Exception:  # the answer still goes out; a later previous_response_id gets a clear 404
             log.exception("%s could not be stored", rid)
 
@@ -427,13 +420,13 @@ async def create_response(request: Request) -> Response:
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> Response:
     check_auth(request)
-    return json_response((await load(request, response_id))["response"])
+    return json_response((await load(request, response_id)).response)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def get_input_items(response_id: str, request: Request) -> Response:
     check_auth(request)
-    items = (await load(request, response_id))["input_items"]
+    items = (await load(request, response_id)).input_items
     return json_response({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
                           "last_id": items[-1]["id"] if items else None, "has_more": False})
 

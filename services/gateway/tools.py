@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .openai_api import bad_param
+from .errors import bad_param
 
 # ---- parsers, one per model family ----------------------------------------------------------
 

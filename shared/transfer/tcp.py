@@ -538,8 +538,11 @@ class TcpKVReceiver(KVReceiver):
         except TransferError:
             self.give_back(view, buf)
             raise
-        release = (lambda reuse, b=buf: self.pool.release(b, reuse)) if nbytes else None
-        return view, got, release
+        return view, got, self.release_of(buf, nbytes)
+
+    def release_of(self, buf: bytearray, nbytes: int):
+        """How the taker gives a received payload's pooled buffer back (None: no buffer taken)."""
+        return (lambda reuse, b=buf: self.pool.release(b, reuse)) if nbytes else None
 
     def give_back(self, view: memoryview | None, buf: bytearray | None) -> None:
         if view is not None:

@@ -81,5 +81,4 @@ async def read(rx, loop, conn, tid: str, nbytes: int, raw_n: int, algo: str, dig
     except TransferError:
         rx.give_back(view, buf)
         raise
-    release = (lambda reuse, b=buf: rx.pool.release(b, reuse)) if raw_n else None
-    return view, got, release
+    return view, got, rx.release_of(buf, raw_n)

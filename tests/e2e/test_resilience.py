@@ -73,7 +73,7 @@ class Watch:
 
     def holder(self, rid: str, roles=subjects.DECODE_ROLES) -> str | None:
         for b in self.beats.values():
-            if b.role in roles and any(r[0] == rid for r in b.requests):
+            if b.role in roles and any(r.request_id == rid for r in b.requests):
                 return b.worker_id
         return None
 
@@ -162,7 +162,7 @@ async def test_streams_survive_a_killed_decode_worker(stack, nats_server):
         deadline, holders = time.monotonic() + 30, []
         while not holders and time.monotonic() < deadline:
             holders = [b for b in list(watch.beats.values()) if b.role in subjects.DECODE_ROLES
-                       and any(r[0] in ids for r in b.requests)]
+                       and any(r.request_id in ids for r in b.requests)]
             await asyncio.sleep(0.02)
         assert holders, f"no decode worker's heartbeat lists a stream: {watch.beats}"
         victim_beat = max(holders, key=lambda b: len(b.requests))
@@ -326,7 +326,7 @@ async def test_a_client_that_leaves_frees_the_kv_at_once(stack, nats_server):
         freed = None
         while time.monotonic() - closed < 60:
             b = watch.beats[holder]  # a heartbeat sent after the client left, showing it all freed
-            if b.ts > closed_at and not any(q[0] == rid for q in b.requests) and b.free_kv_blocks == idle[holder]:
+            if b.ts > closed_at and not any(q.request_id == rid for q in b.requests) and b.free_kv_blocks == idle[holder]:
                 freed = freed or time.monotonic() - closed
                 if aborted_on_worker(stack, rid):  # its log line may come after the heartbeat
                     break

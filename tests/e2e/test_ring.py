@@ -140,8 +140,8 @@ async def test_a_killed_ring_member_loses_nothing(ring_stack, nats_server, refer
     async def on_chunk(o):
         if o["chunks"] == 4 and not killed:
             ring = next(p.ring for p in plans if p.request_id == o["id"] and p.strategy == "cpu-ring(2)")
-            killed.append(ring[1][0])   # a member, not the coordinator
-            os.kill(pid_of(ring[1][0]), signal.SIGKILL)
+            killed.append(ring[1].worker)   # a member, not the coordinator
+            os.kill(pid_of(ring[1].worker), signal.SIGKILL)
 
     try:
         got = await asyncio.wait_for(chat(client, model, content, on_chunk), 600)
@@ -154,7 +154,7 @@ async def test_a_killed_ring_member_loses_nothing(ring_stack, nats_server, refer
     t = (got["usage"].model_extra or {}).get("tandem") or {}
     assert t.get("resumes", 0) >= 1, got["usage"]
     mine = [p for p in plans if p.request_id == got["id"]]
-    assert len(mine) >= 2 and all(killed[0] not in [m[0] for m in p.ring] for p in mine[1:]), mine
+    assert len(mine) >= 2 and all(killed[0] not in [m.worker for m in p.ring] for p in mine[1:]), mine
     assert mine[-1].strategy.startswith("cpu-ring"), mine[-1]
 
 
@@ -188,7 +188,7 @@ async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, re
             return
         for _ in range(100):  # the holder's heartbeat lists the request; the other two have beaten once
             src = next((b for b in list(beats.values()) if b.role in subjects.DECODE_ROLES
-                        and any(r[0] == o["id"] for r in b.requests)), None)
+                        and any(r.request_id == o["id"] for r in b.requests)), None)
             if src and sum(b.role == subjects.CPU_DECODE for b in list(beats.values())) >= 3:
                 break
             await asyncio.sleep(0.05)
@@ -261,8 +261,8 @@ async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring
     assert spreads, [p.reason for p in plans]
     p = spreads[0]
     assert p.moved_from == placed[got["id"]].decode_worker and p.strategy == "cpu-ring(2)", p
-    assert p.reason.startswith("spread: ") and p.moved_from not in [m[0] for m in p.ring], p
-    assert [m[0] for m in p.ring][0] == p.decode_worker
+    assert p.reason.startswith("spread: ") and p.moved_from not in [m.worker for m in p.ring], p
+    assert [m.worker for m in p.ring][0] == p.decode_worker
     counted = [ln for ln in text.splitlines()
                if ln.startswith('tandem_router_moves_total{kind="spread",outcome="ok",strategy="cpu-ring(2)"}')]
     assert counted and float(counted[0].split()[-1]) >= 1, text

@@ -20,7 +20,7 @@ from shared.bus import Bus, RemoteError
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import free_port
-from shared.schemas import (Abort, GenerateRequest, Heartbeat, Lease, LeaseReply, MigrateRequest, Resume,
+from shared.schemas import (Abort, GenerateRequest, Heartbeat, InFlight, Lease, LeaseReply, MigrateRequest, Resume,
                             StreamChunk, Where, WhereReply)
 from shared.tier import TIERS
 from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings, WorkerSettings
@@ -170,15 +170,15 @@ async def test_migrate_there_and_back_matches_unmigrated(workers, reference):
     before = migrations(subjects.GPU_DECODE, subjects.CPU_DECODE, "ok")
     moved_before = transfers()
     s = await Stream(bus, rid).start(gpu, ids, MAX_TOKENS, session="sess-1")
-    assert [rid, "sess-1", "standard"] in gpu.heartbeat().requests
+    assert InFlight(rid, "sess-1", "standard") in gpu.heartbeat().requests
 
     await s.wait_for(lambda cs: len(cs) >= 4)
     there = await migrate(bus, gpu.worker_id, move(rid, cpu, tier="batch"))
     assert (there.source, there.target) == (gpu.worker_id, cpu.worker_id)
     assert 4 <= there.next_seq < MAX_TOKENS and there.nbytes > 0 and there.num_tokens == len(ids) + there.next_seq - 1
     assert rid not in gpu.engine.engine.seqs and rid not in gpu.held
-    assert [rid, "sess-1", "batch"] in cpu.heartbeat().requests  # the target holds it, at the new tier
-    assert [rid, "sess-1", "standard"] not in gpu.heartbeat().requests
+    assert InFlight(rid, "sess-1", "batch") in cpu.heartbeat().requests  # the target holds it, at the new tier
+    assert InFlight(rid, "sess-1", "standard") not in gpu.heartbeat().requests
     assert migrations(subjects.GPU_DECODE, subjects.CPU_DECODE, "ok") == before + 1
 
     await s.wait_for(lambda cs: sum(c.worker == cpu.worker_id for c in cs) >= 4)

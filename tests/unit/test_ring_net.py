@@ -1,4 +1,4 @@
-"""The ring connections' messages (shared/engine/ring_net.py): tagged, so a changed, replayed or
+"""The ring connections' messages (shared/ring/): tagged, so a changed, replayed or
 reflected message is refused, on the socket or through a same-host region."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import stat
 import pytest
 import torch
 
-from shared.engine.ring_net import _Channel, _map_region, _new_region, _session_key
+from shared.ring.wire import Channel as _Channel
+from shared.ring.wire import map_region as _map_region, new_region as _new_region, session_key as _session_key
 
 
 def pair(key: bytes = b"k"):
@@ -127,11 +128,12 @@ class _NoMember:
     (True, True, False, "shm"), (False, True, False, "tcp"), (True, False, False, "tcp"), (True, True, True, "tcp")])
 def test_a_connection_takes_shm_only_on_one_host_with_both_ends_willing(monkeypatch, server_shm, client_shm,
                                                                        other_host, want):
-    from shared.engine import ring_net
+    from shared import ring as ring_net
+    from shared.ring import remote
     server = ring_net.RingServer(_NoMember(), key=b"k", shm=server_shm)
     server.start()
     if other_host:   # the coordinator's identity as another kernel's
-        monkeypatch.setattr(ring_net.links, "host_identity", lambda: "another-machine:another-boot")
+        monkeypatch.setattr(remote.links, "host_identity", lambda: "another-machine:another-boot")
     try:
         member = ring_net.RemoteMember("m", "127.0.0.1", server.port, b"k", None, shm=client_shm)
         assert member.link == want
@@ -145,7 +147,7 @@ def test_a_connection_takes_shm_only_on_one_host_with_both_ends_willing(monkeypa
 def test_messages_in_flight_each_keep_their_slot():
     """The fold sends a layer's head groups' states before the receiver reads one: each small
     payload takes its own slot of the area (message counter % SLOTS), so none overwrites another."""
-    from shared.engine.ring_net import SLOTS
+    from shared.ring.wire import SLOTS
     c, s, a, b = shared_pair()
     slot = (1 << 16) // SLOTS
     bodies = [os.urandom(n) for n in [1, slot, 7, slot - 1] * ((SLOTS - 1) // 4)]
@@ -159,17 +161,46 @@ def test_messages_in_flight_each_keep_their_slot():
 def test_a_link_no_fold_announced_is_refused():
     """A member's link into the next member must carry the ticket the coordinator announced there
     (``CHAIN``); any other is refused and closed (and opening one needs the key, as always)."""
-    from shared.engine import ring_net
+    from shared import ring as ring_net
+    from shared.ring import wire
     server = ring_net.RingServer(_NoMember(), key=b"k", shm=False)
     server.start()
     try:
         link = ring_net.RemoteMember("m", "127.0.0.1", server.port, b"k", None, shm=False)
         with pytest.raises(ring_net.RingMemberError, match="no fold awaits"):
-            link._call(ring_net.PEER, {"ticket": "0" * 32})
+            link._call(wire.Op.PEER, {"ticket": "0" * 32})
         with pytest.raises(ring_net.RingMemberLost):
-            link._call(ring_net.PEER, {"ticket": "0" * 32})
+            link._call(wire.Op.PEER, {"ticket": "0" * 32})
         link.close()
         with pytest.raises(ring_net.RingMemberLost, match="refused our proof"):
             ring_net.RemoteMember("m", "127.0.0.1", server.port, b"another key", None, shm=False)
     finally:
         server.close()
+
+
+def test_both_kinds_of_member_speak_the_ring_member_protocol():
+    """``Ring`` calls a member through ``RingMember`` only: the one in this process and the proxy
+    of one in another worker both have every call, with the same parameters."""
+    import inspect
+
+    from shared.ring.remote import RemoteMember
+    from shared.ring.session import LocalMember, RingMember
+    calls = [n for n, v in vars(RingMember).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert {"reserve", "load", "owns", "post", "collect", "read", "release"} <= set(calls)
+    for cls in (LocalMember, RemoteMember):
+        for n in calls:
+            want = list(inspect.signature(getattr(RingMember, n)).parameters)
+            assert list(inspect.signature(getattr(cls, n)).parameters) == want, (cls.__name__, n)
+
+
+def test_ring_steps_and_bytes_reach_the_metrics():
+    from prometheus_client import REGISTRY
+
+    from shared import metrics
+
+    def value(name, labels=None):
+        return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+    steps, out = value("tandem_ring_steps_total"), value("tandem_ring_bytes_total", {"direction": "out"})
+    metrics.ring_step(0.01, out=4096, back=512, ring=0)
+    assert value("tandem_ring_steps_total") == steps + 1
+    assert value("tandem_ring_bytes_total", {"direction": "out"}) == out + 4096

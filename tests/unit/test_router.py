@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from shared.bus import BusError
-from shared.schemas import Heartbeat, RouteRequest
-from services.placement import (POOL, Limits, SessionView, WorkerView, kv_need, place, rebalance, spread,
+from shared.schemas import Heartbeat, InFlight, RouteRequest
+from services.placement import (POOL, Limits, SessionView, WorkerView, decide, kv_need, place, rebalance, spread,
                                 strategy_plan)
 
 NOW = 1000.0
@@ -19,7 +19,7 @@ def w(wid, role, *, queue=0, running=0, free=100, total=100, device="cpu", ctx=8
     beat = Heartbeat(worker_id=wid, role=role, device=device, model="m", ready=True, queue_depth=queue,
                      running=running, free_kv_blocks=free, total_kv_blocks=total, max_context=ctx,
                      data_host="127.0.0.1", data_port=port, ts=0.0, interval=1.0,
-                     waiting_by_tier=waiting or {}, tpot_ms=tpot, requests=[list(r) for r in requests])
+                     waiting_by_tier=waiting or {}, tpot_ms=tpot, requests=[InFlight(*r) for r in requests])
     routed = [[f"p-{tier}-{i}", "", tier, seen] for tier, n in (pending or {}).items() for i in range(n)]
     return WorkerView(beat, seen, routed)
 
@@ -199,9 +199,9 @@ def test_a_routed_request_outlives_a_heartbeat_built_before_it_arrived():
     cpu = w("c1", "cpu-decode")
     cpu.routed.append(["r-new", "s1", "batch", NOW])
     early = cpu.renewed(w("c1", "cpu-decode").beat, NOW + 0.1)       # the beat does not list it yet
-    assert early.held() == [["r-new", "s1", "batch"]] and early.load() == 1 and early.pending == {"batch": 1}
+    assert early.held() == [InFlight("r-new", "s1", "batch")] and early.load() == 1 and early.pending == {"batch": 1}
     listed = early.renewed(w("c1", "cpu-decode", running=1, requests=[("r-new", "s1", "batch")]).beat, NOW + 1.1)
-    assert listed.routed == [] and listed.held() == [["r-new", "s1", "batch"]] and listed.load() == 1
+    assert listed.routed == [] and listed.held() == [InFlight("r-new", "s1", "batch")] and listed.load() == 1
     gone = early.renewed(w("c1", "cpu-decode").beat, NOW + 1.1)       # finished before any beat listed it
     assert gone.held() == [] and gone.load() == 0
 
@@ -264,10 +264,23 @@ def test_strategy_table(tier, n, max_tokens, workers, strategy, members):
     if strategy is None:
         assert plan is None, plan
         return
-    assert plan.strategy == strategy and [m[0] for m in plan.ring] == members, why
+    assert plan.strategy == strategy and [m.worker for m in plan.ring] == members, why
     assert plan.decode_worker == members[0] and plan.prefill_worker == "p1"
-    assert all(m[1:] == ["127.0.0.1", 7000] for m in plan.ring)
+    assert all([m.host, m.port] == ["127.0.0.1", 7000] for m in plan.ring)
     assert "no single worker holds" in plan.reason
+
+
+def test_one_decision_gives_the_strategy_and_the_worker():
+    """``decide``: the ring when no single worker holds the context, else ``place``'s worker with its
+    pool's strategy and why no ring in the reason (the router calls nothing else)."""
+    ring = decide(req("batch", n=3000), RING3, NOW)
+    assert ring.strategy.startswith("cpu-ring(") and ring.ring and ring == strategy_plan(req("batch", n=3000),
+                                                                                          RING3, NOW)[0]
+    single = decide(req("batch", n=1000, max_tokens=64), RING3, NOW)
+    assert single.strategy == "cpu" and not single.ring and single.decode_worker in ("c1", "c2", "c3")
+    assert "; strategy cpu (" in single.reason
+    gpu = decide(req("interactive"), [GPU, CPU], NOW)
+    assert gpu.strategy == "gpu" and gpu.decode_worker == "g1"
 
 
 def test_other_policies_never_plan_a_ring():

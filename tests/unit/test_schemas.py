@@ -16,6 +16,8 @@ from shared.schemas import (
 HANDLE = TransferHandle(transfer_id="t-1", host="127.0.0.1", port=5555, nbytes=1 << 20,
                         checksum="blake3:00ff", num_tokens=12, meta={"dtype": "float16"})
 SAMPLING = SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"]).to_dict()
+RING = [schemas.RingPeer("cpu-0", "127.0.0.1", 7000), schemas.RingPeer("cpu-1", "127.0.0.1", 7001)]
+CLAIM = schemas.RingClaim("ab" * 16, [[0, 64], [64, 256]])
 
 EXAMPLES = [
     RouteRequest("r1", "smollm2", "interactive", "s1", 120, 64),
@@ -51,7 +53,7 @@ EXAMPLES = [
     schemas.SessionState("s1", "interactive", "gpu-0", ["r1"], moved=[{"request_id": "r1"}]),
     Heartbeat("gpu-0", subjects.GPU_DECODE, "cuda:0", "smollm2", True, 1, 2, 100, 128, 8192, "127.0.0.1",
               4000, 1700000000.5, waiting_by_tier={"batch": 1}, tpot_ms=12.5,
-              requests=[["r1", "s1", "interactive"]], kv_scope="ab" * 32, chunk_tokens=256),
+              requests=[schemas.InFlight("r1", "s1", "interactive")], kv_scope="ab" * 32, chunk_tokens=256),
     HANDLE,
     GenerateRequest("r1", [1, 2, 3], SAMPLING, "batch", subjects.stream("r1"), origin="gateway-1",
                     resume=schemas.Resume([4, 5], 7, 3, 1)),
@@ -64,7 +66,30 @@ EXAMPLES = [
     schemas.LeaseReply("gw-1", attempts={"r1": 0}),
     Abort("r1", "resumed", below_attempt=2),
     StreamChunk("r1", 3, [9], "x", "cpu-1", attempt=1, reused_tokens=256, recomputed_tokens=12, offset=7),
+    schemas.InFlight("r1", "", "batch"),
+    RING[0],
+    CLAIM,
+    DecodeRequest("r1", HANDLE, [1, 2, 3], [4], SAMPLING, "standard", subjects.stream("r1"), ring=RING, claim=CLAIM),
 ]
+
+
+def test_ring_members_and_claims_are_typed_and_a_bad_field_is_named():
+    """A plan's ring travels as RingPeer objects, the claim as a RingClaim (the shape changed in
+    DecodeRequest v3): the old shape ([worker, host, port] lists) is refused naming the field,
+    and an old peer's version is refused naming both versions."""
+    obj = orjson.loads(encode(EXAMPLES[-1]))
+    obj["ring"][1] = ["cpu-1", "127.0.0.1", 7001]
+    with pytest.raises(SchemaError, match=r"DecodeRequest\.ring\[1\]: expected RingPeer") as e:
+        decode(orjson.dumps(obj))
+    assert e.value.field == "ring[1]"
+    obj = orjson.loads(encode(EXAMPLES[-1]))
+    obj["claim"]["ranges"] = "0-64"
+    with pytest.raises(SchemaError, match=r"claim\.ranges"):
+        decode(orjson.dumps(obj))
+    obj = orjson.loads(encode(EXAMPLES[-1]))
+    obj["v"] = 2
+    with pytest.raises(SchemaError, match="DecodeRequest version 2 not supported .*v3"):
+        decode(orjson.dumps(obj))
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)

@@ -61,3 +61,8 @@ def test_bad_budgets_are_value_errors(argv, msg):
 def test_unknown_topology_is_rejected_by_the_parser():
     with pytest.raises(SystemExit):
         parse("--topology", "mesh")
+
+
+def test_restarts_back_off_from_half_a_second_doubling_to_ten():
+    from services.up import backoff
+    assert [backoff(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0]

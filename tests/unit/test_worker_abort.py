@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.worker import EngineWorker, Held
+from services.worker import EngineWorker, Request
 from shared.bus import BusError
 from shared.schemas import Abort
 
@@ -24,9 +24,22 @@ class FakeEngine:
 
 def bare_worker() -> EngineWorker:
     w = EngineWorker.__new__(EngineWorker)  # the abort bookkeeping only: no model, no bus
-    w.engine, w.held, w.tasks, w.aborted, w.moving, w.timings, w.handed = FakeEngine(), {}, {}, {}, set(), {}, {}
-    w.admitting, w.arriving = {}, {}
+    w.engine, w.requests, w.admitting, w.arriving = FakeEngine(), {}, {}, {}
     return w
+
+
+def hold(w: EngineWorker, attempt: int, subject: str) -> None:
+    """Attempt ``attempt`` of request "r" as admit leaves it (its stream not spawned yet)."""
+    w.hold(Request("r", attempt=attempt, stream_subject=subject))
+
+
+async def streaming_attempt_1(w: EngineWorker) -> asyncio.Event:
+    """Attempt 1 held, its stream running (slow to cancel): set once it was cancelled."""
+    hold(w, 1, "s1")
+    cancelled = asyncio.Event()
+    w.spawn("r", slow_to_cancel_stream(w, cancelled))
+    await asyncio.sleep(0)
+    return cancelled
 
 
 async def slow_to_cancel_stream(w: EngineWorker, cancelled: asyncio.Event) -> None:
@@ -44,14 +57,11 @@ async def slow_to_cancel_stream(w: EngineWorker, cancelled: asyncio.Event) -> No
 def test_a_fencing_abort_spares_the_attempt_admitted_while_it_waited():
     async def go():
         w = bare_worker()
-        w.held["r"] = Held("", "standard", "s1", attempt=1)
-        cancelled = asyncio.Event()
-        w.spawn("r", slow_to_cancel_stream(w, cancelled))
-        await asyncio.sleep(0)
+        cancelled = await streaming_attempt_1(w)
         fence = asyncio.create_task(w._on_abort(Abort(request_id="r", reason="resume", below_attempt=2)))
         await cancelled.wait()
         # meanwhile the resume's admission: held, then its stream task (as admit + spawn do)
-        w.held["r"] = Held("", "standard", "s2", attempt=2)
+        hold(w, 2, "s2")
         w.spawn("r", asyncio.sleep(3600))
         await fence
         assert w.engine.aborted == ["r"]  # once, by the old stream; not again for the new attempt
@@ -64,10 +74,7 @@ def test_a_fencing_abort_spares_the_attempt_admitted_while_it_waited():
 def test_an_abort_of_every_attempt_ends_the_request_and_refuses_a_late_admission():
     async def go():
         w = bare_worker()
-        w.held["r"] = Held("", "standard", "s1", attempt=1)
-        cancelled = asyncio.Event()
-        w.spawn("r", slow_to_cancel_stream(w, cancelled))
-        await asyncio.sleep(0)
+        cancelled = await streaming_attempt_1(w)
         await w._on_abort(Abort(request_id="r", reason="client gone"))
         # dropped in the engine by the worker itself too, whether or not the stream got to do it
         # (a stream task cancelled before it ran never does): a second abort is a no-op there
@@ -109,7 +116,7 @@ def test_a_superseded_attempt_whose_stream_never_ran_is_dropped_in_the_engine():
     stayed there, its stream still registered: the resume could not open one)."""
     async def go():
         w = bare_worker()
-        w.held["r"] = Held("", "standard", "s1", attempt=1)
+        hold(w, 1, "s1")
         ran = []
 
         async def stream() -> None:

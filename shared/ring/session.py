@@ -1,4 +1,4 @@
-"""Ring decode: one session's KV split by token ranges over N CPU members; the queries travel.
+"""The ring in one process: a session's KV split by token ranges over N members; the queries travel.
 
 The "cpu-ring(N)" execution strategy (docs/strategies.md). KV stays where it was scattered;
 each decode step the coordinator (which holds the weights) computes the new token's q|k|v per
@@ -18,9 +18,10 @@ Life cycle of a ring session:
     Gather     gather(): the shards' bytes end to end = the session's KV in layout v1, the
                bytes a migration to a single worker moves; release() frees the members' blocks
 
-Members are ``RingMember`` objects in the coordinator's process (the integration tests and
-``tandem bench ring``), or proxies of members in other cpu-decode workers
-(``shared/engine/ring_net.py``: the per-step messages on a data-plane connection). A step
+Members are anything that speaks ``RingMember`` (the Protocol below): ``LocalMember`` objects in
+the coordinator's process (the integration tests and ``tandem bench ring``), or proxies of
+members in other cpu-decode workers (``shared/ring/remote.py``: the per-step messages on a
+data-plane connection). A step
 ``post``s the layer's q|k|v to every member first and ``collect``s their states after, in shard
 order: remote members attend while the coordinator's own member does. With ``fold`` the
 members fold the states along the ring instead, remote ones passing the running state to the
@@ -34,10 +35,12 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from kernels.cpu_ring import SEG, RingKernels
+from shared import metrics
 from shared.engine.kv_cache import KV_DTYPE, BlockManager, KVBlobHeader, KVLayout
 from shared.strategy import shard_ranges
 
@@ -54,14 +57,44 @@ class _Shard:
     table: torch.Tensor        # block ids by absolute position (entries before start: blocks[0], never read)
 
 
-class RingMember:
-    """One member: a paged KV cache of its own budget holding a token range of ring sessions."""
+@runtime_checkable
+class RingMember(Protocol):
+    """What ``Ring`` calls on a member, in this process (``LocalMember``) or another
+    (``shared/ring/remote.RemoteMember``, the same calls as messages)."""
+    name: str                  # the worker (or test member) it is, in errors and logs
+    layout: KVLayout           # the KV layout of its shards
+
+    def reserve(self, sid: str, start: int, end: int) -> None:
+        """Blocks for positions [start, end) of ``sid``; RingCapacityError if they do not fit."""
+
+    def load(self, sid: str, kv, first: int = 0) -> None:
+        """Fill the shard's blocks from block ``first`` on with ``kv`` (whole blocks, layout v1)."""
+
+    def owns(self, sid: str, pos: int) -> bool:
+        """Whether position ``pos`` of ``sid`` is in this member's range."""
+
+    def post(self, sid: str, layer: int, qkv: torch.Tensor, pos: int, store: bool) -> None:
+        """A step's layer (``store``: it owns the new position); its states come from ``collect``."""
+
+    def collect(self, sid: str) -> torch.Tensor | None:
+        """The posted layer's states [kv heads, segments, part] (None: no keys here yet)."""
+
+    def read(self, sid: str, keys: int) -> bytes:
+        """The shard's blocks holding any of the first ``keys`` positions, as bytes."""
+
+    def release(self, sid: str) -> None:
+        """Free the shard (no error if it holds none)."""
+
+
+class LocalMember:
+    """One member in this process: a paged KV cache of its own budget holding a token range of
+    ring sessions (a ``RingMember``)."""
 
     def __init__(self, kernels: RingKernels, layout: KVLayout, kv_bytes: int, name: str = "member",
                  kv: torch.Tensor | None = None, blocks: BlockManager | None = None):
         """A cache of its own (``kv_bytes``), or a worker's engine cache shared (``kv`` and its
         ``blocks``: then ``reserve`` / ``release`` must run where the engine allocates, see
-        ``ring_net.EngineMember``)."""
+        ``shared/ring/server.EngineMember``)."""
         if SEG % layout.block_size:
             raise ValueError(f"block size {layout.block_size} must divide the attention segment {SEG}")
         self.kernels, self.layout, self.name = kernels, layout, name
@@ -191,12 +224,12 @@ class _Session:
 class Ring:
     """The coordinator: the model's weights and N members; each session decodes a token a step."""
 
-    def __init__(self, kernels: RingKernels, members: list[RingMember], fold: bool = False, groups: int = 1,
+    def __init__(self, kernels: RingKernels, members: list, fold: bool = False, groups: int = 1,
                  qpass: bool = False):
         """``fold``: the members fold their segment states along the ring in shard order and the
         coordinator receives one state per kv head (else every segment's state comes back and
         the coordinator folds them). The same merges in the same order: the same bits. Remote
-        members pass the state member to member over links of their own (``ring_net``);
+        members pass the state member to member over links of their own (``shared/ring/server``);
         ``groups``: head groups a layer's fold is pipelined in (each group's state passed on
         while the next is attended; 1: the whole layer); ``qpass``: the q rows go along the
         ring member to member instead of from the coordinator to each (broadcast)."""
@@ -205,7 +238,7 @@ class Ring:
         if not 1 <= groups <= kernels.cfg.n_kv_heads:
             raise ValueError(f"head groups must be 1..{kernels.cfg.n_kv_heads}, got {groups}")
         self.kernels, self.members, self.fold, self.groups, self.qpass = kernels, members, fold, groups, qpass
-        self.remote = [not isinstance(m, RingMember) for m in members]
+        self.remote = [not isinstance(m, LocalMember) for m in members]   # members: RingMember
         self.sessions: dict[str, _Session] = {}
         self.times = StepTimes()
 
@@ -226,7 +259,7 @@ class Ring:
             raise ValueError(f"KV of {mv.nbytes} bytes is not the {layout.blocks_for(num_computed)} blocks "
                              f"of {num_computed} positions")
         ranges = shard_ranges(max_total, len(self.members))
-        done: list[RingMember] = []
+        done: list = []
         try:
             for m, (a, b) in zip(self.members, ranges):
                 m.reserve(sid, a, b)
@@ -254,7 +287,7 @@ class Ring:
 
     def adopt(self, sid: str, token_ids: list[int], num_computed: int, ranges: list[tuple[int, int]]) -> None:
         """A session whose shards the members hold already, in ``ranges`` (a prefill scattered
-        them and this coordinator claimed them: ``ring_net.admit_claimed``)."""
+        them and this coordinator claimed them: ``shared/ring/connector.admit_claimed``)."""
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already on this ring")
         if not 0 < num_computed < len(token_ids) <= ranges[-1][1]:
@@ -296,6 +329,7 @@ class Ring:
         t0 = time.perf_counter()
         chans = [m.ch for m, r in zip(self.members, self.remote) if r]
         w0, x0 = sum(c.wait_s for c in chans), sum(c.xfer_s for c in chans)
+        b0 = (t.bytes_out, t.bytes_back, t.bytes_ring)
         x = k.embed(torch.tensor([s.token_ids[pos]]), pos)
         tail = next(i for i, m in enumerate(self.members) if m.owns(sid, pos))
         try:
@@ -317,9 +351,13 @@ class Ring:
         logits = k.head(x, pos)
         s.num_computed = pos + 1
         t.steps += 1
-        t.total += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        t.total += seconds
         t.wait += sum(c.wait_s for c in chans) - w0
         t.transfer += sum(c.xfer_s for c in chans) - x0
+        if any(self.remote):   # ring traffic between processes, in the metrics like the hand-off's
+            metrics.ring_step(seconds, out=t.bytes_out - b0[0], back=t.bytes_back - b0[1],
+                              ring=t.bytes_ring - b0[2])
         return logits
 
     def _parts_layer(self, sid: str, layer: int, qkv: torch.Tensor, pos: int, tail: int) -> torch.Tensor:
@@ -342,7 +380,7 @@ class Ring:
         pass it to the next remote member themselves. The folded state: [nkv, 1, part]."""
         k, t, G, nkv = self.kernels, self.times, self.groups, self.kernels.cfg.n_kv_heads
         chain, remote = self.members[:tail + 1], self.remote[:tail + 1]
-        meta = {"layer": layer, "pos": pos, "tail": tail, "groups": G, "pass": self.qpass}
+        meta = {"layer": layer, "pos": pos, "tail": tail, "groups": G, "qpass": self.qpass}
         q_bytes = qkv.numel() * 4
         for i, m in enumerate(chain):   # the q rows: to every remote member, or along the ring
             if remote[i]:
@@ -407,7 +445,7 @@ class Ring:
             m.release(sid)
 
     def close(self) -> None:
-        """Close the connections of remote members (``ring_net.RemoteMember``): a ring per session."""
+        """Close the connections of remote members (``shared/ring/remote.RemoteMember``): a ring per session."""
         for m in self.members:
-            if not isinstance(m, RingMember):
+            if not isinstance(m, LocalMember):
                 m.close()
