@@ -36,6 +36,19 @@ PROMPT = "Write a long story about a lighthouse keeper and a storm."
 TIERS = ("interactive", "standard")
 
 
+# the capacity ladder's numeric options: flag, type, default, meaning
+_CAPACITY_ARGS = (
+    ("--slo-ttft-ms", float, 500.0, "interactive TTFT p90 bound"),
+    ("--slo-tpot-ms", float, 50.0, "interactive TPOT p90 bound"),
+    ("--cap-max-tokens", int, 64, "tokens a request"),
+    ("--level-s", float, 10.0, "seconds of arrivals a level"),
+    ("--drain-s", float, 15.0, "seconds a level may take to drain"),
+    ("--settle-s", float, 5.0, "pause after a failed level"),
+    ("--start-rate", float, 1.0, "first rate, req/s, doubled each level"),
+    ("--max-rate", float, 256.0, "highest rate tried"),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=8, help="requests per tier and level (default 8)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="streams at once (default 1 8)")
@@ -45,15 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-levels", action="store_true", help="skip the side-by-side TTFT / TPOT levels")
     c = p.add_argument_group("capacity (bench/capacity.py)")
     c.add_argument("--capacity", action="store_true", help="compare node capacity: GPU + CPU vs GPU alone")
-    c.add_argument("--slo-ttft-ms", type=float, default=500.0, help="interactive TTFT p90 bound (default 500)")
-    c.add_argument("--slo-tpot-ms", type=float, default=50.0, help="interactive TPOT p90 bound (default 50)")
     c.add_argument("--mix", default="interactive=1,batch=2", help="tier mix (default interactive=1,batch=2)")
-    c.add_argument("--cap-max-tokens", type=int, default=64, help="tokens a request (default 64)")
-    c.add_argument("--level-s", type=float, default=10.0, help="seconds of arrivals a level (default 10)")
-    c.add_argument("--drain-s", type=float, default=15.0, help="seconds a level may take to drain (default 15)")
-    c.add_argument("--settle-s", type=float, default=5.0, help="pause after a failed level (default 5)")
-    c.add_argument("--start-rate", type=float, default=1.0, help="first rate, req/s (default 1; doubled)")
-    c.add_argument("--max-rate", type=float, default=256.0, help="highest rate tried (default 256)")
+    for flag, kind, default, what in _CAPACITY_ARGS:
+        c.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
     c.add_argument("--budget-s", type=float, default=200.0,
                    help="seconds for the capacity part, both stacks and their start (default 200)")
 

@@ -87,6 +87,10 @@ class NatsSettings:
 _ROLE_BUDGETS = {"prefill": "prefill", "gpu-decode": "gpu_decode", "cpu-decode": "cpu_decode"}  # role -> field suffix
 
 
+_NON_NEGATIVE = {"threads", "kv_blocks", "load_threads", "max_context", "step_tokens", "prefill_step_tokens",
+                 "shared_step_tokens", "guest_step_tokens", "batch_coalesce_ms", "session_retention_s"}
+
+
 @dataclass
 class WorkerSettings:
     """A prefill or decode worker: identity, engine and KV budget."""
@@ -146,16 +150,9 @@ class WorkerSettings:
                 check_token(self.worker_id, "worker_id")
             except ValueError as e:
                 raise ValueError(f"TANDEM_WORKER_ID: {e}") from None
-        if self.batch_coalesce_ms < 0 or self.session_retention_s < 0:
-            raise ValueError("TANDEM_BATCH_COALESCE_MS and TANDEM_SESSION_RETENTION_S must be >= 0")
-        for name, var in (("threads", "TANDEM_THREADS"), ("kv_blocks", "TANDEM_KV_BLOCKS"),
-                          ("load_threads", "TANDEM_LOAD_THREADS"),
-                          ("max_context", "TANDEM_MAX_CONTEXT"), ("step_tokens", "TANDEM_STEP_TOKENS"),
-                          ("prefill_step_tokens", "TANDEM_PREFILL_STEP_TOKENS"),
-                          ("shared_step_tokens", "TANDEM_SHARED_STEP_TOKENS"),
-                          ("guest_step_tokens", "TANDEM_GUEST_STEP_TOKENS")):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{var} must be >= 0")
+        for f in dataclasses.fields(self):  # counts and budgets: 0 means "the default" or "off"
+            if f.name in _NON_NEGATIVE and getattr(self, f.name) < 0:
+                raise ValueError(f"{f.metadata['env']} must be >= 0")
         if self.gpu_step not in ("graphs", "fused", "ops"):
             raise ValueError(f"TANDEM_GPU_STEP must be graphs, fused or ops, got {self.gpu_step!r}")
         if 0 < self.step_tokens < 64:

@@ -314,7 +314,7 @@ class Engine(KVHandoff):
             self._fast_forward(sampled, step_out)
         return outputs + step_out + self._ring_steps()
 
-    # ---- ring sessions (cpu-ring(N): shared/engine/ring.py) ---------------------------------
+    # ---- ring sessions (cpu-ring(N): shared/ring/) ---------------------------------
     def add_ring(self, request_id: str, blob, ring, sid: str, priority: int | None = None) -> None:
         """Decode the sequence exported in ``blob`` on ``ring``, which holds its KV as session
         ``sid`` (``Ring.admit``): each step of this engine also runs one ring step of it, sampled
