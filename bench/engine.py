@@ -41,9 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
 
 
-def _progress(msg: str) -> None:
-    sys.stderr.write(f"[bench engine] {msg}\n")
-    sys.stderr.flush()
+_progress = report.progress("bench engine")
 
 
 def peak_rss_bytes() -> int:
@@ -185,9 +183,7 @@ def table(res: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     res = run(args)
-    print(table(res))
-    if args.json:
-        report.write_json(args.json, res)
+    report.emit(res, table, args.json)
     return 0
 
 

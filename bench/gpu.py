@@ -43,9 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
 
 
-def _progress(msg: str) -> None:
-    sys.stderr.write(f"[bench gpu] {msg}\n")
-    sys.stderr.flush()
+_progress = report.progress("bench gpu")
 
 
 def _cuda_engine(mode: str, max_seqs: int, prefill: int):

@@ -44,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import report
 from bench.two_hosts import Hosts, _ip
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,9 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
 
 
-def _progress(msg: str) -> None:
-    sys.stderr.write(f"[hosts] {msg}\n")
-    sys.stderr.flush()
+_progress = report.progress("hosts")
 
 
 class ClusterHosts(Hosts):

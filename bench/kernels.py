@@ -116,9 +116,7 @@ def run_matmuls(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _progress(msg: str) -> None:
-    sys.stderr.write(f"[bench kernels] {msg}\n")
-    sys.stderr.flush()
+_progress = report.progress("bench kernels")
 
 
 def q4_0_gguf(src: str | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 from bench.loadgen import load_label
 
@@ -83,6 +84,14 @@ def plot(runs: list[dict], path: str, title: str, panels=(("throughput_tok_s", "
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def progress(tag: str):
+    """A bench's progress line writer: ``progress("bench engine")("msg")`` -> stderr ``[bench engine] msg``."""
+    def write(msg: str) -> None:
+        sys.stderr.write(f"[{tag}] {msg}\n")
+        sys.stderr.flush()
+    return write
 
 
 def emit(res: dict, table, json_path: str | None) -> None:

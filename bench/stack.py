@@ -59,9 +59,7 @@ class Stream:
     text: str = field(default="", repr=False)
 
 
-def _progress(msg: str) -> None:
-    sys.stderr.write(f"[bench stack] {msg}\n")
-    sys.stderr.flush()
+_progress = report.progress("bench stack")
 
 
 def _stream(t_send: float, times: list[float], tokens: int, text: str) -> Stream:
@@ -301,9 +299,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, TimeoutError) as e:
         sys.stderr.write(f"bench stack: {e}\n")
         return 1
-    print(table(res))
-    if args.json:
-        report.write_json(args.json, res)
+    report.emit(res, table, args.json)
     return 1 if res["text_mismatches"] else 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from bench import report
 
@@ -47,9 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
 
 
-def _progress(msg: str) -> None:
-    sys.stderr.write(f"[bench stops] {msg}\n")
-    sys.stderr.flush()
+_progress = report.progress("bench stops")
 
 
 def adversarial_stops(text: str, n: int, chars: int, seed: int = 0) -> list[str]:
@@ -159,7 +156,5 @@ def table(res: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     res = run(args)
-    print(table(res))
-    if args.json:
-        report.write_json(args.json, res)
+    report.emit(res, table, args.json)
     return 0

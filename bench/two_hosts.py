@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import report
+
 ROOT = Path(__file__).resolve().parent.parent
 ADDR = {"a": "10.217.0.1", "b": "10.217.0.2"}
 NATS_PORT, GATEWAY_PORT = 4222, 8000
@@ -54,9 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
 
 
-def _progress(msg: str) -> None:
-    sys.stderr.write(f"[two-hosts] {msg}\n")
-    sys.stderr.flush()
+_progress = report.progress("two-hosts")
 
 
 def _ip(*args: str) -> None:

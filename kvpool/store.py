@@ -131,6 +131,19 @@ class Tier(abc.ABC):
             return False
         return None if self._evict_for(nbytes) else False
 
+    def _indexed(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def _adopt(self, found: list[tuple], where) -> None:
+        """Take the entries found at start-up, (age order, key, size), as the index: oldest first out."""
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((k, n) for _, k, n in found)
+            self.used = sum(n for _, _, n in found)
+            self._evict_for(0)
+        log.info("%s tier %s: %d entries, %.1f MiB", self.name, where, len(self._index), self.used / 2**20)
+
     def _evict_for(self, nbytes: int) -> bool:
         """Drop least recently used entries — unpinned ones: a pinned entry stays while its pin
         lasts — until ``nbytes`` more fit (caller holds the lock); False when pins leave no room."""
@@ -254,12 +267,7 @@ class DirTier(Tier):
                 except OSError:
                     continue  # removed meanwhile (another node)
                 found.append((st.st_atime, key, st.st_size))
-        found.sort()
-        with self._lock:
-            self._index = OrderedDict((k, n) for _, k, n in found)
-            self.used = sum(n for _, _, n in found)
-            self._evict_for(0)
-        log.info("%s tier %s: %d entries, %.1f MiB", self.name, self.root, len(self._index), self.used / 2**20)
+        self._adopt(found, self.root)
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -304,9 +312,8 @@ class DirTier(Tier):
         return True
 
     def contains(self, key: str) -> bool:
-        with self._lock:
-            if key in self._index:
-                return True
+        if self._indexed(key):
+            return True
         return self.shared and os.path.exists(self.path(key))
 
     def remove(self, key: str) -> None:
@@ -369,12 +376,7 @@ class RedisTier(Tier):
         except self._errors as e:
             log.warning("%s tier %s: cannot read the server's entries (%s): starting with an empty index; "
                         "entries there are still found when asked for", self.name, self.where, e)
-        found.sort()
-        with self._lock:
-            self._index = OrderedDict((k, n) for _, k, n in found)
-            self.used = sum(n for _, _, n in found)
-            self._evict_for(0)
-        log.info("%s tier %s: %d entries, %.1f MiB", self.name, self.where, len(self._index), self.used / 2**20)
+        self._adopt(found, self.where)
 
     def get(self, key: str) -> bytes | None:
         try:
@@ -404,9 +406,8 @@ class RedisTier(Tier):
         return True
 
     def contains(self, key: str) -> bool:
-        with self._lock:
-            if key in self._index:
-                return True
+        if self._indexed(key):
+            return True
         try:
             return bool(self.client.exists(self.rkey(key)))
         except self._errors:
