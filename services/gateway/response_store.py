@@ -33,6 +33,23 @@ log = logging.getLogger("tandem.gateway")
 BUCKET = "tandem_responses"      # JetStream KV bucket of stored responses (key: <tenant>.<response id>)
 DEFAULT_RETENTION_S = 30 * 86400
 MAX_VALUE = 8 << 20              # a record larger than this is not stored (the bucket's value limit)
+BUS_TRIES = 4                    # a bus timeout is tried again 0.5, 1, 2 s later (a cluster that lost a
+                                 # server elects new stream and consumer leaders within seconds)
+
+
+async def retried(op):
+    """``await op()``, again after a NATS timeout, ``BUS_TRIES`` tries in all: a response finished
+    while a clustered NATS server was just lost is stored, not dropped (its next turn would 404)."""
+    import nats.errors
+    for i in range(BUS_TRIES):
+        try:
+            return await op()
+        except nats.errors.TimeoutError:
+            if i == BUS_TRIES - 1:
+                raise
+            log.info("stored responses: the bus timed out (try %d of %d); again in %.1f s", i + 1, BUS_TRIES,
+                     0.5 * 2 ** i)
+            await asyncio.sleep(0.5 * 2 ** i)
 
 @dataclass
 class StoredResponse:
@@ -115,7 +132,7 @@ class ResponseStore:
                              f"{min(self.max_bytes or MAX_VALUE, MAX_VALUE)}")
         lock = self._tenant_locks.setdefault(tenant, asyncio.Lock())
         async with lock:
-            ledger = await self._ledger(tenant)
+            ledger = await retried(lambda: self._ledger(tenant))
             ledger[rid] = len(data)
             ledger.move_to_end(rid)
             total = sum(ledger.values())
@@ -139,8 +156,11 @@ class ResponseStore:
             if self.bus is None:
                 self._mem[f"{tenant}.{rid}"] = data
             else:
-                await (await self._bucket()).put(f"{tenant}.{rid}", data)
+                await retried(lambda: self._put(f"{tenant}.{rid}", data))
             self._count()
+
+    async def _put(self, key: str, data: bytes) -> None:
+        await (await self._bucket()).put(key, data)
 
     async def _remove(self, tenant: str, rid: str) -> None:
         if self.bus is None:

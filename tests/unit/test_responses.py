@@ -5,6 +5,8 @@ tests/e2e/test_responses.py."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -206,3 +208,34 @@ def test_a_dropped_request_is_a_failed_response(served, backend, after):
         assert events[-2].type == "response.failed" and events[-2].response.error.code == "worker_lost"
         assert events[-1].type == "error"
         assert not any(ev.type in ("response.completed", "response.incomplete") for ev in events)
+
+
+def test_a_bus_timeout_while_storing_is_tried_again(monkeypatch):
+    """A clustered NATS server just lost: the store's listing or write times out once or twice
+    while leaders are elected; the response is stored anyway, and a timeout that lasts is raised."""
+    import nats.errors
+
+    from services.gateway import response_store
+
+    async def no_wait(_s):
+        return None
+
+    monkeypatch.setattr(response_store.asyncio, "sleep", no_wait)
+    calls = []
+
+    async def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise nats.errors.TimeoutError
+        return "stored"
+
+    assert asyncio.run(response_store.retried(flaky)) == "stored" and len(calls) == 3
+
+    async def down():
+        calls.append(1)
+        raise nats.errors.TimeoutError
+
+    calls.clear()
+    with pytest.raises(nats.errors.TimeoutError):
+        asyncio.run(response_store.retried(down))
+    assert len(calls) == response_store.BUS_TRIES
