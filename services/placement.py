@@ -13,7 +13,8 @@ Policies:
 - ``sla``: the tier picks the pool (interactive -> gpu-decode, standard and batch -> cpu-decode;
   each falls back to the other pool when its own has no open worker; standard and batch
   overflow to the GPU pool when every CPU worker is ``OVERFLOW`` requests busier and the GPU has
-  no interactive work waiting — the GPU engine's scheduler preempts them when interactive work
+  no interactive work waiting (never to a gpu-decode worker whose engine runs on the host's CPU:
+  it would take the cores the CPU pool and the prefill workers' batch lane use) — the GPU engine's scheduler preempts them when interactive work
   comes; a session that overflowed stays on its GPU worker while that is no busier than the
   best CPU worker and has no interactive work waiting, as going back recomputes its context). In the pool: the session's worker when it is not much busier than the best
   (affinity), else the worker holding the longest cached prefix among the nearly least loaded,
@@ -112,6 +113,11 @@ class WorkerView:
     @property
     def role(self) -> str:
         return self.beat.role
+
+    @property
+    def on_host_cpu(self) -> bool:
+        """Its engine runs on the host's CPU (a gpu-decode worker on a node without CUDA)."""
+        return self.beat.device == "cpu"
 
     def load(self) -> int:
         return self.beat.queue_depth + self.beat.running + len(self.routed)
@@ -229,12 +235,18 @@ def _choose_pool(tier: str, decoders: list[WorkerView], home: WorkerView | None 
     if not own:
         return other, f"{tier} -> {second} ({first} pool empty)"
     if tier != Tier.INTERACTIVE and other and not any(w.waiting(Tier.INTERACTIVE) for w in other):
-        best_own, best_other = min(w.load() for w in own), min(w.load() for w in other)
+        best_own = min(w.load() for w in own)
         if home is not None and home.role == second and home.load() <= best_own + AFFINITY_SLACK:
             # an overflowed session stays where its KV is while that is not much busier (the
             # affinity slack, as within a pool): going back would recompute its whole context
             return other, f"{tier} -> {second} (session's KV on {home.id}, load {home.load()} <= {first} {best_own})"
-        if best_own >= best_other + OVERFLOW:
+        # overflow adds capacity only where the other pool has a processor of its own: a
+        # gpu-decode engine on the host's CPU runs on the cores the cpu-decode engines and the
+        # prefill workers' batch lane already use, so work sent there takes them from those
+        # (and from interactive work) instead of joining the cpu-decode engine's batch
+        other = [w for w in other if not w.on_host_cpu]
+        best_other = min((w.load() for w in other), default=None)
+        if best_other is not None and best_own >= best_other + OVERFLOW:
             if home is not None and home.role == first and home.load() < best_other + OVERFLOW + AFFINITY_SLACK:
                 # a session at home in its own pool overflows only past the affinity slack too:
                 # an agent's turns come faster than heartbeats, and the requests routed since the

@@ -45,6 +45,13 @@ BUSY_CPU = w("c1", "cpu-decode", running=4)
     ("batch", [GPU, BUSY_CPU], {}, None, "g1", None),
     ("batch", [w("g1", "gpu-decode", waiting={"interactive": 1}, queue=1), BUSY_CPU], {}, None, "c1", None),
     ("batch", [w("g1", "gpu-decode", running=3), BUSY_CPU], {}, None, "c1", None),  # GPU busy too
+    # ... but never onto a gpu-decode engine on the host's CPU (no CUDA): it has no cores of its own
+    ("batch", [w("g1", "gpu-decode"), BUSY_CPU], {}, None, "c1", None),
+    ("standard", [w("g1", "gpu-decode"), w("c1", "cpu-decode", running=40)], {}, None, "c1", None),
+    ("standard", [w("g9", "gpu-decode"), GPU, BUSY_CPU], {}, None, "g1", None),   # the CUDA one takes it
+    ("standard", [w("g9", "gpu-decode")], {}, None, "g9", None),                  # no CPU pool: still served
+    ("batch", [w("g9", "gpu-decode"), w("c1", "cpu-decode", running=1)], {}, SessionView(worker="g9"), "g9",
+     None),                                                     # a session already there stays with its KV
     # an overflowed session stays with its KV on the GPU while that is not busier by more than the
     # affinity slack (2) and has no interactive work waiting
     ("batch", [GPU, w("c1", "cpu-decode", running=1)], {}, SessionView(worker="g1"), "g1", None),
