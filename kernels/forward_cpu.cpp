@@ -113,8 +113,11 @@ inline uint16_t f2h(float f) {  // round to nearest even, as torch's .to(float16
 }
 
 // exp(x) in fixed operations (Cephes expf coefficients; ~2 ulp): the same bits in every clone.
-inline float exp_fixed(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+// exp_body is the part after the clamp to [-87, 88]; exp_lanes runs it over N lanes in passes
+// the vectoriser takes (with the default -ftrapping-math GCC will not if-convert a clamp that
+// feeds more arithmetic, so a loop calling exp_fixed stays scalar: the clamps get passes of
+// their own). Both give the same bits for every input.
+__attribute__((always_inline)) inline float exp_body(float x) {
     const float magic = 12582912.0f;  // 1.5 * 2^23: (v + magic) - magic rounds v to an integer
     const float n = (x * 1.44269504088896341f + magic) - magic;
     float r = std::fma(n, -0.693359375f, x);
@@ -130,6 +133,19 @@ inline float exp_fixed(float x) {
     float scale;
     std::memcpy(&scale, &bits, 4);
     return y * scale;
+}
+
+inline float exp_fixed(float x) { return exp_body(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)); }
+
+// v[i] = exp_fixed(v[i]) for i < N.
+template <int N>
+__attribute__((always_inline)) inline void exp_lanes(float* __restrict v) {
+#pragma omp simd
+    for (int i = 0; i < N; ++i) v[i] = v[i] < -87.0f ? -87.0f : v[i];
+#pragma omp simd
+    for (int i = 0; i < N; ++i) v[i] = v[i] > 88.0f ? 88.0f : v[i];
+#pragma omp simd
+    for (int i = 0; i < N; ++i) v[i] = exp_body(v[i]);
 }
 
 // Sum of 16 lanes in a fixed tree.
@@ -160,10 +176,16 @@ TQ_CLONES void rope(float* x, const float* c, const float* s, int64_t half) {
 
 // silu(g) * u, element by element (a row of gate|up is split over threads in whole blocks).
 TQ_CLONES void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        const float g = gate[i];
-        out[i] = g / (1.0f + exp_fixed(-g)) * up[i];
+    int64_t i0 = 0;
+    for (; i0 + LANES <= n; i0 += LANES) {
+        float e[LANES];
+#pragma omp simd
+        for (int i = 0; i < LANES; ++i) e[i] = -gate[i0 + i];
+        exp_lanes<LANES>(e);
+#pragma omp simd
+        for (int i = 0; i < LANES; ++i) out[i0 + i] = gate[i0 + i] / (1.0f + e[i]) * up[i0 + i];
     }
+    for (int64_t i = i0; i < n; ++i) out[i] = gate[i] / (1.0f + exp_fixed(-gate[i])) * up[i];
 }
 
 TQ_CLONES void to_half(const float* x, uint16_t* out, int64_t n) {
@@ -185,6 +207,8 @@ TQ_CLONES void to_half(const float* x, uint16_t* out, int64_t n) {
 constexpr int KB = 16;        // keys per attention block
 constexpr int KG = 8;         // keys per score pass (independent fma chains)
 constexpr int MAX_ROWS = 64;  // query rows per work item (tokens per item = MAX_ROWS / group)
+
+
 constexpr int64_t SEG = 256;  // keys per attention segment (a multiple of KB): see Step::attention
 
 // kf[k][0..hd) / vf[k][0..hd) = f32 of key / value j0 + k of one kv head for k < n (n <= KB;
@@ -430,13 +454,18 @@ __attribute__((always_inline)) inline void block_softmax_rows(float* __restrict 
         sum[i] = l[i] * alpha[i];
         m[i] = mx[i];
     }
-    for (int64_t k = 0; k < n; ++k)
+    for (int64_t k = 0; k < n; ++k) {
+        float* v = s + k * nqp;
+        float e[RL];
+#pragma omp simd
+        for (int i = 0; i < RL; ++i) e[i] = v[i] - mx[i];
+        exp_lanes<RL>(e);
 #pragma omp simd
         for (int i = 0; i < RL; ++i) {
-            float* v = s + k * nqp + i;
-            *v = j0 + k <= last[i] ? exp_fixed(*v - mx[i]) : 0.0f;
-            sum[i] += *v;
+            v[i] = j0 + k <= last[i] ? e[i] : 0.0f;
+            sum[i] += v[i];
         }
+    }
     for (int i = 0; i < RL; ++i) l[i] = sum[i];
 }
 
@@ -562,8 +591,12 @@ TQ_CLONES void keys_softmax(float* s, int64_t nq, int64_t n, float* m, float* l,
 #pragma omp simd
             for (int k = 0; k < w; ++k) v[k] = v[k + w] > v[k] ? v[k + w] : v[k];
         const float mx = v[0] > m[r] ? v[0] : m[r];
+        float e[KB];
 #pragma omp simd
-        for (int k = 0; k < KB; ++k) sr[k] = k < n ? exp_fixed(sr[k] - mx) : 0.0f;
+        for (int k = 0; k < KB; ++k) e[k] = sr[k] - mx;
+        exp_lanes<KB>(e);
+#pragma omp simd
+        for (int k = 0; k < KB; ++k) sr[k] = k < n ? e[k] : 0.0f;
         alpha[r] = exp_fixed(m[r] - mx);
         l[r] *= alpha[r];
         m[r] = mx;
