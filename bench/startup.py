@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 
+from bench import cpu_time
 from bench.serve import Server, bench_env
 from shared.nats_server import free_port
 
@@ -84,20 +85,7 @@ def engine_start(args: argparse.Namespace, cache_dir: str) -> tuple[float, float
 
 def _children(pid: int) -> dict[int, str]:
     """pid -> service of the ``tandem up`` children (``python -m services.cli serve SERVICE``)."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"serve" in argv:
-            out[int(d)] = argv[argv.index(b"serve") + 1].decode()
-    return out
+    return {p.pid: p.service for p in cpu_time.processes() if p.ppid == pid}
 
 
 def memory(pid: int) -> dict[str, float]:
