@@ -4,7 +4,8 @@ The bundled model is written once to an all-Q4_0 GGUF (``shared.engine.quantize`
 engine and ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`` load that file, so the
 comparison measures our numerics (Q8_0 activations in the CPU kernel, fp16 KV cache, our rope
 and attention), not quantization. A fixed English text of >= 512 tokens runs as one prefill
-through both; every position's logits are compared.
+through both; every position's logits are compared. And the weights ``transformers`` read from
+that file are ours exactly (the file's interop, Q/K row permutation included).
 
     pytest tests/integration/test_hf_parity.py -s     # prints the measured figures
 
@@ -18,6 +19,7 @@ import os
 import pytest
 import torch
 
+from kernels import q4_0
 from shared.engine import quantize
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.loader import LoadedModel, bundled_model_path, load_model
@@ -103,15 +105,33 @@ def ids(q4_model) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_logits(q4_0_gguf, ids) -> torch.Tensor:
-    """HF fp32 logits [T, vocab] for every position of ``ids``."""
+def hf_model(q4_0_gguf):
+    """``transformers`` reading the Q4_0 GGUF we wrote (fp32; its GGUF reader takes ~15 s)."""
+    pytest.importorskip("accelerate")  # transformers needs it for gguf_file=
     d, name = os.path.split(q4_0_gguf)
     model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    model.eval()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_logits(hf_model, ids) -> torch.Tensor:
+    """HF fp32 logits [T, vocab] for every position of ``ids``."""
     with torch.inference_mode():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    del model
-    return logits
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def test_transformers_reads_the_q4_0_file_we_wrote(hf_model, bundled_model: LoadedModel):
+    """`tandem quantize`'s file, read by ``transformers``: the values of our in-memory Q4_0
+    weights exactly, Q/K rows included (llama.cpp's row permutation undone the same way)."""
+    sd = hf_model.state_dict()
+    w = bundled_model.weights
+    for ours, theirs in [("token_embd", "model.embed_tokens.weight"),
+                         ("blk.0.attn_q", "model.layers.0.self_attn.q_proj.weight"),
+                         ("blk.0.attn_k", "model.layers.0.self_attn.k_proj.weight"),
+                         ("blk.7.attn_v", "model.layers.7.self_attn.v_proj.weight"),
+                         ("blk.29.ffn_down", "model.layers.29.mlp.down_proj.weight")]:
+        assert torch.equal(q4_0.dequantize(w[ours]), sd[theirs]), ours
+    assert torch.equal(w["blk.3.attn_norm"], sd["model.layers.3.input_layernorm.weight"])
 
 
 @pytest.fixture
