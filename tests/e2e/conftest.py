@@ -9,13 +9,6 @@ from shared import bus_auth
 from shared.nats_server import EmbeddedNats
 
 
-@pytest.fixture(scope="session")
-def bundled_model():
-    """The bundled SmolLM2-135M, loaded (converted to Q4_0) once per test session."""
-    from shared.engine.loader import load_model
-    return load_model()
-
-
 @contextlib.contextmanager
 def secured_nats(creds_file: str):
     """A nats-server as `tandem up` runs it (shared/bus_auth.py): only the role users of

@@ -47,7 +47,8 @@ def chat(url: str, tier: str) -> None:
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
 def test_batch_steps_run_low_on_a_real_worker(nats_server, enabled):
-    env = {"TANDEM_THREADS": "2", "TANDEM_OS_PRIORITY": "1" if enabled else "0"}
+    # the test processes' own GOMP_SPINCOUNT (tests/conftest.py) unset: `tandem up` chooses
+    env = {"TANDEM_THREADS": "2", "TANDEM_OS_PRIORITY": "1" if enabled else "0", "GOMP_SPINCOUNT": None}
     with running_stack(nats_server, ARGS, env=env, workers={"gpu-decode": 1, "cpu-decode": 1}) as s:
         chat(s.url, "batch")          # cpu-decode: its steps hold batch work only
         chat(s.url, "interactive")    # gpu-decode: normal priority

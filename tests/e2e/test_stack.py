@@ -30,7 +30,7 @@ QUESTION = "What is the capital of France?"
 
 def start_stack(nats_url: str | None, extra_args=(), env: dict | None = None) -> Server:
     """`tandem up` as a user runs it; NATS at ``nats_url``, or embedded when None; ``env``: more
-    variables for every service."""
+    variables for every service (None: the variable unset)."""
     port = free_port()
     # a pool directory of its own (unless ``env`` names one): entries left by earlier runs in the
     # user's ~/.cache/tandem/kvpool would serve a repeated test prompt from the pool
@@ -38,6 +38,7 @@ def start_stack(nats_url: str | None, extra_args=(), env: dict | None = None) ->
     atexit.register(shutil.rmtree, pool_dir, True)
     env = {**os.environ, "TANDEM_PORT": str(port), "TANDEM_THREADS": "1", "TANDEM_KV_BUDGET_MB": "64",
            "TANDEM_HEARTBEAT_INTERVAL": "0.5", "PYTHONUNBUFFERED": "1", "TANDEM_POOL_DIR": pool_dir, **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     env.pop("TANDEM_NATS_URL", None)
     if nats_url:
         env["TANDEM_NATS_URL"] = nats_url

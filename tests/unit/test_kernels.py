@@ -231,13 +231,8 @@ def test_dispatch(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def real_weights():
-    try:
-        from shared.engine.loader import load_model
-        model = load_model(None)
-    except Exception as exc:  # loader missing or bundled model not installed
-        pytest.skip(f"bundled model not loadable: {exc}")
-    return model.weights
+def real_weights(bundled_model):
+    return bundled_model.weights
 
 
 @needs_lib

@@ -20,8 +20,8 @@ from shared.engine.tokenizer import _bytes_to_unicode
 
 
 @pytest.fixture(scope="module")
-def bundled():
-    return load_model()
+def bundled(bundled_model):
+    return bundled_model
 
 
 @pytest.fixture(scope="module")
