@@ -62,7 +62,8 @@ def addr(i: int) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", type=int, default=3, help="hosts (network namespaces), one NATS server each; >= 3")
-    p.add_argument("--streams", type=int, default=4, help="concurrent streams while a fault happens (default 4)")
+    p.add_argument("--streams", type=int, default=4, help="concurrent streams while a fault happens (default 4; "
+                   "losing a host, up to as many more while none is on it)")
     p.add_argument("--prompt", type=int, default=600, help="prompt tokens (default 600: two pool chunks)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default 64)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
