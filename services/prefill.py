@@ -16,16 +16,28 @@ import logging
 import time
 
 from shared import subjects
-from shared.bus import BusError
+from shared.bus import BusError, RemoteError
 from shared.engine.kv_cache import KVBlobHeader
 from shared.engine.sampling import RequestOutput
 from shared.kv_connector import prompt_tail_end
-from shared.ring import RING_ERRORS, RingConnector
+from shared.ring import RING_ERRORS, RingConnector, RingMemberLost
 from shared.schemas import PrefillRequest
 from shared.transfer import TransferError
 from services.worker import EngineWorker, priority_of, sampling_from
 
 log = logging.getLogger("tandem.prefill")
+
+
+def lost_in_hand_off(e: Exception, decode_worker: str) -> str:
+    """The worker a failed hand-off found gone (``ErrorReply.lost``: the gateway routes the resume
+    without it): a ring member that stopped answering (the error names it), or the decode worker
+    when it was not reached (its data plane refused or broke the connection; no responder or no
+    answer on its decode subject). "" when the decode worker answered with an error: it is there."""
+    if isinstance(e, RingMemberLost):
+        return e.lost
+    if isinstance(e, TransferError) or (isinstance(e, BusError) and not isinstance(e, RemoteError)):
+        return decode_worker
+    return ""
 
 
 class PrefillWorker(EngineWorker):
@@ -79,7 +91,9 @@ class PrefillWorker(EngineWorker):
                                             ring=req.ring, claim=claim, alongside=scatter)
         except (TransferError, BusError, *RING_ERRORS) as e:
             # the gateway resumes the request on another worker (a ring's members keep nothing)
-            raise BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}") from None
+            err = BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}")
+            err.lost = lost_in_hand_off(e, req.decode_worker)   # the stream's ErrorReply.lost: kept out of the resume
+            raise err from None
         self.hand_over(req.request_id, req.decode_worker)
         done = time.monotonic()
         scattered = ""

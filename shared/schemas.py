@@ -367,7 +367,8 @@ class ErrorReply:
     request_id: str = ""
     retry_after: float = 0.0     # "overloaded": seconds the client should wait (HTTP Retry-After)
     attempt: int = 0             # on a stream: the request's attempt that failed (older ones are ignored)
-    lost: str = ""               # the worker found gone ("": the sender's own failure; a ring: a member)
+    lost: str = ""               # the worker found gone ("": the sender's own failure; a ring: a member;
+    #                              a prefill's failed hand-off: the decode worker it did not reach)
 
     @classmethod
     def of(cls, code: str, message: str, request_id: str = "", retry_after: float = 0.0) -> "ErrorReply":

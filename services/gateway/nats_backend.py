@@ -177,7 +177,9 @@ class NatsBackend:
             if isinstance(msg, ErrorReply):
                 if msg.attempt != st.attempt:
                     continue  # a fenced attempt's last words
-                if msg.code in RESUMABLE:  # the worker found gone (a ring's member), else the sender
+                if msg.code in RESUMABLE:
+                    # the worker found gone (a ring's member; the decode worker a prefill's hand-off
+                    # did not reach), else the sender
                     await self._resume(st, f"its worker failed: {msg.message}", msg.lost or st.holder)
                     continue
                 raise backend_error(msg.code, msg.message, msg.retry_after)

@@ -5,8 +5,8 @@ client, the KV from A to B or C over TCP.
 
 - kill -9 host B's nats-server while streams run: every stream ends with the reference text, a
   new request is served within 5 s, the stored Response and the prefix index read back (R3);
-- kill -9 every process of host C while streams run: its streams resume on B, every text the
-  reference;
+- kill -9 every process of host C while streams run (one more started while none is on C): its
+  streams resume on B, every text the reference;
 - host C restarted: it rejoins and the routers send it work again.
 
 Needs root and ``ip netns`` (skipped otherwise); the namespaces are removed whatever happens.
@@ -30,10 +30,10 @@ def test_three_hosts_survive_a_nats_server_and_a_host(tmp_path):
 
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     res = run(3, streams=4, prompt_tokens=600, max_tokens=64, keep_logs=str(tmp_path))
-    failed = {k: ok for k, ok in res["checks"].items() if not ok}
+    failed = {k: ok for k, ok in res["checks"].items() if ok is False}   # None: a check not made (said so)
     assert not failed, (failed, res)
     assert res["nats_killed"]["texts"] == [res["reference"]["text"]] * 4
-    assert res["host_killed"]["texts"] == [res["reference"]["text"]] * 4
+    assert set(res["host_killed"]["texts"]) == {res["reference"]["text"]} and len(res["host_killed"]["texts"]) >= 4
     assert res["nats_killed"]["recovery_s"] <= 5.0
     assert {r for _, r in res["replicas"]} == {"3"} and len(res["replicas"]) == 4
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())

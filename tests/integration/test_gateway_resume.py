@@ -3,7 +3,8 @@ protocol, no engine): a worker that dies holding the dispatch (no ack, then gone
 request nothing — the liveness check finds it gone and the request goes to another worker; a
 worker that drops a request (its stream ends "abort") is a lost holder: the request is resumed
 elsewhere, or, with no worker left, ends with a clear worker_lost error; two copies of one
-attempt streaming chunks cut at different tokens never make a drifted text."""
+attempt streaming chunks cut at different tokens never make a drifted text; a decode worker a
+prefill's hand-off could not reach is left out of the resume."""
 
 from __future__ import annotations
 
@@ -186,3 +187,105 @@ async def test_two_copies_of_one_attempt_never_drift():
         outs = await t.run()
         assert "".join(o.text for o in outs) == "all of it" and outs[-1].finish_reason == "stop"
         assert t.backend.resumes == 1
+
+
+async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_resume():
+    """The router plans prefill "p" -> decode "d-c" while d-c is dead (its heartbeats not yet
+    missed): p's KV hand-off finds d-c's data plane refusing connections. The prefill's stream
+    error names d-c as lost (the real PrefillWorker.hand_off, KVConnector.hand_off and TCP sender,
+    EngineWorker.stream_outputs; no engine): the resume is routed without d-c, not without p (the
+    bench of N hosts saw a router name d-c again for that resume)."""
+    import socket
+
+    from services.prefill import PrefillWorker
+    from shared.engine.kv_cache import KVBlobHeader, KVLayout
+    from shared.engine.sampling import RequestOutput
+    from shared.kv_connector import KVConnector
+    from shared.schemas import PrefillRequest
+    from shared.settings import DataPlaneSettings
+    from shared.transfer import make_transport
+
+    with socket.socket() as s:   # a port nothing listens on: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    server = EmbeddedNats()
+    st = Settings(nats=NatsSettings(url=server.start(), request_timeout=2.0))
+    buses = {n: await Bus.connect(st, name=n) for n in ("gw", "router", "p", "d-b")}
+    routed: list[RouteRequest] = []
+
+    async def route(req: RouteRequest) -> RoutePlan:
+        routed.append(req)
+        if "d-c" not in req.exclude:   # prefill on p (unless p is excluded), the KV to d-c
+            return RoutePlan(request_id=req.request_id, prefill_worker=None if "p" in req.exclude else "p",
+                             decode_worker="d-c", decode_role=subjects.CPU_DECODE, reason="to d-c",
+                             decode_data_host="127.0.0.1", decode_data_port=closed_port)
+        return RoutePlan(request_id=req.request_id, prefill_worker=None, decode_worker="d-b",
+                         decode_role=subjects.CPU_DECODE, reason="to d-b")
+
+    class Engine:   # what hand_off asks of the engine: the exported KV (a header, no blocks)
+        async def export_kv(self, rid: str) -> bytes:
+            return KVBlobHeader(layout=KVLayout(1, 1, 8).to_dict(), model="m", request_id=rid, token_ids=[1, 2, 3, 0], num_prompt_tokens=3,
+                                num_computed=3, num_cached_tokens=0, params={}, priority=0, kv_blocks=0).pack(b"")
+
+        async def abort(self, rid: str) -> bool:
+            return True
+
+    kv = KVConnector.__new__(KVConnector)   # its sending half only: the bus, the TCP sender
+    kv.bus, kv.worker_id = buses["p"], "p"
+    kv.sender = make_transport(DataPlaneSettings(shm=False, key="k")).sender()
+    kv.store_later = lambda *a: None
+    prefill = PrefillWorker.__new__(PrefillWorker)
+    prefill.bus, prefill.worker_id, prefill.requests, prefill.engine, prefill.kv, prefill.tpot = \
+        buses["p"], "p", {}, Engine(), kv, 0.0
+
+    async def on_prefill(req: PrefillRequest) -> Ack:   # the first word, then the hand-off (services/prefill.py)
+        async def outputs():
+            yield RequestOutput(req.request_id, [0], WORDS[0], True, "prefilled")
+
+        async def parked(out) -> None:
+            await prefill.hand_off(req, 1, 0)
+        asyncio.get_running_loop().create_task(prefill.stream_outputs(
+            req.request_id, req.stream_subject, outputs(), 0, parked, 0))
+        return Ack(worker="p")
+
+    async def on_generate(req: GenerateRequest) -> Ack:
+        asyncio.get_running_loop().create_task(finishing(buses["d-b"], req))
+        return Ack(worker="d-b")
+
+    await buses["router"].serve(subjects.ROUTE, route, expected=RouteRequest)
+    await buses["p"].serve(subjects.worker_prefill("p"), on_prefill, expected=PrefillRequest)
+    await buses["d-b"].serve(subjects.worker_generate("d-b"), on_generate, expected=GenerateRequest)
+    backend = NatsBackend(buses["gw"], "m", 1024, tokenizer=None,
+                          settings=GatewaySettings(liveness_check_s=0.2, resume_wait_s=5.0))
+    await backend.start()
+    try:
+        req = GenerationRequest("r-1", "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None)
+        outs = await asyncio.wait_for(_collect(backend, req), 30)
+        assert "".join(o.text for o in outs) == "all of it" and outs[-1].finish_reason == "stop"
+        assert [r.exclude for r in routed] == [[], ["d-c"]] and backend.resumes == 1
+    finally:
+        await backend.close()
+        await kv.sender.close()
+        for b in buses.values():
+            await b.close()
+        server.stop()
+
+
+async def _collect(backend: NatsBackend, req: GenerationRequest) -> list:
+    return [o async for o in backend.generate(req)]
+
+
+def test_a_failed_hand_off_names_the_worker_not_reached():
+    """ErrorReply.lost of a prefill's failed hand-off: the decode worker when it was not reached, a
+    ring member that stopped answering, nobody when the decode worker answered (it is there)."""
+    from services.prefill import lost_in_hand_off
+    from shared.bus import RemoteError
+    from shared.ring import RingCapacityError, RingMemberLost
+    from shared.transfer.base import PeerUnavailable, TransferError
+
+    assert lost_in_hand_off(PeerUnavailable("cannot connect to 10.0.0.3:1: Connect call failed"), "d-c") == "d-c"
+    assert lost_in_hand_off(TransferError("connection lost"), "d-c") == "d-c"
+    assert lost_in_hand_off(BusError("unavailable", "no responders"), "d-c") == "d-c"
+    assert lost_in_hand_off(RingMemberLost("d-e", "link broke"), "d-c") == "d-e"
+    assert lost_in_hand_off(RemoteError("overloaded", "full"), "d-c") == ""
+    assert lost_in_hand_off(RingCapacityError("no room"), "d-c") == ""
