@@ -141,7 +141,8 @@ async def test_streams_survive_a_killed_decode_worker(stack, nats_server):
     try:
         jobs = [(STORY.format(i), 0.0, None) for i in range(3)] + [(STORY.format(9), 0.9, 1234)]
         n = 400  # long enough that a heartbeat sees them running on the fastest CPU here
-        want = [await stream(client, model, p, temperature=t, seed=s, max_tokens=n) for p, t, s in jobs]  # undisturbed
+        # undisturbed, side by side (a row's tokens do not depend on its batch: test_fused_forward)
+        want = await asyncio.gather(*(stream(client, model, p, temperature=t, seed=s, max_tokens=n) for p, t, s in jobs))
         assert all(w["finish"] == "length" and w["text"] for w in want)
 
         started = {i: asyncio.Event() for i in range(len(jobs))}
@@ -179,8 +180,8 @@ async def test_streams_survive_a_killed_decode_worker(stack, nats_server):
             t = g["usage"].model_extra["tandem"]
             assert t["resumes"] >= 1 and t["reused_tokens"] + t["recomputed_tokens"] > 0
 
-        after = await stream(client, model, STORY.format(0), max_tokens=n)   # served after the kill
-        assert after["text"] == want[0]["text"]
+        after = await stream(client, model, STORY.format(0), max_tokens=64)   # served after the kill
+        assert after["finish"] == "length" and want[0]["text"].startswith(after["text"]), after
         deadline = time.monotonic() + 120                       # the dead copy is back
         while time.monotonic() < deadline and not restarted(stack, role):
             await asyncio.sleep(0.5)

@@ -20,7 +20,8 @@ import pytest
 
 from shared import subjects
 from shared.bus import Bus
-from shared.engine.engine import Engine, EngineConfig
+from shared.engine.engine import Engine, EngineConfig, run_to_completion
+from shared.engine.sampling import SamplingParams
 from shared.schemas import Heartbeat, RoutePlan
 from shared.transfer.shm import available as shm_available
 from services.tap import tap
@@ -39,6 +40,12 @@ NEW = 24
 def reference(bundled_model) -> Engine:
     """A single worker whose KV budget holds every session here."""
     return Engine(bundled_model, EngineConfig(num_kv_blocks=256))
+
+
+def chat_ids(engine: Engine, content: str) -> list[int]:
+    """The prompt ids of a one-message chat (as local_chat makes them)."""
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": content}]), add_special_tokens=False)
 
 
 def question(engine: Engine, tokens: int) -> str:
@@ -220,8 +227,11 @@ async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring
     clients get the undisturbed greedy text; tap shows the move's plan, the router counts it."""
     ring_stack.wait_workers({"cpu-decode": 3, "prefill": 1, "router": 1}, 180)
     long_q, short_q = question(reference, 380), question(reference, 150)
-    ids, want_long = local_chat(reference, long_q, 900, ignore_eos=True)
-    short_ids, want_short = local_chat(reference, short_q, 300, ignore_eos=True)
+    ids, short_ids = chat_ids(reference, long_q), chat_ids(reference, short_q)
+    want = run_to_completion(reference, {   # side by side: a row's tokens do not depend on its batch
+        "long": (ids, SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)),
+        "short": (short_ids, SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))})
+    want_long, want_short = want["long"], want["short"]
     # one worker holds the long one, not both: its free KV falls below what they may still need
     assert len(ids) + 900 <= 1360 < (len(ids) + 900) + (len(short_ids) + 300)
     client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
