@@ -67,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=600, help="prompt tokens (default 600: two pool chunks)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default 64)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
+    p.add_argument("--logs", metavar="DIR", help="keep every service's log in DIR (default: deleted with the run)")
 
 
 _progress = report.progress("hosts")
@@ -469,7 +470,9 @@ def main(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         _progress("needs root: it creates network namespaces (ip netns)")
         return 2
-    res = run(args.hosts, args.streams, args.prompt, args.max_tokens)
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
+    res = run(args.hosts, args.streams, args.prompt, args.max_tokens, keep_logs=args.logs)
     print(json.dumps(res, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
