@@ -219,21 +219,25 @@ async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, re
     assert any(f"{got['id']}: ring of 2" in ln and "KV scattered in" in ln for ln in ring_stack.log), ring_stack.tail()
 
 
+LONG_NEW = 300
+
+
 async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring_stack, nats_server, reference):
-    """The router's spreading policy, on its own: a long batch chat (prompt + 900 tokens, which
+    """The router's spreading policy, on its own: a long batch chat (a 1,000-token prompt + 300 tokens, which
     one 1,360-token worker holds) runs on one worker; a second chat of the same session joins it
     there (session affinity); now the worker's free KV is below what the two may still need, so
     the router's rebalance spreads the longer one onto a ring of the two other workers. Both
     clients get the undisturbed greedy text; tap shows the move's plan, the router counts it."""
     ring_stack.wait_workers({"cpu-decode": 3, "prefill": 1, "router": 1}, 180)
-    long_q, short_q = question(reference, 380), question(reference, 150)
+    # the long one's context mostly prompt (a prefill is ~4x cheaper a token than decode steps)
+    long_q, short_q = question(reference, 1000), question(reference, 150)
     ids, short_ids = chat_ids(reference, long_q), chat_ids(reference, short_q)
     want = run_to_completion(reference, {   # side by side: a row's tokens do not depend on its batch
-        "long": (ids, SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)),
+        "long": (ids, SamplingParams(max_tokens=LONG_NEW, temperature=0, ignore_eos=True)),
         "short": (short_ids, SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))})
     want_long, want_short = want["long"], want["short"]
     # one worker holds the long one, not both: its free KV falls below what they may still need
-    assert len(ids) + 900 <= 1360 < (len(ids) + 900) + (len(short_ids) + 300)
+    assert len(ids) + LONG_NEW <= 1360 < (len(ids) + LONG_NEW) + (len(short_ids) + 300)
     client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
     model = (await client.models.list()).data[0].id
     bus = await Bus.connect(url=nats_server, name="e2e-ring-policy")
@@ -254,7 +258,7 @@ async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring
             second.append(asyncio.create_task(one(short_q, 300)))
 
     try:
-        got = await asyncio.wait_for(one(long_q, 900, start_second), 600)
+        got = await asyncio.wait_for(one(long_q, LONG_NEW, start_second), 600)
         got_short = await asyncio.wait_for(second[0], 600)
         await asyncio.sleep(0.3)
     finally:
@@ -263,7 +267,7 @@ async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring
         text = await router_metrics(bus)
     finally:
         await bus.close()
-    assert got["text"] == want_long.text and got["usage"].completion_tokens == 900
+    assert got["text"] == want_long.text and got["usage"].completion_tokens == LONG_NEW
     assert got_short["text"] == want_short.text
     placed = {p.request_id: p for p in plans if not p.moved_from}
     assert placed[got_short["id"]].decode_worker == placed[got["id"]].decode_worker, plans   # one worker, both
