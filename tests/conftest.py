@@ -15,7 +15,8 @@ from shared.os_priority import BOUNDED_SPIN
 # 6.2 s alone, 21 s beside another, 11 s beside another with this. The bounded spin `tandem up`
 # gives engines whose threads outnumber the cores (shared/os_priority.py). Set before any import
 # loads libgomp, which reads it once; the stacks the tests start inherit it unless a test says
-# otherwise (tests/e2e/test_os_priority.py checks `tandem up`'s own choice).
+# otherwise (tests/e2e/test_os_priority.py checks `tandem up`'s own choice, test_memory.py measures
+# an engine with libgomp's defaults).
 os.environ.setdefault("GOMP_SPINCOUNT", str(BOUNDED_SPIN))
 
 
