@@ -84,7 +84,8 @@ def engine_start(args: argparse.Namespace, cache_dir: str) -> tuple[float, float
 
 
 def _children(pid: int) -> dict[int, str]:
-    """pid -> service of the ``tandem up`` children (``python -m services.cli serve SERVICE``)."""
+    """pid -> service of the ``tandem up`` children (``python -m services.cli serve SERVICE``; the
+    embedded nats-server is ``nats``)."""
     return {p.pid: p.service for p in cpu_time.processes() if p.ppid == pid}
 
 

@@ -91,9 +91,9 @@ class PrefillWorker(EngineWorker):
                                             ring=req.ring, claim=claim, alongside=scatter)
         except (TransferError, BusError, *RING_ERRORS) as e:
             # the gateway resumes the request on another worker (a ring's members keep nothing)
-            err = BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}")
-            err.lost = lost_in_hand_off(e, req.decode_worker)   # the stream's ErrorReply.lost: kept out of the resume
-            raise err from None
+            # the worker it did not reach is named (ErrorReply.lost): kept out of the resume
+            raise BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}",
+                           lost=lost_in_hand_off(e, req.decode_worker)) from None
         self.hand_over(req.request_id, req.decode_worker)
         done = time.monotonic()
         scattered = ""

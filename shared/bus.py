@@ -55,11 +55,12 @@ def _placement(e: Exception) -> bool:
 class BusError(Exception):
     """An error with a wire code (a key of schemas.ERROR_STATUS); handlers raise it on purpose."""
 
-    def __init__(self, code: str, message: str, retry_after: float = 0.0):
+    def __init__(self, code: str, message: str, retry_after: float = 0.0, lost: str = ""):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.retry_after = retry_after   # "overloaded": seconds until a retry may succeed
+        self.lost = lost                 # a stream's error: the worker found gone (ErrorReply.lost)
 
     @property
     def status(self) -> int:

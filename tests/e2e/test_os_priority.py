@@ -10,6 +10,7 @@ import os
 import httpx
 import pytest
 
+from bench import cpu_time
 from shared.os_priority import BOUNDED_SPIN, LANE_NAME, thread_priorities
 from tests.e2e.test_stack import running_stack
 
@@ -17,19 +18,8 @@ ARGS = ["--prefill", "0", "--gpu-decode", "1", "--cpu-decode", "1", "--kvpool", 
 
 
 def children(pid: int) -> dict[str, int]:
-    """service -> pid of the `tandem up` children serving an engine role."""
-    out = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if ppid == pid and b"serve" in argv:
-            out[argv[argv.index(b"serve") + 1].decode()] = int(p)
-    return out
+    """service -> pid of the `tandem up` children (named as bench/cpu_time.py names them)."""
+    return {p.service: p.pid for p in cpu_time.processes() if p.ppid == pid}
 
 
 def environ(pid: int) -> dict[str, str]:

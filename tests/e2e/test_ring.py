@@ -26,7 +26,7 @@ from shared.schemas import Heartbeat, RoutePlan
 from shared.transfer.shm import available as shm_available
 from services.tap import tap
 from tests.e2e.test_resilience import collect, pid_of
-from tests.e2e.test_stack import local_chat, running_stack
+from tests.e2e.test_stack import chat_ids, local_chat, running_stack
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -40,12 +40,6 @@ NEW = 24
 def reference(bundled_model) -> Engine:
     """A single worker whose KV budget holds every session here."""
     return Engine(bundled_model, EngineConfig(num_kv_blocks=256))
-
-
-def chat_ids(engine: Engine, content: str) -> list[int]:
-    """The prompt ids of a one-message chat (as local_chat makes them)."""
-    tok = engine.tokenizer
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": content}]), add_special_tokens=False)
 
 
 def question(engine: Engine, tokens: int) -> str:

@@ -100,9 +100,14 @@ def local_engine(bundled_model) -> Engine:
     return Engine(bundled_model, EngineConfig(num_kv_blocks=128))
 
 
-def local_chat(engine: Engine, question: str, max_tokens: int, **kw):
+def chat_ids(engine: Engine, question: str) -> list[int]:
+    """The prompt ids of a one-message chat."""
     tok = engine.tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
+
+
+def local_chat(engine: Engine, question: str, max_tokens: int, **kw):
+    ids = chat_ids(engine, question)
     return ids, run_to_completion(engine, {"x": (ids, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))})["x"]
 
 
