@@ -48,18 +48,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels import gpu_tuning
+
 SEG = 256          # keys per attention segment of a decode token (fixed: batch-independent numbers)
 # Tile shapes, chosen from ptxas' register report for sm_90 (tests/unit/test_gpu_compile.py
-# compiles every variant the step launches and fails on a register spill): a qmatmul walks K one
-# Q4_0 block (32 weights) a step with 8 warps — with 4 blocks a step or 4 warps the f32 tl.dot
-# tiles spilled (up to 6.7 KB a thread at 64 rows); attention's prefill tiles 16 tokens x 32 keys
-# with 8 warps (4 spilled), decode 16 keys a step with 4.
-BLOCK_B = 1        # Q4_0 blocks per step of a qmatmul's K loop
-MM_WARPS = 8
+# compiles every variant the step launches and fails on a register spill). The qmatmul's tiles
+# are per GPU and weight shape (kernels/gpu_tuning.py: measured tables, else one Q4_0 block a K
+# step with 8 warps); attention's prefill tiles 16 tokens x 32 keys with 8 warps (4 spilled),
+# decode 16 keys a step with 4.
 EMBED_BLOCK_B = 4
 BLOCK_K_DECODE, DECODE_WARPS = 16, 4
 BLOCK_Q, BLOCK_K_PREFILL, PREFILL_WARPS = 16, 32, 8
-MIN_PROGRAMS = 128  # a qmatmul whose N gives fewer weight tiles than this splits K (H100/H200: 132 SMs)
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 
 log = logging.getLogger("tandem.gpu")
@@ -86,17 +85,11 @@ def unsupported(cfg, block_size: int) -> str | None:
     return None
 
 
-def split_for(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, splits over K, Q4_0 blocks per split) of a qmatmul with N outputs and K inputs:
-    from N and K only, never from M (a row's sum must not depend on its batch)."""
-    block_n = 64 if n >= 8192 else 16
-    tiles = -(-n // block_n)
-    nb = k // 32
-    splits = 1
-    if tiles < MIN_PROGRAMS and nb >= 2 * BLOCK_B:
-        splits = min(-(-MIN_PROGRAMS // tiles), nb // BLOCK_B)
-    per = -(-(-(-nb // splits)) // BLOCK_B) * BLOCK_B
-    return block_n, -(-nb // per), per
+def split_for(tuning: "gpu_tuning.Tuning", n: int, k: int) -> tuple[gpu_tuning.Tile, int, int]:
+    """(tile, splits over K, Q4_0 blocks per split) of a qmatmul with N outputs and K inputs: from
+    N and K only, never from M (a row's sum must not depend on its batch)."""
+    tile = tuning.tile(n, k)
+    return (tile, *tile.plan(n, k))
 
 
 @dataclass
@@ -139,7 +132,8 @@ class PagedBatch:
 class GpuStep:
     """The forward step of a ``Transformer`` in the fused kernels (its weights on the device)."""
 
-    def __init__(self, model, max_context: int, precision: str | None = None):
+    def __init__(self, model, max_context: int, precision: str | None = None,
+                 tuning: "gpu_tuning.Tuning | None" = None):
         cfg = model.cfg
         self.m = model
         self.cfg = cfg
@@ -151,6 +145,7 @@ class GpuStep:
         self.precision = precision or os.environ.get("TANDEM_GPU_PRECISION", "ieee")
         if self.precision not in ("ieee", "tf32"):
             raise ValueError(f"TANDEM_GPU_PRECISION must be ieee or tf32, got {self.precision!r}")
+        self.tuning = tuning if tuning is not None else gpu_tuning.load(self.device)
         self.cos = model.cos.contiguous()
         self.sin = model.sin.contiguous()
 
@@ -174,11 +169,11 @@ class GpuStep:
         if m == 0:
             return out
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n, splits, per = split_for(n, k)
-        grid_mn = (-(-n // block_n), -(-m // block_m))
+        tile, splits, per = split_for(self.tuning, n, k)
+        grid_mn = (-(-n // tile.block_n), -(-m // block_m))
         kern = _k()
-        args = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=BLOCK_B, NORM=norm is not None, SILU=silu,
-                    PRECISION=self.precision if m > 64 else "ieee", num_warps=MM_WARPS)
+        args = dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=norm is not None,
+                    SILU=silu, PRECISION=self.precision if m > 64 else "ieee", num_warps=tile.warps)
         nw = norm if norm is not None else x
         eps = self.cfg.rms_eps
         if splits == 1:
@@ -543,13 +538,14 @@ def attach(model, kv: torch.Tensor, blocks, mode: str, max_context: int, max_seq
         return None
     model.gpu = GpuStep(model, max_context)
     if mode != "graphs":
-        log.info("GPU step: fused Triton kernels, launched eagerly (precision %s)", model.gpu.precision)
+        log.info("GPU step: fused Triton kernels, launched eagerly (precision %s, matmul tiles: %s)",
+                 model.gpu.precision, model.gpu.tuning.source)
         return None
     scratch = blocks.allocate(1)
     if scratch is None:
         raise ValueError("no KV block left for the decode graphs' scratch block")
     graphs = DecodeGraphs(model.gpu, kv, max_seqs, math.ceil(max_context / block_size), block_size, scratch[0],
                           capture=model.device.type == "cuda")
-    log.info("GPU step: fused Triton kernels, decode steps as CUDA graphs (buckets %s, precision %s)",
-             graphs.sizes, model.gpu.precision)
+    log.info("GPU step: fused Triton kernels, decode steps as CUDA graphs (buckets %s, precision %s, "
+             "matmul tiles: %s)", graphs.sizes, model.gpu.precision, model.gpu.tuning.source)
     return graphs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import gpu_step
+from kernels import gpu_step, gpu_tuning
 from kernels.gpu_step import DecodeInputs, bucket_for, buckets, split_for
 
 
@@ -29,14 +29,43 @@ def test_bucket_for_refuses_more_rows_than_the_largest():
 
 
 def test_split_depends_on_n_and_k_only_and_covers_k():
+    rule = gpu_tuning.Tuning()
     for n, k in [(576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (64, 1024), (100, 96)]:
-        block_n, splits, per = split_for(n, k)
+        tile, splits, per = split_for(rule, n, k)
         nb = k // 32
-        assert per % gpu_step.BLOCK_B == 0 and (splits - 1) * per < nb <= splits * per
-        if -(-n // block_n) >= gpu_step.MIN_PROGRAMS:
+        assert per % tile.block_b == 0 and (splits - 1) * per < nb <= splits * per
+        if -(-n // tile.block_n) >= gpu_tuning.MIN_PROGRAMS:
             assert splits == 1
-    assert split_for(49152, 576) == (64, 1, 18)        # the lm head: 768 weight tiles already
-    assert split_for(576, 1536)[1] > 1                  # down: 36 tiles of 16 rows, so K is split
+    assert split_for(rule, 49152, 576) == (gpu_tuning.Tile(64, 1, 8, 1), 1, 18)   # the lm head: 768 tiles
+    assert split_for(rule, 576, 1536)[1] > 1            # down: 36 tiles of 16 rows, so K is split
+
+
+@pytest.mark.parametrize("block_b,splits", [(1, 1), (2, 3), (4, 5), (8, 4), (8, 64), (4, 1)])
+def test_a_tuned_tile_splits_k_into_whole_steps(block_b, splits):
+    for k in (96, 576, 1536):
+        t = gpu_tuning.Tile(32, block_b, 4, splits)
+        got, per = t.plan(576, k)
+        nb = k // 32
+        assert per % block_b == 0 and (got - 1) * per < nb <= got * per and got <= splits
+
+
+def test_tuning_tables_load_and_refuse_bad_entries(tmp_path, monkeypatch):
+    t = gpu_tuning.Tuning({(960, 576): gpu_tuning.Tile(32, 4, 4, 2)}, "x")
+    path = tmp_path / "t.json"
+    path.write_text(__import__("json").dumps(t.to_json(device="test")))
+    monkeypatch.setenv("TANDEM_GPU_TUNING", str(path))
+    got = gpu_tuning.load(torch.device("cpu"))
+    assert got.tile(960, 576) == gpu_tuning.Tile(32, 4, 4, 2) and got.source == str(path)
+    assert got.tile(576, 576) == gpu_tuning.rule(576, 576)          # a shape it lacks: the rule
+    for bad in ('{"tiles": {"960x576": {"block_n": 24, "block_b": 4, "warps": 4, "splits": 1}}}',
+                '{"tiles": {"960x576": {"block_n": 32, "block_b": 4, "warps": 3, "splits": 1}}}',
+                '{"tiles": {"960": {}}}', '{"tiles": {"960x576": {"block_n": 32}}}', "[1]", "not json"):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="t.json"):
+            gpu_tuning.load(torch.device("cpu"))
+    monkeypatch.setenv("TANDEM_GPU_TUNING", "none")
+    assert gpu_tuning.load(torch.device("cpu")).source == "rule"
+    assert gpu_tuning.shipped("NVIDIA H200").name == "NVIDIA_H200.json"
 
 
 def _tables():

@@ -1,0 +1,245 @@
+"""Tune the fused step's Q4_0 matmul tiles on the GPU at hand and write a table for
+kernels/gpu_tuning.py: ``python -m bench.gpu_tune --out FILE [--budget-s 90]``.
+
+For each weight shape of the model (SmolLM2-135M by default: q|k|v, o, gate|up, down, lm head) and
+each candidate tile (BLOCK_N x BLOCK_B x warps x splits over K), the layer's matmuls of one
+decode step (30 of them on 30 distinct random Q4_0 weights, as in the model; one for the lm head,
+with the prologue / epilogue each has in the step) are captured as one CUDA graph and its replays
+timed at M = 1, 16 and 64 rows. A shape's tile is the one with the lowest sum of times relative to
+each M's best, among tiles that spill no register. Then the whole step's matmuls (all shapes, as
+one graph) with the chosen tiles against the built-in rule, side by side, printed as a table.
+
+The candidates compile first in a pool of processes (Triton's disk cache is shared), so the timing
+process finds them compiled. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+# name: (N, K, NORM, SILU, RESIDUAL, launches a step) for SmolLM2-135M (30 layers)
+SHAPES = {"qkv": (960, 576, True, False, False, 30), "o": (576, 576, False, False, True, 30),
+          "gate_up": (3072, 576, True, False, False, 30), "down": (576, 1536, False, True, True, 30),
+          "lm_head": (49152, 576, True, False, False, 1)}
+MS = (1, 16, 64)
+BLOCK_N = (16, 32, 64)
+BLOCK_B = (1, 2, 4, 8)
+MIN_PROGRAMS = (0, 132, 528)
+DEVICE = "cuda"     # "cpu" with --dry-run (Triton's interpreter: the code paths, no timing)
+
+
+def candidates(n: int, k: int):
+    from kernels.gpu_tuning import Tile
+    seen = set()
+    for bn, bb, w, mp in itertools.product(BLOCK_N, BLOCK_B, (4, 8), MIN_PROGRAMS):
+        tiles = -(-n // bn)
+        splits = max(1, min(-(-mp // tiles), k // 32 // bb)) if tiles < mp else 1
+        t = Tile(bn, bb, w, splits)
+        key = (bn, bb, w, t.plan(n, k))
+        if key not in seen:
+            seen.add(key)
+            yield t
+
+
+class Shape:
+    """One weight shape's buffers on the device: ``count`` distinct weights, activations, outputs."""
+
+    def __init__(self, name: str, m: int, count: int | None = None):
+        import torch
+        n, k, self.norm, self.silu, self.residual, launches = SHAPES[name]
+        self.name, self.n, self.k, self.m = name, n, k, m
+        count = launches if count is None else count
+        g = torch.Generator(device=DEVICE).manual_seed(zlib.crc32(name.encode()))
+        nb = k // 32
+        self.w = []
+        for _ in range(count):
+            q = torch.randint(0, 256, (n, nb, 18), dtype=torch.uint8, device=DEVICE, generator=g)
+            d = (torch.rand(n, nb, device=DEVICE, generator=g) * 0.01 + 0.001).half()
+            q[:, :, :2] = d.view(torch.uint8).view(n, nb, 2)
+            self.w.append(q.view(n, nb * 18))
+        self.x = torch.randn(m, 2 * k if self.silu else k, device=DEVICE, generator=g)
+        self.nw = torch.rand(k, device=DEVICE, generator=g) + 0.5
+        self.out = torch.zeros(m, n, device=DEVICE)
+        self.part = torch.empty(64 * m * n, device=DEVICE)
+
+    def launch(self, tile, w):
+        """One qmatmul (and its split_sum) as GpuStep.matmul launches it; returns the compiled kernel."""
+        from kernels import gpu
+        kern = gpu.triton_kernels()
+        m, n, k = self.m, self.n, self.k
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        splits, per = tile.plan(n, k)
+        grid = (-(-n // tile.block_n), -(-m // block_m))
+        args = dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=self.norm, SILU=self.silu,
+                    PRECISION="ieee", num_warps=tile.warps)
+        nw = self.nw if self.norm else self.x
+        if splits == 1:
+            return kern.qmatmul[grid](self.x, w, self.out, nw, m, n, k, w.shape[1], self.x.stride(0),
+                                      self.out.stride(0), 1e-5, 0, RESIDUAL=self.residual, SPLIT=False, **args)
+        c = kern.qmatmul[(*grid, splits)](self.x, w, self.part, nw, m, n, k, w.shape[1], self.x.stride(0), n, 1e-5,
+                                          per, RESIDUAL=False, SPLIT=True, **args)
+        kern.split_sum[(-(-n // 256), m)](self.part, self.out, m, n, self.out.stride(0), SPLITS=splits,
+                                          RESIDUAL=self.residual, BLOCK=256)
+        return c
+
+
+def _compile(jobs):
+    """In a pool process: launch each (shape, m, tile) once (Triton compiles it into the disk cache);
+    return its registers and spills."""
+    import torch
+    got = {}
+    shapes = {}
+    for name, m, tile in jobs:
+        s = shapes.get((name, m)) or shapes.setdefault((name, m), Shape(name, m, count=1))
+        try:
+            c = s.launch(tile, s.w[0])
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            got[(name, m, tile)] = (getattr(c, "n_regs", None), getattr(c, "n_spills", None), None)
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
+            got[(name, m, tile)] = (None, None, f"{type(e).__name__}: {e}"[:200])
+    return got
+
+
+def graph_time(fn, reps: int = 10, rounds: int = 5) -> float:
+    """Median µs of one replay of ``fn`` captured as a CUDA graph."""
+    import torch
+    if DEVICE != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(2):
+        g.replay()
+    t = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        t.append(a.elapsed_time(b) * 1000 / reps)
+    del g
+    return statistics.median(t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_tune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="the tuning table to write (JSON, TANDEM_GPU_TUNING reads it)")
+    ap.add_argument("--budget-s", type=float, default=90, help="stop timing candidates after this (default 90)")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on the CPU in Triton's interpreter, two tiles a shape, M = 1, one weight: the code "
+                         "paths only (its times mean nothing)")
+    a = ap.parse_args(argv)
+    global DEVICE, MS
+    if a.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+        DEVICE, MS = "cpu", (1,)
+        for name, v in SHAPES.items():                     # one weight each; a small lm head
+            SHAPES[name] = (min(v[0], 512), *v[1:5], 1)
+    import torch
+    import triton
+    from kernels.gpu_tuning import Tuning, rule
+    if not a.dry_run and not torch.cuda.is_available():
+        print("gpu_tune needs a CUDA device (--dry-run runs its code paths on the CPU)", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    say = lambda msg: print(f"[gpu_tune {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    cands = {name: sorted(candidates(n, k), key=lambda t: (-t.block_b, t.block_n, t.warps, t.splits))
+             for name, (n, k, *_) in SHAPES.items()}
+    if a.dry_run:
+        cands = {name: [rule(n, k), ts[-1]] for (name, ts), (n, k, *_) in zip(cands.items(), SHAPES.values())}
+    jobs = [(name, m, t) for name, ts in cands.items() for m in MS for t in ts]
+    say(f"{len(jobs)} (shape, M, tile) launches to compile in {a.workers} processes")
+    if a.dry_run:
+        compiled = _compile(jobs)
+    else:
+        compiled = {}
+        with ProcessPoolExecutor(a.workers, mp_context=get_context("spawn")) as pool:
+            for got in pool.map(_compile, [jobs[i::a.workers] for i in range(a.workers)]):
+                compiled |= got
+    bad = {j: v for j, v in compiled.items() if v[2] or v[1]}
+    say(f"compiled; {len(bad)} failed or spilled: "
+        + ", ".join(f"{j[0]} m{j[1]} {j[2]}: {v[2] or f'{v[1]} B spilled'}" for j, v in list(bad.items())[:6]))
+    times: dict[tuple, float] = {}
+    deadline = t0 + a.budget_s
+    shapes = {(name, m): Shape(name, m) for name, m in itertools.product(SHAPES, MS)}
+    # round by round over every (shape, M): the rule's tile first, then candidate i of each, so a
+    # deadline leaves every shape measured alike
+    order = {name: [rule(*SHAPES[name][:2])] + [c for c in ts if c != rule(*SHAPES[name][:2])]
+             for name, ts in cands.items()}
+    for i in range(max(len(v) for v in order.values())):
+        if i and time.monotonic() > deadline:
+            say(f"budget spent after {i} rounds of candidates (of {max(len(v) for v in order.values())})")
+            break
+        for (name, m), s in shapes.items():
+            if i < len(order[name]) and (name, m, order[name][i]) not in bad:
+                t = order[name][i]
+                times[(name, m, t)] = graph_time(lambda: [s.launch(t, w) for w in s.w])
+    del shapes
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    say(f"timed {len(times)} graphs")
+    chosen = {}
+    rows = []
+    for name, (n, k, *_) in SHAPES.items():
+        base = rule(n, k)
+        best_m = {m: min(v for (s_, m_, _), v in times.items() if s_ == name and m_ == m) for m in MS}
+        scored = {}
+        for t in cands[name]:
+            if all((name, m, t) in times for m in MS) and not any((name, m, t) in bad for m in MS):
+                scored[t] = sum(times[(name, m, t)] / best_m[m] for m in MS)
+        best = min(scored, key=scored.get) if scored else base
+        chosen[(n, k)] = best
+        rows.append((name, n, k, base, best, [times.get((name, m, base)) for m in MS],
+                     [times.get((name, m, best)) for m in MS]))
+    # the whole step's matmuls, rule vs chosen, side by side
+    whole = {}
+    for m in MS:
+        ss = [Shape(name, m) for name in SHAPES]
+        for label, pick in (("rule", lambda s: rule(s.n, s.k)), ("tuned", lambda s: chosen[(s.n, s.k)])):
+            whole[(label, m)] = graph_time(lambda: [s.launch(pick(s), w) for s in ss for w in s.w])
+        del ss
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
+    table = Tuning(chosen, a.out).to_json(
+        device=dev, triton=triton.__version__, torch=torch.__version__,
+        measured=time.strftime("%Y-%m-%d", time.gmtime()), command="python -m bench.gpu_tune",
+        step_matmuls_us={f"{label} m{m}": round(v, 1) for (label, m), v in whole.items()})
+    with open(a.out, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    print(f"\n{dev}, triton {triton.__version__}: one decode step's Q4_0 matmuls (CUDA graph replay, µs)\n")
+    print("| shape | N x K | rule tile | tuned tile | rule µs m1 / m16 / m64 | tuned µs m1 / m16 / m64 |")
+    print("|---|---|---|---|---:|---:|")
+    fmt = lambda t: f"n{t.block_n} b{t.block_b} w{t.warps} s{t.splits}"  # noqa: E731
+    for name, n, k, base, best, tb, tt in rows:
+        print(f"| {name} | {n}x{k} | {fmt(base)} | {fmt(best)} | "
+              + " / ".join(f"{v:.1f}" if v else "-" for v in tb) + " | "
+              + " / ".join(f"{v:.1f}" if v else "-" for v in tt) + " |")
+    print("\n| rows M | rule: all matmuls µs | tuned µs | rule ÷ tuned |\n|---:|---:|---:|---:|")
+    for m in MS:
+        print(f"| {m} | {whole[('rule', m)]:.1f} | {whole[('tuned', m)]:.1f} | "
+              f"{whole[('rule', m)] / whole[('tuned', m)]:.2f} |")
+    say(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

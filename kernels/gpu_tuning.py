@@ -1,0 +1,124 @@
+"""The tile of each fused-step Q4_0 matmul (``qmatmul`` in kernels/gpu_triton.py), per GPU.
+
+A tile is (BLOCK_N weight rows a program, BLOCK_B Q4_0 blocks a K step, warps, splits over K).
+It is chosen from the weight's (N, K) only, never from the batch's M: a row's sum must not
+depend on its batch (kernels/gpu_step.py), so the graphs' padded buckets and the eager step give
+the same bits.
+
+Where the tiles come from:
+- ``TANDEM_GPU_TUNING=FILE``: a table written by ``python -m bench.gpu_tune --out FILE`` on the
+  GPU at hand (``none``: the built-in rule below);
+- else ``kernels/tuning/<device name>.json`` where one ships for ``torch.cuda.get_device_name()``
+  (``NVIDIA H200`` -> ``NVIDIA_H200.json``), measured on that card;
+- else the built-in rule (``rule``): 16 rows (64 for N >= 8192), one block a step, 8 warps, K
+  split until the grid has 128 programs.
+
+A table holds tiles for exact (N, K) shapes; a shape it lacks gets the rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).parent / "tuning"
+MIN_PROGRAMS = 128   # the rule: a matmul whose N gives fewer weight tiles than this splits K
+WARPS = (4, 8)
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_n: int
+    block_b: int
+    warps: int
+    splits: int        # wanted; ``plan`` rounds it so each split is whole K steps
+
+    def plan(self, n: int, k: int) -> tuple[int, int]:
+        """(splits, Q4_0 blocks per split) for this tile over K inputs."""
+        nb = k // 32
+        splits = max(1, min(self.splits, nb // self.block_b))
+        per = -(-(-(-nb // splits)) // self.block_b) * self.block_b
+        return -(-nb // per), per
+
+
+def rule(n: int, k: int) -> Tile:
+    block_n = 64 if n >= 8192 else 16
+    tiles = -(-n // block_n)
+    splits = 1
+    if tiles < MIN_PROGRAMS and k // 32 >= 2:
+        splits = min(-(-MIN_PROGRAMS // tiles), k // 32)
+    return Tile(block_n, 1, 8, splits)
+
+
+def check(t: Tile) -> Tile:
+    for name in ("block_n", "block_b"):
+        v = getattr(t, name)
+        if v < 1 or v & (v - 1) or v > 128:
+            raise ValueError(f"{name} {v} is not a power of two in 1..128")
+    if t.block_n < 16:
+        raise ValueError(f"block_n {t.block_n} is under 16 (tl.dot's smallest tile)")
+    if t.warps not in WARPS:
+        raise ValueError(f"warps {t.warps} is not one of {WARPS}")
+    if not 1 <= t.splits <= 64:
+        raise ValueError(f"splits {t.splits} is not in 1..64")
+    return t
+
+
+class Tuning:
+    """The tiles of one GPU: ``tile(n, k)``; ``source`` says where they came from."""
+
+    def __init__(self, tiles: dict[tuple[int, int], Tile] | None = None, source: str = "rule"):
+        self.tiles = dict(tiles or {})
+        self.source = source
+
+    def tile(self, n: int, k: int) -> Tile:
+        return self.tiles.get((n, k)) or rule(n, k)
+
+    def to_json(self, **meta) -> dict:
+        return meta | {"tiles": {f"{n}x{k}": asdict(t) for (n, k), t in sorted(self.tiles.items())}}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str) -> "Tuning":
+        if not isinstance(data, dict) or not isinstance(data.get("tiles"), dict):
+            raise ValueError(f"{source}: not a tuning table (no 'tiles' object)")
+        tiles = {}
+        for shape, t in data["tiles"].items():
+            m = re.fullmatch(r"(\d+)x(\d+)", shape)
+            if not m or not isinstance(t, dict):
+                raise ValueError(f"{source}: bad entry {shape!r}: want 'NxK': {{block_n, block_b, warps, splits}}")
+            try:
+                tiles[(int(m[1]), int(m[2]))] = check(Tile(**{f: int(t[f]) for f in ("block_n", "block_b", "warps",
+                                                                                     "splits")}))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{source}: entry {shape}: {e}") from None
+        return cls(tiles, source)
+
+    @classmethod
+    def read(cls, path: str | Path) -> "Tuning":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the GPU tuning table {path}: {e}") from None
+        return cls.from_json(data, str(path))
+
+
+def shipped(device_name: str) -> Path:
+    return HERE / (re.sub(r"[^A-Za-z0-9.-]+", "_", device_name.strip()) + ".json")
+
+
+def load(device) -> Tuning:
+    """The tiles for ``device`` (a torch.device), from TANDEM_GPU_TUNING, a shipped table or the rule."""
+    env = os.environ.get("TANDEM_GPU_TUNING", "").strip()
+    if env.lower() == "none":
+        return Tuning()
+    if env:
+        return Tuning.read(env)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+        path = shipped(torch.cuda.get_device_name(device))
+        if path.exists():
+            return Tuning.read(path)
+    return Tuning()
