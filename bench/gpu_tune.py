@@ -210,13 +210,13 @@ def main(argv=None) -> int:
                      [times.get((name, m, best)) for m in MS]))
     # the whole step's matmuls, rule vs chosen, side by side
     whole = {}
+    tiles = {"rule": lambda s: rule(s.n, s.k), "tuned": lambda s: chosen[(s.n, s.k)]}
     for m in MS:
-        ss = [Shape(name, m) for name in SHAPES]
-        for label, pick in (("rule", lambda s: rule(s.n, s.k)), ("tuned", lambda s: chosen[(s.n, s.k)])):
-            whole[(label, m)] = graph_time(lambda: [s.launch(pick(s), w) for s in ss for w in s.w])
-        del ss
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+        step = [Shape(name, m) for name in SHAPES]
+        for label, pick in tiles.items():
+            whole[(label, m)] = graph_time(lambda: [s.launch(pick(s), w) for s in step for w in s.w])
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     table = Tuning(chosen, a.out).to_json(
         device=dev, triton=triton.__version__, torch=torch.__version__,
