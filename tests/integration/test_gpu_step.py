@@ -84,11 +84,12 @@ def rel(got, want) -> float:
 
 # ---- the cases: run in the interpreter's worker here, compiled on CUDA by tests/gpu -----------
 
-def _matmul_case(m, n, k, norm, silu, residual, device="cpu"):
+def _matmul_case(m, n, k, norm, silu, residual, device="cpu", tile=None):
     from kernels.gpu_step import GpuStep
+    from kernels.gpu_tuning import Tuning
     g = torch.Generator().manual_seed(m * 1000 + n)
     model = tiny_model(device)
-    st = GpuStep(model, 1024)
+    st = GpuStep(model, 1024, tuning=Tuning({(n, k): tile}, "test") if tile else None)
     q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
     x = torch.randn(m, 2 * k if silu else k, generator=g).to(device)
     nw = (torch.rand(k, generator=g) + 0.5).to(device) if norm else None
@@ -311,6 +312,17 @@ def test_matmul(interp, m, n, k):
 @pytest.mark.parametrize("n,k", [(100, 96), (64, 512)])
 def test_matmul_prologues_and_epilogue(interp, norm, silu, residual, n, k):
     assert interp(_matmul_case, 3, n, k, norm, silu, residual) <= REL
+
+
+# tuned tiles (kernels/gpu_tuning.py): the H200 table's kinds (64 rows a program, 4 warps, K split
+# into one-block steps; 32 rows, 8 splits) and two blocks a K step with a ragged last split
+@pytest.mark.parametrize("m,n,k,norm,silu,residual,tile", [
+    (1, 100, 96, True, False, False, (64, 1, 4, 18)),
+    (17, 64, 512, False, True, True, (32, 1, 8, 8)),
+    (3, 100, 96 * 2, True, False, True, (16, 2, 4, 2))])
+def test_matmul_with_a_tuned_tile(interp, m, n, k, norm, silu, residual, tile):
+    from kernels.gpu_tuning import Tile
+    assert interp(_matmul_case, m, n, k, norm, silu, residual, "cpu", Tile(*tile)) <= REL
 
 
 @pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])

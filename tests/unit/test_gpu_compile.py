@@ -5,6 +5,7 @@ spill for any of them.
 The variants are not listed by hand: the step runs once on the CPU with the kernels replaced by
 a recorder, over the launches a real engine makes — a mixed step (a prefill chunk, a chunk after
 a cached prefix, decodes) and decode steps at every M tile (1, 17, 40 rows), f32 "ieee" and TF32,
+with the built-in matmul tiles and with each table in kernels/tuning/ (kernels/gpu_tuning.py),
 and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
 ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
@@ -13,6 +14,7 @@ blocks a K step with 4 warps did: 6.7 KB a thread at 64 rows) fails here, not on
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import warnings
@@ -22,7 +24,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from kernels import gpu_sample, gpu_step  # noqa: E402
+from kernels import gpu_sample, gpu_step, gpu_tuning  # noqa: E402
 from shared.engine.model import AttnChunk, StepContext, Transformer  # noqa: E402
 
 TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.uint8: "*u8", torch.int32: "*i32",
@@ -89,8 +91,9 @@ def launches():
     try:
         model = bundled_shapes_model()
         kv = torch.zeros(64, model.cfg.n_layers, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=torch.float16)
-        for precision in ("ieee", "tf32"):
-            st = gpu_step.GpuStep(model, 8192, precision)
+        tunings = [gpu_tuning.Tuning()] + [gpu_tuning.Tuning.read(p) for p in sorted(gpu_tuning.HERE.glob("*.json"))]
+        for precision, tuning in itertools.product(("ieee", "tf32"), tunings):
+            st = gpu_step.GpuStep(model, 8192, precision, tuning=tuning)
             plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
             chunks, off = [], 0
             for start, n in plan:
