@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvpool.keys import chunk_keys_from_seed, tenant_salt
 from shared.engine.engine import Completion, Engine, EngineConfig, run_to_completion
@@ -433,3 +434,18 @@ def test_warm_up_leaves_the_engine_as_it_was(bundled_model):
     free = eng.blocks.num_free
     assert eng.warm_up() > 0 and eng.blocks.num_free == free and not eng.has_work()
     assert run_to_completion(eng, {"r": (eng.tokenizer.encode(PROMPTS[0]), greedy(4))})["r"].num_output_tokens == 4
+
+
+def test_warm_up_on_cuda_runs_the_prefill_variants(bundled_model, monkeypatch):
+    """On CUDA the warm-up also prefills one prompt of each length class Triton specializes on (M a
+    multiple of 16 or not; 16, 32 and 64-row tiles), so their compiles happen before any request."""
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+    seen = []
+    monkeypatch.setattr(eng, "prompt_logits", lambda ids: seen.append(len(ids)))
+    eng.warm_up()
+    assert seen == [16]                                            # the CPU: one short pass
+    seen.clear()
+    monkeypatch.setattr(eng, "device", torch.device("cuda"))      # (graphs stay None: nothing captures)
+    eng.warm_up()
+    assert seen[0] == 16 and {n % 16 == 0 for n in seen} == {True, False}
+    assert {16 if n <= 16 else 32 if n <= 32 else 64 for n in seen} == {16, 32, 64}
