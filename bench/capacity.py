@@ -9,7 +9,9 @@ drain. It **passes** when every request finished without error, the whole level 
 TTFT p90 and TPOT p90 are within the SLO. After a failed level the ladder waits ``settle_s``
 (what the level left queued drains or is aborted). The ladder doubles the rate from ``start`` until a
 level fails, then tries the geometric mean of the last pass and the first fail once; the
-capacity is the highest passing rate, bracketed by the lowest failing one. It stops early —
+capacity is the highest passing rate, bracketed by the lowest failing one. Before the first
+level, ``warmup_s`` seconds at the start rate are served and not judged: first-use work (a GPU's
+kernel compiles, caches filling) once failed a first level on its own. It stops early —
 and says so — when the next level would not fit the time left (``deadline``): without a
 failing level the capacity is then "at least" that rate.
 """
@@ -91,8 +93,8 @@ def level_jobs(rate: float, level_s: float, mix: str, max_tokens: int, seed: int
     return jobs
 
 
-def _level(url: str, rate: float, args, k: int) -> tuple[dict, float]:
-    jobs = level_jobs(rate, args.level_s, args.mix, args.cap_max_tokens, k)
+def _level(url: str, rate: float, args, k: int, level_s: float | None = None) -> tuple[dict, float]:
+    jobs = level_jobs(rate, args.level_s if level_s is None else level_s, args.mix, args.cap_max_tokens, k)
     n = len(jobs)
     t0 = time.perf_counter()
 
@@ -115,6 +117,15 @@ def ladder(url: str, args, name: str, deadline: float) -> dict:
     levels = []
     stopped = ""
     k = 0
+    warm = None
+    if args.warmup_s > 0:   # first-use work (kernel compiles, caches) must not fail the first level
+        s, wall = _level(url, args.start_rate, args, -1, args.warmup_s)
+        inter = s.get("per_tier", {}).get("interactive", {})
+        warm = {"rate": args.start_rate, "level_s": args.warmup_s, "requests": s["requests"], "errors": s["errors"],
+                "wall_s": wall, "interactive_ttft_p90_ms": inter.get("ttft_p90_ms")}
+        sys.stderr.write(f"[capacity {name}] warm-up, {args.warmup_s:g} s at {args.start_rate:g} req/s (not judged): "
+                         f"interactive TTFT p90 {inter.get('ttft_p90_ms') or math.nan:.0f} ms\n")
+        time.sleep(args.settle_s)
     while (rate := next_rate(tried, args.start_rate)) is not None:
         if rate > args.max_rate:
             stopped = f"--max-rate {args.max_rate:g} reached"
@@ -138,7 +149,7 @@ def ladder(url: str, args, name: str, deadline: float) -> dict:
             time.sleep(args.settle_s)
     fails = [r for r, ok in tried if not ok]
     return {"capacity_req_s": capacity(tried), "first_fail_req_s": min(fails) if fails else None,
-            "stopped": stopped, "levels": levels}
+            "stopped": stopped, "levels": levels, "warmup": warm}
 
 
 def table(res: dict) -> str:

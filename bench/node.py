@@ -43,7 +43,8 @@ _CAPACITY_ARGS = (
     ("--cap-max-tokens", int, 64, "tokens a request"),
     ("--level-s", float, 10.0, "seconds of arrivals a level"),
     ("--drain-s", float, 15.0, "seconds a level may take to drain"),
-    ("--settle-s", float, 5.0, "pause after a failed level"),
+    ("--settle-s", float, 5.0, "pause after a failed level (and after the warm-up)"),
+    ("--warmup-s", float, 4.0, "seconds of arrivals at the start rate before a ladder, not judged (0: none)"),
     ("--start-rate", float, 1.0, "first rate, req/s, doubled each level"),
     ("--max-rate", float, 256.0, "highest rate tried"),
 )

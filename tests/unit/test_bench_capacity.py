@@ -72,3 +72,27 @@ def test_a_level_has_interactive_requests_whatever_the_draw():
     assert len(capacity.level_jobs(4, 10, "interactive=1,batch=2", 16, 0)) == 40
     with pytest.raises(ValueError, match="no interactive"):
         capacity.level_jobs(1, 10, "batch=1", 16, 0)
+
+
+def test_the_ladder_serves_an_unjudged_warm_up_first(monkeypatch):
+    """A warm-up level at the start rate runs before the ladder and never counts: a first level
+    that failed only on first-use work (a GPU's kernel compiles) would end the ladder early."""
+    from types import SimpleNamespace
+    calls = []
+
+    def level(url, rate, args, k, level_s=None):
+        calls.append((rate, level_s))
+        bad = level_s is not None        # the warm-up: as slow as a first use can be
+        tier = {"requests": 3, "ttft_p90_ms": 900.0 if bad else 20.0, "tpot_p90_ms": 4.0}
+        return {"requests": 9, "errors": 0, "per_tier": {"interactive": tier}}, 5.0
+    monkeypatch.setattr(capacity, "_level", level)
+    monkeypatch.setattr(capacity.time, "sleep", lambda s: None)
+    args = SimpleNamespace(slo_ttft_ms=500, slo_tpot_ms=50, start_rate=2, max_rate=8, level_s=8, drain_s=10,
+                           settle_s=5, warmup_s=4, mix="interactive=1,batch=2", cap_max_tokens=64)
+    res = capacity.ladder("http://x", args, "t", deadline=capacity.time.monotonic() + 1e6)
+    assert calls[0] == (2, 4) and [r for r, s in calls[1:]] == [2, 4, 8]
+    assert res["warmup"]["interactive_ttft_p90_ms"] == 900 and all(lv["passed"] for lv in res["levels"])
+    args.warmup_s = 0
+    calls.clear()
+    assert capacity.ladder("http://x", args, "t", capacity.time.monotonic() + 1e6)["warmup"] is None
+    assert calls[0] == (2, None)
