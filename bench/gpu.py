@@ -76,16 +76,29 @@ def profile_steps(engine, seqs: int, steps: int = 5, sampled: dict | None = None
             engine.step()
         torch.cuda.synchronize()
     launches, busy = 0, 0.0
+    by_kernel: dict[str, float] = {}
     for ev in prof.events():
         if ev.name in LAUNCHES:
             launches += 1
         if str(getattr(ev, "device_type", "")).endswith("CUDA"):
-            busy += float(getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0) or 0.0)
+            t = float(getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0) or 0.0)
+            busy += t
+            by_kernel[ev.name] = by_kernel.get(ev.name, 0.0) + t
     if busy == 0.0:   # kernels attributed to the host ops that launched them (older profilers)
         busy = sum(float(getattr(ev, "self_device_time_total", 0.0) or 0.0) for ev in prof.events())
     while engine.has_work():
         engine.step()
-    return {"launches": round(launches / steps, 1), "gpu_busy_us": round(busy / steps, 1)}
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:KERNELS_SHOWN]
+    return {"launches": round(launches / steps, 1), "gpu_busy_us": round(busy / steps, 1),
+            "by_kernel_us": {_short(n): round(t / steps, 1) for n, t in top}}
+
+
+KERNELS_SHOWN = 6
+
+
+def _short(name: str) -> str:
+    """A kernel's name for a table: Triton's as they are, C++ templates cut to their function."""
+    return name.split("<")[0].split("(")[0].replace("void ", "").strip()[:48]
 
 
 def _energy_run(engine, c: int, gen: int, meter) -> tuple[float, dict | None]:
@@ -205,6 +218,13 @@ def table(res: dict) -> str:
             lines.append(f"| cuda {name}, sampled (T {SAMPLED['temperature']}, top-p {SAMPLED['top_p']}) | "
                          + " | ".join(f"{row['decode_sampled'].get(c, float('nan')):.1f}" for c in cs)
                          + f" | — / {ps['launches']} | — / {ps['gpu_busy_us']} | | |")
+    for name, row in eng.items():
+        for seqs in (1, 16):
+            k = (row.get(f"profile_{seqs}") or {}).get("by_kernel_us")
+            if k and name != "ops":
+                lines += ["" if seqs == 1 else None, f"cuda {name}, GPU µs a decode step by kernel, {seqs} seq: "
+                          + ", ".join(f"{n} {t}" for n, t in k.items())]
+    lines = [x for x in lines if x is not None]
     if "graphs" in eng and "cpu" in eng:
         ratios = [eng["graphs"]["decode"][c] / eng["cpu"]["decode"][c] for c in cs]
         lines += ["", "graphs ÷ host CPU: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]

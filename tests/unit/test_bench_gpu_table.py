@@ -1,0 +1,37 @@
+"""`tandem bench gpu`'s table (bench/gpu.py) from a result shaped as its H200 run wrote it
+(2026-11-27; docs/kernels.md), with the per-kernel split the profile now adds."""
+
+from __future__ import annotations
+
+from bench import gpu
+
+
+def _result():
+    graphs = {"decode": {"1": 269.8, "8": 2102.5}, "tokens_per_joule": 29.37, "prefill_ms": 172.92,
+              "profile_1": {"launches": 1.0, "gpu_busy_us": 3163.0,
+                            "by_kernel_us": {"qmatmul": 2803.6, "attn_decode": 107.4, "split_sum": 83.3}},
+              "profile_16": {"launches": 1.0, "gpu_busy_us": 3268.8, "by_kernel_us": {"qmatmul": 2860.1}},
+              "decode_sampled": {"1": 192.9, "8": 1635.9},
+              "profile_16_sampled": {"launches": 1.0, "gpu_busy_us": 3690.2}}
+    ops = {"decode": {"1": 33.1, "8": 85.3}, "prefill_ms": 643.8,
+           "profile_1": {"launches": 1823.0, "gpu_busy_us": 3955.5, "by_kernel_us": {"gemv": 1.0}},
+           "profile_16": {"launches": 11723.0, "gpu_busy_us": 21890.4}}
+    cpu = {"decode": {"1": 639.1, "8": 1333.7}, "threads": 16, "isa": "amx", "tokens_per_joule": 17.9}
+    return {"gpu": "NVIDIA H200", "sms": 132, "torch": "2.11.0+cu130", "host_cpu": "x86_64", "energy": "nvml:gpu0",
+            "concurrency": [1, 8], "engines": {"ops": ops, "graphs": graphs, "cpu": cpu}, "prefill_tf32_ms": 74.23}
+
+
+def test_the_table_has_each_engine_the_ratios_and_the_kernel_split():
+    out = gpu.table(_result())
+    assert "| cuda graphs | 269.8 | 2102.5 | 1.0 / 1.0 | 3163.0 / 3268.8 | 172.92 | 29.4 |" in out
+    assert "| host CPU (16 threads, amx) | 639.1 | 1333.7 |" in out
+    assert "graphs ÷ host CPU: x1 0.42, x8 1.58" in out
+    assert "cuda graphs, GPU µs a decode step by kernel, 1 seq: qmatmul 2803.6, attn_decode 107.4, split_sum 83.3" in out
+    assert "cuda graphs, GPU µs a decode step by kernel, 16 seq: qmatmul 2860.1" in out
+    assert "cuda ops, GPU µs" not in out                      # 1,800 launches a step: nothing to read there
+
+
+def test_kernel_names_are_cut_for_the_table():
+    assert gpu._short("void at::native::vectorized_gather_kernel<16, long>(char*, char*)") == \
+        "at::native::vectorized_gather_kernel"
+    assert gpu._short("qmatmul") == "qmatmul"
