@@ -32,19 +32,20 @@ SHAPES = {"qkv": (960, 576, True, False, False, 30), "o": (576, 576, False, Fals
           "lm_head": (49152, 576, True, False, False, 1)}
 MS = (1, 16, 64)
 BLOCK_N = (16, 32, 64)
-BLOCK_B = (1, 2, 4, 8)
-MIN_PROGRAMS = (0, 132, 528)
+BLOCK_B = (1, 2, 4)           # 8 lost every shape on an H200 and spilled at 16 and 64 rows (2026-11-27)
+MIN_PROGRAMS = (0, 132, 528, 2048)
+NORM_W = (0, 256)             # the RMSNorm prologue: 16 x BLOCK_B values a step (0), or 256
 DEVICE = "cuda"     # "cpu" with --dry-run (Triton's interpreter: the code paths, no timing)
 
 
-def candidates(n: int, k: int):
+def candidates(n: int, k: int, norm: bool = False):
     from kernels.gpu_tuning import Tile
     seen = set()
-    for bn, bb, w, mp in itertools.product(BLOCK_N, BLOCK_B, (4, 8), MIN_PROGRAMS):
+    for bn, bb, w, mp, nw in itertools.product(BLOCK_N, BLOCK_B, (4, 8), MIN_PROGRAMS, NORM_W if norm else (0,)):
         tiles = -(-n // bn)
-        splits = max(1, min(-(-mp // tiles), k // 32 // bb)) if tiles < mp else 1
-        t = Tile(bn, bb, w, splits)
-        key = (bn, bb, w, t.plan(n, k))
+        splits = max(1, min(-(-mp // tiles), k // 32 // bb, 64)) if tiles < mp else 1
+        t = Tile(bn, bb, w, splits, nw)
+        key = (bn, bb, w, t.plan(n, k), t.norm_step if norm else 0)
         if key not in seen:
             seen.add(key)
             yield t
@@ -80,7 +81,7 @@ class Shape:
         splits, per = tile.plan(n, k)
         grid = (-(-n // tile.block_n), -(-m // block_m))
         args = dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=self.norm, SILU=self.silu,
-                    PRECISION="ieee", num_warps=tile.warps)
+                    PRECISION="ieee", NORM_W=tile.norm_step, num_warps=tile.warps)
         nw = self.nw if self.norm else self.x
         if splits == 1:
             return kern.qmatmul[grid](self.x, w, self.out, nw, m, n, k, w.shape[1], self.x.stride(0),
@@ -160,8 +161,9 @@ def main(argv=None) -> int:
         return 2
     t0 = time.monotonic()
     say = lambda msg: print(f"[gpu_tune {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    cands = {name: sorted(candidates(n, k), key=lambda t: (-t.block_b, t.block_n, t.warps, t.splits))
-             for name, (n, k, *_) in SHAPES.items()}
+    # the fewest blocks a step first: on an H200 one block a step won every shape (2026-11-27)
+    cands = {name: sorted(candidates(n, k, norm), key=lambda t: (t.block_b, -t.splits, t.norm_w, t.block_n, t.warps))
+             for name, (n, k, norm, *_) in SHAPES.items()}
     if a.dry_run:
         cands = {name: [rule(n, k), ts[-1]] for (name, ts), (n, k, *_) in zip(cands.items(), SHAPES.values())}
     jobs = [(name, m, t) for name, ts in cands.items() for m in MS for t in ts]
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
     print(f"\n{dev}, triton {triton.__version__}: one decode step's Q4_0 matmuls (CUDA graph replay, µs)\n")
     print("| shape | N x K | rule tile | tuned tile | rule µs m1 / m16 / m64 | tuned µs m1 / m16 / m64 |")
     print("|---|---|---|---|---:|---:|")
-    fmt = lambda t: f"n{t.block_n} b{t.block_b} w{t.warps} s{t.splits}"  # noqa: E731
+    fmt = lambda t: f"n{t.block_n} b{t.block_b} w{t.warps} s{t.splits}" + (f" nw{t.norm_w}" if t.norm_w else "")  # noqa: E731
     for name, n, k, base, best, tb, tt in rows:
         print(f"| {name} | {n}x{k} | {fmt(base)} | {fmt(best)} | "
               + " / ".join(f"{v:.1f}" if v else "-" for v in tb) + " | "

@@ -173,7 +173,8 @@ class GpuStep:
         grid_mn = (-(-n // tile.block_n), -(-m // block_m))
         kern = _k()
         args = dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=norm is not None,
-                    SILU=silu, PRECISION=self.precision if m > 64 else "ieee", num_warps=tile.warps)
+                    SILU=silu, PRECISION=self.precision if m > 64 else "ieee", NORM_W=tile.norm_step,
+                    num_warps=tile.warps)
         nw = norm if norm is not None else x
         eps = self.cfg.rms_eps
         if splits == 1:

@@ -81,7 +81,7 @@ def embed(ids_ptr, q_ptr, out_ptr, K, row_bytes, stride_o, BLOCK_B: tl.constexpr
 def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride_om, eps, blocks_per_split,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
             NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, NORM_W: tl.constexpr):
     """out[m, n] (+)= sum_k a[m, k] * W[n, k] for a BLOCK_M x BLOCK_N tile, every weight block read
     once for all BLOCK_M activation rows. ``a``: x (SILU=False) or silu(x[:, :K]) * x[:, K:]
     (SILU); times rsqrt(mean(x^2) + eps) * nw (NORM: RMSNorm in the prologue). RESIDUAL: out +=.
@@ -102,10 +102,10 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride
     else:
         kb0 = 0
         kb1 = nb
-    if NORM:  # the row's RMS over all of K, whatever part of K this program reduces
+    if NORM:  # the row's RMS over all of K (NORM_W values a step), whatever part of K this program reduces
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_B * 16):
-            kk = k0 + t
+        for k0 in range(0, K, NORM_W):
+            kk = k0 + tl.arange(0, NORM_W)
             xv = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
                          other=0.0)
             ss += tl.sum(xv * xv, axis=1)

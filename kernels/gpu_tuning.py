@@ -1,6 +1,7 @@
 """The tile of each fused-step Q4_0 matmul (``qmatmul`` in kernels/gpu_triton.py), per GPU.
 
-A tile is (BLOCK_N weight rows a program, BLOCK_B Q4_0 blocks a K step, warps, splits over K).
+A tile is (BLOCK_N weight rows a program, BLOCK_B Q4_0 blocks a K step, warps, splits over K,
+and the values a step of the RMSNorm prologue where the matmul has one).
 It is chosen from the weight's (N, K) only, never from the batch's M: a row's sum must not
 depend on its batch (kernels/gpu_step.py), so the graphs' padded buckets and the eager step give
 the same bits.
@@ -35,6 +36,11 @@ class Tile:
     block_b: int
     warps: int
     splits: int        # wanted; ``plan`` rounds it so each split is whole K steps
+    norm_w: int = 0    # values a step of the RMSNorm prologue's sum of squares (0: 16 * block_b)
+
+    @property
+    def norm_step(self) -> int:
+        return self.norm_w or 16 * self.block_b
 
     def plan(self, n: int, k: int) -> tuple[int, int]:
         """(splits, Q4_0 blocks per split) for this tile over K inputs."""
@@ -64,6 +70,8 @@ def check(t: Tile) -> Tile:
         raise ValueError(f"warps {t.warps} is not one of {WARPS}")
     if not 1 <= t.splits <= 64:
         raise ValueError(f"splits {t.splits} is not in 1..64")
+    if t.norm_w and (t.norm_w < 16 or t.norm_w & (t.norm_w - 1) or t.norm_w > 1024):
+        raise ValueError(f"norm_w {t.norm_w} is not 0 or a power of two in 16..1024")
     return t
 
 
@@ -90,8 +98,8 @@ class Tuning:
             if not m or not isinstance(t, dict):
                 raise ValueError(f"{source}: bad entry {shape!r}: want 'NxK': {{block_n, block_b, warps, splits}}")
             try:
-                tiles[(int(m[1]), int(m[2]))] = check(Tile(**{f: int(t[f]) for f in ("block_n", "block_b", "warps",
-                                                                                     "splits")}))
+                tiles[(int(m[1]), int(m[2]))] = check(Tile(
+                    **{f: int(t[f]) for f in ("block_n", "block_b", "warps", "splits")}, norm_w=int(t.get("norm_w", 0))))
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{source}: entry {shape}: {e}") from None
         return cls(tiles, source)

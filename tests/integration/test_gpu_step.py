@@ -315,11 +315,14 @@ def test_matmul_prologues_and_epilogue(interp, norm, silu, residual, n, k):
 
 
 # tuned tiles (kernels/gpu_tuning.py): the H200 table's kinds (64 rows a program, 4 warps, K split
-# into one-block steps; 32 rows, 8 splits) and two blocks a K step with a ragged last split
+# into one-block steps; 32 rows, 8 splits), two blocks a K step with a ragged last split, and the
+# RMSNorm prologue 256 values a step (past K: masked) or 64 (three steps)
 @pytest.mark.parametrize("m,n,k,norm,silu,residual,tile", [
     (1, 100, 96, True, False, False, (64, 1, 4, 18)),
     (17, 64, 512, False, True, True, (32, 1, 8, 8)),
-    (3, 100, 96 * 2, True, False, True, (16, 2, 4, 2))])
+    (3, 100, 96 * 2, True, False, True, (16, 2, 4, 2)),
+    (5, 100, 96, True, False, False, (64, 1, 4, 3, 256)),
+    (2, 64, 192, True, False, True, (32, 1, 8, 6, 64))])
 def test_matmul_with_a_tuned_tile(interp, m, n, k, norm, silu, residual, tile):
     from kernels.gpu_tuning import Tile
     assert interp(_matmul_case, m, n, k, norm, silu, residual, "cpu", Tile(*tile)) <= REL

@@ -57,8 +57,12 @@ def test_tuning_tables_load_and_refuse_bad_entries(tmp_path, monkeypatch):
     got = gpu_tuning.load(torch.device("cpu"))
     assert got.tile(960, 576) == gpu_tuning.Tile(32, 4, 4, 2) and got.source == str(path)
     assert got.tile(576, 576) == gpu_tuning.rule(576, 576)          # a shape it lacks: the rule
+    assert got.tile(960, 576).norm_step == 64                       # no norm_w: 16 values a block a step
+    path.write_text('{"tiles": {"960x576": {"block_n": 32, "block_b": 1, "warps": 4, "splits": 1, "norm_w": 256}}}')
+    assert gpu_tuning.load(torch.device("cpu")).tile(960, 576).norm_step == 256
     for bad in ('{"tiles": {"960x576": {"block_n": 24, "block_b": 4, "warps": 4, "splits": 1}}}',
                 '{"tiles": {"960x576": {"block_n": 32, "block_b": 4, "warps": 3, "splits": 1}}}',
+                '{"tiles": {"960x576": {"block_n": 32, "block_b": 1, "warps": 4, "splits": 1, "norm_w": 100}}}',
                 '{"tiles": {"960": {}}}', '{"tiles": {"960x576": {"block_n": 32}}}', "[1]", "not json"):
         path.write_text(bad)
         with pytest.raises(ValueError, match="t.json"):
