@@ -2,11 +2,12 @@
 kernels/gpu_tuning.py: ``python -m bench.gpu_tune --out FILE [--budget-s 90]``.
 
 For each weight shape of the model (SmolLM2-135M by default: q|k|v, o, gate|up, down, lm head) and
-each candidate tile (BLOCK_N x BLOCK_B x warps x splits over K), the layer's matmuls of one
+each candidate tile (BLOCK_N x BLOCK_B x warps x splits over K; qmatmul's, and qgemv's for up to
+16 rows with its norm pass 16 x BLOCK_B or 256 values a step), the layer's matmuls of one
 decode step (30 of them on 30 distinct random Q4_0 weights, as in the model; one for the lm head,
 with the prologue / epilogue each has in the step) are captured as one CUDA graph and its replays
 timed at M = 1, 16 and 64 rows. A shape's tile is the one with the lowest sum of times relative to
-each M's best, among tiles that spill no register. Then the whole step's matmuls (all shapes, as
+each M's best, among tiles that spill at most SPILL_OK bytes. Then the whole step's matmuls (all shapes, as
 one graph) with the chosen tiles against the built-in rule, side by side, printed as a table.
 
 The candidates compile first in a pool of processes (Triton's disk cache is shared), so the timing
@@ -32,23 +33,30 @@ SHAPES = {"qkv": (960, 576, True, False, False, 30), "o": (576, 576, False, Fals
           "lm_head": (49152, 576, True, False, False, 1)}
 MS = (1, 16, 64)
 BLOCK_N = (16, 32, 64)
-BLOCK_B = (1, 2, 4)           # 8 lost every shape on an H200 and spilled at 16 and 64 rows (2026-11-27)
+BLOCK_B = (1, 2)              # 4 and 8 lost every shape on an H200, 8 spilled at 16 and 64 rows (2026-11-27)
 MIN_PROGRAMS = (0, 132, 528, 2048)
-NORM_W = (0, 256)             # the RMSNorm prologue: 16 x BLOCK_B values a step (0), or 256
+# qgemv (up to 16 rows without tl.dot; past them the same tile runs qmatmul)
+GEMV_BLOCK_N, GEMV_BLOCK_B = (32, 64), (1, 2, 4)
+NORM_W = (0, 256)             # qgemv's RMSNorm pass: 16 x BLOCK_B values a step (0), or 256
+SPILL_OK = 16                 # bytes a tile may spill (tests/unit/test_gpu_compile.py: the same bound)
 DEVICE = "cuda"     # "cpu" with --dry-run (Triton's interpreter: the code paths, no timing)
 
 
 def candidates(n: int, k: int, norm: bool = False):
+    """The tiles to try for an N x K weight: qmatmul's, then qgemv's for up to 16 rows."""
     from kernels.gpu_tuning import Tile
     seen = set()
-    for bn, bb, w, mp, nw in itertools.product(BLOCK_N, BLOCK_B, (4, 8), MIN_PROGRAMS, NORM_W if norm else (0,)):
-        tiles = -(-n // bn)
-        splits = max(1, min(-(-mp // tiles), k // 32 // bb, 64)) if tiles < mp else 1
-        t = Tile(bn, bb, w, splits, nw)
-        key = (bn, bb, w, t.plan(n, k), t.norm_step if norm else 0)
-        if key not in seen:
-            seen.add(key)
-            yield t
+    families = [(BLOCK_N, BLOCK_B, (4, 8), (0,), 0),
+                (GEMV_BLOCK_N, GEMV_BLOCK_B, (4,), NORM_W if norm else (0,), 16)]
+    for ns, bs, ws, nws, gemv in families:
+        for bn, bb, w, mp, nw in itertools.product(ns, bs, ws, MIN_PROGRAMS, nws):
+            tiles = -(-n // bn)
+            splits = max(1, min(-(-mp // tiles), k // 32 // bb, 64)) if tiles < mp else 1
+            t = Tile(bn, bb, w, splits, nw, gemv)
+            key = (bn, bb, w, t.plan(n, k), t.norm_step if norm and gemv else 0, gemv)
+            if key not in seen:
+                seen.add(key)
+                yield t
 
 
 class Shape:
@@ -73,24 +81,10 @@ class Shape:
         self.part = torch.empty(64 * m * n, device=DEVICE)
 
     def launch(self, tile, w):
-        """One qmatmul (and its split_sum) as GpuStep.matmul launches it; returns the compiled kernel."""
-        from kernels import gpu
-        kern = gpu.triton_kernels()
-        m, n, k = self.m, self.n, self.k
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        splits, per = tile.plan(n, k)
-        grid = (-(-n // tile.block_n), -(-m // block_m))
-        args = dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=self.norm, SILU=self.silu,
-                    PRECISION="ieee", NORM_W=tile.norm_step, num_warps=tile.warps)
-        nw = self.nw if self.norm else self.x
-        if splits == 1:
-            return kern.qmatmul[grid](self.x, w, self.out, nw, m, n, k, w.shape[1], self.x.stride(0),
-                                      self.out.stride(0), 1e-5, 0, RESIDUAL=self.residual, SPLIT=False, **args)
-        c = kern.qmatmul[(*grid, splits)](self.x, w, self.part, nw, m, n, k, w.shape[1], self.x.stride(0), n, 1e-5,
-                                          per, RESIDUAL=False, SPLIT=True, **args)
-        kern.split_sum[(-(-n // 256), m)](self.part, self.out, m, n, self.out.stride(0), SPLITS=splits,
-                                          RESIDUAL=self.residual, BLOCK=256)
-        return c
+        """One matmul of the step (and its split_sum) as GpuStep.matmul launches it; its compiled kernel."""
+        from kernels.gpu_step import qmatmul
+        return qmatmul(self.x, w, self.out, tile, self.nw if self.norm else None, self.silu, self.residual,
+                       part=self.part)
 
 
 def _compile(jobs):
@@ -161,8 +155,9 @@ def main(argv=None) -> int:
         return 2
     t0 = time.monotonic()
     say = lambda msg: print(f"[gpu_tune {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    # the fewest blocks a step first: on an H200 one block a step won every shape (2026-11-27)
-    cands = {name: sorted(candidates(n, k, norm), key=lambda t: (t.block_b, -t.splits, t.norm_w, t.block_n, t.warps))
+    # the fewest blocks a step first (one won every shape on an H200, 2026-11-27), qgemv beside qmatmul
+    cands = {name: sorted(candidates(n, k, norm), key=lambda t: (t.block_b, -t.splits, t.gemv, t.norm_w,
+                                                                  t.block_n, t.warps))
              for name, (n, k, norm, *_) in SHAPES.items()}
     if a.dry_run:
         cands = {name: [rule(n, k), ts[-1]] for (name, ts), (n, k, *_) in zip(cands.items(), SHAPES.values())}
@@ -175,7 +170,7 @@ def main(argv=None) -> int:
         with ProcessPoolExecutor(a.workers, mp_context=get_context("spawn")) as pool:
             for got in pool.map(_compile, [jobs[i::a.workers] for i in range(a.workers)]):
                 compiled |= got
-    bad = {j: v for j, v in compiled.items() if v[2] or v[1]}
+    bad = {j: v for j, v in compiled.items() if v[2] or (v[1] or 0) > SPILL_OK}
     say(f"compiled; {len(bad)} failed or spilled: "
         + ", ".join(f"{j[0]} m{j[1]} {j[2]}: {v[2] or f'{v[1]} B spilled'}" for j, v in list(bad.items())[:6]))
     times: dict[tuple, float] = {}
@@ -230,7 +225,8 @@ def main(argv=None) -> int:
     print(f"\n{dev}, triton {triton.__version__}: one decode step's Q4_0 matmuls (CUDA graph replay, µs)\n")
     print("| shape | N x K | rule tile | tuned tile | rule µs m1 / m16 / m64 | tuned µs m1 / m16 / m64 |")
     print("|---|---|---|---|---:|---:|")
-    fmt = lambda t: f"n{t.block_n} b{t.block_b} w{t.warps} s{t.splits}" + (f" nw{t.norm_w}" if t.norm_w else "")  # noqa: E731
+    fmt = lambda t: (f"n{t.block_n} b{t.block_b} w{t.warps} s{t.splits}" + (f" gemv{t.gemv}" if t.gemv else "")  # noqa: E731
+                     + (f" nw{t.norm_w}" if t.norm_w else ""))
     for name, n, k, base, best, tb, tt in rows:
         print(f"| {name} | {n}x{k} | {fmt(base)} | {fmt(best)} | "
               + " / ".join(f"{v:.1f}" if v else "-" for v in tb) + " | "

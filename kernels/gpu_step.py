@@ -22,7 +22,9 @@ split-K sums where they apply:
 6. ``qmatmul`` down with SiLU(gate)·up in its prologue and the residual add in its epilogue.
 
 The lm head is one more ``qmatmul`` with the final norm in its prologue; the embedding one
-``embed`` launch. Numbers: every kernel accumulates in f32; a token's result does not depend on
+``embed`` launch. Where the card's tile for a weight says so (kernels/gpu_tuning.py, ``gemv``),
+a decode batch of up to 16 rows runs ``qgemv`` in ``qmatmul``'s place: the same contract
+without ``tl.dot`` or the 16-row padding. Numbers: every kernel accumulates in f32; a token's result does not depend on
 its batch neighbours (per-row reductions; key segments at fixed multiples of ``SEG``; the split
 over K chosen from N and K only), so a sequence decodes the same alone or in any batch, eager or
 replayed.
@@ -85,11 +87,34 @@ def unsupported(cfg, block_size: int) -> str | None:
     return None
 
 
-def split_for(tuning: "gpu_tuning.Tuning", n: int, k: int) -> tuple[gpu_tuning.Tile, int, int]:
-    """(tile, splits over K, Q4_0 blocks per split) of a qmatmul with N outputs and K inputs: from
-    N and K only, never from M (a row's sum must not depend on its batch)."""
-    tile = tuning.tile(n, k)
-    return (tile, *tile.plan(n, k))
+def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tuning.Tile,
+            norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False, eps: float = 1e-5,
+            precision: str = "ieee", part: torch.Tensor | None = None):
+    """Launch ``GpuStep.matmul``'s kernels for ``tile``: ``qgemv`` for up to ``tile.gemv`` rows, else
+    ``qmatmul`` (``precision`` past 64 rows), and ``split_sum`` where K is split (partial sums in
+    ``part``, allocated when not given). Returns the matmul's compiled kernel (registers, spills)."""
+    m, n, k = x.shape[0], q.shape[0], q.shape[1] // 18 * 32
+    splits, per = tile.plan(n, k)
+    kern = _k()
+    args = dict(BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=norm is not None, SILU=silu,
+                num_warps=tile.warps)
+    if m <= tile.gemv:      # a decode batch: no tl.dot (kernels/gpu_tuning.py)
+        fn, block_m = kern.qgemv, _pow2(m)
+        args["NORM_W"] = tile.norm_step
+    else:
+        fn, block_m = kern.qmatmul, 16 if m <= 16 else 32 if m <= 32 else 64
+        args |= dict(PRECISION=precision if m > 64 else "ieee", NORM_W=16 * tile.block_b)
+    grid = (-(-n // tile.block_n), -(-m // block_m))
+    nw = norm if norm is not None else x
+    if splits == 1:
+        return fn[grid](x, q, out, nw, m, n, k, q.shape[1], x.stride(0), out.stride(0), eps, 0,
+                        RESIDUAL=residual, SPLIT=False, BLOCK_M=block_m, **args)
+    if part is None:
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    c = fn[(*grid, splits)](x, q, part, nw, m, n, k, q.shape[1], x.stride(0), n, eps, per,
+                            RESIDUAL=False, SPLIT=True, BLOCK_M=block_m, **args)
+    kern.split_sum[(-(-n // 256), m)](part, out, m, n, out.stride(0), SPLITS=splits, RESIDUAL=residual, BLOCK=256)
+    return c
 
 
 @dataclass
@@ -168,24 +193,7 @@ class GpuStep:
             out = torch.empty(m, n, dtype=torch.float32, device=self.device)
         if m == 0:
             return out
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        tile, splits, per = split_for(self.tuning, n, k)
-        grid_mn = (-(-n // tile.block_n), -(-m // block_m))
-        kern = _k()
-        args = dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=norm is not None,
-                    SILU=silu, PRECISION=self.precision if m > 64 else "ieee", NORM_W=tile.norm_step,
-                    num_warps=tile.warps)
-        nw = norm if norm is not None else x
-        eps = self.cfg.rms_eps
-        if splits == 1:
-            kern.qmatmul[grid_mn](x, q, out, nw, m, n, k, q.shape[1], x.stride(0), out.stride(0), eps, 0,
-                                  RESIDUAL=residual, SPLIT=False, **args)
-            return out
-        part = torch.empty(splits, m, n, dtype=torch.float32, device=self.device)
-        kern.qmatmul[(*grid_mn, splits)](x, q, part, nw, m, n, k, q.shape[1], x.stride(0), n, eps, per,
-                                         RESIDUAL=False, SPLIT=True, **args)
-        kern.split_sum[(-(-n // 256), m)](part, out, m, n, out.stride(0), SPLITS=splits, RESIDUAL=residual,
-                                          BLOCK=256)
+        qmatmul(x, q, out, self.tuning.tile(n, k), norm, silu, residual, self.cfg.rms_eps, self.precision)
         return out
 
     def rope_kv(self, qkv, layer, positions, slot_blocks, slot_offsets, layer_kv) -> torch.Tensor:

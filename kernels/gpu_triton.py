@@ -152,6 +152,80 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride
 
 
 @triton.jit
+def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride_om, eps, blocks_per_split,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+          NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+          NORM_W: tl.constexpr):
+    """``qmatmul``'s contract for a few rows (M <= BLOCK_M <= 16: decode) without ``tl.dot``: each
+    K step dequantizes a [BLOCK_N, BLOCK_B, 16] weight tile once into registers, and each of the
+    BLOCK_M rows (unrolled; rows >= M masked) reduces its products with it in-register. A row's
+    sum runs in the same order whatever BLOCK_M, so rows are batch-invariant up to 16."""
+    pid_n = tl.program_id(0)
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
+    n_ok = n < N
+    b = tl.arange(0, BLOCK_B)
+    j = tl.arange(0, 16)
+    rows = tl.arange(0, BLOCK_M)
+    nb = K // 32
+    if SPLIT:
+        kb0 = tl.program_id(2) * blocks_per_split
+        kb1 = tl.minimum(kb0 + blocks_per_split, nb)
+    else:
+        kb0 = 0
+        kb1 = nb
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(kb0, kb1, BLOCK_B):
+        blk = kb + b                                                 # [BB]
+        b_ok = blk < kb1
+        base = n[:, None] * row_bytes + blk[None, :] * 18            # [BN, BB]
+        ok2 = n_ok[:, None] & b_ok[None, :]
+        d = _scale(q_ptr, base, ok2)[:, :, None]                     # [BN, BB, 1]
+        qs = tl.load(q_ptr + base[:, :, None] + 2 + j[None, None, :], mask=ok2[:, :, None], other=0)
+        w_lo = ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d       # [BN, BB, 16]
+        w_hi = ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
+        k_lo = blk[:, None] * 32 + j[None, :]                        # [BB, 16]
+        if NORM:
+            nw_lo = tl.load(nw_ptr + k_lo, mask=b_ok[:, None], other=0.0)
+            nw_hi = tl.load(nw_ptr + k_lo + 16, mask=b_ok[:, None], other=0.0)
+        for r in tl.static_range(BLOCK_M):
+            xm = (blk < kb1 * (M > r))[:, None]                      # [BB, 1]: rows past M read nothing
+            xo = r * stride_xm + k_lo
+            if SILU:
+                g_lo = tl.load(x_ptr + xo, mask=xm, other=0.0)
+                g_hi = tl.load(x_ptr + xo + 16, mask=xm, other=0.0)
+                x_lo = g_lo * tl.sigmoid(g_lo) * tl.load(x_ptr + xo + K, mask=xm, other=0.0)
+                x_hi = g_hi * tl.sigmoid(g_hi) * tl.load(x_ptr + xo + K + 16, mask=xm, other=0.0)
+            else:
+                x_lo = tl.load(x_ptr + xo, mask=xm, other=0.0)       # [BB, 16]
+                x_hi = tl.load(x_ptr + xo + 16, mask=xm, other=0.0)
+            if NORM:                                                 # (the row's rstd: after the loop)
+                x_lo = x_lo * nw_lo
+                x_hi = x_hi * nw_hi
+            part = w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :]
+            c = tl.sum(tl.sum(part, axis=2), axis=1)                 # [BN]
+            acc = tl.where((rows == r)[:, None], acc + c[None, :], acc)
+    if NORM:   # RMSNorm is one factor a row: sum(x * rstd * nw * w) = rstd * sum(x * nw * w); each row's
+        # RMS on its own (a [NORM_W] reduction: the same order whatever BLOCK_M)
+        for r in tl.static_range(BLOCK_M):
+            ss = tl.sum(tl.zeros([NORM_W], dtype=tl.float32), axis=0)
+            for k0 in range(0, K, NORM_W):
+                kk = k0 + tl.arange(0, NORM_W)
+                xv = tl.load(x_ptr + r * stride_xm + kk, mask=kk < K * (M > r), other=0.0)   # row r < M
+                ss += tl.sum(xv * xv, axis=0)
+            acc = tl.where((rows == r)[:, None], acc * (1.0 / tl.sqrt(ss / K + eps)), acc)
+    m = rows.to(tl.int64)
+    o_ok = (rows < M)[:, None] & n_ok[None, :]
+    if SPLIT:
+        o = out_ptr + tl.program_id(2).to(tl.int64) * M * N + m[:, None] * N + n[None, :]
+        tl.store(o, acc, mask=o_ok)
+    else:
+        o = out_ptr + m[:, None] * stride_om + n[None, :]
+        if RESIDUAL:
+            acc = tl.load(o, mask=o_ok, other=0.0) + acc
+        tl.store(o, acc, mask=o_ok)
+
+
+@triton.jit
 def split_sum(part_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, RESIDUAL: tl.constexpr,
               BLOCK: tl.constexpr):
     """out[m, n] (+)= the SPLITS partial sums of ``qmatmul``, added in split order (deterministic)."""

@@ -1,7 +1,8 @@
 """The tile of each fused-step Q4_0 matmul (``qmatmul`` in kernels/gpu_triton.py), per GPU.
 
 A tile is (BLOCK_N weight rows a program, BLOCK_B Q4_0 blocks a K step, warps, splits over K,
-and the values a step of the RMSNorm prologue where the matmul has one).
+up to how many rows the ``tl.dot``-free ``qgemv`` kernel runs instead of ``qmatmul`` — decode
+batches — and the values a step of qgemv's RMSNorm prologue).
 It is chosen from the weight's (N, K) only, never from the batch's M: a row's sum must not
 depend on its batch (kernels/gpu_step.py), so the graphs' padded buckets and the eager step give
 the same bits.
@@ -36,7 +37,9 @@ class Tile:
     block_b: int
     warps: int
     splits: int        # wanted; ``plan`` rounds it so each split is whole K steps
-    norm_w: int = 0    # values a step of the RMSNorm prologue's sum of squares (0: 16 * block_b)
+    norm_w: int = 0    # qgemv: values a step of the RMSNorm prologue's sum of squares (0: 16 * block_b;
+                       # qmatmul always 16 * block_b: a [64, 256] tile of it spills)
+    gemv: int = 0      # up to this many rows (a power of two <= 16) run ``qgemv`` (no tl.dot); 0: never
 
     @property
     def norm_step(self) -> int:
@@ -72,6 +75,8 @@ def check(t: Tile) -> Tile:
         raise ValueError(f"splits {t.splits} is not in 1..64")
     if t.norm_w and (t.norm_w < 16 or t.norm_w & (t.norm_w - 1) or t.norm_w > 1024):
         raise ValueError(f"norm_w {t.norm_w} is not 0 or a power of two in 16..1024")
+    if t.gemv and (t.gemv & (t.gemv - 1) or t.gemv > 16):
+        raise ValueError(f"gemv {t.gemv} is not 0 or a power of two up to 16")
     return t
 
 
@@ -99,7 +104,8 @@ class Tuning:
                 raise ValueError(f"{source}: bad entry {shape!r}: want 'NxK': {{block_n, block_b, warps, splits}}")
             try:
                 tiles[(int(m[1]), int(m[2]))] = check(Tile(
-                    **{f: int(t[f]) for f in ("block_n", "block_b", "warps", "splits")}, norm_w=int(t.get("norm_w", 0))))
+                    **{f: int(t[f]) for f in ("block_n", "block_b", "warps", "splits")},
+                    **{f: int(t.get(f, 0)) for f in ("norm_w", "gemv")}))
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{source}: entry {shape}: {e}") from None
         return cls(tiles, source)

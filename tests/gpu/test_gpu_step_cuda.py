@@ -29,6 +29,17 @@ def test_matmul(m, n, k):
     assert cases._matmul_case(m, n, k, False, False, False, "cuda") <= cases.REL
 
 
+@pytest.mark.parametrize("case", [c.values for c in cases.TUNED_TILES])
+def test_matmul_with_a_tuned_tile(case):
+    from kernels.gpu_tuning import Tile
+    m, n, k, norm, silu, residual, tile = case
+    assert cases._matmul_case(m, n, k, norm, silu, residual, "cuda", Tile(*tile)) <= cases.REL
+
+
+def test_gemv_rows_are_the_same_in_any_batch_up_to_16():
+    assert cases._gemv_rows_case("cuda") == [True, True]
+
+
 @pytest.mark.parametrize("norm,silu,residual", [(True, False, False), (False, True, True), (False, False, True)])
 def test_matmul_prologues_and_epilogue(norm, silu, residual):
     assert cases._matmul_case(3, 64, 512, norm, silu, residual, "cuda") <= cases.REL
@@ -53,8 +64,9 @@ def test_whole_step_matches_op_by_op(arch, long):
     assert err <= cases.REL_STEP and dkv <= 2e-3
 
 
-def test_graph_replay_is_bitwise_the_eager_step():
-    err, same_best, dkv_others, scratch_written, bitwise = cases._graphs_case("cuda")
+@pytest.mark.parametrize("gemv", [False, True])
+def test_graph_replay_is_bitwise_the_eager_step(gemv):
+    err, same_best, dkv_others, scratch_written, bitwise = cases._graphs_case("cuda", gemv)
     assert err <= cases.REL_STEP and same_best and dkv_others <= 2e-3 and scratch_written
     assert bitwise
 

@@ -203,13 +203,24 @@ def _step_case(arch_kw, long: int, device="cpu"):
     return max(errs), float((kv_got.float() - kv_ref.float()).abs().max())
 
 
-def _graphs_case(device="cpu"):
+class GemvEverywhere:
+    """A tuning whose every tile sends decode batches of up to 16 rows through ``qgemv``."""
+    source = "test: qgemv everywhere"
+
+    def tile(self, n, k):
+        import dataclasses
+        from kernels.gpu_tuning import rule
+        return dataclasses.replace(rule(n, k), gemv=16, norm_w=64)
+
+
+def _graphs_case(device="cpu", gemv=False):
     """Logits error vs the op-by-op path, greedy tokens equal, other KV untouched, the scratch block
-    written; and (on CUDA) whether a graph replay gives bitwise the eager step's logits."""
+    written; and (on CUDA) whether a graph replay gives bitwise the eager step's logits. ``gemv``:
+    every matmul of the decode step through ``qgemv``."""
     from kernels.gpu_step import DecodeGraphs, GpuStep
     model = tiny_model(device)
     cfg = model.cfg
-    st = GpuStep(model, cfg.max_context)
+    st = GpuStep(model, cfg.max_context, tuning=GemvEverywhere() if gemv else None)
     g = torch.Generator().manual_seed(9)
     seqs = [torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist() for _ in range(3)]
     kv = torch.zeros(80, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, dtype=torch.float16, device=device)
@@ -317,15 +328,43 @@ def test_matmul_prologues_and_epilogue(interp, norm, silu, residual, n, k):
 # tuned tiles (kernels/gpu_tuning.py): the H200 table's kinds (64 rows a program, 4 warps, K split
 # into one-block steps; 32 rows, 8 splits), two blocks a K step with a ragged last split, and the
 # RMSNorm prologue 256 values a step (past K: masked) or 64 (three steps)
-@pytest.mark.parametrize("m,n,k,norm,silu,residual,tile", [
+TUNED_TILES = [pytest.param(*c, id=f"m{c[0]}-{c[1]}x{c[2]}-{'-'.join(map(str, c[6]))}") for c in [
     (1, 100, 96, True, False, False, (64, 1, 4, 18)),
     (17, 64, 512, False, True, True, (32, 1, 8, 8)),
     (3, 100, 96 * 2, True, False, True, (16, 2, 4, 2)),
     (5, 100, 96, True, False, False, (64, 1, 4, 3, 256)),
-    (2, 64, 192, True, False, True, (32, 1, 8, 6, 64))])
+    (2, 64, 192, True, False, True, (32, 1, 8, 6, 64)),
+    # qgemv (no tl.dot) for decode rows: one row, a ragged 3 of 4, 16 with SiLU and the residual,
+    # the norm over 256 values a step, a split over K with two blocks a step
+    (1, 100, 96, True, False, False, (64, 2, 4, 1, 256, 16)),
+    (3, 100, 192, True, False, True, (32, 2, 4, 2, 0, 4)),
+    (16, 64, 512, False, True, True, (32, 4, 4, 3, 0, 16)),
+    (5, 576, 96, False, False, False, (128, 1, 4, 1, 0, 8))]]
+
+
+@pytest.mark.parametrize("m,n,k,norm,silu,residual,tile", TUNED_TILES)
 def test_matmul_with_a_tuned_tile(interp, m, n, k, norm, silu, residual, tile):
     from kernels.gpu_tuning import Tile
     assert interp(_matmul_case, m, n, k, norm, silu, residual, "cpu", Tile(*tile)) <= REL
+
+
+def _gemv_rows_case(device="cpu"):
+    """qgemv's rows in a batch of 1, 3 and 16 (BLOCK_M 1, 4, 16) against the same rows alone."""
+    from kernels.gpu_step import GpuStep
+    from kernels.gpu_tuning import Tile, Tuning
+    g = torch.Generator().manual_seed(5)
+    model = tiny_model(device)
+    n, k = 100, 192
+    st = GpuStep(model, 1024, tuning=Tuning({(n, k): Tile(32, 2, 4, 2, 0, 16)}, "test"))
+    q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
+    x = torch.randn(16, k, generator=g).to(device)
+    nw = (torch.rand(k, generator=g) + 0.5).to(device)
+    full = st.matmul(x, q, norm=nw)
+    return [bool(torch.equal(st.matmul(x[:m], q, norm=nw), full[:m])) for m in (1, 3)]
+
+
+def test_gemv_rows_are_the_same_in_any_batch_up_to_16(interp):
+    assert interp(_gemv_rows_case) == [True, True]
 
 
 @pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])
@@ -352,8 +391,9 @@ def test_whole_step_matches_op_by_op(interp):
     assert err <= REL_STEP and dkv <= 2e-3
 
 
-def test_decode_buffers_with_padding_rows(interp):
-    err, same_best, dkv_others, scratch_written, _ = interp(_graphs_case)
+@pytest.mark.parametrize("gemv", [False, True])
+def test_decode_buffers_with_padding_rows(interp, gemv):
+    err, same_best, dkv_others, scratch_written, _ = interp(_graphs_case, "cpu", gemv)
     assert err <= REL_STEP and same_best
     assert dkv_others <= 2e-3          # the real rows' KV as the reference wrote it, nothing else touched
     assert scratch_written             # the padding row wrote its KV into the scratch block

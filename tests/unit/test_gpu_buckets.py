@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import gpu_step, gpu_tuning
-from kernels.gpu_step import DecodeInputs, bucket_for, buckets, split_for
+from kernels.gpu_step import DecodeInputs, bucket_for, buckets
 
 
 def test_buckets_are_powers_of_two_up_to_the_cap():
@@ -30,14 +30,18 @@ def test_bucket_for_refuses_more_rows_than_the_largest():
 
 def test_split_depends_on_n_and_k_only_and_covers_k():
     rule = gpu_tuning.Tuning()
+
+    def split_for(n, k):
+        tile = rule.tile(n, k)
+        return (tile, *tile.plan(n, k))
     for n, k in [(576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (64, 1024), (100, 96)]:
-        tile, splits, per = split_for(rule, n, k)
+        tile, splits, per = split_for(n, k)
         nb = k // 32
         assert per % tile.block_b == 0 and (splits - 1) * per < nb <= splits * per
         if -(-n // tile.block_n) >= gpu_tuning.MIN_PROGRAMS:
             assert splits == 1
-    assert split_for(rule, 49152, 576) == (gpu_tuning.Tile(64, 1, 8, 1), 1, 18)   # the lm head: 768 tiles
-    assert split_for(rule, 576, 1536)[1] > 1            # down: 36 tiles of 16 rows, so K is split
+    assert split_for(49152, 576) == (gpu_tuning.Tile(64, 1, 8, 1), 1, 18)   # the lm head: 768 tiles
+    assert split_for(576, 1536)[1] > 1            # down: 36 tiles of 16 rows, so K is split
 
 
 @pytest.mark.parametrize("block_b,splits", [(1, 1), (2, 3), (4, 5), (8, 4), (8, 64), (4, 1)])

