@@ -47,7 +47,7 @@ def candidates(n: int, k: int, norm: bool = False):
     from kernels.gpu_tuning import Tile
     seen = set()
     families = [(BLOCK_N, BLOCK_B, (4, 8), (0,), 0),
-                (GEMV_BLOCK_N, GEMV_BLOCK_B, (4,), NORM_W if norm else (0,), 16)]
+                (GEMV_BLOCK_N, GEMV_BLOCK_B, (4, 8), NORM_W if norm else (0,), 16)]
     for ns, bs, ws, nws, gemv in families:
         for bn, bb, w, mp, nw in itertools.product(ns, bs, ws, MIN_PROGRAMS, nws):
             tiles = -(-n // bn)
