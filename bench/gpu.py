@@ -72,11 +72,14 @@ def profile_steps(engine, seqs: int, steps: int = 5, sampled: dict | None = None
     engine.step()                      # one more: the bucket's graph exists before the profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     launches, busy = 0, 0.0
     by_kernel: dict[str, float] = {}
+    kernel_counts: dict[str, int] = {}
     for ev in prof.events():
         if ev.name in LAUNCHES:
             launches += 1
@@ -84,12 +87,15 @@ def profile_steps(engine, seqs: int, steps: int = 5, sampled: dict | None = None
             t = float(getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0) or 0.0)
             busy += t
             by_kernel[ev.name] = by_kernel.get(ev.name, 0.0) + t
+            kernel_counts[ev.name] = kernel_counts.get(ev.name, 0) + 1
     if busy == 0.0:   # kernels attributed to the host ops that launched them (older profilers)
         busy = sum(float(getattr(ev, "self_device_time_total", 0.0) or 0.0) for ev in prof.events())
     while engine.has_work():
         engine.step()
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:KERNELS_SHOWN]
     return {"launches": round(launches / steps, 1), "gpu_busy_us": round(busy / steps, 1),
+            "wall_us": round(wall / steps * 1e6, 1),     # (under the profiler: a little above a plain step)
+            "kernels": round(sum(n for n in kernel_counts.values()) / steps, 1),
             "by_kernel_us": {_short(n): round(t / steps, 1) for n, t in top}}
 
 
@@ -222,7 +228,9 @@ def table(res: dict) -> str:
         for seqs in (1, 16):
             k = (row.get(f"profile_{seqs}") or {}).get("by_kernel_us")
             if k and name != "ops":
-                lines += ["" if seqs == 1 else None, f"cuda {name}, GPU µs a decode step by kernel, {seqs} seq: "
+                p = row[f"profile_{seqs}"]
+                lines += ["" if seqs == 1 else None, f"cuda {name}, {seqs} seq: a decode step {p.get('wall_us', '?')} µs "
+                          f"of wall, {p['gpu_busy_us']} of GPU work in {p.get('kernels', '?')} kernels; by kernel: "
                           + ", ".join(f"{n} {t}" for n, t in k.items())]
     lines = [x for x in lines if x is not None]
     if "graphs" in eng and "cpu" in eng:
