@@ -449,3 +449,15 @@ def test_warm_up_on_cuda_runs_the_prefill_variants(bundled_model, monkeypatch):
     eng.warm_up()
     assert seen[0] == 16 and {n % 16 == 0 for n in seen} == {True, False}
     assert {16 if n <= 16 else 32 if n <= 32 else 64 for n in seen} == {16, 32, 64}
+
+
+def test_the_host_share_bench_runs_the_graphs_path_with_a_stub(bundled_model):
+    """bench/gpu_host.py: the engine's real decode-graphs path (try_step, the static buffers) with
+    a graph that does no work — every decode step goes through it and yields the stub's token."""
+    from bench.gpu_host import StubGraphs
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64, max_num_seqs=4))
+    eng.graphs = StubGraphs(4, 512, eng.layout.block_size, bundled_model.config.vocab_size)
+    got = run_to_completion(eng, {f"r{i}": (eng.tokenizer.encode(PROMPTS[i]), greedy(6)) for i in range(3)})
+    assert all(o.token_ids[1:] == [0] * 5 for o in got.values())   # the first token is the prefill's
+    assert eng.graphs.steps == 5
+    assert eng.graphs.inputs.host_view("ids")[:3].tolist() == [0, 0, 0]

@@ -1,0 +1,63 @@
+"""The host's share of a graphs decode step, without a GPU: ``python -m bench.gpu_host``.
+
+The engine runs as on CUDA with decode graphs — scheduling, ``DecodeInputs.fill`` (the static
+buffers), the tokens read back, sampling's bookkeeping, the incremental detokenizer — but the
+graph is a stub that does no GPU work (``StubGraphs``). What a step then takes is the host's part
+of it; on a GPU, a step's wall time minus its GPU work minus this is what lies between the
+kernels and in the copies (docs/kernels.md, "Measured on a GPU")."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from kernels.gpu_step import DecodeGraphs, DecodeInputs, buckets
+
+
+class StubGraphs(DecodeGraphs):
+    """DecodeGraphs whose every bucket "replays" in no time: zero logits, token 0."""
+
+    def __init__(self, cap: int, width: int, block_size: int, vocab: int):
+        self.sizes, self.block_size, self.capture = buckets(cap), block_size, False
+        self.inputs = DecodeInputs(cap, width, 0, "cpu")
+        self.variants = {False: True, True: True}
+        self.steps = self.replays = self.drawn = 0
+        self.logits = torch.zeros(cap, vocab)
+        self.best = torch.zeros(cap, dtype=torch.int64)
+
+    def _body(self, bucket, variant=None):
+        return self.logits[:bucket], self.best[:bucket]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_host", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--steps", type=int, default=200)
+    a = ap.parse_args(argv)
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.sampling import SamplingParams
+    top = max(a.seqs)
+    e = Engine.from_path(None, EngineConfig(threads=2, enable_prefix_caching=False, max_num_seqs=top))
+    e.graphs = StubGraphs(top, 512, e.layout.block_size, e.model.cfg.vocab_size)
+    print("| sequences | host µs a decode step |\n|---:|---:|")
+    for n in a.seqs:
+        p = SamplingParams(max_tokens=a.steps + 8, temperature=0.0, ignore_eos=True)
+        for i in range(n):
+            e.add(f"h{n}-{i}", e.tokenizer.encode("The quick brown fox"), p)
+        e.step()
+        e.step()
+        t0, k = time.perf_counter(), 0
+        while e.has_work() and k < a.steps:
+            e.step()
+            k += 1
+        print(f"| {n} | {(time.perf_counter() - t0) / k * 1e6:.0f} |", flush=True)
+        while e.has_work():
+            e.step()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
