@@ -78,6 +78,19 @@ def embed(ids_ptr, q_ptr, out_ptr, K, row_bytes, stride_o, BLOCK_B: tl.constexpr
 
 
 @triton.jit
+def _store_tile(out_ptr, acc, m, n, ok, M, N, stride_om, SPLIT: tl.constexpr, RESIDUAL: tl.constexpr):
+    """A matmul's [rows m, columns n] tile: its split's partial sums (SPLIT: at split
+    program_id(2) of ``split_sum``'s [splits, M, N]), else into ``out`` (+= with RESIDUAL)."""
+    if SPLIT:
+        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * M * N + m[:, None] * N + n[None, :], acc, mask=ok)
+    else:
+        o = out_ptr + m[:, None] * stride_om + n[None, :]
+        if RESIDUAL:
+            acc = tl.load(o, mask=ok, other=0.0) + acc
+        tl.store(o, acc, mask=ok)
+
+
+@triton.jit
 def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride_om, eps, blocks_per_split,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
             NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
@@ -140,15 +153,7 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride
         w_hi = ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
         acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
         acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
-    o_ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        o = out_ptr + tl.program_id(2).to(tl.int64) * M * N + m[:, None] * N + n[None, :]
-        tl.store(o, acc, mask=o_ok)
-    else:
-        o = out_ptr + m[:, None] * stride_om + n[None, :]
-        if RESIDUAL:
-            acc = tl.load(o, mask=o_ok, other=0.0) + acc
-        tl.store(o, acc, mask=o_ok)
+    _store_tile(out_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, SPLIT, RESIDUAL)
 
 
 @triton.jit
@@ -213,16 +218,8 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride_o
                 xv = tl.load(x_ptr + r * stride_xm + kk, mask=kk < K * (M > r), other=0.0)   # row r < M
                 ss += tl.sum(xv * xv, axis=0)
             acc = tl.where((rows == r)[:, None], acc * (1.0 / tl.sqrt(ss / K + eps)), acc)
-    m = rows.to(tl.int64)
-    o_ok = (rows < M)[:, None] & n_ok[None, :]
-    if SPLIT:
-        o = out_ptr + tl.program_id(2).to(tl.int64) * M * N + m[:, None] * N + n[None, :]
-        tl.store(o, acc, mask=o_ok)
-    else:
-        o = out_ptr + m[:, None] * stride_om + n[None, :]
-        if RESIDUAL:
-            acc = tl.load(o, mask=o_ok, other=0.0) + acc
-        tl.store(o, acc, mask=o_ok)
+    _store_tile(out_ptr, acc, rows.to(tl.int64), n, (rows < M)[:, None] & n_ok[None, :], M, N, stride_om, SPLIT,
+                RESIDUAL)
 
 
 @triton.jit
