@@ -27,7 +27,7 @@ a decode batch of up to 16 rows runs ``qgemv`` in ``qmatmul``'s place: the same 
 without ``tl.dot`` or the 16-row padding. Numbers: every kernel accumulates in f32; a token's result does not depend on
 its batch neighbours (per-row reductions; key segments at fixed multiples of ``SEG``; the split
 over K chosen from N and K only), so a sequence decodes the same alone or in any batch, eager or
-replayed.
+replayed — with a tuned ``gemv`` tile, in any batch on the same side of its bound.
 
 ``DecodeGraphs`` runs decode-only steps through static buffers — ids, positions, KV slots,
 block tables padded to the context's width, context lengths — and captures ``GpuStep.decode``

@@ -5,7 +5,10 @@ up to how many rows the ``tl.dot``-free ``qgemv`` kernel runs instead of ``qmatm
 batches — and the values a step of qgemv's RMSNorm prologue).
 It is chosen from the weight's (N, K) only, never from the batch's M: a row's sum must not
 depend on its batch (kernels/gpu_step.py), so the graphs' padded buckets and the eager step give
-the same bits.
+the same bits. The one bound in M is ``gemv``: batches up to it run qgemv, larger ones qmatmul,
+each batch-invariant on its side (a row alone and in a batch of 16 alike; in a batch of 17 it
+goes through the other kernel). A graph bucket and the eager step at the same rows take the
+same side.
 
 Where the tiles come from:
 - ``TANDEM_GPU_TUNING=FILE``: a table written by ``python -m bench.gpu_tune --out FILE`` on the
