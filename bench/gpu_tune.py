@@ -84,7 +84,7 @@ class Shape:
         """One matmul of the step (and its split_sum) as GpuStep.matmul launches it; its compiled kernel."""
         from kernels.gpu_step import qmatmul
         return qmatmul(self.x, w, self.out, tile, self.nw if self.norm else None, self.silu, self.residual,
-                       part=self.part)
+                       part=self.part, reduce=self.name != "qkv")   # q|k|v's partials: rope_kv adds them
 
 
 def _compile(jobs):

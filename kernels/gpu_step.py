@@ -89,10 +89,11 @@ def unsupported(cfg, block_size: int) -> str | None:
 
 def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tuning.Tile,
             norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False, eps: float = 1e-5,
-            precision: str = "ieee", part: torch.Tensor | None = None):
+            precision: str = "ieee", part: torch.Tensor | None = None, reduce: bool = True):
     """Launch ``GpuStep.matmul``'s kernels for ``tile``: ``qgemv`` for up to ``tile.gemv`` rows, else
     ``qmatmul`` (``precision`` past 64 rows), and ``split_sum`` where K is split (partial sums in
-    ``part``, allocated when not given). Returns the matmul's compiled kernel (registers, spills)."""
+    ``part``, allocated when not given; ``reduce=False``: left there, unsummed, for a consumer
+    that adds them as it reads). Returns the matmul's compiled kernel (registers, spills)."""
     m, n, k = x.shape[0], q.shape[0], q.shape[1] // 18 * 32
     splits, per = tile.plan(n, k)
     kern = _k()
@@ -113,6 +114,8 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tunin
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     c = fn[(*grid, splits)](x, q, part, nw, m, n, k, q.shape[1], x.stride(0), n, eps, per,
                             RESIDUAL=False, SPLIT=True, BLOCK_M=block_m, **args)
+    if not reduce:
+        return c
     kern.split_sum[(-(-n // 256), m)](part, out, m, n, out.stride(0), SPLITS=splits, RESIDUAL=residual, BLOCK=256)
     return c
 
@@ -196,17 +199,34 @@ class GpuStep:
         qmatmul(x, q, out, self.tuning.tile(n, k), norm, silu, residual, self.cfg.rms_eps, self.precision)
         return out
 
+    def matmul_parts(self, x: torch.Tensor, q: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+        """``matmul``'s split partial sums [splits, M, N], not added up ([1, M, N]: the output
+        itself): for ``rope_kv``, which adds them in split order as it reads — the sum ``split_sum``
+        makes, bit for bit, one launch fewer."""
+        m, n, k = x.shape[0], q.shape[0], q.shape[1] // 18 * 32
+        tile = self.tuning.tile(n, k)
+        splits, _ = tile.plan(n, k)
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=self.device)
+        if m:
+            qmatmul(x, q, part[0], tile, norm, eps=self.cfg.rms_eps, precision=self.precision, part=part,
+                    reduce=False)
+        return part
+
     def rope_kv(self, qkv, layer, positions, slot_blocks, slot_offsets, layer_kv) -> torch.Tensor:
-        t = qkv.shape[0]
+        """``qkv``: the projection [tokens, N], or its split partial sums [splits, tokens, N]
+        (``matmul_parts``)."""
+        parts = qkv if qkv.dim() == 3 else qkv[None]
+        t = parts.shape[1]
         q = torch.empty(t, self.nh * self.hd, dtype=torch.float32, device=self.device)
         if t:
-            bias = layer.get("qkv_bias", qkv)
-            qn, kn = layer.get("q_norm", qkv), layer.get("k_norm", qkv)
+            bias = layer.get("qkv_bias", q)
+            qn, kn = layer.get("q_norm", q), layer.get("k_norm", q)
             s = layer_kv.stride()
             _k().rope_kv[(t, self.nh + self.nkv)](
-                qkv, bias, qn, kn, self.cos, self.sin, positions, slot_blocks, slot_offsets, q, layer_kv,
-                qkv.stride(0), q.stride(0), s[0], s[1], s[2], s[3], self.cfg.rms_eps,
-                NH=self.nh, NKV=self.nkv, HD=self.hd, HAS_BIAS="qkv_bias" in layer, QK_NORM="q_norm" in layer)
+                parts, bias, qn, kn, self.cos, self.sin, positions, slot_blocks, slot_offsets, q, layer_kv,
+                parts.stride(1), q.stride(0), s[0], s[1], s[2], s[3], self.cfg.rms_eps, parts.stride(0),
+                NH=self.nh, NKV=self.nkv, HD=self.hd, HAS_BIAS="qkv_bias" in layer, QK_NORM="q_norm" in layer,
+                SPLITS=parts.shape[0])
         return q
 
     def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, pb: PagedBatch) -> torch.Tensor:
@@ -243,7 +263,7 @@ class GpuStep:
         x = self.embed(ids)
         for li, L in enumerate(self.m.layers):
             layer_kv = kv[:, li]
-            qkv = self.matmul(x, L["qkv"], norm=L["attn_norm"])
+            qkv = self.matmul_parts(x, L["qkv"], norm=L["attn_norm"])      # summed by rope_kv as it reads
             q = self.rope_kv(qkv, L, positions, slot_blocks, slot_offsets, layer_kv)
             attn = self.attend(q, layer_kv, pb)
             self.matmul(attn, L["o"], out=x, residual=True)

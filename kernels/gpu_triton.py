@@ -239,21 +239,34 @@ def split_sum(part_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, RESIDUAL
 
 
 @triton.jit
+def _split_parts(ptr, split_stride, SPLITS: tl.constexpr):
+    """Values at ``ptr`` of a matmul's output, from its SPLITS partial sums added in split order
+    from zero — ``split_sum``'s sum, bit for bit (SPLITS = 1: the output itself)."""
+    if SPLITS == 1:
+        return tl.load(ptr)
+    acc = tl.zeros_like(tl.load(ptr))
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(ptr + s * split_stride)
+    return acc
+
+
+@triton.jit
 def rope_kv(qkv_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, q_ptr, kv_ptr,
-            stride_qkv, stride_q, s_blk, s_kv, s_slot, s_head, eps,
+            stride_qkv, stride_q, s_blk, s_kv, s_slot, s_head, eps, split_stride,
             NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
-            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr):
     """One (token, head) of the q|k|v projection: bias, per-head RMSNorm (qwen3), rotary embedding
     (rotate-half); a query head goes to q, a kv head's rotated key and its value into the KV cache
-    at the token's slot (float16)."""
+    at the token's slot (float16). SPLITS > 1: q|k|v is the projection's split partial sums
+    ([SPLITS, tokens, N], ``split_stride`` apart), added here as they are read (no ``split_sum``)."""
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = HD // 2
     i = tl.arange(0, HALF)
     col = h * HD
     row = qkv_ptr + tok * stride_qkv
-    x1 = tl.load(row + col + i)
-    x2 = tl.load(row + col + HALF + i)
+    x1 = _split_parts(row + col + i, split_stride, SPLITS)
+    x2 = _split_parts(row + col + HALF + i, split_stride, SPLITS)
     if HAS_BIAS:
         x1 += tl.load(bias_ptr + col + i)
         x2 += tl.load(bias_ptr + col + HALF + i)
@@ -281,7 +294,7 @@ def rope_kv(qkv_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_p
         tl.store(kv_ptr + slot + HALF + i, r2.to(tl.float16))
         d = tl.arange(0, HD)
         vcol = (NH + NKV) * HD + kvh * HD
-        v = tl.load(row + vcol + d)
+        v = _split_parts(row + vcol + d, split_stride, SPLITS)
         if HAS_BIAS:
             v += tl.load(bias_ptr + vcol + d)
         tl.store(kv_ptr + s_kv + slot + d, v.to(tl.float16))

@@ -130,6 +130,30 @@ def _rope_case(bias, qk_norm, device="cpu"):
     return (float((got_q - q.reshape(t, -1)).abs().max()), float((kv.float() - want.float()).abs().max()))
 
 
+def _rope_parts_case(device="cpu"):
+    """rope_kv reading q|k|v as split partial sums (matmul_parts) against rope_kv of matmul's
+    output (split_sum's sum of the same partials): bitwise the same q and KV."""
+    from kernels.gpu_step import GpuStep
+    from kernels.gpu_tuning import Tile, Tuning
+    model = tiny_model(device, attn_bias=True)
+    cfg = model.cfg
+    nh, nkv, hd, t = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 5
+    n = (nh + 2 * nkv) * hd
+    st = GpuStep(model, 1024, tuning=Tuning({(n, cfg.hidden_size): Tile(16, 1, 4, 4)}, "test"))
+    g = torch.Generator().manual_seed(4)
+    L = model.layers[0]
+    x = torch.randn(t, cfg.hidden_size, generator=g).to(device)
+    parts = st.matmul_parts(x, L["qkv"], norm=L["attn_norm"])
+    summed = st.matmul(x, L["qkv"], norm=L["attn_norm"])
+    pos = torch.randint(0, 1000, (t,), generator=g).to(device)
+    slots = torch.randperm(12 * 16, generator=g)[:t].to(device)
+    blk, off = slots // 16, slots % 16
+    kvs = [torch.zeros(12, cfg.n_layers, 2, 16, nkv, hd, dtype=torch.float16, device=device) for _ in range(2)]
+    qa = st.rope_kv(parts, L, pos, blk, off, kvs[0][:, 0])
+    qb = st.rope_kv(summed, L, pos, blk, off, kvs[1][:, 0])
+    return parts.shape[0], bool(torch.equal(qa, qb)), bool(torch.equal(kvs[0], kvs[1]))
+
+
 def _attention_case(max_context, lens_dec, chunks_pre, device="cpu"):
     from kernels.gpu_step import GpuStep, PagedBatch
     from shared.engine.model import AttnChunk, StepContext
@@ -375,6 +399,11 @@ def test_rope_and_kv_write(interp, bias, qk_norm):
 
 # decode entries at block boundaries and across the segments of SEG = 256 keys; prefill chunks
 # from 0, after a cached prefix, across a block boundary; with and without the segment split
+def test_rope_kv_adds_the_split_partials_as_split_sum_does(interp):
+    splits, same_q, same_kv = interp(_rope_parts_case)
+    assert splits == 2 and same_q and same_kv           # (K = 64: two Q4_0 blocks, two splits)
+
+
 @pytest.mark.parametrize("max_context", [1024, 256])
 def test_paged_attention(interp, max_context):
     lens = [1, 15, 16, 17, 100, 255, 256] + ([257, 600, 1024] if max_context > 256 else [])
