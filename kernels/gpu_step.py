@@ -10,8 +10,9 @@ split-K sums where they apply:
    its rows' RMS over the whole of K: the rows are a few KB and in L2), every Q4_0 weight block
    dequantized once for all activation rows of the tile (``tl.dot``, f32 "ieee" by default:
    no TF32 rounding of the activations), split over K where N alone gives few programs;
-2. ``rope_kv`` — bias and per-head norm where the arch has them, rotary embedding, and the new
-   token's key and value written into its KV slot (float16), one program per (token, head);
+2. ``rope_kv`` — q|k|v's split partial sums added as they are read (in ``split_sum``'s order:
+   no launch of its own), bias and per-head norm where the arch has them, rotary embedding, and
+   the new token's key and value written into its KV slot (float16), one program per (token, head);
 3. attention over the paged cache in place through the block tables: ``attn_decode`` for every
    one-token chunk (grid: entry × kv head × key segment of ``SEG`` keys; the query heads of a kv
    head together; online softmax), ``attn_merge`` joining the segments in order, and
