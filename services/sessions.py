@@ -54,9 +54,7 @@ class SessionStore:
                 f"KV bucket {self.bucket}", lambda: js.key_value(self.bucket), lambda replicas: js.create_key_value(
                     bucket=self.bucket, history=1, ttl=self.max_age, storage=api.StorageType.FILE,
                     replicas=replicas))
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            keys = []
+            keys = await self.bus.kv_keys(self.bucket)
         except (nats.errors.Error, asyncio.TimeoutError) as e:
             log.warning("no JetStream for the session table (%s): sessions live in this router's memory only", e)
             self.kv = None

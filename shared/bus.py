@@ -45,6 +45,9 @@ Handler = Callable[[Any], Awaitable[Any]]
 _CONNECT_ATTEMPTS = 3  # per server, before Bus.connect gives up
 
 
+SUBJECTS_PAGE = 100_000   # subjects one STREAM.INFO answer lists at most (the server pages past it)
+
+
 def _placement(e: Exception) -> bool:
     """A JetStream API error that a forming cluster gives: too few servers up for the replicas."""
     text = f"{getattr(e, 'description', '')} {e}".lower()
@@ -424,6 +427,22 @@ class Bus:
         or auto from the connected server's INFO (3 in a cluster of >= 3 servers, else 1)."""
         info = getattr(self.nc, "_server_info", None) or {}
         return nats_cluster.replicas_for(self.replicas_setting, info, self.configured_servers)
+
+    async def kv_keys(self, bucket: str, pattern: str = ">") -> list[str]:
+        """The keys of KV ``bucket`` matching the subject ``pattern`` (``tenant.*``; ``>``: all),
+        sorted: the bucket stream's per-subject state, one STREAM.INFO request (the roles that
+        use a bucket may make it). Not nats-py's ``KeyValue.keys()``: its watcher can end before
+        a key already in flight to it arrives (NoKeysError or a partial list: nats.py #842; seen
+        in this project's tests), and its ``filters`` match as substrings, not subject patterns.
+        A deleted or purged key may be listed (its marker is its last message): ``get`` raises
+        KeyNotFoundError for it."""
+        prefix = f"$KV.{bucket}."
+        info = await self.nc.jetstream().stream_info(f"KV_{bucket}", subjects_filter=prefix + pattern)
+        subjects = info.state.subjects or {}
+        if len(subjects) >= SUBJECTS_PAGE:
+            raise BusError("internal", f"KV bucket {bucket}: {len(subjects)} keys match {pattern!r}, more than "
+                                       "one page of the stream's subject state; listing them needs paging")
+        return sorted(s[len(prefix):] for s in subjects)
 
     async def jetstream_ensure(self, what: str, lookup: Callable[[], Awaitable[Any]],
                                create: Callable[[int], Awaitable[Any]], wait: float | None = None) -> Any:

@@ -104,13 +104,9 @@ class ResponseStore:
             return ledger
         found: list[tuple[int, str, int]] = []
         if self.bus is not None:
-            from nats.js.errors import KeyNotFoundError, NoKeysError
+            from nats.js.errors import KeyNotFoundError
             kv = await self._bucket()
-            try:
-                keys = await kv.keys(filters=[f"{tenant}.*"])
-            except NoKeysError:
-                keys = []
-            for key in keys:
+            for key in await self.bus.kv_keys(BUCKET, f"{tenant}.*"):
                 try:
                     entry = await kv.get(key)
                 except KeyNotFoundError:

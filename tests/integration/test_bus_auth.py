@@ -171,7 +171,7 @@ async def test_jetstream_buckets_per_role(secured):
         kv = await router.nc.jetstream().create_key_value(bucket=bus_auth.SESSIONS_BUCKET, history=1)
         await kv.put("s1", b"interactive")
         assert (await kv.get("s1")).value == b"interactive"
-        assert await kv.keys() == ["s1"]
+        assert await router.kv_keys(bus_auth.SESSIONS_BUCKET) == ["s1"]
         mine = await gateway.nc.jetstream().create_key_value(bucket=bus_auth.RESPONSES_BUCKET, history=1)
         await mine.put("t.resp_1", b"{}")
         await mine.purge("t.resp_1")
@@ -182,6 +182,39 @@ async def test_jetstream_buckets_per_role(secured):
     finally:
         await router.close()
         await gateway.close()
+
+
+async def test_a_new_gateway_and_router_find_what_the_buckets_hold(secured):
+    """What a restarted (or another) gateway and router read back, as their roles, on first use:
+    each tenant's stored responses — the per-tenant caps count them — and the session table.
+    nats-py's KeyValue.keys() missed these: its ``filters`` match substrings, so ``alice.*``
+    matched no key, and its watcher could end before a key in flight arrived (nats.py #842)."""
+    import time
+    from services.gateway.response_store import ResponseStore
+    from services.sessions import SessionStore, SessionView
+    gateway, gw_err = await connect(secured, subjects.GATEWAY)
+    router, r_err = await connect(secured, subjects.ROUTER)
+    try:
+        first = ResponseStore(gateway)
+        for tenant, rid in (("alice", "resp_1"), ("alice", "resp_2"), ("bob", "resp_3"), ("alice2", "resp_4")):
+            await first.put(tenant, rid, {"id": rid, "output": "x" * 10})
+        await first.delete("alice", "resp_2")
+        again = ResponseStore(gateway)                      # a restart: nothing in memory
+        assert list(await again._ledger("alice")) == ["resp_1"]
+        assert list(await again._ledger("bob")) == ["resp_3"]
+        table = SessionStore(router, flush_s=0.05)
+        await table.start()
+        for i in range(3):
+            table.changed(f"s-{i}", SessionView("gpu", f"gpu-decode-{i}", time.monotonic(), "router-1"))
+        await table.close()
+        again_table = SessionStore(router, flush_s=0.05)
+        restored = await again_table.start()
+        await again_table.close()
+        assert sorted(restored) == ["s-0", "s-1", "s-2"] and restored["s-1"].worker == "gpu-decode-1"
+        assert gw_err == [] and r_err == []
+    finally:
+        await gateway.close()
+        await router.close()
 
 
 async def test_role_credentials_are_harmless_on_a_server_without_auth(nats_server, secured):
