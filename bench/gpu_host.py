@@ -11,22 +11,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
-from kernels.gpu_step import DecodeGraphs, DecodeInputs, buckets
+from kernels.gpu_step import DecodeGraphs
 
 
 class StubGraphs(DecodeGraphs):
     """DecodeGraphs whose every bucket "replays" in no time: zero logits, token 0."""
 
     def __init__(self, cap: int, width: int, block_size: int, vocab: int):
-        self.sizes, self.block_size, self.capture = buckets(cap), block_size, False
-        self.inputs = DecodeInputs(cap, width, 0, "cpu")
-        self.variants = {False: True, True: True}
-        self.steps = self.replays = self.drawn = 0
-        self.logits = torch.zeros(cap, vocab)
-        self.best = torch.zeros(cap, dtype=torch.int64)
+        super().__init__(SimpleNamespace(device=torch.device("cpu")), None, cap, width, block_size, 0, capture=False)
+        self.logits = torch.zeros(self.sizes[-1], vocab)
+        self.best = torch.zeros(self.sizes[-1], dtype=torch.int64)
 
     def _body(self, bucket, variant=None):
         return self.logits[:bucket], self.best[:bucket]
