@@ -6,9 +6,11 @@ each candidate tile (BLOCK_N x BLOCK_B x warps x splits over K; qmatmul's, and q
 16 rows with its norm pass 16 x BLOCK_B or 256 values a step), the layer's matmuls of one
 decode step (30 of them on 30 distinct random Q4_0 weights, as in the model; one for the lm head,
 with the prologue / epilogue each has in the step) are captured as one CUDA graph and its replays
-timed at M = 1, 16 and 64 rows. A shape's tile is the one with the lowest sum of times relative to
+timed at M = 1, 16 and 64 rows, split sums added by each tile's last program (kernels/gpu_step.py
+``qmatmul``). A shape's tile is the one with the lowest sum of times relative to
 each M's best, among tiles that spill at most SPILL_OK bytes. Then the whole step's matmuls (all shapes, as
-one graph) with the chosen tiles against the built-in rule, side by side, printed as a table.
+one graph) with the chosen tiles against the built-in rule, and against the chosen tiles with their
+split sums in ``split_sum`` launches (TANDEM_GPU_REDUCE=launch), side by side, printed as a table.
 
 The candidates compile first in a pool of processes (Triton's disk cache is shared), so the timing
 process finds them compiled. Needs CUDA.
@@ -79,12 +81,16 @@ class Shape:
         self.nw = torch.rand(k, device=DEVICE, generator=g) + 0.5
         self.out = torch.zeros(m, n, device=DEVICE)
         self.part = torch.empty(64 * m * n, device=DEVICE)
+        from kernels.gpu_step import COUNTERS
+        self.counters = torch.zeros(COUNTERS, dtype=torch.int32, device=DEVICE)
 
-    def launch(self, tile, w):
-        """One matmul of the step (and its split_sum) as GpuStep.matmul launches it; its compiled kernel."""
+    def launch(self, tile, w, fused: bool = True):
+        """One matmul of the step as GpuStep.matmul launches it — its split sums added by its last
+        programs (``fused``) or by a split_sum launch; its compiled kernel."""
         from kernels.gpu_step import qmatmul
         return qmatmul(self.x, w, self.out, tile, self.nw if self.norm else None, self.silu, self.residual,
-                       part=self.part, reduce=self.name != "qkv")   # q|k|v's partials: rope_kv adds them
+                       part=self.part, reduce=self.name != "qkv",   # q|k|v's partials: rope_kv adds them
+                       counters=self.counters if fused else None)
 
 
 def _compile(jobs):
@@ -207,11 +213,12 @@ def main(argv=None) -> int:
                      [times.get((name, m, best)) for m in MS]))
     # the whole step's matmuls, rule vs chosen, side by side
     whole = {}
-    tiles = {"rule": lambda s: rule(s.n, s.k), "tuned": lambda s: chosen[(s.n, s.k)]}
+    tiles = {"rule": (lambda s: rule(s.n, s.k), True), "tuned": (lambda s: chosen[(s.n, s.k)], True),
+             "tuned, split sums launched": (lambda s: chosen[(s.n, s.k)], False)}
     for m in MS:
         step = [Shape(name, m) for name in SHAPES]
-        for label, pick in tiles.items():
-            whole[(label, m)] = graph_time(lambda: [s.launch(pick(s), w) for s in step for w in s.w])
+        for label, (pick, fused) in tiles.items():
+            whole[(label, m)] = graph_time(lambda: [s.launch(pick(s), w, fused) for s in step for w in s.w])
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
@@ -231,10 +238,11 @@ def main(argv=None) -> int:
         print(f"| {name} | {n}x{k} | {fmt(base)} | {fmt(best)} | "
               + " / ".join(f"{v:.1f}" if v else "-" for v in tb) + " | "
               + " / ".join(f"{v:.1f}" if v else "-" for v in tt) + " |")
-    print("\n| rows M | rule: all matmuls µs | tuned µs | rule ÷ tuned |\n|---:|---:|---:|---:|")
+    print("\n| rows M | rule: all matmuls µs | tuned µs | rule ÷ tuned | tuned, split sums launched µs | "
+          "launched ÷ fused |\n|---:|---:|---:|---:|---:|---:|")
     for m in MS:
-        print(f"| {m} | {whole[('rule', m)]:.1f} | {whole[('tuned', m)]:.1f} | "
-              f"{whole[('rule', m)] / whole[('tuned', m)]:.2f} |")
+        r, t, ln = whole[("rule", m)], whole[("tuned", m)], whole[("tuned, split sums launched", m)]
+        print(f"| {m} | {r:.1f} | {t:.1f} | {r / t:.2f} | {ln:.1f} | {ln / t:.2f} |")
     say(f"wrote {a.out}")
     return 0
 

@@ -63,6 +63,8 @@ EMBED_BLOCK_B = 4
 BLOCK_K_DECODE, DECODE_WARPS = 16, 4
 BLOCK_Q, BLOCK_K_PREFILL, PREFILL_WARPS = 16, 32, 8
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
+REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
+COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
 
 log = logging.getLogger("tandem.gpu")
 
@@ -90,11 +92,15 @@ def unsupported(cfg, block_size: int) -> str | None:
 
 def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tuning.Tile,
             norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False, eps: float = 1e-5,
-            precision: str = "ieee", part: torch.Tensor | None = None, reduce: bool = True):
+            precision: str = "ieee", part: torch.Tensor | None = None, reduce: bool = True,
+            counters: torch.Tensor | None = None):
     """Launch ``GpuStep.matmul``'s kernels for ``tile``: ``qgemv`` for up to ``tile.gemv`` rows, else
-    ``qmatmul`` (``precision`` past 64 rows), and ``split_sum`` where K is split (partial sums in
-    ``part``, allocated when not given; ``reduce=False``: left there, unsummed, for a consumer
-    that adds them as it reads). Returns the matmul's compiled kernel (registers, spills)."""
+    ``qmatmul`` (``precision`` past 64 rows). Where K is split, the partial sums go to ``part``
+    (allocated when not given) and are added up in split order by the last split of each tile to
+    finish, given ``counters`` (zeroed int32, one a tile: ``GpuStep.counters``) — else by a
+    ``split_sum`` launch; ``reduce=False`` leaves them there, unsummed, for a consumer that adds
+    them as it reads (``rope_kv``). Either way the same bits. Returns the matmul's compiled kernel
+    (registers, spills)."""
     m, n, k = x.shape[0], q.shape[0], q.shape[1] // 18 * 32
     splits, per = tile.plan(n, k)
     kern = _k()
@@ -109,15 +115,17 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tunin
     grid = (-(-n // tile.block_n), -(-m // block_m))
     nw = norm if norm is not None else x
     if splits == 1:
-        return fn[grid](x, q, out, nw, m, n, k, q.shape[1], x.stride(0), out.stride(0), eps, 0,
-                        RESIDUAL=residual, SPLIT=False, BLOCK_M=block_m, **args)
+        return fn[grid](x, q, out, nw, out, out, m, n, q.shape[1], x.stride(0), out.stride(0), eps, 0, K=k,
+                        RESIDUAL=residual, SPLIT=False, FIXUP=False, BLOCK_M=block_m, **args)
     if part is None:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    c = fn[(*grid, splits)](x, q, part, nw, m, n, k, q.shape[1], x.stride(0), n, eps, per,
-                            RESIDUAL=False, SPLIT=True, BLOCK_M=block_m, **args)
-    if not reduce:
-        return c
-    kern.split_sum[(-(-n // 256), m)](part, out, m, n, out.stride(0), SPLITS=splits, RESIDUAL=residual, BLOCK=256)
+    fixup = reduce and counters is not None and grid[0] * grid[1] <= counters.numel()
+    c = fn[(*grid, splits)](x, q, out, nw, part, counters if fixup else out, m, n, q.shape[1], x.stride(0),
+                            out.stride(0), eps, per, K=k, RESIDUAL=residual, SPLIT=True, FIXUP=fixup,
+                            BLOCK_M=block_m, **args)
+    if reduce and not fixup:
+        kern.split_sum[(-(-n // 256), m)](part, out, m, n, out.stride(0), SPLITS=splits, RESIDUAL=residual,
+                                          BLOCK=256)
     return c
 
 
@@ -175,6 +183,13 @@ class GpuStep:
         if self.precision not in ("ieee", "tf32"):
             raise ValueError(f"TANDEM_GPU_PRECISION must be ieee or tf32, got {self.precision!r}")
         self.tuning = tuning if tuning is not None else gpu_tuning.load(self.device)
+        # split-K sums and attention's key segments added up by the last program of a launch to
+        # finish ("fused": no launch of their own) or by launches of their own ("launch", to compare)
+        self.reduce = os.environ.get("TANDEM_GPU_REDUCE", "fused")
+        if self.reduce not in REDUCE:
+            raise ValueError(f"TANDEM_GPU_REDUCE must be one of {', '.join(REDUCE)}, got {self.reduce!r}")
+        self.counters = (torch.zeros(COUNTERS, dtype=torch.int32, device=self.device) if self.reduce == "fused"
+                         else None)
         self.cos = model.cos.contiguous()
         self.sin = model.sin.contiguous()
 
@@ -197,7 +212,8 @@ class GpuStep:
             out = torch.empty(m, n, dtype=torch.float32, device=self.device)
         if m == 0:
             return out
-        qmatmul(x, q, out, self.tuning.tile(n, k), norm, silu, residual, self.cfg.rms_eps, self.precision)
+        qmatmul(x, q, out, self.tuning.tile(n, k), norm, silu, residual, self.cfg.rms_eps, self.precision,
+                counters=self.counters)
         return out
 
     def matmul_parts(self, x: torch.Tensor, q: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
@@ -240,15 +256,20 @@ class GpuStep:
         e = pb.rows.shape[0]
         if e:
             split = self.nseg > 1
+            fixup = split and self.counters is not None
+            if fixup and e * self.nkv > self.counters.numel():
+                raise ValueError(f"{e} decode entries x {self.nkv} kv heads exceed the {self.counters.numel()} "
+                                 "arrival counters")
             po = pml = out
             if split:
                 po = torch.empty(e, self.nh, self.nseg, self.hd, dtype=torch.float32, device=self.device)
                 pml = torch.empty(e, self.nh, self.nseg, 2, dtype=torch.float32, device=self.device)
             kern.attn_decode[(e, self.nkv, self.nseg)](
-                q, layer_kv, pb.tables, pb.lens, pb.rows, out, po, pml, q.stride(0), pb.tables.stride(0),
-                s[0], s[1], s[2], s[3], scale, SEG=SEG, NSEG=self.nseg, GROUP=self.group, GROUP_P=gp,
-                HD=self.hd, BS=bs, BLOCK_K=BLOCK_K_DECODE, SPLIT=split, num_warps=DECODE_WARPS)
-            if split:
+                q, layer_kv, pb.tables, pb.lens, pb.rows, out, po, pml, self.counters if fixup else pb.lens,
+                q.stride(0), pb.tables.stride(0), s[0], s[1], s[2], s[3], scale, SEG=SEG, NSEG=self.nseg,
+                NSEG_P=_pow2(self.nseg), GROUP=self.group, GROUP_P=gp, HD=self.hd, BS=bs, BLOCK_K=BLOCK_K_DECODE,
+                SPLIT=split, FIXUP=fixup, num_warps=DECODE_WARPS)
+            if split and not fixup:
                 kern.attn_merge[(e, self.nh)](po, pml, pb.lens, pb.rows, out, out.stride(0), SEG=SEG,
                                               NSEG=self.nseg, NSEG_P=_pow2(self.nseg), HD=self.hd)
         c = pb.offs.shape[0]

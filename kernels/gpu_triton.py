@@ -78,11 +78,41 @@ def embed(ids_ptr, q_ptr, out_ptr, K, row_bytes, stride_o, BLOCK_B: tl.constexpr
 
 
 @triton.jit
-def _store_tile(out_ptr, acc, m, n, ok, M, N, stride_om, SPLIT: tl.constexpr, RESIDUAL: tl.constexpr):
-    """A matmul's [rows m, columns n] tile: its split's partial sums (SPLIT: at split
-    program_id(2) of ``split_sum``'s [splits, M, N]), else into ``out`` (+= with RESIDUAL)."""
+def _last_arrival(cnt_ptr, expected):
+    """Is this program the last of ``expected`` to arrive at counter ``cnt_ptr``? The counter is
+    left at 0 by that last one (ready for the next launch or replay). The CTA barrier, then one
+    thread's acq_rel atomic at GPU scope (its result shared through shared memory and a second
+    barrier) order every thread's stores before it and the last program's loads after every
+    other program's stores: CUTLASS's split-K semaphore, without its spin (nobody waits)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    last = done == expected - 1
+    if last:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, ok, M, N, stride_om,
+                SPLIT: tl.constexpr, FIXUP: tl.constexpr, RESIDUAL: tl.constexpr):
+    """A matmul's [rows m, columns n] tile into ``out`` (+= with RESIDUAL). SPLIT: this program's
+    partial sum goes to split program_id(2) of ``part`` ([splits, M, N]); with FIXUP the last
+    split of the tile to finish adds the splits up in split order from zero — ``split_sum``'s
+    sum, bit for bit, without a launch of its own — else ``split_sum`` (or a consumer reading
+    the partials, ``rope_kv``) does."""
     if SPLIT:
-        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * M * N + m[:, None] * N + n[None, :], acc, mask=ok)
+        pn = m[:, None] * N + n[None, :]
+        tl.store(part_ptr + tl.program_id(2).to(tl.int64) * M * N + pn, acc, mask=ok)
+        if FIXUP:
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            if _last_arrival(cnt_ptr + tile, tl.num_programs(2)):
+                acc = tl.zeros_like(acc)
+                for s in range(tl.num_programs(2)):
+                    acc += tl.load(part_ptr + s * M * N + pn, mask=ok, other=0.0, cache_modifier=".cg")
+                o = out_ptr + m[:, None] * stride_om + n[None, :]
+                if RESIDUAL:
+                    acc = tl.load(o, mask=ok, other=0.0) + acc
+                tl.store(o, acc, mask=ok)
     else:
         o = out_ptr + m[:, None] * stride_om + n[None, :]
         if RESIDUAL:
@@ -91,15 +121,25 @@ def _store_tile(out_ptr, acc, m, n, ok, M, N, stride_om, SPLIT: tl.constexpr, RE
 
 
 @triton.jit
-def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride_om, eps, blocks_per_split,
+def _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W: tl.constexpr):
+    """Rows m's sums of squares over x[m, k0:k0 + NORM_W] (past K: nothing)."""
+    kk = k0 + tl.arange(0, NORM_W)
+    xv = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+    return tl.sum(xv * xv, axis=1)
+
+
+@triton.jit
+def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, stride_xm, stride_om, eps,
+            blocks_per_split, K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
             NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-            PRECISION: tl.constexpr, NORM_W: tl.constexpr):
+            FIXUP: tl.constexpr, PRECISION: tl.constexpr, NORM_W: tl.constexpr):
     """out[m, n] (+)= sum_k a[m, k] * W[n, k] for a BLOCK_M x BLOCK_N tile, every weight block read
     once for all BLOCK_M activation rows. ``a``: x (SILU=False) or silu(x[:, :K]) * x[:, K:]
     (SILU); times rsqrt(mean(x^2) + eps) * nw (NORM: RMSNorm in the prologue). RESIDUAL: out +=.
     SPLIT: this program covers blocks [s * blocks_per_split, (s + 1) * blocks_per_split) of K
-    (s = program_id(2)) and writes its partial sum to out + s * M * N (reduced by ``split_sum``)."""
+    (s = program_id(2)); its partial sum goes to ``part`` (``_store_tile``: FIXUP, the tile's last
+    split adds them into ``out``; else ``split_sum`` or the consumer does)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
@@ -117,11 +157,12 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride
         kb1 = nb
     if NORM:  # the row's RMS over all of K (NORM_W values a step), whatever part of K this program reduces
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, NORM_W):
-            kk = k0 + tl.arange(0, NORM_W)
-            xv = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
-                         other=0.0)
-            ss += tl.sum(xv * xv, axis=1)
+        if BLOCK_M <= 16:   # unrolled: the steps' loads in flight together (past 16 rows they spill)
+            for k0 in tl.static_range(0, K, NORM_W):
+                ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
+        else:               # the same steps in the same order: the same bits
+            for k0 in range(0, K, NORM_W):
+                ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(kb0, kb1, BLOCK_B):
@@ -153,14 +194,16 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride
         w_hi = ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
         acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
         acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
-    _store_tile(out_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, SPLIT, RESIDUAL)
+    _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, SPLIT,
+                FIXUP, RESIDUAL)
 
 
 @triton.jit
-def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride_om, eps, blocks_per_split,
+def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, stride_xm, stride_om, eps,
+          blocks_per_split, K: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
           NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-          NORM_W: tl.constexpr):
+          FIXUP: tl.constexpr, NORM_W: tl.constexpr):
     """``qmatmul``'s contract for a few rows (M <= BLOCK_M <= 16: decode) without ``tl.dot``: each
     K step dequantizes a [BLOCK_N, BLOCK_B, 16] weight tile once into registers, and each of the
     BLOCK_M rows (unrolled; rows >= M masked) reduces its products with it in-register. A row's
@@ -213,13 +256,13 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, M, N, K, row_bytes, stride_xm, stride_o
         # RMS on its own (a [NORM_W] reduction: the same order whatever BLOCK_M)
         for r in tl.static_range(BLOCK_M):
             ss = tl.sum(tl.zeros([NORM_W], dtype=tl.float32), axis=0)
-            for k0 in range(0, K, NORM_W):
+            for k0 in tl.static_range(0, K, NORM_W):
                 kk = k0 + tl.arange(0, NORM_W)
                 xv = tl.load(x_ptr + r * stride_xm + kk, mask=kk < K * (M > r), other=0.0)   # row r < M
                 ss += tl.sum(xv * xv, axis=0)
             acc = tl.where((rows == r)[:, None], acc * (1.0 / tl.sqrt(ss / K + eps)), acc)
-    _store_tile(out_ptr, acc, rows.to(tl.int64), n, (rows < M)[:, None] & n_ok[None, :], M, N, stride_om, SPLIT,
-                RESIDUAL)
+    _store_tile(out_ptr, part_ptr, cnt_ptr, acc, rows.to(tl.int64), n, (rows < M)[:, None] & n_ok[None, :], M, N,
+                stride_om, SPLIT, FIXUP, RESIDUAL)
 
 
 @triton.jit
@@ -301,15 +344,35 @@ def rope_kv(qkv_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_p
 
 
 @triton.jit
-def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr,
+def _merge_segments(po_ptr, pml_ptr, base0, nused, NSEG_P: tl.constexpr, HD: tl.constexpr,
+                    CACHE: tl.constexpr):
+    """The first ``nused`` segments' partials of one (entry, query head) at ``base0`` merged, in
+    segment order: sum_j w_j acc_j / sum_j w_j l_j with w_j = exp(m_j - max m)."""
+    j = tl.arange(0, NSEG_P)
+    ok = j < nused
+    base = base0 + j
+    m = tl.load(pml_ptr + base * 2, mask=ok, other=float("-inf"), cache_modifier=CACHE)
+    lsum = tl.load(pml_ptr + base * 2 + 1, mask=ok, other=0.0, cache_modifier=CACHE)
+    mx = tl.max(m, axis=0)
+    w = tl.where(ok, tl.exp(m - mx), 0.0)
+    d = tl.arange(0, HD)
+    o = tl.load(po_ptr + base[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+    return tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+
+
+@triton.jit
+def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr,
                 stride_q, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
-                SEG: tl.constexpr, NSEG: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                HD: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, GROUP: tl.constexpr,
+                GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT: tl.constexpr, FIXUP: tl.constexpr):
     """One query token against its whole context, for the GROUP query heads of one kv head, over the
     keys of one segment [seg * SEG, (seg + 1) * SEG) read in place through the block table, with
     an online softmax. Entry e = program_id(0): its token is row rows[e] of q, its context
-    lens[e] keys, its blocks bt[e]. SPLIT: the segment's unnormalised (acc, max, sum) go to the
-    partials (merged by ``attn_merge``); else (one segment) the result goes to out."""
+    lens[e] keys, its blocks bt[e]. SPLIT (the context may span segments): each segment's
+    unnormalised (acc, max, sum) go to the partials, merged in segment order by the last segment
+    of (entry, kv head) to finish (FIXUP; a context of one segment writes its result at once) or
+    by ``attn_merge``; else (one segment) the result goes to out."""
     e = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
@@ -342,12 +405,24 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
+        nused = (L + SEG - 1) // SEG
         if SPLIT:
+            partial = nused > 1 if FIXUP else nused > 0
+        else:
+            partial = nused < 0
+        if partial:
             # partials: po [E, NH, NSEG, HD], pml [E, NH, NSEG, 2] (max, sum)
-            base = (e * (GROUP * tl.num_programs(1)) + heads) * NSEG + seg                  # [GP]
+            nh = GROUP * tl.num_programs(1)
+            base = (e * nh + heads) * NSEG + seg                                      # [GP]
             tl.store(po_ptr + base[:, None] * HD + d[None, :], acc, mask=g_ok[:, None])
             tl.store(pml_ptr + base * 2, m_i, mask=g_ok)
             tl.store(pml_ptr + base * 2 + 1, l_i, mask=g_ok)
+            if FIXUP:
+                if _last_arrival(cnt_ptr + e * tl.num_programs(1) + kvh, nused):
+                    for gi in tl.static_range(GROUP):
+                        h = kvh * GROUP + gi
+                        res = _merge_segments(po_ptr, pml_ptr, (e * nh + h) * NSEG, nused, NSEG_P, HD, ".cg")
+                        tl.store(out_ptr + row * stride_q + h * HD + d, res)
         else:
             tl.store(out_ptr + row * stride_q + heads[:, None] * HD + d[None, :], acc / l_i[:, None],
                      mask=g_ok[:, None])
@@ -356,24 +431,14 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
 @triton.jit
 def attn_merge(po_ptr, pml_ptr, lens_ptr, rows_ptr, out_ptr, stride_o,
                SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, HD: tl.constexpr):
-    """The segments of one (entry, query head) merged, in segment order: out = sum_j w_j acc_j /
-    sum_j w_j l_j with w_j = exp(m_j - max m)."""
+    """``attn_decode``'s segments of one (entry, query head) merged in a launch of their own
+    (TANDEM_GPU_REDUCE=launch)."""
     e = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    nh = tl.num_programs(1)
     L = tl.load(lens_ptr + e)
-    j = tl.arange(0, NSEG_P)
-    ok = j < (L + SEG - 1) // SEG
-    base = (e * nh + h) * NSEG + j
-    m = tl.load(pml_ptr + base * 2, mask=ok, other=float("-inf"))
-    lsum = tl.load(pml_ptr + base * 2 + 1, mask=ok, other=0.0)
-    mx = tl.max(m, axis=0)
-    w = tl.where(ok, tl.exp(m - mx), 0.0)
-    d = tl.arange(0, HD)
-    o = tl.load(po_ptr + base[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)     # [NSEG_P, HD]
-    res = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    res = _merge_segments(po_ptr, pml_ptr, (e * tl.num_programs(1) + h) * NSEG, (L + SEG - 1) // SEG, NSEG_P, HD, "")
     row = tl.load(rows_ptr + e).to(tl.int64)
-    tl.store(out_ptr + row * stride_o + h * HD + d, res)
+    tl.store(out_ptr + row * stride_o + h * HD + tl.arange(0, HD), res)
 
 
 @triton.jit

@@ -178,6 +178,40 @@ def _attention_case(max_context, lens_dec, chunks_pre, device="cpu"):
     return float((got - want).abs().max()), st.nseg
 
 
+def _reduce_case(device="cpu"):
+    """The split-K sums and attention's segments added by each launch's last program ("fused")
+    against their launches of their own (``split_sum``, ``attn_merge``): bitwise equal, for
+    ``qmatmul`` and ``qgemv`` tiles with the residual, SiLU and norm; the counters left at zero."""
+    from kernels.gpu_step import GpuStep, PagedBatch
+    from kernels.gpu_tuning import Tile, Tuning
+    from shared.engine.model import AttnChunk
+    g = torch.Generator().manual_seed(8)
+    model = tiny_model(device, max_context=1024)
+    cases = [(5, 100, 192, Tile(16, 1, 4, 6), True, False), (17, 64, 512, Tile(32, 1, 8, 8), False, True),
+             (3, 100, 96, Tile(32, 1, 4, 3, 0, 4), True, False), (1, 64, 512, Tile(32, 2, 4, 5, 0, 16), False, True)]
+    same = []
+    for m, n, k, tile, norm, silu in cases:
+        st = GpuStep(model, 1024, tuning=Tuning({(n, k): tile}, "test"))
+        q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
+        x = torch.randn(m, 2 * k if silu else k, generator=g).to(device)
+        nw = (torch.rand(k, generator=g) + 0.5).to(device) if norm else None
+        res = torch.randn(m, n, generator=g).to(device)
+        fused = st.matmul(x, q, out=res.clone(), norm=nw, silu=silu, residual=True)
+        counters, st.counters = st.counters, None
+        launched = st.matmul(x, q, out=res.clone(), norm=nw, silu=silu, residual=True)
+        same.append(bool(torch.equal(fused, launched)) and not counters.any())
+    st = GpuStep(model, 1024)
+    kv = torch.randn(320, 2, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim, generator=g).half().to(device)
+    chunks = [AttnChunk(L - 1, 1, i, None, list(range(i * 64, i * 64 + -(-L // 16))))
+              for i, L in enumerate([5, 256, 257, 700, 1024])]
+    qa = torch.randn(5, model.cfg.n_heads * model.cfg.head_dim, generator=g).to(device)
+    pb = PagedBatch.of(chunks, model.device)
+    fused = st.attend(qa, kv[:, 1], pb)
+    counters, st.counters = st.counters, None
+    launched = st.attend(qa, kv[:, 1], pb)
+    return same, bool(torch.equal(fused, launched)), not counters.any()
+
+
 def _step_context(model, plan, device="cpu"):
     """(ids, StepContext) of a flat batch: ``plan`` = [(token ids of the sequence, start, n, its
     block table)]."""
@@ -411,6 +445,11 @@ def test_paged_attention(interp, max_context):
     err, nseg = interp(_attention_case, max_context, lens, pre)
     assert nseg == max_context // 256
     assert err <= 1e-5
+
+
+def test_split_sums_and_segments_reduced_in_kernel_are_bitwise_their_own_launches(interp):
+    matmuls, attention, counters_zero = interp(_reduce_case)
+    assert matmuls == [True] * 4 and attention and counters_zero
 
 
 # llama's layer; the qwen2 / qwen3 variants differ only in rope_kv (tested above on its own; their

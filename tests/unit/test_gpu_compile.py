@@ -8,7 +8,8 @@ The variants are not listed by hand: the step runs once on the CPU with the kern
 a recorder, over the launches a real engine makes — a mixed step (a prefill chunk, a chunk after
 a cached prefix, decodes) and decode steps at every M tile (1, 2, 3, 8, 16, 17, 40 rows), f32 "ieee" and TF32,
 with the built-in matmul tiles, each table in kernels/tuning/ (kernels/gpu_tuning.py) and
-``qgemv`` tiles at every decode BLOCK_M,
+``qgemv`` tiles at every decode BLOCK_M, split sums and attention segments reduced in the kernel
+(the default) and by launches of their own (TANDEM_GPU_REDUCE=launch, f32 only),
 and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
 ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
@@ -102,8 +103,12 @@ def launches():
         h200 = gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200"))
         tunings.append(gpu_tuning.Tuning({s: dataclasses.replace(t, gemv=16, norm_w=256)
                                           for s, t in h200.tiles.items()}, "gemv"))
-        for precision, tuning in itertools.product(("ieee", "tf32"), tunings):
+        for precision, tuning, reduce in itertools.product(("ieee", "tf32"), tunings, gpu_step.REDUCE):
+            if reduce == "launch" and precision == "tf32":
+                continue
             st = gpu_step.GpuStep(model, 8192, precision, tuning=tuning)
+            if reduce == "launch":          # TANDEM_GPU_REDUCE=launch: split_sum and attn_merge
+                st.counters = None
             plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
             chunks, off = [], 0
             for start, n in plan:
@@ -136,6 +141,7 @@ def test_the_step_launches_the_variants_expected(launches):
                      "attn_prefill", "philox_uniform"}
     assert {c["BLOCK_M"] for fn, s, c, w in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
     assert {c["PRECISION"] for fn, s, c, w in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
+    assert {c["FIXUP"] for fn, s, c, w in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
 
 
 def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
@@ -155,7 +161,7 @@ def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
                                  capture_output=True, text=True, check=True).stderr
             regs = int(re.search(r"Used (\d+) registers", out).group(1))
             spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
-            shown = {n: v for n, v in consts.items() if n in ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT",
+            shown = {n: v for n, v in consts.items() if n in ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT", "FIXUP",
                                                                "PRECISION", "RESIDUAL", "BLOCK_K", "BLOCK_Q")}
             report.append((fn.__name__, shown, warps, regs, spills))
     print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled" for n, s, w, r, sp in report))
