@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops-gen-tokens", type=int, default=16, help="the same for the op-by-op engine (default 16)")
     p.add_argument("--cpu-threads", type=int, default=0, help="threads of the host's CPU engine (0: every core)")
     p.add_argument("--prefill-tokens", type=int, default=2048, help="prompt of the prefill line (default 2048)")
-    p.add_argument("--modes", nargs="+", default=["ops", "fused", "graphs"], help="CUDA engines to run")
+    p.add_argument("--modes", nargs="+", default=["ops", "fused", "graphs"],
+                   help="CUDA engines to run: ops, fused, graphs, and the variants " + ", ".join(VARIANTS)
+                        + " (decode and profiles only)")
     p.add_argument("--no-cpu", action="store_true", help="leave out the host's CPU engine")
     p.add_argument("--quick", action="store_true", help="1 and 8 sequences, 16 tokens")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
@@ -46,11 +48,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _progress = report.progress("bench gpu")
 
 
+# graphs with one setting changed, to compare in the same run: name -> (environment, what it is)
+VARIANTS = {"graphs-pdl": ({"TANDEM_GPU_PDL": "1"}, "programmatic dependent launch"),
+            "graphs-launch": ({"TANDEM_GPU_REDUCE": "launch"}, "split sums and attention merges launched")}
+
+
 def _cuda_engine(mode: str, max_seqs: int, prefill: int):
     from shared.engine.engine import Engine, EngineConfig
-    return Engine.from_path(None, EngineConfig(device="cuda", gpu_step=mode, enable_prefix_caching=False,
-                                               max_num_seqs=max_seqs, step_tokens=max(prefill, max_seqs),
-                                               kv_cache_bytes=1 << 30))
+    env = VARIANTS[mode][0] if mode in VARIANTS else {}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)          # read when the engine builds its GPU step
+    try:
+        return Engine.from_path(None, EngineConfig(device="cuda", gpu_step=mode.split("-")[0],
+                                                   enable_prefix_caching=False, max_num_seqs=max_seqs,
+                                                   step_tokens=max(prefill, max_seqs), kv_cache_bytes=1 << 30))
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}   # the sampled decode lines: every row drawn on the device
@@ -120,6 +137,9 @@ def run(args: argparse.Namespace) -> dict:
     from shared.energy import EnergyMeter, tokens_per_joule
     if args.quick:
         args.concurrency, args.gen_tokens, args.ops_gen_tokens = [1, 8], 16, 8
+    bad = [m for m in args.modes if m not in ("ops", "fused", "graphs", *VARIANTS)]
+    if bad:
+        raise SystemExit(f"tandem bench gpu: unknown mode {', '.join(bad)} (ops, fused, graphs, {', '.join(VARIANTS)})")
     if not torch.cuda.is_available():
         raise SystemExit("tandem bench gpu: no CUDA device here (torch.cuda.is_available() is False)")
     dev = torch.cuda.get_device_properties(0)
@@ -145,6 +165,11 @@ def run(args: argparse.Namespace) -> dict:
         for seqs in (1, 16):
             row[f"profile_{seqs}"] = profile_steps(engine, seqs)
             _progress(f"{mode}: {seqs} seqs: {row[f'profile_{seqs}']}")
+        if mode in VARIANTS:            # decode and profiles only: the variant's difference
+            res["engines"][mode] = row
+            del engine
+            torch.cuda.empty_cache()
+            continue
         if engine.graphs is not None and engine.graphs.device_sample:
             # the same decode with every row drawn in the graphs' sampler (top-p: the sorting variant)
             row["decode_sampled"] = {str(c): round(bench_decode(engine, c, gen, sampled=SAMPLED), 1)
@@ -236,6 +261,10 @@ def table(res: dict) -> str:
     if "graphs" in eng and "cpu" in eng:
         ratios = [eng["graphs"]["decode"][c] / eng["cpu"]["decode"][c] for c in cs]
         lines += ["", "graphs ÷ host CPU: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]
+    for v, (_, what) in VARIANTS.items():
+        if v in eng and "graphs" in eng:
+            ratios = [eng[v]["decode"][c] / eng["graphs"]["decode"][c] for c in cs]
+            lines += ["", f"{v} ({what}) ÷ graphs: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]
     if "prefill_tf32_ms" in res:
         lines += ["", f"prefill of the same prompt with TANDEM_GPU_PRECISION=tf32: {res['prefill_tf32_ms']} ms"]
     if "graphs" in eng and "ops" in eng:

@@ -3,19 +3,22 @@ and the decode step captured as a CUDA graph per batch-size bucket.
 
 Why: the op-by-op path (``Transformer.forward_ops``) launched ~1,860 kernels for one decode step
 of one sequence on an H200 (32.9 ms of wall time for 4.3 ms of GPU work), and ran attention per
-sequence. Here a layer is five launches for the whole batch, plus the attention's merge and the
-split-K sums where they apply:
+sequence. Here a decoding layer is six launches for the whole batch (five with the prefill's
+attention beside the decodes'), the split-K sums and attention's key segments added up by each
+launch's last program to finish (``_last_arrival`` in kernels/gpu_triton.py; TANDEM_GPU_REDUCE=launch:
+by launches of their own, the same bits):
 
 1. ``qmatmul`` q|k|v — RMSNorm of the residual stream in its prologue (each program recomputes
    its rows' RMS over the whole of K: the rows are a few KB and in L2), every Q4_0 weight block
    dequantized once for all activation rows of the tile (``tl.dot``, f32 "ieee" by default:
-   no TF32 rounding of the activations), split over K where N alone gives few programs;
+   no TF32 rounding of the activations), split over K where N alone gives few programs (its
+   partial sums left for ``rope_kv``);
 2. ``rope_kv`` — q|k|v's split partial sums added as they are read (in ``split_sum``'s order:
    no launch of its own), bias and per-head norm where the arch has them, rotary embedding, and
    the new token's key and value written into its KV slot (float16), one program per (token, head);
 3. attention over the paged cache in place through the block tables: ``attn_decode`` for every
    one-token chunk (grid: entry × kv head × key segment of ``SEG`` keys; the query heads of a kv
-   head together; online softmax), ``attn_merge`` joining the segments in order, and
+   head together; online softmax; the last segment to finish merges them in order), and
    ``attn_prefill`` for chunks of several tokens (tiles of (token, head) rows against key tiles
    through ``tl.dot``, causal);
 4. ``qmatmul`` o with the residual add in its epilogue;
@@ -78,6 +81,23 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def pdl_wanted(device) -> bool:
+    """Do the step's kernels launch with programmatic dependent launch? TANDEM_GPU_PDL=1 on a
+    CUDA device of compute capability 9.0 or above (Hopper), where Triton has it; off by
+    default until a GPU run has measured it (``tandem bench gpu --modes graphs graphs-pdl``).
+    Each kernel waits for its predecessor before touching memory (``_grid_dependency`` in
+    kernels/gpu_triton.py), so the bits are the same either way; what changes is that a launch
+    overlaps the tail of the kernel before it, inside a CUDA graph too."""
+    if os.environ.get("TANDEM_GPU_PDL", "0") != "1" or getattr(device, "type", None) != "cuda":
+        return False
+    from kernels import gpu_triton
+    return gpu_triton.gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_args(pdl: bool) -> dict:
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
 def unsupported(cfg, block_size: int) -> str | None:
     """Why the fused step cannot run this model (None: it can)."""
     hd = cfg.head_dim
@@ -93,19 +113,19 @@ def unsupported(cfg, block_size: int) -> str | None:
 def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tuning.Tile,
             norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False, eps: float = 1e-5,
             precision: str = "ieee", part: torch.Tensor | None = None, reduce: bool = True,
-            counters: torch.Tensor | None = None):
+            counters: torch.Tensor | None = None, pdl: bool = False):
     """Launch ``GpuStep.matmul``'s kernels for ``tile``: ``qgemv`` for up to ``tile.gemv`` rows, else
     ``qmatmul`` (``precision`` past 64 rows). Where K is split, the partial sums go to ``part``
     (allocated when not given) and are added up in split order by the last split of each tile to
     finish, given ``counters`` (zeroed int32, one a tile: ``GpuStep.counters``) — else by a
     ``split_sum`` launch; ``reduce=False`` leaves them there, unsummed, for a consumer that adds
-    them as it reads (``rope_kv``). Either way the same bits. Returns the matmul's compiled kernel
-    (registers, spills)."""
+    them as it reads (``rope_kv``). Either way the same bits. ``pdl``: launched with programmatic
+    dependent launch (``GpuStep.pdl``). Returns the matmul's compiled kernel (registers, spills)."""
     m, n, k = x.shape[0], q.shape[0], q.shape[1] // 18 * 32
     splits, per = tile.plan(n, k)
     kern = _k()
     args = dict(BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=norm is not None, SILU=silu,
-                num_warps=tile.warps)
+                num_warps=tile.warps, **pdl_args(pdl))
     if m <= tile.gemv:      # a decode batch: no tl.dot (kernels/gpu_tuning.py)
         fn, block_m = kern.qgemv, _pow2(m)
         args["NORM_W"] = tile.norm_step
@@ -125,7 +145,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tunin
                             BLOCK_M=block_m, **args)
     if reduce and not fixup:
         kern.split_sum[(-(-n // 256), m)](part, out, m, n, out.stride(0), SPLITS=splits, RESIDUAL=residual,
-                                          BLOCK=256)
+                                          BLOCK=256, **pdl_args(pdl))
     return c
 
 
@@ -190,6 +210,7 @@ class GpuStep:
             raise ValueError(f"TANDEM_GPU_REDUCE must be one of {', '.join(REDUCE)}, got {self.reduce!r}")
         self.counters = (torch.zeros(COUNTERS, dtype=torch.int32, device=self.device) if self.reduce == "fused"
                          else None)
+        self.pdl = pdl_wanted(self.device)
         self.cos = model.cos.contiguous()
         self.sin = model.sin.contiguous()
 
@@ -199,7 +220,8 @@ class GpuStep:
         k = q.shape[1] // 18 * 32
         out = torch.empty(ids.shape[0], k, dtype=torch.float32, device=self.device)
         if ids.shape[0]:
-            _k().embed[(ids.shape[0],)](ids, q, out, k, q.shape[1], out.stride(0), BLOCK_B=EMBED_BLOCK_B)
+            _k().embed[(ids.shape[0],)](ids, q, out, k, q.shape[1], out.stride(0), BLOCK_B=EMBED_BLOCK_B,
+                                        **pdl_args(self.pdl))
         return out
 
     def matmul(self, x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
@@ -213,7 +235,7 @@ class GpuStep:
         if m == 0:
             return out
         qmatmul(x, q, out, self.tuning.tile(n, k), norm, silu, residual, self.cfg.rms_eps, self.precision,
-                counters=self.counters)
+                counters=self.counters, pdl=self.pdl)
         return out
 
     def matmul_parts(self, x: torch.Tensor, q: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,7 +248,7 @@ class GpuStep:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=self.device)
         if m:
             qmatmul(x, q, part[0], tile, norm, eps=self.cfg.rms_eps, precision=self.precision, part=part,
-                    reduce=False)
+                    reduce=False, pdl=self.pdl)
         return part
 
     def rope_kv(self, qkv, layer, positions, slot_blocks, slot_offsets, layer_kv) -> torch.Tensor:
@@ -243,7 +265,7 @@ class GpuStep:
                 parts, bias, qn, kn, self.cos, self.sin, positions, slot_blocks, slot_offsets, q, layer_kv,
                 parts.stride(1), q.stride(0), s[0], s[1], s[2], s[3], self.cfg.rms_eps, parts.stride(0),
                 NH=self.nh, NKV=self.nkv, HD=self.hd, HAS_BIAS="qkv_bias" in layer, QK_NORM="q_norm" in layer,
-                SPLITS=parts.shape[0])
+                SPLITS=parts.shape[0], **pdl_args(self.pdl))
         return q
 
     def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, pb: PagedBatch) -> torch.Tensor:
@@ -268,16 +290,18 @@ class GpuStep:
                 q, layer_kv, pb.tables, pb.lens, pb.rows, out, po, pml, self.counters if fixup else pb.lens,
                 q.stride(0), pb.tables.stride(0), s[0], s[1], s[2], s[3], scale, SEG=SEG, NSEG=self.nseg,
                 NSEG_P=_pow2(self.nseg), GROUP=self.group, GROUP_P=gp, HD=self.hd, BS=bs, BLOCK_K=BLOCK_K_DECODE,
-                SPLIT=split, FIXUP=fixup, num_warps=DECODE_WARPS)
+                SPLIT=split, FIXUP=fixup, num_warps=DECODE_WARPS, **pdl_args(self.pdl))
             if split and not fixup:
                 kern.attn_merge[(e, self.nh)](po, pml, pb.lens, pb.rows, out, out.stride(0), SEG=SEG,
-                                              NSEG=self.nseg, NSEG_P=_pow2(self.nseg), HD=self.hd)
+                                              NSEG=self.nseg, NSEG_P=_pow2(self.nseg), HD=self.hd,
+                                              **pdl_args(self.pdl))
         c = pb.offs.shape[0]
         if c:
             kern.attn_prefill[(c, self.nkv, -(-pb.max_q // BLOCK_Q))](
                 q, layer_kv, pb.ptables, pb.starts, pb.qlens, pb.offs, out, q.stride(0), pb.ptables.stride(0),
                 s[0], s[1], s[2], s[3], scale, GROUP=self.group, GROUP_P=gp, HD=self.hd, BS=bs,
-                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL, PRECISION="ieee", num_warps=PREFILL_WARPS)
+                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL, PRECISION="ieee", num_warps=PREFILL_WARPS,
+                **pdl_args(self.pdl))
         return out
 
     # ---- the step --------------------------------------------------------------------------

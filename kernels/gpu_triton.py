@@ -15,7 +15,24 @@ import os
 import triton
 import triton.language as tl
 
+try:        # programmatic dependent launch (Triton >= 3.4); only a PDL=True kernel calls them
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: TANDEM_GPU_PDL stays off (kernels/gpu_step.py)
+    gdc_launch_dependents = gdc_wait = None
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # how these kernels were defined
+
+
+@triton.jit
+def _grid_dependency(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL: launched with ``launch_pdl``, sm_90+): wait until
+    the previous kernel of the stream has finished and its writes are visible, then let the next
+    one start launching (its programs wait the same way). Every fused-step kernel does this
+    before it reads or writes anything, so the launch of a kernel overlaps its predecessor's
+    tail and nothing else changes (kernels/gpu_step.py)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -57,8 +74,9 @@ def gemv(x_ptr, q_ptr, out_ptr, N, K, row_bytes, stride_xm, stride_om,
 # ---- the fused step (kernels/gpu_step.py) ------------------------------------------------------
 
 @triton.jit
-def embed(ids_ptr, q_ptr, out_ptr, K, row_bytes, stride_o, BLOCK_B: tl.constexpr):
+def embed(ids_ptr, q_ptr, out_ptr, K, row_bytes, stride_o, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
     """Row ``ids[t]`` of a Q4_0 table, dequantized: one program per token."""
+    _grid_dependency(PDL)
     t = tl.program_id(0).to(tl.int64)
     tok = tl.load(ids_ptr + t).to(tl.int64)
     b = tl.arange(0, BLOCK_B)
@@ -133,13 +151,14 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, s
             blocks_per_split, K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
             NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-            FIXUP: tl.constexpr, PRECISION: tl.constexpr, NORM_W: tl.constexpr):
+            FIXUP: tl.constexpr, PRECISION: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] (+)= sum_k a[m, k] * W[n, k] for a BLOCK_M x BLOCK_N tile, every weight block read
     once for all BLOCK_M activation rows. ``a``: x (SILU=False) or silu(x[:, :K]) * x[:, K:]
     (SILU); times rsqrt(mean(x^2) + eps) * nw (NORM: RMSNorm in the prologue). RESIDUAL: out +=.
     SPLIT: this program covers blocks [s * blocks_per_split, (s + 1) * blocks_per_split) of K
     (s = program_id(2)); its partial sum goes to ``part`` (``_store_tile``: FIXUP, the tile's last
     split adds them into ``out``; else ``split_sum`` or the consumer does)."""
+    _grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
@@ -203,11 +222,12 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
           blocks_per_split, K: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
           NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-          FIXUP: tl.constexpr, NORM_W: tl.constexpr):
+          FIXUP: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr):
     """``qmatmul``'s contract for a few rows (M <= BLOCK_M <= 16: decode) without ``tl.dot``: each
     K step dequantizes a [BLOCK_N, BLOCK_B, 16] weight tile once into registers, and each of the
     BLOCK_M rows (unrolled; rows >= M masked) reduces its products with it in-register. A row's
     sum runs in the same order whatever BLOCK_M, so rows are batch-invariant up to 16."""
+    _grid_dependency(PDL)
     pid_n = tl.program_id(0)
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
     n_ok = n < N
@@ -267,8 +287,9 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
 
 @triton.jit
 def split_sum(part_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, RESIDUAL: tl.constexpr,
-              BLOCK: tl.constexpr):
+              BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] (+)= the SPLITS partial sums of ``qmatmul``, added in split order (deterministic)."""
+    _grid_dependency(PDL)
     m = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
@@ -297,11 +318,12 @@ def _split_parts(ptr, split_stride, SPLITS: tl.constexpr):
 def rope_kv(qkv_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, q_ptr, kv_ptr,
             stride_qkv, stride_q, s_blk, s_kv, s_slot, s_head, eps, split_stride,
             NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
-            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr):
+            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One (token, head) of the q|k|v projection: bias, per-head RMSNorm (qwen3), rotary embedding
     (rotate-half); a query head goes to q, a kv head's rotated key and its value into the KV cache
     at the token's slot (float16). SPLITS > 1: q|k|v is the projection's split partial sums
     ([SPLITS, tokens, N], ``split_stride`` apart), added here as they are read (no ``split_sum``)."""
+    _grid_dependency(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = HD // 2
@@ -365,7 +387,7 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
                 stride_q, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
                 SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, GROUP: tl.constexpr,
                 GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, FIXUP: tl.constexpr):
+                SPLIT: tl.constexpr, FIXUP: tl.constexpr, PDL: tl.constexpr):
     """One query token against its whole context, for the GROUP query heads of one kv head, over the
     keys of one segment [seg * SEG, (seg + 1) * SEG) read in place through the block table, with
     an online softmax. Entry e = program_id(0): its token is row rows[e] of q, its context
@@ -373,6 +395,7 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
     unnormalised (acc, max, sum) go to the partials, merged in segment order by the last segment
     of (entry, kv head) to finish (FIXUP; a context of one segment writes its result at once) or
     by ``attn_merge``; else (one segment) the result goes to out."""
+    _grid_dependency(PDL)
     e = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
@@ -430,9 +453,10 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
 
 @triton.jit
 def attn_merge(po_ptr, pml_ptr, lens_ptr, rows_ptr, out_ptr, stride_o,
-               SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, HD: tl.constexpr):
+               SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr):
     """``attn_decode``'s segments of one (entry, query head) merged in a launch of their own
     (TANDEM_GPU_REDUCE=launch)."""
+    _grid_dependency(PDL)
     e = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     L = tl.load(lens_ptr + e)
@@ -445,11 +469,12 @@ def attn_merge(po_ptr, pml_ptr, lens_ptr, rows_ptr, out_ptr, stride_o,
 def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr,
                  stride_q, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
                  GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Causal attention of BLOCK_Q query tokens of chunk c = program_id(0) (its tokens at rows
     offs[c]..., positions starts[c]...) for the GROUP query heads of one kv head, against the keys
     up to each token's own position, read in place through the chunk's block table: rows of the
     tile are (token, head) pairs, scores and values through ``tl.dot``, online softmax."""
+    _grid_dependency(PDL)
     c = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     qt = tl.program_id(2)

@@ -1,7 +1,8 @@
 """The fused GPU step (kernels/gpu_step.py) compiled on a CUDA device: every interpreter case of
 tests/integration/test_gpu_step.py again on CUDA, graph replay bitwise the eager step, the bundled
 model's fused step against its op-by-op step, the engine's greedy tokens through the graphs, and
-the launches a replayed decode step costs the host."""
+the launches a replayed decode step costs the host; split sums reduced in the kernel against their
+own launches, and programmatic dependent launch against none."""
 
 from __future__ import annotations
 
@@ -66,9 +67,34 @@ def test_whole_step_matches_op_by_op(arch, long):
 
 @pytest.mark.parametrize("gemv", [False, True])
 def test_graph_replay_is_bitwise_the_eager_step(gemv):
-    err, same_best, dkv_others, scratch_written, bitwise = cases._graphs_case("cuda", gemv)
+    err, same_best, dkv_others, scratch_written, bitwise, _ = cases._graphs_case("cuda", gemv)
     assert err <= cases.REL_STEP and same_best and dkv_others <= 2e-3 and scratch_written
     assert bitwise
+
+
+def test_split_sums_and_segments_reduced_in_kernel_match_their_own_launches():
+    """On the GPU the programs of a split arrive in any order: 50 runs of each matmul bitwise the
+    split_sum launch's sum, the counters back at zero; attention's merge in attn_decode against
+    attn_merge (two kernels: their reductions may be laid out apart, a few ulps)."""
+    matmuls, attention, counters_zero = cases._reduce_case("cuda", reps=50)
+    print(f"\n[fused vs launched] matmuls bitwise: {matmuls}; attention max |Δ| {attention:.2e}")
+    assert matmuls == [True] * 4 and counters_zero and attention <= 1e-6
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+def test_programmatic_dependent_launch_changes_no_bit(gemv, monkeypatch):
+    """TANDEM_GPU_PDL=1 (sm_90+): the decode step captured and replayed with programmatic dependent
+    launch gives bitwise the logits of the step without it."""
+    from kernels import gpu_step
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    monkeypatch.delenv("TANDEM_GPU_PDL", raising=False)
+    *_, plain = cases._graphs_case("cuda", gemv)
+    monkeypatch.setenv("TANDEM_GPU_PDL", "1")
+    assert gpu_step.pdl_wanted(torch.device("cuda"))
+    err, same_best, dkv_others, scratch_written, bitwise, pdl = cases._graphs_case("cuda", gemv)
+    assert same_best and scratch_written and bitwise
+    assert torch.equal(plain, pdl)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,16 @@ def test_the_table_has_each_engine_the_ratios_and_the_kernel_split():
     assert "cuda ops, 1 seq" not in out                       # 1,800 launches a step: nothing to read there
 
 
+def test_a_variant_is_compared_with_graphs():
+    res = _result()
+    res["engines"]["graphs-pdl"] = {"decode": {"1": 337.3, "8": 2102.5},
+                                    "profile_1": {"launches": 1.0, "gpu_busy_us": 3100.0},
+                                    "profile_16": {"launches": 1.0, "gpu_busy_us": 3200.0}}
+    out = gpu.table(res)
+    assert "| cuda graphs-pdl | 337.3 | 2102.5 | 1.0 / 1.0 |" in out
+    assert "graphs-pdl (programmatic dependent launch) ÷ graphs: x1 1.25, x8 1.00" in out
+
+
 def test_kernel_names_are_cut_for_the_table():
     assert gpu._short("void at::native::vectorized_gather_kernel<16, long>(char*, char*)") == \
         "at::native::vectorized_gather_kernel"

@@ -9,7 +9,9 @@ a recorder, over the launches a real engine makes — a mixed step (a prefill ch
 a cached prefix, decodes) and decode steps at every M tile (1, 2, 3, 8, 16, 17, 40 rows), f32 "ieee" and TF32,
 with the built-in matmul tiles, each table in kernels/tuning/ (kernels/gpu_tuning.py) and
 ``qgemv`` tiles at every decode BLOCK_M, split sums and attention segments reduced in the kernel
-(the default) and by launches of their own (TANDEM_GPU_REDUCE=launch, f32 only),
+(the default) and by launches of their own (TANDEM_GPU_REDUCE=launch; f32, the H200's tiles), launched
+with programmatic dependent launch (TANDEM_GPU_PDL=1, the same: each kernel's ``griddepcontrol.wait``
+comes before its first global load, store or atomic),
 and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
 ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
@@ -49,14 +51,14 @@ class Recorder:
         fn = getattr(self.real, name)
 
         def launcher(grid):
-            def launch(*args, num_warps=4, **consts):
+            def launch(*args, num_warps=4, launch_pdl=False, **consts):
                 names = [n for n in fn.arg_names if n not in consts]
                 sig = {}
                 for n, a in zip(names, args):
                     sig[n] = TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
                 sig |= {n: "constexpr" for n in consts}
-                key = (name, tuple(sorted(sig.items())), tuple(sorted(consts.items())), num_warps)
-                self.launches[key] = (fn, sig, consts, num_warps)
+                key = (name, tuple(sorted(sig.items())), tuple(sorted(consts.items())), num_warps, launch_pdl)
+                self.launches[key] = (fn, sig, consts, num_warps, launch_pdl)
             return launch
         return _Indexable(launcher)
 
@@ -103,12 +105,13 @@ def launches():
         h200 = gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200"))
         tunings.append(gpu_tuning.Tuning({s: dataclasses.replace(t, gemv=16, norm_w=256)
                                           for s, t in h200.tiles.items()}, "gemv"))
-        for precision, tuning, reduce in itertools.product(("ieee", "tf32"), tunings, gpu_step.REDUCE):
-            if reduce == "launch" and precision == "tf32":
-                continue
+        for precision, tuning, reduce in itertools.product(("ieee", "tf32"), tunings, gpu_step.REDUCE + ("pdl",)):
+            if reduce != "fused" and (precision == "tf32" or tuning.source != h200.source):
+                continue            # (the other kernels of these modes: those of the fused ones)
             st = gpu_step.GpuStep(model, 8192, precision, tuning=tuning)
             if reduce == "launch":          # TANDEM_GPU_REDUCE=launch: split_sum and attn_merge
                 st.counters = None
+            st.pdl = reduce == "pdl"        # TANDEM_GPU_PDL=1: programmatic dependent launch
             plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
             chunks, off = [], 0
             for start, n in plan:
@@ -137,11 +140,12 @@ def _ptxas():
 
 def test_the_step_launches_the_variants_expected(launches):
     names = {fn.__name__ for fn, *_ in launches}
+    assert {p for *_, p in launches} == {True, False}
     assert names == {"embed", "qmatmul", "qgemv", "split_sum", "rope_kv", "attn_decode", "attn_merge",
                      "attn_prefill", "philox_uniform"}
-    assert {c["BLOCK_M"] for fn, s, c, w in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
-    assert {c["PRECISION"] for fn, s, c, w in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
-    assert {c["FIXUP"] for fn, s, c, w in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
+    assert {c["BLOCK_M"] for fn, s, c, *_ in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
+    assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
+    assert {c["FIXUP"] for fn, s, c, *_ in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
 
 
 def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
@@ -152,9 +156,14 @@ def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
     report = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for k, (fn, sig, consts, warps) in enumerate(launches):
+        for k, (fn, sig, consts, warps, pdl) in enumerate(launches):
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
-                               options={"num_warps": warps})
+                               options={"num_warps": warps, "launch_pdl": pdl})
+            if consts.get("PDL"):       # griddepcontrol.wait before anything is read or written
+                ptx_text = c.asm["ptx"]
+                assert "griddepcontrol.wait" in ptx_text and "griddepcontrol.launch_dependents" in ptx_text
+                assert ptx_text.index("griddepcontrol.wait") < min(
+                    (ptx_text.find(op) for op in ("ld.global", "st.global", "atom.global") if op in ptx_text))
             ptx = tmp_path / f"k{k}.ptx"
             ptx.write_text(c.asm["ptx"])
             out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(ptx), "-o", "/dev/null"],
