@@ -65,6 +65,12 @@ async def test_stream_goes_on_across_a_migration(stack, nats_server):
     try:
         _, want, want_finish = await chat(client, model)
         assert want_finish == "length"  # long enough to move mid-stream
+        # both decode workers' heartbeats seen before the move picks its target (a beat a second;
+        # a short first chat on a busy machine ended before the second worker's came: StopIteration)
+        for _ in range(500):
+            if len({b.worker_id for b in beats.values() if b.role in subjects.DECODE_ROLES}) >= 2:
+                break
+            await asyncio.sleep(0.02)
 
         replies = []
 
@@ -79,7 +85,8 @@ async def test_stream_goes_on_across_a_migration(stack, nats_server):
                 await asyncio.sleep(0.02)
             assert seen.get(rid), "no stream chunk of the request on the bus"
             src = seen[rid][-1].worker
-            target = next(b for b in beats.values() if b.role in subjects.DECODE_ROLES and b.worker_id != src)
+            target = next((b for b in beats.values() if b.role in subjects.DECODE_ROLES and b.worker_id != src), None)
+            assert target is not None, f"no heartbeat of a decode worker other than {src}"
             replies.append(await migrate(bus, src, to_target(rid, target, "standard", "e2e test")))
 
         rid, got, finish = await chat(client, model, move_after_three)
