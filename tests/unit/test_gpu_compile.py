@@ -16,6 +16,7 @@ and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
 ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
 blocks a K step with 4 warps did: 6.7 KB a thread at 64 rows) fails here, not on a lent GPU.
+The same recording counts a decode step's launches (182: six a layer, the embedding, the lm head).
 """
 
 from __future__ import annotations
@@ -175,3 +176,34 @@ def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
             report.append((fn.__name__, shown, warps, regs, spills))
     print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled" for n, s, w, r, sp in report))
     assert not [r for r in report if r[4] > SPILL_OK], f"register spills past {SPILL_OK} B"
+
+
+def test_a_decode_step_is_six_launches_a_layer(monkeypatch):
+    """The bundled model's decode step (one sequence, the H200's tiles): q|k|v, rope_kv,
+    attn_decode, o, gate|up, down a layer, with the embedding and the lm head — 182 launches; with
+    TANDEM_GPU_REDUCE=launch the split sums and attention merges come back as launches of their own
+    (302, what the graph held before)."""
+    counts: dict[str, int] = {}
+
+    class Counter:
+        def __getattr__(self, name):
+            class Launch:
+                def __getitem__(self, grid):
+                    return lambda *a, **k: counts.__setitem__(name, counts.get(name, 0) + 1)
+            return Launch()
+    monkeypatch.setattr(gpu_step, "_k", lambda: Counter())
+    model = bundled_shapes_model()
+    kv = torch.zeros(64, model.cfg.n_layers, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=torch.float16)
+    got = {}
+    for reduce in gpu_step.REDUCE:
+        monkeypatch.setenv("TANDEM_GPU_REDUCE", reduce)
+        st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
+        counts.clear()
+        i = torch.zeros(1, dtype=torch.int32)
+        st.decode(i, i, i, i, torch.zeros(1, 512, dtype=torch.int32), i, i, kv)
+        got[reduce] = dict(counts)
+    layers = model.cfg.n_layers
+    assert got["fused"] == {"embed": 1, "qmatmul": 4 * layers + 1, "rope_kv": layers, "attn_decode": layers}
+    assert sum(got["fused"].values()) == 182
+    assert got["launch"]["split_sum"] == 3 * layers and got["launch"]["attn_merge"] == layers
+    assert sum(got["launch"].values()) == 302
