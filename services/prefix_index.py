@@ -252,9 +252,11 @@ class IndexFeed:
         if self._target < max(start, first):
             self._caught_up.set()
         t0 = time.perf_counter()
-        cfg = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
-        self._sub = await js.subscribe(subjects.KV_EVENTS_ALL, stream=self.stream, cb=self._on_msg,
-                                       ordered_consumer=True, config=cfg)
+        # a fresh config (so a fresh inbox) an attempt: a consumer whose creation timed out may
+        # still exist, and must not deliver to the next attempt's subscription
+        self._sub = await self.bus.jetstream_retry("consumer of the KV events", lambda: js.subscribe(
+            subjects.KV_EVENTS_ALL, stream=self.stream, cb=self._on_msg, ordered_consumer=True,
+            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)))
         try:
             await asyncio.wait_for(self._caught_up.wait(), self.catch_up_timeout)
         except asyncio.TimeoutError:

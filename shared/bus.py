@@ -449,31 +449,44 @@ class Bus:
         """A stream or KV bucket: ``await lookup()`` when it exists (NotFoundError: it does not),
         else ``await create(replicas)``, logged with its replica count (``stream_replicas``).
 
-        A timeout is tried again for ``wait`` seconds (default ``jetstream_wait``): a cluster
-        that is still electing its JetStream meta leader (every server started at once, as a
-        StatefulSet does) answers nothing, and a fresh cluster's first create can time out
-        while its meta group settles (a create of the same config is idempotent)."""
-        deadline = time.monotonic() + (self.jetstream_wait if wait is None else wait)
+        Timeouts are tried again (``jetstream_retry``): a cluster that is still electing its
+        JetStream meta leader (every server started at once, as a StatefulSet does) answers
+        nothing, and a fresh cluster's first create can time out while its meta group settles (a
+        create of the same config is idempotent); so is a placement error (fewer servers up than
+        replicas, for now)."""
         n, why = self.stream_replicas()
+
+        async def once() -> tuple[Any, bool]:
+            try:
+                return await lookup(), False
+            except nats.js.errors.NotFoundError:
+                return await create(n), True
+        result, created = await self.jetstream_retry(what, once, wait, retry_api=_placement)
+        if created:
+            log.info("JetStream %s created with %d replica(s) (%s)", what, n, why)
+        return result
+
+    async def jetstream_retry(self, what: str, call: Callable[[], Awaitable[Any]], wait: float | None = None,
+                              retry_api: Callable[[Exception], bool] | None = None) -> Any:
+        """``await call()``, tried again on a timeout (and on a JetStream API error ``retry_api``
+        accepts) for ``wait`` seconds (default ``jetstream_wait``), then raised: JetStream
+        requests that need the meta leader (creating a stream, a bucket, a consumer) go
+        unanswered while a cluster elects one — at start, or for a few seconds after the leader's
+        server died. ``call`` must be safe to repeat (a new consumer gets a new inbox)."""
+        deadline = time.monotonic() + (self.jetstream_wait if wait is None else wait)
         attempt = 0
         while True:
             attempt += 1
             try:
-                try:
-                    return await lookup()
-                except nats.js.errors.NotFoundError:
-                    pass
-                result = await create(n)
+                return await call()
             except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.APIError) as e:
-                if time.monotonic() >= deadline or (isinstance(e, nats.js.errors.APIError) and not _placement(e)):
+                if time.monotonic() >= deadline or (isinstance(e, nats.js.errors.APIError)
+                                                    and not (retry_api and retry_api(e))):
                     raise
-                log.warning("JetStream %s: %s (attempt %d; a cluster still forming answers nothing, or "
-                            "has fewer servers up than replicas); trying again", what,
+                log.warning("JetStream %s: %s (attempt %d; a cluster still forming or electing its leader "
+                            "answers nothing, or has fewer servers up than replicas); trying again", what,
                             str(e) or type(e).__name__, attempt)
                 await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                continue
-            log.info("JetStream %s created with %d replica(s) (%s)", what, n, why)
-            return result
 
     # -- connection events --------------------------------------------------------------------
 

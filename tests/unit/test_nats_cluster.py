@@ -155,6 +155,28 @@ async def test_jetstream_ensure_looks_up_creates_with_replicas_and_waits_out_tim
     assert asyncio.get_running_loop().time() - t0 < 3
 
 
+async def test_jetstream_retry_waits_out_a_leader_election(caplog):
+    """A consumer's creation right after the meta leader's server died times out until a new
+    leader is elected (tests/integration/test_nats_cluster.py once failed there, a new router's
+    prefix-index feed): tried again, each attempt a call of its own; other API errors raised."""
+    bus = Bus(_NC({}))
+    made = []
+
+    async def subscribe():
+        made.append(len(made))
+        if len(made) < 3:
+            raise nats.errors.TimeoutError
+        return f"sub {made[-1]}"
+    with caplog.at_level(logging.WARNING, "shared.bus"):
+        assert await bus.jetstream_retry("consumer C", subscribe, wait=5) == "sub 2"
+    assert made == [0, 1, 2] and caplog.text.count("consumer C") == 2
+
+    async def refused():
+        raise nats.js.errors.APIError(code=400, err_code=10013, description="consumer name already in use")
+    with pytest.raises(nats.js.errors.APIError):
+        await bus.jetstream_retry("consumer C", refused, wait=5)
+
+
 def test_nats_auth_cluster_writes_a_config_nats_server_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_NATS_CREDS_FILE", str(tmp_path / "nats.creds"))
     p = argparse.ArgumentParser()
