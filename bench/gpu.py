@@ -8,7 +8,8 @@ first token before the clock starts), after a warm-up at the same batch size (Tr
 graphs are captured there). Per CUDA engine, from the torch profiler over a few decode steps of
 1 and of 16 sequences: the launches the host makes per step (``cudaLaunchKernel`` and siblings,
 ``cudaGraphLaunch``) and the GPU's busy time per step (the kernels' summed durations). Prefill of
-a 2,048-token prompt. Energy where readable (``shared/energy.py``: NVML for the GPU, RAPL for
+a 2,048-token prompt (its matmuls through cuBLAS on dequantized weights, and TF32, and through the
+Q4_0 kernels). Energy where readable (``shared/energy.py``: NVML for the GPU, RAPL for
 the host): tokens per joule of the decode runs at the largest batch. The op-by-op engine decodes
 fewer tokens per sequence (``--ops-gen-tokens``): it is the slow baseline, its rate is what counts.
 
@@ -53,9 +54,15 @@ VARIANTS = {"graphs-pdl": ({"TANDEM_GPU_PDL": "1"}, "programmatic dependent laun
             "graphs-launch": ({"TANDEM_GPU_REDUCE": "launch"}, "split sums and attention merges launched")}
 
 
-def _cuda_engine(mode: str, max_seqs: int, prefill: int):
+# prefill lines of the graphs engine: the matmuls on the tensor cores (TF32: cuBLAS's, and the Q4_0
+# kernels' above 64 rows), and through the Q4_0 kernels instead of cuBLAS on dequantized weights
+PREFILL_VARIANTS = {"prefill_tf32_ms": {"TANDEM_GPU_PRECISION": "tf32"},
+                    "prefill_kernels_ms": {"TANDEM_GPU_GEMM_ROWS": "0"}}
+
+
+def _cuda_engine(mode: str, max_seqs: int, prefill: int, env: dict | None = None):
     from shared.engine.engine import Engine, EngineConfig
-    env = VARIANTS[mode][0] if mode in VARIANTS else {}
+    env = env or (VARIANTS[mode][0] if mode in VARIANTS else {})
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)          # read when the engine builds its GPU step
     try:
@@ -184,16 +191,13 @@ def run(args: argparse.Namespace) -> dict:
         res["engines"][mode] = row
         del engine
         torch.cuda.empty_cache()
-        if mode == "graphs":    # prefill with the matmuls of > 64 rows on the tensor cores (TF32)
-            os.environ["TANDEM_GPU_PRECISION"] = "tf32"
-            try:
-                engine = _cuda_engine(mode, top, args.prefill_tokens)
+        if mode == "graphs":    # the same prefill with one setting changed
+            for key, env in PREFILL_VARIANTS.items():
+                engine = _cuda_engine(mode, top, args.prefill_tokens, env)
                 rate = bench_prefill(engine, args.prefill_tokens, 3)
-                res["prefill_tf32_ms"] = round(args.prefill_tokens / rate * 1000, 2)
-            finally:
-                del os.environ["TANDEM_GPU_PRECISION"]
-            del engine
-            torch.cuda.empty_cache()
+                res[key] = round(args.prefill_tokens / rate * 1000, 2)
+                del engine
+                torch.cuda.empty_cache()
     if not args.no_cpu:
         from kernels import cpu
         from kernels.dispatch import describe
@@ -267,6 +271,9 @@ def table(res: dict) -> str:
             lines += ["", f"{v} ({what}) ÷ graphs: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]
     if "prefill_tf32_ms" in res:
         lines += ["", f"prefill of the same prompt with TANDEM_GPU_PRECISION=tf32: {res['prefill_tf32_ms']} ms"]
+    if "prefill_kernels_ms" in res:
+        lines += [f"prefill of the same prompt through the Q4_0 kernels (TANDEM_GPU_GEMM_ROWS=0, not cuBLAS): "
+                  f"{res['prefill_kernels_ms']} ms"]
     if "graphs" in eng and "ops" in eng:
         ratios = [eng["graphs"]["decode"][c] / eng["ops"]["decode"][c] for c in cs]
         lines += ["graphs ÷ ops: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]

@@ -67,6 +67,7 @@ BLOCK_K_DECODE, DECODE_WARPS = 16, 4
 BLOCK_Q, BLOCK_K_PREFILL, PREFILL_WARPS = 16, 32, 8
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
+GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls through cuBLAS (TANDEM_GPU_GEMM_ROWS)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
 
 log = logging.getLogger("tandem.gpu")
@@ -211,6 +212,11 @@ class GpuStep:
         self.counters = (torch.zeros(COUNTERS, dtype=torch.int32, device=self.device) if self.reduce == "fused"
                          else None)
         self.pdl = pdl_wanted(self.device)
+        # a step with prefill chunks of at least this many rows runs its matmuls as dequantized
+        # weights through torch.matmul (cuBLAS on CUDA); 0: never (``gemm``)
+        self.gemm_rows = int(os.environ.get("TANDEM_GPU_GEMM_ROWS", GEMM_ROWS))
+        if self.gemm_rows < 0:
+            raise ValueError(f"TANDEM_GPU_GEMM_ROWS must be >= 0, got {self.gemm_rows}")
         self.cos = model.cos.contiguous()
         self.sin = model.sin.contiguous()
 
@@ -225,11 +231,15 @@ class GpuStep:
         return out
 
     def matmul(self, x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
-               norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False) -> torch.Tensor:
+               norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False,
+               gemm: bool = False) -> torch.Tensor:
         """``a @ W.T`` for Q4_0 W [N, K]: a = x, or silu(x[:, :K]) * x[:, K:] (``silu``), RMS-normed
-        with weight ``norm`` (given); into ``out``, added to it (``residual``)."""
+        with weight ``norm`` (given); into ``out``, added to it (``residual``). ``gemm``: through
+        ``gemm`` (torch.matmul) instead of the Q4_0 kernels."""
         m = x.shape[0]
         n, k = q.shape[0], q.shape[1] // 18 * 32
+        if gemm:
+            return self.gemm(x, q, out, norm, silu, residual)
         if out is None:
             out = torch.empty(m, n, dtype=torch.float32, device=self.device)
         if m == 0:
@@ -238,11 +248,36 @@ class GpuStep:
                 counters=self.counters, pdl=self.pdl)
         return out
 
-    def matmul_parts(self, x: torch.Tensor, q: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
+             norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False) -> torch.Tensor:
+        """``matmul``'s contract through torch: the prologue as torch ops, the weight dequantized
+        (``q4_0.matmul``: 4,096 rows at a time, f32) and multiplied by ``torch.matmul`` — cuBLAS
+        on CUDA, on its tensor cores in TF32 where ``precision`` is "tf32", f32 otherwise. For
+        prefill-sized M, where cuBLAS beat the Q4_0 kernels 5–80× on an H200 (docs/kernels.md);
+        a copy of the f32 weight exists only during the call."""
+        from kernels import q4_0
+        k = q.shape[1] // 18 * 32
+        a = torch.nn.functional.silu(x[:, :k]) * x[:, k:] if silu else x
+        if norm is not None:
+            a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps) * norm
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
+        try:
+            y = q4_0.matmul(a.contiguous(), q)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        if out is None:
+            return y
+        return out.add_(y) if residual else out.copy_(y)
+
+    def matmul_parts(self, x: torch.Tensor, q: torch.Tensor, norm: torch.Tensor | None = None,
+                     gemm: bool = False) -> torch.Tensor:
         """``matmul``'s split partial sums [splits, M, N], not added up ([1, M, N]: the output
         itself): for ``rope_kv``, which adds them in split order as it reads — the sum ``split_sum``
         makes, bit for bit, one launch fewer."""
         m, n, k = x.shape[0], q.shape[0], q.shape[1] // 18 * 32
+        if gemm:
+            return self.gemm(x, q, norm=norm)[None]
         tile = self.tuning.tile(n, k)
         splits, _ = tile.plan(n, k)
         part = torch.empty(splits, m, n, dtype=torch.float32, device=self.device)
@@ -305,25 +340,33 @@ class GpuStep:
         return out
 
     # ---- the step --------------------------------------------------------------------------
-    def _layers(self, ids, positions, slot_blocks, slot_offsets, kv, pb: PagedBatch) -> torch.Tensor:
+    def _layers(self, ids, positions, slot_blocks, slot_offsets, kv, pb: PagedBatch,
+                gemm: bool = False) -> torch.Tensor:
         x = self.embed(ids)
         for li, L in enumerate(self.m.layers):
             layer_kv = kv[:, li]
-            qkv = self.matmul_parts(x, L["qkv"], norm=L["attn_norm"])      # summed by rope_kv as it reads
+            qkv = self.matmul_parts(x, L["qkv"], norm=L["attn_norm"], gemm=gemm)   # summed by rope_kv as it reads
             q = self.rope_kv(qkv, L, positions, slot_blocks, slot_offsets, layer_kv)
             attn = self.attend(q, layer_kv, pb)
-            self.matmul(attn, L["o"], out=x, residual=True)
-            gu = self.matmul(x, L["gate_up"], norm=L["ffn_norm"])
-            self.matmul(gu, L["down"], out=x, silu=True, residual=True)
+            self.matmul(attn, L["o"], out=x, residual=True, gemm=gemm)
+            gu = self.matmul(x, L["gate_up"], norm=L["ffn_norm"], gemm=gemm)
+            self.matmul(gu, L["down"], out=x, silu=True, residual=True, gemm=gemm)
         return x
 
     def forward(self, token_ids: torch.Tensor, ctx, kv: torch.Tensor) -> torch.Tensor:
         """``Transformer.forward`` (any mix of prefill chunks and decodes): logits of ``ctx.sample_rows``."""
         pb = PagedBatch.of(ctx.chunks, self.device)
-        x = self._layers(token_ids, ctx.positions, ctx.slot_blocks, ctx.slot_offsets, kv, pb)
+        x = self._layers(token_ids, ctx.positions, ctx.slot_blocks, ctx.slot_offsets, kv, pb,
+                         self._gemm(pb, token_ids))
         if ctx.sample_rows.shape[0] != x.shape[0]:
             x = x.index_select(0, ctx.sample_rows)
-        return self.matmul(x, self.m.output, norm=self.m.output_norm)
+        return self.matmul(x, self.m.output, norm=self.m.output_norm, gemm=self._gemm(pb, x))
+
+    def _gemm(self, pb: PagedBatch, x: torch.Tensor) -> bool:
+        """Do a step's matmuls over ``x``'s rows go through ``gemm``? Where the step has prefill
+        chunks and at least ``gemm_rows`` rows (decode-only steps, the graphs' among them, never:
+        their rows' bits stay those of the Q4_0 kernels)."""
+        return bool(self.gemm_rows) and pb.max_q > 0 and x.shape[0] >= self.gemm_rows
 
     def decode(self, ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv) -> torch.Tensor:
         """One decode token per row, every row sampled: logits [B, vocab]. No host sync, fixed

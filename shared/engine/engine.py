@@ -407,8 +407,9 @@ class Engine(KVHandoff):
         if self.device.type == "cuda":
             # Triton compiles a kernel per specialization of its integer arguments (1, multiples of
             # 16, the rest) and per tile (16 / 32 / 64 rows): prompts of these lengths compile the
-            # prefill variants now, not inside a request's time to first token
-            for n in (5, 17, 32, 65, 80):
+            # prefill variants now, not inside a request's time to first token; the last one's
+            # matmuls go through cuBLAS (kernels/gpu_step.py GEMM_ROWS), which sets itself up then
+            for n in (5, 17, 32, 65, 80, 160):
                 self.prompt_logits([0] * n)
         if self.graphs is not None:   # CUDA: every bucket's decode graph captured before the first request
             log.info("decode graphs captured for %d batch sizes", self.graphs.warm_up())

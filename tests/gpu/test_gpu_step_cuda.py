@@ -46,6 +46,17 @@ def test_matmul_prologues_and_epilogue(norm, silu, residual):
     assert cases._matmul_case(3, 64, 512, norm, silu, residual, "cuda") <= cases.REL
 
 
+@pytest.mark.parametrize("norm,silu,residual", [(True, False, False), (False, True, True)])
+@pytest.mark.parametrize("m", [130, 2048])
+def test_prefill_matmul_through_cublas(norm, silu, residual, m):
+    assert cases._matmul_case(m, 576, 576, norm, silu, residual, "cuda", None, True) <= cases.REL
+
+
+def test_whole_step_with_the_prefill_matmuls_through_cublas():
+    err, dkv = cases._step_case({}, 280, "cuda", 32)
+    assert err <= cases.REL_STEP and dkv <= 2e-3
+
+
 @pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])
 def test_rope_and_kv_write(bias, qk_norm):
     dq, dkv = cases._rope_case(bias, qk_norm, "cuda")

@@ -84,7 +84,7 @@ def rel(got, want) -> float:
 
 # ---- the cases: run in the interpreter's worker here, compiled on CUDA by tests/gpu -----------
 
-def _matmul_case(m, n, k, norm, silu, residual, device="cpu", tile=None):
+def _matmul_case(m, n, k, norm, silu, residual, device="cpu", tile=None, gemm=False):
     from kernels.gpu_step import GpuStep
     from kernels.gpu_tuning import Tuning
     g = torch.Generator().manual_seed(m * 1000 + n)
@@ -98,7 +98,7 @@ def _matmul_case(m, n, k, norm, silu, residual, device="cpu", tile=None):
     if norm:
         a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + model.cfg.rms_eps) * nw
     want = q4_0.matmul(a, q) + (out if residual else 0)
-    got = st.matmul(x, q, out=out if residual else None, norm=nw, silu=silu, residual=residual)
+    got = st.matmul(x, q, out=out if residual else None, norm=nw, silu=silu, residual=residual, gemm=gemm)
     assert not residual or got is out
     return rel(got, want)
 
@@ -237,11 +237,14 @@ def _tables(n: int, per: int = 20) -> list[list[int]]:
     return [list(range(i, n * per, n)) for i in range(n)]
 
 
-def _step_case(arch_kw, long: int, device="cpu"):
+def _step_case(arch_kw, long: int, device="cpu", gemm_rows=None):
+    """``gemm_rows``: the step's setting (None: the default, which no step here reaches)."""
     from kernels.gpu_step import GpuStep
     model = tiny_model(device, **arch_kw)
     cfg = model.cfg
     st = GpuStep(model, cfg.max_context)
+    if gemm_rows is not None:
+        st.gemm_rows = gemm_rows
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist() for _ in range(4)]
     kv0 = torch.zeros(120, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, dtype=torch.float16, device=device)
@@ -386,6 +389,12 @@ def test_matmul_prologues_and_epilogue(interp, norm, silu, residual, n, k):
     assert interp(_matmul_case, 3, n, k, norm, silu, residual) <= REL
 
 
+@pytest.mark.parametrize("norm,silu,residual", [(True, False, False), (False, True, True)])
+def test_prefill_matmul_through_torch(interp, norm, silu, residual):
+    """A prefill step's matmuls as dequantized weights through torch.matmul (``GpuStep.gemm``)."""
+    assert interp(_matmul_case, 130, 100, 192, norm, silu, residual, "cpu", None, True) <= REL
+
+
 # tuned tiles (kernels/gpu_tuning.py): the H200 table's kinds (64 rows a program, 4 warps, K split
 # into one-block steps; 32 rows, 8 splits), two blocks a K step with a ragged last split, and the
 # RMSNorm prologue 256 values a step (past K: masked) or 64 (three steps)
@@ -459,6 +468,13 @@ def test_split_sums_and_segments_reduced_in_kernel_are_bitwise_their_own_launche
 # whole step runs compiled in tests/gpu, where it is fast)
 def test_whole_step_matches_op_by_op(interp):
     err, dkv = interp(_step_case, {}, 280)
+    assert err <= REL_STEP and dkv <= 2e-3
+
+
+def test_whole_step_with_the_prefill_matmuls_through_torch(interp):
+    """The same steps with ``gemm_rows`` 32: step 0 (58 rows, prefill chunks) runs its matmuls
+    through torch.matmul, step 1 (33 rows) through the kernels."""
+    err, dkv = interp(_step_case, {}, 20, "cpu", 32)
     assert err <= REL_STEP and dkv <= 2e-3
 
 
