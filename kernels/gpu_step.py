@@ -30,8 +30,11 @@ The lm head is one more ``qmatmul`` with the final norm in its prologue; the emb
 a decode batch of up to 16 rows runs ``qgemv`` in ``qmatmul``'s place: the same contract
 without ``tl.dot`` or the 16-row padding. Numbers: every kernel accumulates in f32; a token's result does not depend on
 its batch neighbours (per-row reductions; key segments at fixed multiples of ``SEG``; the split
-over K chosen from N and K only), so a sequence decodes the same alone or in any batch, eager or
-replayed — with a tuned ``gemv`` tile, in any batch on the same side of its bound.
+over K chosen from N and K only), so a sequence decodes the same alone or in any batch of decodes,
+eager or replayed — with a tuned ``gemv`` tile, in any batch on the same side of its bound. A step
+with prefill chunks is another matter for the decodes in it: its matmuls run in TF32 past 64 rows
+where chosen, and from ``GEMM_ROWS`` rows through cuBLAS (``gemm``), whose sums go in their own
+order — within the CPU↔GPU contract, not bit for bit.
 
 ``DecodeGraphs`` runs decode-only steps through static buffers — ids, positions, KV slots,
 block tables padded to the context's width, context lengths — and captures ``GpuStep.decode``
