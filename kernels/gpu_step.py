@@ -3,19 +3,21 @@ and the decode step captured as a CUDA graph per batch-size bucket.
 
 Why: the op-by-op path (``Transformer.forward_ops``) launched ~1,860 kernels for one decode step
 of one sequence on an H200 (32.9 ms of wall time for 4.3 ms of GPU work), and ran attention per
-sequence. Here a decoding layer is six launches for the whole batch (five with the prefill's
-attention beside the decodes'), the split-K sums and attention's key segments added up by each
-launch's last program to finish (``_last_arrival`` in kernels/gpu_triton.py; TANDEM_GPU_REDUCE=launch:
-by launches of their own, the same bits):
+sequence. Here a layer of a decode-only step is five launches for the whole batch (six in a step
+with prefill chunks: ``rope_kv`` on its own), the split-K sums and attention's key segments added
+up by each launch's last program to finish (``_last_arrival`` in kernels/gpu_triton.py;
+TANDEM_GPU_REDUCE=launch: by launches of their own, the same bits):
 
 1. ``qmatmul`` q|k|v — RMSNorm of the residual stream in its prologue (each program recomputes
    its rows' RMS over the whole of K: the rows are a few KB and in L2), every Q4_0 weight block
    dequantized once for all activation rows of the tile (``tl.dot``, f32 "ieee" by default:
    no TF32 rounding of the activations), split over K where N alone gives few programs (its
-   partial sums left for ``rope_kv``);
-2. ``rope_kv`` — q|k|v's split partial sums added as they are read (in ``split_sum``'s order:
-   no launch of its own), bias and per-head norm where the arch has them, rotary embedding, and
-   the new token's key and value written into its KV slot (float16), one program per (token, head);
+   partial sums left for the next kernel to add as it reads them);
+2. ``rope_kv`` (steps with prefill chunks) — q|k|v's split partial sums added as they are read,
+   bias and per-head norm where the arch has them, rotary embedding, and the new token's key and
+   value written into its KV slot (float16), one program per (token, head); in a decode-only step
+   ``attn_decode`` does this for its token (the kv head's key and value by the program of the
+   segment that holds the token, before it reads the keys);
 3. attention over the paged cache in place through the block tables: ``attn_decode`` for every
    one-token chunk (grid: entry × kv head × key segment of ``SEG`` keys; the query heads of a kv
    head together; online softmax; the last segment to finish merges them in order), and
@@ -306,9 +308,26 @@ class GpuStep:
                 SPLITS=parts.shape[0], **pdl_args(self.pdl))
         return q
 
-    def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, pb: PagedBatch) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, pb: PagedBatch,
+               rope: tuple | None = None) -> torch.Tensor:
+        """Attention of q [tokens, NH * HD] over the paged cache; ``rope`` = (layer, positions, slot
+        blocks, slot offsets) of a decode-only step: q is then the q|k|v projection's split
+        partials [splits, tokens, N] (``matmul_parts``) and ``attn_decode`` does ``rope_kv``'s work
+        for each token (no launch of its own)."""
         s = layer_kv.stride()
+        if rope is not None:
+            L, positions, slot_blocks, slot_offsets = rope
+            parts = q
+            out = torch.empty(parts.shape[1], self.nh * self.hd, dtype=torch.float32, device=self.device)
+            ra = (L.get("qkv_bias", out), L.get("q_norm", out), L.get("k_norm", out), self.cos, self.sin,
+                  positions, slot_blocks, slot_offsets, parts.stride(0), self.cfg.rms_eps)
+            rc = dict(ROPE=True, NH=self.nh, HAS_BIAS="qkv_bias" in L, QK_NORM="q_norm" in L, SPLITS=parts.shape[0])
+            stride_q = parts.stride(1)
+        else:
+            out = torch.empty_like(q)
+            ra = (q, q, q, q, q, pb.lens, pb.lens, pb.lens, 0, 0.0)
+            rc = dict(ROPE=False, NH=self.nh, HAS_BIAS=False, QK_NORM=False, SPLITS=1)
+            stride_q = q.stride(0)
         kern = _k()
         scale = self.m.scale
         bs = layer_kv.shape[2]
@@ -326,9 +345,10 @@ class GpuStep:
                 pml = torch.empty(e, self.nh, self.nseg, 2, dtype=torch.float32, device=self.device)
             kern.attn_decode[(e, self.nkv, self.nseg)](
                 q, layer_kv, pb.tables, pb.lens, pb.rows, out, po, pml, self.counters if fixup else pb.lens,
-                q.stride(0), pb.tables.stride(0), s[0], s[1], s[2], s[3], scale, SEG=SEG, NSEG=self.nseg,
-                NSEG_P=_pow2(self.nseg), GROUP=self.group, GROUP_P=gp, HD=self.hd, BS=bs, BLOCK_K=BLOCK_K_DECODE,
-                SPLIT=split, FIXUP=fixup, num_warps=DECODE_WARPS, **pdl_args(self.pdl))
+                stride_q, out.stride(0), pb.tables.stride(0), s[0], s[1], s[2], s[3], scale, *ra,
+                SEG=SEG, NSEG=self.nseg, NSEG_P=_pow2(self.nseg), GROUP=self.group, GROUP_P=gp, HD=self.hd,
+                BS=bs, BLOCK_K=BLOCK_K_DECODE, SPLIT=split, FIXUP=fixup, num_warps=DECODE_WARPS, **rc,
+                **pdl_args(self.pdl))
             if split and not fixup:
                 kern.attn_merge[(e, self.nh)](po, pml, pb.lens, pb.rows, out, out.stride(0), SEG=SEG,
                                               NSEG=self.nseg, NSEG_P=_pow2(self.nseg), HD=self.hd,
@@ -348,9 +368,12 @@ class GpuStep:
         x = self.embed(ids)
         for li, L in enumerate(self.m.layers):
             layer_kv = kv[:, li]
-            qkv = self.matmul_parts(x, L["qkv"], norm=L["attn_norm"], gemm=gemm)   # summed by rope_kv as it reads
-            q = self.rope_kv(qkv, L, positions, slot_blocks, slot_offsets, layer_kv)
-            attn = self.attend(q, layer_kv, pb)
+            qkv = self.matmul_parts(x, L["qkv"], norm=L["attn_norm"], gemm=gemm)   # summed as it is read
+            if pb.max_q == 0:    # decodes only: attn_decode rotates q and writes the token's KV itself
+                attn = self.attend(qkv, layer_kv, pb, (L, positions, slot_blocks, slot_offsets))
+            else:
+                q = self.rope_kv(qkv, L, positions, slot_blocks, slot_offsets, layer_kv)
+                attn = self.attend(q, layer_kv, pb)
             self.matmul(attn, L["o"], out=x, residual=True, gemm=gemm)
             gu = self.matmul(x, L["gate_up"], norm=L["ffn_norm"], gemm=gemm)
             self.matmul(gu, L["down"], out=x, silu=True, residual=True, gemm=gemm)

@@ -315,6 +315,55 @@ def _split_parts(ptr, split_stride, SPLITS: tl.constexpr):
 
 
 @triton.jit
+def _rotate(x1, x2, c, s):
+    """Rotate-half rotary embedding of the halves (x1, x2) by (cos, sin)."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _qk_norm(x1, x2, w_ptr, i, eps, HD: tl.constexpr):
+    """Per-head RMSNorm (qwen3) of one head's halves [HALF], weight ``w_ptr``."""
+    r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
+    return x1 * r * tl.load(w_ptr + i), x2 * r * tl.load(w_ptr + HD // 2 + i)
+
+
+@triton.jit
+def _head_halves(row, col, bias_ptr, split_stride, HD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """The two halves of the projection's head at column ``col`` of a token's row, bias added."""
+    HALF: tl.constexpr = HD // 2
+    i = tl.arange(0, HALF)
+    x1 = _split_parts(row + col + i, split_stride, SPLITS)
+    x2 = _split_parts(row + col + HALF + i, split_stride, SPLITS)
+    if HAS_BIAS:
+        x1 += tl.load(bias_ptr + col + i)
+        x2 += tl.load(bias_ptr + col + HALF + i)
+    return x1, x2
+
+
+@triton.jit
+def _rope_kv_head(row, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr, pos, slot_ptr, s_kv, split_stride, eps,
+                  NH: tl.constexpr, NKV, HD: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    """kv head ``kvh`` of a token (its q|k|v row ``row``): the rotated key and the value, float16,
+    at ``slot_ptr`` (the key) and ``slot_ptr + s_kv`` (the value)."""
+    HALF: tl.constexpr = HD // 2
+    i = tl.arange(0, HALF)
+    x1, x2 = _head_halves(row, (NH + kvh) * HD, bias_ptr, split_stride, HD, HAS_BIAS, SPLITS)
+    if QK_NORM:
+        x1, x2 = _qk_norm(x1, x2, kn_ptr, i, eps, HD)
+    r1, r2 = _rotate(x1, x2, tl.load(cos_ptr + pos * HALF + i), tl.load(sin_ptr + pos * HALF + i))
+    tl.store(slot_ptr + i, r1.to(tl.float16))
+    tl.store(slot_ptr + HALF + i, r2.to(tl.float16))
+    d = tl.arange(0, HD)
+    vcol = (NH + NKV) * HD + kvh * HD
+    v = _split_parts(row + vcol + d, split_stride, SPLITS)
+    if HAS_BIAS:
+        v += tl.load(bias_ptr + vcol + d)
+    tl.store(slot_ptr + s_kv + d, v.to(tl.float16))
+
+
+@triton.jit
 def rope_kv(qkv_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, q_ptr, kv_ptr,
             stride_qkv, stride_q, s_blk, s_kv, s_slot, s_head, eps, split_stride,
             NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
@@ -328,41 +377,46 @@ def rope_kv(qkv_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_p
     h = tl.program_id(1)
     HALF: tl.constexpr = HD // 2
     i = tl.arange(0, HALF)
-    col = h * HD
     row = qkv_ptr + tok * stride_qkv
-    x1 = _split_parts(row + col + i, split_stride, SPLITS)
-    x2 = _split_parts(row + col + HALF + i, split_stride, SPLITS)
-    if HAS_BIAS:
-        x1 += tl.load(bias_ptr + col + i)
-        x2 += tl.load(bias_ptr + col + HALF + i)
-    if QK_NORM:
-        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
-        if h < NH:
-            x1 = x1 * r * tl.load(qn_ptr + i)
-            x2 = x2 * r * tl.load(qn_ptr + HALF + i)
-        else:
-            x1 = x1 * r * tl.load(kn_ptr + i)
-            x2 = x2 * r * tl.load(kn_ptr + HALF + i)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
-    c = tl.load(cos_ptr + pos * HALF + i)
-    s = tl.load(sin_ptr + pos * HALF + i)
-    r1 = x1 * c - x2 * s
-    r2 = x2 * c + x1 * s
     if h < NH:
-        tl.store(q_ptr + tok * stride_q + col + i, r1)
-        tl.store(q_ptr + tok * stride_q + col + HALF + i, r2)
+        x1, x2 = _head_halves(row, h * HD, bias_ptr, split_stride, HD, HAS_BIAS, SPLITS)
+        if QK_NORM:
+            x1, x2 = _qk_norm(x1, x2, qn_ptr, i, eps, HD)
+        r1, r2 = _rotate(x1, x2, tl.load(cos_ptr + pos * HALF + i), tl.load(sin_ptr + pos * HALF + i))
+        tl.store(q_ptr + tok * stride_q + h * HD + i, r1)
+        tl.store(q_ptr + tok * stride_q + h * HD + HALF + i, r2)
     else:
         kvh = h - NH
         slot = (tl.load(sblk_ptr + tok).to(tl.int64) * s_blk + tl.load(soff_ptr + tok).to(tl.int64) * s_slot
                 + kvh * s_head)
-        tl.store(kv_ptr + slot + i, r1.to(tl.float16))
-        tl.store(kv_ptr + slot + HALF + i, r2.to(tl.float16))
-        d = tl.arange(0, HD)
-        vcol = (NH + NKV) * HD + kvh * HD
-        v = _split_parts(row + vcol + d, split_stride, SPLITS)
-        if HAS_BIAS:
-            v += tl.load(bias_ptr + vcol + d)
-        tl.store(kv_ptr + s_kv + slot + d, v.to(tl.float16))
+        _rope_kv_head(row, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr, pos, kv_ptr + slot, s_kv, split_stride, eps,
+                      NH, NKV, HD, HAS_BIAS, QK_NORM, SPLITS)
+
+
+@triton.jit
+def _rope_group(row, heads, g_ok, bias_ptr, qn_ptr, cos_ptr, sin_ptr, pos, split_stride, eps,
+                HD: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr):
+    """A kv head's group of query heads of a token (its q|k|v row ``row``), rotated as ``rope_kv``
+    rotates each: [GROUP_P, HD] (rows past the group: zeros)."""
+    HALF: tl.constexpr = HD // 2
+    i = tl.arange(0, HALF)
+    col = heads[:, None] * HD + i[None, :]                                    # [GP, HALF]
+    ok = g_ok[:, None]
+    x1 = tl.zeros(col.shape, dtype=tl.float32)
+    x2 = tl.zeros(col.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        x1 += tl.load(row + s * split_stride + col, mask=ok, other=0.0)
+        x2 += tl.load(row + s * split_stride + col + HALF, mask=ok, other=0.0)
+    if HAS_BIAS:
+        x1 += tl.load(bias_ptr + col, mask=ok, other=0.0)
+        x2 += tl.load(bias_ptr + col + HALF, mask=ok, other=0.0)
+    if QK_NORM:
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HD + eps)
+        x1 = x1 * r[:, None] * tl.load(qn_ptr + i)[None, :]
+        x2 = x2 * r[:, None] * tl.load(qn_ptr + HALF + i)[None, :]
+    r1, r2 = _rotate(x1, x2, tl.load(cos_ptr + pos * HALF + i)[None, :], tl.load(sin_ptr + pos * HALF + i)[None, :])
+    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (r1.shape[0], HD))
 
 
 @triton.jit
@@ -384,17 +438,25 @@ def _merge_segments(po_ptr, pml_ptr, base0, nused, NSEG_P: tl.constexpr, HD: tl.
 
 @triton.jit
 def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr,
-                stride_q, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
+                stride_q, stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
+                bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps,
                 SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, GROUP: tl.constexpr,
                 GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, FIXUP: tl.constexpr, PDL: tl.constexpr):
+                SPLIT: tl.constexpr, FIXUP: tl.constexpr, ROPE: tl.constexpr, NH: tl.constexpr,
+                HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One query token against its whole context, for the GROUP query heads of one kv head, over the
     keys of one segment [seg * SEG, (seg + 1) * SEG) read in place through the block table, with
     an online softmax. Entry e = program_id(0): its token is row rows[e] of q, its context
     lens[e] keys, its blocks bt[e]. SPLIT (the context may span segments): each segment's
     unnormalised (acc, max, sum) go to the partials, merged in segment order by the last segment
     of (entry, kv head) to finish (FIXUP; a context of one segment writes its result at once) or
-    by ``attn_merge``; else (one segment) the result goes to out."""
+    by ``attn_merge``; else (one segment) the result goes to out.
+
+    ROPE (decode-only steps): ``q_ptr`` is the q|k|v projection instead (its SPLITS partial sums,
+    ``split_stride`` apart, as ``rope_kv`` reads them) and this kernel does ``rope_kv``'s work for
+    its token: the group's query heads rotated (bias, per-head norm) at position pos[row], and —
+    in the program of the segment holding the token itself — the kv head's rotated key and its
+    value written into the token's KV slot before the keys are read (a CTA barrier between)."""
     _grid_dependency(PDL)
     e = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -408,7 +470,18 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
         g_ok = g < GROUP
         d = tl.arange(0, HD)
         heads = kvh * GROUP + g                                                   # [GP]
-        q = tl.load(q_ptr + row * stride_q + heads[:, None] * HD + d[None, :], mask=g_ok[:, None], other=0.0)
+        if ROPE:
+            q = _rope_group(q_ptr + row * stride_q, heads, g_ok, bias_ptr, qn_ptr, cos_ptr, sin_ptr,
+                            tl.load(pos_ptr + row).to(tl.int64), split_stride, eps, HD, HAS_BIAS, QK_NORM, SPLITS)
+            if seg == (L - 1) // SEG:     # the token's own key and value, where this program reads them
+                _rope_kv_head(q_ptr + row * stride_q, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr,
+                              tl.load(pos_ptr + row).to(tl.int64),
+                              kv_ptr + tl.load(sblk_ptr + row).to(tl.int64) * s_blk
+                              + tl.load(soff_ptr + row).to(tl.int64) * s_slot + kvh * s_head,
+                              s_kv, split_stride, eps, NH, tl.num_programs(1), HD, HAS_BIAS, QK_NORM, SPLITS)
+                tl.debug_barrier()
+        else:
+            q = tl.load(q_ptr + row * stride_q + heads[:, None] * HD + d[None, :], mask=g_ok[:, None], other=0.0)
         m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_P], dtype=tl.float32)
         acc = tl.zeros([GROUP_P, HD], dtype=tl.float32)
@@ -445,9 +518,9 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
                     for gi in tl.static_range(GROUP):
                         h = kvh * GROUP + gi
                         res = _merge_segments(po_ptr, pml_ptr, (e * nh + h) * NSEG, nused, NSEG_P, HD, ".cg")
-                        tl.store(out_ptr + row * stride_q + h * HD + d, res)
+                        tl.store(out_ptr + row * stride_o + h * HD + d, res)
         else:
-            tl.store(out_ptr + row * stride_q + heads[:, None] * HD + d[None, :], acc / l_i[:, None],
+            tl.store(out_ptr + row * stride_o + heads[:, None] * HD + d[None, :], acc / l_i[:, None],
                      mask=g_ok[:, None])
 
 

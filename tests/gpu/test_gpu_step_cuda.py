@@ -63,6 +63,15 @@ def test_rope_and_kv_write(bias, qk_norm):
     assert dq <= 1e-5 and dkv <= 2e-3
 
 
+@pytest.mark.parametrize("arch", [{}, {"attn_bias": True}, {"qk_norm": True}])
+def test_decode_attention_rotates_and_writes_the_kv_itself(arch):
+    """Compiled, two kernels apart: the rotation's sums may round differently (qwen3's norm reduces
+    in another layout), the attention within 1e-5, the KV within a float16 ulp of values ~4."""
+    _, d_out, d_kv = cases._attend_rope_case(arch, "cuda")
+    print(f"\n[attn_decode with rope vs rope_kv + attn_decode] {arch}: out {d_out:.1e}, kv {d_kv:.1e}")
+    assert d_out <= 1e-5 and d_kv <= 2e-3
+
+
 @pytest.mark.parametrize("max_context", [1024, 256])
 def test_paged_attention(max_context):
     lens = [1, 15, 16, 17, 100, 255, 256] + ([257, 600, 1024] if max_context > 256 else [])

@@ -154,6 +154,34 @@ def _rope_parts_case(device="cpu"):
     return parts.shape[0], bool(torch.equal(qa, qb)), bool(torch.equal(kvs[0], kvs[1]))
 
 
+def _attend_rope_case(arch_kw, device="cpu"):
+    """Decode entries through ``attend`` with ``rope`` (attn_decode rotating q and writing the
+    token's KV from q|k|v's split partials) against ``rope_kv`` then ``attend``: the largest
+    difference of the attention's output and of the KV cache. Contexts of one segment and of
+    several (the token's KV written by the last segment's program), a block boundary."""
+    from kernels.gpu_step import GpuStep, PagedBatch
+    from kernels.gpu_tuning import Tile, Tuning
+    from shared.engine.model import AttnChunk
+    model = tiny_model(device, max_context=1024, **arch_kw)
+    cfg = model.cfg
+    n = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    st = GpuStep(model, 1024, tuning=Tuning({(n, cfg.hidden_size): Tile(16, 1, 4, 2)}, "test"))
+    g = torch.Generator().manual_seed(6)
+    lens = [5, 16, 17, 256, 600]
+    x = torch.randn(len(lens), cfg.hidden_size, generator=g).to(device)
+    L = model.layers[1]
+    parts = st.matmul_parts(x, L["qkv"], norm=L["attn_norm"])
+    kv = torch.randn(240, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, generator=g).half().to(device)
+    chunks = [AttnChunk(m - 1, 1, i, None, list(range(i * 48, i * 48 + -(-m // 16)))) for i, m in enumerate(lens)]
+    pb = PagedBatch.of(chunks, model.device)
+    pos = torch.tensor([m - 1 for m in lens], device=device)
+    blk = torch.tensor([c.block_ids[(m - 1) // 16] for c, m in zip(chunks, lens)], device=device)
+    fused_kv = kv.clone()
+    want = st.attend(st.rope_kv(parts, L, pos, blk, pos % 16, kv[:, 1]), kv[:, 1], pb)
+    got = st.attend(parts, fused_kv[:, 1], pb, (L, pos, blk, pos % 16))
+    return parts.shape[0], float((got - want).abs().max()), float((fused_kv.float() - kv.float()).abs().max())
+
+
 def _attention_case(max_context, lens_dec, chunks_pre, device="cpu"):
     from kernels.gpu_step import GpuStep, PagedBatch
     from shared.engine.model import AttnChunk, StepContext
@@ -276,13 +304,13 @@ class GemvEverywhere:
         return dataclasses.replace(rule(n, k), gemv=16, norm_w=64)
 
 
-def _graphs_case(device="cpu", gemv=False):
+def _graphs_case(device="cpu", gemv=False, arch_kw=None):
     """Logits error vs the op-by-op path, greedy tokens equal, other KV untouched, the scratch block
     written; (on CUDA) whether a graph replay gives bitwise the eager step's logits; the last
-    logits. ``gemv``:
+    logits. ``arch_kw``: the tiny model's variant (bias, qk norm). ``gemv``:
     every matmul of the decode step through ``qgemv``."""
     from kernels.gpu_step import DecodeGraphs, GpuStep
-    model = tiny_model(device)
+    model = tiny_model(device, **(arch_kw or {}))
     cfg = model.cfg
     st = GpuStep(model, cfg.max_context, tuning=GemvEverywhere() if gemv else None)
     g = torch.Generator().manual_seed(9)
@@ -450,6 +478,12 @@ def test_rope_kv_adds_the_split_partials_as_split_sum_does(interp):
     assert splits == 2 and same_q and same_kv           # (K = 64: two Q4_0 blocks, two splits)
 
 
+@pytest.mark.parametrize("arch", [{}, {"attn_bias": True}, {"qk_norm": True}])
+def test_decode_attention_rotates_and_writes_the_kv_itself(interp, arch):
+    splits, d_out, d_kv = interp(_attend_rope_case, arch)
+    assert splits == 2 and d_out == 0.0 and d_kv == 0.0     # the interpreter: the same sums, the same bits
+
+
 @pytest.mark.parametrize("max_context", [1024, 256])
 def test_paged_attention(interp, max_context):
     lens = [1, 15, 16, 17, 100, 255, 256] + ([257, 600, 1024] if max_context > 256 else [])
@@ -478,9 +512,12 @@ def test_whole_step_with_the_prefill_matmuls_through_torch(interp):
     assert err <= REL_STEP and dkv <= 2e-3
 
 
-@pytest.mark.parametrize("gemv", [False, True])
-def test_decode_buffers_with_padding_rows(interp, gemv):
-    err, same_best, dkv_others, scratch_written, *_ = interp(_graphs_case, "cpu", gemv)
+# the decode step rotates q and writes the token's KV in attn_decode (no rope_kv): llama's layer,
+# and the qwen2 / qwen3 variants (bias, per-head norm) there too
+@pytest.mark.parametrize("gemv,arch", [(False, {}), (True, {}), (False, {"attn_bias": True}),
+                                       (False, {"qk_norm": True})])
+def test_decode_buffers_with_padding_rows(interp, gemv, arch):
+    err, same_best, dkv_others, scratch_written, *_ = interp(_graphs_case, "cpu", gemv, arch)
     assert err <= REL_STEP and same_best
     assert dkv_others <= 2e-3          # the real rows' KV as the reference wrote it, nothing else touched
     assert scratch_written             # the padding row wrote its KV into the scratch block
