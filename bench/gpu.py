@@ -181,7 +181,8 @@ def run(args: argparse.Namespace) -> dict:
             # the same decode with every row drawn in the graphs' sampler (top-p: the sorting variant)
             row["decode_sampled"] = {str(c): round(bench_decode(engine, c, gen, sampled=SAMPLED), 1)
                                      for c in args.concurrency}
-            row["profile_16_sampled"] = profile_steps(engine, 16, sampled=SAMPLED)
+            for seqs in (1, 16):        # (sampled decode at 1 sequence ran at half greedy's rate: why)
+                row[f"profile_{seqs}_sampled"] = profile_steps(engine, seqs, sampled=SAMPLED)
             row["rows_drawn"] = engine.graphs.drawn
             _progress(f"{mode}, sampled {SAMPLED}: {row['decode_sampled']}, 16 seqs: {row['profile_16_sampled']}")
         rate = bench_prefill(engine, args.prefill_tokens, 3)
@@ -249,17 +250,19 @@ def table(res: dict) -> str:
                      + f" | {prof} | {busy} | {row.get('prefill_ms', '—')} | "
                      + (f"{tpj:.1f}" if tpj else "n/a") + " |")
         if "decode_sampled" in row:
-            ps = row["profile_16_sampled"]
+            p1s, ps = row.get("profile_1_sampled") or {}, row["profile_16_sampled"]
             lines.append(f"| cuda {name}, sampled (T {SAMPLED['temperature']}, top-p {SAMPLED['top_p']}) | "
                          + " | ".join(f"{row['decode_sampled'].get(c, float('nan')):.1f}" for c in cs)
-                         + f" | — / {ps['launches']} | — / {ps['gpu_busy_us']} | | |")
+                         + f" | {p1s.get('launches', '—')} / {ps['launches']} | {p1s.get('gpu_busy_us', '—')} / "
+                           f"{ps['gpu_busy_us']} | | |")
     for name, row in eng.items():
-        for seqs in (1, 16):
-            k = (row.get(f"profile_{seqs}") or {}).get("by_kernel_us")
+        for seqs, kind in ((1, ""), (16, ""), (1, "_sampled")):
+            k = (row.get(f"profile_{seqs}{kind}") or {}).get("by_kernel_us")
             if k and name != "ops":
-                p = row[f"profile_{seqs}"]
-                lines += ["" if seqs == 1 else None, f"cuda {name}, {seqs} seq: a decode step {p.get('wall_us', '?')} µs "
-                          f"of wall, {p['gpu_busy_us']} of GPU work in {p.get('kernels', '?')} kernels; by kernel: "
+                p = row[f"profile_{seqs}{kind}"]
+                lines += ["" if seqs == 1 and not kind else None,
+                          f"cuda {name}, {seqs} seq{', sampled' if kind else ''}: a decode step {p.get('wall_us', '?')} "
+                          f"µs of wall, {p['gpu_busy_us']} of GPU work in {p.get('kernels', '?')} kernels; by kernel: "
                           + ", ".join(f"{n} {t}" for n, t in k.items())]
     lines = [x for x in lines if x is not None]
     if "graphs" in eng and "cpu" in eng:

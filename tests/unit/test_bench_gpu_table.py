@@ -12,7 +12,9 @@ def _result():
                             "by_kernel_us": {"qmatmul": 2803.6, "attn_decode": 107.4, "split_sum": 83.3}},
               "profile_16": {"launches": 1.0, "gpu_busy_us": 3268.8, "by_kernel_us": {"qmatmul": 2860.1}},
               "decode_sampled": {"1": 192.9, "8": 1635.9},
-              "profile_16_sampled": {"launches": 1.0, "gpu_busy_us": 3690.2}}
+              "profile_16_sampled": {"launches": 1.0, "gpu_busy_us": 3690.2},
+              "profile_1_sampled": {"launches": 1.0, "gpu_busy_us": 2000.0, "wall_us": 4700.0, "kernels": 190.0,
+                                    "by_kernel_us": {"qmatmul": 1400.0, "sort": 60.0}}}
     ops = {"decode": {"1": 33.1, "8": 85.3}, "prefill_ms": 643.8,
            "profile_1": {"launches": 1823.0, "gpu_busy_us": 3955.5, "by_kernel_us": {"gemv": 1.0}},
            "profile_16": {"launches": 11723.0, "gpu_busy_us": 21890.4}}
@@ -30,6 +32,9 @@ def test_the_table_has_each_engine_the_ratios_and_the_kernel_split():
             "qmatmul 2803.6, attn_decode 107.4, split_sum 83.3") in out
     assert "cuda graphs, 16 seq: a decode step ? µs of wall, 3268.8 of GPU work in ? kernels; by kernel: " \
            "qmatmul 2860.1" in out                          # (a result without the newer fields)
+    assert "| cuda graphs, sampled (T 0.8, top-p 0.95) | 192.9 | 1635.9 | 1.0 / 1.0 | 2000.0 / 3690.2 |" in out
+    assert ("cuda graphs, 1 seq, sampled: a decode step 4700.0 µs of wall, 2000.0 of GPU work in 190.0 kernels; "
+            "by kernel: qmatmul 1400.0, sort 60.0") in out
     assert "cuda ops, 1 seq" not in out                       # 1,800 launches a step: nothing to read there
 
 
