@@ -51,7 +51,7 @@ _progress = report.progress("bench gpu")
 
 # graphs with one setting changed, to compare in the same run: name -> (environment, what it is)
 VARIANTS = {"graphs-pdl": ({"TANDEM_GPU_PDL": "1"}, "programmatic dependent launch"),
-            "graphs-launch": ({"TANDEM_GPU_REDUCE": "launch"}, "split sums and attention merges launched")}
+            "graphs-launch": ({"TANDEM_GPU_REDUCE": "launch"}, "split sums, attention merges and rope launched")}
 
 
 # prefill lines of the graphs engine: the matmuls on the tensor cores (TF32: cuBLAS's, and the Q4_0

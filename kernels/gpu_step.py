@@ -6,7 +6,7 @@ of one sequence on an H200 (32.9 ms of wall time for 4.3 ms of GPU work), and ra
 sequence. Here a layer of a decode-only step is five launches for the whole batch (six in a step
 with prefill chunks: ``rope_kv`` on its own), the split-K sums and attention's key segments added
 up by each launch's last program to finish (``_last_arrival`` in kernels/gpu_triton.py;
-TANDEM_GPU_REDUCE=launch: by launches of their own, the same bits):
+TANDEM_GPU_REDUCE=launch: each of these by a launch of its own, as before, the sums' bits the same):
 
 1. ``qmatmul`` q|k|v — RMSNorm of the residual stream in its prologue (each program recomputes
    its rows' RMS over the whole of K: the rows are a few KB and in L2), every Q4_0 weight block
@@ -210,7 +210,8 @@ class GpuStep:
             raise ValueError(f"TANDEM_GPU_PRECISION must be ieee or tf32, got {self.precision!r}")
         self.tuning = tuning if tuning is not None else gpu_tuning.load(self.device)
         # split-K sums and attention's key segments added up by the last program of a launch to
-        # finish ("fused": no launch of their own) or by launches of their own ("launch", to compare)
+        # finish, and a decode step's rope in attn_decode ("fused": no launches of their own), or
+        # each by a launch of its own ("launch": the step's kernels as they were, to compare)
         self.reduce = os.environ.get("TANDEM_GPU_REDUCE", "fused")
         if self.reduce not in REDUCE:
             raise ValueError(f"TANDEM_GPU_REDUCE must be one of {', '.join(REDUCE)}, got {self.reduce!r}")
@@ -369,7 +370,7 @@ class GpuStep:
         for li, L in enumerate(self.m.layers):
             layer_kv = kv[:, li]
             qkv = self.matmul_parts(x, L["qkv"], norm=L["attn_norm"], gemm=gemm)   # summed as it is read
-            if pb.max_q == 0:    # decodes only: attn_decode rotates q and writes the token's KV itself
+            if pb.max_q == 0 and self.reduce == "fused":   # decodes only: attn_decode rotates q, writes the KV
                 attn = self.attend(qkv, layer_kv, pb, (L, positions, slot_blocks, slot_offsets))
             else:
                 q = self.rope_kv(qkv, L, positions, slot_blocks, slot_offsets, layer_kv)

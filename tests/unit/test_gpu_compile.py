@@ -110,8 +110,8 @@ def launches():
             if reduce != "fused" and (precision == "tf32" or tuning.source != h200.source):
                 continue            # (the other kernels of these modes: those of the fused ones)
             st = gpu_step.GpuStep(model, 8192, precision, tuning=tuning)
-            if reduce == "launch":          # TANDEM_GPU_REDUCE=launch: split_sum and attn_merge
-                st.counters = None
+            if reduce == "launch":          # TANDEM_GPU_REDUCE=launch: split_sum, attn_merge, rope_kv
+                st.counters, st.reduce = None, "launch"
             st.pdl = reduce == "pdl"        # TANDEM_GPU_PDL=1: programmatic dependent launch
             plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
             chunks, off = [], 0
@@ -182,7 +182,7 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     """The bundled model's decode step (one sequence, the H200's tiles): q|k|v, attn_decode (with
     rope_kv's work), o, gate|up, down a layer, with the embedding and the lm head — 152 launches
     (302 before the split sums, attention's merges and rope_kv went into other kernels); with
-    TANDEM_GPU_REDUCE=launch the split sums and merges come back as launches of their own (272)."""
+    TANDEM_GPU_REDUCE=launch they come back as launches of their own (302)."""
     counts: dict[str, int] = {}
 
     class Counter:
@@ -206,4 +206,4 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     assert got["fused"] == {"embed": 1, "qmatmul": 4 * layers + 1, "attn_decode": layers}
     assert sum(got["fused"].values()) == 152
     assert got["launch"]["split_sum"] == 3 * layers and got["launch"]["attn_merge"] == layers
-    assert sum(got["launch"].values()) == 272
+    assert got["launch"]["rope_kv"] == layers and sum(got["launch"].values()) == 302
