@@ -12,6 +12,7 @@ with the built-in matmul tiles, each table in kernels/tuning/ (kernels/gpu_tunin
 (the default) and by launches of their own (TANDEM_GPU_REDUCE=launch; f32, the H200's tiles), launched
 with programmatic dependent launch (TANDEM_GPU_PDL=1, the same: each kernel's ``griddepcontrol.wait``
 comes before its first global load, store or atomic),
+``rope_kv`` and ``attn_decode`` for qwen2's q|k|v bias and qwen3's per-head norms,
 and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
 ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
@@ -72,8 +73,9 @@ class _Indexable:
         return self.f(grid)
 
 
-def bundled_shapes_model() -> Transformer:
-    """A Transformer of the bundled model's shapes on the CPU, weights left empty (nothing computes)."""
+def bundled_shapes_model(bias: bool = False, qk_norm: bool = False) -> Transformer:
+    """A Transformer of the bundled model's shapes on the CPU, weights left empty (nothing computes);
+    ``bias`` / ``qk_norm``: with qwen2's q|k|v bias / qwen3's per-head norms besides."""
     from shared.engine.loader import load_tokenizer
     _, cfg = load_tokenizer()
     D, hd, F = cfg.hidden_size, cfg.head_dim, cfg.ffn_size
@@ -86,6 +88,10 @@ def bundled_shapes_model() -> Transformer:
         w |= {f"blk.{i}.attn_norm": torch.ones(D), f"blk.{i}.ffn_norm": torch.ones(D),
               f"blk.{i}.qkv": q((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, D), f"blk.{i}.o": q(D, cfg.n_heads * hd),
               f"blk.{i}.gate_up": q(2 * F, D), f"blk.{i}.down": q(D, F)}
+        if bias:
+            w[f"blk.{i}.qkv_bias"] = torch.zeros((cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
+        if qk_norm:
+            w |= {f"blk.{i}.q_norm": torch.ones(hd), f"blk.{i}.k_norm": torch.ones(hd)}
     m = Transformer(cfg, w, torch.device("cpu"), None)
     m.fused = None
     return m
@@ -123,6 +129,12 @@ def launches():
             for b in (1, 2, 3, 8, 16, 17, 40):                       # every M tile of a decode step
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
+        for arch in ({"bias": True}, {"qk_norm": True}):              # rope_kv / attn_decode's qwen variants
+            st = gpu_step.GpuStep(bundled_shapes_model(**arch), 8192, "ieee", tuning=h200)
+            i = torch.zeros(1, dtype=torch.int32)
+            st.decode(i, i, i, i, torch.zeros(1, 512, dtype=torch.int32), i, i, kv)
+            z = torch.zeros(20, dtype=torch.int64)
+            st.forward(z, StepContext(z, z, z, [AttnChunk(0, 20, 0, torch.zeros(1), [0, 0])], z[-1:]), kv)
         i = torch.zeros(3, dtype=torch.int32)                         # the decode graphs' sampler
         gpu_sample.uniforms(i, i, i, torch.zeros(3, dtype=torch.float64))
     finally:
@@ -147,6 +159,9 @@ def test_the_step_launches_the_variants_expected(launches):
     assert {c["BLOCK_M"] for fn, s, c, *_ in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
     assert {c["FIXUP"] for fn, s, c, *_ in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
+    rope = {(c["HAS_BIAS"], c["QK_NORM"]) for fn, s, c, *_ in launches if fn.__name__ in ("rope_kv", "attn_decode")
+            and c.get("ROPE", True)}
+    assert rope == {(False, False), (True, False), (False, True)}
 
 
 def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
@@ -172,7 +187,8 @@ def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
             regs = int(re.search(r"Used (\d+) registers", out).group(1))
             spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
             shown = {n: v for n, v in consts.items() if n in ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT", "FIXUP",
-                                                               "ROPE", "PRECISION", "RESIDUAL", "BLOCK_K", "BLOCK_Q")}
+                                                               "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL",
+                                                               "BLOCK_K", "BLOCK_Q")}
             report.append((fn.__name__, shown, warps, regs, spills))
     print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled" for n, s, w, r, sp in report))
     assert not [r for r in report if r[4] > SPILL_OK], f"register spills past {SPILL_OK} B"
