@@ -147,6 +147,64 @@ def _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W: tl.constexpr):
 
 
 @triton.jit
+def _rstd(x_ptr, m, m_ok, stride_xm, eps, K: tl.constexpr, NORM_W: tl.constexpr, BLOCK_M: tl.constexpr,
+          NORM: tl.constexpr):
+    """Rows m's 1 / RMS over all of K (NORM_W values a step), whatever part of K the program
+    reduces; ones without NORM."""
+    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if NORM:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if BLOCK_M <= 16:   # unrolled: the steps' loads in flight together (past 16 rows they spill)
+            for k0 in tl.static_range(0, K, NORM_W):
+                ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
+        else:               # the same steps in the same order: the same bits
+            for k0 in range(0, K, NORM_W):
+                ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    return rstd
+
+
+@triton.jit
+def _q4_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t):
+    """The Q4_0 weight tile of K step ``kb`` (blocks kb + t // 16 below kb1) for rows n,
+    dequantized: (low nibbles, high nibbles) [BN, T] float32."""
+    blk = kb + t // 16                                               # [T]
+    w_ok = n_ok[:, None] & (blk < kb1)[None, :]
+    base = n[:, None] * row_bytes + blk[None, :] * 18                # [BN, T]
+    d = _scale(q_ptr, base, w_ok)
+    qs = tl.load(q_ptr + base + 2 + (t % 16)[None, :], mask=w_ok, other=0)
+    return ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
+
+
+@triton.jit
+def _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K: tl.constexpr,
+              NORM: tl.constexpr, SILU: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc`` plus K step ``kb``'s activations (SiLU·up, RMS-normed) times its weight tile."""
+    blk = kb + t // 16                                               # [T]
+    t_ok = blk < kb1
+    k_lo = blk * 32 + t % 16                                         # [T]
+    x_ok = m_ok[:, None] & t_ok[None, :]
+    xo = m[:, None] * stride_xm + k_lo[None, :]
+    if SILU:
+        g_lo = tl.load(x_ptr + xo, mask=x_ok, other=0.0)
+        g_hi = tl.load(x_ptr + xo + 16, mask=x_ok, other=0.0)
+        u_lo = tl.load(x_ptr + xo + K, mask=x_ok, other=0.0)
+        u_hi = tl.load(x_ptr + xo + K + 16, mask=x_ok, other=0.0)
+        x_lo = g_lo * tl.sigmoid(g_lo) * u_lo
+        x_hi = g_hi * tl.sigmoid(g_hi) * u_hi
+    else:
+        x_lo = tl.load(x_ptr + xo, mask=x_ok, other=0.0)             # [BM, T]
+        x_hi = tl.load(x_ptr + xo + 16, mask=x_ok, other=0.0)
+    if NORM:
+        w_lo_n = tl.load(nw_ptr + k_lo, mask=t_ok, other=0.0)
+        w_hi_n = tl.load(nw_ptr + k_lo + 16, mask=t_ok, other=0.0)
+        x_lo = x_lo * rstd[:, None] * w_lo_n[None, :]
+        x_hi = x_hi * rstd[:, None] * w_hi_n[None, :]
+    acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+    return tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, stride_xm, stride_om, eps,
             blocks_per_split, K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -158,7 +216,6 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, s
     SPLIT: this program covers blocks [s * blocks_per_split, (s + 1) * blocks_per_split) of K
     (s = program_id(2)); its partial sum goes to ``part`` (``_store_tile``: FIXUP, the tile's last
     split adds them into ``out``; else ``split_sum`` or the consumer does)."""
-    _grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
@@ -174,47 +231,69 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, s
     else:
         kb0 = 0
         kb1 = nb
-    if NORM:  # the row's RMS over all of K (NORM_W values a step), whatever part of K this program reduces
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if BLOCK_M <= 16:   # unrolled: the steps' loads in flight together (past 16 rows they spill)
-            for k0 in tl.static_range(0, K, NORM_W):
-                ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
-        else:               # the same steps in the same order: the same bits
-            for k0 in range(0, K, NORM_W):
-                ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(kb0, kb1, BLOCK_B):
-        blk = kb + t // 16                                           # [T]
-        t_ok = blk < kb1
-        k_lo = blk * 32 + t % 16                                     # [T]
-        x_ok = m_ok[:, None] & t_ok[None, :]
-        xo = m[:, None] * stride_xm + k_lo[None, :]
-        if SILU:
-            g_lo = tl.load(x_ptr + xo, mask=x_ok, other=0.0)
-            g_hi = tl.load(x_ptr + xo + 16, mask=x_ok, other=0.0)
-            u_lo = tl.load(x_ptr + xo + K, mask=x_ok, other=0.0)
-            u_hi = tl.load(x_ptr + xo + K + 16, mask=x_ok, other=0.0)
-            x_lo = g_lo * tl.sigmoid(g_lo) * u_lo
-            x_hi = g_hi * tl.sigmoid(g_hi) * u_hi
-        else:
-            x_lo = tl.load(x_ptr + xo, mask=x_ok, other=0.0)         # [BM, T]
-            x_hi = tl.load(x_ptr + xo + 16, mask=x_ok, other=0.0)
-        if NORM:
-            w_lo_n = tl.load(nw_ptr + k_lo, mask=t_ok, other=0.0)
-            w_hi_n = tl.load(nw_ptr + k_lo + 16, mask=t_ok, other=0.0)
-            x_lo = x_lo * rstd[:, None] * w_lo_n[None, :]
-            x_hi = x_hi * rstd[:, None] * w_hi_n[None, :]
-        base = n[:, None] * row_bytes + blk[None, :] * 18            # [BN, T]
-        w_ok = n_ok[:, None] & t_ok[None, :]
-        d = _scale(q_ptr, base, w_ok)
-        qs = tl.load(q_ptr + base + 2 + (t % 16)[None, :], mask=w_ok, other=0)            # [BN, T]
-        w_lo = ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d
-        w_hi = ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
-        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
-        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+    if BLOCK_M <= 16:
+        # the first K step's weight tile before the wait on the previous kernel: weights never
+        # change, so under PDL these loads overlap its tail (one block a split: all of this
+        # program's); past 16 rows, held across the norm's prologue, the tile spilled
+        w_lo, w_hi = _q4_tile(q_ptr, n, n_ok, row_bytes, kb0, kb1, t)
+        _grid_dependency(PDL)
+        rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
+        acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, w_lo, w_hi, K, NORM, SILU,
+                        PRECISION)
+        kb_next = kb0 + BLOCK_B
+    else:
+        _grid_dependency(PDL)
+        rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
+        kb_next = kb0
+    for kb in range(kb_next, kb1, BLOCK_B):     # the steps in order whichever way: the same bits
+        w_lo, w_hi = _q4_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t)
+        acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
+                        PRECISION)
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, SPLIT,
                 FIXUP, RESIDUAL)
+
+
+@triton.jit
+def _q4_tile3(q_ptr, n, n_ok, row_bytes, blk, kb1):
+    """Blocks ``blk`` [BB] (below kb1) of Q4_0 rows n, dequantized: (low, high) [BN, BB, 16]."""
+    j = tl.arange(0, 16)
+    base = n[:, None] * row_bytes + blk[None, :] * 18                # [BN, BB]
+    ok2 = n_ok[:, None] & (blk < kb1)[None, :]
+    d = _scale(q_ptr, base, ok2)[:, :, None]                         # [BN, BB, 1]
+    qs = tl.load(q_ptr + base[:, :, None] + 2 + j[None, None, :], mask=ok2[:, :, None], other=0)
+    return ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
+
+
+@triton.jit
+def _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, blk, kb1, w_lo, w_hi, K: tl.constexpr,
+               BLOCK_M: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr):
+    """``acc`` [BLOCK_M, BN] plus each row's products with blocks ``blk``'s weight tile (rows past M
+    read nothing; NORM: times the norm's weight, the row's rstd comes after the loop)."""
+    j = tl.arange(0, 16)
+    b_ok = blk < kb1
+    k_lo = blk[:, None] * 32 + j[None, :]                            # [BB, 16]
+    if NORM:
+        nw_lo = tl.load(nw_ptr + k_lo, mask=b_ok[:, None], other=0.0)
+        nw_hi = tl.load(nw_ptr + k_lo + 16, mask=b_ok[:, None], other=0.0)
+    for r in tl.static_range(BLOCK_M):
+        xm = (blk < kb1 * (M > r))[:, None]                          # [BB, 1]: rows past M read nothing
+        xo = r * stride_xm + k_lo
+        if SILU:
+            g_lo = tl.load(x_ptr + xo, mask=xm, other=0.0)
+            g_hi = tl.load(x_ptr + xo + 16, mask=xm, other=0.0)
+            x_lo = g_lo * tl.sigmoid(g_lo) * tl.load(x_ptr + xo + K, mask=xm, other=0.0)
+            x_hi = g_hi * tl.sigmoid(g_hi) * tl.load(x_ptr + xo + K + 16, mask=xm, other=0.0)
+        else:
+            x_lo = tl.load(x_ptr + xo, mask=xm, other=0.0)           # [BB, 16]
+            x_hi = tl.load(x_ptr + xo + 16, mask=xm, other=0.0)
+        if NORM:
+            x_lo = x_lo * nw_lo
+            x_hi = x_hi * nw_hi
+        part = w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :]
+        c = tl.sum(tl.sum(part, axis=2), axis=1)                     # [BN]
+        acc = tl.where((rows == r)[:, None], acc + c[None, :], acc)
+    return acc
 
 
 @triton.jit
@@ -227,12 +306,10 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
     K step dequantizes a [BLOCK_N, BLOCK_B, 16] weight tile once into registers, and each of the
     BLOCK_M rows (unrolled; rows >= M masked) reduces its products with it in-register. A row's
     sum runs in the same order whatever BLOCK_M, so rows are batch-invariant up to 16."""
-    _grid_dependency(PDL)
     pid_n = tl.program_id(0)
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
     n_ok = n < N
     b = tl.arange(0, BLOCK_B)
-    j = tl.arange(0, 16)
     rows = tl.arange(0, BLOCK_M)
     nb = K // 32
     if SPLIT:
@@ -241,37 +318,14 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
     else:
         kb0 = 0
         kb1 = nb
+    # the first K step's weight tile before the wait on the previous kernel (as in qmatmul)
+    w_lo, w_hi = _q4_tile3(q_ptr, n, n_ok, row_bytes, kb0 + b, kb1)
+    _grid_dependency(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(kb0, kb1, BLOCK_B):
-        blk = kb + b                                                 # [BB]
-        b_ok = blk < kb1
-        base = n[:, None] * row_bytes + blk[None, :] * 18            # [BN, BB]
-        ok2 = n_ok[:, None] & b_ok[None, :]
-        d = _scale(q_ptr, base, ok2)[:, :, None]                     # [BN, BB, 1]
-        qs = tl.load(q_ptr + base[:, :, None] + 2 + j[None, None, :], mask=ok2[:, :, None], other=0)
-        w_lo = ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d       # [BN, BB, 16]
-        w_hi = ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
-        k_lo = blk[:, None] * 32 + j[None, :]                        # [BB, 16]
-        if NORM:
-            nw_lo = tl.load(nw_ptr + k_lo, mask=b_ok[:, None], other=0.0)
-            nw_hi = tl.load(nw_ptr + k_lo + 16, mask=b_ok[:, None], other=0.0)
-        for r in tl.static_range(BLOCK_M):
-            xm = (blk < kb1 * (M > r))[:, None]                      # [BB, 1]: rows past M read nothing
-            xo = r * stride_xm + k_lo
-            if SILU:
-                g_lo = tl.load(x_ptr + xo, mask=xm, other=0.0)
-                g_hi = tl.load(x_ptr + xo + 16, mask=xm, other=0.0)
-                x_lo = g_lo * tl.sigmoid(g_lo) * tl.load(x_ptr + xo + K, mask=xm, other=0.0)
-                x_hi = g_hi * tl.sigmoid(g_hi) * tl.load(x_ptr + xo + K + 16, mask=xm, other=0.0)
-            else:
-                x_lo = tl.load(x_ptr + xo, mask=xm, other=0.0)       # [BB, 16]
-                x_hi = tl.load(x_ptr + xo + 16, mask=xm, other=0.0)
-            if NORM:                                                 # (the row's rstd: after the loop)
-                x_lo = x_lo * nw_lo
-                x_hi = x_hi * nw_hi
-            part = w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :]
-            c = tl.sum(tl.sum(part, axis=2), axis=1)                 # [BN]
-            acc = tl.where((rows == r)[:, None], acc + c[None, :], acc)
+    acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb0 + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
+    for kb in range(kb0 + BLOCK_B, kb1, BLOCK_B):
+        w_lo, w_hi = _q4_tile3(q_ptr, n, n_ok, row_bytes, kb + b, kb1)
+        acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
     if NORM:   # RMSNorm is one factor a row: sum(x * rstd * nw * w) = rstd * sum(x * nw * w); each row's
         # RMS on its own (a [NORM_W] reduction: the same order whatever BLOCK_M)
         for r in tl.static_range(BLOCK_M):
