@@ -40,8 +40,9 @@ def test_split_depends_on_n_and_k_only_and_covers_k():
         assert per % tile.block_b == 0 and (splits - 1) * per < nb <= splits * per
         if -(-n // tile.block_n) >= gpu_tuning.MIN_PROGRAMS:
             assert splits == 1
-    assert split_for(49152, 576) == (gpu_tuning.Tile(64, 1, 8, 1), 1, 18)   # the lm head: 768 tiles
-    assert split_for(576, 1536)[1] > 1            # down: 36 tiles of 16 rows, so K is split
+    assert split_for(49152, 576) == (gpu_tuning.Tile(64, 1, 4, 1), 1, 18)   # the lm head: 768 tiles
+    assert split_for(960, 576) == (gpu_tuning.Tile(64, 1, 4, 18), 18, 1)    # q|k|v: the H200's own tile
+    assert split_for(576, 1536)[1] > 1            # down: 9 tiles of 64 rows, so K is split
 
 
 @pytest.mark.parametrize("block_b,splits", [(1, 1), (2, 3), (4, 5), (8, 4), (8, 64), (4, 1)])
