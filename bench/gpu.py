@@ -24,6 +24,7 @@ import os
 import platform
 import sys
 import time
+from unittest import mock
 
 from bench import report
 from bench.engine import bench_decode, bench_prefill
@@ -63,18 +64,10 @@ PREFILL_VARIANTS = {"prefill_tf32_ms": {"TANDEM_GPU_PRECISION": "tf32"},
 def _cuda_engine(mode: str, max_seqs: int, prefill: int, env: dict | None = None):
     from shared.engine.engine import Engine, EngineConfig
     env = env or (VARIANTS[mode][0] if mode in VARIANTS else {})
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)          # read when the engine builds its GPU step
-    try:
+    with mock.patch.dict(os.environ, env):      # read when the engine builds its GPU step
         return Engine.from_path(None, EngineConfig(device="cuda", gpu_step=mode.split("-")[0],
                                                    enable_prefix_caching=False, max_num_seqs=max_seqs,
                                                    step_tokens=max(prefill, max_seqs), kv_cache_bytes=1 << 30))
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}   # the sampled decode lines: every row drawn on the device

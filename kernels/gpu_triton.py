@@ -357,15 +357,26 @@ def split_sum(part_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, RESIDUAL
 
 
 @triton.jit
-def _split_parts(ptr, split_stride, SPLITS: tl.constexpr):
+def _split_parts(ptr, split_stride, SPLITS: tl.constexpr, mask=None):
     """Values at ``ptr`` of a matmul's output, from its SPLITS partial sums added in split order
-    from zero — ``split_sum``'s sum, bit for bit (SPLITS = 1: the output itself)."""
+    from zero — ``split_sum``'s sum, bit for bit (SPLITS = 1: the output itself); 0 where not
+    ``mask``."""
     if SPLITS == 1:
-        return tl.load(ptr)
-    acc = tl.zeros_like(tl.load(ptr))
+        return _load0(ptr, mask)
+    acc = tl.zeros_like(_load0(ptr, mask))
     for s in tl.static_range(SPLITS):
-        acc += tl.load(ptr + s * split_stride)
+        acc += _load0(ptr + s * split_stride, mask)
     return acc
+
+
+@triton.jit
+def _load0(ptr, mask):
+    """``tl.load(ptr)``, 0 where not ``mask`` (None: everywhere loaded)."""
+    if mask is None:
+        v = tl.load(ptr)
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0)
+    return v
 
 
 @triton.jit
@@ -457,11 +468,8 @@ def _rope_group(row, heads, g_ok, bias_ptr, qn_ptr, cos_ptr, sin_ptr, pos, split
     i = tl.arange(0, HALF)
     col = heads[:, None] * HD + i[None, :]                                    # [GP, HALF]
     ok = g_ok[:, None]
-    x1 = tl.zeros(col.shape, dtype=tl.float32)
-    x2 = tl.zeros(col.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        x1 += tl.load(row + s * split_stride + col, mask=ok, other=0.0)
-        x2 += tl.load(row + s * split_stride + col + HALF, mask=ok, other=0.0)
+    x1 = _split_parts(row + col, split_stride, SPLITS, ok)
+    x2 = _split_parts(row + col + HALF, split_stride, SPLITS, ok)
     if HAS_BIAS:
         x1 += tl.load(bias_ptr + col, mask=ok, other=0.0)
         x2 += tl.load(bias_ptr + col + HALF, mask=ok, other=0.0)
