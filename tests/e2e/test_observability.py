@@ -8,6 +8,7 @@ import asyncio
 import os
 import re
 import sys
+import time
 
 import httpx
 import nats
@@ -61,8 +62,11 @@ async def _traced_request(url: str, nats_url: str) -> tuple[str, list]:
     async for chunk in stream:
         rid = chunk.id
     await asyncio.sleep(0.3)  # the last publishes reach the tap
-    msgs = []
-    while True:
+    # what the tap holds, until 0.2 s pass without a message or 3 s in all: every service's
+    # heartbeat shares the wildcard, and seven of them a second can leave no quiet 0.2 s (this
+    # drain once never ended)
+    msgs, end = [], time.monotonic() + 3.0
+    while time.monotonic() < end:
         try:
             msgs.append(await asyncio.wait_for(sub.messages.__anext__(), 0.2))
         except asyncio.TimeoutError:
