@@ -158,22 +158,37 @@ def _rstd(x_ptr, m, m_ok, stride_xm, eps, K: tl.constexpr, NORM_W: tl.constexpr,
             for k0 in tl.static_range(0, K, NORM_W):
                 ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
         else:               # the same steps in the same order: the same bits
-            for k0 in range(0, K, NORM_W):
+            for k0 in tl.range(0, K, NORM_W, loop_unroll_factor=6):
                 ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
     return rstd
 
 
 @triton.jit
-def _q4_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t):
-    """The Q4_0 weight tile of K step ``kb`` (blocks kb + t // 16 below kb1) for rows n,
-    dequantized: (low nibbles, high nibbles) [BN, T] float32."""
+def _q4_fetch(q_ptr, base, q_off, ok, q_ok):
+    """The raw bytes of Q4_0 blocks at byte offsets ``base``: the fp16 scale's two bytes (where
+    ``ok``) and the quant bytes at ``base + 2 + q_off`` (where ``q_ok``). Nothing computes on them
+    here, so a K step's fetch can be issued a step ahead of its use (``_q4_values``)."""
+    return (tl.load(q_ptr + base, mask=ok, other=0), tl.load(q_ptr + base + 1, mask=ok, other=0),
+            tl.load(q_ptr + base + 2 + q_off, mask=q_ok, other=0))
+
+
+@triton.jit
+def _q4_values(s_lo, s_hi, qs):
+    """Fetched Q4_0 bytes (``_q4_fetch``) dequantized: (low nibbles, high nibbles) ``(q - 8) * d``
+    in float32, the scale broadcast over the quant bytes."""
+    d = (s_lo.to(tl.uint16) | (s_hi.to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    return ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
+
+
+@triton.jit
+def _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t):
+    """``qmatmul``'s weight tile of K step ``kb`` (blocks kb + t // 16 below kb1) for rows n, fetched
+    as [BN, T] bytes: block t // 16's scale and its quant byte t % 16."""
     blk = kb + t // 16                                               # [T]
     w_ok = n_ok[:, None] & (blk < kb1)[None, :]
     base = n[:, None] * row_bytes + blk[None, :] * 18                # [BN, T]
-    d = _scale(q_ptr, base, w_ok)
-    qs = tl.load(q_ptr + base + 2 + (t % 16)[None, :], mask=w_ok, other=0)
-    return ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
+    return _q4_fetch(q_ptr, base, (t % 16)[None, :], w_ok, w_ok)
 
 
 @triton.jit
@@ -233,21 +248,24 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, s
         kb1 = nb
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if BLOCK_M <= 16:
-        # the first K step's weight tile before the wait on the previous kernel: weights never
+        # the first K step's weight bytes before the wait on the previous kernel: weights never
         # change, so under PDL these loads overlap its tail (one block a split: all of this
-        # program's); past 16 rows, held across the norm's prologue, the tile spilled
-        w_lo, w_hi = _q4_tile(q_ptr, n, n_ok, row_bytes, kb0, kb1, t)
+        # program's); past 16 rows, held across the norm's prologue, they spilled
+        s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb0, kb1, t)
         _grid_dependency(PDL)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
-        acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, w_lo, w_hi, K, NORM, SILU,
-                        PRECISION)
-        kb_next = kb0 + BLOCK_B
     else:
         _grid_dependency(PDL)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
-        kb_next = kb0
-    for kb in range(kb_next, kb1, BLOCK_B):     # the steps in order whichever way: the same bits
-        w_lo, w_hi = _q4_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t)
+        if BLOCK_M <= 32:
+            s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb0, kb1, t)
+    for kb in range(kb0, kb1, BLOCK_B):     # the steps in order whichever way: the same bits
+        if BLOCK_M > 32:    # 64 rows: the next step's bytes held beside the tile spilled (68-72 B)
+            s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t)
+        w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
+        if BLOCK_M <= 32:   # the next step's weight bytes in flight while this one computes (byte
+            # loads are too narrow for the pipeliner's cp.async; past the split: masked, no traffic)
+            s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb + BLOCK_B, kb1, t)
         acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
                         PRECISION)
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, SPLIT,
@@ -255,14 +273,12 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, s
 
 
 @triton.jit
-def _q4_tile3(q_ptr, n, n_ok, row_bytes, blk, kb1):
-    """Blocks ``blk`` [BB] (below kb1) of Q4_0 rows n, dequantized: (low, high) [BN, BB, 16]."""
-    j = tl.arange(0, 16)
-    base = n[:, None] * row_bytes + blk[None, :] * 18                # [BN, BB]
-    ok2 = n_ok[:, None] & (blk < kb1)[None, :]
-    d = _scale(q_ptr, base, ok2)[:, :, None]                         # [BN, BB, 1]
-    qs = tl.load(q_ptr + base[:, :, None] + 2 + j[None, None, :], mask=ok2[:, :, None], other=0)
-    return ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
+def _q4_fetch3(q_ptr, n, n_ok, row_bytes, blk, kb1):
+    """``qgemv``'s weight tile: blocks ``blk`` [BB] (below kb1) of Q4_0 rows n, fetched (scale bytes
+    [BN, BB, 1], quant bytes [BN, BB, 16])."""
+    base = (n[:, None] * row_bytes + blk[None, :] * 18)[:, :, None]   # [BN, BB, 1]
+    ok = (n_ok[:, None] & (blk < kb1)[None, :])[:, :, None]
+    return _q4_fetch(q_ptr, base, tl.arange(0, 16)[None, None, :], ok, ok)
 
 
 @triton.jit
@@ -318,13 +334,13 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
     else:
         kb0 = 0
         kb1 = nb
-    # the first K step's weight tile before the wait on the previous kernel (as in qmatmul)
-    w_lo, w_hi = _q4_tile3(q_ptr, n, n_ok, row_bytes, kb0 + b, kb1)
+    # the first K step's weight bytes before the wait on the previous kernel (as in qmatmul)
+    s_lo, s_hi, qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb0 + b, kb1)
     _grid_dependency(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb0 + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
-    for kb in range(kb0 + BLOCK_B, kb1, BLOCK_B):
-        w_lo, w_hi = _q4_tile3(q_ptr, n, n_ok, row_bytes, kb + b, kb1)
+    for kb in range(kb0, kb1, BLOCK_B):
+        w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
+        s_lo, s_hi, qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb + BLOCK_B + b, kb1)   # the next, in flight
         acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
     if NORM:   # RMSNorm is one factor a row: sum(x * rstd * nw * w) = rstd * sum(x * nw * w); each row's
         # RMS on its own (a [NORM_W] reduction: the same order whatever BLOCK_M)
