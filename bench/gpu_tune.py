@@ -90,7 +90,8 @@ class Shape:
         from kernels.gpu_step import qmatmul
         return qmatmul(self.x, w, self.out, tile, self.nw if self.norm else None, self.silu, self.residual,
                        part=self.part, reduce=self.name != "qkv",   # q|k|v's partials: rope_kv adds them
-                       counters=self.counters if fused else None)
+                       counters=self.counters if fused else None,
+                       prefetch_mode=os.environ.get("TANDEM_GPU_PREFETCH", "auto"))
 
 
 def _compile(jobs):

@@ -110,7 +110,7 @@ def matmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) ->
         kern.qmatmul[(-(-n // 64), -(-m // 64))](x, q, out, x, out, out, m, n, q.shape[1], x.stride(0), out.stride(0),
                                                  0.0, 0, K=k, BLOCK_M=64, BLOCK_N=64, BLOCK_B=BLOCK_B, NORM=False,
                                                  SILU=False, RESIDUAL=False, SPLIT=False, FIXUP=False, PRECISION="ieee",
-                                                 NORM_W=16, PDL=False)
+                                                 NORM_W=16, PDL=False, PREFETCH=False)
     return out
 
 

@@ -72,6 +72,8 @@ BLOCK_K_DECODE, DECODE_WARPS = 16, 4
 BLOCK_Q, BLOCK_K_PREFILL, PREFILL_WARPS = 16, 32, 8
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
+PREFETCH = ("auto", "0", "1")        # TANDEM_GPU_PREFETCH (``prefetch``)
+PREFETCH_STEPS = 3   # "auto": K steps a program needs to fetch each step's weights during the one before
 GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls through cuBLAS (TANDEM_GPU_GEMM_ROWS)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
 
@@ -116,10 +118,25 @@ def unsupported(cfg, block_size: int) -> str | None:
     return None
 
 
+def prefetch(block_m: int, blocks: int, block_b: int, mode: str = "auto") -> bool:
+    """Whether a matmul's programs fetch each K step's Q4_0 bytes during the step before (the
+    ``PREFETCH`` of ``qmatmul`` / ``qgemv``; the same bits either way). ``mode``
+    (TANDEM_GPU_PREFETCH): "auto" where a program has at least ``PREFETCH_STEPS`` steps
+    (``blocks`` a split, ``block_b`` a step) — the o, down and lm head tiles; a split of two
+    steps saves one weight latency, but holding the next bytes took gate|up's 16-row tile from
+    88 to 208 registers (ptxas, sm_90): half the programs an SM holds, twice the waves; "1"
+    wherever a program has two steps or more; "0" never. Never past 32 rows (at 64 the held
+    bytes spilled)."""
+    steps = -(-blocks // block_b)
+    if mode == "0" or block_m > 32:
+        return False
+    return steps >= (2 if mode == "1" else PREFETCH_STEPS)
+
+
 def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tuning.Tile,
             norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False, eps: float = 1e-5,
             precision: str = "ieee", part: torch.Tensor | None = None, reduce: bool = True,
-            counters: torch.Tensor | None = None, pdl: bool = False):
+            counters: torch.Tensor | None = None, pdl: bool = False, prefetch_mode: str = "auto"):
     """Launch ``GpuStep.matmul``'s kernels for ``tile``: ``qgemv`` for up to ``tile.gemv`` rows, else
     ``qmatmul`` (``precision`` past 64 rows). Where K is split, the partial sums go to ``part``
     (allocated when not given) and are added up in split order by the last split of each tile to
@@ -139,6 +156,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tunin
         fn, block_m = kern.qmatmul, 16 if m <= 16 else 32 if m <= 32 else 64
         args |= dict(PRECISION=precision if m > 64 else "ieee", NORM_W=16 * tile.block_b)
     grid = (-(-n // tile.block_n), -(-m // block_m))
+    args["PREFETCH"] = prefetch(block_m, per, tile.block_b, prefetch_mode)
     nw = norm if norm is not None else x
     if splits == 1:
         return fn[grid](x, q, out, nw, out, out, m, n, q.shape[1], x.stride(0), out.stride(0), eps, 0, K=k,
@@ -218,6 +236,10 @@ class GpuStep:
         self.counters = (torch.zeros(COUNTERS, dtype=torch.int32, device=self.device) if self.reduce == "fused"
                          else None)
         self.pdl = pdl_wanted(self.device)
+        # each K step's weight bytes fetched during the step before, in programs of several steps
+        self.prefetch = os.environ.get("TANDEM_GPU_PREFETCH", "auto")
+        if self.prefetch not in PREFETCH:
+            raise ValueError(f"TANDEM_GPU_PREFETCH must be one of {', '.join(PREFETCH)}, got {self.prefetch!r}")
         # a step with prefill chunks of at least this many rows runs its matmuls as dequantized
         # weights through torch.matmul (cuBLAS on CUDA); 0: never (``gemm``)
         self.gemm_rows = int(os.environ.get("TANDEM_GPU_GEMM_ROWS", GEMM_ROWS))
@@ -251,7 +273,7 @@ class GpuStep:
         if m == 0:
             return out
         qmatmul(x, q, out, self.tuning.tile(n, k), norm, silu, residual, self.cfg.rms_eps, self.precision,
-                counters=self.counters, pdl=self.pdl)
+                counters=self.counters, pdl=self.pdl, prefetch_mode=self.prefetch)
         return out
 
     def gemm(self, x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
@@ -289,7 +311,7 @@ class GpuStep:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=self.device)
         if m:
             qmatmul(x, q, part[0], tile, norm, eps=self.cfg.rms_eps, precision=self.precision, part=part,
-                    reduce=False, pdl=self.pdl)
+                    reduce=False, pdl=self.pdl, prefetch_mode=self.prefetch)
         return part
 
     def rope_kv(self, qkv, layer, positions, slot_blocks, slot_offsets, layer_kv) -> torch.Tensor:

@@ -117,6 +117,12 @@ def test_programmatic_dependent_launch_changes_no_bit(gemv, monkeypatch):
     assert torch.equal(plain, pdl)
 
 
+def test_weights_fetched_a_step_ahead_change_no_bit():
+    """TANDEM_GPU_PREFETCH (each K step's Q4_0 bytes fetched during the step before) compiled
+    for the card: qmatmul and qgemv with "1" and "auto" bitwise "0" (fetched at use)."""
+    assert cases._prefetch_case("cuda") == [True] * 5
+
+
 @pytest.fixture(scope="module")
 def cuda_engines(bundled_model):
     return {mode: Engine(bundled_model, EngineConfig(device="cuda", gpu_step=mode, num_kv_blocks=512,

@@ -465,6 +465,35 @@ def test_gemv_rows_are_the_same_in_any_batch_up_to_16(interp):
     assert interp(_gemv_rows_case) == [True, True]
 
 
+def _prefetch_case(device="cpu"):
+    """The matmuls with each K step's weight bytes fetched during the step before (``PREFETCH``:
+    TANDEM_GPU_PREFETCH "1", and "auto") against fetched at use ("0"): qmatmul at 16 and 32 rows
+    (64: never prefetched), split and not, qgemv; several K steps a program. Bitwise, or not."""
+    from kernels.gpu_step import GpuStep
+    from kernels.gpu_tuning import Tile, Tuning
+    g = torch.Generator().manual_seed(11)
+    model = tiny_model(device)
+    n, k = 100, 192
+    out = []
+    for m, tile, norm, silu in [(1, Tile(16, 1, 4, 1), True, False), (17, Tile(32, 1, 4, 2), True, False),
+                                (5, Tile(16, 2, 4, 1), False, True), (3, Tile(32, 1, 4, 2, 0, 4), True, False),
+                                (40, Tile(16, 1, 4, 1), True, False)]:
+        st = GpuStep(model, 1024, tuning=Tuning({(n, k): tile}, "test"))
+        q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
+        x = torch.randn(m, 2 * k if silu else k, generator=g).to(device)
+        nw = (torch.rand(k, generator=g) + 0.5).to(device) if norm else None
+        got = {}
+        for mode in ("0", "1", "auto"):
+            st.prefetch = mode
+            got[mode] = st.matmul(x, q, norm=nw, silu=silu)
+        out.append(bool(torch.equal(got["0"], got["1"]) and torch.equal(got["0"], got["auto"])))
+    return out
+
+
+def test_weights_fetched_a_step_ahead_give_the_same_bits(interp):
+    assert interp(_prefetch_case) == [True] * 5
+
+
 @pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])
 def test_rope_and_kv_write(interp, bias, qk_norm):
     dq, dkv = interp(_rope_case, bias, qk_norm)

@@ -192,7 +192,7 @@ def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
             regs = int(re.search(r"Used (\d+) registers", out).group(1))
             spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
             shown = {n: v for n, v in consts.items() if n in ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT", "FIXUP",
-                                                               "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL",
+                                                               "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL", "PREFETCH",
                                                                "BLOCK_K", "BLOCK_Q")}
             report.append((fn.__name__, shown, warps, regs, spills))
     print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled" for n, s, w, r, sp in report))
