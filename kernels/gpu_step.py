@@ -118,19 +118,21 @@ def unsupported(cfg, block_size: int) -> str | None:
     return None
 
 
-def prefetch(block_m: int, blocks: int, block_b: int, mode: str = "auto") -> bool:
+def prefetch(block_m: int, blocks: int, block_b: int, mode: str = "auto", norm_split: bool = False) -> bool:
     """Whether a matmul's programs fetch each K step's Q4_0 bytes during the step before (the
     ``PREFETCH`` of ``qmatmul`` / ``qgemv``; the same bits either way). ``mode``
-    (TANDEM_GPU_PREFETCH): "auto" where a program has at least ``PREFETCH_STEPS`` steps
-    (``blocks`` a split, ``block_b`` a step) — the o, down and lm head tiles; a split of two
-    steps saves one weight latency, but holding the next bytes took gate|up's 16-row tile from
-    88 to 208 registers (ptxas, sm_90): half the programs an SM holds, twice the waves; "1"
-    wherever a program has two steps or more; "0" never. Never past 32 rows (at 64 the held
-    bytes spilled)."""
+    (TANDEM_GPU_PREFETCH): "1" wherever a program has two K steps or more (``blocks`` a split,
+    ``block_b`` a step); "0" never; "auto" (the default) where it has at least ``PREFETCH_STEPS``
+    and is not a split matmul with the RMSNorm prologue (``norm_split``): a step saves one
+    weight latency, but there (gate|up's 16-row split tile) holding the next bytes took ptxas
+    (sm_90) from 80 to 208 registers — an SM holds half as many programs — where o, down and the
+    lm head took +12 to +38. Never past 32 rows (at 64 the held bytes spilled 68–72 B)."""
     steps = -(-blocks // block_b)
     if mode == "0" or block_m > 32:
         return False
-    return steps >= (2 if mode == "1" else PREFETCH_STEPS)
+    if mode == "1":
+        return steps >= 2
+    return steps >= PREFETCH_STEPS and not norm_split
 
 
 def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tuning.Tile,
@@ -156,7 +158,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tunin
         fn, block_m = kern.qmatmul, 16 if m <= 16 else 32 if m <= 32 else 64
         args |= dict(PRECISION=precision if m > 64 else "ieee", NORM_W=16 * tile.block_b)
     grid = (-(-n // tile.block_n), -(-m // block_m))
-    args["PREFETCH"] = prefetch(block_m, per, tile.block_b, prefetch_mode)
+    args["PREFETCH"] = prefetch(block_m, per, tile.block_b, prefetch_mode, norm is not None and splits > 1)
     nw = norm if norm is not None else x
     if splits == 1:
         return fn[grid](x, q, out, nw, out, out, m, n, q.shape[1], x.stride(0), out.stride(0), eps, 0, K=k,

@@ -165,38 +165,38 @@ def _rstd(x_ptr, m, m_ok, stride_xm, eps, K: tl.constexpr, NORM_W: tl.constexpr,
 
 
 @triton.jit
-def _q4_fetch(q_ptr, base, q_off, ok, q_ok):
-    """The raw bytes of Q4_0 blocks at byte offsets ``base``: the fp16 scale's two bytes (where
-    ``ok``) and the quant bytes at ``base[:, :, None] + 2 + q_off`` (where ``q_ok``). Nothing
-    computes on them here, so a K step's fetch can be issued a step ahead of its use
-    (``_q4_values``)."""
+def _q4_fetch(q_ptr, base, q_off, ok):
+    """The raw bytes of Q4_0 blocks at byte offsets ``base`` (where ``ok``): the fp16 scale's two
+    bytes, and the quant bytes at ``base + 2 + q_off`` (broadcast). Nothing computes on them here,
+    so a K step's fetch can be issued a step ahead of its use (``_q4_values``)."""
     return (tl.load(q_ptr + base, mask=ok, other=0), tl.load(q_ptr + base + 1, mask=ok, other=0),
-            tl.load(q_ptr + base[:, :, None] + 2 + q_off, mask=q_ok, other=0))
+            tl.load(q_ptr + base + 2 + q_off, mask=ok, other=0))
 
 
 @triton.jit
 def _q4_values(s_lo, s_hi, qs):
-    """Fetched Q4_0 bytes (``_q4_fetch``; scales [N, B], quants [N, B, 16]) dequantized:
-    (low nibbles, high nibbles) ``(q - 8) * d`` in float32, [N, B, 16]."""
-    d = (s_lo.to(tl.uint16) | (s_hi.to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
+    """Fetched Q4_0 bytes (``_q4_fetch``) dequantized: (low nibbles, high nibbles) ``(q - 8) * d``
+    in float32, the scales broadcast over the quant bytes."""
+    d = (s_lo.to(tl.uint16) | (s_hi.to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
     return ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
 
 
 @triton.jit
-def _q4_fetch_blocks(q_ptr, n, n_ok, row_bytes, blk, kb1):
-    """Blocks ``blk`` [BB] (below kb1) of Q4_0 rows n, fetched: scale bytes [BN, BB], quant bytes
-    [BN, BB, 16]."""
-    base = n[:, None] * row_bytes + blk[None, :] * 18                # [BN, BB]
-    ok = n_ok[:, None] & (blk < kb1)[None, :]
-    return _q4_fetch(q_ptr, base, tl.arange(0, 16)[None, None, :], ok, ok[:, :, None])
+def _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t):
+    """``qmatmul``'s weight tile of K step ``kb`` for rows n, fetched as [BN, T]: column t is
+    block kb + t // 16's (below kb1) quant byte t % 16, with that block's scale."""
+    blk = kb + t // 16                                               # [T]
+    base = n[:, None] * row_bytes + blk[None, :] * 18                # [BN, T]
+    return _q4_fetch(q_ptr, base, (t % 16)[None, :], n_ok[:, None] & (blk < kb1)[None, :])
 
 
 @triton.jit
-def _q4_tile_values(s_lo, s_hi, qs, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """``qmatmul``'s weight tile: fetched blocks (``_q4_fetch_blocks``) dequantized as [BN, T]
-    (T = BLOCK_B * 16: column t is block t // 16's quant byte t % 16), low and high nibbles."""
-    w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
-    return tl.reshape(w_lo, (BLOCK_N, BLOCK_B * 16)), tl.reshape(w_hi, (BLOCK_N, BLOCK_B * 16))
+def _q4_fetch3(q_ptr, n, n_ok, row_bytes, blk, kb1):
+    """``qgemv``'s weight tile: blocks ``blk`` [BB] (below kb1) of Q4_0 rows n, fetched (scale
+    bytes [BN, BB, 1], quant bytes [BN, BB, 16])."""
+    base = (n[:, None] * row_bytes + blk[None, :] * 18)[:, :, None]
+    ok = (n_ok[:, None] & (blk < kb1)[None, :])[:, :, None]
+    return _q4_fetch(q_ptr, base, tl.arange(0, 16)[None, None, :], ok)
 
 
 @triton.jit
@@ -257,34 +257,33 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, s
     else:
         kb0 = 0
         kb1 = nb
-    bb = tl.arange(0, BLOCK_B)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if BLOCK_M <= 16:
         # the first K step's weight bytes before the wait on the previous kernel: weights never
         # change, so under PDL these loads overlap its tail (one block a split: all of this
         # program's); past 16 rows, held across the norm's prologue, they spilled
-        s_lo, s_hi, qs = _q4_fetch_blocks(q_ptr, n, n_ok, row_bytes, kb0 + bb, kb1)
+        s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb0, kb1, t)
         _grid_dependency(PDL)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
     else:
         _grid_dependency(PDL)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
         if PREFETCH:
-            s_lo, s_hi, qs = _q4_fetch_blocks(q_ptr, n, n_ok, row_bytes, kb0 + bb, kb1)
+            s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb0, kb1, t)
     kb_first = kb0
     if not PREFETCH:
         if BLOCK_M <= 16:   # the step fetched before the wait
-            w_lo, w_hi = _q4_tile_values(s_lo, s_hi, qs, BLOCK_N, BLOCK_B)
+            w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
             acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, w_lo, w_hi, K, NORM, SILU,
                             PRECISION)
             kb_first = kb0 + BLOCK_B
     for kb in range(kb_first, kb1, BLOCK_B):     # the steps in order whichever way: the same bits
         if PREFETCH:    # this step's bytes came during the step before; the next one's now go out
-            w_lo, w_hi = _q4_tile_values(s_lo, s_hi, qs, BLOCK_N, BLOCK_B)
-            s_lo, s_hi, qs = _q4_fetch_blocks(q_ptr, n, n_ok, row_bytes, kb + BLOCK_B + bb, kb1)
+            w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
+            s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb + BLOCK_B, kb1, t)
         else:           # fetched at use: one set of them held at a time
-            f_lo, f_hi, f_qs = _q4_fetch_blocks(q_ptr, n, n_ok, row_bytes, kb + bb, kb1)
-            w_lo, w_hi = _q4_tile_values(f_lo, f_hi, f_qs, BLOCK_N, BLOCK_B)
+            f_lo, f_hi, f_qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t)
+            w_lo, w_hi = _q4_values(f_lo, f_hi, f_qs)
         acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
                         PRECISION)
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, SPLIT,
@@ -345,19 +344,19 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
         kb0 = 0
         kb1 = nb
     # the first K step's weight bytes before the wait on the previous kernel (as in qmatmul)
-    s_lo, s_hi, qs = _q4_fetch_blocks(q_ptr, n, n_ok, row_bytes, kb0 + b, kb1)
+    s_lo, s_hi, qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb0 + b, kb1)
     _grid_dependency(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
     if PREFETCH:
-        s_lo, s_hi, qs = _q4_fetch_blocks(q_ptr, n, n_ok, row_bytes, kb0 + BLOCK_B + b, kb1)
+        s_lo, s_hi, qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb0 + BLOCK_B + b, kb1)
     acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb0 + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
     for kb in range(kb0 + BLOCK_B, kb1, BLOCK_B):
         if PREFETCH:    # this step's bytes came during the step before; the next one's now go out
             w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
-            s_lo, s_hi, qs = _q4_fetch_blocks(q_ptr, n, n_ok, row_bytes, kb + BLOCK_B + b, kb1)
+            s_lo, s_hi, qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb + BLOCK_B + b, kb1)
         else:
-            f_lo, f_hi, f_qs = _q4_fetch_blocks(q_ptr, n, n_ok, row_bytes, kb + b, kb1)
+            f_lo, f_hi, f_qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb + b, kb1)
             w_lo, w_hi = _q4_values(f_lo, f_hi, f_qs)
         acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
     if NORM:   # RMSNorm is one factor a row: sum(x * rstd * nw * w) = rstd * sum(x * nw * w); each row's

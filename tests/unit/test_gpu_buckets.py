@@ -54,6 +54,25 @@ def test_a_tuned_tile_splits_k_into_whole_steps(block_b, splits):
         assert per % block_b == 0 and (got - 1) * per < nb <= got * per and got <= splits
 
 
+def test_weight_prefetch_where_a_program_has_steps_to_hide():
+    """TANDEM_GPU_PREFETCH: auto prefetches programs of 3+ K steps up to 32 rows, not the split
+    norm-prologue matmuls; 1 from 2 steps; 0 never; 64 rows never (it spilled)."""
+    p = gpu_step.prefetch
+    assert p(1, 18, 1) and p(32, 3, 1) and p(16, 8, 2)              # the lm head; 3 steps; 4 of two blocks
+    assert not p(16, 2, 1) and not p(16, 1, 1) and not p(16, 4, 2)  # 2 steps, 1 step
+    assert not p(16, 3, 1, norm_split=True) and p(16, 3, 1, "1", norm_split=True)
+    assert p(16, 2, 1, "1") and not p(16, 1, 1, "1")
+    assert not any(p(m, 18, 1, mode) for m in (33, 64) for mode in gpu_step.PREFETCH)
+    assert not p(1, 18, 1, "0")
+
+
+def test_prefetch_setting_is_checked(monkeypatch):
+    from tests.unit.test_gpu_compile import bundled_shapes_model
+    monkeypatch.setenv("TANDEM_GPU_PREFETCH", "2")
+    with pytest.raises(ValueError, match="TANDEM_GPU_PREFETCH"):
+        gpu_step.GpuStep(bundled_shapes_model(), 1024)
+
+
 def test_tuning_tables_load_and_refuse_bad_entries(tmp_path, monkeypatch):
     t = gpu_tuning.Tuning({(960, 576): gpu_tuning.Tile(32, 4, 4, 2)}, "x")
     path = tmp_path / "t.json"
