@@ -25,7 +25,8 @@ TANDEM_GPU_REDUCE=launch: each of these by a launch of its own, as before, the s
    through ``tl.dot``, causal);
 4. ``qmatmul`` o with the residual add in its epilogue;
 5. ``qmatmul`` gate|up with the FFN's RMSNorm in its prologue;
-6. ``qmatmul`` down with SiLU(gate)·up in its prologue and the residual add in its epilogue.
+6. ``qmatmul`` down with SiLU(gate)·up in its prologue and the residual add in its epilogue
+   (5 and 6 as one ``qmlp`` launch with TANDEM_GPU_MLP=fused: ``GpuStep.mlp``).
 
 The lm head is one more ``qmatmul`` with the final norm in its prologue; the embedding one
 ``embed`` launch. Where the card's tile for a weight says so (kernels/gpu_tuning.py, ``gemv``),
@@ -73,6 +74,10 @@ BLOCK_Q, BLOCK_K_PREFILL, PREFILL_WARPS = 16, 32, 8
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
 PREFETCH = ("auto", "0", "1")        # TANDEM_GPU_PREFETCH (``prefetch``)
+MLP = ("split", "fused")             # TANDEM_GPU_MLP: the FFN as gate|up + down, or one ``qmlp`` launch
+# qmlp: K split until the grid has this many programs (8 warps, 128-203 registers a thread: two
+# programs an SM, 264 on an H100/H200, one wave); outputs a chunk; warps (4 spilled: 255 registers)
+MLP_PROGRAMS, MLP_BLOCK_D, MLP_WARPS = 192, 64, 8
 PREFETCH_STEPS = 3   # "auto": K steps a program needs to fetch each step's weights during the one before
 GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls through cuBLAS (TANDEM_GPU_GEMM_ROWS)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
@@ -242,6 +247,10 @@ class GpuStep:
         self.prefetch = os.environ.get("TANDEM_GPU_PREFETCH", "auto")
         if self.prefetch not in PREFETCH:
             raise ValueError(f"TANDEM_GPU_PREFETCH must be one of {', '.join(PREFETCH)}, got {self.prefetch!r}")
+        # a layer's FFN as two matmuls ("split") or one launch (``mlp``: "fused"; with the fused sums only)
+        self.mlp_mode = os.environ.get("TANDEM_GPU_MLP", "split")
+        if self.mlp_mode not in MLP:
+            raise ValueError(f"TANDEM_GPU_MLP must be one of {', '.join(MLP)}, got {self.mlp_mode!r}")
         # a step with prefill chunks of at least this many rows runs its matmuls as dequantized
         # weights through torch.matmul (cuBLAS on CUDA); 0: never (``gemm``)
         self.gemm_rows = int(os.environ.get("TANDEM_GPU_GEMM_ROWS", GEMM_ROWS))
@@ -299,6 +308,31 @@ class GpuStep:
         if out is None:
             return y
         return out.add_(y) if residual else out.copy_(y)
+
+    def mlp(self, x: torch.Tensor, L: dict, gemm: bool = False) -> None:
+        """The layer's FFN into the residual stream ``x`` (in place): x += down(silu(gate) * up) of
+        RMSNorm(x). TANDEM_GPU_MLP=fused (with the in-kernel sums; not where ``gemm``): one ``qmlp``
+        launch — K split for gate|up until the grid has ``MLP_PROGRAMS`` programs, down in one-block
+        steps — else (or where the counters are too few) gate|up and down as two matmuls."""
+        gu, dn = L["gate_up"], L["down"]
+        m, k, f = x.shape[0], x.shape[1], dn.shape[1] // 18 * 32
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        tiles, mtiles, nb = f // 32, -(-m // block_m), k // 32
+        chunks = -(-k // MLP_BLOCK_D)
+        if (self.mlp_mode != "fused" or gemm or self.counters is None or m == 0
+                or mtiles * (tiles + chunks) > self.counters.numel()):
+            hid = self.matmul(x, gu, norm=L["ffn_norm"], gemm=gemm)
+            self.matmul(hid, dn, out=x, silu=True, residual=True, gemm=gemm)
+            return
+        splits = max(1, min(nb, -(-MLP_PROGRAMS // (tiles * mtiles))))
+        per = -(-nb // splits)
+        splits = -(-nb // per)
+        gpart = torch.empty(splits, m, 2 * f, dtype=torch.float32, device=self.device) if splits > 1 else x
+        dpart = torch.empty(tiles, m, k, dtype=torch.float32, device=self.device)
+        _k().qmlp[(tiles, mtiles, splits)](x, gu, dn, L["ffn_norm"], gpart, dpart, self.counters, m, f, gu.shape[1],
+                                           dn.shape[1], x.stride(0), self.cfg.rms_eps, per, K=k, BLOCK_M=block_m,
+                                           TILES=tiles, SPLITS=splits, BLOCK_D=MLP_BLOCK_D, num_warps=MLP_WARPS,
+                                           **pdl_args(self.pdl))
 
     def matmul_parts(self, x: torch.Tensor, q: torch.Tensor, norm: torch.Tensor | None = None,
                      gemm: bool = False) -> torch.Tensor:
@@ -400,8 +434,7 @@ class GpuStep:
                 q = self.rope_kv(qkv, L, positions, slot_blocks, slot_offsets, layer_kv)
                 attn = self.attend(q, layer_kv, pb)
             self.matmul(attn, L["o"], out=x, residual=True, gemm=gemm)
-            gu = self.matmul(x, L["gate_up"], norm=L["ffn_norm"], gemm=gemm)
-            self.matmul(gu, L["down"], out=x, silu=True, residual=True, gemm=gemm)
+            self.mlp(x, L, gemm)
         return x
 
     def forward(self, token_ids: torch.Tensor, ctx, kv: torch.Tensor) -> torch.Tensor:

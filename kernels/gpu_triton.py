@@ -373,6 +373,108 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
 
 
 @triton.jit
+def _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, t, dn_row_bytes, stride_xm,
+              K: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``qmlp``'s second half, in the program holding intermediate columns [32 f, 32 f + 32) of its
+    rows (``act_lo`` / ``act_hi``: the block's first and last 16): times down's Q4_0 block column
+    f, a partial of every output, BLOCK_D at a time, to ``dpart[f]``; the last of the TILES
+    programs to finish a chunk adds their partials in tile order from zero and the residual
+    into x (``split_sum``'s sum over one-block splits)."""
+    for dc in range(0, K, BLOCK_D):      # a loop, not unrolled: unrolled, the chunks' weights all came at once (spilled)
+        d = (dc + tl.arange(0, BLOCK_D)).to(tl.int64)
+        d_ok = d < K
+        w_lo, w_hi = _q4_values(*_q4_fetch_tile(dn_ptr, d, d_ok, dn_row_bytes, f, f + 1, t))   # [BD, 16]
+        p = tl.dot(act_lo, tl.trans(w_lo), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), input_precision="ieee")
+        p = tl.dot(act_hi, tl.trans(w_hi), p, input_precision="ieee")
+        ok = m_ok[:, None] & d_ok[None, :]
+        off = m[:, None] * K + d[None, :]
+        tl.store(dpart_ptr + f * M * K + off, p, mask=ok)
+        if _last_arrival(cnt_ptr + tl.program_id(1) * ((K + BLOCK_D - 1) // BLOCK_D) + dc // BLOCK_D, TILES):
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for tt in range(tl.num_programs(0)):      # (TILES, not as a constant: unrolled 48 times, it spilled)
+                acc += tl.load(dpart_ptr + tt * M * K + off, mask=ok, other=0.0, cache_modifier=".cg")
+            o = x_ptr + m[:, None] * stride_xm + d[None, :]
+            tl.store(o, tl.load(o, mask=ok, other=0.0) + acc, mask=ok)
+
+
+@triton.jit
+def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_row_bytes, dn_row_bytes,
+         stride_xm, eps, blocks_per_split, K: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
+         SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """A layer's FFN in one launch (TANDEM_GPU_MLP=fused): x += down(silu(gate) * up), gate | up
+    of RMSNorm(x) (``nw``; x [M, K], gate|up Q4_0 [2F, K], down Q4_0 [K, F]). Program (f, M tile,
+    split s): the gate and up rows of intermediate columns [32 f, 32 f + 32) — one Q4_0 block of
+    down's K — over split s of K (the norm in the prologue, as ``qmatmul``), as four 16-row
+    ``tl.dot`` tiles; with SPLITS > 1 their partials go to ``gpart`` [SPLITS, M, 2F] and the
+    tile's last split to finish adds them in split order from zero (``_last_arrival``; the
+    counters: one an (M tile, f), then one an (M tile, chunk of BLOCK_D outputs)); that program
+    takes silu(gate) * up and goes on with ``_mlp_down``. The bits are ``qmatmul``'s for gate|up
+    split the same way, then down split into one-block steps."""
+    _grid_dependency(PDL)
+    f = tl.program_id(0)
+    m = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
+    m_ok = m < M
+    t = tl.arange(0, 16)
+    r_lo = (f * 32 + t).to(tl.int64)            # the block's intermediate columns 0..15 (r_lo + 16: 16..31)
+    r_ok = r_lo < F
+    nb = K // 32
+    if SPLITS > 1:
+        s = tl.program_id(2)
+        kb0 = s * blocks_per_split
+        kb1 = tl.minimum(kb0 + blocks_per_split, nb)
+    else:
+        kb0 = 0
+        kb1 = nb
+    rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, 16, BLOCK_M, True)
+    g_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    g_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    u_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    u_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        for which in tl.static_range(4):        # gate lo, gate hi, up lo, up hi: 16 rows each
+            rows = r_lo + (which % 2) * 16 + (which // 2) * F
+            w_lo, w_hi = _q4_values(*_q4_fetch_tile(gu_ptr, rows, r_ok, gu_row_bytes, kb, kb1, t))
+            if which == 0:
+                g_lo = _dot_step(g_lo, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
+                                 False, "ieee")
+            elif which == 1:
+                g_hi = _dot_step(g_hi, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
+                                 False, "ieee")
+            elif which == 2:
+                u_lo = _dot_step(u_lo, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
+                                 False, "ieee")
+            else:
+                u_hi = _dot_step(u_hi, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
+                                 False, "ieee")
+    cnt_dn = cnt_ptr + tl.num_programs(1) * TILES       # the down chunks' counters, after the tiles'
+    if SPLITS > 1:
+        ok = m_ok[:, None] & r_ok[None, :]
+        pn = m[:, None] * (2 * F) + r_lo[None, :]
+        here = gpart_ptr + s.to(tl.int64) * M * 2 * F + pn
+        tl.store(here, g_lo, mask=ok)
+        tl.store(here + 16, g_hi, mask=ok)
+        tl.store(here + F, u_lo, mask=ok)
+        tl.store(here + F + 16, u_hi, mask=ok)
+        if _last_arrival(cnt_ptr + tl.program_id(1) * TILES + f, SPLITS):
+            g_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+            g_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+            u_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+            u_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+            for ss in range(tl.num_programs(2)):     # (SPLITS, not as a constant: unrolled, the loads spilled)
+                at = gpart_ptr + ss * M * 2 * F + pn
+                g_lo += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+                g_hi += tl.load(at + 16, mask=ok, other=0.0, cache_modifier=".cg")
+                u_lo += tl.load(at + F, mask=ok, other=0.0, cache_modifier=".cg")
+                u_hi += tl.load(at + F + 16, mask=ok, other=0.0, cache_modifier=".cg")
+            _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_dn, g_lo * tl.sigmoid(g_lo) * u_lo,
+                      g_hi * tl.sigmoid(g_hi) * u_hi, m, m_ok, M, f, t, dn_row_bytes, stride_xm, K, TILES, BLOCK_M,
+                      BLOCK_D)
+    else:
+        _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_dn, g_lo * tl.sigmoid(g_lo) * u_lo, g_hi * tl.sigmoid(g_hi) * u_hi,
+                  m, m_ok, M, f, t, dn_row_bytes, stride_xm, K, TILES, BLOCK_M, BLOCK_D)
+
+
+@triton.jit
 def split_sum(part_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, RESIDUAL: tl.constexpr,
               BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] (+)= the SPLITS partial sums of ``qmatmul``, added in split order (deterministic)."""

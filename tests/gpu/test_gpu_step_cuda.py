@@ -123,6 +123,15 @@ def test_weights_fetched_a_step_ahead_change_no_bit():
     assert cases._prefetch_case("cuda") == [True] * 5
 
 
+def test_the_ffn_in_one_launch_is_the_two_matmuls():
+    """TANDEM_GPU_MLP=fused on the card: ``qmlp`` against gate|up + down split alike (its
+    programs arrive in any order here), a row's bits the same alone and in a batch, the
+    counters back at zero."""
+    err, bitwise, counters_zero = cases._mlp_case("cuda")
+    print(f"\n[qmlp vs gate|up + down] max rel {err:.1e}, bitwise {bitwise}")
+    assert err <= cases.REL and bitwise[3] and counters_zero
+
+
 @pytest.fixture(scope="module")
 def cuda_engines(bundled_model):
     return {mode: Engine(bundled_model, EngineConfig(device="cuda", gpu_step=mode, num_kv_blocks=512,

@@ -265,12 +265,14 @@ def _tables(n: int, per: int = 20) -> list[list[int]]:
     return [list(range(i, n * per, n)) for i in range(n)]
 
 
-def _step_case(arch_kw, long: int, device="cpu", gemm_rows=None):
-    """``gemm_rows``: the step's setting (None: the default, which no step here reaches)."""
+def _step_case(arch_kw, long: int, device="cpu", gemm_rows=None, mlp="split"):
+    """``gemm_rows``: the step's setting (None: the default, which no step here reaches); ``mlp``:
+    TANDEM_GPU_MLP's."""
     from kernels.gpu_step import GpuStep
     model = tiny_model(device, **arch_kw)
     cfg = model.cfg
     st = GpuStep(model, cfg.max_context)
+    st.mlp_mode = mlp
     if gemm_rows is not None:
         st.gemm_rows = gemm_rows
     g = torch.Generator().manual_seed(5)
@@ -490,6 +492,52 @@ def _prefetch_case(device="cpu"):
     return out
 
 
+def _mlp_case(device="cpu"):
+    """TANDEM_GPU_MLP=fused: a layer's FFN as one ``qmlp`` launch against gate|up + down as two
+    matmuls (split alike: gate|up into the same K splits, down into one-block steps), at 1, 5,
+    17 and 40 rows (every M tile; 40: two programs' rows of 32), K unsplit (one row of 40
+    programs' worth) and split; and a row alone against the same row in a batch of 5."""
+    from kernels import gpu_step
+    from kernels.gpu_step import GpuStep
+    from kernels.gpu_tuning import Tile, Tuning
+    g = torch.Generator().manual_seed(13)
+    model = tiny_model(device)
+    cfg = model.cfg
+    L = model.layers[0]
+    k, f = cfg.hidden_size, cfg.ffn_size
+    errs, bitwise = [], []
+    programs_default = gpu_step.MLP_PROGRAMS
+    for m, programs in [(1, 4), (1, 256), (5, 256), (17, 256), (40, 64)]:
+        gpu_step.MLP_PROGRAMS = programs
+        tiles, mtiles = f // 32, -(-m // (16 if m <= 16 else 32 if m <= 32 else 64))
+        splits = max(1, min(k // 32, -(-programs // (tiles * mtiles))))
+        # the two-matmul path split the same way (tiles of 64 rows, 4 warps)
+        st = GpuStep(model, 1024, tuning=Tuning({(2 * f, k): Tile(64, 1, 4, splits), (k, f): Tile(64, 1, 4, f // 32)},
+                                                "test"))
+        x = torch.randn(m, k, generator=g).to(device)
+        want = x.clone()
+        st.mlp_mode = "split"
+        st.mlp(want, L)
+        got = x.clone()
+        st.mlp_mode = "fused"
+        st.mlp(got, L)
+        errs.append(rel(got, want))
+        bitwise.append(bool(torch.equal(got, want)))
+        if m == 5:
+            one = x[:1].clone()
+            st.mlp(one, L)
+            bitwise.append(bool(torch.equal(one, got[:1])))
+    gpu_step.MLP_PROGRAMS = programs_default
+    return max(errs), bitwise, bool((st.counters == 0).all())
+
+
+def test_the_ffn_in_one_launch_is_the_two_matmuls(interp):
+    err, bitwise, counters_zero = interp(_mlp_case)
+    print(f"qmlp vs gate|up + down: max rel {err:.1e}, bitwise {bitwise}")
+    assert err <= REL and counters_zero
+    assert bitwise[3], "a row's bits depend on its batch"
+
+
 def test_weights_fetched_a_step_ahead_give_the_same_bits(interp):
     assert interp(_prefetch_case) == [True] * 5
 
@@ -531,6 +579,13 @@ def test_split_sums_and_segments_reduced_in_kernel_are_bitwise_their_own_launche
 # whole step runs compiled in tests/gpu, where it is fast)
 def test_whole_step_matches_op_by_op(interp):
     err, dkv = interp(_step_case, {}, 280)
+    assert err <= REL_STEP and dkv <= 2e-3
+
+
+def test_whole_step_with_the_ffn_in_one_launch(interp):
+    """TANDEM_GPU_MLP=fused: the same mixed steps (58 rows: prefill chunks and a decode; then a
+    chunk after a prefix and decodes) with each layer's FFN as one ``qmlp``."""
+    err, dkv = interp(_step_case, {}, 280, "cpu", None, "fused")
     assert err <= REL_STEP and dkv <= 2e-3
 
 

@@ -18,7 +18,8 @@ and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
 ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
 blocks a K step with 4 warps did: 6.7 KB a thread at 64 rows) fails here, not on a lent GPU.
-The same recording counts a decode step's launches (152: five a layer, the embedding, the lm head).
+The same recording counts a decode step's launches (152: five a layer, the embedding, the lm head;
+122 with TANDEM_GPU_MLP=fused).
 """
 
 from __future__ import annotations
@@ -113,13 +114,14 @@ def launches():
         h200 = gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200"))
         tunings.append(gpu_tuning.Tuning({s: dataclasses.replace(t, gemv=16, norm_w=256)
                                           for s, t in h200.tiles.items()}, "gemv"))
-        for precision, tuning, reduce in itertools.product(("ieee", "tf32"), tunings, gpu_step.REDUCE + ("pdl",)):
+        for precision, tuning, reduce in itertools.product(("ieee", "tf32"), tunings, gpu_step.REDUCE + ("pdl", "mlp")):
             if reduce != "fused" and (precision == "tf32" or tuning.source != h200.source):
                 continue            # (the other kernels of these modes: those of the fused ones)
             st = gpu_step.GpuStep(model, 8192, precision, tuning=tuning)
             if reduce == "launch":          # TANDEM_GPU_REDUCE=launch: split_sum, attn_merge, rope_kv
                 st.counters, st.reduce = None, "launch"
             st.pdl = reduce == "pdl"        # TANDEM_GPU_PDL=1: programmatic dependent launch
+            st.mlp_mode = "fused" if reduce == "mlp" else "split"   # TANDEM_GPU_MLP=fused: qmlp
             plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
             chunks, off = [], 0
             for start, n in plan:
@@ -156,7 +158,7 @@ def test_the_step_launches_the_variants_expected(launches):
     names = {fn.__name__ for fn, *_ in launches}
     assert {p for *_, p in launches} == {True, False}
     assert names == {"embed", "qmatmul", "qgemv", "split_sum", "rope_kv", "attn_decode", "attn_merge",
-                     "attn_prefill", "philox_uniform"}
+                     "attn_prefill", "philox_uniform", "qmlp"}
     assert {c["BLOCK_M"] for fn, s, c, *_ in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
     assert {c["FIXUP"] for fn, s, c, *_ in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
@@ -193,7 +195,7 @@ def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
             spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
             shown = {n: v for n, v in consts.items() if n in ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT", "FIXUP",
                                                                "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL", "PREFETCH",
-                                                               "BLOCK_K", "BLOCK_Q")}
+                                                               "BLOCK_K", "BLOCK_Q", "SPLITS", "TILES")}
             report.append((fn.__name__, shown, warps, regs, spills))
     print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled" for n, s, w, r, sp in report))
     assert not [r for r in report if r[4] > SPILL_OK], f"register spills past {SPILL_OK} B"
@@ -203,7 +205,8 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     """The bundled model's decode step (one sequence, the H200's tiles): q|k|v, attn_decode (with
     rope_kv's work), o, gate|up, down a layer, with the embedding and the lm head — 152 launches
     (302 before the split sums, attention's merges and rope_kv went into other kernels); with
-    TANDEM_GPU_REDUCE=launch they come back as launches of their own (302)."""
+    TANDEM_GPU_REDUCE=launch they come back as launches of their own (302); with TANDEM_GPU_MLP=fused
+    gate|up and down are one ``qmlp`` (122)."""
     counts: dict[str, int] = {}
 
     class Counter:
@@ -228,3 +231,10 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     assert sum(got["fused"].values()) == 152
     assert got["launch"]["split_sum"] == 3 * layers and got["launch"]["attn_merge"] == layers
     assert got["launch"]["rope_kv"] == layers and sum(got["launch"].values()) == 302
+    monkeypatch.setenv("TANDEM_GPU_REDUCE", "fused")
+    monkeypatch.setenv("TANDEM_GPU_MLP", "fused")        # the FFN in one launch: four a layer
+    st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
+    counts.clear()
+    st.decode(i, i, i, i, torch.zeros(1, 512, dtype=torch.int32), i, i, kv)
+    assert counts == {"embed": 1, "qmatmul": 2 * layers + 1, "attn_decode": layers, "qmlp": layers}
+    assert sum(counts.values()) == 122
