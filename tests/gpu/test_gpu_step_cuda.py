@@ -132,6 +132,13 @@ def test_the_ffn_in_one_launch_is_the_two_matmuls():
     assert err <= cases.REL and bitwise[3] and counters_zero
 
 
+def test_the_ffn_in_one_launch_replays_bitwise():
+    """TANDEM_GPU_MLP=fused inside the decode graphs: the replay bitwise the eager step, greedy
+    tokens the op-by-op path's, the padding rows' KV in the scratch block."""
+    err, same_best, dkv_others, scratch_written, bitwise, _ = cases._graphs_case("cuda", False, None, "fused")
+    assert same_best and scratch_written and bitwise and err <= cases.REL_STEP
+
+
 @pytest.fixture(scope="module")
 def cuda_engines(bundled_model):
     return {mode: Engine(bundled_model, EngineConfig(device="cuda", gpu_step=mode, num_kv_blocks=512,

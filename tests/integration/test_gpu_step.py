@@ -306,15 +306,16 @@ class GemvEverywhere:
         return dataclasses.replace(rule(n, k), gemv=16, norm_w=64)
 
 
-def _graphs_case(device="cpu", gemv=False, arch_kw=None):
+def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split"):
     """Logits error vs the op-by-op path, greedy tokens equal, other KV untouched, the scratch block
     written; (on CUDA) whether a graph replay gives bitwise the eager step's logits; the last
     logits. ``arch_kw``: the tiny model's variant (bias, qk norm). ``gemv``:
-    every matmul of the decode step through ``qgemv``."""
+    every matmul of the decode step through ``qgemv``. ``mlp``: TANDEM_GPU_MLP's setting."""
     from kernels.gpu_step import DecodeGraphs, GpuStep
     model = tiny_model(device, **(arch_kw or {}))
     cfg = model.cfg
     st = GpuStep(model, cfg.max_context, tuning=GemvEverywhere() if gemv else None)
+    st.mlp_mode = mlp
     g = torch.Generator().manual_seed(9)
     seqs = [torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist() for _ in range(3)]
     kv = torch.zeros(80, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, dtype=torch.float16, device=device)
@@ -598,10 +599,12 @@ def test_whole_step_with_the_prefill_matmuls_through_torch(interp):
 
 # the decode step rotates q and writes the token's KV in attn_decode (no rope_kv): llama's layer,
 # and the qwen2 / qwen3 variants (bias, per-head norm) there too
-@pytest.mark.parametrize("gemv,arch", [(False, {}), (True, {}), (False, {"attn_bias": True}),
-                                       (False, {"qk_norm": True})])
-def test_decode_buffers_with_padding_rows(interp, gemv, arch):
-    err, same_best, dkv_others, scratch_written, *_ = interp(_graphs_case, "cpu", gemv, arch)
+@pytest.mark.parametrize("gemv,arch,mlp", [(False, {}, "split"), (True, {}, "split"),
+                                           (False, {"attn_bias": True}, "split"),
+                                           (False, {"qk_norm": True}, "split"),
+                                           (False, {}, "fused")])
+def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp):
+    err, same_best, dkv_others, scratch_written, *_ = interp(_graphs_case, "cpu", gemv, arch, mlp)
     assert err <= REL_STEP and same_best
     assert dkv_others <= 2e-3          # the real rows' KV as the reference wrote it, nothing else touched
     assert scratch_written             # the padding row wrote its KV into the scratch block
