@@ -61,7 +61,9 @@ VARIANTS = {"graphs-pdl": ({"TANDEM_GPU_PDL": "1"}, "programmatic dependent laun
 # prefill lines of the graphs engine: the matmuls on the tensor cores (TF32: cuBLAS's, and the Q4_0
 # kernels' above 64 rows), and through the Q4_0 kernels instead of cuBLAS on dequantized weights
 PREFILL_VARIANTS = {"prefill_tf32_ms": {"TANDEM_GPU_PRECISION": "tf32"},
-                    "prefill_kernels_ms": {"TANDEM_GPU_GEMM_ROWS": "0"}}
+                    "prefill_kernels_ms": {"TANDEM_GPU_GEMM_ROWS": "0"},
+                    "prefill_attn_fp16_ms": {"TANDEM_GPU_PREFILL_ATTN": "fp16"},
+                    "prefill_tf32_attn_fp16_ms": {"TANDEM_GPU_PRECISION": "tf32", "TANDEM_GPU_PREFILL_ATTN": "fp16"}}
 
 
 def _cuda_engine(mode: str, max_seqs: int, prefill: int, env: dict | None = None):
@@ -273,6 +275,10 @@ def table(res: dict) -> str:
     if "prefill_kernels_ms" in res:
         lines += [f"prefill of the same prompt through the Q4_0 kernels (TANDEM_GPU_GEMM_ROWS=0, not cuBLAS): "
                   f"{res['prefill_kernels_ms']} ms"]
+    if "prefill_attn_fp16_ms" in res:
+        lines += [f"prefill of the same prompt with its attention in float16 on the tensor cores "
+                  f"(TANDEM_GPU_PREFILL_ATTN=fp16): {res['prefill_attn_fp16_ms']} ms; with TF32 matmuls too: "
+                  f"{res.get('prefill_tf32_attn_fp16_ms', '?')} ms"]
     if "graphs" in eng and "ops" in eng:
         ratios = [eng["graphs"]["decode"][c] / eng["ops"]["decode"][c] for c in cs]
         lines += ["graphs ÷ ops: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]

@@ -75,6 +75,7 @@ MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
 PREFETCH = ("auto", "0", "1")        # TANDEM_GPU_PREFETCH (``prefetch``)
 MLP = ("split", "fused")             # TANDEM_GPU_MLP: the FFN as gate|up + down, or one ``qmlp`` launch
+PREFILL_ATTN = ("ieee", "tf32", "fp16")   # TANDEM_GPU_PREFILL_ATTN: attn_prefill's dots
 # qmlp: K split until the grid has this many programs (8 warps, 128-203 registers a thread: two
 # programs an SM, 264 on an H100/H200, one wave); outputs a chunk; warps (4 spilled: 255 registers)
 MLP_PROGRAMS, MLP_BLOCK_D, MLP_WARPS = 192, 64, 8
@@ -247,6 +248,12 @@ class GpuStep:
         self.prefetch = os.environ.get("TANDEM_GPU_PREFETCH", "auto")
         if self.prefetch not in PREFETCH:
             raise ValueError(f"TANDEM_GPU_PREFETCH must be one of {', '.join(PREFETCH)}, got {self.prefetch!r}")
+        # the prefill chunks' attention dots: f32 "ieee", "tf32", or "fp16" (q and the softmax weights
+        # rounded to meet the float16 cache on the tensor cores); decodes' attention stays f32
+        self.prefill_attn = os.environ.get("TANDEM_GPU_PREFILL_ATTN", "ieee")
+        if self.prefill_attn not in PREFILL_ATTN:
+            raise ValueError(f"TANDEM_GPU_PREFILL_ATTN must be one of {', '.join(PREFILL_ATTN)}, "
+                             f"got {self.prefill_attn!r}")
         # a layer's FFN as two matmuls ("split") or one launch (``mlp``: "fused"; with the fused sums only)
         self.mlp_mode = os.environ.get("TANDEM_GPU_MLP", "split")
         if self.mlp_mode not in MLP:
@@ -417,7 +424,7 @@ class GpuStep:
             kern.attn_prefill[(c, self.nkv, -(-pb.max_q // BLOCK_Q))](
                 q, layer_kv, pb.ptables, pb.starts, pb.qlens, pb.offs, out, q.stride(0), pb.ptables.stride(0),
                 s[0], s[1], s[2], s[3], scale, GROUP=self.group, GROUP_P=gp, HD=self.hd, BS=bs,
-                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL, PRECISION="ieee", num_warps=PREFILL_WARPS,
+                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL, PRECISION=self.prefill_attn, num_warps=PREFILL_WARPS,
                 **pdl_args(self.pdl))
         return out
 

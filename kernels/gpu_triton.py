@@ -743,7 +743,10 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
     """Causal attention of BLOCK_Q query tokens of chunk c = program_id(0) (its tokens at rows
     offs[c]..., positions starts[c]...) for the GROUP query heads of one kv head, against the keys
     up to each token's own position, read in place through the chunk's block table: rows of the
-    tile are (token, head) pairs, scores and values through ``tl.dot``, online softmax."""
+    tile are (token, head) pairs, scores and values through ``tl.dot``, online softmax.
+    PRECISION: the dots' — "ieee" / "tf32" (f32 operands), or "fp16": q and the softmax weights
+    rounded to float16 to meet the cache's float16 keys and values on the tensor cores (float32
+    sums either way)."""
     _grid_dependency(PDL)
     c = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -761,6 +764,8 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
         d = tl.arange(0, HD)
         qaddr = (off + i.to(tl.int64))[:, None] * stride_q + heads[:, None] * HD + d[None, :]
         q = tl.load(q_ptr + qaddr, mask=r_ok[:, None], other=0.0)
+        if PRECISION == "fp16":
+            q = q.to(tl.float16)
         m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_P, HD], dtype=tl.float32)
@@ -771,17 +776,23 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
             k_ok = kk < hi
             blk = tl.load(bt_ptr + c * stride_bt + kk // BS, mask=k_ok, other=0).to(tl.int64)
             slot = blk * s_blk + (kk % BS).to(tl.int64) * s_slot + kvh * s_head
-            k = tl.load(kv_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
-            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale                    # [R, BK]
+            k = tl.load(kv_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+            if PRECISION == "fp16":
+                sc = tl.dot(q, tl.trans(k)) * scale                                              # [R, BK]
+            else:
+                sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
             ok = k_ok[None, :] & (kk[None, :] <= qpos[:, None])
             sc = tl.where(ok, sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with no key yet (padding)
             p = tl.exp(sc - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            v = tl.load(kv_ptr + s_kv + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+            v = tl.load(kv_ptr + s_kv + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+            if PRECISION == "fp16":
+                acc = tl.dot(p.to(tl.float16), v, acc * alpha[:, None])
+            else:
+                acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         l_i = tl.where(r_ok, l_i, 1.0)
         tl.store(out_ptr + qaddr, acc / l_i[:, None], mask=r_ok[:, None])

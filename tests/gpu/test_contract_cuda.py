@@ -16,13 +16,16 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("mode,precision", [("graphs", "ieee"), ("graphs", "tf32"), ("ops", "ieee")])
-def test_cpu_and_cuda_hold_the_contract(bundled_model, mode, precision, monkeypatch):
-    """tf32: the fused step's matmuls of more than 64 rows (the 512-token text) on the tensor cores."""
+@pytest.mark.parametrize("mode,precision,attn", [("graphs", "ieee", "ieee"), ("graphs", "tf32", "ieee"),
+                                                 ("graphs", "ieee", "fp16"), ("ops", "ieee", "ieee")])
+def test_cpu_and_cuda_hold_the_contract(bundled_model, mode, precision, attn, monkeypatch):
+    """tf32: the fused step's matmuls of more than 64 rows (the 512-token text) on the tensor cores;
+    attn fp16: the prefill's attention in float16 on the tensor cores (TANDEM_GPU_PREFILL_ATTN)."""
     monkeypatch.setenv("TANDEM_GPU_PRECISION", precision)
+    monkeypatch.setenv("TANDEM_GPU_PREFILL_ATTN", attn)
     cpu = Engine(bundled_model, EngineConfig(num_kv_blocks=96))
     cuda = Engine(bundled_model, EngineConfig(device="cuda", gpu_step=mode, num_kv_blocks=96))
     got = contract.check(cpu, cuda)
-    print(f"\n[contract cpu vs cuda {mode} {precision}]", got)
+    print(f"\n[contract cpu vs cuda {mode} {precision} attention {attn}]", got)
     for name, figures in got.items():
         assert contract.holds(figures), (name, figures)

@@ -182,11 +182,13 @@ def _attend_rope_case(arch_kw, device="cpu"):
     return parts.shape[0], float((got - want).abs().max()), float((fused_kv.float() - kv.float()).abs().max())
 
 
-def _attention_case(max_context, lens_dec, chunks_pre, device="cpu"):
+def _attention_case(max_context, lens_dec, chunks_pre, device="cpu", prefill_attn="ieee"):
+    """``prefill_attn``: TANDEM_GPU_PREFILL_ATTN's setting."""
     from kernels.gpu_step import GpuStep, PagedBatch
     from shared.engine.model import AttnChunk, StepContext
     model = tiny_model(device, max_context=max_context)
     cfg, st = model.cfg, GpuStep(model, max_context)
+    st.prefill_attn = prefill_attn
     g = torch.Generator().manual_seed(len(lens_dec) * 7 + max_context)
     nblocks = 200
     kv = (torch.randn(nblocks, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, generator=g)).half().to(device)
@@ -569,6 +571,16 @@ def test_paged_attention(interp, max_context):
     err, nseg = interp(_attention_case, max_context, lens, pre)
     assert nseg == max_context // 256
     assert err <= 1e-5
+
+
+@pytest.mark.parametrize("precision,bound", [("tf32", 1e-5), ("fp16", 5e-3)])
+def test_prefill_attention_on_the_tensor_cores(interp, precision, bound):
+    """TANDEM_GPU_PREFILL_ATTN: the prefill chunks' dots in TF32 or float16 (q and the softmax
+    weights rounded to float16; the cache is float16 already) against the f32 reference; the
+    decodes beside them stay f32. (The interpreter computes TF32 dots in f32: its bound is f32's;
+    on CUDA tests/gpu bounds both.)"""
+    err, _ = interp(_attention_case, 1024, [17, 300], [(0, 20), (32, 17), (200, 40)], "cpu", precision)
+    assert err <= bound
 
 
 def test_split_sums_and_segments_reduced_in_kernel_are_bitwise_their_own_launches(interp):

@@ -122,6 +122,8 @@ def launches():
                 st.counters, st.reduce = None, "launch"
             st.pdl = reduce == "pdl"        # TANDEM_GPU_PDL=1: programmatic dependent launch
             st.mlp_mode = "fused" if reduce == "mlp" else "split"   # TANDEM_GPU_MLP=fused: qmlp
+            # TANDEM_GPU_PREFILL_ATTN: tf32 beside the tf32 matmuls, fp16 beside qmlp
+            st.prefill_attn = "fp16" if reduce == "mlp" else precision
             plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
             chunks, off = [], 0
             for start, n in plan:
@@ -161,6 +163,7 @@ def test_the_step_launches_the_variants_expected(launches):
                      "attn_prefill", "philox_uniform", "qmlp"}
     assert {c["BLOCK_M"] for fn, s, c, *_ in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
+    assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "attn_prefill"} == {"ieee", "tf32", "fp16"}
     assert {c["FIXUP"] for fn, s, c, *_ in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
     rope = {(c["HAS_BIAS"], c["QK_NORM"]) for fn, s, c, *_ in launches if fn.__name__ in ("rope_kv", "attn_decode")
             and c.get("ROPE", True)}
