@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 rate = bench_decode(engine, c, gen)
             row["decode"][str(c)] = round(rate, 1)
+        _progress(f"{mode}: decode tok/s {row['decode']}")     # (in the log as it comes: a stopped run keeps it)
         for seqs in (1, 16):
             row[f"profile_{seqs}"] = profile_steps(engine, seqs)
             _progress(f"{mode}: {seqs} seqs: {row[f'profile_{seqs}']}")
@@ -185,6 +186,7 @@ def run(args: argparse.Namespace) -> dict:
             _progress(f"{mode}, sampled {SAMPLED}: {row['decode_sampled']}, 16 seqs: {row['profile_16_sampled']}")
         rate = bench_prefill(engine, args.prefill_tokens, 3)
         row["prefill_ms"] = round(args.prefill_tokens / rate * 1000, 2)
+        _progress(f"{mode}: prefill of {args.prefill_tokens} tokens {row['prefill_ms']} ms")
         if engine.graphs is not None:
             row["graph_replays"] = engine.graphs.replays
         res["engines"][mode] = row
@@ -195,6 +197,7 @@ def run(args: argparse.Namespace) -> dict:
                 engine = _cuda_engine(mode, top, args.prefill_tokens, env)
                 rate = bench_prefill(engine, args.prefill_tokens, 3)
                 res[key] = round(args.prefill_tokens / rate * 1000, 2)
+                _progress(f"{key} ({env}): {res[key]} ms")
                 del engine
                 torch.cuda.empty_cache()
     if not args.no_cpu:
@@ -216,6 +219,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 rate = bench_decode(engine, c, args.gen_tokens)
             row["decode"][str(c)] = round(rate, 1)
+            _progress(f"host CPU: x{c} {row['decode'][str(c)]} tok/s")
         res["engines"]["cpu"] = row
     return res
 
