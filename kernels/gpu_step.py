@@ -76,6 +76,7 @@ REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
 PREFETCH = ("auto", "0", "1")        # TANDEM_GPU_PREFETCH (``prefetch``)
 MLP = ("split", "fused")             # TANDEM_GPU_MLP: the FFN as gate|up + down, or one ``qmlp`` launch
 PREFILL_ATTN = ("ieee", "tf32", "fp16")   # TANDEM_GPU_PREFILL_ATTN: attn_prefill's dots
+PRECISIONS = ("ieee", "tf32", "tf32x3")   # TANDEM_GPU_PRECISION: the Q4_0 matmuls' dots
 # qmlp: K split until the grid has this many programs (8 warps, 128-203 registers a thread: two
 # programs an SM, 264 on an H100/H200, one wave); outputs a chunk; warps (4 spilled: 255 registers)
 MLP_PROGRAMS, MLP_BLOCK_D, MLP_WARPS = 192, 64, 8
@@ -146,7 +147,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tunin
             precision: str = "ieee", part: torch.Tensor | None = None, reduce: bool = True,
             counters: torch.Tensor | None = None, pdl: bool = False, prefetch_mode: str = "auto"):
     """Launch ``GpuStep.matmul``'s kernels for ``tile``: ``qgemv`` for up to ``tile.gemv`` rows, else
-    ``qmatmul`` (``precision`` past 64 rows). Where K is split, the partial sums go to ``part``
+    ``qmatmul`` (``precision`` past 64 rows; "tf32x3" at every M). Where K is split, the partial sums go to ``part``
     (allocated when not given) and are added up in split order by the last split of each tile to
     finish, given ``counters`` (zeroed int32, one a tile: ``GpuStep.counters``) — else by a
     ``split_sum`` launch; ``reduce=False`` leaves them there, unsummed, for a consumer that adds
@@ -162,7 +163,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tunin
         args["NORM_W"] = tile.norm_step
     else:
         fn, block_m = kern.qmatmul, 16 if m <= 16 else 32 if m <= 32 else 64
-        args |= dict(PRECISION=precision if m > 64 else "ieee", NORM_W=16 * tile.block_b)
+        args |= dict(PRECISION=precision if m > 64 or precision == "tf32x3" else "ieee", NORM_W=16 * tile.block_b)
     grid = (-(-n // tile.block_n), -(-m // block_m))
     args["PREFETCH"] = prefetch(block_m, per, tile.block_b, prefetch_mode, norm is not None and splits > 1)
     nw = norm if norm is not None else x
@@ -230,10 +231,12 @@ class GpuStep:
         self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.group = self.nh // self.nkv
         self.nseg = -(-max_context // SEG)
-        # f32 "ieee" keeps the activations' bits (no TF32 rounding); "tf32" runs the tensor cores
+        # the qmatmul dots: f32 "ieee" keeps the activations' bits (no TF32 rounding); "tf32" runs
+        # the tensor cores past 64 rows; "tf32x3" runs them at every M, three TF32 products a term
+        # (each operand split into a TF32 part and its remainder: f32's accuracy, not its bits)
         self.precision = precision or os.environ.get("TANDEM_GPU_PRECISION", "ieee")
-        if self.precision not in ("ieee", "tf32"):
-            raise ValueError(f"TANDEM_GPU_PRECISION must be ieee or tf32, got {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TANDEM_GPU_PRECISION must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         self.tuning = tuning if tuning is not None else gpu_tuning.load(self.device)
         # split-K sums and attention's key segments added up by the last program of a launch to
         # finish, and a decode step's rope in attn_decode ("fused": no launches of their own), or

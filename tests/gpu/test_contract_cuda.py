@@ -17,9 +17,11 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("mode,precision,attn", [("graphs", "ieee", "ieee"), ("graphs", "tf32", "ieee"),
-                                                 ("graphs", "ieee", "fp16"), ("ops", "ieee", "ieee")])
+                                                 ("graphs", "tf32x3", "ieee"), ("graphs", "ieee", "fp16"),
+                                                 ("ops", "ieee", "ieee")])
 def test_cpu_and_cuda_hold_the_contract(bundled_model, mode, precision, attn, monkeypatch):
     """tf32: the fused step's matmuls of more than 64 rows (the 512-token text) on the tensor cores;
+    tf32x3: every Q4_0 matmul on them, three TF32 passes;
     attn fp16: the prefill's attention in float16 on the tensor cores (TANDEM_GPU_PREFILL_ATTN)."""
     monkeypatch.setenv("TANDEM_GPU_PRECISION", precision)
     monkeypatch.setenv("TANDEM_GPU_PREFILL_ATTN", attn)

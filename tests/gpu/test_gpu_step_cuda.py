@@ -30,6 +30,15 @@ def test_matmul(m, n, k):
     assert cases._matmul_case(m, n, k, False, False, False, "cuda") <= cases.REL
 
 
+@pytest.mark.parametrize("m", [1, 17, 70])
+@pytest.mark.parametrize("norm,silu,residual", [(True, False, False), (False, True, True)])
+def test_matmul_in_3xtf32(m, norm, silu, residual):
+    """TANDEM_GPU_PRECISION=tf32x3: every M on the tensor cores, three TF32 products a term —
+    f32's accuracy (the same bound as the f32 "ieee" dots), not its bits."""
+    assert cases._matmul_case(m, 576, 576 if not silu else 1536, norm, silu, residual, "cuda", None, False,
+                              "tf32x3") <= cases.REL
+
+
 @pytest.mark.parametrize("case", [c.values for c in cases.TUNED_TILES])
 def test_matmul_with_a_tuned_tile(case):
     from kernels.gpu_tuning import Tile

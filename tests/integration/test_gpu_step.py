@@ -84,12 +84,12 @@ def rel(got, want) -> float:
 
 # ---- the cases: run in the interpreter's worker here, compiled on CUDA by tests/gpu -----------
 
-def _matmul_case(m, n, k, norm, silu, residual, device="cpu", tile=None, gemm=False):
+def _matmul_case(m, n, k, norm, silu, residual, device="cpu", tile=None, gemm=False, precision=None):
     from kernels.gpu_step import GpuStep
     from kernels.gpu_tuning import Tuning
     g = torch.Generator().manual_seed(m * 1000 + n)
     model = tiny_model(device)
-    st = GpuStep(model, 1024, tuning=Tuning({(n, k): tile}, "test") if tile else None)
+    st = GpuStep(model, 1024, precision, tuning=Tuning({(n, k): tile}, "test") if tile else None)
     q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
     x = torch.randn(m, 2 * k if silu else k, generator=g).to(device)
     nw = (torch.rand(k, generator=g) + 0.5).to(device) if norm else None
@@ -420,6 +420,13 @@ def test_matmul(interp, m, n, k):
 @pytest.mark.parametrize("n,k", [(100, 96), (64, 512)])
 def test_matmul_prologues_and_epilogue(interp, norm, silu, residual, n, k):
     assert interp(_matmul_case, 3, n, k, norm, silu, residual) <= REL
+
+
+@pytest.mark.parametrize("m", [1, 17, 70])
+def test_matmul_in_3xtf32(interp, m):
+    """TANDEM_GPU_PRECISION=tf32x3 at every M (the interpreter computes the three TF32 products
+    in f32: the code path here, the accuracy on CUDA in tests/gpu)."""
+    assert interp(_matmul_case, m, 100, 96, True, False, True, "cpu", None, False, "tf32x3") <= REL
 
 
 @pytest.mark.parametrize("norm,silu,residual", [(True, False, False), (False, True, True)])

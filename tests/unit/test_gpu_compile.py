@@ -6,7 +6,7 @@ spilled kilobytes).
 
 The variants are not listed by hand: the step runs once on the CPU with the kernels replaced by
 a recorder, over the launches a real engine makes — a mixed step (a prefill chunk, a chunk after
-a cached prefix, decodes) and decode steps at every M tile (1, 2, 3, 8, 16, 17, 40 rows), f32 "ieee" and TF32,
+a cached prefix, decodes) and decode steps at every M tile (1, 2, 3, 8, 16, 17, 40 rows), f32 "ieee", TF32 and 3xTF32,
 with the built-in matmul tiles, each table in kernels/tuning/ (kernels/gpu_tuning.py) and
 ``qgemv`` tiles at every decode BLOCK_M, split sums and attention segments reduced in the kernel
 (the default) and by launches of their own (TANDEM_GPU_REDUCE=launch; f32, the H200's tiles), launched
@@ -114,16 +114,18 @@ def launches():
         h200 = gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200"))
         tunings.append(gpu_tuning.Tuning({s: dataclasses.replace(t, gemv=16, norm_w=256)
                                           for s, t in h200.tiles.items()}, "gemv"))
-        for precision, tuning, reduce in itertools.product(("ieee", "tf32"), tunings, gpu_step.REDUCE + ("pdl", "mlp")):
-            if reduce != "fused" and (precision == "tf32" or tuning.source != h200.source):
+        for precision, tuning, reduce in itertools.product(gpu_step.PRECISIONS, tunings, gpu_step.REDUCE + ("pdl", "mlp")):
+            if reduce != "fused" and (precision != "ieee" or tuning.source != h200.source):
                 continue            # (the other kernels of these modes: those of the fused ones)
+            if precision == "tf32x3" and tuning.source != h200.source:
+                continue            # (TANDEM_GPU_PRECISION=tf32x3: qmatmul at every M, the H200's tiles)
             st = gpu_step.GpuStep(model, 8192, precision, tuning=tuning)
             if reduce == "launch":          # TANDEM_GPU_REDUCE=launch: split_sum, attn_merge, rope_kv
                 st.counters, st.reduce = None, "launch"
             st.pdl = reduce == "pdl"        # TANDEM_GPU_PDL=1: programmatic dependent launch
             st.mlp_mode = "fused" if reduce == "mlp" else "split"   # TANDEM_GPU_MLP=fused: qmlp
             # TANDEM_GPU_PREFILL_ATTN: tf32 beside the tf32 matmuls, fp16 beside qmlp
-            st.prefill_attn = "fp16" if reduce == "mlp" else precision
+            st.prefill_attn = "fp16" if reduce == "mlp" else "tf32" if precision == "tf32" else "ieee"
             plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
             chunks, off = [], 0
             for start, n in plan:
@@ -162,7 +164,7 @@ def test_the_step_launches_the_variants_expected(launches):
     assert names == {"embed", "qmatmul", "qgemv", "split_sum", "rope_kv", "attn_decode", "attn_merge",
                      "attn_prefill", "philox_uniform", "qmlp"}
     assert {c["BLOCK_M"] for fn, s, c, *_ in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
-    assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32"}
+    assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32", "tf32x3"}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "attn_prefill"} == {"ieee", "tf32", "fp16"}
     assert {c["FIXUP"] for fn, s, c, *_ in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
     rope = {(c["HAS_BIAS"], c["QK_NORM"]) for fn, s, c, *_ in launches if fn.__name__ in ("rope_kv", "attn_decode")
