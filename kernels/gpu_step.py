@@ -342,6 +342,7 @@ class GpuStep:
         _k().qmlp[(tiles, mtiles, splits)](x, gu, dn, L["ffn_norm"], gpart, dpart, self.counters, m, f, gu.shape[1],
                                            dn.shape[1], x.stride(0), self.cfg.rms_eps, per, K=k, BLOCK_M=block_m,
                                            TILES=tiles, SPLITS=splits, BLOCK_D=MLP_BLOCK_D, num_warps=MLP_WARPS,
+                                           PRECISION="tf32x3" if self.precision == "tf32x3" else "ieee",
                                            **pdl_args(self.pdl))
 
     def matmul_parts(self, x: torch.Tensor, q: torch.Tensor, norm: torch.Tensor | None = None,

@@ -374,7 +374,8 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
 
 @triton.jit
 def _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, t, dn_row_bytes, stride_xm,
-              K: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+              K: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+              PRECISION: tl.constexpr):
     """``qmlp``'s second half, in the program holding intermediate columns [32 f, 32 f + 32) of its
     rows (``act_lo`` / ``act_hi``: the block's first and last 16): times down's Q4_0 block column
     f, a partial of every output, BLOCK_D at a time, to ``dpart[f]``; the last of the TILES
@@ -384,8 +385,8 @@ def _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, 
         d = (dc + tl.arange(0, BLOCK_D)).to(tl.int64)
         d_ok = d < K
         w_lo, w_hi = _q4_values(*_q4_fetch_tile(dn_ptr, d, d_ok, dn_row_bytes, f, f + 1, t))   # [BD, 16]
-        p = tl.dot(act_lo, tl.trans(w_lo), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), input_precision="ieee")
-        p = tl.dot(act_hi, tl.trans(w_hi), p, input_precision="ieee")
+        p = tl.dot(act_lo, tl.trans(w_lo), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), input_precision=PRECISION)
+        p = tl.dot(act_hi, tl.trans(w_hi), p, input_precision=PRECISION)
         ok = m_ok[:, None] & d_ok[None, :]
         off = m[:, None] * K + d[None, :]
         tl.store(dpart_ptr + f * M * K + off, p, mask=ok)
@@ -400,7 +401,7 @@ def _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, 
 @triton.jit
 def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_row_bytes, dn_row_bytes,
          stride_xm, eps, blocks_per_split, K: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
-         SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+         SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """A layer's FFN in one launch (TANDEM_GPU_MLP=fused): x += down(silu(gate) * up), gate | up
     of RMSNorm(x) (``nw``; x [M, K], gate|up Q4_0 [2F, K], down Q4_0 [K, F]). Program (f, M tile,
     split s): the gate and up rows of intermediate columns [32 f, 32 f + 32) — one Q4_0 block of
@@ -436,16 +437,16 @@ def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_
             w_lo, w_hi = _q4_values(*_q4_fetch_tile(gu_ptr, rows, r_ok, gu_row_bytes, kb, kb1, t))
             if which == 0:
                 g_lo = _dot_step(g_lo, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
-                                 False, "ieee")
+                                 False, PRECISION)
             elif which == 1:
                 g_hi = _dot_step(g_hi, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
-                                 False, "ieee")
+                                 False, PRECISION)
             elif which == 2:
                 u_lo = _dot_step(u_lo, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
-                                 False, "ieee")
+                                 False, PRECISION)
             else:
                 u_hi = _dot_step(u_hi, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
-                                 False, "ieee")
+                                 False, PRECISION)
     cnt_dn = cnt_ptr + tl.num_programs(1) * TILES       # the down chunks' counters, after the tiles'
     if SPLITS > 1:
         ok = m_ok[:, None] & r_ok[None, :]
@@ -468,10 +469,10 @@ def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_
                 u_hi += tl.load(at + F + 16, mask=ok, other=0.0, cache_modifier=".cg")
             _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_dn, g_lo * tl.sigmoid(g_lo) * u_lo,
                       g_hi * tl.sigmoid(g_hi) * u_hi, m, m_ok, M, f, t, dn_row_bytes, stride_xm, K, TILES, BLOCK_M,
-                      BLOCK_D)
+                      BLOCK_D, PRECISION)
     else:
         _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_dn, g_lo * tl.sigmoid(g_lo) * u_lo, g_hi * tl.sigmoid(g_hi) * u_hi,
-                  m, m_ok, M, f, t, dn_row_bytes, stride_xm, K, TILES, BLOCK_M, BLOCK_D)
+                  m, m_ok, M, f, t, dn_row_bytes, stride_xm, K, TILES, BLOCK_M, BLOCK_D, PRECISION)
 
 
 @triton.jit

@@ -136,6 +136,11 @@ def launches():
             for b in (1, 2, 3, 8, 16, 17, 40):                       # every M tile of a decode step
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
+        st = gpu_step.GpuStep(model, 8192, "tf32x3", tuning=h200)       # qmlp in 3xTF32
+        st.mlp_mode = "fused"
+        for b in (1, 17, 40):
+            i = torch.zeros(b, dtype=torch.int32)
+            st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
         for arch in ({"bias": True}, {"qk_norm": True}):              # rope_kv / attn_decode's qwen variants
             st = gpu_step.GpuStep(bundled_shapes_model(**arch), 8192, "ieee", tuning=h200)
             i = torch.zeros(1, dtype=torch.int32)
