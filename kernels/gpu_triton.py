@@ -228,6 +228,18 @@ def _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_
 
 
 @triton.jit
+def _k_range(SPLIT: tl.constexpr, blocks_per_split, nb):
+    """The Q4_0 blocks [kb0, kb1) of K a matmul program covers: split program_id(2)'s (SPLIT),
+    else all ``nb``."""
+    kb0 = 0
+    kb1 = nb
+    if SPLIT:
+        kb0 = tl.program_id(2) * blocks_per_split
+        kb1 = tl.minimum(kb0 + blocks_per_split, nb)
+    return kb0, kb1
+
+
+@triton.jit
 def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, stride_xm, stride_om, eps,
             blocks_per_split, K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -249,14 +261,7 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, s
     t = tl.arange(0, BLOCK_B * 16)                                   # [T]: block t // 16, byte t % 16
     m_ok = m < M
     n_ok = n < N
-    nb = K // 32
-    if SPLIT:
-        s = tl.program_id(2)
-        kb0 = s * blocks_per_split
-        kb1 = tl.minimum(kb0 + blocks_per_split, nb)
-    else:
-        kb0 = 0
-        kb1 = nb
+    kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if BLOCK_M <= 16:
         # the first K step's weight bytes before the wait on the previous kernel: weights never
@@ -336,13 +341,7 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
     n_ok = n < N
     b = tl.arange(0, BLOCK_B)
     rows = tl.arange(0, BLOCK_M)
-    nb = K // 32
-    if SPLIT:
-        kb0 = tl.program_id(2) * blocks_per_split
-        kb1 = tl.minimum(kb0 + blocks_per_split, nb)
-    else:
-        kb0 = 0
-        kb1 = nb
+    kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32)
     # the first K step's weight bytes before the wait on the previous kernel (as in qmatmul)
     s_lo, s_hi, qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb0 + b, kb1)
     _grid_dependency(PDL)
@@ -418,14 +417,7 @@ def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_
     t = tl.arange(0, 16)
     r_lo = (f * 32 + t).to(tl.int64)            # the block's intermediate columns 0..15 (r_lo + 16: 16..31)
     r_ok = r_lo < F
-    nb = K // 32
-    if SPLITS > 1:
-        s = tl.program_id(2)
-        kb0 = s * blocks_per_split
-        kb1 = tl.minimum(kb0 + blocks_per_split, nb)
-    else:
-        kb0 = 0
-        kb1 = nb
+    kb0, kb1 = _k_range(SPLITS > 1, blocks_per_split, K // 32)
     rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, 16, BLOCK_M, True)
     g_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     g_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
@@ -451,7 +443,7 @@ def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_
     if SPLITS > 1:
         ok = m_ok[:, None] & r_ok[None, :]
         pn = m[:, None] * (2 * F) + r_lo[None, :]
-        here = gpart_ptr + s.to(tl.int64) * M * 2 * F + pn
+        here = gpart_ptr + tl.program_id(2).to(tl.int64) * M * 2 * F + pn
         tl.store(here, g_lo, mask=ok)
         tl.store(here + 16, g_hi, mask=ok)
         tl.store(here + F, u_lo, mask=ok)
