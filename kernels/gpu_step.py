@@ -323,7 +323,8 @@ class GpuStep:
         """The layer's FFN into the residual stream ``x`` (in place): x += down(silu(gate) * up) of
         RMSNorm(x). TANDEM_GPU_MLP=fused (with the in-kernel sums; not where ``gemm``): one ``qmlp``
         launch — K split for gate|up until the grid has ``MLP_PROGRAMS`` programs, down in one-block
-        steps — else (or where the counters are too few) gate|up and down as two matmuls."""
+        steps, its dots at ``qmatmul``'s precision for the same rows — else (or where the counters
+        are too few) gate|up and down as two matmuls."""
         gu, dn = L["gate_up"], L["down"]
         m, k, f = x.shape[0], x.shape[1], dn.shape[1] // 18 * 32
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -342,7 +343,7 @@ class GpuStep:
         _k().qmlp[(tiles, mtiles, splits)](x, gu, dn, L["ffn_norm"], gpart, dpart, self.counters, m, f, gu.shape[1],
                                            dn.shape[1], x.stride(0), self.cfg.rms_eps, per, K=k, BLOCK_M=block_m,
                                            TILES=tiles, SPLITS=splits, BLOCK_D=MLP_BLOCK_D, num_warps=MLP_WARPS,
-                                           PRECISION="tf32x3" if self.precision == "tf32x3" else "ieee",
+                                           PRECISION=self.precision if m > 64 or self.precision == "tf32x3" else "ieee",
                                            **pdl_args(self.pdl))
 
     def matmul_parts(self, x: torch.Tensor, q: torch.Tensor, norm: torch.Tensor | None = None,

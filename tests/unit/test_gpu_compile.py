@@ -141,6 +141,10 @@ def launches():
         for b in (1, 17, 40):
             i = torch.zeros(b, dtype=torch.int32)
             st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
+        st = gpu_step.GpuStep(model, 8192, "tf32", tuning=h200)         # qmlp in TF32 past 64 rows
+        st.mlp_mode = "fused"
+        z = torch.zeros(100, dtype=torch.int64)
+        st.forward(z, StepContext(z, z, z, [AttnChunk(0, 100, 0, torch.zeros(1), [0] * 7)], z[-1:]), kv)
         for arch in ({"bias": True}, {"qk_norm": True}):              # rope_kv / attn_decode's qwen variants
             st = gpu_step.GpuStep(bundled_shapes_model(**arch), 8192, "ieee", tuning=h200)
             i = torch.zeros(1, dtype=torch.int32)
