@@ -36,11 +36,15 @@ def _grid_dependency(PDL: tl.constexpr):
 
 
 @triton.jit
+def _half(lo, hi):
+    """An fp16 from its two bytes (little endian), as f32."""
+    return (lo.to(tl.uint16) | (hi.to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _scale(q_ptr, off, mask):
-    """The fp16 block scale at byte offsets ``off`` (little endian), as f32."""
-    lo = tl.load(q_ptr + off, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(q_ptr + off + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    """The fp16 block scale at byte offsets ``off``, as f32."""
+    return _half(tl.load(q_ptr + off, mask=mask, other=0), tl.load(q_ptr + off + 1, mask=mask, other=0))
 
 
 @triton.jit
@@ -177,7 +181,7 @@ def _q4_fetch(q_ptr, base, q_off, ok):
 def _q4_values(s_lo, s_hi, qs):
     """Fetched Q4_0 bytes (``_q4_fetch``) dequantized: (low nibbles, high nibbles) ``(q - 8) * d``
     in float32, the scales broadcast over the quant bytes."""
-    d = (s_lo.to(tl.uint16) | (s_hi.to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    d = _half(s_lo, s_hi)
     return ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
 
 
@@ -398,6 +402,14 @@ def _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, 
 
 
 @triton.jit
+def _gu_step(acc, x_ptr, gu_ptr, nw_ptr, rows, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb, kb1, t,
+             K: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc`` plus K step ``kb`` of 16 gate|up ``rows`` against the RMS-normed activations (``qmlp``)."""
+    w_lo, w_hi = _q4_values(*_q4_fetch_tile(gu_ptr, rows, r_ok, gu_row_bytes, kb, kb1, t))
+    return _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True, False, PRECISION)
+
+
+@triton.jit
 def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_row_bytes, dn_row_bytes,
          stride_xm, eps, blocks_per_split, K: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
          SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
@@ -423,23 +435,16 @@ def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_
     g_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     u_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     u_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-    for kb in range(kb0, kb1):
-        for which in tl.static_range(4):        # gate lo, gate hi, up lo, up hi: 16 rows each
-            rows = r_lo + (which % 2) * 16 + (which // 2) * F
-            w_lo, w_hi = _q4_values(*_q4_fetch_tile(gu_ptr, rows, r_ok, gu_row_bytes, kb, kb1, t))
-            if which == 0:
-                g_lo = _dot_step(g_lo, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
-                                 False, PRECISION)
-            elif which == 1:
-                g_hi = _dot_step(g_hi, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
-                                 False, PRECISION)
-            elif which == 2:
-                u_lo = _dot_step(u_lo, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
-                                 False, PRECISION)
-            else:
-                u_hi = _dot_step(u_hi, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True,
-                                 False, PRECISION)
-    cnt_dn = cnt_ptr + tl.num_programs(1) * TILES       # the down chunks' counters, after the tiles'
+    for kb in range(kb0, kb1):                  # gate lo, gate hi, up lo, up hi: 16 rows each
+        g_lo = _gu_step(g_lo, x_ptr, gu_ptr, nw_ptr, r_lo, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb, kb1, t,
+                        K, PRECISION)
+        g_hi = _gu_step(g_hi, x_ptr, gu_ptr, nw_ptr, r_lo + 16, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb,
+                        kb1, t, K, PRECISION)
+        u_lo = _gu_step(u_lo, x_ptr, gu_ptr, nw_ptr, r_lo + F, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb,
+                        kb1, t, K, PRECISION)
+        u_hi = _gu_step(u_hi, x_ptr, gu_ptr, nw_ptr, r_lo + F + 16, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb,
+                        kb1, t, K, PRECISION)
+    last = True
     if SPLITS > 1:
         ok = m_ok[:, None] & r_ok[None, :]
         pn = m[:, None] * (2 * F) + r_lo[None, :]
@@ -448,7 +453,8 @@ def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_
         tl.store(here + 16, g_hi, mask=ok)
         tl.store(here + F, u_lo, mask=ok)
         tl.store(here + F + 16, u_hi, mask=ok)
-        if _last_arrival(cnt_ptr + tl.program_id(1) * TILES + f, SPLITS):
+        last = _last_arrival(cnt_ptr + tl.program_id(1) * TILES + f, SPLITS)
+        if last:
             g_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
             g_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
             u_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
@@ -459,12 +465,10 @@ def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_
                 g_hi += tl.load(at + 16, mask=ok, other=0.0, cache_modifier=".cg")
                 u_lo += tl.load(at + F, mask=ok, other=0.0, cache_modifier=".cg")
                 u_hi += tl.load(at + F + 16, mask=ok, other=0.0, cache_modifier=".cg")
-            _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_dn, g_lo * tl.sigmoid(g_lo) * u_lo,
-                      g_hi * tl.sigmoid(g_hi) * u_hi, m, m_ok, M, f, t, dn_row_bytes, stride_xm, K, TILES, BLOCK_M,
-                      BLOCK_D, PRECISION)
-    else:
-        _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_dn, g_lo * tl.sigmoid(g_lo) * u_lo, g_hi * tl.sigmoid(g_hi) * u_hi,
-                  m, m_ok, M, f, t, dn_row_bytes, stride_xm, K, TILES, BLOCK_M, BLOCK_D, PRECISION)
+    if last:
+        _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr + tl.num_programs(1) * TILES,    # (its counters after the tiles')
+                  g_lo * tl.sigmoid(g_lo) * u_lo, g_hi * tl.sigmoid(g_hi) * u_hi, m, m_ok, M, f, t, dn_row_bytes,
+                  stride_xm, K, TILES, BLOCK_M, BLOCK_D, PRECISION)
 
 
 @triton.jit
