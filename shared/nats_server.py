@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -45,11 +46,34 @@ def find_nats_server() -> Path:
         "to an existing server")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for bind(0) / connect() ports (Linux; the IANA range elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on ``host`` right now, chosen *below* the kernel's ephemeral range.
+
+    The caller binds it later (a child server's ``-p PORT``), so the port is free only until then.
+    A port from bind(0) would be one the kernel hands out again to the next bind(0) in between (a
+    service's /metrics server on port 0 took a test stack's gateway port that way); a port below
+    the ephemeral range is never handed out by the kernel, only taken by another explicit pick.
+    """
+    low, _high = _ephemeral_range()
+    lo = 10000 if low > 12000 else 1024
+    for _ in range(200):
+        port = random.randrange(lo, low) if low - lo > 1000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host} below {low} after 200 tries")
 
 
 class EmbeddedNats:

@@ -99,3 +99,18 @@ def test_session_kv_series():
     metrics.observe_session_turn("batch", prompt_tokens=300, cached_tokens=256)
     assert value("tandem_session_turn_cached_tokens_count", tier="batch") == c + 1
     assert value("tandem_session_turn_cached_tokens_sum", tier="batch") >= 256
+
+
+def test_a_picked_port_is_never_one_a_bind_to_port_0_gets():
+    """A test stack's gateway port is picked, released, then bound by the child: a /metrics server on
+    port 0 in between must not be able to take it (it did once, and /health answered Prometheus text)."""
+    import socket
+
+    from shared.nats_server import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    picked = {free_port() for _ in range(50)}
+    assert all(p < low for p in picked), sorted(picked)
+    with socket.socket() as s:                   # what serve_http(0) does
+        s.bind(("127.0.0.1", 0))
+        assert low <= s.getsockname()[1] <= high
