@@ -18,16 +18,45 @@ import torch
 from kernels.gpu_step import DecodeGraphs
 
 
-class StubGraphs(DecodeGraphs):
-    """DecodeGraphs whose every bucket "replays" in no time: zero logits, token 0."""
+# what the stub "generates": the detokenizer's work depends on it (a special token's empty text
+# keeps a sequence's decode window growing, which made the first figures of this bench 2x too high)
+TEXT = ("The quick brown fox jumps over the lazy dog. A serving system streams tokens to many users "
+        "at once; each step decodes one token for every running sequence, and the host turns those "
+        "tokens into text, checks stop strings and hands the deltas on. Naïve, café, 東京, 👍 — "
+        "multi-byte characters arrive in pieces and wait for their last byte.")
 
-    def __init__(self, cap: int, width: int, block_size: int, vocab: int):
+
+class StubGraphs(DecodeGraphs):
+    """DecodeGraphs whose every bucket "replays" in no time: zero logits, and row r's token at step k
+    ``tokens[(k + r) % len(tokens)]`` (default: token 0)."""
+
+    def __init__(self, cap: int, width: int, block_size: int, vocab: int, tokens: list[int] | None = None):
         super().__init__(SimpleNamespace(device=torch.device("cpu")), None, cap, width, block_size, 0, capture=False)
         self.logits = torch.zeros(self.sizes[-1], vocab)
         self.best = torch.zeros(self.sizes[-1], dtype=torch.int64)
+        self.tokens = torch.tensor(tokens or [0], dtype=torch.int64)
 
     def _body(self, bucket, variant=None):
+        self.best[:bucket] = self.tokens[(self.steps + torch.arange(bucket)) % len(self.tokens)]
         return self.logits[:bucket], self.best[:bucket]
+
+
+def _decode_steps(e, n: int, steps: int) -> float:
+    """µs a decode step of ``n`` sequences, over ``steps`` steps after two unmeasured ones."""
+    from shared.engine.sampling import SamplingParams
+    p = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        e.add(f"h{n}-{i}-{time.monotonic_ns()}", e.tokenizer.encode("The quick brown fox"), p)
+    e.step()
+    e.step()
+    t0, k = time.perf_counter(), 0
+    while e.has_work() and k < steps:
+        e.step()
+        k += 1
+    us = (time.perf_counter() - t0) / k * 1e6
+    while e.has_work():
+        e.step()
+    return us
 
 
 def main(argv=None) -> int:
@@ -36,30 +65,25 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     a = ap.parse_args(argv)
     from shared.engine.engine import Engine, EngineConfig
-    from shared.engine.sampling import SamplingParams
     top = max(a.seqs)
     # KV for every sequence's whole run (prompt, two warm-up steps, the steps): nothing preempted
     # (with the default 256 MiB, 64 sequences of 200 steps swapped 8 times: not the host's step)
     blocks = top * -(-(16 + a.steps + 8) // 16) + 8
     e = Engine.from_path(None, EngineConfig(threads=2, enable_prefix_caching=False, max_num_seqs=top,
                                             num_kv_blocks=blocks))
-    e.graphs = StubGraphs(top, 512, e.layout.block_size, e.model.cfg.vocab_size)
-    print("| sequences | host µs a decode step |\n|---:|---:|")
+    e.graphs = StubGraphs(top, 512, e.layout.block_size, e.model.cfg.vocab_size,
+                          e.tokenizer.encode(TEXT, add_special_tokens=False))
+    pieces = e.tokenizer._pieces        # the byte-level decode (shared/engine/tokenizer.py), and without it
+    print("| sequences | host µs a decode step | with tokenizers' decode | ratio |\n|---:|---:|---:|---:|")
     for n in a.seqs:
-        p = SamplingParams(max_tokens=a.steps + 8, temperature=0.0, ignore_eos=True)
-        for i in range(n):
-            e.add(f"h{n}-{i}", e.tokenizer.encode("The quick brown fox"), p)
-        e.step()
-        e.step()
-        t0, k = time.perf_counter(), 0
-        while e.has_work() and k < a.steps:
-            e.step()
-            k += 1
-        print(f"| {n} | {(time.perf_counter() - t0) / k * 1e6:.0f} |", flush=True)
+        us = []
+        for decode_pieces in (pieces, None):
+            e.tokenizer._pieces = decode_pieces
+            us.append(_decode_steps(e, n, a.steps))
+        print(f"| {n} | {us[0]:.0f} | {us[1]:.0f} | {us[0] / us[1]:.2f} |", flush=True)
         if e.scheduler.num_preemptions:
             print(f"(preempted {e.scheduler.num_preemptions} times: the figure includes KV swaps)", flush=True)
-        while e.has_work():
-            e.step()
+    e.tokenizer._pieces = pieces
     return 0
 
 

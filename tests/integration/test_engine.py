@@ -453,11 +453,14 @@ def test_warm_up_on_cuda_runs_the_prefill_variants(bundled_model, monkeypatch):
 
 def test_the_host_share_bench_runs_the_graphs_path_with_a_stub(bundled_model):
     """bench/gpu_host.py: the engine's real decode-graphs path (try_step, the static buffers) with
-    a graph that does no work — every decode step goes through it and yields the stub's token."""
-    from bench.gpu_host import StubGraphs
+    a graph that does no work — every decode step goes through it and yields the stub's tokens."""
+    from bench.gpu_host import TEXT, StubGraphs
     eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64, max_num_seqs=4))
-    eng.graphs = StubGraphs(4, 512, eng.layout.block_size, bundled_model.config.vocab_size)
+    text = eng.tokenizer.encode(TEXT, add_special_tokens=False)
+    eng.graphs = StubGraphs(4, 512, eng.layout.block_size, bundled_model.config.vocab_size, text)
     got = run_to_completion(eng, {f"r{i}": (eng.tokenizer.encode(PROMPTS[i]), greedy(6)) for i in range(3)})
-    assert all(o.token_ids[1:] == [0] * 5 for o in got.values())   # the first token is the prefill's
-    assert eng.graphs.steps == 5
-    assert eng.graphs.inputs.host_view("ids")[:3].tolist() == [0, 0, 0]
+    order = sorted(got)        # rows in the order the engine added them
+    for row, rid in enumerate(order):   # step k (1..5) gives row r text[k + r]; the first token is the prefill's
+        assert got[rid].token_ids[1:] == [text[(k + row) % len(text)] for k in range(1, 6)]
+    assert eng.graphs.steps == 5       # the last step was fed each row's token of the step before
+    assert eng.graphs.inputs.host_view("ids")[:3].tolist() == [text[(4 + row) % len(text)] for row in range(3)]
