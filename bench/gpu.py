@@ -100,6 +100,34 @@ def profile_steps(engine, seqs: int, steps: int = 5, sampled: dict | None = None
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    while engine.has_work():
+        engine.step()
+    return _summary(prof, steps, wall, KERNELS_SHOWN)
+
+
+def profile_prefill(engine, n: int) -> dict:
+    """``profile_steps``' figures for the prefill of one ``n``-token prompt (its first token
+    included): where the prefill target's time goes, by kernel (issue 34 asks a profile of what
+    bounds a target that is not met)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.engine import _prompt
+    from shared.engine.engine import run_to_completion
+    from shared.engine.sampling import SamplingParams
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ids = _prompt(engine.tokenizer, n, 99)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run_to_completion(engine, {"prof-prefill": (ids, params)})
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return _summary(prof, 1, wall, PREFILL_KERNELS_SHOWN)
+
+
+def _summary(prof, steps: int, wall: float, shown: int) -> dict:
+    """Per step: host launches, GPU busy µs, wall µs, kernels and the ``shown`` costliest kernels."""
     launches, busy = 0, 0.0
     by_kernel: dict[str, float] = {}
     kernel_counts: dict[str, int] = {}
@@ -113,9 +141,7 @@ def profile_steps(engine, seqs: int, steps: int = 5, sampled: dict | None = None
             kernel_counts[ev.name] = kernel_counts.get(ev.name, 0) + 1
     if busy == 0.0:   # kernels attributed to the host ops that launched them (older profilers)
         busy = sum(float(getattr(ev, "self_device_time_total", 0.0) or 0.0) for ev in prof.events())
-    while engine.has_work():
-        engine.step()
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:KERNELS_SHOWN]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:shown]
     return {"launches": round(launches / steps, 1), "gpu_busy_us": round(busy / steps, 1),
             "wall_us": round(wall / steps * 1e6, 1),     # (under the profiler: a little above a plain step)
             "kernels": round(sum(n for n in kernel_counts.values()) / steps, 1),
@@ -123,6 +149,7 @@ def profile_steps(engine, seqs: int, steps: int = 5, sampled: dict | None = None
 
 
 KERNELS_SHOWN = 6
+PREFILL_KERNELS_SHOWN = 10
 
 
 def _short(name: str) -> str:
@@ -153,7 +180,8 @@ def run(args: argparse.Namespace) -> dict:
     top = max(args.concurrency)
     res: dict = {"gpu": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
                  "host_cpu": platform.processor() or _cpu_name(), "energy": meter.describe(),
-                 "concurrency": args.concurrency, "gen_tokens": args.gen_tokens, "engines": {}}
+                 "concurrency": args.concurrency, "gen_tokens": args.gen_tokens, "prefill_tokens": args.prefill_tokens,
+                 "engines": {}}
     for mode in args.modes:
         _progress(f"CUDA engine, gpu_step={mode}: loading")
         engine = _cuda_engine(mode, top, args.prefill_tokens)
@@ -188,6 +216,8 @@ def run(args: argparse.Namespace) -> dict:
         rate = bench_prefill(engine, args.prefill_tokens, 3)
         row["prefill_ms"] = round(args.prefill_tokens / rate * 1000, 2)
         _progress(f"{mode}: prefill of {args.prefill_tokens} tokens {row['prefill_ms']} ms")
+        row["profile_prefill"] = profile_prefill(engine, args.prefill_tokens)
+        _progress(f"{mode}: prefill profile {row['profile_prefill']}")
         if engine.graphs is not None:
             row["graph_replays"] = engine.graphs.replays
         res["engines"][mode] = row
@@ -267,6 +297,11 @@ def table(res: dict) -> str:
                           f"cuda {name}, {seqs} seq{', sampled' if kind else ''}: a decode step {p.get('wall_us', '?')} "
                           f"µs of wall, {p['gpu_busy_us']} of GPU work in {p.get('kernels', '?')} kernels; by kernel: "
                           + ", ".join(f"{n} {t}" for n, t in k.items())]
+        p = row.get("profile_prefill")
+        if p and name != "ops":
+            lines += [f"cuda {name}, prefill of {res.get('prefill_tokens', '?')} tokens (profiled): {p['wall_us']} µs "
+                      f"of wall, {p['gpu_busy_us']} of GPU work in {p['kernels']} kernels ({p['launches']} launches);"
+                      " by kernel: " + ", ".join(f"{n} {t}" for n, t in p["by_kernel_us"].items())]
     lines = [x for x in lines if x is not None]
     if "graphs" in eng and "cpu" in eng:
         ratios = [eng["graphs"]["decode"][c] / eng["cpu"]["decode"][c] for c in cs]

@@ -197,6 +197,15 @@ def test_a_replayed_decode_step_launches_at_most_200_kernels(cuda_engines, seqs)
     assert figures["launches"] <= 200
 
 
+def test_a_prefill_is_profiled_by_kernel(cuda_engines):
+    """`tandem bench gpu`'s prefill profile (what bounds the 2,048-token prefill target)."""
+    from bench.gpu import profile_prefill
+    figures = profile_prefill(cuda_engines["graphs"], 300)
+    print(f"\n[graphs, prefill of 300 tokens] {figures}")
+    assert figures["kernels"] > 0 and figures["gpu_busy_us"] > 0 and figures["by_kernel_us"]
+    assert not cuda_engines["graphs"].has_work()
+
+
 def test_device_sampler_on_cuda_against_the_host_sampler():
     """The graphs' sampler (kernels/gpu_sample.py) on CUDA: the Philox uniforms bit for bit the
     host's, and the tokens the host sampler draws from the same logits with them — all but a

@@ -38,6 +38,16 @@ def test_the_table_has_each_engine_the_ratios_and_the_kernel_split():
     assert "cuda ops, 1 seq" not in out                       # 1,800 launches a step: nothing to read there
 
 
+def test_the_prefill_profile_is_a_line_of_its_own():
+    res = _result()
+    res["prefill_tokens"] = 2048
+    res["engines"]["graphs"]["profile_prefill"] = {"launches": 410.0, "gpu_busy_us": 52000.0, "wall_us": 93000.0,
+                                                   "kernels": 600.0, "by_kernel_us": {"attn_prefill": 30000.0,
+                                                                                      "sgemm": 12000.0}}
+    assert ("cuda graphs, prefill of 2048 tokens (profiled): 93000.0 µs of wall, 52000.0 of GPU work in 600.0 "
+            "kernels (410.0 launches); by kernel: attn_prefill 30000.0, sgemm 12000.0") in gpu.table(res)
+
+
 def test_a_variant_is_compared_with_graphs():
     res = _result()
     res["engines"]["graphs-pdl"] = {"decode": {"1": 337.3, "8": 2102.5},
