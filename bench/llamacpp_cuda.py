@@ -57,8 +57,16 @@ def tandem_figures(path: str | None) -> dict:
     return out
 
 
+def on_gpu(llama: dict[str, dict]) -> bool:
+    """Did llama-bench run on a GPU? Where CUDA does not initialize (no driver, a runtime newer than
+    the driver) it says so on stderr and runs on the CPU, with an empty ``gpu_info``."""
+    return bool(llama) and all(r.get("gpu_info") for r in llama.values())
+
+
 def table(llama: dict[str, dict], tandem: dict) -> str:
     any_row = next(iter(llama.values()), {})
+    if llama and not on_gpu(llama):   # a CPU figure beside a GPU one is no comparison
+        tandem = {}
     lines = [f"llama.cpp {any_row.get('build_commit', '?')} (llama-bench, CUDA, {any_row.get('gpu_info', '?')}), "
              f"model {any_row.get('model_type', '?')}, {any_row.get('n_gpu_layers', '?')} layers on the GPU; "
              "Tandem: `tandem bench gpu`, CUDA graphs, same machine", "",
@@ -77,6 +85,8 @@ def table(llama: dict[str, dict], tandem: dict) -> str:
                      f"(fa {r.get('flash_attn', '?')}) | {mine} | {ratio} |")
     if not llama:
         lines.append("| (llama-bench wrote no result: see llama.log) | | | |")
+    elif not on_gpu(llama):
+        lines += ["", "**llama.cpp ran on the CPU**: CUDA did not initialize (llama.log says why): no GPU figure."]
     return "\n".join(lines)
 
 
@@ -87,7 +97,7 @@ def main(argv: list[str]) -> int:
     llama = llama_rows(argv[0]) if Path(argv[0]).exists() else {}
     tandem = tandem_figures(argv[1] if len(argv) > 1 else None)
     print(table(llama, tandem))
-    return 0 if llama else 1
+    return 0 if on_gpu(llama) else 1
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ import json
 from bench.llamacpp_cuda import llama_rows, main, table, tandem_figures
 
 
-def record(n_prompt: int, n_gen: int, fa: int, ts: float) -> dict:
+def record(n_prompt: int, n_gen: int, fa: int, ts: float, gpu: str = "NVIDIA H200") -> dict:
     """One llama-bench result, with the fields its README's JSON example has (those read here)."""
-    return {"build_commit": "0c1e570", "gpu_info": "NVIDIA H200", "backends": "CUDA", "model_type": "llama ?B Q4_0",
+    return {"build_commit": "0c1e570", "gpu_info": gpu, "backends": "CUDA", "model_type": "llama ?B Q4_0",
             "n_gpu_layers": 99, "flash_attn": fa, "n_prompt": n_prompt, "n_gen": n_gen, "avg_ts": ts,
             "stddev_ts": ts / 100}
 
@@ -45,3 +45,13 @@ def test_figures_from_the_log_of_a_bench_cut_off_before_its_json(tmp_path, capsy
     (tmp_path / "llama.json").write_text("")                # llama-bench died before writing
     assert main([str(tmp_path / "llama.json"), str(log)]) == 1
     assert "wrote no result" in capsys.readouterr().out
+
+
+def test_a_llama_bench_that_fell_back_to_the_cpu_is_no_comparison(tmp_path, capsys):
+    """The build run here without a GPU: "ggml_cuda_init: failed to initialize CUDA", then the CPU
+    (gpu_info ""), as it would on a machine whose driver is older than its CUDA runtime."""
+    (tmp_path / "llama.json").write_text(json.dumps([record(512, 0, 1, 537.4, gpu=""), record(0, 128, 0, 112.4, gpu="")]))
+    (tmp_path / "bench.json").write_text(json.dumps({"engines": {"graphs": {"decode": {"1": 450.0}}}}))
+    assert main([str(tmp_path / "llama.json"), str(tmp_path / "bench.json")]) == 1
+    out = capsys.readouterr().out
+    assert "ran on the CPU" in out and "450.0" not in out
