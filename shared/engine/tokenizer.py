@@ -165,7 +165,6 @@ class Tokenizer:
             if tid is not None:
                 self.special_strings.setdefault(name, self.id_to_piece(tid))
         self._template = None
-        self._pieces = _byte_pieces(backend)
 
     def to_dict(self) -> dict:
         """Everything ``from_dict`` needs, JSON-serializable (the weight cache stores it)."""
@@ -192,16 +191,6 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text of ``ids``, as ``tokenizers`` decodes it (an incomplete UTF-8 character as U+FFFD).
-
-        With a byte-level vocabulary (a ``ByteLevel`` decoder) the bytes of each token are joined
-        and decoded here: the same text (tested over every token and random runs of them) at a
-        twentieth of the cost, which a decode step pays twice per sequence (``decode_step``)."""
-        if skip_special_tokens and self._pieces is not None:
-            try:
-                return b"".join([self._pieces[i] for i in ids]).decode("utf-8", "replace")
-            except (TypeError, IndexError):   # a token without a byte spelling (None), or out of range
-                pass
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_piece(self, token_id: int) -> str | None:
@@ -339,28 +328,6 @@ class Tokenizer:
             bos not in backend.encode("a", add_special_tokens=True).ids
         return cls(backend, bos_token_id=bos, eos_token_id=eos, extra_eos_ids=set(gen_eos), add_bos=add_bos,
                    chat_template=template, special_strings={k: v for k, v in names.items() if v})
-
-
-def _byte_pieces(backend: HFTokenizer) -> list[bytes | None] | None:
-    """Each token's bytes as a ``ByteLevel`` decoder gives them, special tokens empty (skipped); None
-    where the decoder is anything else. A token spelled outside the byte alphabet decodes as its
-    UTF-8 (``tokenizers``' rule); an added token whose text ``tokenizers`` decodes otherwise is None
-    (decoded by ``tokenizers``)."""
-    if not isinstance(backend.decoder, decoders.ByteLevel):
-        return None
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
-    pieces: list[bytes | None] = [None] * backend.get_vocab_size(with_added_tokens=True)
-    for token, i in backend.get_vocab(with_added_tokens=True).items():
-        try:
-            pieces[i] = bytes([byte_of[c] for c in token])
-        except KeyError:
-            pieces[i] = token.encode("utf-8")
-    for i, added in backend.get_added_tokens_decoder().items():
-        if added.special:
-            pieces[i] = b""
-        elif pieces[i].decode("utf-8", "replace") != backend.decode([i]):
-            pieces[i] = None
-    return pieces
 
 
 def _read_json(path: str) -> dict:

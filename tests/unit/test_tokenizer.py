@@ -151,27 +151,3 @@ def test_sentencepiece_gguf_tokenizer():
     assert [t.id_to_piece(i) for i in ids[1:]] == ["▁hello", "▁world"]
     assert t.decode(ids) == "hello world"
     assert t.decode(t.encode("hé")) == "hé"  # é is not in the vocabulary: byte fallback
-
-
-def test_byte_level_decode_is_tokenizers_decode(ours):
-    """Tokenizer.decode joins a byte-level vocabulary's token bytes itself: the text of tokenizers'
-    own decode for every token alone and for random runs heavy in lone bytes (cut characters, stray
-    continuation bytes, overlong leads: U+FFFD where tokenizers puts them), special tokens among them."""
-    import random
-
-    assert ours._pieces is not None                        # the bundled model's vocabulary is byte-level
-    n = ours.vocab_size
-    every = list(range(n))
-    assert [ours.decode([i]) for i in every] == [ours.backend.decode([i]) for i in every]
-    single_bytes = [i for i in every if ours._pieces[i] is not None and len(ours._pieces[i]) == 1]
-    assert len(single_bytes) > 200
-    specials = sorted(ours.backend.get_added_tokens_decoder())
-    rnd = random.Random(7)
-    for _ in range(3000):
-        ids = [rnd.choice(single_bytes) if rnd.random() < 0.6 else rnd.choice(specials) if rnd.random() < 0.1
-               else rnd.randrange(n) for _ in range(rnd.randint(1, 12))]
-        assert ours.decode(ids) == ours.backend.decode(ids), ids
-    assert ours.decode([n + 5]) == ours.backend.decode([n + 5])          # out of range: tokenizers' answer
-    spm = Tokenizer.from_gguf(lambda k, d=None: {"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": [0.0] * 3,
-                                                 "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>"]}.get(k, d))
-    assert spm._pieces is None                              # any other decoder: tokenizers decodes
