@@ -56,7 +56,8 @@ VARIANTS = {"graphs-pdl": ({"TANDEM_GPU_PDL": "1"}, "programmatic dependent laun
             "graphs-noprefetch": ({"TANDEM_GPU_PREFETCH": "0"}, "each K step's weights fetched at use"),
             "graphs-prefetch": ({"TANDEM_GPU_PREFETCH": "1"}, "weights fetched a step ahead in every program of 2+ steps"),
             "graphs-mlp": ({"TANDEM_GPU_MLP": "fused"}, "a layer's FFN in one launch"),
-            "graphs-tf32x3": ({"TANDEM_GPU_PRECISION": "tf32x3"}, "the matmuls' dots on the tensor cores, 3 TF32 passes")}
+            "graphs-tf32x3": ({"TANDEM_GPU_PRECISION": "tf32x3"}, "the matmuls' dots on the tensor cores, 3 TF32 passes"),
+            "graphs-planes": ({"TANDEM_GPU_WEIGHTS": "planes"}, "the Q4_0 weights as aligned planes: vector loads")}
 
 
 # prefill lines of the graphs engine: the matmuls on the tensor cores (TF32: cuBLAS's, and the Q4_0

@@ -66,6 +66,7 @@ class Shape:
 
     def __init__(self, name: str, m: int, count: int | None = None):
         import torch
+        from kernels.gpu_step import Q4Weight
         n, k, self.norm, self.silu, self.residual, launches = SHAPES[name]
         self.name, self.n, self.k, self.m = name, n, k, m
         count = launches if count is None else count
@@ -76,7 +77,7 @@ class Shape:
             q = torch.randint(0, 256, (n, nb, 18), dtype=torch.uint8, device=DEVICE, generator=g)
             d = (torch.rand(n, nb, device=DEVICE, generator=g) * 0.01 + 0.001).half()
             q[:, :, :2] = d.view(torch.uint8).view(n, nb, 2)
-            self.w.append(q.view(n, nb * 18))
+            self.w.append(Q4Weight.of(q.view(n, nb * 18), os.environ.get("TANDEM_GPU_WEIGHTS") == "planes"))
         self.x = torch.randn(m, 2 * k if self.silu else k, device=DEVICE, generator=g)
         self.nw = torch.rand(k, device=DEVICE, generator=g) + 0.5
         self.out = torch.zeros(m, n, device=DEVICE)

@@ -107,10 +107,11 @@ def matmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) ->
         kern.gemv[(-(-n // block_n), m)](x, q, out, n, k, q.shape[1], x.stride(0), out.stride(0),
                                          BLOCK_N=block_n, BLOCK_B=BLOCK_B)
     else:   # the fused step's matmul, plain: each weight block dequantized once per 64-row tile
-        kern.qmatmul[(-(-n // 64), -(-m // 64))](x, q, out, x, out, out, m, n, q.shape[1], x.stride(0), out.stride(0),
-                                                 0.0, 0, K=k, BLOCK_M=64, BLOCK_N=64, BLOCK_B=BLOCK_B, NORM=False,
-                                                 SILU=False, RESIDUAL=False, SPLIT=False, FIXUP=False, PRECISION="ieee",
-                                                 NORM_W=16, PDL=False, PREFETCH=False)
+        q = q.contiguous()
+        kern.qmatmul[(-(-n // 64), -(-m // 64))](x, q, q.view(torch.float16), out, x, out, out, m, n, x.stride(0),
+                                                 out.stride(0), 0.0, 0, K=k, BLOCK_M=64, BLOCK_N=64, BLOCK_B=BLOCK_B,
+                                                 NORM=False, SILU=False, RESIDUAL=False, SPLIT=False, FIXUP=False,
+                                                 PRECISION="ieee", NORM_W=16, PDL=False, PREFETCH=False, PLANES=False)
     return out
 
 

@@ -48,6 +48,10 @@ seeds), the bucket's graph with the sampler after the step draws their tokens on
 (kernels/gpu_sample.py); either way one replay, and one device-to-host copy returns the tokens.
 Without CUDA (the tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly through the
 interpreter.
+
+The matmuls read each Q4_0 weight through a ``Q4Weight``: the model's ``block_q4_0`` rows, or
+(TANDEM_GPU_WEIGHTS=planes) a copy with every quant byte of a row in one aligned run and the
+scales after them, which the kernels load as vectors — the same bits either way.
 """
 
 from __future__ import annotations
@@ -60,28 +64,33 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import gpu_tuning
+from kernels import gpu_tuning, q4_0
 
 SEG = 256          # keys per attention segment of a decode token (fixed: batch-independent numbers)
 # Tile shapes, chosen from ptxas' register report for sm_90 (tests/unit/test_gpu_compile.py
 # compiles every variant the step launches and fails on a register spill). The qmatmul's tiles
 # are per GPU and weight shape (kernels/gpu_tuning.py: measured tables, else one Q4_0 block a K
-# step with 8 warps); attention's prefill tiles 16 tokens x 32 keys with 8 warps (4 spilled),
-# decode 16 keys a step with 4.
+# step with 8 warps); attention's prefill tiles 16 tokens x 32 keys with 8 warps on the tensor
+# cores ("tf32", "fp16": 106-117 registers), x 16 keys in f32 "ieee" (205 registers; with 32 keys,
+# compiled as the JIT specializes it — aligned pointers and strides — 255 and 648 B spilled);
+# decode 16 keys a step with 4 warps.
 EMBED_BLOCK_B = 4
 BLOCK_K_DECODE, DECODE_WARPS = 16, 4
-BLOCK_Q, BLOCK_K_PREFILL, PREFILL_WARPS = 16, 32, 8
+BLOCK_Q, PREFILL_WARPS = 16, 8
+BLOCK_K_PREFILL = {"ieee": 16, "tf32": 32, "fp16": 32}   # by TANDEM_GPU_PREFILL_ATTN
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
 PREFETCH = ("auto", "0", "1")        # TANDEM_GPU_PREFETCH (``prefetch``)
 MLP = ("split", "fused")             # TANDEM_GPU_MLP: the FFN as gate|up + down, or one ``qmlp`` launch
 PREFILL_ATTN = ("ieee", "tf32", "fp16")   # TANDEM_GPU_PREFILL_ATTN: attn_prefill's dots
 PRECISIONS = ("ieee", "tf32", "tf32x3")   # TANDEM_GPU_PRECISION: the Q4_0 matmuls' dots
+WEIGHTS = ("blocks", "planes")            # TANDEM_GPU_WEIGHTS: the matmuls' Q4_0 bytes on the device (``Q4Weight``)
 # qmlp: K split until the grid has this many programs (8 warps, 128-203 registers a thread: two
 # programs an SM, 264 on an H100/H200, one wave); outputs a chunk; warps (4 spilled: 255 registers)
 MLP_PROGRAMS, MLP_BLOCK_D, MLP_WARPS = 192, 64, 8
 PREFETCH_STEPS = 3   # "auto": K steps a program needs to fetch each step's weights during the one before
 GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls through cuBLAS (TANDEM_GPU_GEMM_ROWS)
+MATRICES = ("qkv", "o", "gate_up", "down")   # a layer's Q4_0 matrices (``Transformer.layers``)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
 
 log = logging.getLogger("tandem.gpu")
@@ -142,7 +151,40 @@ def prefetch(block_m: int, blocks: int, block_b: int, mode: str = "auto", norm_s
     return steps >= PREFETCH_STEPS and not norm_split
 
 
-def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tuning.Tile,
+@dataclass(frozen=True)
+class Q4Weight:
+    """A Q4_0 matrix [N, K] as the step's kernels read it: its bytes ``q`` (uint8 [N, K/32*18]) and
+    the same bytes as float16 ``d`` (a block's scale is loaded as one value), laid out as
+    ``block_q4_0`` rows — the model's tensor itself, no copy — or, with ``planes``, as
+    ``q4_0.to_planes``: every quant byte of a row in one aligned run (16-byte loads where the
+    18-byte blocks allow only byte loads), the scales after them (TANDEM_GPU_WEIGHTS=planes: a
+    copy, so the matmuls' weights are on the device twice until it is measured). The same bits
+    either way."""
+    q: torch.Tensor
+    d: torch.Tensor
+    planes: bool = False
+
+    @classmethod
+    def of(cls, q: torch.Tensor, planes: bool = False) -> "Q4Weight":
+        if q.dim() != 2 or q.dtype != torch.uint8 or q.shape[1] % q4_0.BLOCK_BYTES:
+            raise ValueError(f"not a Q4_0 byte matrix: dtype {q.dtype}, shape {tuple(q.shape)}")
+        q = q4_0.to_planes(q) if planes else q.contiguous()
+        return cls(q, q.view(torch.float16), planes)
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1] // 18 * 32
+
+    def blocks(self) -> torch.Tensor:
+        """The ``block_q4_0`` rows (a copy where the layout is planes)."""
+        return q4_0.from_planes(self.q) if self.planes else self.q
+
+
+def qmatmul(x: torch.Tensor, w: Q4Weight, out: torch.Tensor, tile: gpu_tuning.Tile,
             norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False, eps: float = 1e-5,
             precision: str = "ieee", part: torch.Tensor | None = None, reduce: bool = True,
             counters: torch.Tensor | None = None, pdl: bool = False, prefetch_mode: str = "auto"):
@@ -153,10 +195,10 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tunin
     ``split_sum`` launch; ``reduce=False`` leaves them there, unsummed, for a consumer that adds
     them as it reads (``rope_kv``). Either way the same bits. ``pdl``: launched with programmatic
     dependent launch (``GpuStep.pdl``). Returns the matmul's compiled kernel (registers, spills)."""
-    m, n, k = x.shape[0], q.shape[0], q.shape[1] // 18 * 32
+    m, n, k = x.shape[0], w.n, w.k
     splits, per = tile.plan(n, k)
     kern = _k()
-    args = dict(BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=norm is not None, SILU=silu,
+    args = dict(BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=norm is not None, SILU=silu, PLANES=w.planes,
                 num_warps=tile.warps, **pdl_args(pdl))
     if m <= tile.gemv:      # a decode batch: no tl.dot (kernels/gpu_tuning.py)
         fn, block_m = kern.qgemv, _pow2(m)
@@ -168,12 +210,12 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor, tile: gpu_tunin
     args["PREFETCH"] = prefetch(block_m, per, tile.block_b, prefetch_mode, norm is not None and splits > 1)
     nw = norm if norm is not None else x
     if splits == 1:
-        return fn[grid](x, q, out, nw, out, out, m, n, q.shape[1], x.stride(0), out.stride(0), eps, 0, K=k,
+        return fn[grid](x, w.q, w.d, out, nw, out, out, m, n, x.stride(0), out.stride(0), eps, 0, K=k,
                         RESIDUAL=residual, SPLIT=False, FIXUP=False, BLOCK_M=block_m, **args)
     if part is None:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     fixup = reduce and counters is not None and grid[0] * grid[1] <= counters.numel()
-    c = fn[(*grid, splits)](x, q, out, nw, part, counters if fixup else out, m, n, q.shape[1], x.stride(0),
+    c = fn[(*grid, splits)](x, w.q, w.d, out, nw, part, counters if fixup else out, m, n, x.stride(0),
                             out.stride(0), eps, per, K=k, RESIDUAL=residual, SPLIT=True, FIXUP=fixup,
                             BLOCK_M=block_m, **args)
     if reduce and not fixup:
@@ -223,7 +265,7 @@ class GpuStep:
     """The forward step of a ``Transformer`` in the fused kernels (its weights on the device)."""
 
     def __init__(self, model, max_context: int, precision: str | None = None,
-                 tuning: "gpu_tuning.Tuning | None" = None):
+                 tuning: "gpu_tuning.Tuning | None" = None, weights: str | None = None):
         cfg = model.cfg
         self.m = model
         self.cfg = cfg
@@ -268,6 +310,15 @@ class GpuStep:
             raise ValueError(f"TANDEM_GPU_GEMM_ROWS must be >= 0, got {self.gemm_rows}")
         self.cos = model.cos.contiguous()
         self.sin = model.sin.contiguous()
+        # the matmuls' weights as the kernels read them: the model's block_q4_0 tensors ("blocks"),
+        # or copies laid out as planes ("planes": aligned 16-byte loads of the quants; ``Q4Weight``)
+        mode = weights or os.environ.get("TANDEM_GPU_WEIGHTS", "blocks")
+        if mode not in WEIGHTS:
+            raise ValueError(f"TANDEM_GPU_WEIGHTS must be one of {', '.join(WEIGHTS)}, got {mode!r}")
+        planes = mode == "planes"
+        self.layers = [{name: Q4Weight.of(v, planes) if name in MATRICES else v for name, v in L.items()}
+                       for L in model.layers]
+        self.output = Q4Weight.of(model.output, planes)
 
     # ---- the kernels, launched ------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -279,40 +330,38 @@ class GpuStep:
                                         **pdl_args(self.pdl))
         return out
 
-    def matmul(self, x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
+    def matmul(self, x: torch.Tensor, w: Q4Weight, out: torch.Tensor | None = None,
                norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False,
                gemm: bool = False) -> torch.Tensor:
         """``a @ W.T`` for Q4_0 W [N, K]: a = x, or silu(x[:, :K]) * x[:, K:] (``silu``), RMS-normed
         with weight ``norm`` (given); into ``out``, added to it (``residual``). ``gemm``: through
         ``gemm`` (torch.matmul) instead of the Q4_0 kernels."""
         m = x.shape[0]
-        n, k = q.shape[0], q.shape[1] // 18 * 32
         if gemm:
-            return self.gemm(x, q, out, norm, silu, residual)
+            return self.gemm(x, w, out, norm, silu, residual)
         if out is None:
-            out = torch.empty(m, n, dtype=torch.float32, device=self.device)
+            out = torch.empty(m, w.n, dtype=torch.float32, device=self.device)
         if m == 0:
             return out
-        qmatmul(x, q, out, self.tuning.tile(n, k), norm, silu, residual, self.cfg.rms_eps, self.precision,
+        qmatmul(x, w, out, self.tuning.tile(w.n, w.k), norm, silu, residual, self.cfg.rms_eps, self.precision,
                 counters=self.counters, pdl=self.pdl, prefetch_mode=self.prefetch)
         return out
 
-    def gemm(self, x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
+    def gemm(self, x: torch.Tensor, w: Q4Weight, out: torch.Tensor | None = None,
              norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False) -> torch.Tensor:
         """``matmul``'s contract through torch: the prologue as torch ops, the weight dequantized
         (``q4_0.matmul``: 4,096 rows at a time, f32) and multiplied by ``torch.matmul`` — cuBLAS
         on CUDA, on its tensor cores in TF32 where ``precision`` is "tf32", f32 otherwise. For
         prefill-sized M, where cuBLAS beat the Q4_0 kernels 5–80× on an H200 (docs/kernels.md);
-        a copy of the f32 weight exists only during the call."""
-        from kernels import q4_0
-        k = q.shape[1] // 18 * 32
+        a copy of the f32 weight exists only during the call (and of its block_q4_0 rows, with planes)."""
+        k = w.k
         a = torch.nn.functional.silu(x[:, :k]) * x[:, k:] if silu else x
         if norm is not None:
             a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps) * norm
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
         try:
-            y = q4_0.matmul(a.contiguous(), q)
+            y = q4_0.matmul(a.contiguous(), w.blocks())
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         if out is None:
@@ -326,7 +375,7 @@ class GpuStep:
         steps, its dots at ``qmatmul``'s precision for the same rows — else (or where the counters
         are too few) gate|up and down as two matmuls."""
         gu, dn = L["gate_up"], L["down"]
-        m, k, f = x.shape[0], x.shape[1], dn.shape[1] // 18 * 32
+        m, k, f = x.shape[0], x.shape[1], dn.k
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         tiles, mtiles, nb = f // 32, -(-m // block_m), k // 32
         chunks = -(-k // MLP_BLOCK_D)
@@ -340,25 +389,26 @@ class GpuStep:
         splits = -(-nb // per)
         gpart = torch.empty(splits, m, 2 * f, dtype=torch.float32, device=self.device) if splits > 1 else x
         dpart = torch.empty(tiles, m, k, dtype=torch.float32, device=self.device)
-        _k().qmlp[(tiles, mtiles, splits)](x, gu, dn, L["ffn_norm"], gpart, dpart, self.counters, m, f, gu.shape[1],
-                                           dn.shape[1], x.stride(0), self.cfg.rms_eps, per, K=k, BLOCK_M=block_m,
+        _k().qmlp[(tiles, mtiles, splits)](x, gu.q, gu.d, dn.q, dn.d, L["ffn_norm"], gpart, dpart, self.counters, m, f,
+                                           x.stride(0), self.cfg.rms_eps, per, K=k, BLOCK_M=block_m,
                                            TILES=tiles, SPLITS=splits, BLOCK_D=MLP_BLOCK_D, num_warps=MLP_WARPS,
+                                           PLANES=gu.planes,
                                            PRECISION=self.precision if m > 64 or self.precision == "tf32x3" else "ieee",
                                            **pdl_args(self.pdl))
 
-    def matmul_parts(self, x: torch.Tensor, q: torch.Tensor, norm: torch.Tensor | None = None,
+    def matmul_parts(self, x: torch.Tensor, w: Q4Weight, norm: torch.Tensor | None = None,
                      gemm: bool = False) -> torch.Tensor:
         """``matmul``'s split partial sums [splits, M, N], not added up ([1, M, N]: the output
         itself): for ``rope_kv``, which adds them in split order as it reads — the sum ``split_sum``
         makes, bit for bit, one launch fewer."""
-        m, n, k = x.shape[0], q.shape[0], q.shape[1] // 18 * 32
+        m, n, k = x.shape[0], w.n, w.k
         if gemm:
-            return self.gemm(x, q, norm=norm)[None]
+            return self.gemm(x, w, norm=norm)[None]
         tile = self.tuning.tile(n, k)
         splits, _ = tile.plan(n, k)
         part = torch.empty(splits, m, n, dtype=torch.float32, device=self.device)
         if m:
-            qmatmul(x, q, part[0], tile, norm, eps=self.cfg.rms_eps, precision=self.precision, part=part,
+            qmatmul(x, w, part[0], tile, norm, eps=self.cfg.rms_eps, precision=self.precision, part=part,
                     reduce=False, pdl=self.pdl, prefetch_mode=self.prefetch)
         return part
 
@@ -429,7 +479,7 @@ class GpuStep:
             kern.attn_prefill[(c, self.nkv, -(-pb.max_q // BLOCK_Q))](
                 q, layer_kv, pb.ptables, pb.starts, pb.qlens, pb.offs, out, q.stride(0), pb.ptables.stride(0),
                 s[0], s[1], s[2], s[3], scale, GROUP=self.group, GROUP_P=gp, HD=self.hd, BS=bs,
-                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL, PRECISION=self.prefill_attn, num_warps=PREFILL_WARPS,
+                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL[self.prefill_attn], PRECISION=self.prefill_attn, num_warps=PREFILL_WARPS,
                 **pdl_args(self.pdl))
         return out
 
@@ -437,7 +487,7 @@ class GpuStep:
     def _layers(self, ids, positions, slot_blocks, slot_offsets, kv, pb: PagedBatch,
                 gemm: bool = False) -> torch.Tensor:
         x = self.embed(ids)
-        for li, L in enumerate(self.m.layers):
+        for li, L in enumerate(self.layers):
             layer_kv = kv[:, li]
             qkv = self.matmul_parts(x, L["qkv"], norm=L["attn_norm"], gemm=gemm)   # summed as it is read
             if pb.max_q == 0 and self.reduce == "fused":   # decodes only: attn_decode rotates q, writes the KV
@@ -456,7 +506,7 @@ class GpuStep:
                          self._gemm(pb, token_ids))
         if ctx.sample_rows.shape[0] != x.shape[0]:
             x = x.index_select(0, ctx.sample_rows)
-        return self.matmul(x, self.m.output, norm=self.m.output_norm, gemm=self._gemm(pb, x))
+        return self.matmul(x, self.output, norm=self.m.output_norm, gemm=self._gemm(pb, x))
 
     def _gemm(self, pb: PagedBatch, x: torch.Tensor) -> bool:
         """Do a step's matmuls over ``x``'s rows go through ``gemm``? Where the step has prefill
@@ -470,7 +520,7 @@ class GpuStep:
         empty = torch.empty(0, dtype=torch.int32, device=self.device)
         pb = PagedBatch(rows, tables, lens, empty, empty, empty, tables, 0)
         x = self._layers(ids, positions, slot_blocks, slot_offsets, kv, pb)
-        return self.matmul(x, self.m.output, norm=self.m.output_norm)
+        return self.matmul(x, self.output, norm=self.m.output_norm)
 
 
 # ---- CUDA graphs over the decode step ------------------------------------------------------

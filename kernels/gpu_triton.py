@@ -4,7 +4,8 @@ The Q4_0 matmuls' layout and math are described in kernels/gpu.py, the fused ste
 kernels/gpu_step.py.
 
 Layouts of the step's kernels: activations float32 row-major; Q4_0 weights as llama.cpp's
-``block_q4_0`` rows (kernels/q4_0.py); the KV cache one layer's view ``kv[:, layer]`` of the
+``block_q4_0`` rows (kernels/q4_0.py) or the same blocks as planes (``q4_0.to_planes``: a
+matmul's PLANES), each passed twice, as bytes and as float16 (the scales); the KV cache one layer's view ``kv[:, layer]`` of the
 engine's ``[blocks, layers, 2, block_size, kv_heads, head_dim]`` float16 tensor, addressed through
 its strides (the view is not contiguous)."""
 
@@ -169,38 +170,51 @@ def _rstd(x_ptr, m, m_ok, stride_xm, eps, K: tl.constexpr, NORM_W: tl.constexpr,
 
 
 @triton.jit
-def _q4_fetch(q_ptr, base, q_off, ok):
-    """The raw bytes of Q4_0 blocks at byte offsets ``base`` (where ``ok``): the fp16 scale's two
-    bytes, and the quant bytes at ``base + 2 + q_off`` (broadcast). Nothing computes on them here,
-    so a K step's fetch can be issued a step ahead of its use (``_q4_values``)."""
-    return (tl.load(q_ptr + base, mask=ok, other=0), tl.load(q_ptr + base + 1, mask=ok, other=0),
-            tl.load(q_ptr + base + 2 + q_off, mask=ok, other=0))
+def _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, nb, kb, kb1, t, BLOCK_B: tl.constexpr, PLANES: tl.constexpr):
+    """``qmatmul``'s weight tile of K step ``kb`` for rows n of a Q4_0 matrix [N, nb blocks],
+    fetched raw: the quant bytes [BN, T] (column t: block kb + t // 16's, below kb1, byte t % 16)
+    and their blocks' fp16 scales (``d_ptr``: the same bytes as float16) — [BN, 1] with one
+    block a step (one load a row, broadcast over its quants), else [BN, T]. Nothing computes on
+    them here, so a K step's fetch can be issued a step ahead of its use (``_q4_values``).
+    PLANES: the bytes as ``q4_0.to_planes`` lays them out (a row's quant bytes one aligned run:
+    vector loads), else ``block_q4_0`` rows (18-byte blocks: 2-byte loads)."""
+    if BLOCK_B == 1:
+        blk = kb + tl.zeros([1], dtype=tl.int32)                     # [1]
+    else:
+        blk = kb + t // 16                                           # [T]
+    ok = n_ok[:, None] & (blk < kb1)[None, :]                        # the quants' mask too (broadcast)
+    if PLANES:
+        d = tl.load(d_ptr + N * nb * 8 + n[:, None] * nb + blk[None, :], mask=ok, other=0.0)
+        qs = tl.load(q_ptr + n[:, None] * (nb * 16) + (kb * 16 + t)[None, :], mask=ok, other=0)
+    else:
+        row = n[:, None] * (nb * 18)
+        d = tl.load(d_ptr + (row + blk[None, :] * 18) // 2, mask=ok, other=0.0)
+        qs = tl.load(q_ptr + row + (kb * 18 + (t // 16) * 18 + 2 + t % 16)[None, :], mask=ok, other=0)
+    return d, qs
 
 
 @triton.jit
-def _q4_values(s_lo, s_hi, qs):
-    """Fetched Q4_0 bytes (``_q4_fetch``) dequantized: (low nibbles, high nibbles) ``(q - 8) * d``
-    in float32, the scales broadcast over the quant bytes."""
-    d = _half(s_lo, s_hi)
-    return ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
-
-
-@triton.jit
-def _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t):
-    """``qmatmul``'s weight tile of K step ``kb`` for rows n, fetched as [BN, T]: column t is
-    block kb + t // 16's (below kb1) quant byte t % 16, with that block's scale."""
-    blk = kb + t // 16                                               # [T]
-    base = n[:, None] * row_bytes + blk[None, :] * 18                # [BN, T]
-    return _q4_fetch(q_ptr, base, (t % 16)[None, :], n_ok[:, None] & (blk < kb1)[None, :])
-
-
-@triton.jit
-def _q4_fetch3(q_ptr, n, n_ok, row_bytes, blk, kb1):
-    """``qgemv``'s weight tile: blocks ``blk`` [BB] (below kb1) of Q4_0 rows n, fetched (scale
-    bytes [BN, BB, 1], quant bytes [BN, BB, 16])."""
-    base = (n[:, None] * row_bytes + blk[None, :] * 18)[:, :, None]
+def _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, nb, blk, kb1, PLANES: tl.constexpr):
+    """``qgemv``'s weight tile: blocks ``blk`` [BB] (below kb1) of Q4_0 rows n, fetched (scales
+    [BN, BB, 1], quant bytes [BN, BB, 16]; PLANES as ``_q4_fetch_tile``)."""
+    j = tl.arange(0, 16)[None, None, :]
     ok = (n_ok[:, None] & (blk < kb1)[None, :])[:, :, None]
-    return _q4_fetch(q_ptr, base, tl.arange(0, 16)[None, None, :], ok)
+    if PLANES:
+        d = tl.load(d_ptr + N * nb * 8 + (n[:, None] * nb + blk[None, :])[:, :, None], mask=ok, other=0.0)
+        qs = tl.load(q_ptr + (n[:, None] * (nb * 16) + blk[None, :] * 16)[:, :, None] + j, mask=ok, other=0)
+    else:
+        base = (n[:, None] * (nb * 18) + blk[None, :] * 18)[:, :, None]
+        d = tl.load(d_ptr + base // 2, mask=ok, other=0.0)
+        qs = tl.load(q_ptr + base + 2 + j, mask=ok, other=0)
+    return d, qs
+
+
+@triton.jit
+def _q4_values(d, qs):
+    """Fetched Q4_0 values (``_q4_fetch_tile``) dequantized: (low nibbles, high nibbles)
+    ``(q - 8) * d`` in float32, the scales broadcast over the quant bytes."""
+    d = d.to(tl.float32)
+    return ((qs & 15).to(tl.int32) - 8).to(tl.float32) * d, ((qs >> 4).to(tl.int32) - 8).to(tl.float32) * d
 
 
 @triton.jit
@@ -244,12 +258,12 @@ def _k_range(SPLIT: tl.constexpr, blocks_per_split, nb):
 
 
 @triton.jit
-def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, stride_xm, stride_om, eps,
+def qmatmul(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
             blocks_per_split, K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
             NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
             FIXUP: tl.constexpr, PRECISION: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr,
-            PREFETCH: tl.constexpr):
+            PREFETCH: tl.constexpr, PLANES: tl.constexpr):
     """out[m, n] (+)= sum_k a[m, k] * W[n, k] for a BLOCK_M x BLOCK_N tile, every weight block read
     once for all BLOCK_M activation rows. ``a``: x (SILU=False) or silu(x[:, :K]) * x[:, K:]
     (SILU); times rsqrt(mean(x^2) + eps) * nw (NORM: RMSNorm in the prologue). RESIDUAL: out +=.
@@ -257,7 +271,9 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, s
     (s = program_id(2)); its partial sum goes to ``part`` (``_store_tile``: FIXUP, the tile's last
     split adds them into ``out``; else ``split_sum`` or the consumer does). PREFETCH (programs of
     more than one K step, up to 32 rows: ``prefetch``): each step's weight bytes are fetched
-    during the step before; else at use, one set of them held at a time (fewer registers)."""
+    during the step before; else at use, one set of them held at a time (fewer registers).
+    The weights: Q4_0 bytes ``q`` [N, K/32*18] and the same bytes as float16 ``d`` (their scales),
+    laid out as ``block_q4_0`` rows or (PLANES) as ``q4_0.to_planes``: the same bits either way."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
@@ -271,28 +287,28 @@ def qmatmul(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, s
         # the first K step's weight bytes before the wait on the previous kernel: weights never
         # change, so under PDL these loads overlap its tail (one block a split: all of this
         # program's); past 16 rows, held across the norm's prologue, they spilled
-        s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb0, kb1, t)
+        d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B, PLANES)
         _grid_dependency(PDL)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
     else:
         _grid_dependency(PDL)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
         if PREFETCH:
-            s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb0, kb1, t)
+            d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B, PLANES)
     kb_first = kb0
     if not PREFETCH:
         if BLOCK_M <= 16:   # the step fetched before the wait
-            w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
+            w_lo, w_hi = _q4_values(d, qs)
             acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, w_lo, w_hi, K, NORM, SILU,
                             PRECISION)
             kb_first = kb0 + BLOCK_B
     for kb in range(kb_first, kb1, BLOCK_B):     # the steps in order whichever way: the same bits
         if PREFETCH:    # this step's bytes came during the step before; the next one's now go out
-            w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
-            s_lo, s_hi, qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb + BLOCK_B, kb1, t)
+            w_lo, w_hi = _q4_values(d, qs)
+            d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + BLOCK_B, kb1, t, BLOCK_B, PLANES)
         else:           # fetched at use: one set of them held at a time
-            f_lo, f_hi, f_qs = _q4_fetch_tile(q_ptr, n, n_ok, row_bytes, kb, kb1, t)
-            w_lo, w_hi = _q4_values(f_lo, f_hi, f_qs)
+            f_d, f_qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb, kb1, t, BLOCK_B, PLANES)
+            w_lo, w_hi = _q4_values(f_d, f_qs)
         acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
                         PRECISION)
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, SPLIT,
@@ -331,11 +347,12 @@ def _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, blk, kb1, w_lo, w_hi, K: 
 
 
 @triton.jit
-def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, stride_xm, stride_om, eps,
+def qgemv(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
           blocks_per_split, K: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
           NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-          FIXUP: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+          FIXUP: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+          PLANES: tl.constexpr):
     """``qmatmul``'s contract for a few rows (M <= BLOCK_M <= 16: decode) without ``tl.dot``: each
     K step dequantizes a [BLOCK_N, BLOCK_B, 16] weight tile once into registers, and each of the
     BLOCK_M rows (unrolled; rows >= M masked) reduces its products with it in-register. A row's
@@ -347,20 +364,20 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
     rows = tl.arange(0, BLOCK_M)
     kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32)
     # the first K step's weight bytes before the wait on the previous kernel (as in qmatmul)
-    s_lo, s_hi, qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb0 + b, kb1)
+    d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0 + b, kb1, PLANES)
     _grid_dependency(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
+    w_lo, w_hi = _q4_values(d, qs)
     if PREFETCH:
-        s_lo, s_hi, qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb0 + BLOCK_B + b, kb1)
+        d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0 + BLOCK_B + b, kb1, PLANES)
     acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb0 + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
     for kb in range(kb0 + BLOCK_B, kb1, BLOCK_B):
         if PREFETCH:    # this step's bytes came during the step before; the next one's now go out
-            w_lo, w_hi = _q4_values(s_lo, s_hi, qs)
-            s_lo, s_hi, qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb + BLOCK_B + b, kb1)
+            w_lo, w_hi = _q4_values(d, qs)
+            d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + BLOCK_B + b, kb1, PLANES)
         else:
-            f_lo, f_hi, f_qs = _q4_fetch3(q_ptr, n, n_ok, row_bytes, kb + b, kb1)
-            w_lo, w_hi = _q4_values(f_lo, f_hi, f_qs)
+            f_d, f_qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + b, kb1, PLANES)
+            w_lo, w_hi = _q4_values(f_d, f_qs)
         acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
     if NORM:   # RMSNorm is one factor a row: sum(x * rstd * nw * w) = rstd * sum(x * nw * w); each row's
         # RMS on its own (a [NORM_W] reduction: the same order whatever BLOCK_M)
@@ -376,9 +393,9 @@ def qgemv(x_ptr, q_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, row_bytes, str
 
 
 @triton.jit
-def _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, t, dn_row_bytes, stride_xm,
+def _mlp_down(x_ptr, dn_ptr, dn_d_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, F, t, stride_xm,
               K: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-              PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr, PLANES: tl.constexpr):
     """``qmlp``'s second half, in the program holding intermediate columns [32 f, 32 f + 32) of its
     rows (``act_lo`` / ``act_hi``: the block's first and last 16): times down's Q4_0 block column
     f, a partial of every output, BLOCK_D at a time, to ``dpart[f]``; the last of the TILES
@@ -387,7 +404,7 @@ def _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, 
     for dc in range(0, K, BLOCK_D):      # a loop, not unrolled: unrolled, the chunks' weights all came at once (spilled)
         d = (dc + tl.arange(0, BLOCK_D)).to(tl.int64)
         d_ok = d < K
-        w_lo, w_hi = _q4_values(*_q4_fetch_tile(dn_ptr, d, d_ok, dn_row_bytes, f, f + 1, t))   # [BD, 16]
+        w_lo, w_hi = _q4_values(*_q4_fetch_tile(dn_ptr, dn_d_ptr, d, d_ok, K, F // 32, f, f + 1, t, 1, PLANES))   # [BD, 16]
         p = tl.dot(act_lo, tl.trans(w_lo), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), input_precision=PRECISION)
         p = tl.dot(act_hi, tl.trans(w_hi), p, input_precision=PRECISION)
         ok = m_ok[:, None] & d_ok[None, :]
@@ -402,17 +419,18 @@ def _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, 
 
 
 @triton.jit
-def _gu_step(acc, x_ptr, gu_ptr, nw_ptr, rows, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb, kb1, t,
-             K: tl.constexpr, PRECISION: tl.constexpr):
+def _gu_step(acc, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, rows, r_ok, m, m_ok, stride_xm, rstd, F, kb, kb1, t,
+             K: tl.constexpr, PRECISION: tl.constexpr, PLANES: tl.constexpr):
     """``acc`` plus K step ``kb`` of 16 gate|up ``rows`` against the RMS-normed activations (``qmlp``)."""
-    w_lo, w_hi = _q4_values(*_q4_fetch_tile(gu_ptr, rows, r_ok, gu_row_bytes, kb, kb1, t))
+    w_lo, w_hi = _q4_values(*_q4_fetch_tile(gu_ptr, gu_d_ptr, rows, r_ok, 2 * F, K // 32, kb, kb1, t, 1, PLANES))
     return _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True, False, PRECISION)
 
 
 @triton.jit
-def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_row_bytes, dn_row_bytes,
+def qmlp(x_ptr, gu_ptr, gu_d_ptr, dn_ptr, dn_d_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F,
          stride_xm, eps, blocks_per_split, K: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
-         SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+         SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+         PLANES: tl.constexpr):
     """A layer's FFN in one launch (TANDEM_GPU_MLP=fused): x += down(silu(gate) * up), gate | up
     of RMSNorm(x) (``nw``; x [M, K], gate|up Q4_0 [2F, K], down Q4_0 [K, F]). Program (f, M tile,
     split s): the gate and up rows of intermediate columns [32 f, 32 f + 32) — one Q4_0 block of
@@ -436,14 +454,14 @@ def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_
     u_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     u_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     for kb in range(kb0, kb1):                  # gate lo, gate hi, up lo, up hi: 16 rows each
-        g_lo = _gu_step(g_lo, x_ptr, gu_ptr, nw_ptr, r_lo, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb, kb1, t,
-                        K, PRECISION)
-        g_hi = _gu_step(g_hi, x_ptr, gu_ptr, nw_ptr, r_lo + 16, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb,
-                        kb1, t, K, PRECISION)
-        u_lo = _gu_step(u_lo, x_ptr, gu_ptr, nw_ptr, r_lo + F, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb,
-                        kb1, t, K, PRECISION)
-        u_hi = _gu_step(u_hi, x_ptr, gu_ptr, nw_ptr, r_lo + F + 16, r_ok, m, m_ok, stride_xm, rstd, gu_row_bytes, kb,
-                        kb1, t, K, PRECISION)
+        g_lo = _gu_step(g_lo, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, r_lo, r_ok, m, m_ok, stride_xm, rstd, F, kb, kb1, t,
+                        K, PRECISION, PLANES)
+        g_hi = _gu_step(g_hi, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, r_lo + 16, r_ok, m, m_ok, stride_xm, rstd, F, kb,
+                        kb1, t, K, PRECISION, PLANES)
+        u_lo = _gu_step(u_lo, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, r_lo + F, r_ok, m, m_ok, stride_xm, rstd, F, kb,
+                        kb1, t, K, PRECISION, PLANES)
+        u_hi = _gu_step(u_hi, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, r_lo + F + 16, r_ok, m, m_ok, stride_xm, rstd, F, kb,
+                        kb1, t, K, PRECISION, PLANES)
     last = True
     if SPLITS > 1:
         ok = m_ok[:, None] & r_ok[None, :]
@@ -466,9 +484,9 @@ def qmlp(x_ptr, gu_ptr, dn_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F, gu_
                 u_lo += tl.load(at + F, mask=ok, other=0.0, cache_modifier=".cg")
                 u_hi += tl.load(at + F + 16, mask=ok, other=0.0, cache_modifier=".cg")
     if last:
-        _mlp_down(x_ptr, dn_ptr, dpart_ptr, cnt_ptr + tl.num_programs(1) * TILES,    # (its counters after the tiles')
-                  g_lo * tl.sigmoid(g_lo) * u_lo, g_hi * tl.sigmoid(g_hi) * u_hi, m, m_ok, M, f, t, dn_row_bytes,
-                  stride_xm, K, TILES, BLOCK_M, BLOCK_D, PRECISION)
+        _mlp_down(x_ptr, dn_ptr, dn_d_ptr, dpart_ptr, cnt_ptr + tl.num_programs(1) * TILES,   # (counters after the tiles')
+                  g_lo * tl.sigmoid(g_lo) * u_lo, g_hi * tl.sigmoid(g_hi) * u_hi, m, m_ok, M, f, F, t,
+                  stride_xm, K, TILES, BLOCK_M, BLOCK_D, PRECISION, PLANES)
 
 
 @triton.jit

@@ -132,6 +132,12 @@ def test_weights_fetched_a_step_ahead_change_no_bit():
     assert cases._prefetch_case("cuda") == [True] * 5
 
 
+def test_weights_as_planes_change_no_bit():
+    """TANDEM_GPU_WEIGHTS=planes compiled for the card (the quant bytes in vector loads):
+    qmatmul, qgemv, qmlp, the cuBLAS path and a whole mixed step bitwise over block_q4_0 rows."""
+    assert cases._planes_case("cuda") == [True] * 6
+
+
 def test_the_ffn_in_one_launch_is_the_two_matmuls():
     """TANDEM_GPU_MLP=fused on the card: ``qmlp`` against gate|up + down split alike (its
     programs arrive in any order here), a row's bits the same alone and in a batch, the

@@ -85,7 +85,7 @@ def rel(got, want) -> float:
 # ---- the cases: run in the interpreter's worker here, compiled on CUDA by tests/gpu -----------
 
 def _matmul_case(m, n, k, norm, silu, residual, device="cpu", tile=None, gemm=False, precision=None):
-    from kernels.gpu_step import GpuStep
+    from kernels.gpu_step import GpuStep, Q4Weight
     from kernels.gpu_tuning import Tuning
     g = torch.Generator().manual_seed(m * 1000 + n)
     model = tiny_model(device)
@@ -98,7 +98,8 @@ def _matmul_case(m, n, k, norm, silu, residual, device="cpu", tile=None, gemm=Fa
     if norm:
         a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + model.cfg.rms_eps) * nw
     want = q4_0.matmul(a, q) + (out if residual else 0)
-    got = st.matmul(x, q, out=out if residual else None, norm=nw, silu=silu, residual=residual, gemm=gemm)
+    got = st.matmul(x, Q4Weight.of(q), out=out if residual else None, norm=nw, silu=silu, residual=residual,
+                    gemm=gemm)
     assert not residual or got is out
     return rel(got, want)
 
@@ -141,7 +142,7 @@ def _rope_parts_case(device="cpu"):
     n = (nh + 2 * nkv) * hd
     st = GpuStep(model, 1024, tuning=Tuning({(n, cfg.hidden_size): Tile(16, 1, 4, 4)}, "test"))
     g = torch.Generator().manual_seed(4)
-    L = model.layers[0]
+    L = st.layers[0]
     x = torch.randn(t, cfg.hidden_size, generator=g).to(device)
     parts = st.matmul_parts(x, L["qkv"], norm=L["attn_norm"])
     summed = st.matmul(x, L["qkv"], norm=L["attn_norm"])
@@ -169,7 +170,7 @@ def _attend_rope_case(arch_kw, device="cpu"):
     g = torch.Generator().manual_seed(6)
     lens = [5, 16, 17, 256, 600]
     x = torch.randn(len(lens), cfg.hidden_size, generator=g).to(device)
-    L = model.layers[1]
+    L = st.layers[1]
     parts = st.matmul_parts(x, L["qkv"], norm=L["attn_norm"])
     kv = torch.randn(240, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, generator=g).half().to(device)
     chunks = [AttnChunk(m - 1, 1, i, None, list(range(i * 48, i * 48 + -(-m // 16)))) for i, m in enumerate(lens)]
@@ -214,7 +215,7 @@ def _reduce_case(device="cpu", reps=1):
     ``qmatmul`` and ``qgemv`` tiles with the residual, SiLU and norm (the last also ``reps`` times
     over: whichever split arrives last, the same bits); attention's largest difference; the
     counters left at zero."""
-    from kernels.gpu_step import GpuStep, PagedBatch
+    from kernels.gpu_step import GpuStep, PagedBatch, Q4Weight
     from kernels.gpu_tuning import Tile, Tuning
     from shared.engine.model import AttnChunk
     g = torch.Generator().manual_seed(8)
@@ -224,7 +225,7 @@ def _reduce_case(device="cpu", reps=1):
     same = []
     for m, n, k, tile, norm, silu in cases:
         st = GpuStep(model, 1024, tuning=Tuning({(n, k): tile}, "test"))
-        q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
+        q = Q4Weight.of(q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device))
         x = torch.randn(m, 2 * k if silu else k, generator=g).to(device)
         nw = (torch.rand(k, generator=g) + 0.5).to(device) if norm else None
         res = torch.randn(m, n, generator=g).to(device)
@@ -460,13 +461,13 @@ def test_matmul_with_a_tuned_tile(interp, m, n, k, norm, silu, residual, tile):
 
 def _gemv_rows_case(device="cpu"):
     """qgemv's rows in a batch of 1, 3 and 16 (BLOCK_M 1, 4, 16) against the same rows alone."""
-    from kernels.gpu_step import GpuStep
+    from kernels.gpu_step import GpuStep, Q4Weight
     from kernels.gpu_tuning import Tile, Tuning
     g = torch.Generator().manual_seed(5)
     model = tiny_model(device)
     n, k = 100, 192
     st = GpuStep(model, 1024, tuning=Tuning({(n, k): Tile(32, 2, 4, 2, 0, 16)}, "test"))
-    q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
+    q = Q4Weight.of(q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device))
     x = torch.randn(16, k, generator=g).to(device)
     nw = (torch.rand(k, generator=g) + 0.5).to(device)
     full = st.matmul(x, q, norm=nw)
@@ -481,7 +482,7 @@ def _prefetch_case(device="cpu"):
     """The matmuls with each K step's weight bytes fetched during the step before (``PREFETCH``:
     TANDEM_GPU_PREFETCH "1", and "auto") against fetched at use ("0"): qmatmul at 16 and 32 rows
     (64: never prefetched), split and not, qgemv; several K steps a program. Bitwise, or not."""
-    from kernels.gpu_step import GpuStep
+    from kernels.gpu_step import GpuStep, Q4Weight
     from kernels.gpu_tuning import Tile, Tuning
     g = torch.Generator().manual_seed(11)
     model = tiny_model(device)
@@ -491,7 +492,7 @@ def _prefetch_case(device="cpu"):
                                 (5, Tile(16, 2, 4, 1), False, True), (3, Tile(32, 1, 4, 2, 0, 4), True, False),
                                 (40, Tile(16, 1, 4, 1), True, False)]:
         st = GpuStep(model, 1024, tuning=Tuning({(n, k): tile}, "test"))
-        q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
+        q = Q4Weight.of(q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device))
         x = torch.randn(m, 2 * k if silu else k, generator=g).to(device)
         nw = (torch.rand(k, generator=g) + 0.5).to(device) if norm else None
         got = {}
@@ -513,7 +514,6 @@ def _mlp_case(device="cpu"):
     g = torch.Generator().manual_seed(13)
     model = tiny_model(device)
     cfg = model.cfg
-    L = model.layers[0]
     k, f = cfg.hidden_size, cfg.ffn_size
     errs, bitwise = [], []
     programs_default = gpu_step.MLP_PROGRAMS
@@ -524,6 +524,7 @@ def _mlp_case(device="cpu"):
         # the two-matmul path split the same way (tiles of 64 rows, 4 warps)
         st = GpuStep(model, 1024, tuning=Tuning({(2 * f, k): Tile(64, 1, 4, splits), (k, f): Tile(64, 1, 4, f // 32)},
                                                 "test"))
+        L = st.layers[0]
         x = torch.randn(m, k, generator=g).to(device)
         want = x.clone()
         st.mlp_mode = "split"
@@ -539,6 +540,55 @@ def _mlp_case(device="cpu"):
             bitwise.append(bool(torch.equal(one, got[:1])))
     gpu_step.MLP_PROGRAMS = programs_default
     return max(errs), bitwise, bool((st.counters == 0).all())
+
+
+def _planes_case(device="cpu"):
+    """TANDEM_GPU_WEIGHTS=planes (``q4_0.to_planes``: the quant bytes of a row in one aligned run,
+    the scales after them) against the model's block_q4_0 rows: bitwise the same outputs from
+    ``qmatmul`` (split and not, two blocks a step, prefetched, 17 rows), ``qgemv`` (a ragged 3
+    of 4, split), ``qmlp`` and the whole mixed step of the tiny model (the lm head among them),
+    and the prefill's cuBLAS path (``gemm``: the planes turned back into blocks first)."""
+    from kernels.gpu_step import GpuStep, Q4Weight
+    from kernels.gpu_tuning import Tile, Tuning
+    g = torch.Generator().manual_seed(17)
+    model = tiny_model(device)
+    n, k = 100, 192
+    out = []
+    for m, tile, norm, silu, prefetch in [(1, Tile(16, 1, 4, 3), True, False, "auto"),
+                                          (17, Tile(32, 2, 4, 1), False, True, "1"),
+                                          (5, Tile(64, 1, 4, 1), True, False, "1"),
+                                          (3, Tile(32, 2, 4, 2, 0, 4), True, False, "auto"),
+                                          (2, Tile(16, 1, 4, 1, 0, 2), False, True, "1")]:
+        q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
+        x = torch.randn(m, 2 * k if silu else k, generator=g).to(device)
+        nw = (torch.rand(k, generator=g) + 0.5).to(device) if norm else None
+        got = []
+        for weights in ("blocks", "planes"):
+            st = GpuStep(model, 1024, tuning=Tuning({(n, k): tile}, "test"), weights=weights)
+            st.prefetch = prefetch
+            w = Q4Weight.of(q, weights == "planes")
+            got.append(st.matmul(x, w, norm=nw, silu=silu))
+            got.append(st.matmul(x, w, norm=nw, silu=silu, gemm=True))
+        out.append(bool(torch.equal(got[0], got[2]) and torch.equal(got[1], got[3])))
+    seqs = [torch.randint(0, model.cfg.vocab_size, (60,), generator=g).tolist() for _ in range(3)]
+    t = _tables(3)
+    plan = [(seqs[0], 0, 40, t[0]), (seqs[1], 0, 1, t[1]), (seqs[2], 0, 17, t[2])]
+    ids, ctx = _step_context(model, plan, device)
+    logits, kvs = [], []
+    for weights in ("blocks", "planes"):
+        st = GpuStep(model, model.cfg.max_context, weights=weights)
+        st.mlp_mode = "fused"
+        kv = torch.zeros(60, model.cfg.n_layers, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim,
+                         dtype=torch.float16, device=device)
+        logits.append(st.forward(ids, ctx, kv))
+        kvs.append(kv)
+    out.append(bool(torch.equal(logits[0], logits[1]) and torch.equal(kvs[0], kvs[1])))
+    assert st.layers[0]["o"].planes and not torch.equal(st.layers[0]["o"].q, model.layers[0]["o"])
+    return out
+
+
+def test_weights_as_planes_give_the_same_bits(interp):
+    assert interp(_planes_case) == [True] * 6
 
 
 def test_the_ffn_in_one_launch_is_the_two_matmuls(interp):

@@ -1,8 +1,7 @@
 """Every kernel variant the fused GPU step launches for the bundled model compiles for Hopper
 (sm_90: H100 / H200) here, without a GPU, and keeps its registers: ptxas (Triton's own) reports at
-most ``SPILL_OK`` bytes spilled for any of them (a few registers' worth: ``qgemv``'s RMSNorm pass
-spills 4-12 B at some row counts, nothing a GPU notices; the tile shapes this guards against
-spilled kilobytes).
+most ``SPILL_OK`` bytes spilled for any of them (a few registers' worth; the tile shapes this
+guards against spilled kilobytes).
 
 The variants are not listed by hand: the step runs once on the CPU with the kernels replaced by
 a recorder, over the launches a real engine makes — a mixed step (a prefill chunk, a chunk after
@@ -13,11 +12,17 @@ with the built-in matmul tiles, each table in kernels/tuning/ (kernels/gpu_tunin
 with programmatic dependent launch (TANDEM_GPU_PDL=1, the same: each kernel's ``griddepcontrol.wait``
 comes before its first global store or atomic, and before every load but the matmuls' first
 weight tile),
-``rope_kv`` and ``attn_decode`` for qwen2's q|k|v bias and qwen3's per-head norms,
+``rope_kv`` and ``attn_decode`` for qwen2's q|k|v bias and qwen3's per-head norms, the matmuls
+over the weights as planes (TANDEM_GPU_WEIGHTS=planes: fewer loads than over block_q4_0 rows),
 and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
-— and each distinct (kernel, argument types, constexprs, warps) is compiled ahead of time with
-``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. A tile shape that spills (as 4 Q4_0
-blocks a K step with 4 warps did: 6.7 KB a thread at 64 rows) fails here, not on a lent GPU.
+— and each distinct variant is compiled ahead of time with
+``triton.compile(..., target=GPUTarget("cuda", 90, 32))`` as Triton's JIT specializes it on a
+device: each argument's type, its 16-byte alignment (a pointer) or divisibility by 16 (an
+integer), an integer 1 as a constant (``native_specialize_impl``, Triton's own). Compiled without
+that specialization, the f32 prefill attention's 16 x 32 tile used 146 registers; as the JIT
+compiles it, 255 and 648 B spilled (its tile is 16 x 16 since). A tile shape that spills (as 4
+Q4_0 blocks a K step with 4 warps did: 6.7 KB a thread at 64 rows) fails here, not on a lent GPU.
+The ~200 variants compile in a process per core (4 min on 2 vCPUs).
 The same recording counts a decode step's launches (152: five a layer, the embedding, the lm head;
 122 with TANDEM_GPU_MLP=fused).
 """
@@ -26,21 +31,24 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import multiprocessing
+import os
 import re
 import subprocess
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+from triton._C.libtriton import native_specialize_impl as specialize  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
 
 from kernels import gpu_sample, gpu_step, gpu_tuning  # noqa: E402
 from shared.engine.model import AttnChunk, StepContext, Transformer  # noqa: E402
 
 SPILL_OK = 16       # bytes (bench/gpu_tune.py drops a tile past the same bound)
-TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.uint8: "*u8", torch.int32: "*i32",
-         torch.int64: "*i64", torch.float64: "*fp64"}
 
 
 class Recorder:
@@ -57,12 +65,19 @@ class Recorder:
         def launcher(grid):
             def launch(*args, num_warps=4, launch_pdl=False, **consts):
                 names = [n for n in fn.arg_names if n not in consts]
-                sig = {}
-                for n, a in zip(names, args):
-                    sig[n] = TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
+                sig, aligned = {}, []
+                for n, a in zip(names, args):   # as the JIT specializes them (the tensors here are the
+                    # CPU's, their offsets those of the device's: the same 16-byte alignment)
+                    ty, spec = specialize(BaseBackend, a, False, True, True)
+                    if ty == "constexpr":       # an integer 1: compiled as a constant
+                        consts = consts | {n: spec}
+                    elif spec == "D":           # a 16-byte aligned pointer, an integer divisible by 16
+                        aligned.append(n)
+                    sig[n] = ty
                 sig |= {n: "constexpr" for n in consts}
-                key = (name, tuple(sorted(sig.items())), tuple(sorted(consts.items())), num_warps, launch_pdl)
-                self.launches[key] = (fn, sig, consts, num_warps, launch_pdl)
+                key = (name, tuple(sorted(sig.items())), tuple(sorted(consts.items())), tuple(aligned), num_warps,
+                       launch_pdl)
+                self.launches[key] = (fn, sig, consts, tuple(aligned), num_warps, launch_pdl)
             return launch
         return _Indexable(launcher)
 
@@ -141,6 +156,14 @@ def launches():
         for b in (1, 17, 40):
             i = torch.zeros(b, dtype=torch.int32)
             st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
+        # TANDEM_GPU_WEIGHTS=planes: the decode step's matmuls at every M tile, qgemv's tiles, qmlp
+        for tuning, mlp, sizes in ((h200, "split", (1, 16, 17, 40)), (tunings[-1], "split", (1, 3, 16)),
+                                   (h200, "fused", (1, 17, 40))):
+            st = gpu_step.GpuStep(model, 8192, tuning=tuning, weights="planes")
+            st.mlp_mode = mlp
+            for b in sizes:
+                i = torch.zeros(b, dtype=torch.int32)
+                st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
         st = gpu_step.GpuStep(model, 8192, "tf32", tuning=h200)         # qmlp in TF32 past 64 rows
         st.mlp_mode = "fused"
         z = torch.zeros(100, dtype=torch.int64)
@@ -181,38 +204,74 @@ def test_the_step_launches_the_variants_expected(launches):
     assert rope == {(False, False), (True, False), (False, True)}
 
 
-def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
+SHOWN = ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT", "FIXUP", "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL",
+         "PREFETCH", "BLOCK_K", "BLOCK_Q", "SPLITS", "TILES", "PLANES")
+
+
+def _compile(job) -> dict:
+    """One variant compiled for sm_90 (in a pool process): ptxas' registers and spills, the PTX's
+    global loads, and what comes before ``griddepcontrol.wait`` under PDL."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    ptxas = _ptxas()
-    target = GPUTarget("cuda", 90, 32)
-    report = []
+
+    from kernels import gpu_triton
+    name, sig, consts, aligned, warps, pdl, ptx_path = job
+    fn = getattr(gpu_triton, name)
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for k, (fn, sig, consts, warps, pdl) in enumerate(launches):
-            c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
-                               options={"num_warps": warps, "launch_pdl": pdl})
-            if consts.get("PDL"):       # griddepcontrol.wait before anything the previous kernel writes
-                ptx_text = c.asm["ptx"]
-                assert "griddepcontrol.wait" in ptx_text and "griddepcontrol.launch_dependents" in ptx_text
-                before = ptx_text[:ptx_text.index("griddepcontrol.wait")]
-                # nothing stored before it; loaded, only bytes: the Q4_0 weights (the step's only byte
-                # tensors), the first K step's tile a matmul fetches while the previous kernel ends
-                assert "st.global" not in before and "atom." not in before, fn.__name__
-                pre = set(re.findall(r"ld\.global[.\w]*", before))
-                assert pre <= {"ld.global.b8"} and (not pre or fn.__name__ in ("qmatmul", "qgemv")), (fn.__name__, pre)
-            ptx = tmp_path / f"k{k}.ptx"
-            ptx.write_text(c.asm["ptx"])
-            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(ptx), "-o", "/dev/null"],
-                                 capture_output=True, text=True, check=True).stderr
-            regs = int(re.search(r"Used (\d+) registers", out).group(1))
-            spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
-            shown = {n: v for n, v in consts.items() if n in ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT", "FIXUP",
-                                                               "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL", "PREFETCH",
-                                                               "BLOCK_K", "BLOCK_Q", "SPLITS", "TILES")}
-            report.append((fn.__name__, shown, warps, regs, spills))
-    print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled" for n, s, w, r, sp in report))
+        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": pdl})
+    ptx = c.asm["ptx"]
+    got = {"loads": len(re.findall(r"\bld\.global", ptx)), "pre": None}
+    if consts.get("PDL"):
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, name
+        before = ptx[:ptx.index("griddepcontrol.wait")]
+        got["pre"] = (sorted(set(re.findall(r"ld\.global[.\w]*", before))),
+                      "st.global" in before or "atom." in before)
+    with open(ptx_path, "w") as f:
+        f.write(ptx)
+    out = subprocess.run([_ptxas(), "-v", "--gpu-name=sm_90a", ptx_path, "-o", "/dev/null"],
+                         capture_output=True, text=True, check=True).stderr
+    got["regs"] = int(re.search(r"Used (\d+) registers", out).group(1))
+    got["spills"] = int(re.search(r"(\d+) bytes spill stores", out).group(1))
+    return got
+
+
+def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
+    _ptxas()
+    jobs = [(fn.__name__, sig, consts, aligned, warps, pdl, str(tmp_path / f"k{k}.ptx"))
+            for k, (fn, sig, consts, aligned, warps, pdl) in enumerate(launches)]
+    # every core (compiling is most of this test: ~1-3 s a variant, 200 of them)
+    with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_compile, jobs))
+    report = []
+    for (name, sig, consts, aligned, warps, pdl, _), got in zip(jobs, results):
+        if got["pre"] is not None:
+            # under PDL, griddepcontrol.wait before anything the previous kernel writes: nothing stored
+            # before it; loaded, only 8- and 16-bit values, in a matmul: its Q4_0 weights (its only
+            # tensors of them: quant bytes, fp16 scales), the first K step's tile it fetches while
+            # the previous kernel ends
+            pre, stored = got["pre"]
+            assert not stored, name
+            assert set(pre) <= {"ld.global.b8", "ld.global.b16"} and (not pre or name in ("qmatmul", "qgemv")), \
+                (name, pre)
+        shown = {n: v for n, v in consts.items() if n in SHOWN}
+        report.append((name, shown, warps, got["regs"], got["spills"], got["loads"]))
+    print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled, {ld} global loads"
+                            for n, s, w, r, sp, ld in report))
     assert not [r for r in report if r[4] > SPILL_OK], f"register spills past {SPILL_OK} B"
+    # TANDEM_GPU_WEIGHTS=planes: qmatmul's and qmlp's quant bytes in vector loads — never more loads
+    # than the same variant over block_q4_0 rows (2-byte loads), fewer where a thread holds 4 bytes
+    # or more. (Not qgemv's: its [rows, blocks, 16] tile loaded 16 bytes a thread pulls the rows'
+    # activations into that layout too, more loads than over blocks; no shipped table runs it.)
+    def twin(n, c, a, w):
+        return n, tuple(sorted((k, v) for k, v in c.items() if k != "PLANES")), a, w
+    blocks = {twin(n, c, a, w): got["loads"] for (n, sig, c, a, w, pdl, _), got in zip(jobs, results)
+              if c.get("PLANES") is False and n in ("qmatmul", "qmlp")}
+    pairs = [(blocks[twin(n, c, a, w)], got["loads"]) for (n, sig, c, a, w, pdl, _), got in zip(jobs, results)
+             if c.get("PLANES") and twin(n, c, a, w) in blocks]
+    assert len(pairs) >= 10 and all(p <= b for b, p in pairs) and sum(p < b for b, p in pairs) >= len(pairs) // 2, pairs
 
 
 def test_a_decode_step_is_five_launches_a_layer(monkeypatch):

@@ -145,6 +145,20 @@ def test_embedding_is_bitwise_the_reference():
 
 
 @needs_lib
+def test_planes_hold_the_same_blocks_quants_first():
+    """``q4_0.to_planes`` (the GPU's TANDEM_GPU_WEIGHTS=planes): a row's quant bytes in one run,
+    the scales after all quants, the same bytes; ``from_planes`` gives the rows back."""
+    q = q4_0.quantize(torch.randn(5, 96))
+    p = q4_0.to_planes(q)
+    blocks = q.reshape(5, 3, 18)
+    assert p.shape == q.shape and torch.equal(q4_0.from_planes(p), q)
+    flat = p.reshape(-1)
+    assert torch.equal(flat[:5 * 48].reshape(5, 3, 16), blocks[..., 2:])      # row 1's quants at byte 48
+    assert torch.equal(flat[5 * 48:].reshape(5, 3, 2), blocks[..., :2])       # the fp16 scales after
+    assert torch.equal(flat[5 * 48:].view(torch.float16).float().reshape(5, 3),
+                       blocks[..., :2].contiguous().view(torch.float16).float().reshape(5, 3))
+
+
 def test_empty_batch():
     assert cpu.matmul(torch.empty(0, 576), q4(8, 576)).shape == (0, 8)
 
