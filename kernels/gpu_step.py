@@ -156,8 +156,8 @@ class Q4Weight:
     """A Q4_0 matrix [N, K] as the step's kernels read it: its bytes ``q`` (uint8 [N, K/32*18]) and
     the same bytes as float16 ``d`` (a block's scale is loaded as one value), laid out as
     ``block_q4_0`` rows — the model's tensor itself, no copy — or, with ``planes``, as
-    ``q4_0.to_planes``: every quant byte of a row in one aligned run (16-byte loads where the
-    18-byte blocks allow only byte loads), the scales after them (TANDEM_GPU_WEIGHTS=planes: a
+    ``q4_0.to_planes``: every quant byte of a row in one aligned run (vector loads where the
+    18-byte blocks allow 2-byte ones), the scales after them (TANDEM_GPU_WEIGHTS=planes: a
     copy, so the matmuls' weights are on the device twice until it is measured). The same bits
     either way."""
     q: torch.Tensor
@@ -311,7 +311,7 @@ class GpuStep:
         self.cos = model.cos.contiguous()
         self.sin = model.sin.contiguous()
         # the matmuls' weights as the kernels read them: the model's block_q4_0 tensors ("blocks"),
-        # or copies laid out as planes ("planes": aligned 16-byte loads of the quants; ``Q4Weight``)
+        # or copies laid out as planes ("planes": the quants in aligned vector loads; ``Q4Weight``)
         mode = weights or os.environ.get("TANDEM_GPU_WEIGHTS", "blocks")
         if mode not in WEIGHTS:
             raise ValueError(f"TANDEM_GPU_WEIGHTS must be one of {', '.join(WEIGHTS)}, got {mode!r}")

@@ -61,7 +61,7 @@ def to_planes(q: torch.Tensor) -> torch.Tensor:
     """The same Q4_0 blocks of [N, K/32*18] bytes as planes, in a tensor of the same shape: first
     every block's 16 quant bytes ([N, K/32, 16], row-major: a row's quants are one aligned,
     contiguous run), then every block's fp16 scale ([N, K/32]). The GPU kernels read these with
-    16-byte vector loads (kernels/gpu_step.py ``Q4Weight``); the bytes on the wire, in the weight
+    vector loads (kernels/gpu_step.py ``Q4Weight``); the bytes on the wire, in the weight
     cache and in the KV pool stay ``block_q4_0``."""
     n, nbytes = q.shape
     b = q.reshape(n, nbytes // BLOCK_BYTES, BLOCK_BYTES)
