@@ -159,17 +159,20 @@ class Q4Weight:
     ``q4_0.to_planes``: every quant byte of a row in one aligned run (vector loads where the
     18-byte blocks allow 2-byte ones), the scales after them (TANDEM_GPU_WEIGHTS=planes: a
     copy, so the matmuls' weights are on the device twice until it is measured). The same bits
-    either way."""
+    either way. ``rows``: the ``block_q4_0`` rows themselves (the model's tensor; what a prefill's
+    cuBLAS path dequantizes)."""
     q: torch.Tensor
     d: torch.Tensor
+    rows: torch.Tensor
     planes: bool = False
 
     @classmethod
     def of(cls, q: torch.Tensor, planes: bool = False) -> "Q4Weight":
         if q.dim() != 2 or q.dtype != torch.uint8 or q.shape[1] % q4_0.BLOCK_BYTES:
             raise ValueError(f"not a Q4_0 byte matrix: dtype {q.dtype}, shape {tuple(q.shape)}")
-        q = q4_0.to_planes(q) if planes else q.contiguous()
-        return cls(q, q.view(torch.float16), planes)
+        rows = q.contiguous()
+        q = q4_0.to_planes(rows) if planes else rows
+        return cls(q, q.view(torch.float16), rows, planes)
 
     @property
     def n(self) -> int:
@@ -177,11 +180,7 @@ class Q4Weight:
 
     @property
     def k(self) -> int:
-        return self.q.shape[1] // 18 * 32
-
-    def blocks(self) -> torch.Tensor:
-        """The ``block_q4_0`` rows (a copy where the layout is planes)."""
-        return q4_0.from_planes(self.q) if self.planes else self.q
+        return self.q.shape[1] // q4_0.BLOCK_BYTES * q4_0.QK
 
 
 def qmatmul(x: torch.Tensor, w: Q4Weight, out: torch.Tensor, tile: gpu_tuning.Tile,
@@ -353,7 +352,7 @@ class GpuStep:
         (``q4_0.matmul``: 4,096 rows at a time, f32) and multiplied by ``torch.matmul`` — cuBLAS
         on CUDA, on its tensor cores in TF32 where ``precision`` is "tf32", f32 otherwise. For
         prefill-sized M, where cuBLAS beat the Q4_0 kernels 5–80× on an H200 (docs/kernels.md);
-        a copy of the f32 weight exists only during the call (and of its block_q4_0 rows, with planes)."""
+        a copy of the f32 weight exists only during the call."""
         k = w.k
         a = torch.nn.functional.silu(x[:, :k]) * x[:, k:] if silu else x
         if norm is not None:
@@ -361,7 +360,7 @@ class GpuStep:
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
         try:
-            y = q4_0.matmul(a.contiguous(), w.blocks())
+            y = q4_0.matmul(a.contiguous(), w.rows)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         if out is None:

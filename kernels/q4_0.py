@@ -68,15 +68,6 @@ def to_planes(q: torch.Tensor) -> torch.Tensor:
     return torch.cat([b[..., 2:].reshape(-1), b[..., :2].reshape(-1)]).reshape(n, nbytes)
 
 
-def from_planes(p: torch.Tensor) -> torch.Tensor:
-    """``to_planes``'s inverse: the ``block_q4_0`` rows back."""
-    n, nbytes = p.shape
-    nb = nbytes // BLOCK_BYTES
-    flat = p.reshape(-1)
-    qs, d = flat[:n * nb * 16].reshape(n, nb, 16), flat[n * nb * 16:].reshape(n, nb, 2)
-    return torch.cat([d, qs], dim=-1).reshape(n, nbytes)
-
-
 def matmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
            chunk_rows: int = 4096) -> torch.Tensor:
     """``x @ W.T`` for float32 activations x [M, K] and Q4_0 weights W (bytes [N, K/32*18]).

@@ -547,7 +547,7 @@ def _planes_case(device="cpu"):
     the scales after them) against the model's block_q4_0 rows: bitwise the same outputs from
     ``qmatmul`` (split and not, two blocks a step, prefetched, 17 rows), ``qgemv`` (a ragged 3
     of 4, split), ``qmlp`` and the whole mixed step of the tiny model (the lm head among them),
-    and the prefill's cuBLAS path (``gemm``: the planes turned back into blocks first)."""
+    and the prefill's cuBLAS path (``gemm``: the model's block_q4_0 rows, ``Q4Weight.rows``)."""
     from kernels.gpu_step import GpuStep, Q4Weight
     from kernels.gpu_tuning import Tile, Tuning
     g = torch.Generator().manual_seed(17)
