@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from kernels import q4_0
+from tests.triton_interp import speed_up_device_calls
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
@@ -396,7 +397,8 @@ def interp():
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=speed_up_device_calls)
         pool.submit(os.getpid).result()          # started now, with the settings
     finally:
         for k, v in old.items():

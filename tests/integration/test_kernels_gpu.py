@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kernels import gpu, q4_0
+from tests.triton_interp import speed_up_device_calls
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
@@ -46,7 +47,8 @@ def interp():
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=speed_up_device_calls)
         pool.submit(os.getpid).result()          # started now, with the setting
     finally:
         if old is None:
