@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     from kernels import cpu
     from kernels.dispatch import describe
     from shared.engine.engine import Engine, EngineConfig
-    from shared.engine.loader import bundled_model_path
+    from shared.engine.model_files import bundled_model_path
 
     if args.quick:
         args.prompt_tokens, args.gen_tokens, args.concurrency, args.reps = 128, 8, [1, 8], 1

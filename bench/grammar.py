@@ -218,7 +218,7 @@ def engine_steps(threads: int, rounds: int) -> dict[str, dict[str, float]]:
 
 def main(args: argparse.Namespace) -> int:
     from kernels import cpu
-    from shared.engine.loader import load_tokenizer
+    from shared.engine.model_files import load_tokenizer
 
     tok, cfg = load_tokenizer(None)
     isa = cpu.isa()

@@ -170,7 +170,7 @@ def run(n_hosts: int = 3, streams: int = 4, prompt_tokens: int = 600, max_tokens
     """The four phases (module doc); what each client saw, and the checks."""
     from bench.pool import _text_tokens
     from shared import bus_auth
-    from shared.engine.loader import load_tokenizer
+    from shared.engine.model_files import load_tokenizer
     from shared.nats_cluster import cluster_config
 
     if n_hosts < 3:

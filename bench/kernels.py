@@ -121,7 +121,7 @@ _progress = report.progress("bench kernels")
 
 def q4_0_gguf(src: str | None) -> str:
     """An all-Q4_0 GGUF of ``src`` (None: the bundled model), written once into the cache."""
-    from shared.engine.loader import bundled_model_path
+    from shared.engine.model_files import bundled_model_path
     from shared.engine.quantize import quantize_model
 
     src = src or bundled_model_path()

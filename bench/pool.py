@@ -403,7 +403,7 @@ def bench_restart(args) -> list[dict]:
     restart with the prefix on the pool's disk tier (and, with --redis-url, on its Redis tier alone)."""
     from bench import llamacpp
     from bench.kernels import q4_0_gguf
-    from shared.engine.loader import load_tokenizer
+    from shared.engine.model_files import load_tokenizer
 
     threads = args.threads or os.cpu_count() or 1
     tokenizer, _ = load_tokenizer(None)

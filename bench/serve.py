@@ -143,7 +143,8 @@ def serve_in_process(port: int) -> None:
     from services.worker import engine_config
     from shared.engine.async_engine import AsyncEngine
     from shared.engine.engine import Engine
-    from shared.engine.loader import load_model, served_model_name
+    from shared.engine.loader import load_model
+    from shared.engine.model_files import served_model_name
     from shared.settings import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -145,7 +145,7 @@ class Hosts:
 def run(prompt_tokens: int = 1100, max_tokens: int = 24, keep_logs: str | None = None) -> dict:
     """The three phases (module doc); returns what each client saw plus the service logs' tails."""
     from bench.pool import _text_tokens
-    from shared.engine.loader import load_tokenizer
+    from shared.engine.model_files import load_tokenizer
 
     tokenizer, _ = load_tokenizer(None)
     prompt = _text_tokens(tokenizer, prompt_tokens)

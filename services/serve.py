@@ -78,7 +78,7 @@ def _loopback(host: str) -> bool:
 async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
     from shared import tracing
     from shared.bus import Bus
-    from shared.engine.loader import load_tokenizer, served_model_name
+    from shared.engine.model_files import load_tokenizer, served_model_name
     from services.gateway.app import GatewaySettings, serve
     from services.gateway.nats_backend import NatsBackend
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:   # torch only where a mask is applied: the gateway checks guides without it
+    import torch
 
 GUIDE_KINDS = ("json_schema", "json_object", "regex", "lark")
 
@@ -189,7 +191,6 @@ def allows(bits: np.ndarray, token_id: int) -> bool:
     return w < len(bits) and bool((int(bits[w]) >> (token_id & 31)) & 1)
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 _NEG_INF_BITS = -8388608   # 0xFF800000 as int32: the bits of float32 -inf
 
 
@@ -197,8 +198,9 @@ def mask_bias(bits: np.ndarray, vocab: int) -> torch.Tensor:
     """[vocab] float32: 0 where the bitmask allows the token, -inf elsewhere (ids past the mask,
     a padded embedding's, too). Adding it to a row of logits applies the mask: one add, where a
     masked fill with a bool mask costs ~30x more on the CPU."""
+    import torch
     words = torch.from_numpy(bits)
-    allowed = ((words.unsqueeze(1) >> _SHIFTS) & 1).flatten()[:vocab]
+    allowed = ((words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab]
     if allowed.shape[0] < vocab:
         allowed = torch.cat([allowed, torch.zeros(vocab - allowed.shape[0], dtype=torch.int32)])
     return ((allowed - 1) & _NEG_INF_BITS).view(torch.float32)

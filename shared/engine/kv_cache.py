@@ -29,12 +29,19 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 import orjson
-import torch
 
 from kvpool.keys import next_chunk_key, tenant_seed
 
 KV_LAYOUT_VERSION = 1
-KV_DTYPE = torch.float16
+
+
+def __getattr__(name: str):
+    """``KV_DTYPE`` (torch.float16), imported on first use: the services that only read and write
+    KV blobs (the gateway, the KV pool) never load torch."""
+    if name == "KV_DTYPE":
+        import torch
+        return torch.float16
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

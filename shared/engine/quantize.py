@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 
-from shared.engine.loader import GGUFFile, LoadedModel, ModelLoadError, load_model, rope_permute
+from shared.engine.loader import LoadedModel, load_model, rope_permute
+from shared.engine.model_files import GGUFFile, ModelLoadError
 
 log = logging.getLogger(__name__)
 

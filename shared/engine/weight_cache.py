@@ -54,8 +54,8 @@ from typing import IO
 import torch
 
 from shared.engine.config import ModelConfig
-from shared.engine.loader import LoadedModel, ModelLoadError, bundled_model_path, load_model, \
-    release_freed_memory, safetensors_files
+from shared.engine.loader import LoadedModel, load_model, release_freed_memory
+from shared.engine.model_files import ModelLoadError, bundled_model_path, safetensors_files
 from shared.engine.model import runtime_weights
 from shared.engine.tokenizer import Tokenizer
 
@@ -75,7 +75,7 @@ KEEP_DAYS = 14
 LOAD_THREADS = 1
 _HERE = Path(__file__).resolve().parent
 # the files whose code decides the cached bytes (conversion, fusion, packing)
-CONVERTER_SOURCES = (_HERE / "loader.py", _HERE / "model.py", Path(__file__).resolve(),
+CONVERTER_SOURCES = (_HERE / "loader.py", _HERE / "model_files.py", _HERE / "model.py", Path(__file__).resolve(),
                      _HERE.parent.parent / "kernels" / "q4_0.py", _HERE.parent.parent / "kernels" / "q4_0_cpu.cpp",
                      _HERE.parent.parent / "kernels" / "q4_0_cpu.h")
 

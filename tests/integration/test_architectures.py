@@ -211,7 +211,7 @@ LLAMA_SPECS = [s for s in SPECS if s.arch == "llama"]   # the arch with the Q/K 
 def test_quantized_gguf_same_bytes_and_logits(case, tmp_path, monkeypatch):
     from gguf import GGMLQuantizationType as T
 
-    from shared.engine.loader import open_gguf
+    from shared.engine.model_files import open_gguf
     from shared.engine.quantize import quantize_model
 
     spec, d, m, _, ids, *_ = case

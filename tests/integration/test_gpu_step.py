@@ -351,7 +351,8 @@ def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split"):
 
 def _engine_case():
     from shared.engine.engine import Engine, EngineConfig, run_to_completion
-    from shared.engine.loader import LoadedModel, load_tokenizer
+    from shared.engine.loader import LoadedModel
+    from shared.engine.model_files import load_tokenizer
     from shared.engine.sampling import SamplingParams
     tok, _ = load_tokenizer()
     cfg = tiny_config(max_context=512, n_layers=1)   # the interpreter's time is per launch: one layer

@@ -22,7 +22,8 @@ import torch
 from kernels import q4_0
 from shared.engine import quantize
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.loader import LoadedModel, bundled_model_path, load_model
+from shared.engine.loader import LoadedModel, load_model
+from shared.engine.model_files import bundled_model_path
 
 transformers = pytest.importorskip("transformers")
 

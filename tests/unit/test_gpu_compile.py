@@ -99,7 +99,7 @@ class _Indexable:
 def bundled_shapes_model(bias: bool = False, qk_norm: bool = False) -> Transformer:
     """A Transformer of the bundled model's shapes on the CPU, weights left empty (nothing computes);
     ``bias`` / ``qk_norm``: with qwen2's q|k|v bias / qwen3's per-head norms besides."""
-    from shared.engine.loader import load_tokenizer
+    from shared.engine.model_files import load_tokenizer
     _, cfg = load_tokenizer()
     D, hd, F = cfg.hidden_size, cfg.head_dim, cfg.ffn_size
 

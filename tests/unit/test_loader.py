@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from kernels import q4_0
-from shared.engine import loader
-from shared.engine.loader import ModelLoadError, bundled_model_path, load_model, rope_permute, rope_unpermute
+from shared.engine import loader, model_files
+from shared.engine.loader import load_model, rope_permute, rope_unpermute
+from shared.engine.model_files import ModelLoadError, bundled_model_path
 from shared.engine.quantize import quantize_model
 from shared.engine.tokenizer import _bytes_to_unicode
 
@@ -61,7 +62,7 @@ def test_bundled_conversion_is_close_to_source(bundled):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    gf = loader.open_gguf(bundled.path)
+    gf = model_files.open_gguf(bundled.path)
     t = next(t for t in gf.tensors if t.name == "blk.5.ffn_up.weight")
     src = torch.from_numpy(dequantize(gf.read(t), GGMLQuantizationType(t.qtype)).reshape(t.shape).astype(np.float32))
     ours = q4_0.dequantize(bundled.weights["blk.5.ffn_up"])
@@ -97,7 +98,7 @@ def test_quantized_loads_byte_identical(bundled, quantized):
 def test_quantized_file_is_q4_0(quantized):
     from gguf import GGMLQuantizationType as T
 
-    gf = loader.open_gguf(quantized)
+    gf = model_files.open_gguf(quantized)
     assert gf.get("general.file_type") == 2  # MOSTLY_Q4_0
     assert gf.get("general.architecture") == "llama"
     assert gf.get("tokenizer.ggml.pre") == "smollm"
@@ -218,7 +219,7 @@ def test_tiny_gguf_loads(tmp_path):
 def _expect_error(path: str, *words: str) -> ModelLoadError:
     """Load must fail with ModelLoadError naming ``words`` and the path, and leave no tensor alive."""
     refs: list[weakref.ref] = []
-    real_read, real_q = loader.GGUFFile.read, loader._to_q4_0
+    real_read, real_q = model_files.GGUFFile.read, loader._to_q4_0
 
     def read(self, *a, **k):
         out = real_read(self, *a, **k)
@@ -230,12 +231,12 @@ def _expect_error(path: str, *words: str) -> ModelLoadError:
         refs.append(weakref.ref(out))
         return out
 
-    loader.GGUFFile.read, loader._to_q4_0 = read, to_q4_0
+    model_files.GGUFFile.read, loader._to_q4_0 = read, to_q4_0
     try:
         with pytest.raises(ModelLoadError) as info:
             load_model(path)
     finally:
-        loader.GGUFFile.read, loader._to_q4_0 = real_read, real_q
+        model_files.GGUFFile.read, loader._to_q4_0 = real_read, real_q
     msg = str(info.value)
     assert isinstance(info.value, ValueError)
     assert path in msg, msg
@@ -310,7 +311,7 @@ def test_failed_load_releases_memory(monkeypatch, quantized):
 
 
 def test_load_tokenizer_reads_metadata_only(bundled, tmp_path):
-    tok, cfg = loader.load_tokenizer()
+    tok, cfg = model_files.load_tokenizer()
     assert cfg == bundled.config
     text = "Hello, 世界! <|im_start|>user"
     assert tok.encode(text) == bundled.tokenizer.encode(text)
@@ -319,4 +320,4 @@ def test_load_tokenizer_reads_metadata_only(bundled, tmp_path):
     p = tmp_path / "junk.gguf"
     p.write_bytes(os.urandom(4096))
     with pytest.raises(ModelLoadError, match="not a GGUF"):
-        loader.load_tokenizer(str(p))
+        model_files.load_tokenizer(str(p))

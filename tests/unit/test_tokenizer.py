@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from shared.engine.loader import bundled_model_path, open_gguf
+from shared.engine.model_files import bundled_model_path, open_gguf
 from shared.engine.tokenizer import Tokenizer, decode_step
 
 TEXTS = [

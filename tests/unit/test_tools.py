@@ -15,7 +15,7 @@ from services.gateway.tools import (
     response_format_guide, template_takes_tools, tool_plan,
 )
 from shared.engine.grammar import check_guide
-from shared.engine.loader import served_model_name
+from shared.engine.model_files import served_model_name
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather at a place",
@@ -222,7 +222,7 @@ def test_a_reply_in_the_history_keeps_the_tokens_it_was_generated_as():
 
     from services.gateway.handlers import chat_prompt, encode_turns
     from services.gateway.openai_api import ChatCompletionRequest
-    from shared.engine.loader import load_tokenizer
+    from shared.engine.model_files import load_tokenizer
 
     tok, _ = load_tokenizer()
     gw = SimpleNamespace(backend=SimpleNamespace(tokenizer=tok), tool_parser=HermesParser(), native_tools=False)
