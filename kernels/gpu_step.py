@@ -421,11 +421,11 @@ class GpuStep:
             bias = layer.get("qkv_bias", q)
             qn, kn = layer.get("q_norm", q), layer.get("k_norm", q)
             s = layer_kv.stride()
-            _k().rope_kv[(t, self.nh + self.nkv)](
+            _k().rope_kv[(t, self.nkv)](
                 parts, bias, qn, kn, self.cos, self.sin, positions, slot_blocks, slot_offsets, q, layer_kv,
                 parts.stride(1), q.stride(0), s[0], s[1], s[2], s[3], self.cfg.rms_eps, parts.stride(0),
-                NH=self.nh, NKV=self.nkv, HD=self.hd, HAS_BIAS="qkv_bias" in layer, QK_NORM="q_norm" in layer,
-                SPLITS=parts.shape[0], **pdl_args(self.pdl))
+                NH=self.nh, NKV=self.nkv, HD=self.hd, GROUP=self.group, GROUP_P=_pow2(self.group),
+                HAS_BIAS="qkv_bias" in layer, QK_NORM="q_norm" in layer, SPLITS=parts.shape[0], **pdl_args(self.pdl))
         return q
 
     def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, pb: PagedBatch,

@@ -581,32 +581,29 @@ def _rope_kv_head(row, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr, pos, slot_ptr, s
 @triton.jit
 def rope_kv(qkv_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, q_ptr, kv_ptr,
             stride_qkv, stride_q, s_blk, s_kv, s_slot, s_head, eps, split_stride,
-            NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+            NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
             HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
-    """One (token, head) of the q|k|v projection: bias, per-head RMSNorm (qwen3), rotary embedding
-    (rotate-half); a query head goes to q, a kv head's rotated key and its value into the KV cache
-    at the token's slot (float16). SPLITS > 1: q|k|v is the projection's split partial sums
-    ([SPLITS, tokens, N], ``split_stride`` apart), added here as they are read (no ``split_sum``)."""
+    """One (token, kv head) of the q|k|v projection: bias, per-head RMSNorm (qwen3), rotary embedding
+    (rotate-half) of the kv head's GROUP query heads, to q (``_rope_group``, as ``attn_decode``
+    rotates a decode's), and of its key: the key and the value into the KV cache at the token's
+    slot (float16). SPLITS > 1: q|k|v is the projection's split partial sums ([SPLITS, tokens, N],
+    ``split_stride`` apart), added here as they are read (no ``split_sum``)."""
     _grid_dependency(PDL)
     tok = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    HALF: tl.constexpr = HD // 2
-    i = tl.arange(0, HALF)
+    kvh = tl.program_id(1)
     row = qkv_ptr + tok * stride_qkv
     pos = tl.load(pos_ptr + tok).to(tl.int64)
-    if h < NH:
-        x1, x2 = _head_halves(row, h * HD, bias_ptr, split_stride, HD, HAS_BIAS, SPLITS)
-        if QK_NORM:
-            x1, x2 = _qk_norm(x1, x2, qn_ptr, i, eps, HD)
-        r1, r2 = _rotate(x1, x2, tl.load(cos_ptr + pos * HALF + i), tl.load(sin_ptr + pos * HALF + i))
-        tl.store(q_ptr + tok * stride_q + h * HD + i, r1)
-        tl.store(q_ptr + tok * stride_q + h * HD + HALF + i, r2)
-    else:
-        kvh = h - NH
-        slot = (tl.load(sblk_ptr + tok).to(tl.int64) * s_blk + tl.load(soff_ptr + tok).to(tl.int64) * s_slot
-                + kvh * s_head)
-        _rope_kv_head(row, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr, pos, kv_ptr + slot, s_kv, split_stride, eps,
-                      NH, NKV, HD, HAS_BIAS, QK_NORM, SPLITS)
+    g = tl.arange(0, GROUP_P)
+    g_ok = g < GROUP
+    heads = kvh * GROUP + g
+    q = _rope_group(row, heads, g_ok, bias_ptr, qn_ptr, cos_ptr, sin_ptr, pos, split_stride, eps, HD, HAS_BIAS,
+                    QK_NORM, SPLITS)
+    d = tl.arange(0, HD)
+    tl.store(q_ptr + tok * stride_q + heads[:, None] * HD + d[None, :], q, mask=g_ok[:, None])
+    slot = (tl.load(sblk_ptr + tok).to(tl.int64) * s_blk + tl.load(soff_ptr + tok).to(tl.int64) * s_slot
+            + kvh * s_head)
+    _rope_kv_head(row, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr, pos, kv_ptr + slot, s_kv, split_stride, eps,
+                  NH, NKV, HD, HAS_BIAS, QK_NORM, SPLITS)
 
 
 @triton.jit
