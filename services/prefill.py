@@ -90,10 +90,11 @@ class PrefillWorker(EngineWorker):
                                             session_id=req.session_id, attempt=attempt, origin=req.origin,
                                             ring=req.ring, claim=claim, alongside=scatter)
         except (TransferError, BusError, *RING_ERRORS) as e:
-            # the gateway resumes the request on another worker (a ring's members keep nothing)
-            # the worker it did not reach is named (ErrorReply.lost): kept out of the resume
-            raise BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}",
-                           lost=lost_in_hand_off(e, req.decode_worker)) from None
+            # the gateway resumes the request (a ring's members keep nothing): without the worker it
+            # did not reach (ErrorReply.lost), or — a live peer refused it — with every worker
+            lost = lost_in_hand_off(e, req.decode_worker)
+            raise BusError("unavailable", f"hand-off to {req.decode_worker} failed: {e}", lost=lost,
+                           sender_ok=not lost) from None
         self.hand_over(req.request_id, req.decode_worker)
         done = time.monotonic()
         scattered = ""

@@ -451,6 +451,7 @@ class EngineWorker:
             try:
                 reply = ErrorReply.of(code, f"{self.role} {self.worker_id}: {e}", request_id)
                 reply.attempt, reply.lost = attempt, getattr(e, "lost", "")
+                reply.sender_ok = getattr(e, "sender_ok", False)
                 await self.bus.publish(subject, reply)
             except Exception:  # the bus is gone too: the gateway finds the request gone (Where) and resumes it
                 log.warning("%s: could not publish the error", request_id)

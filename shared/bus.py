@@ -58,12 +58,13 @@ def _placement(e: Exception) -> bool:
 class BusError(Exception):
     """An error with a wire code (a key of schemas.ERROR_STATUS); handlers raise it on purpose."""
 
-    def __init__(self, code: str, message: str, retry_after: float = 0.0, lost: str = ""):
+    def __init__(self, code: str, message: str, retry_after: float = 0.0, lost: str = "", sender_ok: bool = False):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.retry_after = retry_after   # "overloaded": seconds until a retry may succeed
         self.lost = lost                 # a stream's error: the worker found gone (ErrorReply.lost)
+        self.sender_ok = sender_ok       # ... or nobody: a live peer's answer failed it (ErrorReply.sender_ok)
 
     @property
     def status(self) -> int:

@@ -356,7 +356,7 @@ class Ack:
     worker: str = ""
 
 
-@message("ErrorReply", 3)
+@message("ErrorReply", 4)
 class ErrorReply:
     """The error envelope: a reply to a failed request, or a message on a stream subject."""
     SCHEMA: ClassVar[str]
@@ -369,6 +369,8 @@ class ErrorReply:
     attempt: int = 0             # on a stream: the request's attempt that failed (older ones are ignored)
     lost: str = ""               # the worker found gone ("": the sender's own failure; a ring: a member;
     #                              a prefill's failed hand-off: the decode worker it did not reach)
+    sender_ok: bool = False      # nobody is gone: a live peer's answer failed the sender (a decode worker
+    #                              refusing a prefill's hand-off), so a resume may route to both again
 
     @classmethod
     def of(cls, code: str, message: str, request_id: str = "", retry_after: float = 0.0) -> "ErrorReply":

@@ -179,8 +179,9 @@ class NatsBackend:
                     continue  # a fenced attempt's last words
                 if msg.code in RESUMABLE:
                     # the worker found gone (a ring's member; the decode worker a prefill's hand-off
-                    # did not reach), else the sender
-                    await self._resume(st, f"its worker failed: {msg.message}", msg.lost or st.holder)
+                    # did not reach), nobody (a live peer refused the sender's hand-off), else the sender
+                    gone = msg.lost or ("" if msg.sender_ok else st.holder)
+                    await self._resume(st, f"its worker failed: {msg.message}", gone)
                     continue
                 raise backend_error(msg.code, msg.message, msg.retry_after)
             if not isinstance(msg, StreamChunk) or msg.attempt != st.attempt or msg.seq < st.next_seq:

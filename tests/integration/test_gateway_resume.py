@@ -189,13 +189,18 @@ async def test_two_copies_of_one_attempt_never_drift():
         assert t.backend.resumes == 1
 
 
-async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_resume():
+@pytest.mark.parametrize("refused", [False, True])
+async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_resume(refused):
     """The router plans prefill "p" -> decode "d-c" while d-c is dead (its heartbeats not yet
     missed): p's KV hand-off finds d-c's data plane refusing connections. The prefill's stream
     error names d-c as lost (the real PrefillWorker.hand_off, KVConnector.hand_off and TCP sender,
     EngineWorker.stream_outputs; no engine): the resume is routed without d-c, not without p (the
-    bench of N hosts saw a router name d-c again for that resume)."""
+    bench of N hosts saw a router name d-c again for that resume). ``refused``: d-c is alive and
+    answers the hand-off with an error ("overloaded"): nobody is gone, the resume excludes nobody
+    (it used to exclude p, the prefill, which had done nothing wrong)."""
     import socket
+
+    from shared.bus import RemoteError
 
     from services.prefill import PrefillWorker
     from shared.engine.kv_cache import KVBlobHeader, KVLayout
@@ -215,7 +220,7 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
 
     async def route(req: RouteRequest) -> RoutePlan:
         routed.append(req)
-        if "d-c" not in req.exclude:   # prefill on p (unless p is excluded), the KV to d-c
+        if len(routed) == 1:   # prefill on p (unless p is excluded), the KV to d-c; then d-b
             return RoutePlan(request_id=req.request_id, prefill_worker=None if "p" in req.exclude else "p",
                              decode_worker="d-c", decode_role=subjects.CPU_DECODE, reason="to d-c",
                              decode_data_host="127.0.0.1", decode_data_port=closed_port)
@@ -234,6 +239,10 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
     kv.bus, kv.worker_id = buses["p"], "p"
     kv.sender = make_transport(DataPlaneSettings(shm=False, key="k")).sender()
     kv.store_later = lambda *a: None
+    if refused:
+        async def hand_off(*a, **kw):   # d-c's answer on its decode subject (KVConnector.hand_off)
+            raise RemoteError("overloaded", "d-c: the engine is full")
+        kv.hand_off = hand_off
     prefill = PrefillWorker.__new__(PrefillWorker)
     prefill.bus, prefill.worker_id, prefill.requests, prefill.engine, prefill.kv, prefill.tpot = \
         buses["p"], "p", {}, Engine(), kv, 0.0
@@ -262,7 +271,7 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
         req = GenerationRequest("r-1", "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None)
         outs = await asyncio.wait_for(_collect(backend, req), 30)
         assert "".join(o.text for o in outs) == "all of it" and outs[-1].finish_reason == "stop"
-        assert [r.exclude for r in routed] == [[], ["d-c"]] and backend.resumes == 1
+        assert [r.exclude for r in routed] == [[], [] if refused else ["d-c"]] and backend.resumes == 1
     finally:
         await backend.close()
         await kv.sender.close()
