@@ -119,13 +119,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
         need = [i for i, s in enumerate(seqs) if best is None or best[i] is None or not _plain(s)]
         if need:
             host = dict(zip(need, logits[need].cpu()))
-    for i, (row, seq) in enumerate(zip(logits, seqs)):
+    for i, seq in enumerate(seqs):
         p = seq.params
-        if best is not None and best[i] is not None and on_device(seq):
-            tokens.append(best[i])           # drawn on the device (kernels/gpu_sample.py)
-            lps.append(None)
+        if best is not None and best[i] is not None and _plain(seq):
+            tokens.append(best[i])           # the graph's argmax, or drawn on the device (kernels/gpu_sample.py)
+            lps.append(None)                 # (its row is never touched: no view of it is made)
             continue
-        row = host.get(i, row)
+        row = host[i] if i in host else logits[i]
         m = seq.matcher  # the grammar's state, or None
         if m is not None and needs_mask(seq):
             row = row + _bias(m.mask(), row)   # the whole distribution counts: mask every banned token
