@@ -115,15 +115,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
     tokens: list[int] = []
     lps: list[TokenLogprob | None] = []
     host: dict[int, torch.Tensor] = {}
+    # rows the graph chose (its argmax, a device draw) that nothing else reads: taken as they are
+    chosen = [best is not None and best[i] is not None and _plain(s) for i, s in enumerate(seqs)]
     if logits.device.type != "cpu":   # the rows read on the host, in one device-to-host copy
-        need = [i for i, s in enumerate(seqs) if best is None or best[i] is None or not _plain(s)]
+        need = [i for i, c in enumerate(chosen) if not c]
         if need:
             host = dict(zip(need, logits[need].cpu()))
     for i, seq in enumerate(seqs):
         p = seq.params
-        if best is not None and best[i] is not None and _plain(seq):
-            tokens.append(best[i])           # the graph's argmax, or drawn on the device (kernels/gpu_sample.py)
-            lps.append(None)                 # (its row is never touched: no view of it is made)
+        if chosen[i]:                        # (its row is never touched: no view of it is made)
+            tokens.append(best[i])
+            lps.append(None)
             continue
         row = host[i] if i in host else logits[i]
         m = seq.matcher  # the grammar's state, or None
