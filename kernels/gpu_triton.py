@@ -196,7 +196,10 @@ def _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, nb, kb, kb1, t, BLOCK_B: tl.constex
 @triton.jit
 def _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, nb, blk, kb1, PLANES: tl.constexpr):
     """``qgemv``'s weight tile: blocks ``blk`` [BB] (below kb1) of Q4_0 rows n, fetched (scales
-    [BN, BB, 1], quant bytes [BN, BB, 16]; PLANES as ``_q4_fetch_tile``)."""
+    [BN, BB, 1], quant bytes [BN, BB, 16]; PLANES as ``_q4_fetch_tile``). The address sums are
+    ``_q4_fetch_tile``'s grouped for this tile's shape. Not shared: one helper for both (three
+    groupings tried, 2026-11-29, sm_90, Triton 3.9) changed the registers of 23-82 of the ~200
+    variants, both ways, qgemv's up to 2x — a codegen change to time on a GPU, not a tidy-up."""
     j = tl.arange(0, 16)[None, None, :]
     ok = (n_ok[:, None] & (blk < kb1)[None, :])[:, :, None]
     if PLANES:
