@@ -164,7 +164,6 @@ class Child:
         self.starts = 0
         self.exits: list[float] = []          # monotonic times of unexpected exits
         self.stopping = False
-        self.gave_up = False
         self.wake = asyncio.Event()           # set by stop(): cut a backoff short
 
     async def start(self) -> None:
@@ -188,7 +187,6 @@ class Child:
             now = time.monotonic()
             self.exits = [t for t in self.exits if now - t < RESTART_WINDOW_S] + [now]
             if len(self.exits) > RESTART_LIMIT:
-                self.gave_up = True
                 log.error("!!! %s exited with code %s, its %d%s exit in %.0f s: GIVING UP on this copy; the "
                           "rest of the stack keeps serving", self.name, code, len(self.exits),
                           _nth(len(self.exits)), RESTART_WINDOW_S)

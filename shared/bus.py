@@ -70,9 +70,6 @@ class BusError(Exception):
     def status(self) -> int:
         return ERROR_STATUS.get(self.code, 500)
 
-    def to_reply(self, request_id: str = "") -> ErrorReply:
-        return ErrorReply.of(self.code, self.message, request_id, self.retry_after)
-
 
 class RemoteError(BusError):
     """The remote handler answered with an ErrorReply."""

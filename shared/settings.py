@@ -310,10 +310,6 @@ class DataPlaneSettings:
             raise ValueError("TANDEM_DATA_HOST binds every address: set TANDEM_DATA_ADVERTISE_HOST "
                              "to the address peers should dial")
 
-    @property
-    def public_host(self) -> str:
-        return self.advertise_host or self.host
-
 
 @dataclass
 class PoolSettings:

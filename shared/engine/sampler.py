@@ -94,10 +94,6 @@ def _plain(seq: Sequence) -> bool:
             and not p.frequency_penalty and not p.logprobs and not p.top_logprobs)
 
 
-def _plain_greedy(seq: Sequence) -> bool:
-    return seq.params.greedy and _plain(seq)
-
-
 def on_device(seq: Sequence) -> bool:
     """May the decode graph draw this sampled row's token (kernels/gpu_sample.py: temperature,
     top-k / top-p / min-p, the same seeded uniform as ``draw``)? Only where nothing else needs

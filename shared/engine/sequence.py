@@ -85,10 +85,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
-
     def sort_key(self) -> tuple[int, int]:
         """Queue order: priority (SLA tier), then arrival."""
         return (self.priority, self.arrival)
