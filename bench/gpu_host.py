@@ -4,11 +4,18 @@ The engine runs as on CUDA with decode graphs — scheduling, ``DecodeInputs.fil
 buffers), the tokens read back, sampling's bookkeeping, the incremental detokenizer — but the
 graph is a stub that does no GPU work (``StubGraphs``). What a step then takes is the host's part
 of it; on a GPU, a step's wall time minus its GPU work minus this is what lies between the
-kernels and in the copies (docs/kernels.md, "Measured on a GPU")."""
+kernels and in the copies (docs/kernels.md, "Measured on a GPU").
+
+``--gpu-us T`` models a device too: each replay "runs" T µs after the one before it ends,
+asynchronously, and reading its tokens back waits (spinning, as a CUDA synchronize does) until
+then. The table then shows a step's wall time stepped one after another (host + T) and with the
+next step launched ahead (TANDEM_GPU_AHEAD=1: the host's text work beside the device's) — the
+mechanism's gain for a given host and device time, not a GPU's figure."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -41,6 +48,26 @@ class StubGraphs(DecodeGraphs):
         return self.logits[:bucket], self.best[:bucket]
 
 
+class ModeledDevice(StubGraphs):
+    """StubGraphs whose replays take ``gpu_us`` each on a modeled device: one after another, from
+    the launch or the end of the one before; ``finish`` waits for the step's end."""
+
+    def __init__(self, *a, gpu_us: float, **kw):
+        super().__init__(*a, **kw)
+        self.gpu_s, self.busy_until = gpu_us / 1e6, 0.0
+
+    def start(self, *a, **kw):
+        started = super().start(*a, **kw)
+        self.busy_until = max(time.perf_counter(), self.busy_until) + self.gpu_s
+        return started, self.busy_until
+
+    def finish(self, started):
+        started, end = started
+        while time.perf_counter() < end:    # the host waits on the device (a synchronize spins)
+            pass
+        return super().finish(started)
+
+
 def _decode_steps(e, n: int, steps: int) -> float:
     """µs a decode step of ``n`` sequences, over ``steps`` steps after two unmeasured ones."""
     from shared.engine.sampling import SamplingParams
@@ -63,6 +90,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_host", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--gpu-us", type=float, default=0.0,
+                    help="model a device whose replay takes this long: stepped vs launched ahead (0: host only)")
+    ap.add_argument("--rounds", type=int, default=3, help="with --gpu-us: stepped and ahead in turn, this many times")
     a = ap.parse_args(argv)
     from shared.engine.engine import Engine, EngineConfig
     top = max(a.seqs)
@@ -71,11 +101,28 @@ def main(argv=None) -> int:
     blocks = top * -(-(16 + a.steps + 8) // 16) + 8
     e = Engine.from_path(None, EngineConfig(threads=2, enable_prefix_caching=False, max_num_seqs=top,
                                             num_kv_blocks=blocks))
-    e.graphs = StubGraphs(top, 512, e.layout.block_size, e.model.cfg.vocab_size,
-                          e.tokenizer.encode(TEXT, add_special_tokens=False))
-    print("| sequences | host µs a decode step |\n|---:|---:|")
+    stub = (e.model.cfg.vocab_size, e.tokenizer.encode(TEXT, add_special_tokens=False))
+    host = StubGraphs(top, 512, e.layout.block_size, *stub)
+    if not a.gpu_us:
+        e.graphs = host
+        print("| sequences | host µs a decode step |\n|---:|---:|")
+    else:
+        modeled = ModeledDevice(top, 512, e.layout.block_size, *stub, gpu_us=a.gpu_us)
+        print(f"| sequences | host µs a decode step | stepped µs (device {a.gpu_us:.0f}) | launched ahead µs | "
+              "stepped ÷ ahead |\n|---:|---:|---:|---:|---:|")
     for n in a.seqs:
-        print(f"| {n} | {_decode_steps(e, n, a.steps):.0f} |", flush=True)
+        e.graphs = host
+        us = _decode_steps(e, n, a.steps)
+        if not a.gpu_us:
+            print(f"| {n} | {us:.0f} |", flush=True)
+        else:   # the two in turn, --rounds times (this machine's noise moves both alike), medians
+            e.graphs, runs = modeled, {False: [], True: []}
+            for _ in range(a.rounds):
+                for ahead in (False, True):
+                    modeled.ahead = ahead
+                    runs[ahead].append(_decode_steps(e, n, a.steps))
+            stepped, ahead = statistics.median(runs[False]), statistics.median(runs[True])
+            print(f"| {n} | {us:.0f} | {stepped:.0f} | {ahead:.0f} | {stepped / ahead:.2f} |", flush=True)
         if e.scheduler.num_preemptions:
             print(f"(preempted {e.scheduler.num_preemptions} times: the figure includes KV swaps)", flush=True)
     return 0

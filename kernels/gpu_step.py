@@ -56,6 +56,7 @@ scales after them, which the kernels load as vectors — the same bits either wa
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -610,12 +611,17 @@ class DecodeInputs:
             raise ValueError(f"{n} rows in a bucket of {bucket} (cap {self.cap})")
         pos = np.asarray(positions, dtype=np.int64)
         tab = self.host_view("tables")
-        for i, t in enumerate(tables):
-            if len(t) > self.width:
-                raise ValueError(f"row {i}: {len(t)} blocks exceed the table width {self.width}")
-            tab[i, :len(t)] = t
-            tab[i, len(t):] = self.scratch
-        tab[n:bucket] = self.scratch
+        lens = list(map(len, tables))
+        w = max(lens, default=0)
+        if w > self.width:
+            i = lens.index(w)
+            raise ValueError(f"row {i}: {w} blocks exceed the table width {self.width}")
+        # the rows' blocks, then the scratch block: one masked store of them all (a row at a time
+        # took 100 us at 64 rows on a 2-vCPU EPYC, this 30)
+        tab[:bucket] = self.scratch
+        if n:
+            tab[:n, :w][np.arange(w) < np.array(lens)[:, None]] = \
+                np.fromiter(itertools.chain.from_iterable(tables), np.int32, sum(lens))
         self.host_view("ids")[:n] = ids
         self.host_view("ids")[n:bucket] = 0
         self.host_view("positions")[:n] = pos
@@ -656,6 +662,9 @@ class DecodeGraphs:
         self.inputs = DecodeInputs(self.sizes[-1], width, scratch_block, step.device)
         self.capture = capture
         self.device_sample = os.environ.get("TANDEM_GPU_SAMPLE", "1") != "0"
+        # TANDEM_GPU_AHEAD=1 (off until measured on a GPU): the engine launches the next decode step
+        # before it makes the last one's text (Engine.step: "launched ahead")
+        self.ahead = os.environ.get("TANDEM_GPU_AHEAD", "0") == "1"
         # the sampler's variants that may run: False (temperature / min-p), True (top-k / top-p: a sort);
         # one whose graph could not be captured leaves its rows to the host from then on
         self.variants = {False: self.device_sample, True: self.device_sample}
@@ -737,6 +746,13 @@ class DecodeGraphs:
         """Run a scheduled step here when it is decode only (one sampled token per sequence, at
         most the largest bucket): (logits, tokens) in chunk order — greedy rows their argmax,
         rows drawn on the device their draw, None where the host samples; None otherwise."""
+        started = self.launch(chunks)
+        return None if started is None else self.collect(started)
+
+    def launch(self, chunks) -> tuple | None:
+        """``try_step``'s first half: a decode-only step's inputs filled and its graph replayed —
+        on CUDA queued behind the work before it, nothing read back — or None when the step is
+        not decode only. ``collect`` then reads its tokens."""
         if not chunks or len(chunks) > self.sizes[-1] or any(c.num_tokens != 1 or not c.sample for c in chunks):
             return None
         from shared.engine import sampler
@@ -746,16 +762,28 @@ class DecodeGraphs:
             p = c.seq.params
             if sampler.on_device(c.seq) and self.variants[bool(p.top_k) or p.top_p < 1.0]:
                 sampling[i] = (p.temperature, p.top_k, p.top_p, p.min_p, c.seq.seed, c.seq.num_output_tokens)
-        logits, tokens = self.run([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
-                                  [c.seq.block_table[:c.start // bs + 1] for c in chunks], sampling)
-        return logits, [t if c.seq.params.greedy or s is not None else None
-                        for t, c, s in zip(tokens, chunks, sampling)]
+        started = self.start([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                             [c.seq.block_table[:c.start // bs + 1] for c in chunks], sampling)
+        return started, [c.seq.params.greedy or s is not None for c, s in zip(chunks, sampling)]
+
+    def collect(self, launched: tuple) -> tuple[torch.Tensor, list[int | None]]:
+        """(logits, tokens) of a step ``launch`` started, as ``try_step`` returns them (the wait
+        for the GPU is here)."""
+        started, taken = launched
+        logits, tokens = self.finish(started)
+        return logits, [t if ok else None for t, ok in zip(tokens, taken)]
 
     def run(self, ids: list[int], positions: list[int], tables: list[list[int]],
             sampling: list | None = None) -> tuple[torch.Tensor, list[int | None]]:
         """(logits [n, vocab], tokens) of one decode token for each of the n rows: each row's
         argmax, or its draw where ``sampling`` gives it parameters (``DecodeInputs.fill``; None
         there if the sampler could not be captured)."""
+        return self.finish(self.start(ids, positions, tables, sampling))
+
+    def start(self, ids: list[int], positions: list[int], tables: list[list[int]],
+              sampling: list | None = None) -> tuple:
+        """``run``'s first half: the inputs filled (one host-to-device copy) and the step
+        replayed (CUDA: queued); ``finish`` reads the tokens back."""
         n = len(ids)
         bucket = bucket_for(n, self.sizes)
         variant = self.inputs.fill(ids, positions, tables, self.block_size, bucket, sampling)
@@ -769,7 +797,12 @@ class DecodeGraphs:
         else:
             logits, best = self._body(bucket, variant)
             drawn = variant is not None
-        tokens = best[:n].tolist()             # the step's one device-to-host copy
+        return n, logits, best, sampling, variant, drawn
+
+    def finish(self, started: tuple) -> tuple[torch.Tensor, list[int | None]]:
+        """``run``'s second half: the step's tokens read back (its one device-to-host copy)."""
+        n, logits, best, sampling, variant, drawn = started
+        tokens = best[:n].tolist()
         if drawn:
             self.drawn += sum(s is not None for s in sampling)
         elif variant is not None:              # no sampler: those rows are the host's to draw

@@ -138,6 +138,7 @@ class Engine(KVHandoff):
                                    config.guest_step_tokens, config.prefill_step_tokens)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
+        self._ahead: tuple | None = None  # a decode step launched ahead, its tokens not read yet (step)
         # ring sessions this engine coordinates (docs/strategies.md): request id -> (its Ring, the
         # session id there); their KV is on the ring's members, a step each runs after the batch
         self.rings: dict[str, tuple] = {}
@@ -255,7 +256,7 @@ class Engine(KVHandoff):
         return mine
 
     def has_work(self) -> bool:
-        return (self.scheduler.has_work() or bool(self._pending)
+        return (self.scheduler.has_work() or bool(self._pending) or self._ahead is not None
                 or any(self.seqs[rid].status is Status.RUNNING for rid in self.rings))
 
     def best_priority(self) -> int | None:
@@ -289,10 +290,29 @@ class Engine(KVHandoff):
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            self._report_chunks()
-            return outputs + self._ring_steps()
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                self._report_chunks()
+                return outputs + self._ring_steps()
+            ahead = self._launch_ahead(chunks)
+            if ahead is None:
+                return outputs + self._run(chunks) + self._ring_steps()
+        # Launched ahead (TANDEM_GPU_AHEAD=1): this decode step's tokens, then the next decode step
+        # goes out before this one's text is made, so the GPU runs it meanwhile (and while the
+        # caller hands the outputs on). A next step that is not decode only is scheduled again
+        # by the next call and runs there.
+        step_out, later = self._collect(*ahead)
+        nxt = self.scheduler.schedule()
+        if nxt:
+            self._ahead = self._launch_ahead(nxt)
+        step_out += [self._appended(seq, tok, lp) for seq, tok, lp in later]
+        return outputs + step_out + self._ring_steps()
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """One step of the scheduled ``chunks``, start to end: the forward pass (a decode-only
+        one replayed from the decode graphs where they exist), the tokens sampled and appended."""
         sampled = [c.seq for c in chunks if c.sample]
         constrained = [s.matcher for s in sampled if s.matcher is not None]
         if constrained:  # the masks sampling needs, computed for the batch at once
@@ -312,7 +332,48 @@ class Engine(KVHandoff):
         step_out = [self._append(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, lps)]
         if constrained:
             self._fast_forward(sampled, step_out)
-        return outputs + step_out + self._ring_steps()
+        return step_out
+
+    def _launch_ahead(self, chunks: list[ScheduledChunk]) -> tuple | None:
+        """(chunks, the launched step) where the decode graphs run ahead and ``chunks`` are a
+        decode-only step with no grammar (its masks need the last token's text state) on an
+        engine with no ring sessions; else None."""
+        g = self.graphs
+        if g is None or not g.ahead or self.rings or any(c.seq.matcher is not None for c in chunks):
+            return None
+        launched = g.launch(chunks)
+        return None if launched is None else (chunks, launched)
+
+    def _collect(self, chunks: list[ScheduledChunk], launched) -> tuple[list[RequestOutput], list[tuple]]:
+        """A step launched ahead: its tokens read back (the wait for the GPU), committed, sampled
+        and appended to their sequences — rows of sequences aborted or moved away since the
+        launch dropped. Returns the outputs made now — sequences this token may end (EOS, a stop
+        token, max_tokens, the context, a stop string), a prefill's parked one — and (sequence,
+        token, logprob) of the rest, whose text (``_appended``: it cannot end them) waits for
+        the next step's launch."""
+        logits, greedy = self.graphs.collect(launched)
+        keep = [k for k, c in enumerate(chunks)
+                if c.seq.status is Status.RUNNING and self.seqs.get(c.seq.request_id) is c.seq]
+        if len(keep) < len(chunks):
+            if not keep:
+                return [], []
+            chunks, greedy = [chunks[k] for k in keep], [greedy[k] for k in keep]
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        self.scheduler.commit(chunks)
+        if self.chunk_events is not None:
+            for c in chunks:
+                self.chunk_events.note_seq(c.seq)
+            self._report_chunks()
+        seqs = [c.seq for c in chunks]
+        tokens, lps = sampler.sample(logits, seqs, greedy)
+        now, later = [], []
+        for seq, tok, lp in zip(seqs, tokens, lps):
+            seq.token_ids.append(tok)
+            if seq.prefill_only or seq.params.stop or self._ends(seq, tok):
+                now.append(self._appended(seq, tok, lp))
+            else:
+                later.append((seq, tok, lp))
+        return now, later
 
     # ---- ring sessions (cpu-ring(N): shared/ring/) ---------------------------------
     def add_ring(self, request_id: str, blob, ring, sid: str, priority: int | None = None) -> None:
@@ -465,8 +526,21 @@ class Engine(KVHandoff):
         return torch.tensor(ids, dtype=torch.int64, device=dev), ctx
 
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> RequestOutput:
-        p = seq.params
         seq.token_ids.append(tok)
+        return self._appended(seq, tok, lp)
+
+    def _ends(self, seq: Sequence, tok: int) -> bool:
+        """Does ``tok``, the last of ``seq.token_ids``, end the sequence whatever its text (EOS, a
+        stop token, max_tokens, the context)? ``_appended``'s rules without the text's (stop
+        strings, grammar)."""
+        p = seq.params
+        return ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+                or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= (seq.context_limit or self.max_context))
+
+    def _appended(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> RequestOutput:
+        """The output of ``tok``, just appended to ``seq.token_ids``: its text, and the end of the
+        sequence where it ends it."""
+        p = seq.params
         finish = None
         new_ids: list[int] = []
         new_lps: list[TokenLogprob] | None = [] if lp is not None else None

@@ -375,6 +375,65 @@ def _engine_case():
     return out, graphs
 
 
+def _ahead_case():
+    """The same requests through the decode graphs stepped one after another and launched ahead
+    (TANDEM_GPU_AHEAD=1): each request's (tokens, text, finish reason), with an abort while a step
+    is in flight and an arrival mid-run; and, per mode, the steps collected ahead and the rows
+    whose text waited for the next launch."""
+    from shared.engine.engine import Completion, Engine, EngineConfig, run_to_completion
+    from shared.engine.loader import LoadedModel
+    from shared.engine.model_files import load_tokenizer
+    from shared.engine.sampling import SamplingParams as SP
+    tok, _ = load_tokenizer()
+    cfg = tiny_config(max_context=512, n_layers=1)
+    weights = tiny_weights(cfg)
+
+    def engine(ahead: bool) -> Engine:
+        os.environ["TANDEM_GPU_AHEAD"] = "1" if ahead else "0"
+        try:
+            return Engine(LoadedModel(cfg, weights, tok, "tiny", "tiny"),
+                          EngineConfig(num_kv_blocks=64, max_num_seqs=6, step_tokens=64, gpu_step="graphs"))
+        finally:
+            del os.environ["TANDEM_GPU_AHEAD"]
+
+    prompt = [5, 17, 29, 41, 53, 65, 77]
+    probe = run_to_completion(engine(False), {"p": (prompt, SP(max_tokens=8, temperature=0.0, ignore_eos=True))})["p"]
+    stop_str = probe.text[len(probe.text) // 2:][:2]         # met mid-run: a stop string ends it there
+    requests = {
+        "greedy": (prompt, SP(max_tokens=8, temperature=0.0, ignore_eos=True)),
+        "stop-token": (prompt, SP(max_tokens=8, temperature=0.0, stop_token_ids=[probe.token_ids[3]])),
+        "stop-string": (prompt, SP(max_tokens=8, temperature=0.0, stop=[stop_str], ignore_eos=True)),
+        "sampled": ([3, 1, 4, 1, 5, 9, 2, 6], SP(max_tokens=8, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)),
+        "short": ([2, 7, 1, 8], SP(max_tokens=2, temperature=0.0, ignore_eos=True)),
+        "aborted": ([9, 9, 8, 2, 4], SP(max_tokens=8, temperature=0.0, ignore_eos=True))}
+    out, counts = {}, {}
+    for ahead in (False, True):
+        e = engine(ahead)
+        n = {"collected": 0, "later": 0}
+        collect = e._collect
+
+        def counted(*a, collect=collect, n=n):
+            now, later = collect(*a)
+            n["collected"] += 1
+            n["later"] += len(later)
+            return now, later
+        e._collect = counted
+        for rid, (ids, p) in requests.items():
+            e.add(rid, ids, p)
+        done, calls = {}, 0
+        while e.has_work():
+            for o in e.step():
+                done.setdefault(o.request_id, Completion(o.request_id)).add(o)
+            calls += 1
+            if calls == 3:      # launched ahead: its next step is in flight now, with this row
+                assert e.abort("aborted")
+            if calls == 4:      # the next step is out already: it joins the one after
+                e.add("late", [4, 4, 4, 11, 12, 13], SP(max_tokens=5, temperature=0.0, ignore_eos=True))
+        out[ahead] = {r: (c.token_ids, c.text, c.finish_reason) for r, c in done.items()}
+        counts[ahead] = n
+    return out, counts
+
+
 def _philox_case(pairs):
     """The device's uniform of each (seed, index) (kernels/gpu_sample.uniforms)."""
     from kernels.gpu_sample import seed_halves, uniforms
@@ -692,6 +751,21 @@ def test_philox_uniforms_are_the_host_samplers_bit_for_bit(interp):
     pairs = [(s, c) for s in seeds for c in idx]
     got = interp(_philox_case, pairs)
     assert got == [uniform(s, c) for s, c in pairs]
+
+
+def test_decode_steps_launched_ahead_give_the_same_outputs(interp):
+    """TANDEM_GPU_AHEAD=1: the engine collects a decode step's tokens, launches the next, then
+    makes the text — each request's tokens, text and finish are those of steps one after another
+    (stop token, stop string, max_tokens, a seeded draw, an abort with a step in flight, an
+    arrival while one is out)."""
+    out, counts = interp(_ahead_case)
+    assert out[True] == out[False]
+    finish = {r: f for r, (_, _, f) in out[False].items()}
+    assert finish == {"greedy": "length", "stop-token": "stop", "stop-string": "stop", "sampled": "length",
+                      "short": "length", "aborted": "abort", "late": "length"}, finish
+    assert len(out[False]["stop-token"][0]) == 3 and len(out[False]["aborted"][0]) == 3   # (a stop token is not shown)
+    assert counts[False] == {"collected": 0, "later": 0}
+    assert counts[True]["collected"] >= 5 and counts[True]["later"] >= 10, counts
 
 
 def test_engine_decodes_through_the_graph_buffers(interp):
