@@ -164,11 +164,13 @@ class Scheduler:
         if seq.status is not Status.RUNNING:
             return 0  # preempted earlier in this step
         n = min(seq.num_tokens - seq.num_computed, budget)
-        worse = lambda s, me=seq: s.sort_key() > me.sort_key()  # noqa: E731
-        if not self._grow(seq, seq.num_computed + n, worse):
-            self._preempt(seq)  # nothing worse to evict: this one waits
-            return 0
-        out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+        end = seq.num_computed + n
+        if end > len(seq.block_table) * self.blocks.block_size:   # (a decode: one step in a block's 16)
+            worse = lambda s, me=seq: s.sort_key() > me.sort_key()  # noqa: E731
+            if not self._grow(seq, end, worse):
+                self._preempt(seq)  # nothing worse to evict: this one waits
+                return 0
+        out.append(ScheduledChunk(seq, seq.num_computed, n, end == seq.num_tokens))
         return n
 
     def _admit(self, seq: Sequence, budget: int, out: list[ScheduledChunk]) -> int:
