@@ -54,15 +54,16 @@ class ModeledDevice(StubGraphs):
 
     def __init__(self, *a, gpu_us: float, **kw):
         super().__init__(*a, **kw)
-        self.gpu_s, self.busy_until = gpu_us / 1e6, 0.0
+        self.gpu_s, self.busy_until, self.ends = gpu_us / 1e6, 0.0, {}
 
     def start(self, *a, **kw):
         started = super().start(*a, **kw)
         self.busy_until = max(time.perf_counter(), self.busy_until) + self.gpu_s
-        return started, self.busy_until
+        self.ends[id(started)] = self.busy_until
+        return started
 
     def finish(self, started):
-        started, end = started
+        end = self.ends.pop(id(started))
         while time.perf_counter() < end:    # the host waits on the device (a synchronize spins)
             pass
         return super().finish(started)

@@ -548,11 +548,13 @@ class DecodeInputs:
     step's n (up to its bucket) are padding: token 0 at position 0, its KV slot in the scratch
     block, a table of the scratch block, one key. The sampler's per-row parameters follow
     ``rows`` (``SAMPLE_FIELDS``; the float ones as float32 bit patterns): mode (0: argmax, 1:
-    draw), temperature, top-k, top-p, min-p, the seed's two 32-bit halves and the draw's index."""
+    draw), temperature, top-k, top-p, min-p, the seed's two 32-bit halves and the draw's index;
+    then ``feed``: the row of the step before whose token is this row's id (-1: ``ids`` has it;
+    ``DecodeGraphs.start``)."""
 
     SAMPLE_FIELDS = ("mode", "temp", "top_k", "top_p", "min_p", "seed_lo", "seed_hi", "counter")
     FLOATS = ("temp", "top_p", "min_p")
-    FIELDS = ("ids", "positions", "slot_blocks", "slot_offsets", "lens", "rows") + SAMPLE_FIELDS
+    FIELDS = ("ids", "positions", "slot_blocks", "slot_offsets", "lens", "rows") + SAMPLE_FIELDS + ("feed",)
 
     def __init__(self, cap: int, width: int, scratch_block: int, device):
         self.cap, self.width, self.scratch = cap, width, scratch_block
@@ -567,6 +569,10 @@ class DecodeInputs:
         self.h[5 * cap:6 * cap] = np.arange(cap)      # rows: entry i is row i
         self.host_view("temp")[:] = 1.0                # (no division by 0 in an idle row)
         self.host_view("top_p")[:] = 1.0
+        self.host_view("feed")[:] = -1
+        # the last host-to-device copy: the pinned twin is written again only once it is done (a
+        # step launched ahead fills the next one's inputs while the GPU may not have read these)
+        self.copied = torch.cuda.Event() if torch.device(device).type == "cuda" else None
 
     def host_view(self, name: str) -> np.ndarray:
         i = self.FIELDS.index(name) if name != "tables" else len(self.FIELDS)
@@ -600,15 +606,18 @@ class DecodeInputs:
         return filtered
 
     def fill(self, ids, positions, tables: list[list[int]], block_size: int, bucket: int,
-             sampling: list | None = None) -> bool | None:
+             sampling: list | None = None, feed: list[int] | None = None) -> bool | None:
         """Rows 0..n-1 from the step, n..bucket-1 padding; one host-to-device copy. ``sampling``:
         per row None (argmax) or (temperature, top_k, top_p, min_p, seed, index) of a row drawn
-        on the device. Returns None when no row draws, else whether the draw filters (top-k/p)."""
+        on the device; ``feed``: per row the row of the step before whose token is its id, or -1.
+        Returns None when no row draws, else whether the draw filters (top-k/p)."""
         n = len(ids)
-        if len(positions) != n or len(tables) != n:
-            raise ValueError("ids, positions and tables must have one entry per row")
+        if len(positions) != n or len(tables) != n or (feed is not None and len(feed) != n):
+            raise ValueError("ids, positions, tables and feed must have one entry per row")
         if not n <= bucket <= self.cap:
             raise ValueError(f"{n} rows in a bucket of {bucket} (cap {self.cap})")
+        if self.copied is not None:
+            self.copied.synchronize()
         pos = np.asarray(positions, dtype=np.int64)
         tab = self.host_view("tables")
         lens = list(map(len, tables))
@@ -636,7 +645,13 @@ class DecodeInputs:
         if sampling is not None and len(sampling) != n:
             raise ValueError("sampling must have one entry per row")
         variant = self._fill_sampling(sampling, bucket)
+        fed = self.host_view("feed")
+        fed[:bucket] = -1
+        if feed is not None:
+            fed[:n] = feed
         self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         return variant
 
     def args(self, bucket: int) -> tuple:
@@ -663,7 +678,7 @@ class DecodeGraphs:
         self.capture = capture
         self.device_sample = os.environ.get("TANDEM_GPU_SAMPLE", "1") != "0"
         # TANDEM_GPU_AHEAD=1 (off until measured on a GPU): the engine launches the next decode step
-        # before it makes the last one's text (Engine.step: "launched ahead")
+        # before it reads the last one's tokens, its ids fed on the device (Engine.step, "launched ahead")
         self.ahead = os.environ.get("TANDEM_GPU_AHEAD", "0") == "1"
         # the sampler's variants that may run: False (temperature / min-p), True (top-k / top-p: a sort);
         # one whose graph could not be captured leaves its rows to the host from then on
@@ -672,6 +687,12 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple] = {}    # bucket -> (CUDAGraph, logits, argmax)
         self.samplers: dict[tuple[int, bool], tuple] = {}   # (bucket, filtered) -> (CUDAGraph, logits, tokens)
         self._pool = None    # the sampler graphs' one memory pool (never replayed at once)
+        # the tokens read back, two pinned buffers in turn (a step launched ahead copies its tokens
+        # while the host has not read the step before's yet), each with its copy's event
+        pinned = step.device.type == "cuda"
+        self.tokens_host = [torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.tokens_done = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
+        self.turn = 0
         self.steps = 0       # decode steps run here
         self.replays = 0     # of them, graph replays
         self.drawn = 0       # rows whose token was drawn on the device (not argmax)
@@ -749,10 +770,12 @@ class DecodeGraphs:
         started = self.launch(chunks)
         return None if started is None else self.collect(started)
 
-    def launch(self, chunks) -> tuple | None:
+    def launch(self, chunks, feed: tuple | None = None) -> tuple | None:
         """``try_step``'s first half: a decode-only step's inputs filled and its graph replayed —
-        on CUDA queued behind the work before it, nothing read back — or None when the step is
-        not decode only. ``collect`` then reads its tokens."""
+        on CUDA queued behind the work before it, its tokens copied back as they come — or None
+        when the step is not decode only. ``collect`` then reads its tokens. ``feed``: (a step
+        launched before, {id(sequence): its row there}): a row of such a sequence takes its id
+        from that step's token on the device, not from its token ids (a placeholder there)."""
         if not chunks or len(chunks) > self.sizes[-1] or any(c.num_tokens != 1 or not c.sample for c in chunks):
             return None
         from shared.engine import sampler
@@ -762,9 +785,22 @@ class DecodeGraphs:
             p = c.seq.params
             if sampler.on_device(c.seq) and self.variants[bool(p.top_k) or p.top_p < 1.0]:
                 sampling[i] = (p.temperature, p.top_k, p.top_p, p.min_p, c.seq.seed, c.seq.num_output_tokens)
-        started = self.start([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
-                             [c.seq.block_table[:c.start // bs + 1] for c in chunks], sampling)
+        rows = [-1] * len(chunks)
+        if feed is not None:
+            before, where = feed
+            rows = [where.get(id(c.seq), -1) for c in chunks]
+            feed = before[0], rows
+        ids = [c.seq.token_ids[c.start] if r < 0 else 0 for c, r in zip(chunks, rows)]
+        started = self.start(ids, [c.start for c in chunks], [c.seq.block_table[:c.start // bs + 1] for c in chunks],
+                             sampling, feed)
         return started, [c.seq.params.greedy or s is not None for c, s in zip(chunks, sampling)]
+
+    @staticmethod
+    def chosen(launched: tuple) -> list[bool]:
+        """Per row of a launched step: is its token the graph's (an argmax, or a draw its sampler
+        made), not the host's to draw?"""
+        (_, _, _, sampling, variant, drawn, _, _), taken = launched
+        return [ok and (drawn or sampling is None or sampling[i] is None) for i, ok in enumerate(taken)]
 
     def collect(self, launched: tuple) -> tuple[torch.Tensor, list[int | None]]:
         """(logits, tokens) of a step ``launch`` started, as ``try_step`` returns them (the wait
@@ -781,12 +817,19 @@ class DecodeGraphs:
         return self.finish(self.start(ids, positions, tables, sampling))
 
     def start(self, ids: list[int], positions: list[int], tables: list[list[int]],
-              sampling: list | None = None) -> tuple:
+              sampling: list | None = None, feed: tuple | None = None) -> tuple:
         """``run``'s first half: the inputs filled (one host-to-device copy) and the step
-        replayed (CUDA: queued); ``finish`` reads the tokens back."""
+        replayed (CUDA: queued), its tokens copied back as they come; ``finish`` reads them.
+        ``feed``: (a started step, per row the row of it whose token is this row's id, or -1)."""
         n = len(ids)
         bucket = bucket_for(n, self.sizes)
-        variant = self.inputs.fill(ids, positions, tables, self.block_size, bucket, sampling)
+        variant = self.inputs.fill(ids, positions, tables, self.block_size, bucket, sampling,
+                                   None if feed is None else feed[1])
+        if feed is not None:    # the ids from the step before's tokens, on the device, before this step reads them
+            before = feed[0][2]
+            v = self.inputs.views
+            ids_dev, rows = v["ids"][:bucket], v["feed"][:bucket]
+            ids_dev.copy_(torch.where(rows >= 0, before[rows.clamp(min=0).long()].to(torch.int32), ids_dev))
         self.steps += 1
         if self.capture:
             g = self._sampler(bucket, variant) if variant is not None else None
@@ -797,12 +840,19 @@ class DecodeGraphs:
         else:
             logits, best = self._body(bucket, variant)
             drawn = variant is not None
-        return n, logits, best, sampling, variant, drawn
+        self.turn ^= 1
+        host, done = self.tokens_host[self.turn][:n], self.tokens_done[self.turn]
+        host.copy_(best[:n], non_blocking=done is not None)    # the step's one device-to-host copy
+        if done is not None:
+            done.record()
+        return n, logits, best, sampling, variant, drawn, host, done
 
     def finish(self, started: tuple) -> tuple[torch.Tensor, list[int | None]]:
-        """``run``'s second half: the step's tokens read back (its one device-to-host copy)."""
-        n, logits, best, sampling, variant, drawn = started
-        tokens = best[:n].tolist()
+        """``run``'s second half: the step's tokens, once they are here."""
+        n, logits, best, sampling, variant, drawn, host, done = started
+        if done is not None:
+            done.synchronize()
+        tokens = host.tolist()
         if drawn:
             self.drawn += sum(s is not None for s in sampling)
         elif variant is not None:              # no sampler: those rows are the host's to draw

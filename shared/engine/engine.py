@@ -92,6 +92,11 @@ def _get_ops(device: torch.device):
     return get_ops(device)
 
 
+# a sequence's next token while a step launched ahead still computes it (Engine._feed): never
+# seen outside ``Engine.step``
+PLACEHOLDER = -1
+
+
 class Engine(KVHandoff):
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, consume: bool = False):
         """``consume``: the engine takes the weights out of ``model`` (see ``from_path``)."""
@@ -299,16 +304,47 @@ class Engine(KVHandoff):
             ahead = self._launch_ahead(chunks)
             if ahead is None:
                 return outputs + self._run(chunks) + self._ring_steps()
-        # Launched ahead (TANDEM_GPU_AHEAD=1): this decode step's tokens, then the next decode step
-        # goes out before this one's text is made, so the GPU runs it meanwhile (and while the
-        # caller hands the outputs on). A next step that is not decode only is scheduled again
-        # by the next call and runs there.
+        # Launched ahead (TANDEM_GPU_AHEAD=1): the next decode step goes out before this one's
+        # tokens are read where the graph chose them all (``_feed``), else right after (its ids
+        # need them), and before this step's text is made either way: the GPU runs it meanwhile,
+        # and while the caller hands the outputs on. A next step that is not decode only is
+        # scheduled again by the next call and runs there.
+        fed = self._feed(*ahead)
+        if fed is not None:
+            return outputs + fed + self._ring_steps()
         step_out, later = self._collect(*ahead)
         nxt = self.scheduler.schedule()
         if nxt:
             self._ahead = self._launch_ahead(nxt)
         step_out += [self._appended(seq, tok, lp) for seq, tok, lp in later]
         return outputs + step_out + self._ring_steps()
+
+    def _feed(self, chunks: list[ScheduledChunk], launched) -> list[RequestOutput] | None:
+        """A step launched ahead whose every token the graph chose (greedy argmax or a device
+        draw, nothing read on the host): the next decode step is scheduled and launched before
+        its tokens are read — each sequence advanced by a placeholder token, the next step's id
+        taken from this step's token on the device — then this step's tokens replace the
+        placeholders and make their outputs. None (nothing done) where a row's token is the
+        host's to choose."""
+        live = [(k, c) for k, c in enumerate(chunks)
+                if c.seq.status is Status.RUNNING and self.seqs.get(c.seq.request_id) is c.seq]
+        chosen = self.graphs.chosen(launched)
+        if not all(chosen[k] and sampler.taken_as_is(c.seq) for k, c in live):
+            return None
+        self.scheduler.commit([c for _, c in live])
+        for _, c in live:
+            c.seq.token_ids.append(PLACEHOLDER)
+        nxt = self.scheduler.schedule()
+        if nxt:
+            self._ahead = self._launch_ahead(nxt, (launched, {id(c.seq): k for k, c in live}))
+        _, tokens = self.graphs.collect(launched)
+        for k, c in live:
+            c.seq.token_ids[-1] = tokens[k]
+        if self.chunk_events is not None:
+            for _, c in live:
+                self.chunk_events.note_seq(c.seq)
+            self._report_chunks()
+        return [self._appended(c.seq, tokens[k], None) for k, c in live]
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         """One step of the scheduled ``chunks``, start to end: the forward pass (a decode-only
@@ -334,14 +370,14 @@ class Engine(KVHandoff):
             self._fast_forward(sampled, step_out)
         return step_out
 
-    def _launch_ahead(self, chunks: list[ScheduledChunk]) -> tuple | None:
+    def _launch_ahead(self, chunks: list[ScheduledChunk], feed: tuple | None = None) -> tuple | None:
         """(chunks, the launched step) where the decode graphs run ahead and ``chunks`` are a
         decode-only step with no grammar (its masks need the last token's text state) on an
-        engine with no ring sessions; else None."""
+        engine with no ring sessions; else None. ``feed``: ``DecodeGraphs.launch``'s."""
         g = self.graphs
         if g is None or not g.ahead or self.rings or any(c.seq.matcher is not None for c in chunks):
             return None
-        launched = g.launch(chunks)
+        launched = g.launch(chunks, feed)
         return None if launched is None else (chunks, launched)
 
     def _collect(self, chunks: list[ScheduledChunk], launched) -> tuple[list[RequestOutput], list[tuple]]:

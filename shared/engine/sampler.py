@@ -94,6 +94,12 @@ def _plain(seq: Sequence) -> bool:
             and not p.frequency_penalty and not p.logprobs and not p.top_logprobs)
 
 
+def taken_as_is(seq: Sequence) -> bool:
+    """Is the decode graph's token for this row its token (``sample``'s ``chosen``, given a
+    token there): nothing reads its row but the choice itself."""
+    return _plain(seq)
+
+
 def on_device(seq: Sequence) -> bool:
     """May the decode graph draw this sampled row's token (kernels/gpu_sample.py: temperature,
     top-k / top-p / min-p, the same seeded uniform as ``draw``)? Only where nothing else needs
@@ -112,7 +118,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
     lps: list[TokenLogprob | None] = []
     host: dict[int, torch.Tensor] = {}
     # rows the graph chose (its argmax, a device draw) that nothing else reads: taken as they are
-    chosen = [best is not None and best[i] is not None and _plain(s) for i, s in enumerate(seqs)]
+    chosen = [best is not None and best[i] is not None and taken_as_is(s) for i, s in enumerate(seqs)]
     if logits.device.type != "cpu":   # the rows read on the host, in one device-to-host copy
         need = [i for i, c in enumerate(chosen) if not c]
         if need:

@@ -405,19 +405,28 @@ def _ahead_case():
         "stop-string": (prompt, SP(max_tokens=8, temperature=0.0, stop=[stop_str], ignore_eos=True)),
         "sampled": ([3, 1, 4, 1, 5, 9, 2, 6], SP(max_tokens=8, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)),
         "short": ([2, 7, 1, 8], SP(max_tokens=2, temperature=0.0, ignore_eos=True)),
-        "aborted": ([9, 9, 8, 2, 4], SP(max_tokens=8, temperature=0.0, ignore_eos=True))}
+        "aborted": ([9, 9, 8, 2, 4], SP(max_tokens=8, temperature=0.0, ignore_eos=True)),
+        # the host reads these rows (logprobs, a penalty): while they run, the next step waits
+        # for the tokens (``_collect``); after, it goes out before them (``_feed``)
+        "logprobs": ([6, 5, 4], SP(max_tokens=3, temperature=0.0, logprobs=True, top_logprobs=2, ignore_eos=True)),
+        "penalty": ([7, 7, 7, 1], SP(max_tokens=4, temperature=0.0, repetition_penalty=1.3, ignore_eos=True))}
     out, counts = {}, {}
     for ahead in (False, True):
         e = engine(ahead)
-        n = {"collected": 0, "later": 0}
-        collect = e._collect
+        n = {"fed": 0, "collected": 0, "later": 0}
+        collect, feed = e._collect, e._feed
 
         def counted(*a, collect=collect, n=n):
             now, later = collect(*a)
             n["collected"] += 1
             n["later"] += len(later)
             return now, later
-        e._collect = counted
+
+        def fed(*a, feed=feed, n=n):
+            outs = feed(*a)
+            n["fed"] += outs is not None
+            return outs
+        e._collect, e._feed = counted, fed
         for rid, (ids, p) in requests.items():
             e.add(rid, ids, p)
         done, calls = {}, 0
@@ -429,7 +438,8 @@ def _ahead_case():
                 assert e.abort("aborted")
             if calls == 4:      # the next step is out already: it joins the one after
                 e.add("late", [4, 4, 4, 11, 12, 13], SP(max_tokens=5, temperature=0.0, ignore_eos=True))
-        out[ahead] = {r: (c.token_ids, c.text, c.finish_reason) for r, c in done.items()}
+        out[ahead] = {r: (c.token_ids, c.text, c.finish_reason, [lp.logprob for lp in c.logprobs])
+                      for r, c in done.items()}
         counts[ahead] = n
     return out, counts
 
@@ -754,18 +764,22 @@ def test_philox_uniforms_are_the_host_samplers_bit_for_bit(interp):
 
 
 def test_decode_steps_launched_ahead_give_the_same_outputs(interp):
-    """TANDEM_GPU_AHEAD=1: the engine collects a decode step's tokens, launches the next, then
-    makes the text — each request's tokens, text and finish are those of steps one after another
-    (stop token, stop string, max_tokens, a seeded draw, an abort with a step in flight, an
-    arrival while one is out)."""
+    """TANDEM_GPU_AHEAD=1: the engine launches the next decode step before it reads this one's
+    tokens (its ids fed from them on the device) or, while the host chooses some row's token,
+    right after — and makes the text after either way: each request's tokens, text, logprobs and
+    finish are those of steps one after another (stop token, stop string, max_tokens, a seeded
+    draw, logprobs, a penalty, an abort with a step in flight, an arrival while one is out)."""
     out, counts = interp(_ahead_case)
     assert out[True] == out[False]
-    finish = {r: f for r, (_, _, f) in out[False].items()}
+    finish = {r: f for r, (_, _, f, _) in out[False].items()}
     assert finish == {"greedy": "length", "stop-token": "stop", "stop-string": "stop", "sampled": "length",
-                      "short": "length", "aborted": "abort", "late": "length"}, finish
+                      "short": "length", "aborted": "abort", "late": "length", "logprobs": "length",
+                      "penalty": "length"}, finish
     assert len(out[False]["stop-token"][0]) == 3 and len(out[False]["aborted"][0]) == 3   # (a stop token is not shown)
-    assert counts[False] == {"collected": 0, "later": 0}
-    assert counts[True]["collected"] >= 5 and counts[True]["later"] >= 10, counts
+    assert len(out[False]["logprobs"][3]) == 3
+    assert counts[False] == {"fed": 0, "collected": 0, "later": 0}
+    # both ways ahead: tokens read first while the host's rows ran, the next step fed from the device after
+    assert counts[True]["collected"] >= 2 and counts[True]["later"] >= 5 and counts[True]["fed"] >= 3, counts
 
 
 def test_engine_decodes_through_the_graph_buffers(interp):
