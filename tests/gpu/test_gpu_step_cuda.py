@@ -186,6 +186,30 @@ def test_greedy_tokens_graphs_equal_fused_and_close_to_ops(cuda_engines):
         assert first >= 16
 
 
+def test_decode_steps_launched_ahead_give_the_graphs_outputs(cuda_engines, bundled_model, monkeypatch):
+    """TANDEM_GPU_AHEAD=1 on CUDA: the next step launched before this one's tokens are read (ids
+    fed on the device; the tokens through pinned buffers and events) gives each request the
+    tokens, text and logprobs of the graphs stepped one after another — greedy, seeded device
+    draws, and a logprobs row (the host's: its steps wait for the tokens)."""
+    monkeypatch.setenv("TANDEM_GPU_AHEAD", "1")
+    ahead = Engine(bundled_model, EngineConfig(device="cuda", num_kv_blocks=512, max_num_seqs=16))
+    assert ahead.graphs.ahead
+    tok = ahead.tokenizer
+    reqs = {f"g{i}": (tok.encode(p), SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)}
+    reqs.update({f"s{i}": (tok.encode(p), SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=i,
+                                                          ignore_eos=True)) for i, p in enumerate(PROMPTS[:3])})
+    reqs["lp"] = (tok.encode(PROMPTS[0]), SamplingParams(max_tokens=12, temperature=0.0, logprobs=True,
+                                                         top_logprobs=2, ignore_eos=True))
+    fed = []
+    feed = ahead._feed
+    ahead._feed = lambda *a: (lambda out: (fed.append(out is not None), out)[1])(feed(*a))
+    got = {m: {r: (o.token_ids, o.text, [lp.logprob for lp in o.logprobs]) for r, o in run_to_completion(e, reqs).items()}
+           for m, e in (("graphs", cuda_engines["graphs"]), ("ahead", ahead))}
+    assert got["ahead"] == got["graphs"]
+    assert sum(fed) >= 20 and not all(fed), fed     # fed from the device, and waited while the logprobs row ran
+
+
 def test_bundled_model_fused_step_matches_op_by_op(cuda_engines):
     """prompt_logits through the fused prefill path against the op-by-op path, on the real model."""
     f, o = cuda_engines["fused"], cuda_engines["ops"]
