@@ -200,17 +200,21 @@ def read(src: Path, key: str | None = None) -> tuple[dict, dict]:
         size = os.fstat(f.fileno()).st_size
         if size < HEADER.size + DIGEST:
             raise CacheFileError(f"{size} bytes: shorter than the header")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        magic, version, index_len, data_off, data_len, file_size = HEADER.unpack_from(mm, 0)
+        # the header and index read, not mapped: their pages (~2 MB, most of it the tokenizer) would
+        # stay resident in the mapping for the engine's life
+        head = f.read(HEADER.size + DIGEST)
+        magic, version, index_len, data_off, data_len, file_size = HEADER.unpack_from(head, 0)
         if magic != MAGIC or version != FORMAT_VERSION:
             raise CacheFileError(f"magic {magic!r} version {version}, expected {MAGIC!r} version {FORMAT_VERSION}")
         if file_size != size or data_off + data_len != size or HEADER.size + DIGEST + index_len > data_off:
             raise CacheFileError(f"{size} bytes, the header says {file_size} (truncated or overwritten)")
-        index_bytes = mm[HEADER.size + DIGEST:HEADER.size + DIGEST + index_len]
-        if _hasher().update(mm[:HEADER.size]).update(index_bytes).digest() != mm[HEADER.size:HEADER.size + DIGEST]:
+        index_bytes = f.read(index_len)
+        if _hasher().update(head[:HEADER.size]).update(index_bytes).digest() != head[HEADER.size:]:
             raise CacheFileError("header / index checksum mismatch")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
         index = json.loads(index_bytes)
+        del index_bytes
         if key is not None and index.get("key") != key:
             raise CacheFileError(f"built for key {index.get('key')}, expected {key}")
         data = memoryview(mm)[data_off:data_off + data_len]
