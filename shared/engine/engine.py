@@ -334,7 +334,8 @@ class Engine(KVHandoff):
         self.scheduler.commit([c for _, c in live])
         for _, c in live:
             c.seq.token_ids.append(PLACEHOLDER)
-        nxt = self.scheduler.schedule()
+        # (a sequence this token fills ends here: its row would be computed and dropped)
+        nxt = [c for c in self.scheduler.schedule() if not self._full(c.seq)]
         if nxt:
             self._ahead = self._launch_ahead(nxt, (launched, {id(c.seq): k for k, c in live}))
         _, tokens = self.graphs.collect(launched)
@@ -570,8 +571,11 @@ class Engine(KVHandoff):
         stop token, max_tokens, the context)? ``_appended``'s rules without the text's (stop
         strings, grammar)."""
         p = seq.params
-        return ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
-                or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= (seq.context_limit or self.max_context))
+        return (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids or self._full(seq)
+
+    def _full(self, seq: Sequence) -> bool:
+        """Has ``seq`` all the tokens it may have (max_tokens, the context)?"""
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= (seq.context_limit or self.max_context)
 
     def _appended(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> RequestOutput:
         """The output of ``tok``, just appended to ``seq.token_ids``: its text, and the end of the
@@ -599,8 +603,7 @@ class Engine(KVHandoff):
                 if seq.matcher.error:  # the mask allowed only what the grammar accepts: a bug
                     log.warning("%s: grammar rejected token %d: %s", seq.request_id, tok, seq.matcher.error)
                 finish = "stop"  # the grammar is complete: nothing but EOS could follow
-        if finish is None and (seq.num_output_tokens >= p.max_tokens
-                               or seq.num_tokens >= (seq.context_limit or self.max_context)):
+        if finish is None and self._full(seq):
             finish = "length"
             self._detokenize(seq, final=True)  # a character cut by the limit shows as U+FFFD
         end = len(seq.output_text)
