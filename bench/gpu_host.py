@@ -9,7 +9,7 @@ kernels and in the copies (docs/kernels.md, "Measured on a GPU").
 ``--gpu-us T`` models a device too: each replay "runs" T µs after the one before it ends,
 asynchronously, and reading its tokens back waits (spinning, as a CUDA synchronize does) until
 then. The table then shows a step's wall time stepped one after another (host + T) and with the
-next step launched ahead (TANDEM_GPU_AHEAD=1: the host's text work beside the device's) — the
+next step launched ahead (TANDEM_GPU_AHEAD=1: before the last one's tokens are read) — the
 mechanism's gain for a given host and device time, not a GPU's figure."""
 
 from __future__ import annotations

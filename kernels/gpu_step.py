@@ -663,6 +663,20 @@ class DecodeInputs:
         return {f: self.views[f][:bucket] for f in self.SAMPLE_FIELDS}
 
 
+@dataclass
+class Started:
+    """A decode step ``DecodeGraphs.start`` put on the device: its n rows, the graph's logits and
+    tokens (device), the rows drawn there, and the tokens' host copy with its event."""
+    n: int
+    logits: torch.Tensor
+    best: torch.Tensor
+    sampling: list | None
+    variant: bool | None      # None: no row draws; else the sampler's variant (filtered)
+    drawn: bool               # the sampler ran in the graph (else its rows are the host's)
+    host: torch.Tensor
+    done: object              # torch.cuda.Event, or None off CUDA (the copy was synchronous)
+
+
 class DecodeGraphs:
     """Decode-only steps through static buffers, replayed as one CUDA graph per bucket (captured on
     first use) where ``capture``; run eagerly over the same buffers otherwise. A step with rows
@@ -787,9 +801,9 @@ class DecodeGraphs:
                 sampling[i] = (p.temperature, p.top_k, p.top_p, p.min_p, c.seq.seed, c.seq.num_output_tokens)
         rows = [-1] * len(chunks)
         if feed is not None:
-            before, where = feed
+            (before, _), where = feed
             rows = [where.get(id(c.seq), -1) for c in chunks]
-            feed = before[0], rows
+            feed = before, rows
         ids = [c.seq.token_ids[c.start] if r < 0 else 0 for c, r in zip(chunks, rows)]
         started = self.start(ids, [c.start for c in chunks], [c.seq.block_table[:c.start // bs + 1] for c in chunks],
                              sampling, feed)
@@ -799,8 +813,9 @@ class DecodeGraphs:
     def chosen(launched: tuple) -> list[bool]:
         """Per row of a launched step: is its token the graph's (an argmax, or a draw its sampler
         made), not the host's to draw?"""
-        (_, _, _, sampling, variant, drawn, _, _), taken = launched
-        return [ok and (drawn or sampling is None or sampling[i] is None) for i, ok in enumerate(taken)]
+        started, taken = launched
+        return [ok and (started.drawn or started.sampling is None or started.sampling[i] is None)
+                for i, ok in enumerate(taken)]
 
     def collect(self, launched: tuple) -> tuple[torch.Tensor, list[int | None]]:
         """(logits, tokens) of a step ``launch`` started, as ``try_step`` returns them (the wait
@@ -817,7 +832,7 @@ class DecodeGraphs:
         return self.finish(self.start(ids, positions, tables, sampling))
 
     def start(self, ids: list[int], positions: list[int], tables: list[list[int]],
-              sampling: list | None = None, feed: tuple | None = None) -> tuple:
+              sampling: list | None = None, feed: tuple | None = None) -> Started:
         """``run``'s first half: the inputs filled (one host-to-device copy) and the step
         replayed (CUDA: queued), its tokens copied back as they come; ``finish`` reads them.
         ``feed``: (a started step, per row the row of it whose token is this row's id, or -1)."""
@@ -826,7 +841,7 @@ class DecodeGraphs:
         variant = self.inputs.fill(ids, positions, tables, self.block_size, bucket, sampling,
                                    None if feed is None else feed[1])
         if feed is not None:    # the ids from the step before's tokens, on the device, before this step reads them
-            before = feed[0][2]
+            before = feed[0].best
             v = self.inputs.views
             ids_dev, rows = v["ids"][:bucket], v["feed"][:bucket]
             ids_dev.copy_(torch.where(rows >= 0, before[rows.clamp(min=0).long()].to(torch.int32), ids_dev))
@@ -845,14 +860,15 @@ class DecodeGraphs:
         host.copy_(best[:n], non_blocking=done is not None)    # the step's one device-to-host copy
         if done is not None:
             done.record()
-        return n, logits, best, sampling, variant, drawn, host, done
+        return Started(n, logits, best, sampling, variant, drawn, host, done)
 
-    def finish(self, started: tuple) -> tuple[torch.Tensor, list[int | None]]:
+    def finish(self, started: Started) -> tuple[torch.Tensor, list[int | None]]:
         """``run``'s second half: the step's tokens, once they are here."""
-        n, logits, best, sampling, variant, drawn, host, done = started
-        if done is not None:
-            done.synchronize()
-        tokens = host.tolist()
+        n, logits, sampling, variant, drawn = (started.n, started.logits, started.sampling, started.variant,
+                                               started.drawn)
+        if started.done is not None:
+            started.done.synchronize()
+        tokens = started.host.tolist()
         if drawn:
             self.drawn += sum(s is not None for s in sampling)
         elif variant is not None:              # no sampler: those rows are the host's to draw

@@ -304,20 +304,21 @@ class Engine(KVHandoff):
             ahead = self._launch_ahead(chunks)
             if ahead is None:
                 return outputs + self._run(chunks) + self._ring_steps()
-        # Launched ahead (TANDEM_GPU_AHEAD=1): the next decode step goes out before this one's
-        # tokens are read where the graph chose them all (``_feed``), else right after (its ids
-        # need them), and before this step's text is made either way: the GPU runs it meanwhile,
-        # and while the caller hands the outputs on. A next step that is not decode only is
-        # scheduled again by the next call and runs there.
-        fed = self._feed(*ahead)
-        if fed is not None:
-            return outputs + fed + self._ring_steps()
-        step_out, later = self._collect(*ahead)
-        nxt = self.scheduler.schedule()
-        if nxt:
-            self._ahead = self._launch_ahead(nxt)
-        step_out += [self._appended(seq, tok, lp) for seq, tok, lp in later]
-        return outputs + step_out + self._ring_steps()
+        # Launched ahead (TANDEM_GPU_AHEAD=1): where the graph chose every token, the next decode
+        # step goes out before this one's tokens are read (``_feed``): the GPU runs it while the
+        # host makes this step's text and the caller hands the outputs on. Where the host chooses
+        # a row's token, this step is read and completed first; the next one goes out next call.
+        # A next step that is not decode only is scheduled again by the next call and runs there.
+        done = self._feed(*ahead)
+        if done is None:
+            done = self._collect(*ahead)
+        return outputs + done + self._ring_steps()
+
+    def _live(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """The chunks of a step launched ahead whose sequences are still here to take their
+        token (not aborted or moved away since the launch)."""
+        return [k for k, c in enumerate(chunks)
+                if c.seq.status is Status.RUNNING and self.seqs.get(c.seq.request_id) is c.seq]
 
     def _feed(self, chunks: list[ScheduledChunk], launched) -> list[RequestOutput] | None:
         """A step launched ahead whose every token the graph chose (greedy argmax or a device
@@ -326,10 +327,9 @@ class Engine(KVHandoff):
         taken from this step's token on the device — then this step's tokens replace the
         placeholders and make their outputs. None (nothing done) where a row's token is the
         host's to choose."""
-        live = [(k, c) for k, c in enumerate(chunks)
-                if c.seq.status is Status.RUNNING and self.seqs.get(c.seq.request_id) is c.seq]
+        live = [(k, chunks[k]) for k in self._live(chunks)]
         chosen = self.graphs.chosen(launched)
-        if not all(chosen[k] and sampler.taken_as_is(c.seq) for k, c in live):
+        if not all(chosen[k] and sampler.plain(c.seq) for k, c in live):
             return None
         self.scheduler.commit([c for _, c in live])
         for _, c in live:
@@ -360,16 +360,23 @@ class Engine(KVHandoff):
         else:
             token_ids, ctx = self._build_context(chunks)
             logits, greedy = self.model.forward(token_ids, ctx, self.kv), None
+        step_out = self._complete(chunks, sampled, logits, greedy)
+        if constrained:
+            self._fast_forward(sampled, step_out)
+        return step_out
+
+    def _complete(self, chunks: list[ScheduledChunk], sampled: list[Sequence], logits: torch.Tensor,
+                  greedy) -> list[RequestOutput]:
+        """After the forward pass of ``chunks``: committed, the tokens of ``sampled`` (the
+        sequences of its sampling chunks) chosen (``greedy``: the graph's, ``sampler.sample``) and
+        appended."""
         self.scheduler.commit(chunks)
         if self.chunk_events is not None:
             for c in chunks:
                 self.chunk_events.note_seq(c.seq)
             self._report_chunks()
         tokens, lps = sampler.sample(logits, sampled, greedy)
-        step_out = [self._append(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, lps)]
-        if constrained:
-            self._fast_forward(sampled, step_out)
-        return step_out
+        return [self._append(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, lps)]
 
     def _launch_ahead(self, chunks: list[ScheduledChunk], feed: tuple | None = None) -> tuple | None:
         """(chunks, the launched step) where the decode graphs run ahead and ``chunks`` are a
@@ -381,36 +388,17 @@ class Engine(KVHandoff):
         launched = g.launch(chunks, feed)
         return None if launched is None else (chunks, launched)
 
-    def _collect(self, chunks: list[ScheduledChunk], launched) -> tuple[list[RequestOutput], list[tuple]]:
-        """A step launched ahead: its tokens read back (the wait for the GPU), committed, sampled
-        and appended to their sequences — rows of sequences aborted or moved away since the
-        launch dropped. Returns the outputs made now — sequences this token may end (EOS, a stop
-        token, max_tokens, the context, a stop string), a prefill's parked one — and (sequence,
-        token, logprob) of the rest, whose text (``_appended``: it cannot end them) waits for
-        the next step's launch."""
+    def _collect(self, chunks: list[ScheduledChunk], launched) -> list[RequestOutput]:
+        """A step launched ahead, read back (the wait for the GPU) and completed — the rows of
+        sequences no longer here dropped."""
         logits, greedy = self.graphs.collect(launched)
-        keep = [k for k, c in enumerate(chunks)
-                if c.seq.status is Status.RUNNING and self.seqs.get(c.seq.request_id) is c.seq]
+        keep = self._live(chunks)
         if len(keep) < len(chunks):
             if not keep:
-                return [], []
+                return []
             chunks, greedy = [chunks[k] for k in keep], [greedy[k] for k in keep]
             logits = logits[torch.tensor(keep, device=logits.device)]
-        self.scheduler.commit(chunks)
-        if self.chunk_events is not None:
-            for c in chunks:
-                self.chunk_events.note_seq(c.seq)
-            self._report_chunks()
-        seqs = [c.seq for c in chunks]
-        tokens, lps = sampler.sample(logits, seqs, greedy)
-        now, later = [], []
-        for seq, tok, lp in zip(seqs, tokens, lps):
-            seq.token_ids.append(tok)
-            if seq.prefill_only or seq.params.stop or self._ends(seq, tok):
-                now.append(self._appended(seq, tok, lp))
-            else:
-                later.append((seq, tok, lp))
-        return now, later
+        return self._complete(chunks, [c.seq for c in chunks], logits, greedy)   # (decode only: every chunk samples)
 
     # ---- ring sessions (cpu-ring(N): shared/ring/) ---------------------------------
     def add_ring(self, request_id: str, blob, ring, sid: str, priority: int | None = None) -> None:
@@ -565,13 +553,6 @@ class Engine(KVHandoff):
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(tok)
         return self._appended(seq, tok, lp)
-
-    def _ends(self, seq: Sequence, tok: int) -> bool:
-        """Does ``tok``, the last of ``seq.token_ids``, end the sequence whatever its text (EOS, a
-        stop token, max_tokens, the context)? ``_appended``'s rules without the text's (stop
-        strings, grammar)."""
-        p = seq.params
-        return (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids or self._full(seq)
 
     def _full(self, seq: Sequence) -> bool:
         """Has ``seq`` all the tokens it may have (max_tokens, the context)?"""

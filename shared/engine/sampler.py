@@ -87,24 +87,19 @@ def needs_mask(seq: Sequence) -> bool:
     return not p.greedy or bool(p.logprobs or p.top_logprobs)
 
 
-def _plain(seq: Sequence) -> bool:
-    """Nothing reads its row but the choice itself: no penalties, no grammar, no logprobs."""
+def plain(seq: Sequence) -> bool:
+    """Nothing reads its row but the choice itself: no penalties, no grammar, no logprobs (a
+    token the decode graph chose for it is its token)."""
     p = seq.params
     return (seq.matcher is None and p.repetition_penalty == 1.0 and not p.presence_penalty
             and not p.frequency_penalty and not p.logprobs and not p.top_logprobs)
-
-
-def taken_as_is(seq: Sequence) -> bool:
-    """Is the decode graph's token for this row its token (``sample``'s ``chosen``, given a
-    token there): nothing reads its row but the choice itself."""
-    return _plain(seq)
 
 
 def on_device(seq: Sequence) -> bool:
     """May the decode graph draw this sampled row's token (kernels/gpu_sample.py: temperature,
     top-k / top-p / min-p, the same seeded uniform as ``draw``)? Only where nothing else needs
     its row on the host."""
-    return not seq.params.greedy and _plain(seq)
+    return not seq.params.greedy and plain(seq)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence],
@@ -118,7 +113,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
     lps: list[TokenLogprob | None] = []
     host: dict[int, torch.Tensor] = {}
     # rows the graph chose (its argmax, a device draw) that nothing else reads: taken as they are
-    chosen = [best is not None and best[i] is not None and taken_as_is(s) for i, s in enumerate(seqs)]
+    chosen = [best is not None and best[i] is not None and plain(s) for i, s in enumerate(seqs)]
     if logits.device.type != "cpu":   # the rows read on the host, in one device-to-host copy
         need = [i for i, c in enumerate(chosen) if not c]
         if need:
