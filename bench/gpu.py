@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import sys
 import time
 from unittest import mock
@@ -166,7 +167,46 @@ def _energy_run(engine, c: int, gen: int, meter) -> tuple[float, dict | None]:
     return rate, used
 
 
-def run(args: argparse.Namespace) -> dict:
+class Stopped(Exception):
+    """SIGTERM (the time limit of ``scripts/gpu-check``'s step): the engines measured so far are
+    reported, the rest marked as not run."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"signal {signum}")
+
+
+def each(res: dict, names: list[str], measure) -> None:
+    """``measure(name)`` for each engine in turn; one that raises is recorded under ``res["failed"]``
+    (the error's first line) and the next runs: a variant that breaks on a card must not cost the
+    others their figures on a lease. ``Stopped`` ends the loop."""
+    for name in names:
+        try:
+            measure(name)
+        except Stopped:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in the table and the exit status, then the next engine
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            res.setdefault("failed", {})[name] = msg
+            _progress(f"{name}: FAILED: {msg}")
+            _release()
+
+
+def _release() -> None:
+    """Free what a failed engine left on the device, where the device still answers."""
+    import gc
+
+    import torch
+    gc.collect()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - a broken CUDA context: the next engine reports its own failure
+        pass
+
+
+def run(args: argparse.Namespace, res: dict) -> dict:
+    """Measure into ``res`` (filled as it goes: a run stopped part way reports what it has)."""
     import torch
 
     from shared.energy import EnergyMeter, tokens_per_joule
@@ -180,16 +220,17 @@ def run(args: argparse.Namespace) -> dict:
     dev = torch.cuda.get_device_properties(0)
     meter = EnergyMeter()
     top = max(args.concurrency)
-    res: dict = {"gpu": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
-                 "host_cpu": platform.processor() or _cpu_name(), "energy": meter.describe(),
-                 "concurrency": args.concurrency, "gen_tokens": args.gen_tokens, "prefill_tokens": args.prefill_tokens,
-                 "engines": {}}
+    res.update({"gpu": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
+                "host_cpu": platform.processor() or _cpu_name(), "energy": meter.describe(),
+                "concurrency": args.concurrency, "gen_tokens": args.gen_tokens, "prefill_tokens": args.prefill_tokens,
+                "engines": {}})
 
     def run_mode(mode: str) -> None:
         _progress(f"CUDA engine, gpu_step={mode}: loading")
         engine = _cuda_engine(mode, top, args.prefill_tokens)
         gen = args.ops_gen_tokens if mode == "ops" else args.gen_tokens
         row: dict = {"decode": {}, "gen_tokens": gen}
+        res["engines"][mode] = row        # filled as it goes: a stop or a failure keeps what it has
         for c in args.concurrency:
             bench_decode(engine, c, 4)                                   # compile, capture
             if c == top and meter.available:
@@ -204,7 +245,6 @@ def run(args: argparse.Namespace) -> dict:
             row[f"profile_{seqs}"] = profile_steps(engine, seqs)
             _progress(f"{mode}: {seqs} seqs: {row[f'profile_{seqs}']}")
         if mode in VARIANTS:            # decode and profiles only: the variant's difference
-            res["engines"][mode] = row
             del engine
             torch.cuda.empty_cache()
             return
@@ -228,19 +268,21 @@ def run(args: argparse.Namespace) -> dict:
         _progress(f"{mode}: prefill profile {row['profile_prefill']}")
         if engine.graphs is not None:
             row["graph_replays"] = engine.graphs.replays
-        res["engines"][mode] = row
         del engine
         torch.cuda.empty_cache()
         if mode == "graphs":    # the same prefill with one setting changed
-            for key, env in PREFILL_VARIANTS.items():
-                engine = _cuda_engine(mode, top, args.prefill_tokens, env)
-                rate = bench_prefill(engine, args.prefill_tokens, 3)
-                res[key] = round(args.prefill_tokens / rate * 1000, 2)
-                _progress(f"{key} ({env}): {res[key]} ms")
-                del engine
-                torch.cuda.empty_cache()
+            each(res, list(PREFILL_VARIANTS), run_prefill)
 
-    def run_cpu() -> None:
+    def run_prefill(key: str) -> None:
+        env = PREFILL_VARIANTS[key]
+        engine = _cuda_engine("graphs", top, args.prefill_tokens, env)
+        rate = bench_prefill(engine, args.prefill_tokens, 3)
+        res[key] = round(args.prefill_tokens / rate * 1000, 2)
+        _progress(f"{key} ({env}): {res[key]} ms")
+        del engine
+        torch.cuda.empty_cache()
+
+    def run_cpu(_name: str) -> None:
         from kernels import cpu
         from kernels.dispatch import describe
         from shared.engine.engine import Engine, EngineConfig
@@ -248,8 +290,8 @@ def run(args: argparse.Namespace) -> dict:
         _progress(f"host CPU engine, {threads} threads: loading")
         engine = Engine.from_path(None, EngineConfig(threads=threads, enable_prefix_caching=False,
                                                      max_num_seqs=top, step_tokens=max(512, top)))
-        row = {"decode": {}, "gen_tokens": args.gen_tokens, "path": describe("cpu"), "threads": threads,
-               "isa": cpu.isa()}
+        row = res["engines"]["cpu"] = {"decode": {}, "gen_tokens": args.gen_tokens, "path": describe("cpu"),
+                                       "threads": threads, "isa": cpu.isa()}
         for c in args.concurrency:
             bench_decode(engine, c, 4)
             if c == top and meter.available:
@@ -260,16 +302,13 @@ def run(args: argparse.Namespace) -> dict:
                 rate = bench_decode(engine, c, args.gen_tokens)
             row["decode"][str(c)] = round(rate, 1)
             _progress(f"host CPU: x{c} {row['decode'][str(c)]} tok/s")
-        res["engines"]["cpu"] = row
 
     # the engines, then the host CPU engine (the targets' comparison), then the variants: a run stopped
     # at its time limit loses the variants first
-    for mode in [m for m in args.modes if m not in VARIANTS]:
-        run_mode(mode)
+    each(res, [m for m in args.modes if m not in VARIANTS], run_mode)
     if not args.no_cpu:
-        run_cpu()
-    for mode in [m for m in args.modes if m in VARIANTS]:
-        run_mode(mode)
+        each(res, ["cpu"], run_cpu)
+    each(res, [m for m in args.modes if m in VARIANTS], run_mode)
     return res
 
 
@@ -284,7 +323,16 @@ def _cpu_name() -> str:
     return "unknown CPU"
 
 
+def _ratios(a: dict, b: dict, cs: list[str]) -> str:
+    """``a``'s decode rate over ``b``'s at each batch size both have."""
+    return ", ".join(f"x{c} {a['decode'][c] / b['decode'][c]:.2f}" for c in cs
+                     if a["decode"].get(c) and b["decode"].get(c)) or "—"
+
+
 def table(res: dict) -> str:
+    if "engines" not in res:      # stopped or failed before the device was read
+        return "\n".join([f"FAILED: {n}: {why}" for n, why in res.get("failed", {}).items()]
+                         + [f"STOPPED ({res['stopped']}) before any engine ran"] * bool(res.get("stopped")))
     cs = [str(c) for c in res["concurrency"]]
     eng = res["engines"]
     lines = [f"{res['gpu']} ({res['sms']} SMs), torch {res['torch']}; host {res['host_cpu']}; energy: {res['energy']}",
@@ -293,19 +341,19 @@ def table(res: dict) -> str:
              "|---|" + "---:|" * (len(cs) + 4)]
     for name, row in eng.items():
         label = f"cuda {name}" if name != "cpu" else f"host CPU ({row['threads']} threads, {row['isa']})"
-        p1, p16 = row.get("profile_1"), row.get("profile_16")
-        prof = f"{p1['launches']} / {p16['launches']}" if p1 else "—"
-        busy = f"{p1['gpu_busy_us']} / {p16['gpu_busy_us']}" if p1 else "—"
+        p1, p16 = row.get("profile_1") or {}, row.get("profile_16") or {}
+        prof = f"{p1.get('launches', '—')} / {p16.get('launches', '—')}" if p1 else "—"
+        busy = f"{p1.get('gpu_busy_us', '—')} / {p16.get('gpu_busy_us', '—')}" if p1 else "—"
         tpj = row.get("tokens_per_joule")
         lines.append(f"| {label} | " + " | ".join(f"{row['decode'].get(c, float('nan')):.1f}" for c in cs)
                      + f" | {prof} | {busy} | {row.get('prefill_ms', '—')} | "
                      + (f"{tpj:.1f}" if tpj else "n/a") + " |")
         if "decode_sampled" in row:
-            p1s, ps = row.get("profile_1_sampled") or {}, row["profile_16_sampled"]
+            p1s, ps = row.get("profile_1_sampled") or {}, row.get("profile_16_sampled") or {}
             lines.append(f"| cuda {name}, sampled (T {SAMPLED['temperature']}, top-p {SAMPLED['top_p']}) | "
                          + " | ".join(f"{row['decode_sampled'].get(c, float('nan')):.1f}" for c in cs)
-                         + f" | {p1s.get('launches', '—')} / {ps['launches']} | {p1s.get('gpu_busy_us', '—')} / "
-                           f"{ps['gpu_busy_us']} | | |")
+                         + f" | {p1s.get('launches', '—')} / {ps.get('launches', '—')} | {p1s.get('gpu_busy_us', '—')} / "
+                           f"{ps.get('gpu_busy_us', '—')} | | |")
     for name, row in eng.items():
         for seqs, kind in ((1, ""), (16, ""), (1, "_sampled")):
             k = (row.get(f"profile_{seqs}{kind}") or {}).get("by_kernel_us")
@@ -322,12 +370,10 @@ def table(res: dict) -> str:
                       " by kernel: " + ", ".join(f"{n} {t}" for n, t in p["by_kernel_us"].items())]
     lines = [x for x in lines if x is not None]
     if "graphs" in eng and "cpu" in eng:
-        ratios = [eng["graphs"]["decode"][c] / eng["cpu"]["decode"][c] for c in cs]
-        lines += ["", "graphs ÷ host CPU: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]
+        lines += ["", "graphs ÷ host CPU: " + _ratios(eng["graphs"], eng["cpu"], cs)]
     for v, (_, what) in VARIANTS.items():
         if v in eng and "graphs" in eng:
-            ratios = [eng[v]["decode"][c] / eng["graphs"]["decode"][c] for c in cs]
-            lines += ["", f"{v} ({what}) ÷ graphs: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]
+            lines += ["", f"{v} ({what}) ÷ graphs: " + _ratios(eng[v], eng["graphs"], cs)]
     if "prefill_tf32_ms" in res:
         lines += ["", f"prefill of the same prompt with TANDEM_GPU_PRECISION=tf32: {res['prefill_tf32_ms']} ms"]
     if "prefill_kernels_ms" in res:
@@ -338,19 +384,31 @@ def table(res: dict) -> str:
                   f"(TANDEM_GPU_PREFILL_ATTN=fp16): {res['prefill_attn_fp16_ms']} ms; with TF32 matmuls too: "
                   f"{res.get('prefill_tf32_attn_fp16_ms', '?')} ms"]
     if "graphs" in eng and "ops" in eng:
-        ratios = [eng["graphs"]["decode"][c] / eng["ops"]["decode"][c] for c in cs]
-        lines += ["graphs ÷ ops: " + ", ".join(f"x{c} {r:.2f}" for c, r in zip(cs, ratios))]
+        lines += ["graphs ÷ ops: " + _ratios(eng["graphs"], eng["ops"], cs)]
+    for name, why in res.get("failed", {}).items():
+        lines += [f"FAILED: {name}: {why}"]
+    if res.get("stopped"):
+        lines += [f"STOPPED ({res['stopped']}): engines not listed above were not measured"]
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
+    """0: every engine measured; 1: one failed, or the run was stopped (SIGTERM) part way — the
+    table and JSON then hold what was measured; 2: no CUDA device or a bad argument."""
     t0 = time.perf_counter()
+    res: dict = {}
+    before = signal.signal(signal.SIGTERM, _stop)
     try:
-        res = run(args)
+        run(args, res)
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2
+    except Stopped as e:
+        res["stopped"] = f"{e} after {time.perf_counter() - t0:.0f} s"
+        _progress(f"stopped ({res['stopped']}): reporting what was measured")
+    finally:
+        signal.signal(signal.SIGTERM, before)
     res["seconds"] = round(time.perf_counter() - t0, 1)
     report.emit(res, table, args.json)
-    return 0
+    return 1 if res.get("failed") or res.get("stopped") else 0
 

@@ -3,6 +3,15 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
 from bench import gpu
 
 
@@ -62,3 +71,59 @@ def test_kernel_names_are_cut_for_the_table():
     assert gpu._short("void at::native::vectorized_gather_kernel<16, long>(char*, char*)") == \
         "at::native::vectorized_gather_kernel"
     assert gpu._short("qmatmul") == "qmatmul"
+
+
+def test_an_engine_that_fails_costs_the_others_nothing():
+    ran, res = [], {}
+
+    def measure(name):
+        ran.append(name)
+        if name == "graphs-pdl":
+            raise RuntimeError("Triton: launch_pdl is not supported\nsecond line")
+
+    gpu.each(res, ["graphs", "graphs-pdl", "graphs-mlp"], measure)
+    assert ran == ["graphs", "graphs-pdl", "graphs-mlp"]
+    assert res["failed"] == {"graphs-pdl": "RuntimeError: Triton: launch_pdl is not supported"}
+
+
+def test_a_stop_ends_the_engines_loop():
+    ran = []
+
+    def measure(name):
+        ran.append(name)
+        raise gpu.Stopped("signal 15")
+
+    with pytest.raises(gpu.Stopped):
+        gpu.each({}, ["graphs", "graphs-pdl"], measure)
+    assert ran == ["graphs"]
+
+
+def test_sigterm_reports_what_was_measured(monkeypatch, tmp_path, capsys):
+    """`scripts/gpu-check` stops a step at its limit with SIGTERM: the engines measured so far are
+    still printed and written, the exit status says the run is incomplete."""
+    def run(args, res):
+        res.update({k: v for k, v in _result().items() if k != "engines"})
+        res["engines"] = {"graphs": {"decode": {"1": 424.8}, "profile_1": {"launches": 1.0, "gpu_busy_us": 1688.0}},
+                          "cpu": {"decode": {"1": 598.4, "8": 1698.0}, "threads": 16, "isa": "amx"}}
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(gpu, "run", run)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "bench.json"
+    assert gpu.main(argparse.Namespace(json=str(out))) == 1
+    assert signal.getsignal(signal.SIGTERM) is before
+    text = capsys.readouterr().out
+    assert "| cuda graphs | 424.8 | nan | 1.0 / — | 1688.0 / — |" in text     # a row cut part way
+    assert "graphs ÷ host CPU: x1 0.71" in text
+    assert re.search(r"^STOPPED \(signal 15 after \d+ s\): engines not listed above were not measured$", text, re.M)
+    saved = json.loads(out.read_text())
+    assert saved["stopped"].startswith("signal 15") and saved["engines"]["graphs"]["decode"] == {"1": 424.8}
+
+
+def test_a_stop_before_the_device_is_read_is_said():
+    assert gpu.table({"stopped": "signal 15 after 3 s"}) == "STOPPED (signal 15 after 3 s) before any engine ran"
+    res = _result()
+    res["failed"] = {"graphs-pdl": "RuntimeError: boom"}
+    assert gpu.table(res).endswith("FAILED: graphs-pdl: RuntimeError: boom")
