@@ -444,6 +444,45 @@ def _ahead_case():
     return out, counts
 
 
+def _ahead_pressure_case(swap_bytes: int):
+    """Greedy sequences that outgrow a small KV cache, stepped and launched ahead: each request's
+    tokens, the preemptions, and (ahead) those made while a step was in flight — by the schedule of
+    the step launched ahead, its victims' last token still a placeholder."""
+    from shared.engine.engine import PLACEHOLDER, Completion, Engine, EngineConfig
+    from shared.engine.loader import LoadedModel
+    from shared.engine.model_files import load_tokenizer
+    from shared.engine.sampling import SamplingParams as SP
+    tok, _ = load_tokenizer()
+    cfg = tiny_config(max_context=512, n_layers=1)
+    weights = tiny_weights(cfg)
+    out = {}
+    for ahead in (False, True):
+        os.environ["TANDEM_GPU_AHEAD"] = "1" if ahead else "0"
+        try:      # 5 sequences of 6 + 10 tokens need 4 blocks of 4 each, 20 in all: 11 are free (one is scratch)
+            e = Engine(LoadedModel(cfg, weights, tok, "tiny", "tiny"),
+                       EngineConfig(num_kv_blocks=12, block_size=4, max_num_seqs=8, step_tokens=128,
+                                    gpu_step="graphs", swap_bytes=swap_bytes, enable_prefix_caching=False))
+        finally:
+            del os.environ["TANDEM_GPU_AHEAD"]
+        n = {"preempted": 0, "in_flight": 0}
+        preempt = e.scheduler._preempt
+
+        def counted(seq, preempt=preempt, n=n, e=e):
+            n["preempted"] += 1
+            n["in_flight"] += e.graphs.ahead and PLACEHOLDER in seq.token_ids
+            return preempt(seq)
+        e.scheduler._preempt = counted
+        for i in range(5):
+            e.add(f"r{i}", [(7 * i + j) % 50 + 3 for j in range(6)], SP(max_tokens=10, temperature=0.0, ignore_eos=True))
+        done = {}
+        while e.has_work():
+            for o in e.step():
+                done.setdefault(o.request_id, Completion(o.request_id)).add(o)
+            assert not any(PLACEHOLDER in s.token_ids for s in e.seqs.values())
+        out[ahead] = ({r: (c.token_ids, c.text, c.finish_reason) for r, c in done.items()}, n)
+    return out
+
+
 def _philox_case(pairs):
     """The device's uniform of each (seed, index) (kernels/gpu_sample.uniforms)."""
     from kernels.gpu_sample import seed_halves, uniforms
@@ -780,6 +819,20 @@ def test_decode_steps_launched_ahead_give_the_same_outputs(interp):
     assert counts[False] == {"fed": 0, "collected": 0}
     # both ways ahead: tokens read first while the host's rows ran, the next step fed from the device after
     assert counts[True]["collected"] >= 2 and counts[True]["fed"] >= 3, counts
+
+
+@pytest.mark.parametrize("swap_bytes", [256 << 20, 0], ids=["swapped", "recomputed"])
+def test_decode_steps_launched_ahead_under_kv_pressure(interp, swap_bytes):
+    """The step launched ahead is scheduled while this one's tokens are placeholders: where that
+    schedule preempts a sequence (its KV swapped out, or dropped to recompute), the victim still
+    takes this step's token, resumes later and ends with the tokens of steps one after another."""
+    out = interp(_ahead_pressure_case, swap_bytes)
+    print(f"preemptions stepped {out[False][1]}, launched ahead {out[True][1]}")
+    (stepped, n0), (ahead, n1) = out[False], out[True]
+    assert ahead == stepped
+    assert len(stepped) == 5 and all(len(t) == 10 and f == "length" for t, _, f in stepped.values())
+    assert n0["preempted"] >= 2 and n1["preempted"] >= 2, (n0, n1)
+    assert n1["in_flight"] >= 1, n1        # the case this is about: a preemption with a step out
 
 
 def test_engine_decodes_through_the_graph_buffers(interp):
