@@ -7,8 +7,10 @@ each candidate tile (BLOCK_N x BLOCK_B x warps x splits over K; qmatmul's, and q
 decode step (30 of them on 30 distinct random Q4_0 weights, as in the model; one for the lm head,
 with the prologue / epilogue each has in the step) are captured as one CUDA graph and its replays
 timed at M = 1, 16 and 64 rows, split sums added by each tile's last program (kernels/gpu_step.py
-``qmatmul``). A shape's tile is the one with the lowest sum of times relative to
-each M's best, among tiles that spill at most SPILL_OK bytes. Then the whole step's matmuls (all shapes, as
+``qmatmul``). A shape gets two tiles, among those that spill at most SPILL_OK bytes: for decode
+batches of up to 16 rows (``Tuning.decode``) the one with the lowest sum of times at 1 and 16 rows
+relative to each M's best, and for more rows the fastest at 64 (the table keeps one where they
+are the same). Then the whole step's matmuls (all shapes, as
 one graph) with the chosen tiles against the built-in rule, and against the chosen tiles with their
 split sums in ``split_sum`` launches (TANDEM_GPU_REDUCE=launch), side by side, printed as a table.
 
@@ -113,6 +115,17 @@ def _compile(jobs):
     return got
 
 
+def best_tile(times: dict, cands: list, name: str, ms: list[int]):
+    """Of ``cands`` timed at every M of ``ms`` (and not failed), the one with the lowest sum of
+    times relative to each M's best; None if none (or ``ms`` is empty)."""
+    if not ms:
+        return None
+    best_m = {m: min((v for (s_, m_, _), v in times.items() if s_ == name and m_ == m), default=None) for m in ms}
+    scored = {t: sum(times[(name, m, t)] / best_m[m] for m in ms)
+              for t in cands if all((name, m, t) in times for m in ms)}
+    return min(scored, key=scored.get) if scored else None
+
+
 def graph_time(fn, reps: int = 10, rounds: int = 5) -> float:
     """Median µs of one replay of ``fn`` captured as a CUDA graph."""
     import torch
@@ -157,7 +170,7 @@ def main(argv=None) -> int:
             SHAPES[name] = (min(v[0], 512), *v[1:5], 1)
     import torch
     import triton
-    from kernels.gpu_tuning import Tuning, rule
+    from kernels.gpu_tuning import DECODE_ROWS, Tuning, rule
     if not a.dry_run and not torch.cuda.is_available():
         print("gpu_tune needs a CUDA device (--dry-run runs its code paths on the CPU)", file=sys.stderr)
         return 2
@@ -200,23 +213,21 @@ def main(argv=None) -> int:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     say(f"timed {len(times)} graphs")
-    chosen = {}
+    chosen, decode = {}, {}
     rows = []
     for name, (n, k, *_) in SHAPES.items():
         base = rule(n, k)
-        best_m = {m: min(v for (s_, m_, _), v in times.items() if s_ == name and m_ == m) for m in MS}
-        scored = {}
-        for t in cands[name]:
-            if all((name, m, t) in times for m in MS) and not any((name, m, t) in bad for m in MS):
-                scored[t] = sum(times[(name, m, t)] / best_m[m] for m in MS)
-        best = min(scored, key=scored.get) if scored else base
-        chosen[(n, k)] = best
-        rows.append((name, n, k, base, best, [times.get((name, m, base)) for m in MS],
-                     [times.get((name, m, best)) for m in MS]))
+        main = best_tile(times, cands[name], name, [m for m in MS if m > DECODE_ROWS])
+        small = best_tile(times, cands[name], name, [m for m in MS if m <= DECODE_ROWS])
+        chosen[(n, k)] = main or small or base
+        if small and small != chosen[(n, k)]:
+            decode[(n, k)] = small
+        rows.append((name, n, k, base, chosen[(n, k)], decode.get((n, k)), [times.get((name, m, base)) for m in MS]))
+    tuned = Tuning(chosen, a.out, decode)
     # the whole step's matmuls, rule vs chosen, side by side
     whole = {}
-    tiles = {"rule": (lambda s: rule(s.n, s.k), True), "tuned": (lambda s: chosen[(s.n, s.k)], True),
-             "tuned, split sums launched": (lambda s: chosen[(s.n, s.k)], False)}
+    tiles = {"rule": (lambda s: rule(s.n, s.k), True), "tuned": (lambda s: tuned.tile(s.n, s.k, s.m), True),
+             "tuned, split sums launched": (lambda s: tuned.tile(s.n, s.k, s.m), False)}
     for m in MS:
         step = [Shape(name, m) for name in SHAPES]
         for label, (pick, fused) in tiles.items():
@@ -224,7 +235,7 @@ def main(argv=None) -> int:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
-    table = Tuning(chosen, a.out).to_json(
+    table = tuned.to_json(
         device=dev, triton=triton.__version__, torch=torch.__version__,
         measured=time.strftime("%Y-%m-%d", time.gmtime()), command="python -m bench.gpu_tune",
         step_matmuls_us={f"{label} m{m}": round(v, 1) for (label, m), v in whole.items()})
@@ -232,12 +243,14 @@ def main(argv=None) -> int:
         json.dump(table, f, indent=1)
         f.write("\n")
     print(f"\n{dev}, triton {triton.__version__}: one decode step's Q4_0 matmuls (CUDA graph replay, µs)\n")
-    print("| shape | N x K | rule tile | tuned tile | rule µs m1 / m16 / m64 | tuned µs m1 / m16 / m64 |")
-    print("|---|---|---|---|---:|---:|")
-    fmt = lambda t: (f"n{t.block_n} b{t.block_b} w{t.warps} s{t.splits}" + (f" gemv{t.gemv}" if t.gemv else "")  # noqa: E731
-                     + (f" nw{t.norm_w}" if t.norm_w else ""))
-    for name, n, k, base, best, tb, tt in rows:
-        print(f"| {name} | {n}x{k} | {fmt(base)} | {fmt(best)} | "
+    ms = " / ".join(f"m{m}" for m in MS)
+    print(f"| shape | N x K | rule tile | tuned tile | decode tile (≤ {DECODE_ROWS} rows) | rule µs {ms} | tuned µs {ms} |")
+    print("|---|---|---|---|---|---:|---:|")
+    fmt = lambda t: "—" if t is None else (f"n{t.block_n} b{t.block_b} w{t.warps} s{t.splits}"  # noqa: E731
+                                           + (f" gemv{t.gemv}" if t.gemv else "") + (f" nw{t.norm_w}" if t.norm_w else ""))
+    for name, n, k, base, main, small, tb in rows:
+        tt = [times.get((name, m, tuned.tile(n, k, m))) for m in MS]
+        print(f"| {name} | {n}x{k} | {fmt(base)} | {fmt(main)} | {fmt(small)} | "
               + " / ".join(f"{v:.1f}" if v else "-" for v in tb) + " | "
               + " / ".join(f"{v:.1f}" if v else "-" for v in tt) + " |")
     print("\n| rows M | rule: all matmuls µs | tuned µs | rule ÷ tuned | tuned, split sums launched µs | "

@@ -34,7 +34,8 @@ a decode batch of up to 16 rows runs ``qgemv`` in ``qmatmul``'s place: the same 
 without ``tl.dot`` or the 16-row padding. Numbers: every kernel accumulates in f32; a token's result does not depend on
 its batch neighbours (per-row reductions; key segments at fixed multiples of ``SEG``; the split
 over K chosen from N and K only), so a sequence decodes the same alone or in any batch of decodes,
-eager or replayed — with a tuned ``gemv`` tile, in any batch on the same side of its bound. A step
+eager or replayed — with a tuned ``gemv`` or ``decode`` tile, in any batch on the same side of its
+bound (16 rows for ``decode``). A step
 with prefill chunks is another matter for the decodes in it: its matmuls run in TF32 past 64 rows
 where chosen, and from ``GEMM_ROWS`` rows through cuBLAS (``gemm``), whose sums go in their own
 order — within the CPU↔GPU contract, not bit for bit.
@@ -343,7 +344,7 @@ class GpuStep:
             out = torch.empty(m, w.n, dtype=torch.float32, device=self.device)
         if m == 0:
             return out
-        qmatmul(x, w, out, self.tuning.tile(w.n, w.k), norm, silu, residual, self.cfg.rms_eps, self.precision,
+        qmatmul(x, w, out, self.tuning.tile(w.n, w.k, m), norm, silu, residual, self.cfg.rms_eps, self.precision,
                 counters=self.counters, pdl=self.pdl, prefetch_mode=self.prefetch)
         return out
 
@@ -404,7 +405,7 @@ class GpuStep:
         m, n, k = x.shape[0], w.n, w.k
         if gemm:
             return self.gemm(x, w, norm=norm)[None]
-        tile = self.tuning.tile(n, k)
+        tile = self.tuning.tile(n, k, m)
         splits, _ = tile.plan(n, k)
         part = torch.empty(splits, m, n, dtype=torch.float32, device=self.device)
         if m:

@@ -19,7 +19,11 @@ Where the tiles come from:
   has 256 programs — the shape of the tiles the H200's sweep chose (docs/kernels.md: q|k|v's and
   the lm head's exactly; the old rule, 16 rows, 8 warps and 128 programs, took twice as long there).
 
-A table holds tiles for exact (N, K) shapes; a shape it lacks gets the rule.
+A table holds tiles for exact (N, K) shapes; a shape it lacks gets the rule. A shape's entry may
+hold a second tile, ``decode``, for batches of up to ``DECODE_ROWS`` rows (decode steps of up to 16
+sequences): the sweep chooses it from its times at 1 and 16 rows, and the main tile from 64, so
+neither side pays for the other's best (one tile for every M was the sweep's compromise until
+2026-11-29). Each row's bits are then batch-invariant on its side of 16 rows, as with ``gemv``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).parent / "tuning"
+DECODE_ROWS = 16     # batches of up to this many rows take a shape's ``decode`` tile where it has one
 MIN_PROGRAMS = 256   # the rule: a matmul whose N gives fewer weight tiles than this splits K
 WARPS = (4, 8)
 
@@ -85,34 +90,47 @@ def check(t: Tile) -> Tile:
 
 
 class Tuning:
-    """The tiles of one GPU: ``tile(n, k)``; ``source`` says where they came from."""
+    """The tiles of one GPU: ``tile(n, k, m)``; ``source`` says where they came from. ``decode``:
+    the shapes' tiles for batches of up to ``DECODE_ROWS`` rows, where they differ."""
 
-    def __init__(self, tiles: dict[tuple[int, int], Tile] | None = None, source: str = "rule"):
+    def __init__(self, tiles: dict[tuple[int, int], Tile] | None = None, source: str = "rule",
+                 decode: dict[tuple[int, int], Tile] | None = None):
         self.tiles = dict(tiles or {})
+        self.decode = dict(decode or {})
         self.source = source
 
-    def tile(self, n: int, k: int) -> Tile:
-        return self.tiles.get((n, k)) or rule(n, k)
+    def tile(self, n: int, k: int, m: int) -> Tile:
+        """The tile of an N x K weight's matmul over ``m`` rows."""
+        return (m <= DECODE_ROWS and self.decode.get((n, k))) or self.tiles.get((n, k)) or rule(n, k)
 
     def to_json(self, **meta) -> dict:
-        return meta | {"tiles": {f"{n}x{k}": asdict(t) for (n, k), t in sorted(self.tiles.items())}}
+        def entry(shape, t):
+            return asdict(t) | ({"decode": asdict(self.decode[shape])} if shape in self.decode else {})
+        return meta | {"tiles": {f"{n}x{k}": entry((n, k), t) for (n, k), t in sorted(self.tiles.items())}}
 
     @classmethod
     def from_json(cls, data: dict, source: str) -> "Tuning":
         if not isinstance(data, dict) or not isinstance(data.get("tiles"), dict):
             raise ValueError(f"{source}: not a tuning table (no 'tiles' object)")
-        tiles = {}
+
+        def tile(t) -> Tile:
+            if not isinstance(t, dict):
+                raise TypeError("a tile is an object {block_n, block_b, warps, splits[, norm_w, gemv]}")
+            return check(Tile(**{f: int(t[f]) for f in ("block_n", "block_b", "warps", "splits")},
+                              **{f: int(t.get(f, 0)) for f in ("norm_w", "gemv")}))
+        tiles, decode = {}, {}
         for shape, t in data["tiles"].items():
             m = re.fullmatch(r"(\d+)x(\d+)", shape)
             if not m or not isinstance(t, dict):
                 raise ValueError(f"{source}: bad entry {shape!r}: want 'NxK': {{block_n, block_b, warps, splits}}")
+            key = (int(m[1]), int(m[2]))
             try:
-                tiles[(int(m[1]), int(m[2]))] = check(Tile(
-                    **{f: int(t[f]) for f in ("block_n", "block_b", "warps", "splits")},
-                    **{f: int(t.get(f, 0)) for f in ("norm_w", "gemv")}))
+                tiles[key] = tile(t)
+                if "decode" in t:
+                    decode[key] = tile(t["decode"])
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{source}: entry {shape}: {e}") from None
-        return cls(tiles, source)
+        return cls(tiles, source, decode)
 
     @classmethod
     def read(cls, path: str | Path) -> "Tuning":

@@ -304,7 +304,7 @@ class GemvEverywhere:
     """A tuning whose every tile sends decode batches of up to 16 rows through ``qgemv``."""
     source = "test: qgemv everywhere"
 
-    def tile(self, n, k):
+    def tile(self, n, k, m):
         import dataclasses
         from kernels.gpu_tuning import rule
         return dataclasses.replace(rule(n, k), gemv=16, norm_w=64)
@@ -587,6 +587,41 @@ def _gemv_rows_case(device="cpu"):
 
 def test_gemv_rows_are_the_same_in_any_batch_up_to_16(interp):
     assert interp(_gemv_rows_case) == [True, True]
+
+
+def _decode_tile_case(device="cpu"):
+    """A shape with a ``decode`` tile (qgemv) beside its main tile (qmatmul, K split otherwise):
+    batches of 1, 3 and 16 rows are the decode tile's bits, 17 rows the main tile's, both within
+    the reference's bound."""
+    from kernels.gpu_step import GpuStep, Q4Weight
+    from kernels.gpu_tuning import Tile, Tuning
+    g = torch.Generator().manual_seed(6)
+    model = tiny_model(device)
+    n, k = 100, 192
+    main, dec = Tile(16, 1, 4, 3), Tile(32, 2, 4, 2, 0, 16)
+    both = GpuStep(model, 1024, tuning=Tuning({(n, k): main}, "test", {(n, k): dec}))
+    only_main = GpuStep(model, 1024, tuning=Tuning({(n, k): main}, "test"))
+    only_dec = GpuStep(model, 1024, tuning=Tuning({(n, k): dec}, "test"))
+    w = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
+    q = Q4Weight.of(w)
+    x = torch.randn(17, k, generator=g).to(device)
+    nw = (torch.rand(k, generator=g) + 0.5).to(device)
+    ref = q4_0.matmul(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.cfg.rms_eps) * nw, w)
+    out = []
+    for m in (1, 3, 16, 17):
+        got = both.matmul(x[:m], q, norm=nw)
+        want = (only_dec if m <= 16 else only_main).matmul(x[:m], q, norm=nw)
+        other = (only_main if m <= 16 else only_dec).matmul(x[:m], q, norm=nw)
+        err = rel(got, ref[:m])
+        out.append((bool(torch.equal(got, want)), bool(torch.equal(got, other)), err))
+    return out
+
+
+def test_a_decode_tile_runs_batches_of_up_to_16_rows(interp):
+    got = interp(_decode_tile_case)
+    assert [same for same, _, _ in got] == [True] * 4
+    assert not any(other for _, other, _ in got)     # (the two tiles' bits differ: the test can tell them apart)
+    assert max(err for *_, err in got) <= REL
 
 
 def _prefetch_case(device="cpu"):

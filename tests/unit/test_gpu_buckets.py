@@ -32,7 +32,7 @@ def test_split_depends_on_n_and_k_only_and_covers_k():
     rule = gpu_tuning.Tuning()
 
     def split_for(n, k):
-        tile = rule.tile(n, k)
+        tile = rule.tile(n, k, 1)
         return (tile, *tile.plan(n, k))
     for n, k in [(576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (64, 1024), (100, 96)]:
         tile, splits, per = split_for(n, k)
@@ -79,14 +79,18 @@ def test_tuning_tables_load_and_refuse_bad_entries(tmp_path, monkeypatch):
     path.write_text(__import__("json").dumps(t.to_json(device="test")))
     monkeypatch.setenv("TANDEM_GPU_TUNING", str(path))
     got = gpu_tuning.load(torch.device("cpu"))
-    assert got.tile(960, 576) == gpu_tuning.Tile(32, 4, 4, 2) and got.source == str(path)
-    assert got.tile(576, 576) == gpu_tuning.rule(576, 576)          # a shape it lacks: the rule
-    assert got.tile(960, 576).norm_step == 64                       # no norm_w: 16 values a block a step
+    assert all(got.tile(960, 576, m) == gpu_tuning.Tile(32, 4, 4, 2) for m in (1, 16, 17, 512))
+    assert got.source == str(path)
+    assert got.tile(576, 576, 1) == gpu_tuning.rule(576, 576)       # a shape it lacks: the rule
+    assert got.tile(960, 576, 1).norm_step == 64                    # no norm_w: 16 values a block a step
     path.write_text('{"tiles": {"960x576": {"block_n": 32, "block_b": 1, "warps": 4, "splits": 1, "norm_w": 256}}}')
-    assert gpu_tuning.load(torch.device("cpu")).tile(960, 576).norm_step == 256
+    assert gpu_tuning.load(torch.device("cpu")).tile(960, 576, 1).norm_step == 256
     for bad in ('{"tiles": {"960x576": {"block_n": 24, "block_b": 4, "warps": 4, "splits": 1}}}',
                 '{"tiles": {"960x576": {"block_n": 32, "block_b": 4, "warps": 3, "splits": 1}}}',
                 '{"tiles": {"960x576": {"block_n": 32, "block_b": 1, "warps": 4, "splits": 1, "norm_w": 100}}}',
+                '{"tiles": {"960x576": {"block_n": 32, "block_b": 1, "warps": 4, "splits": 1, "decode": 3}}}',
+                '{"tiles": {"960x576": {"block_n": 32, "block_b": 1, "warps": 4, "splits": 1, '
+                '"decode": {"block_n": 32, "block_b": 1, "warps": 4, "splits": 1, "gemv": 12}}}}',
                 '{"tiles": {"960": {}}}', '{"tiles": {"960x576": {"block_n": 32}}}', "[1]", "not json"):
         path.write_text(bad)
         with pytest.raises(ValueError, match="t.json"):
@@ -140,3 +144,33 @@ def test_unsupported_shapes_say_why():
     assert gpu_step.unsupported(tiny_config(), 16) is None
     assert "head_dim 24" in gpu_step.unsupported(tiny_config(head_dim=24), 16)
     assert "block size 12" in gpu_step.unsupported(tiny_config(), 12)
+
+
+def test_a_decode_tile_takes_batches_of_up_to_16_rows(tmp_path, monkeypatch):
+    """A shape's ``decode`` tile (bench/gpu_tune.py chooses it from 1 and 16 rows): batches up to
+    16 rows take it, larger ones the main tile; it round-trips through the table's JSON."""
+    main, dec = gpu_tuning.Tile(64, 1, 4, 11), gpu_tuning.Tile(32, 2, 8, 4, 256, 16)
+    t = gpu_tuning.Tuning({(3072, 576): main, (576, 576): gpu_tuning.Tile(32, 1, 8, 8)}, "x", {(3072, 576): dec})
+    path = tmp_path / "t.json"
+    path.write_text(__import__("json").dumps(t.to_json(device="test")))
+    monkeypatch.setenv("TANDEM_GPU_TUNING", str(path))
+    got = gpu_tuning.load(torch.device("cpu"))
+    assert [got.tile(3072, 576, m) for m in (1, 8, 16, 17, 64)] == [dec, dec, dec, main, main]
+    assert got.tile(576, 576, 1) == got.tile(576, 576, 64) == gpu_tuning.Tile(32, 1, 8, 8)   # none: the main tile
+    assert got.to_json() == t.to_json()
+
+
+def test_the_sweep_chooses_the_decode_and_main_tiles_apart():
+    """bench/gpu_tune.py: the decode tile from its times at 1 and 16 rows, the main one from 64;
+    a tile not timed at every M of its side is not a choice."""
+    from bench.gpu_tune import best_tile
+    T = gpu_tuning.Tile
+    a, b, c, d = T(64, 1, 4, 18), T(32, 2, 4, 4, 256, 16), T(16, 1, 8, 8), T(64, 2, 4, 9, 0, 16)
+    times = {("qkv", 1, a): 10.0, ("qkv", 16, a): 11.0, ("qkv", 64, a): 20.0,
+             ("qkv", 1, b): 5.0, ("qkv", 16, b): 9.0, ("qkv", 64, b): 40.0,     # qgemv: the decode side's best
+             ("qkv", 1, c): 12.0, ("qkv", 16, c): 12.0, ("qkv", 64, c): 18.0,   # the 64-row side's best
+             ("qkv", 1, d): 1.0, ("qkv", 64, d): 60.0}                          # (never timed at 16 rows)
+    assert best_tile(times, [a, b, c, d], "qkv", [1, 16]) == b
+    assert best_tile(times, [a, b, c, d], "qkv", [64]) == c
+    assert best_tile(times, [a, b, c, d], "qkv", []) is None
+    assert best_tile(times, [a, b, c, d], "o", [1]) is None
