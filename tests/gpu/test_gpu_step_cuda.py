@@ -50,6 +50,12 @@ def test_gemv_rows_are_the_same_in_any_batch_up_to_16():
     assert cases._gemv_rows_case("cuda") == [True, True]
 
 
+def test_a_decode_tile_runs_batches_of_up_to_16_rows():
+    got = cases._decode_tile_case("cuda")
+    assert [same for same, _, _ in got] == [True] * 4
+    assert max(err for *_, err in got) <= cases.REL
+
+
 @pytest.mark.parametrize("norm,silu,residual", [(True, False, False), (False, True, True), (False, False, True)])
 def test_matmul_prologues_and_epilogue(norm, silu, residual):
     assert cases._matmul_case(3, 64, 512, norm, silu, residual, "cuda") <= cases.REL
