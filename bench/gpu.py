@@ -172,7 +172,7 @@ class Stopped(Exception):
     reported, the rest marked as not run."""
 
 
-def _stop(signum, frame):
+def _stop(signum, _frame):
     raise Stopped(f"signal {signum}")
 
 
