@@ -217,9 +217,9 @@ def main(argv=None) -> int:
     rows = []
     for name, (n, k, *_) in SHAPES.items():
         base = rule(n, k)
-        main = best_tile(times, cands[name], name, [m for m in MS if m > DECODE_ROWS])
+        large = best_tile(times, cands[name], name, [m for m in MS if m > DECODE_ROWS])
         small = best_tile(times, cands[name], name, [m for m in MS if m <= DECODE_ROWS])
-        chosen[(n, k)] = main or small or base
+        chosen[(n, k)] = large or small or base
         if small and small != chosen[(n, k)]:
             decode[(n, k)] = small
         rows.append((name, n, k, base, chosen[(n, k)], decode.get((n, k)), [times.get((name, m, base)) for m in MS]))
@@ -248,9 +248,9 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---:|---:|")
     fmt = lambda t: "—" if t is None else (f"n{t.block_n} b{t.block_b} w{t.warps} s{t.splits}"  # noqa: E731
                                            + (f" gemv{t.gemv}" if t.gemv else "") + (f" nw{t.norm_w}" if t.norm_w else ""))
-    for name, n, k, base, main, small, tb in rows:
+    for name, n, k, base, large, small, tb in rows:
         tt = [times.get((name, m, tuned.tile(n, k, m))) for m in MS]
-        print(f"| {name} | {n}x{k} | {fmt(base)} | {fmt(main)} | {fmt(small)} | "
+        print(f"| {name} | {n}x{k} | {fmt(base)} | {fmt(large)} | {fmt(small)} | "
               + " / ".join(f"{v:.1f}" if v else "-" for v in tb) + " | "
               + " / ".join(f"{v:.1f}" if v else "-" for v in tt) + " |")
     print("\n| rows M | rule: all matmuls µs | tuned µs | rule ÷ tuned | tuned, split sums launched µs | "
