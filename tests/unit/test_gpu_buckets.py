@@ -174,3 +174,18 @@ def test_the_sweep_chooses_the_decode_and_main_tiles_apart():
     assert best_tile(times, [a, b, c, d], "qkv", [64]) == c
     assert best_tile(times, [a, b, c, d], "qkv", []) is None
     assert best_tile(times, [a, b, c, d], "o", [1]) is None
+
+
+@pytest.mark.slow
+def test_the_sweep_runs_its_code_paths_in_the_interpreter(tmp_path):
+    """`python -m bench.gpu_tune --dry-run` (Triton's interpreter, two tiles a shape, one row): it
+    compiles, times, chooses and writes a table the engine reads (~100 s on 2 vCPUs)."""
+    import subprocess
+    import sys
+    out = tmp_path / "tiles.json"
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_tune", "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| shape | N x K | rule tile | tuned tile | decode tile (≤ 16 rows) |" in r.stdout
+    got = gpu_tuning.Tuning.read(out)
+    assert got.tiles and got.tile(512, 1536, 1) in (gpu_tuning.rule(512, 1536), got.tiles[(512, 1536)])
