@@ -51,8 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _progress = report.progress("bench gpu")
 
 
-# graphs with one setting changed, to compare in the same run: name -> (environment, what it is)
-VARIANTS = {"graphs-ahead": ({"TANDEM_GPU_AHEAD": "1"}, "each decode step launched before the last one's tokens are read"),
+# graphs with settings changed, to compare in the same run: name -> (environment, what it is)
+VARIANTS = {"graphs-all": ({"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TANDEM_GPU_WEIGHTS": "planes",
+                            "TANDEM_GPU_MLP": "fused", "TANDEM_GPU_PRECISION": "tf32x3"},
+                           "ahead, PDL, planes, qmlp and 3xTF32 at once"),
+            "graphs-ahead": ({"TANDEM_GPU_AHEAD": "1"}, "each decode step launched before the last one's tokens are read"),
             "graphs-pdl": ({"TANDEM_GPU_PDL": "1"}, "programmatic dependent launch"),
             "graphs-launch": ({"TANDEM_GPU_REDUCE": "launch"}, "split sums, attention merges and rope launched"),
             "graphs-noprefetch": ({"TANDEM_GPU_PREFETCH": "0"}, "each K step's weights fetched at use"),

@@ -176,6 +176,14 @@ def recording() -> Recorder:
             for b in sizes:
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
+        # `bench gpu --modes graphs-all`: every off-by-default decode setting at once (PDL, planes,
+        # qmlp, 3xTF32), with the H200's tiles and with qgemv for decode rows
+        for tuning in (h200, tunings[-1]):
+            st = gpu_step.GpuStep(model, 8192, "tf32x3", tuning=tuning, weights="planes")
+            st.pdl, st.mlp_mode = True, "fused"
+            for b in (1, 16, 17, 40):
+                i = torch.zeros(b, dtype=torch.int32)
+                st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
         st = gpu_step.GpuStep(model, 8192, "tf32", tuning=h200)         # qmlp in TF32 past 64 rows
         st.mlp_mode = "fused"
         z = torch.zeros(100, dtype=torch.int64)
@@ -228,6 +236,39 @@ SHOWN = ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT", "FIXUP", "ROPE", "HAS_BI
          "PREFETCH", "BLOCK_K", "BLOCK_Q", "SPLITS", "TILES", "PLANES")
 
 
+_INSTR = re.compile(r"^(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(.*);$")
+_REG = re.compile(r"%[a-z]+\d+")
+
+
+def _loaded_from(ptx: str, kernel: str, params: list[str]) -> set[str]:
+    """The kernel parameters the addresses of ``ptx``'s global loads derive from (a walk back
+    through the straight-line PTX's definitions to its ``ld.param``s; ``params``: the kernel's
+    arguments in PTX order)."""
+    defs: dict[str, tuple[str, list[str]]] = {}
+    addresses = []
+    for line in ptx.splitlines():
+        m = _INSTR.match(line.strip())
+        if not m:
+            continue
+        op, operands = m[1], m[2]
+        if op.startswith("ld.param"):
+            defs[_REG.findall(operands)[0]] = (re.search(rf"\[{kernel}_param_(\d+)\]", operands)[1], [])
+            continue
+        head, _, rest = operands.partition("," if not operands.startswith("{") else "}")
+        if op.startswith("ld.global"):
+            addresses += _REG.findall(rest)
+        for reg in _REG.findall(head):
+            defs[reg] = ("", _REG.findall(rest))
+
+    def source(reg: str, seen: set) -> set[str]:
+        if reg in seen or reg not in defs:
+            return set()
+        seen.add(reg)
+        param, srcs = defs[reg]
+        return {params[int(param)]} if param else set().union(*(source(r, seen) for r in srcs))
+    return set().union(*(source(r, set()) for r in addresses))
+
+
 def _compile(job) -> dict:
     """One variant compiled for sm_90 (in a pool process): ptxas' registers and spills, the PTX's
     global loads, and what comes before ``griddepcontrol.wait`` under PDL."""
@@ -247,7 +288,9 @@ def _compile(job) -> dict:
     if consts.get("PDL"):
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, name
         before = ptx[:ptx.index("griddepcontrol.wait")]
-        got["pre"] = (sorted(set(re.findall(r"ld\.global[.\w]*", before))),
+        params = [n for n in fn.arg_names if sig[n] != "constexpr"]
+        tensors = {n for n in params if sig[n].startswith("*")}       # (not the integers in the addresses)
+        got["pre"] = (sorted(_loaded_from(before, name, params) & tensors) if "ld.global" in before else [],
                       "st.global" in before or "atom." in before)
     with open(ptx_path, "w") as f:
         f.write(ptx)
@@ -271,13 +314,12 @@ def _compile_all(launches, tmp_path) -> None:
     for (name, sig, consts, aligned, warps, pdl, _), got in zip(jobs, results):
         if got["pre"] is not None:
             # under PDL, griddepcontrol.wait before anything the previous kernel writes: nothing stored
-            # before it; loaded, only 8- and 16-bit values, in a matmul: its Q4_0 weights (its only
-            # tensors of them: quant bytes, fp16 scales), the first K step's tile it fetches while
-            # the previous kernel ends
+            # before it; loaded, in a matmul, only from its Q4_0 weights (the quant bytes and fp16
+            # scales of the first K step's tile it fetches while the previous kernel ends) — the
+            # addresses of its loads traced back to the kernel's parameters
             pre, stored = got["pre"]
             assert not stored, name
-            assert set(pre) <= {"ld.global.b8", "ld.global.b16"} and (not pre or name in ("qmatmul", "qgemv")), \
-                (name, pre)
+            assert set(pre) <= {"q_ptr", "d_ptr"} and (not pre or name in ("qmatmul", "qgemv")), (name, pre)
         shown = {n: v for n, v in consts.items() if n in SHOWN}
         report.append((name, shown, warps, got["regs"], got["spills"], got["loads"]))
     print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled, {ld} global loads"
