@@ -349,7 +349,14 @@ def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split"):
             torch.equal(out[0], out[-1]), out[-1].cpu())
 
 
-def _engine_case():
+# every off-by-default decode setting at once (`tandem bench gpu --modes graphs-all`; PDL is CUDA's only)
+ALL_SETTINGS = {"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TANDEM_GPU_WEIGHTS": "planes",
+                "TANDEM_GPU_MLP": "fused", "TANDEM_GPU_PRECISION": "tf32x3"}
+
+
+def _engine_case(settings=None):
+    """Greedy and seeded sampled requests through the decode graphs (with ``settings`` in the
+    environment while the engine is built) and op by op: each one's tokens."""
     from shared.engine.engine import Engine, EngineConfig, run_to_completion
     from shared.engine.loader import LoadedModel
     from shared.engine.model_files import load_tokenizer
@@ -366,12 +373,20 @@ def _engine_case():
     prompts["s1"] = ([2, 7, 1, 8, 2, 8], SamplingParams(max_tokens=6, temperature=1.3, min_p=0.02, seed=11,
                                                          ignore_eos=True))
     for mode in ("graphs", "ops"):
-        e = Engine(LoadedModel(cfg, tiny_weights(cfg), tok, "tiny", "tiny"),
-                   EngineConfig(num_kv_blocks=64, max_num_seqs=4, step_tokens=64, gpu_step=mode))
+        saved = dict(os.environ)
+        os.environ.update((settings or {}) if mode == "graphs" else {})
+        try:
+            e = Engine(LoadedModel(cfg, tiny_weights(cfg), tok, "tiny", "tiny"),
+                       EngineConfig(num_kv_blocks=64, max_num_seqs=4, step_tokens=64, gpu_step=mode))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         res = run_to_completion(e, prompts)
         out[mode] = {r: res[r].token_ids for r in prompts}
         if mode == "graphs":
-            graphs = (e.graphs is not None, e.graphs.steps if e.graphs else 0, e.graphs.drawn if e.graphs else 0)
+            g, st = e.graphs, e.model.gpu
+            graphs = (g is not None, g.steps if g else 0, g.drawn if g else 0,
+                      (g.ahead, st.mlp_mode, st.precision, st.layers[0]["o"].planes) if g else None)
     return out, graphs
 
 
@@ -870,8 +885,13 @@ def test_decode_steps_launched_ahead_under_kv_pressure(interp, swap_bytes):
     assert n1["in_flight"] >= 1, n1        # the case this is about: a preemption with a step out
 
 
-def test_engine_decodes_through_the_graph_buffers(interp):
-    out, (has_graphs, steps, drawn) = interp(_engine_case)
+@pytest.mark.parametrize("settings", [None, ALL_SETTINGS], ids=["default", "all-settings"])
+def test_engine_decodes_through_the_graph_buffers(interp, settings):
+    """The decode graphs' engine gives the op-by-op engine's tokens — with the default settings,
+    and with ahead, planes, qmlp and 3xTF32 at once (what `bench gpu`'s graphs-all runs; the
+    interpreter computes TF32 in f32)."""
+    out, (has_graphs, steps, drawn, taken) = interp(_engine_case, settings)
     assert has_graphs and steps > 0
+    assert taken == ((True, "fused", "tf32x3", True) if settings else (False, "split", "ieee", False))
     assert drawn >= 8                   # the sampled rows' decode tokens were drawn in the graphs' sampler
     assert out["graphs"] == out["ops"]  # greedy and seeded sampled rows alike
