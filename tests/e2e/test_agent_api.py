@@ -221,9 +221,13 @@ def test_a_turn_with_a_tool_message_is_served(client, model):
 
 
 def test_json_schema_output_validates(client, model):
+    # sampled at temperature 1, seeded: unseeded, a draw once spent 200 tokens inside the schema's bounds
+    # (a title of up to 60 characters, 3-4 steps of up to 80: ~420 characters of JSON at most) and
+    # ended 'length'; 400 tokens hold it
     r = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Give me a short pancake recipe."}], max_tokens=200,
-        response_format={"type": "json_schema", "json_schema": {"name": "recipe", "schema": RECIPE, "strict": True}})
+        model=model, messages=[{"role": "user", "content": "Give me a short pancake recipe."}], max_tokens=400,
+        response_format={"type": "json_schema", "json_schema": {"name": "recipe", "schema": RECIPE, "strict": True}},
+        extra_body={"seed": 3})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), RECIPE)
 
