@@ -334,8 +334,11 @@ class Engine(KVHandoff):
         self.scheduler.commit([c for _, c in live])
         for _, c in live:
             c.seq.token_ids.append(PLACEHOLDER)
-        # (a sequence this token fills ends here: its row would be computed and dropped)
-        nxt = [c for c in self.scheduler.schedule() if not self._full(c.seq)]
+        # The next step is scheduled before this one's tokens are known, so a sequence this step ends
+        # (EOS, a stop) still holds its blocks and asks for its next slot: where that schedule could
+        # preempt another sequence on its account, this step is read first and the next one
+        # scheduled after. (A sequence this token fills ends here: its row would be computed and dropped.)
+        nxt = [c for c in self.scheduler.schedule() if not self._full(c.seq)] if self.scheduler.decodes_fit() else []
         if nxt:
             self._ahead = self._launch_ahead(nxt, (launched, {id(c.seq): k for k, c in live}))
         _, tokens = self.graphs.collect(launched)

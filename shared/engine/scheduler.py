@@ -107,6 +107,15 @@ class Scheduler:
                 return False
             self._preempt(max(victims, key=Sequence.sort_key))
 
+    def decodes_fit(self) -> bool:
+        """Would the next schedule run every running sequence's next token without preempting
+        anything? No sequence waiting (its admission, or its better tier at the sequence cap, may
+        preempt one) and a free block for each sequence whose next token starts one."""
+        if self.waiting:
+            return False
+        bs = self.blocks.block_size
+        return sum(s.num_computed + 1 > len(s.block_table) * bs for s in self.running) <= self.blocks.num_free
+
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks: every running decode (one token each, best tier first), then
         prefill chunks of running and waiting sequences in tier order, so a better tier's

@@ -79,6 +79,23 @@ def test_preemption_under_tiny_kv_budget(bundled_model):
     assert tiny.blocks.num_free == 12
 
 
+def test_decodes_fit_says_when_the_next_step_preempts_nothing(bundled_model):
+    """``Scheduler.decodes_fit`` (the condition for launching a decode step ahead on the GPU):
+    wherever it says yes, the next step's schedule preempts nothing; under a tiny KV budget it
+    also says no, and preemptions come."""
+    tok = bundled_model.tokenizer
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=12, enable_prefix_caching=False))
+    for i, p in enumerate(PROMPTS):
+        eng.add(f"p{i}", tok.encode(p), greedy(40))
+    said = {True: 0, False: 0}
+    while eng.has_work():
+        fit, before = eng.scheduler.decodes_fit(), eng.scheduler.num_preemptions
+        eng.step()
+        said[fit] += 1
+        assert not fit or eng.scheduler.num_preemptions == before
+    assert said[True] and said[False] and eng.scheduler.num_preemptions > 0, said
+
+
 def test_priority_orders_the_queue(bundled_model):
     eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_seqs=1, step_tokens=64))
     tok = eng.tokenizer
