@@ -6,7 +6,8 @@ each candidate tile (BLOCK_N x BLOCK_B x warps x splits over K; qmatmul's, and q
 16 rows with its norm pass 16 x BLOCK_B or 256 values a step), the layer's matmuls of one
 decode step (30 of them on 30 distinct random Q4_0 weights, as in the model; one for the lm head,
 with the prologue / epilogue each has in the step) are captured as one CUDA graph and its replays
-timed at M = 1, 16 and 64 rows, split sums added by each tile's last program (kernels/gpu_step.py
+timed at M = 1, 16 and 64 rows (qgemv's at 1 and 16: they are decode tiles), split sums added by each
+tile's last program (kernels/gpu_step.py
 ``qmatmul``). A shape gets two tiles, among those that spill at most SPILL_OK bytes: for decode
 batches of up to 16 rows (``Tuning.decode``) the one with the lowest sum of times at 1 and 16 rows
 relative to each M's best, and for more rows the fastest at 64 (the table keeps one where they
@@ -182,7 +183,12 @@ def main(argv=None) -> int:
              for name, (n, k, norm, *_) in SHAPES.items()}
     if a.dry_run:
         cands = {name: [rule(n, k), ts[-1]] for (name, ts), (n, k, *_) in zip(cands.items(), SHAPES.values())}
-    jobs = [(name, m, t) for name, ts in cands.items() for m in MS for t in ts]
+    # a qgemv tile (gemv > 0) is a choice for decode batches only: past 16 rows it would run the
+    # qmatmul its parameters make, which qmatmul's own candidates cover (norm_w aside, which qmatmul
+    # ignores) — so it is compiled and timed at 1 and 16 rows, not 64
+    def wanted(m, t):
+        return m <= DECODE_ROWS or not t.gemv
+    jobs = [(name, m, t) for name, ts in cands.items() for m in MS for t in ts if wanted(m, t)]
     say(f"{len(jobs)} (shape, M, tile) launches to compile in {a.workers} processes")
     if a.dry_run:
         compiled = _compile(jobs)
@@ -206,7 +212,7 @@ def main(argv=None) -> int:
             say(f"budget spent after {i} rounds of candidates (of {max(len(v) for v in order.values())})")
             break
         for (name, m), s in shapes.items():
-            if i < len(order[name]) and (name, m, order[name][i]) not in bad:
+            if i < len(order[name]) and (name, m, order[name][i]) not in bad and wanted(m, order[name][i]):
                 t = order[name][i]
                 times[(name, m, t)] = graph_time(lambda: [s.launch(t, w) for w in s.w])
     del shapes
