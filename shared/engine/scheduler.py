@@ -108,10 +108,14 @@ class Scheduler:
             self._preempt(max(victims, key=Sequence.sort_key))
 
     def decodes_fit(self) -> bool:
-        """Would the next schedule run every running sequence's next token without preempting
-        anything? No sequence waiting (its admission, or its better tier at the sequence cap, may
-        preempt one) and a free block for each sequence whose next token starts one."""
-        if self.waiting:
+        """Would the next schedule run every running sequence's next token, and only that, without
+        preempting anything? Every running sequence decodes; none waiting that the schedule would
+        take up (room under the sequence cap: admitted; a better tier at the cap: a preemption);
+        and a free block for each sequence whose next token starts one."""
+        if self.waiting and (len(self.running) < self.max_num_seqs
+                             or self.waiting[0].priority < max(s.priority for s in self.running)):
+            return False
+        if any(s.num_tokens - s.num_computed != 1 for s in self.running):
             return False
         bs = self.blocks.block_size
         return sum(s.num_computed + 1 > len(s.block_table) * bs for s in self.running) <= self.blocks.num_free

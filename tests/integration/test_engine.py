@@ -79,21 +79,51 @@ def test_preemption_under_tiny_kv_budget(bundled_model):
     assert tiny.blocks.num_free == 12
 
 
+def _fit_steps(eng) -> tuple[dict, int]:
+    """Step ``eng`` to the end checking ``Scheduler.decodes_fit`` before each step: where it says
+    yes, the step's schedule preempts nothing and runs one token of every running sequence, no
+    more. Returns how often it said yes and no, and how often yes with a request waiting."""
+    said, waited = {True: 0, False: 0}, 0
+    schedule = eng.scheduler.schedule
+    got = []
+    eng.scheduler.schedule = lambda: got.append(schedule()) or got[-1]
+    while eng.has_work():
+        fit, before, running = eng.scheduler.decodes_fit(), eng.scheduler.num_preemptions, list(eng.scheduler.running)
+        waited += fit and bool(eng.scheduler.waiting)
+        eng.step()
+        said[fit] += 1
+        if fit:
+            assert eng.scheduler.num_preemptions == before
+            assert sorted((c.seq.request_id, c.num_tokens) for c in got[-1]) == \
+                sorted((s.request_id, 1) for s in running)
+    return said, waited
+
+
 def test_decodes_fit_says_when_the_next_step_preempts_nothing(bundled_model):
     """``Scheduler.decodes_fit`` (the condition for launching a decode step ahead on the GPU):
-    wherever it says yes, the next step's schedule preempts nothing; under a tiny KV budget it
-    also says no, and preemptions come."""
+    under a tiny KV budget it says no too, and preemptions come; at the sequence cap with a request
+    of the same tier waiting (nothing the next step takes up), it says yes."""
     tok = bundled_model.tokenizer
     eng = Engine(bundled_model, EngineConfig(num_kv_blocks=12, enable_prefix_caching=False))
     for i, p in enumerate(PROMPTS):
         eng.add(f"p{i}", tok.encode(p), greedy(40))
-    said = {True: 0, False: 0}
-    while eng.has_work():
-        fit, before = eng.scheduler.decodes_fit(), eng.scheduler.num_preemptions
-        eng.step()
-        said[fit] += 1
-        assert not fit or eng.scheduler.num_preemptions == before
+    said, _ = _fit_steps(eng)
     assert said[True] and said[False] and eng.scheduler.num_preemptions > 0, said
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_seqs=2))
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add(f"q{i}", tok.encode(p), greedy(8))
+    said, waited = _fit_steps(eng)
+    assert waited >= 3 and said[False] >= 2, (said, waited)     # (the two first steps prefill)
+    # a better tier arriving at the cap preempts a running batch sequence: not a fit
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, max_num_seqs=2))
+    for i, p in enumerate(PROMPTS[:2]):
+        eng.add(f"b{i}", tok.encode(p), greedy(12), priority=2)
+    eng.step()
+    eng.step()
+    eng.add("inter", tok.encode(PROMPTS[2]), greedy(4), priority=0)
+    assert not eng.scheduler.decodes_fit()
+    _fit_steps(eng)
+    assert eng.scheduler.num_preemptions >= 1
 
 
 def test_priority_orders_the_queue(bundled_model):
