@@ -876,7 +876,8 @@ def test_decode_steps_launched_ahead_give_the_same_outputs(interp):
     assert counts[True]["collected"] >= 2 and counts[True]["fed"] >= 3, counts
 
 
-@pytest.mark.parametrize("swap_bytes", [256 << 20, 0], ids=["swapped", "recomputed"])
+@pytest.mark.parametrize("swap_bytes", [256 << 20, pytest.param(0, marks=pytest.mark.slow)],
+                         ids=["swapped", "recomputed"])
 def test_decode_steps_launched_ahead_under_kv_pressure(interp, swap_bytes):
     """The step launched ahead is scheduled while this one's tokens are placeholders: where that
     schedule could preempt a sequence (too few free blocks for the next slots), the step is read
