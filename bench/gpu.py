@@ -15,6 +15,8 @@ fewer tokens per sequence (``--ops-gen-tokens``): it is the slow baseline, its r
 
 Needs a CUDA device (and Triton); on a machine without one it says so and exits 2.
 Prints a Markdown table on stdout, progress on stderr. Run on a lent GPU by ``scripts/gpu-check``.
+An engine that raises is a FAILED line and the next one runs; SIGTERM (a time limit) prints the
+table of what was measured, with a STOPPED line; either exits 1.
 """
 
 from __future__ import annotations
