@@ -317,6 +317,20 @@ def run(args: argparse.Namespace, res: dict) -> dict:
     return res
 
 
+def best_env(res: dict, seqs: str = "1", margin: float = 1.05) -> dict:
+    """The settings of the variant that decoded fastest at ``seqs`` sequences in ``res``, where it
+    beat plain graphs by ``margin`` or more; {} otherwise. ``scripts/gpu-check`` runs the stack
+    (`bench node`) with them, so its through-stack figures are the best engine this run measured."""
+    eng = res.get("engines", {})
+    best = (eng.get("graphs", {}).get("decode", {}).get(seqs) or 0) * margin
+    env = {}
+    for v, (e, _) in VARIANTS.items():
+        rate = eng.get(v, {}).get("decode", {}).get(seqs)
+        if best and rate and rate > best and v not in res.get("failed", {}):
+            best, env = rate, e
+    return env
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -127,3 +127,17 @@ def test_a_stop_before_the_device_is_read_is_said():
     res = _result()
     res["failed"] = {"graphs-pdl": "RuntimeError: boom"}
     assert gpu.table(res).endswith("FAILED: graphs-pdl: RuntimeError: boom")
+
+
+def test_the_stack_runs_with_the_fastest_variant_at_one_sequence():
+    res = _result()
+    assert gpu.best_env(res) == {}                                         # no variant measured
+    e = res["engines"]
+    e["graphs-pdl"] = {"decode": {"1": 280.0, "8": 2500.0}}                # +4 %: within the margin
+    e["graphs-ahead"] = {"decode": {"1": 330.0, "8": 2000.0}}
+    e["graphs-all"] = {"decode": {"1": 400.0}}                             # failed part way: not taken
+    res["failed"] = {"graphs-all": "RuntimeError: boom"}
+    assert gpu.best_env(res) == {"TANDEM_GPU_AHEAD": "1"}
+    assert gpu.best_env(res, "8") == {"TANDEM_GPU_PDL": "1"}
+    del e["graphs"]
+    assert gpu.best_env(res) == {}                                         # nothing to beat: the defaults
