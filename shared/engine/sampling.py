@@ -38,8 +38,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v):
                 bad(name, "must be a finite number")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
+        if not 0 <= self.temperature <= 2:       # OpenAI's range, as for the penalties below
+            bad("temperature", "must be in [0, 2]")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:

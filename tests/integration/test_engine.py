@@ -394,7 +394,7 @@ def test_penalties_change_output(engine):
     assert plain.token_ids != pen.token_ids
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-3), dict(max_tokens=0),
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(temperature=2.01), dict(top_p=0), dict(top_k=-3), dict(max_tokens=0),
                                  dict(min_p=2), dict(top_logprobs=50), dict(stop=[""])])
 def test_invalid_sampling_rejected(engine, bad):
     field = next(iter(bad))

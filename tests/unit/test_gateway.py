@@ -436,6 +436,8 @@ ERRORS = [
      "invalid_parameter"),
     ("temperature range", "/v1/chat/completions", _chat(temperature=-1), {}, 400, "temperature",
      "invalid_parameter"),
+    ("temperature above 2", "/v1/chat/completions", _chat(temperature=2.5), {}, 400, "temperature",
+     "invalid_parameter"),
     ("top_p range", "/v1/chat/completions", _chat(top_p=0), {}, 400, "top_p", "invalid_parameter"),
     ("stop type", "/v1/chat/completions", _chat(stop=[1]), {}, 400, "stop", "invalid_parameter"),
     ("max_tokens zero", "/v1/chat/completions", _chat(max_tokens=0), {}, 400, "max_tokens", "invalid_parameter"),
