@@ -457,8 +457,11 @@ class GatewaySettings:
             except ValueError:
                 raise ValueError(f"TANDEM_GENERATION_DEFAULTS: {key}={raw!r} is not "
                                  f"{'an integer' if kind is int else 'a number'}") from None
-        if out.get("max_tokens", 1) < 1:
-            raise ValueError(f"TANDEM_GENERATION_DEFAULTS: max_tokens must be at least 1, got {out['max_tokens']}")
+        from shared.engine.sampling import SamplingParams
+        try:        # the ranges a request's own values must meet (a bad default would fail every request)
+            SamplingParams(**out).validate()
+        except ValueError as e:
+            raise ValueError(f"TANDEM_GENERATION_DEFAULTS: {e}") from None
         return out
 
     def validate(self) -> "GatewaySettings":

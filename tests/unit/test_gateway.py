@@ -247,8 +247,9 @@ def test_deployment_defaults_fill_what_a_request_leaves_out():
     assert backend.requests.pop().sampling.repetition_penalty == 1.0  # a request's own value wins
     assert [q.sampling.temperature for q in backend.requests] == [0, 0.5, 0] and r.temperature == 0
     assert {q.sampling.repetition_penalty for q in backend.requests} == {1.25}
-    for bad, says in [("max_tokens=0", "at least 1"), ("temprature=0", "unknown parameter 'temprature'"),
-                      ("top_k=x", "top_k='x' is not an integer")]:
+    for bad, says in [("max_tokens=0", "max_tokens=0: must be an integer >= 1"),
+                      ("temprature=0", "unknown parameter 'temprature'"), ("top_k=x", "top_k='x' is not an integer"),
+                      ("temperature=3", r"temperature=3.0: must be in \[0, 2\]"), ("top_p=0", "top_p=0.0")]:
         with pytest.raises(ValueError, match=says):
             GatewaySettings.from_env({"TANDEM_GENERATION_DEFAULTS": bad})
 
