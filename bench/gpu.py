@@ -188,13 +188,14 @@ def each(res: dict, names: list[str], measure) -> None:
     for name in names:
         try:
             measure(name)
+            continue
         except Stopped:
             raise
         except Exception as e:  # noqa: BLE001 - reported in the table and the exit status, then the next engine
             msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
             res.setdefault("failed", {})[name] = msg
             _progress(f"{name}: FAILED: {msg}")
-            _release()
+        _release()      # (out of the except block: its traceback no longer holds the failed engine)
 
 
 def _release() -> None:
@@ -210,7 +211,7 @@ def _release() -> None:
         pass
 
 
-def run(args: argparse.Namespace, res: dict) -> dict:
+def run(args: argparse.Namespace, res: dict) -> None:
     """Measure into ``res`` (filled as it goes: a run stopped part way reports what it has)."""
     import torch
 
@@ -314,7 +315,6 @@ def run(args: argparse.Namespace, res: dict) -> dict:
     if not args.no_cpu:
         each(res, ["cpu"], run_cpu)
     each(res, [m for m in args.modes if m in VARIANTS], run_mode)
-    return res
 
 
 def best_env(res: dict, seqs: str = "1", margin: float = 1.05) -> dict:
