@@ -50,6 +50,11 @@ seeds), the bucket's graph with the sampler after the step draws their tokens on
 Without CUDA (the tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly through the
 interpreter.
 
+With TANDEM_GPU_PERSISTENT=1 (off until a GPU measures it) a decode step of up to
+``PERSISTENT_ROWS`` rows is one ``decode_persistent`` launch instead: resident programs take the
+step's launches' programs above as tasks, in launch order from a ticket counter, each waiting only
+for the phase before it on a counter of its own (``GpuStep.decode_persistent``; the same bits).
+
 The matmuls read each Q4_0 weight through a ``Q4Weight``: the model's ``block_q4_0`` rows, or
 (TANDEM_GPU_WEIGHTS=planes) a copy with every quant byte of a row in one aligned run and the
 scales after them, which the kernels load as vectors — the same bits either way.
@@ -94,6 +99,8 @@ PREFETCH_STEPS = 3   # "auto": K steps a program needs to fetch each step's weig
 GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls through cuBLAS (TANDEM_GPU_GEMM_ROWS)
 MATRICES = ("qkv", "o", "gate_up", "down")   # a layer's Q4_0 matrices (``Transformer.layers``)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
+# TANDEM_GPU_PERSISTENT=1: a decode step of up to this many rows as one ``decode_persistent`` launch
+PERSISTENT_ROWS, PERSISTENT_WARPS = 16, 4
 
 log = logging.getLogger("tandem.gpu")
 
@@ -320,6 +327,31 @@ class GpuStep:
         self.layers = [{name: Q4Weight.of(v, planes) if name in MATRICES else v for name, v in L.items()}
                        for L in model.layers]
         self.output = Q4Weight.of(model.output, planes)
+        # a decode step of up to PERSISTENT_ROWS rows as one launch of resident programs (off until a
+        # GPU measures it: ``decode_persistent``); it reads each kind of a layer's tensors stacked
+        self.persistent = os.environ.get("TANDEM_GPU_PERSISTENT", "0") == "1" and self.counters is not None
+        self.stacked: dict[str, torch.Tensor] = {}
+        self.programs: dict[int, int] = {}     # rows -> decode_persistent's grid
+        if self.persistent:
+            self._stack()
+
+    def _stack(self) -> None:
+        """The layers' tensors of each kind as one [layers, ...] tensor (``decode_persistent`` finds a
+        layer's at a fixed stride). The matrices' are copies (they are on the device twice while
+        TANDEM_GPU_PERSISTENT is tried: ~60 MB for the bundled model); the layers' ``Q4Weight``s
+        become views of them."""
+        st = self.stacked
+        for name in MATRICES:
+            q = torch.stack([L[name].q for L in self.layers])
+            st[name] = q
+            for li, L in enumerate(self.layers):
+                w = L[name]
+                L[name] = Q4Weight(q[li], q[li].view(torch.float16), w.rows, w.planes)
+        for name in ("attn_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm"):
+            if name in self.layers[0]:
+                st[name] = torch.stack([L[name].float() for L in self.layers]).contiguous()
+        # ticket, embedding, 5 phases a layer, the lm head; the watchdog's flag (``stalled``)
+        st["sync"] = torch.zeros(2 + 5 * len(self.layers) + 2, dtype=torch.int32, device=self.device)
 
     # ---- the kernels, launched ------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -517,11 +549,107 @@ class GpuStep:
 
     def decode(self, ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv) -> torch.Tensor:
         """One decode token per row, every row sampled: logits [B, vocab]. No host sync, fixed
-        grids for a given B: capturable as a CUDA graph."""
+        grids for a given B: capturable as a CUDA graph. With TANDEM_GPU_PERSISTENT=1 a step of
+        up to ``PERSISTENT_ROWS`` rows is one ``decode_persistent`` launch (the same bits)."""
+        if self.persistent and ids.shape[0] <= PERSISTENT_ROWS:
+            return self.decode_persistent(ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv)
         empty = torch.empty(0, dtype=torch.int32, device=self.device)
         pb = PagedBatch(rows, tables, lens, empty, empty, empty, tables, 0)
         x = self._layers(ids, positions, slot_blocks, slot_offsets, kv, pb)
         return self.matmul(x, self.output, norm=self.m.output_norm)
+
+
+    def persistent_plan(self, m: int) -> dict:
+        """``decode_persistent``'s matmul constants for a step of ``m`` rows: per matrix the tile
+        ``matmul`` would launch for it (kernels/gpu_tuning.py) — rows a program, blocks a K step,
+        splits and blocks a split, ``qgemv`` or not, the norm's step, prefetch — as
+        ``{"BN_QKV": ..., ...}``; and ``"part"``: the floats its split partials need."""
+        cfg = self.cfg
+        nqkv, d, f, v = (self.nh + 2 * self.nkv) * self.hd, cfg.hidden_size, cfg.ffn_size, self.output.n
+        shapes = {"QKV": (nqkv, d, True), "O": (d, self.nh * self.hd, False), "GU": (2 * f, d, True),
+                  "DN": (d, f, False), "OUT": (v, d, True)}
+        plan, part = {}, m * nqkv
+        for key, (n, k, norm) in shapes.items():
+            tile = self.tuning.tile(n, k, m)
+            splits, per = tile.plan(n, k)
+            gemv = m <= tile.gemv
+            block_m = _pow2(m) if gemv else 16
+            plan |= {f"BN_{key}": tile.block_n, f"BB_{key}": tile.block_b, f"SPL_{key}": splits, f"PER_{key}": per,
+                     f"GEMV_{key}": gemv, f"NW_{key}": tile.norm_step if gemv else 16 * tile.block_b,
+                     f"PF_{key}": prefetch(block_m, per, tile.block_b, self.prefetch, norm and splits > 1)}
+            part = max(part, splits * m * n)
+        return plan | {"part": part}
+
+    def decode_persistent(self, ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv) -> torch.Tensor:
+        """``decode``'s logits from one ``decode_persistent`` launch (kernels/gpu_triton.py): the
+        step's ~150 launches as tasks taken in order by resident programs, each task the program
+        of the launch it stands for (the same tile, the same bits), waiting only for the phase
+        before it — so the gaps between kernels go and a matmul's first weights are fetched while
+        the phase before finishes. A [layers]-strided copy of the weights (``_stack``); the
+        counters cleared first (captured in a decode graph with it)."""
+        cfg, st, m = self.cfg, self.stacked, ids.shape[0]
+        if not 1 <= m <= PERSISTENT_ROWS:
+            raise ValueError(f"a persistent decode step takes 1 to {PERSISTENT_ROWS} rows, got {m}")
+        plan = self.persistent_plan(m)
+        d, f, v = cfg.hidden_size, cfg.ffn_size, self.output.n
+        dev = self.device
+        x = torch.empty(m, d, dtype=torch.float32, device=dev)
+        hid = torch.empty(m, 2 * f, dtype=torch.float32, device=dev)
+        att = torch.empty(m, self.nh * self.hd, dtype=torch.float32, device=dev)
+        part = torch.empty(plan.pop("part"), dtype=torch.float32, device=dev)
+        logits = torch.empty(m, v, dtype=torch.float32, device=dev)
+        po = pml = att
+        if self.nseg > 1:
+            po = torch.empty(m, self.nh, self.nseg, self.hd, dtype=torch.float32, device=dev)
+            pml = torch.empty(m, self.nh, self.nseg, 2, dtype=torch.float32, device=dev)
+        sync = st["sync"]
+        sync.zero_()
+        s = kv.stride()
+        emb = self.m.embed
+        grid = (self.programs.get(m, 2 if dev.type != "cuda" else
+                                  torch.cuda.get_device_properties(dev).multi_processor_count),)
+        c = _k().decode_persistent[grid](
+            sync, self.counters, ids, emb, x, hid, att, part, logits,
+            st["qkv"], st["qkv"].view(torch.float16), st["o"], st["o"].view(torch.float16),
+            st["gate_up"], st["gate_up"].view(torch.float16), st["down"], st["down"].view(torch.float16),
+            self.output.q, self.output.d, st["attn_norm"], st["ffn_norm"], self.m.output_norm,
+            st.get("qkv_bias", x), st.get("q_norm", x), st.get("k_norm", x),
+            kv, tables, lens, rows, positions, slot_blocks, slot_offsets, self.cos, self.sin, po, pml,
+            emb.shape[1], tables.stride(0), s[1], s[0], s[2], s[3], s[4], self.m.scale, cfg.rms_eps,
+            m, LAYERS=len(self.layers), D=d, F=f, V=v, NH=self.nh, NKV=self.nkv, HD=self.hd, GROUP=self.group,
+            GROUP_P=_pow2(self.group), BS=kv.shape[3], SEG=SEG, NSEG=self.nseg, NSEG_P=_pow2(self.nseg),
+            BLOCK_K=BLOCK_K_DECODE, HAS_BIAS="qkv_bias" in st, QK_NORM="q_norm" in st, BLOCK_MM=16,
+            BLOCK_MV=_pow2(m) if any(plan[f"GEMV_{k}"] for k in ("QKV", "O", "GU", "DN", "OUT")) else 16,
+            EMBED_BB=EMBED_BLOCK_B, PRECISION="tf32x3" if self.precision == "tf32x3" else "ieee",
+            PLANES=self.output.planes, num_warps=PERSISTENT_WARPS, **plan)
+        if m not in self.programs:
+            self.programs[m] = persistent_programs(c, dev)
+        return logits
+
+
+def persistent_programs(compiled, device) -> int:
+    """``decode_persistent``'s grid: as many programs as the card holds at once (``resident``),
+    TANDEM_GPU_PERSISTENT_PROGRAMS if set; 2 off CUDA (the interpreter runs them one after
+    another: the first takes every task)."""
+    forced = os.environ.get("TANDEM_GPU_PERSISTENT_PROGRAMS")
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"TANDEM_GPU_PERSISTENT_PROGRAMS must be an integer >= 1, got {forced!r}")
+        return int(forced)
+    if device.type != "cuda":
+        return 2
+    props = torch.cuda.get_device_properties(device)
+    return resident(getattr(compiled, "n_regs", 0), getattr(getattr(compiled, "metadata", None), "shared", 0) or 0,
+                    props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 228 << 10))
+
+
+def resident(regs: int, shared: int, sms: int, smem_per_sm: int, warps: int = PERSISTENT_WARPS) -> int:
+    """Programs of ``warps`` warps, ``regs`` registers a thread and ``shared`` bytes of shared
+    memory that ``sms`` SMs hold at once (65,536 registers, 2,048 threads and 32 programs an SM;
+    ``smem_per_sm`` bytes of shared memory, 1 KB of it reserved a program): at least one an SM."""
+    threads = 32 * warps
+    per_sm = min(65536 // (max(regs, 1) * threads), 2048 // threads, 32, smem_per_sm // (shared + 1024))
+    return sms * max(1, per_sm)
 
 
 # ---- CUDA graphs over the decode step ------------------------------------------------------
@@ -676,6 +804,7 @@ class Started:
     drawn: bool               # the sampler ran in the graph (else its rows are the host's)
     host: torch.Tensor
     done: object              # torch.cuda.Event, or None off CUDA (the copy was synchronous)
+    stall: torch.Tensor | None = None   # a persistent step's watchdog flag, copied with the tokens
 
 
 class DecodeGraphs:
@@ -708,6 +837,8 @@ class DecodeGraphs:
         self.tokens_host = [torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self.tokens_done = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
         self.turn = 0
+        # a persistent step's watchdog flag (``_wait_count``), copied back with each step's tokens
+        self.stall_host = [torch.zeros(1, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self.steps = 0       # decode steps run here
         self.replays = 0     # of them, graph replays
         self.drawn = 0       # rows whose token was drawn on the device (not argmax)
@@ -859,9 +990,23 @@ class DecodeGraphs:
         self.turn ^= 1
         host, done = self.tokens_host[self.turn][:n], self.tokens_done[self.turn]
         host.copy_(best[:n], non_blocking=done is not None)    # the step's one device-to-host copy
+        stall = None
+        if self.step.persistent and bucket <= PERSISTENT_ROWS:
+            stall = self.stall_host[self.turn]
+            stall.copy_(self.step.stacked["sync"][-1:], non_blocking=done is not None)
         if done is not None:
             done.record()
-        return Started(n, logits, best, sampling, variant, drawn, host, done)
+        return Started(n, logits, best, sampling, variant, drawn, host, done, stall)
+
+    def abandon_persistent(self) -> None:
+        """TANDEM_GPU_PERSISTENT off for this engine (its watchdog fired): the buckets' graphs that
+        ran it are dropped and captured again, launch by launch, on their next use."""
+        log.error("the persistent decode step stalled on this GPU: TANDEM_GPU_PERSISTENT is off for this engine")
+        self.step.persistent = False
+        for b in [b for b in self.graphs if b <= PERSISTENT_ROWS]:
+            del self.graphs[b]
+        for key in [k for k in self.samplers if k[0] <= PERSISTENT_ROWS]:
+            del self.samplers[key]
 
     def finish(self, started: Started) -> tuple[torch.Tensor, list[int | None]]:
         """``run``'s second half: the step's tokens, once they are here."""
@@ -869,6 +1014,10 @@ class DecodeGraphs:
                                                started.drawn)
         if started.done is not None:
             started.done.synchronize()
+        if started.stall is not None and int(started.stall[0]):
+            self.abandon_persistent()
+            raise RuntimeError("the persistent decode step stalled (a wait of decode_persistent timed out): its "
+                               "tokens are void; decode steps run launch by launch from now on")
         tokens = started.host.tolist()
         if drawn:
             self.drawn += sum(s is not None for s in sampling)

@@ -37,6 +37,50 @@ def _grid_dependency(PDL: tl.constexpr):
 
 
 @triton.jit
+def _depend(PDL: tl.constexpr, dep_ptr, need, stall_ptr, WAIT: tl.constexpr):
+    """Before a program (or a task of ``decode_persistent``) reads what others write: under PDL
+    the wait on the previous kernel (``_grid_dependency``); with WAIT, until counter ``dep_ptr``
+    has counted ``need`` finished tasks (``_wait_count``)."""
+    _grid_dependency(PDL)
+    if WAIT:
+        _wait_count(dep_ptr, need, stall_ptr)
+
+
+STALL_SPINS = tl.constexpr(1 << 22)   # a wait of decode_persistent gives up after this many reads (~seconds)
+
+
+@triton.jit
+def _wait_count(ptr, need, stall_ptr):
+    """Spin until the counter at ``ptr`` reaches ``need``, then acquire: one thread's acquire read at
+    GPU scope of the value the last increment left (which orders every increment's release before
+    it: they are read-modify-writes of one location) and a CTA barrier, so the tasks' writes are
+    visible to all of this program's loads after it (cooperative groups' grid sync, without a
+    grid: ``decode_persistent``'s tickets make sure whoever holds an earlier task is running).
+    A watchdog, should that ever not hold on a card: after ``STALL_SPINS`` reads the wait gives
+    up and sets the flag at ``stall_ptr``, and every wait that reads the flag set gives up at
+    once — the launch ends (its results void) instead of hanging the GPU; the host reads the
+    flag with the step's tokens (``DecodeGraphs.finish``) and fails the step. (Read every spin:
+    a counter checked every 1,024 spins instead cost qgemv's variant 20 B of spills.)"""
+    c = tl.load(ptr, volatile=True)
+    spins = 0
+    while (c < need) & (spins < STALL_SPINS):
+        c = tl.load(ptr, volatile=True)
+        spins += 1 + tl.load(stall_ptr, volatile=True) * STALL_SPINS     # a flag set: this wait ends too
+    if c < need:
+        tl.store(stall_ptr, 1)
+    tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _count_done(ptr):
+    """A task of ``decode_persistent`` finished: every thread's stores before it (the CTA
+    barrier), then one release increment at GPU scope of its phase's counter."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def _half(lo, hi):
     """An fp16 from its two bytes (little endian), as f32."""
     return (lo.to(tl.uint16) | (hi.to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
@@ -82,7 +126,12 @@ def gemv(x_ptr, q_ptr, out_ptr, N, K, row_bytes, stride_xm, stride_om,
 def embed(ids_ptr, q_ptr, out_ptr, K, row_bytes, stride_o, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
     """Row ``ids[t]`` of a Q4_0 table, dequantized: one program per token."""
     _grid_dependency(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    _embed_row(tl.program_id(0).to(tl.int64), ids_ptr, q_ptr, out_ptr, K, row_bytes, stride_o, BLOCK_B)
+
+
+@triton.jit
+def _embed_row(t, ids_ptr, q_ptr, out_ptr, K, row_bytes, stride_o, BLOCK_B: tl.constexpr):
+    """``embed``'s token ``t``."""
     tok = tl.load(ids_ptr + t).to(tl.int64)
     b = tl.arange(0, BLOCK_B)
     j = tl.arange(0, 16)
@@ -116,21 +165,20 @@ def _last_arrival(cnt_ptr, expected):
 
 
 @triton.jit
-def _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, ok, M, N, stride_om,
+def _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, ok, M, N, stride_om, split, splits, tile,
                 SPLIT: tl.constexpr, FIXUP: tl.constexpr, RESIDUAL: tl.constexpr):
     """A matmul's [rows m, columns n] tile into ``out`` (+= with RESIDUAL). SPLIT: this program's
-    partial sum goes to split program_id(2) of ``part`` ([splits, M, N]); with FIXUP the last
-    split of the tile to finish adds the splits up in split order from zero — ``split_sum``'s
-    sum, bit for bit, without a launch of its own — else ``split_sum`` (or a consumer reading
-    the partials, ``rope_kv``) does."""
+    partial sum goes to split ``split`` of ``part`` ([splits, M, N]); with FIXUP the last of the
+    ``splits`` programs of tile ``tile`` to finish adds the splits up in split order from zero —
+    ``split_sum``'s sum, bit for bit, without a launch of its own — else ``split_sum`` (or a
+    consumer reading the partials, ``rope_kv``) does."""
     if SPLIT:
         pn = m[:, None] * N + n[None, :]
-        tl.store(part_ptr + tl.program_id(2).to(tl.int64) * M * N + pn, acc, mask=ok)
+        tl.store(part_ptr + split.to(tl.int64) * M * N + pn, acc, mask=ok)
         if FIXUP:
-            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-            if _last_arrival(cnt_ptr + tile, tl.num_programs(2)):
+            if _last_arrival(cnt_ptr + tile, splits):
                 acc = tl.zeros_like(acc)
-                for s in range(tl.num_programs(2)):
+                for s in range(splits):
                     acc += tl.load(part_ptr + s * M * N + pn, mask=ok, other=0.0, cache_modifier=".cg")
                 o = out_ptr + m[:, None] * stride_om + n[None, :]
                 if RESIDUAL:
@@ -249,13 +297,13 @@ def _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_
 
 
 @triton.jit
-def _k_range(SPLIT: tl.constexpr, blocks_per_split, nb):
-    """The Q4_0 blocks [kb0, kb1) of K a matmul program covers: split program_id(2)'s (SPLIT),
-    else all ``nb``."""
+def _k_range(SPLIT: tl.constexpr, blocks_per_split, nb, split):
+    """The Q4_0 blocks [kb0, kb1) of K a matmul program covers: split ``split``'s (SPLIT), else
+    all ``nb``."""
     kb0 = 0
     kb1 = nb
     if SPLIT:
-        kb0 = tl.program_id(2) * blocks_per_split
+        kb0 = split * blocks_per_split
         kb1 = tl.minimum(kb0 + blocks_per_split, nb)
     return kb0, kb1
 
@@ -277,24 +325,39 @@ def qmatmul(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, strid
     during the step before; else at use, one set of them held at a time (fewer registers).
     The weights: Q4_0 bytes ``q`` [N, K/32*18] and the same bytes as float16 ``d`` (their scales),
     laid out as ``block_q4_0`` rows or (PLANES) as ``q4_0.to_planes``: the same bits either way."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
+                  blocks_per_split, tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
+                  tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), cnt_ptr, 0, cnt_ptr, K, BLOCK_M, BLOCK_N,
+                  BLOCK_B, NORM, SILU, RESIDUAL, SPLIT, FIXUP, PRECISION, NORM_W, PDL, PREFETCH, PLANES, False)
+
+
+@triton.jit
+def _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
+                  blocks_per_split, pid_n, pid_m, split, splits, tile, dep_ptr, need, stall_ptr, K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                  NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+                  FIXUP: tl.constexpr, PRECISION: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr,
+                  PREFETCH: tl.constexpr, PLANES: tl.constexpr, WAIT: tl.constexpr):
+    """``qmatmul``'s tile (pid_n, pid_m) and split ``split`` of ``splits`` (its arrival counter:
+    ``tile``), wherever it runs: a program of the ``qmatmul`` launch, or a task of the persistent
+    decode step (``decode_persistent``: WAIT — the activations are read only once ``dep_ptr``
+    has counted ``need``; the first K step's weights are fetched before that)."""
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
     t = tl.arange(0, BLOCK_B * 16)                                   # [T]: block t // 16, byte t % 16
     m_ok = m < M
     n_ok = n < N
-    kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32)
+    kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32, split)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if BLOCK_M <= 16:
         # the first K step's weight bytes before the wait on the previous kernel: weights never
         # change, so under PDL these loads overlap its tail (one block a split: all of this
         # program's); past 16 rows, held across the norm's prologue, they spilled
         d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B, PLANES)
-        _grid_dependency(PDL)
+        _depend(PDL, dep_ptr, need, stall_ptr, WAIT)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
     else:
-        _grid_dependency(PDL)
+        _depend(PDL, dep_ptr, need, stall_ptr, WAIT)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
         if PREFETCH:
             d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B, PLANES)
@@ -314,8 +377,8 @@ def qmatmul(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, strid
             w_lo, w_hi = _q4_values(f_d, f_qs)
         acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
                         PRECISION)
-    _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, SPLIT,
-                FIXUP, RESIDUAL)
+    _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, split, splits,
+                tile, SPLIT, FIXUP, RESIDUAL)
 
 
 @triton.jit
@@ -360,15 +423,29 @@ def qgemv(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_
     K step dequantizes a [BLOCK_N, BLOCK_B, 16] weight tile once into registers, and each of the
     BLOCK_M rows (unrolled; rows >= M masked) reduces its products with it in-register. A row's
     sum runs in the same order whatever BLOCK_M, so rows are batch-invariant up to 16."""
-    pid_n = tl.program_id(0)
+    _qgemv_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
+                blocks_per_split, tl.program_id(0), tl.program_id(2), tl.num_programs(2),
+                tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), cnt_ptr, 0, cnt_ptr, K, BLOCK_M, BLOCK_N,
+                BLOCK_B,
+                NORM, SILU, RESIDUAL, SPLIT, FIXUP, NORM_W, PDL, PREFETCH, PLANES, False)
+
+
+@triton.jit
+def _qgemv_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
+                blocks_per_split, pid_n, split, splits, tile, dep_ptr, need, stall_ptr, K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+                FIXUP: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                PLANES: tl.constexpr, WAIT: tl.constexpr):
+    """``qgemv``'s tile ``pid_n``, split ``split`` of ``splits`` (``_qmatmul_tile``'s arguments)."""
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
     n_ok = n < N
     b = tl.arange(0, BLOCK_B)
     rows = tl.arange(0, BLOCK_M)
-    kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32)
+    kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32, split)
     # the first K step's weight bytes before the wait on the previous kernel (as in qmatmul)
     d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0 + b, kb1, PLANES)
-    _grid_dependency(PDL)
+    _depend(PDL, dep_ptr, need, stall_ptr, WAIT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_lo, w_hi = _q4_values(d, qs)
     if PREFETCH:
@@ -392,7 +469,7 @@ def qgemv(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_
                 ss += tl.sum(xv * xv, axis=0)
             acc = tl.where((rows == r)[:, None], acc * (1.0 / tl.sqrt(ss / K + eps)), acc)
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, rows.to(tl.int64), n, (rows < M)[:, None] & n_ok[None, :], M, N,
-                stride_om, SPLIT, FIXUP, RESIDUAL)
+                stride_om, split, splits, tile, SPLIT, FIXUP, RESIDUAL)
 
 
 @triton.jit
@@ -450,7 +527,7 @@ def qmlp(x_ptr, gu_ptr, gu_d_ptr, dn_ptr, dn_d_ptr, nw_ptr, gpart_ptr, dpart_ptr
     t = tl.arange(0, 16)
     r_lo = (f * 32 + t).to(tl.int64)            # the block's intermediate columns 0..15 (r_lo + 16: 16..31)
     r_ok = r_lo < F
-    kb0, kb1 = _k_range(SPLITS > 1, blocks_per_split, K // 32)
+    kb0, kb1 = _k_range(SPLITS > 1, blocks_per_split, K // 32, tl.program_id(2))
     rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, 16, BLOCK_M, True)
     g_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     g_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
@@ -670,12 +747,30 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
     in the program of the segment holding the token itself — the kv head's rotated key and its
     value written into the token's KV slot before the keys are read (a CTA barrier between)."""
     _grid_dependency(PDL)
-    e = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    seg = tl.program_id(2)
+    _attn_decode_task(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), tl.num_programs(1),
+                      q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr, stride_q,
+                      stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr, kn_ptr, cos_ptr,
+                      sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps, cnt_ptr, 0, cnt_ptr, SEG, NSEG, NSEG_P,
+                      GROUP,
+                      GROUP_P, HD, BS, BLOCK_K, SPLIT, FIXUP, ROPE, NH, HAS_BIAS, QK_NORM, SPLITS, False)
+
+
+@triton.jit
+def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr,
+                      stride_q, stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
+                      bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps,
+                      dep_ptr, need, stall_ptr, SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr,
+                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, ROPE: tl.constexpr,
+                      NH: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr,
+                      WAIT: tl.constexpr):
+    """``attn_decode``'s (entry e, kv head kvh, segment seg) of ``nkv`` kv heads, wherever it runs
+    (``decode_persistent``: WAIT — an empty segment reads nothing others write, so only a
+    segment with keys waits for ``dep_ptr`` to count ``need``)."""
     L = tl.load(lens_ptr + e)
     lo = seg * SEG
     if lo < L:
+        _depend(False, dep_ptr, need, stall_ptr, WAIT)
         hi = tl.minimum(lo + SEG, L)
         row = tl.load(rows_ptr + e).to(tl.int64)
         g = tl.arange(0, GROUP_P)
@@ -690,7 +785,7 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
                               tl.load(pos_ptr + row).to(tl.int64),
                               kv_ptr + tl.load(sblk_ptr + row).to(tl.int64) * s_blk
                               + tl.load(soff_ptr + row).to(tl.int64) * s_slot + kvh * s_head,
-                              s_kv, split_stride, eps, NH, tl.num_programs(1), HD, HAS_BIAS, QK_NORM, SPLITS)
+                              s_kv, split_stride, eps, NH, nkv, HD, HAS_BIAS, QK_NORM, SPLITS)
                 tl.debug_barrier()
         else:
             q = tl.load(q_ptr + row * stride_q + heads[:, None] * HD + d[None, :], mask=g_ok[:, None], other=0.0)
@@ -720,13 +815,13 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
             partial = nused < 0
         if partial:
             # partials: po [E, NH, NSEG, HD], pml [E, NH, NSEG, 2] (max, sum)
-            nh = GROUP * tl.num_programs(1)
+            nh = GROUP * nkv
             base = (e * nh + heads) * NSEG + seg                                      # [GP]
             tl.store(po_ptr + base[:, None] * HD + d[None, :], acc, mask=g_ok[:, None])
             tl.store(pml_ptr + base * 2, m_i, mask=g_ok)
             tl.store(pml_ptr + base * 2 + 1, l_i, mask=g_ok)
             if FIXUP:
-                if _last_arrival(cnt_ptr + e * tl.num_programs(1) + kvh, nused):
+                if _last_arrival(cnt_ptr + e * nkv + kvh, nused):
                     for gi in tl.static_range(GROUP):
                         h = kvh * GROUP + gi
                         res = _merge_segments(po_ptr, pml_ptr, (e * nh + h) * NSEG, nused, NSEG_P, HD, ".cg")
@@ -814,6 +909,139 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
 
 
 # ---- token selection on the device (kernels/gpu_sample.py) ---------------------------------------
+
+# ---- the decode step as one persistent launch (TANDEM_GPU_PERSISTENT=1: GpuStep.decode_persistent) --
+
+
+@triton.jit
+def _mm_task(idx, x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, stride_xm, stride_om, eps, dep_ptr,
+             need, stall_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_MV: tl.constexpr,
+             BN: tl.constexpr, BB: tl.constexpr, SPL: tl.constexpr, PER: tl.constexpr, GEMV: tl.constexpr,
+             NW: tl.constexpr, PF: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr,
+             FIXUP: tl.constexpr, PRECISION: tl.constexpr, PLANES: tl.constexpr):
+    """Task ``idx`` of a matmul phase: tile idx % tiles, split idx // tiles — the program
+    (tile, 0, split) of the ``qmatmul`` / ``qgemv`` launch ``GpuStep.matmul`` makes for the same
+    tile (``GEMV``), the same bits."""
+    tiles: tl.constexpr = (N + BN - 1) // BN
+    pid_n = idx % tiles
+    split = idx // tiles
+    if GEMV:
+        _qgemv_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps, PER,
+                    pid_n, split, SPL, pid_n, dep_ptr, need, stall_ptr, K, BLOCK_MV, BN, BB, NORM, SILU, RESIDUAL,
+                    SPL > 1, FIXUP, NW, False, PF, PLANES, True)
+    else:
+        _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps, PER,
+                      pid_n, 0, split, SPL, pid_n, dep_ptr, need, stall_ptr, K, BLOCK_MM, BN, BB, NORM, SILU,
+                      RESIDUAL, SPL > 1, FIXUP, PRECISION, NW, False, PF, PLANES, True)
+
+
+@triton.jit(do_not_specialize=["M"])     # one compile for every batch of up to 16 rows (qmatmul's tiles)
+def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_ptr, part_ptr, logits_ptr,
+                      qkv_q, qkv_d, o_q, o_d, gu_q, gu_d, dn_q, dn_d, out_q, out_d,
+                      attn_norm_ptr, ffn_norm_ptr, out_norm_ptr, bias_ptr, qn_ptr, kn_ptr,
+                      kv_ptr, bt_ptr, lens_ptr, rows_ptr, pos_ptr, sblk_ptr, soff_ptr, cos_ptr, sin_ptr, po_ptr,
+                      pml_ptr, emb_row_bytes, stride_bt, s_layer, s_blk, s_kv, s_slot, s_head, scale, eps, M,
+                      LAYERS: tl.constexpr, D: tl.constexpr, F: tl.constexpr, V: tl.constexpr,
+                      NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
+                      GROUP_P: tl.constexpr, BS: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
+                      NSEG_P: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+                      BLOCK_MM: tl.constexpr, BLOCK_MV: tl.constexpr, EMBED_BB: tl.constexpr,
+                      PRECISION: tl.constexpr, PLANES: tl.constexpr,
+                      BN_QKV: tl.constexpr, BB_QKV: tl.constexpr, SPL_QKV: tl.constexpr, PER_QKV: tl.constexpr,
+                      GEMV_QKV: tl.constexpr, NW_QKV: tl.constexpr, PF_QKV: tl.constexpr,
+                      BN_O: tl.constexpr, BB_O: tl.constexpr, SPL_O: tl.constexpr, PER_O: tl.constexpr,
+                      GEMV_O: tl.constexpr, NW_O: tl.constexpr, PF_O: tl.constexpr,
+                      BN_GU: tl.constexpr, BB_GU: tl.constexpr, SPL_GU: tl.constexpr, PER_GU: tl.constexpr,
+                      GEMV_GU: tl.constexpr, NW_GU: tl.constexpr, PF_GU: tl.constexpr,
+                      BN_DN: tl.constexpr, BB_DN: tl.constexpr, SPL_DN: tl.constexpr, PER_DN: tl.constexpr,
+                      GEMV_DN: tl.constexpr, NW_DN: tl.constexpr, PF_DN: tl.constexpr,
+                      BN_OUT: tl.constexpr, BB_OUT: tl.constexpr, SPL_OUT: tl.constexpr, PER_OUT: tl.constexpr,
+                      GEMV_OUT: tl.constexpr, NW_OUT: tl.constexpr, PF_OUT: tl.constexpr):
+    """A whole decode step of M rows (M <= 16) in one launch of resident programs: the work of the
+    step's ~150 launches (``GpuStep.decode``) as a list of tasks in launch order — the embedding
+    (a task a row); a layer's q|k|v tiles × splits, attention's (row, kv head, key segment),
+    o, gate|up and down tiles × splits; the lm head's — each the same code and tile as that
+    launch's program (the same bits). A program takes tasks from a ticket counter (``sync[0]``;
+    the next one as it starts a task), runs each and counts it done in its phase's counter
+    (``sync[1 + phase]``);
+    a task first fetches what it can (a matmul's first weight tile) and then waits until the
+    phase before has counted all its tasks (``_wait_count``). Tickets are taken in order, so
+    every task an unfinished one waits for is held by a program that is running: no deadlock
+    however many programs are resident, and in Triton's interpreter (one program after
+    another) program 0 runs every task in order. ``sync`` (ticket, a counter a phase, the
+    watchdog's flag) must be zero at launch (``GpuStep.decode_persistent`` clears it); the
+    arrival counters ``cnt`` come back zeroed."""
+    T_EMB = M
+    T_QKV: tl.constexpr = ((NH + 2 * NKV) * HD + BN_QKV - 1) // BN_QKV * SPL_QKV
+    # attention's tasks: the key segments this step's longest context spans (not NSEG: the rest
+    # would be empty tickets, 46K a step at 16 rows of the bundled model's 8,192-token context)
+    lr = tl.arange(0, 16)
+    longest = tl.max(tl.load(lens_ptr + lr, mask=lr < M, other=0), axis=0)
+    T_ATT = M * NKV * ((longest + SEG - 1) // SEG)
+    T_O: tl.constexpr = (D + BN_O - 1) // BN_O * SPL_O
+    T_GU: tl.constexpr = (2 * F + BN_GU - 1) // BN_GU * SPL_GU
+    T_DN: tl.constexpr = (D + BN_DN - 1) // BN_DN * SPL_DN
+    T_OUT: tl.constexpr = (V + BN_OUT - 1) // BN_OUT * SPL_OUT
+    T_LAYER = T_QKV + T_ATT + T_O + T_GU + T_DN
+    TOTAL = T_EMB + LAYERS * T_LAYER + T_OUT
+    NQKV: tl.constexpr = (NH + 2 * NKV) * HD
+    stall = sync_ptr + 3 + 5 * LAYERS                  # the watchdog's flag (``_wait_count``)
+    task = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    while task < TOTAL:
+        # the next ticket now, its atomic's latency hidden behind this task (still taken in order:
+        # whatever waits on it waits on this task first, whose own waits are on earlier ones)
+        after = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        if task < T_EMB:
+            _embed_row(task.to(tl.int64), ids_ptr, emb_ptr, x_ptr, D, emb_row_bytes, D, EMBED_BB)
+            _count_done(sync_ptr + 1)
+        else:
+            r = task - T_EMB
+            layer = r // T_LAYER
+            done = sync_ptr + 2 + layer * 5               # this layer's phases' counters
+            if layer < LAYERS:
+                r = r % T_LAYER
+                li = layer.to(tl.int64)
+                if r < T_QKV:                             # q|k|v: its split partials, summed by attention
+                    need = tl.where(layer == 0, T_EMB, T_DN)
+                    _mm_task(r, x_ptr, qkv_q + li * (NQKV * (D // 32 * 18)), qkv_d + li * (NQKV * (D // 32 * 9)),
+                             part_ptr, attn_norm_ptr + li * D, part_ptr, cnt_ptr, M, D, NQKV, eps, done - 1, need,
+                             stall, NQKV, D, BLOCK_MM, BLOCK_MV, BN_QKV, BB_QKV, SPL_QKV, PER_QKV, GEMV_QKV, NW_QKV,
+                             PF_QKV, True, False, False, False, PRECISION, PLANES)
+                    _count_done(done)
+                elif r < T_QKV + T_ATT:                   # attention, rope and the KV write with it: segment
+                    a = r - T_QKV                         # by segment (the later ones, mostly empty, last)
+                    e = a % (M * NKV) // NKV
+                    _attn_decode_task(e.to(tl.int64), a % NKV, a // (M * NKV), NKV, part_ptr, kv_ptr + li * s_layer,
+                                      bt_ptr, lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr, cnt_ptr, NQKV, NH * HD,
+                                      stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr + li * NQKV,
+                                      qn_ptr + li * HD, kn_ptr + li * HD, cos_ptr, sin_ptr, pos_ptr, sblk_ptr,
+                                      soff_ptr, M * NQKV, eps, done, T_QKV, stall, SEG, NSEG, NSEG_P, GROUP, GROUP_P,
+                                      HD, BS, BLOCK_K, NSEG > 1, NSEG > 1, True, NH, HAS_BIAS, QK_NORM, SPL_QKV, True)
+                    _count_done(done + 1)
+                elif r < T_QKV + T_ATT + T_O:             # o, the residual added
+                    _mm_task(r - T_QKV - T_ATT, att_ptr, o_q + li * (D * (NH * HD // 32 * 18)),
+                             o_d + li * (D * (NH * HD // 32 * 9)), x_ptr, x_ptr, part_ptr, cnt_ptr, M, NH * HD, D,
+                             eps, done + 1, T_ATT, stall, D, NH * HD, BLOCK_MM, BLOCK_MV, BN_O, BB_O, SPL_O, PER_O,
+                             GEMV_O, NW_O, PF_O, False, False, True, True, PRECISION, PLANES)
+                    _count_done(done + 2)
+                elif r < T_QKV + T_ATT + T_O + T_GU:      # gate|up, the FFN's norm first
+                    _mm_task(r - T_QKV - T_ATT - T_O, x_ptr, gu_q + li * (2 * F * (D // 32 * 18)),
+                             gu_d + li * (2 * F * (D // 32 * 9)), hid_ptr, ffn_norm_ptr + li * D, part_ptr, cnt_ptr,
+                             M, D, 2 * F, eps, done + 2, T_O, stall, 2 * F, D, BLOCK_MM, BLOCK_MV, BN_GU, BB_GU, SPL_GU,
+                             PER_GU, GEMV_GU, NW_GU, PF_GU, True, False, False, True, PRECISION, PLANES)
+                    _count_done(done + 3)
+                else:                                     # down of SiLU(gate)·up, the residual added
+                    _mm_task(r - T_QKV - T_ATT - T_O - T_GU, hid_ptr, dn_q + li * (D * (F // 32 * 18)),
+                             dn_d + li * (D * (F // 32 * 9)), x_ptr, x_ptr, part_ptr, cnt_ptr, M, 2 * F, D, eps,
+                             done + 3, T_GU, stall, D, F, BLOCK_MM, BLOCK_MV, BN_DN, BB_DN, SPL_DN, PER_DN, GEMV_DN,
+                             NW_DN, PF_DN, False, True, True, True, PRECISION, PLANES)
+                    _count_done(done + 4)
+            else:                                         # the lm head, the final norm first
+                _mm_task(r - LAYERS * T_LAYER, x_ptr, out_q, out_d, logits_ptr, out_norm_ptr, part_ptr, cnt_ptr, M,
+                         D, V, eps, done - 1, T_DN, stall, V, D, BLOCK_MM, BLOCK_MV, BN_OUT, BB_OUT, SPL_OUT, PER_OUT,
+                         GEMV_OUT, NW_OUT, PF_OUT, True, False, False, True, PRECISION, PLANES)
+        task = after
+
 
 @triton.jit
 def _mulhilo64(a_hi, a_lo, b):

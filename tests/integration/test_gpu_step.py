@@ -29,7 +29,10 @@ import torch
 from kernels import q4_0
 from tests.triton_interp import speed_up_device_calls
 
-pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+tl = triton.language
+from kernels.gpu_triton import _wait_count  # noqa: E402
+
 
 REL = 1e-5
 REL_STEP = 1e-4
@@ -349,9 +352,97 @@ def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split"):
             torch.equal(out[0], out[-1]), out[-1].cpu())
 
 
+def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=3, max_context=1024):
+    """The decode graphs' step (``_graphs_case``'s decodes: contexts of 21, 271 (201 where
+    ``max_context`` is one segment) and 34 keys, a padding row; ``rows`` of them) through
+    ``GpuStep.decode`` launch by launch and as one ``decode_persistent`` launch
+    (TANDEM_GPU_PERSISTENT=1): (logits bitwise, KV bitwise, error against the op-by-op path, the
+    persistent path taken, its grid, logits' error against the launches', KV's max |Δ|)."""
+    from kernels.gpu_step import DecodeGraphs, GpuStep
+    model = tiny_model(device, max_context=max_context, **(arch_kw or {}))
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist() for _ in range(3)]
+    kv0 = torch.zeros(80, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, dtype=torch.float16, device=device)
+    t = _tables(3, 26)
+    lens = [20, 270 if max_context > 256 else 200, 33]
+    ids, ctx = _step_context(model, [(seqs[i], 0, lens[i], t[i]) for i in range(3)], device)
+    model.forward_ops(ids, ctx, kv0)
+    plan = [(seqs[i], lens[i], 1, t[i]) for i in range(3)] * 6
+    ids, ctx = _step_context(model, plan[:rows], device)
+    kv_ref = kv0.clone()
+    want = model.forward_ops(ids, ctx, kv_ref)
+    tables = [c.block_ids for c in ctx.chunks]
+    capture = device != "cpu"
+    out = {}
+    for persistent in (False, True):
+        os.environ["TANDEM_GPU_PERSISTENT"] = "1" if persistent else "0"
+        try:
+            st = GpuStep(model, cfg.max_context, tuning=GemvEverywhere() if gemv else None, weights=weights)
+        finally:
+            del os.environ["TANDEM_GPU_PERSISTENT"]
+        kv = kv0.clone()
+        graphs = DecodeGraphs(st, kv, max_seqs=16, width=64, block_size=16, scratch_block=79, capture=capture)
+        for _ in range(1 + capture):
+            kv.copy_(kv0)
+            logits, _ = graphs.run(ids.tolist(), [c.start for c in ctx.chunks], tables)
+        out[persistent] = (logits.clone(), kv.clone(), st.persistent, dict(st.programs))
+    (l0, kv_a, p0, _), (l1, kv_b, p1, programs) = out[False], out[True]
+    return (torch.equal(l0, l1), torch.equal(kv_a, kv_b), rel(l1, want), (p0, p1), programs, rel(l1, l0),
+            float((kv_a.float() - kv_b.float()).abs().max()))
+
+
+@triton.jit
+def _wait_probe(cnt_ptr, need, stall_ptr, out_ptr):
+    """``decode_persistent``'s wait on its own: 1 into ``out`` once it returns."""
+    _wait_count(cnt_ptr, need, stall_ptr)
+    tl.store(out_ptr, 1)
+
+
+def _stall_case(device="cpu"):
+    """The persistent step's watchdog: a wait whose counter has counted returns; one that never
+    will gives up once the flag is set (a wait that timed out sets it); and the decode graphs,
+    reading a set flag with a step's tokens, fail that step and run launch by launch after."""
+    from kernels.gpu_step import DecodeGraphs, GpuStep
+    cnt, stall, out = (torch.zeros(1, dtype=torch.int32, device=device) for _ in range(3))
+    cnt[0] = 5
+    _wait_probe[(1,)](cnt, 5, stall, out)
+    counted = int(out[0])
+    out.zero_()
+    stall[0] = 1
+    _wait_probe[(1,)](cnt, 6, stall, out)          # never counted: the flag ends it
+    gave_up = int(out[0])
+    model = tiny_model(device)
+    os.environ["TANDEM_GPU_PERSISTENT"] = "1"
+    try:
+        st = GpuStep(model, model.cfg.max_context)
+    finally:
+        del os.environ["TANDEM_GPU_PERSISTENT"]
+    kv = torch.zeros(40, model.cfg.n_layers, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=torch.float16,
+                     device=device)
+    graphs = DecodeGraphs(st, kv, max_seqs=4, width=8, block_size=16, scratch_block=39, capture=device != "cpu")
+    real = st.decode_persistent
+
+    def stalled(*a):               # as if a wait of this launch had timed out
+        logits = real(*a)
+        st.stacked["sync"][-1] = 1
+        return logits
+    st.decode_persistent = stalled
+    try:
+        graphs.run([5, 7], [3, 9], [[0], [1]])
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    after = graphs.run([5, 7], [3, 9], [[0], [1]])[0]
+    st.persistent = True
+    st.decode_persistent = real
+    again = graphs.run([5, 7], [3, 9], [[0], [1]])[0]
+    return counted, gave_up, raised, torch.equal(after, again)
+
+
 # every off-by-default decode setting at once (`tandem bench gpu --modes graphs-all`; PDL is CUDA's only)
 ALL_SETTINGS = {"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TANDEM_GPU_WEIGHTS": "planes",
-                "TANDEM_GPU_MLP": "fused", "TANDEM_GPU_PRECISION": "tf32x3"}
+                "TANDEM_GPU_MLP": "fused", "TANDEM_GPU_PRECISION": "tf32x3", "TANDEM_GPU_PERSISTENT": "1"}
 
 
 def _engine_case(settings=None):
@@ -386,7 +477,7 @@ def _engine_case(settings=None):
         if mode == "graphs":
             g, st = e.graphs, e.model.gpu
             graphs = (g is not None, g.steps if g else 0, g.drawn if g else 0,
-                      (g.ahead, st.mlp_mode, st.precision, st.layers[0]["o"].planes) if g else None)
+                      (g.ahead, st.mlp_mode, st.precision, st.layers[0]["o"].planes, st.persistent) if g else None)
     return out, graphs
 
 
@@ -845,6 +936,31 @@ def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp):
     assert scratch_written             # the padding row wrote its KV into the scratch block
 
 
+# rows: one, a padding row, a whole bucket of 16; the matmuls through qmatmul and through qgemv;
+# qwen2's bias and qwen3's norms; weights as planes; a context of one key segment (no merges)
+@pytest.mark.parametrize("rows,gemv,arch,weights,ctx", [(1, False, {}, None, 1024), (3, False, {}, None, 1024),
+                                                        (16, True, {}, None, 1024),
+                                                        (3, True, {"attn_bias": True}, "planes", 1024),
+                                                        (2, False, {"qk_norm": True}, None, 256)])
+def test_the_persistent_decode_step_is_the_launches_bit_for_bit(interp, rows, gemv, arch, weights, ctx):
+    """TANDEM_GPU_PERSISTENT=1: a decode step as one launch whose programs take the step's
+    launches' programs as tasks in order gives bitwise the launches' logits and KV."""
+    same_logits, same_kv, err, taken, programs, *_ = interp(_persistent_case, "cpu", gemv, arch, weights, rows, ctx)
+    assert taken == (False, True) and programs == {1 if rows == 1 else 2 if rows == 2 else 4 if rows <= 4 else 16: 2}
+    assert same_logits and same_kv
+    assert err <= REL_STEP
+
+
+def test_a_stalled_persistent_step_fails_and_the_engine_goes_on_launch_by_launch(interp):
+    """The persistent step's watchdog: a wait returns once its counter has counted, gives up once
+    the stall flag is set; a step whose flag comes back set fails with an error (its tokens are
+    never used), and the next steps run launch by launch with the same logits."""
+    counted, gave_up, raised, same = interp(_stall_case)
+    assert counted == 1 and gave_up == 1
+    assert raised and "stalled" in raised
+    assert same
+
+
 def test_philox_uniforms_are_the_host_samplers_bit_for_bit(interp):
     """The device's uniform is numpy's Philox draw (sampler.uniform), for seeds across the 64-bit
     range (the sign bit, all ones, negative Python ints), indexes 0 to 2**31 - 1, more rows than
@@ -896,10 +1012,11 @@ def test_decode_steps_launched_ahead_under_kv_pressure(interp, swap_bytes):
 @pytest.mark.parametrize("settings", [None, ALL_SETTINGS], ids=["default", "all-settings"])
 def test_engine_decodes_through_the_graph_buffers(interp, settings):
     """The decode graphs' engine gives the op-by-op engine's tokens — with the default settings,
-    and with ahead, planes, qmlp and 3xTF32 at once (what `bench gpu`'s graphs-all runs; the
-    interpreter computes TF32 in f32)."""
+    and with ahead, planes, qmlp, 3xTF32 and the persistent step at once (what `bench gpu`'s
+    graphs-all runs; the interpreter computes TF32 in f32; every decode step here has up to 4
+    rows: the persistent launch's)."""
     out, (has_graphs, steps, drawn, taken) = interp(_engine_case, settings)
     assert has_graphs and steps > 0
-    assert taken == ((True, "fused", "tf32x3", True) if settings else (False, "split", "ieee", False))
+    assert taken == ((True, "fused", "tf32x3", True, True) if settings else (False, "split", "ieee", False, False))
     assert drawn >= 8                   # the sampled rows' decode tokens were drawn in the graphs' sampler
     assert out["graphs"] == out["ops"]  # greedy and seeded sampled rows alike

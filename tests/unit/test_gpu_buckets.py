@@ -189,3 +189,49 @@ def test_the_sweep_runs_its_code_paths_in_the_interpreter(tmp_path):
     assert "| shape | N x K | rule tile | tuned tile | decode tile (≤ 16 rows) |" in r.stdout
     got = gpu_tuning.Tuning.read(out)
     assert got.tiles and got.tile(512, 1536, 1) in (gpu_tuning.rule(512, 1536), got.tiles[(512, 1536)])
+
+
+def test_the_persistent_grid_is_what_the_sms_hold_at_once(monkeypatch):
+    """``decode_persistent``'s programs: an H200's 132 SMs hold two of 255 registers (4 warps), three
+    of 168; threads (16 programs of 128), shared memory and 32 programs an SM bound the rest;
+    never fewer than one an SM. TANDEM_GPU_PERSISTENT_PROGRAMS overrides it, checked."""
+    smem = 228 << 10
+    assert gpu_step.resident(255, 0, 132, smem) == 264
+    assert gpu_step.resident(168, 0, 132, smem) == 396
+    assert gpu_step.resident(32, 0, 132, smem) == 132 * 16           # 2,048 threads an SM
+    assert gpu_step.resident(64, 100 << 10, 132, smem) == 264          # shared memory
+    assert gpu_step.resident(255, 0, 132, smem, warps=8) == 132        # at least one an SM
+    cpu = torch.device("cpu")
+    assert gpu_step.persistent_programs(None, cpu) == 2
+    monkeypatch.setenv("TANDEM_GPU_PERSISTENT_PROGRAMS", "7")
+    assert gpu_step.persistent_programs(None, cpu) == 7
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv("TANDEM_GPU_PERSISTENT_PROGRAMS", bad)
+        with pytest.raises(ValueError, match="TANDEM_GPU_PERSISTENT_PROGRAMS"):
+            gpu_step.persistent_programs(None, cpu)
+
+
+def test_the_persistent_plan_is_each_matrix_s_launch_tile():
+    """The constants ``decode_persistent`` runs each matmul's tasks with are those of the tile the
+    launch-by-launch step takes for the same rows (H200's table: qmatmul, one block a step, its
+    splits; a decode tile through qgemv where the table says so), and its partials' buffer holds
+    the largest of them."""
+    from tests.unit.test_gpu_compile import bundled_shapes_model
+    model = bundled_shapes_model()
+    h200 = gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200"))
+    st = gpu_step.GpuStep(model, 8192, tuning=h200)
+    cfg = model.cfg
+    nqkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    for m in (1, 5, 16):
+        plan = st.persistent_plan(m)
+        for key, (n, k) in {"QKV": (nqkv, cfg.hidden_size), "O": (cfg.hidden_size, cfg.n_heads * cfg.head_dim),
+                            "GU": (2 * cfg.ffn_size, cfg.hidden_size), "DN": (cfg.hidden_size, cfg.ffn_size),
+                            "OUT": (cfg.vocab_size, cfg.hidden_size)}.items():
+            tile = h200.tile(n, k, m)
+            assert (plan[f"BN_{key}"], plan[f"BB_{key}"]) == (tile.block_n, tile.block_b)
+            assert (plan[f"SPL_{key}"], plan[f"PER_{key}"]) == tile.plan(n, k)
+            assert plan[f"GEMV_{key}"] is (m <= tile.gemv)
+        assert plan["part"] == max(plan[f"SPL_{k}"] * m * n for k, n in
+                                   (("QKV", nqkv), ("O", cfg.hidden_size), ("GU", 2 * cfg.ffn_size),
+                                    ("DN", cfg.hidden_size), ("OUT", cfg.vocab_size)))
+    assert st.persistent_plan(1)["SPL_QKV"] == 18          # the H200's q|k|v tile: 18 one-block splits

@@ -69,10 +69,11 @@ class Recorder:
         def launcher(grid):
             def launch(*args, num_warps=4, launch_pdl=False, **consts):
                 names = [n for n in fn.arg_names if n not in consts]
+                kept = {p.name for p in fn.params if p.do_not_specialize}     # @triton.jit(do_not_specialize=...)
                 sig, aligned = {}, []
                 for n, a in zip(names, args):   # as the JIT specializes them (the tensors here are the
                     # CPU's, their offsets those of the device's: the same 16-byte alignment)
-                    ty, spec = specialize(BaseBackend, a, False, True, True)
+                    ty, spec = specialize(BaseBackend, a, False, n not in kept, True)
                     if ty == "constexpr":       # an integer 1: compiled as a constant
                         consts = consts | {n: spec}
                     elif spec == "D":           # a 16-byte aligned pointer, an integer divisible by 16
@@ -177,11 +178,21 @@ def recording() -> Recorder:
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
         # `bench gpu --modes graphs-all`: every off-by-default decode setting at once (PDL, planes,
-        # qmlp, 3xTF32), with the H200's tiles and with qgemv for decode rows
+        # qmlp, 3xTF32, the persistent step), with the H200's tiles and with qgemv for decode rows
         for tuning in (h200, tunings[-1]):
             st = gpu_step.GpuStep(model, 8192, "tf32x3", tuning=tuning, weights="planes")
-            st.pdl, st.mlp_mode = True, "fused"
+            st.pdl, st.mlp_mode, st.persistent = True, "fused", True    # (up to 16 rows: the persistent step)
+            st._stack()
             for b in (1, 16, 17, 40):
+                i = torch.zeros(b, dtype=torch.int32)
+                st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
+        # TANDEM_GPU_PERSISTENT=1: the decode step as one launch, over the H200's tiles, qgemv's, planes
+        for tuning, weights, sizes in ((h200, "blocks", (1, 16)), (tunings[-1], "blocks", (1, 4, 16)),
+                                       (h200, "planes", (1,))):
+            st = gpu_step.GpuStep(model, 8192, tuning=tuning, weights=weights)
+            st.persistent = True
+            st._stack()
+            for b in sizes:
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
         st = gpu_step.GpuStep(model, 8192, "tf32", tuning=h200)         # qmlp in TF32 past 64 rows
@@ -222,7 +233,7 @@ def test_the_step_launches_the_variants_expected(launches):
     names = {fn.__name__ for fn, *_ in launches}
     assert {p for *_, p in launches} == {True, False}
     assert names == {"embed", "qmatmul", "qgemv", "split_sum", "rope_kv", "attn_decode", "attn_merge",
-                     "attn_prefill", "philox_uniform", "qmlp"}
+                     "attn_prefill", "philox_uniform", "qmlp", "decode_persistent"}
     assert {c["BLOCK_M"] for fn, s, c, *_ in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32", "tf32x3"}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "attn_prefill"} == {"ieee", "tf32", "fp16"}
@@ -363,7 +374,8 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     rope_kv's work), o, gate|up, down a layer, with the embedding and the lm head — 152 launches
     (302 before the split sums, attention's merges and rope_kv went into other kernels); with
     TANDEM_GPU_REDUCE=launch they come back as launches of their own (302); with TANDEM_GPU_MLP=fused
-    gate|up and down are one ``qmlp`` (122)."""
+    gate|up and down are one ``qmlp`` (122); with TANDEM_GPU_PERSISTENT=1 a step of up to 16 rows
+    is one ``decode_persistent`` launch."""
     counts: dict[str, int] = {}
 
     class Counter:
@@ -395,3 +407,10 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     st.decode(i, i, i, i, torch.zeros(1, 512, dtype=torch.int32), i, i, kv)
     assert counts == {"embed": 1, "qmatmul": 2 * layers + 1, "attn_decode": layers, "qmlp": layers}
     assert sum(counts.values()) == 122
+    monkeypatch.setenv("TANDEM_GPU_PERSISTENT", "1")     # up to 16 rows: the whole step in one launch
+    st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
+    for rows, want in ((1, {"decode_persistent": 1}), (16, {"decode_persistent": 1}), (17, None)):
+        counts.clear()
+        i = torch.zeros(rows, dtype=torch.int32)
+        st.decode(i, i, i, i, torch.zeros(rows, 512, dtype=torch.int32), i, i, kv)
+        assert counts == (want or {"embed": 1, "qmatmul": 2 * layers + 1, "attn_decode": layers, "qmlp": layers})
