@@ -58,6 +58,8 @@ VARIANTS = {"graphs-all": ({"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TAN
                             "TANDEM_GPU_MLP": "fused", "TANDEM_GPU_PRECISION": "tf32x3", "TANDEM_GPU_PERSISTENT": "1"},
                            "ahead, PDL, planes, qmlp, 3xTF32 and the persistent step at once"),
             "graphs-persistent": ({"TANDEM_GPU_PERSISTENT": "1"}, "a decode step of up to 16 rows as one launch"),
+            "graphs-persistent32": ({"TANDEM_GPU_PERSISTENT": "1", "TANDEM_GPU_PERSISTENT_ROWS": "32"},
+                                    "a decode step of up to 32 rows as one launch"),
             "graphs-ahead": ({"TANDEM_GPU_AHEAD": "1"}, "each decode step launched before the last one's tokens are read"),
             "graphs-pdl": ({"TANDEM_GPU_PDL": "1"}, "programmatic dependent launch"),
             "graphs-launch": ({"TANDEM_GPU_REDUCE": "launch"}, "split sums, attention merges and rope launched"),

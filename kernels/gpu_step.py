@@ -51,7 +51,7 @@ Without CUDA (the tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly th
 interpreter.
 
 With TANDEM_GPU_PERSISTENT=1 (off until a GPU measures it) a decode step of up to
-``PERSISTENT_ROWS`` rows is one ``decode_persistent`` launch instead: resident programs take the
+``PERSISTENT_ROWS`` rows (TANDEM_GPU_PERSISTENT_ROWS) is one ``decode_persistent`` launch instead: resident programs take the
 step's launches' programs above as tasks, in launch order from a ticket counter, each waiting only
 for the phase before it on a counter of its own (``GpuStep.decode_persistent``; the same bits).
 
@@ -100,7 +100,8 @@ GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls thr
 MATRICES = ("qkv", "o", "gate_up", "down")   # a layer's Q4_0 matrices (``Transformer.layers``)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
 # TANDEM_GPU_PERSISTENT=1: a decode step of up to this many rows as one ``decode_persistent`` launch
-PERSISTENT_ROWS, PERSISTENT_WARPS = 16, 4
+# (TANDEM_GPU_PERSISTENT_ROWS=32: up to 32, a second compile; at 64 rows a tile it spilled 48 B on sm_90)
+PERSISTENT_ROWS, PERSISTENT_MAX_ROWS, PERSISTENT_WARPS = 16, 32, 4
 
 log = logging.getLogger("tandem.gpu")
 
@@ -330,6 +331,10 @@ class GpuStep:
         # a decode step of up to PERSISTENT_ROWS rows as one launch of resident programs (off until a
         # GPU measures it: ``decode_persistent``); it reads each kind of a layer's tensors stacked
         self.persistent = os.environ.get("TANDEM_GPU_PERSISTENT", "0") == "1" and self.counters is not None
+        rows = os.environ.get("TANDEM_GPU_PERSISTENT_ROWS", str(PERSISTENT_ROWS))
+        if rows not in ("16", "32"):
+            raise ValueError(f"TANDEM_GPU_PERSISTENT_ROWS must be 16 or 32, got {rows!r}")
+        self.persistent_rows = int(rows)
         self.stacked: dict[str, torch.Tensor] = {}
         self.programs: dict[int, int] = {}     # rows -> decode_persistent's grid
         if self.persistent:
@@ -550,8 +555,9 @@ class GpuStep:
     def decode(self, ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv) -> torch.Tensor:
         """One decode token per row, every row sampled: logits [B, vocab]. No host sync, fixed
         grids for a given B: capturable as a CUDA graph. With TANDEM_GPU_PERSISTENT=1 a step of
-        up to ``PERSISTENT_ROWS`` rows is one ``decode_persistent`` launch (the same bits)."""
-        if self.persistent and ids.shape[0] <= PERSISTENT_ROWS:
+        up to ``persistent_rows`` rows (TANDEM_GPU_PERSISTENT_ROWS, default 16) is one
+        ``decode_persistent`` launch (the same bits)."""
+        if self.persistent and ids.shape[0] <= self.persistent_rows:
             return self.decode_persistent(ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv)
         empty = torch.empty(0, dtype=torch.int32, device=self.device)
         pb = PagedBatch(rows, tables, lens, empty, empty, empty, tables, 0)
@@ -573,7 +579,7 @@ class GpuStep:
             tile = self.tuning.tile(n, k, m)
             splits, per = tile.plan(n, k)
             gemv = m <= tile.gemv
-            block_m = _pow2(m) if gemv else 16
+            block_m = _pow2(m) if gemv else 16 if m <= 16 else 32
             plan |= {f"BN_{key}": tile.block_n, f"BB_{key}": tile.block_b, f"SPL_{key}": splits, f"PER_{key}": per,
                      f"GEMV_{key}": gemv, f"NW_{key}": tile.norm_step if gemv else 16 * tile.block_b,
                      f"PF_{key}": prefetch(block_m, per, tile.block_b, self.prefetch, norm and splits > 1)}
@@ -588,8 +594,8 @@ class GpuStep:
         the phase before finishes. A [layers]-strided copy of the weights (``_stack``); the
         counters cleared first (captured in a decode graph with it)."""
         cfg, st, m = self.cfg, self.stacked, ids.shape[0]
-        if not 1 <= m <= PERSISTENT_ROWS:
-            raise ValueError(f"a persistent decode step takes 1 to {PERSISTENT_ROWS} rows, got {m}")
+        if not 1 <= m <= PERSISTENT_MAX_ROWS:
+            raise ValueError(f"a persistent decode step takes 1 to {PERSISTENT_MAX_ROWS} rows, got {m}")
         plan = self.persistent_plan(m)
         d, f, v = cfg.hidden_size, cfg.ffn_size, self.output.n
         dev = self.device
@@ -618,7 +624,8 @@ class GpuStep:
             emb.shape[1], tables.stride(0), s[1], s[0], s[2], s[3], s[4], self.m.scale, cfg.rms_eps,
             m, LAYERS=len(self.layers), D=d, F=f, V=v, NH=self.nh, NKV=self.nkv, HD=self.hd, GROUP=self.group,
             GROUP_P=_pow2(self.group), BS=kv.shape[3], SEG=SEG, NSEG=self.nseg, NSEG_P=_pow2(self.nseg),
-            BLOCK_K=BLOCK_K_DECODE, HAS_BIAS="qkv_bias" in st, QK_NORM="q_norm" in st, BLOCK_MM=16,
+            BLOCK_K=BLOCK_K_DECODE, HAS_BIAS="qkv_bias" in st, QK_NORM="q_norm" in st,
+            BLOCK_MM=16 if m <= 16 else 32,
             BLOCK_MV=_pow2(m) if any(plan[f"GEMV_{k}"] for k in ("QKV", "O", "GU", "DN", "OUT")) else 16,
             EMBED_BB=EMBED_BLOCK_B, PRECISION="tf32x3" if self.precision == "tf32x3" else "ieee",
             PLANES=self.output.planes, num_warps=PERSISTENT_WARPS, **plan)
@@ -991,7 +998,7 @@ class DecodeGraphs:
         host, done = self.tokens_host[self.turn][:n], self.tokens_done[self.turn]
         host.copy_(best[:n], non_blocking=done is not None)    # the step's one device-to-host copy
         stall = None
-        if self.step.persistent and bucket <= PERSISTENT_ROWS:
+        if self.step.persistent and bucket <= self.step.persistent_rows:
             stall = self.stall_host[self.turn]
             stall.copy_(self.step.stacked["sync"][-1:], non_blocking=done is not None)
         if done is not None:
@@ -1003,9 +1010,9 @@ class DecodeGraphs:
         ran it are dropped and captured again, launch by launch, on their next use."""
         log.error("the persistent decode step stalled on this GPU: TANDEM_GPU_PERSISTENT is off for this engine")
         self.step.persistent = False
-        for b in [b for b in self.graphs if b <= PERSISTENT_ROWS]:
+        for b in [b for b in self.graphs if b <= self.step.persistent_rows]:
             del self.graphs[b]
-        for key in [k for k in self.samplers if k[0] <= PERSISTENT_ROWS]:
+        for key in [k for k in self.samplers if k[0] <= self.step.persistent_rows]:
             del self.samplers[key]
 
     def finish(self, started: Started) -> tuple[torch.Tensor, list[int | None]]:

@@ -935,7 +935,7 @@ def _mm_task(idx, x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, st
                       RESIDUAL, SPL > 1, FIXUP, PRECISION, NW, False, PF, PLANES, True)
 
 
-@triton.jit(do_not_specialize=["M"])     # one compile for every batch of up to 16 rows (qmatmul's tiles)
+@triton.jit(do_not_specialize=["M"])     # one compile for every batch of up to BLOCK_MM rows (qmatmul's tiles)
 def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_ptr, part_ptr, logits_ptr,
                       qkv_q, qkv_d, o_q, o_d, gu_q, gu_d, dn_q, dn_d, out_q, out_d,
                       attn_norm_ptr, ffn_norm_ptr, out_norm_ptr, bias_ptr, qn_ptr, kn_ptr,
@@ -957,8 +957,8 @@ def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_p
                       GEMV_DN: tl.constexpr, NW_DN: tl.constexpr, PF_DN: tl.constexpr,
                       BN_OUT: tl.constexpr, BB_OUT: tl.constexpr, SPL_OUT: tl.constexpr, PER_OUT: tl.constexpr,
                       GEMV_OUT: tl.constexpr, NW_OUT: tl.constexpr, PF_OUT: tl.constexpr):
-    """A whole decode step of M rows (M <= 16) in one launch of resident programs: the work of the
-    step's ~150 launches (``GpuStep.decode``) as a list of tasks in launch order — the embedding
+    """A whole decode step of M rows (M <= BLOCK_MM: 16 or 32) in one launch of resident programs:
+    the work of the step's ~150 launches (``GpuStep.decode``) as a list of tasks in launch order — the embedding
     (a task a row); a layer's q|k|v tiles × splits, attention's (row, kv head, key segment),
     o, gate|up and down tiles × splits; the lm head's — each the same code and tile as that
     launch's program (the same bits). A program takes tasks from a ticket counter (``sync[0]``;
@@ -975,7 +975,7 @@ def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_p
     T_QKV: tl.constexpr = ((NH + 2 * NKV) * HD + BN_QKV - 1) // BN_QKV * SPL_QKV
     # attention's tasks: the key segments this step's longest context spans (not NSEG: the rest
     # would be empty tickets, 46K a step at 16 rows of the bundled model's 8,192-token context)
-    lr = tl.arange(0, 16)
+    lr = tl.arange(0, BLOCK_MM)
     longest = tl.max(tl.load(lens_ptr + lr, mask=lr < M, other=0), axis=0)
     T_ATT = M * NKV * ((longest + SEG - 1) // SEG)
     T_O: tl.constexpr = (D + BN_O - 1) // BN_O * SPL_O

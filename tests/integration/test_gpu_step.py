@@ -352,7 +352,8 @@ def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split"):
             torch.equal(out[0], out[-1]), out[-1].cpu())
 
 
-def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=3, max_context=1024):
+def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=3, max_context=1024,
+                     persistent_rows="16"):
     """The decode graphs' step (``_graphs_case``'s decodes: contexts of 21, 271 (201 where
     ``max_context`` is one segment) and 34 keys, a padding row; ``rows`` of them) through
     ``GpuStep.decode`` launch by launch and as one ``decode_persistent`` launch
@@ -368,7 +369,7 @@ def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=
     lens = [20, 270 if max_context > 256 else 200, 33]
     ids, ctx = _step_context(model, [(seqs[i], 0, lens[i], t[i]) for i in range(3)], device)
     model.forward_ops(ids, ctx, kv0)
-    plan = [(seqs[i], lens[i], 1, t[i]) for i in range(3)] * 6
+    plan = [(seqs[i], lens[i], 1, t[i]) for i in range(3)] * 11
     ids, ctx = _step_context(model, plan[:rows], device)
     kv_ref = kv0.clone()
     want = model.forward_ops(ids, ctx, kv_ref)
@@ -377,12 +378,13 @@ def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=
     out = {}
     for persistent in (False, True):
         os.environ["TANDEM_GPU_PERSISTENT"] = "1" if persistent else "0"
+        os.environ["TANDEM_GPU_PERSISTENT_ROWS"] = persistent_rows
         try:
             st = GpuStep(model, cfg.max_context, tuning=GemvEverywhere() if gemv else None, weights=weights)
         finally:
-            del os.environ["TANDEM_GPU_PERSISTENT"]
+            del os.environ["TANDEM_GPU_PERSISTENT"], os.environ["TANDEM_GPU_PERSISTENT_ROWS"]
         kv = kv0.clone()
-        graphs = DecodeGraphs(st, kv, max_seqs=16, width=64, block_size=16, scratch_block=79, capture=capture)
+        graphs = DecodeGraphs(st, kv, max_seqs=32, width=64, block_size=16, scratch_block=79, capture=capture)
         for _ in range(1 + capture):
             kv.copy_(kv0)
             logits, _ = graphs.run(ids.tolist(), [c.start for c in ctx.chunks], tables)
@@ -936,17 +938,19 @@ def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp):
     assert scratch_written             # the padding row wrote its KV into the scratch block
 
 
-# rows: one, a padding row, a whole bucket of 16; the matmuls through qmatmul and through qgemv;
-# qwen2's bias and qwen3's norms; weights as planes; a context of one key segment (no merges)
+# rows: one, a padding row, a whole bucket of 16, 20 of a 32-row bucket (TANDEM_GPU_PERSISTENT_ROWS=32);
+# the matmuls through qmatmul and through qgemv; qwen2's bias and qwen3's norms; weights as planes;
+# a context of one key segment (no merges)
 @pytest.mark.parametrize("rows,gemv,arch,weights,ctx", [(1, False, {}, None, 1024), (3, False, {}, None, 1024),
-                                                        (16, True, {}, None, 1024),
+                                                        (16, True, {}, None, 1024), (20, False, {}, None, 1024),
                                                         (3, True, {"attn_bias": True}, "planes", 1024),
                                                         (2, False, {"qk_norm": True}, None, 256)])
 def test_the_persistent_decode_step_is_the_launches_bit_for_bit(interp, rows, gemv, arch, weights, ctx):
     """TANDEM_GPU_PERSISTENT=1: a decode step as one launch whose programs take the step's
     launches' programs as tasks in order gives bitwise the launches' logits and KV."""
-    same_logits, same_kv, err, taken, programs, *_ = interp(_persistent_case, "cpu", gemv, arch, weights, rows, ctx)
-    assert taken == (False, True) and programs == {1 if rows == 1 else 2 if rows == 2 else 4 if rows <= 4 else 16: 2}
+    same_logits, same_kv, err, taken, programs, *_ = interp(_persistent_case, "cpu", gemv, arch, weights, rows, ctx,
+                                                            "32" if rows > 16 else "16")
+    assert taken == (False, True) and programs == {1 << max(0, (rows - 1).bit_length()): 2}
     assert same_logits and same_kv
     assert err <= REL_STEP
 

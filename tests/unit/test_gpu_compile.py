@@ -186,11 +186,12 @@ def recording() -> Recorder:
             for b in (1, 16, 17, 40):
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
-        # TANDEM_GPU_PERSISTENT=1: the decode step as one launch, over the H200's tiles, qgemv's, planes
-        for tuning, weights, sizes in ((h200, "blocks", (1, 16)), (tunings[-1], "blocks", (1, 4, 16)),
+        # TANDEM_GPU_PERSISTENT=1: the decode step as one launch, over the H200's tiles (up to 32 rows:
+        # TANDEM_GPU_PERSISTENT_ROWS=32), qgemv's, planes
+        for tuning, weights, sizes in ((h200, "blocks", (1, 16, 32)), (tunings[-1], "blocks", (1, 4, 16)),
                                        (h200, "planes", (1,))):
             st = gpu_step.GpuStep(model, 8192, tuning=tuning, weights=weights)
-            st.persistent = True
+            st.persistent, st.persistent_rows = True, 32
             st._stack()
             for b in sizes:
                 i = torch.zeros(b, dtype=torch.int32)
@@ -375,7 +376,7 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     (302 before the split sums, attention's merges and rope_kv went into other kernels); with
     TANDEM_GPU_REDUCE=launch they come back as launches of their own (302); with TANDEM_GPU_MLP=fused
     gate|up and down are one ``qmlp`` (122); with TANDEM_GPU_PERSISTENT=1 a step of up to 16 rows
-    is one ``decode_persistent`` launch."""
+    (32 with TANDEM_GPU_PERSISTENT_ROWS=32) is one ``decode_persistent`` launch."""
     counts: dict[str, int] = {}
 
     class Counter:
@@ -410,6 +411,13 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     monkeypatch.setenv("TANDEM_GPU_PERSISTENT", "1")     # up to 16 rows: the whole step in one launch
     st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
     for rows, want in ((1, {"decode_persistent": 1}), (16, {"decode_persistent": 1}), (17, None)):
+        counts.clear()
+        i = torch.zeros(rows, dtype=torch.int32)
+        st.decode(i, i, i, i, torch.zeros(rows, 512, dtype=torch.int32), i, i, kv)
+        assert counts == (want or {"embed": 1, "qmatmul": 2 * layers + 1, "attn_decode": layers, "qmlp": layers})
+    monkeypatch.setenv("TANDEM_GPU_PERSISTENT_ROWS", "32")  # up to 32 rows
+    st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
+    for rows, want in ((17, {"decode_persistent": 1}), (32, {"decode_persistent": 1}), (33, None)):
         counts.clear()
         i = torch.zeros(rows, dtype=torch.int32)
         st.decode(i, i, i, i, torch.zeros(rows, 512, dtype=torch.int32), i, i, kv)
