@@ -250,6 +250,10 @@ def run(args: argparse.Namespace, res: dict) -> None:
                 rate = bench_decode(engine, c, gen)
             row["decode"][str(c)] = round(rate, 1)
         _progress(f"{mode}: decode tok/s {row['decode']}")     # (in the log as it comes: a stopped run keeps it)
+        st = engine.model.gpu
+        if st is not None and st.programs:     # the persistent step: its grid and registers, by batch rows
+            row["persistent"] = {"programs": dict(st.programs), "registers": dict(st.registers)}
+            _progress(f"{mode}: persistent step {row['persistent']}")
         for seqs in (1, 16):
             row[f"profile_{seqs}"] = profile_steps(engine, seqs)
             _progress(f"{mode}: {seqs} seqs: {row[f'profile_{seqs}']}")

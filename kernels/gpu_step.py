@@ -337,6 +337,7 @@ class GpuStep:
         self.persistent_rows = int(rows)
         self.stacked: dict[str, torch.Tensor] = {}
         self.programs: dict[int, int] = {}     # rows -> decode_persistent's grid
+        self.registers: dict[int, int] = {}    # rows -> its compiled kernel's registers a thread (CUDA)
         if self.persistent:
             self._stack()
 
@@ -631,6 +632,8 @@ class GpuStep:
             PLANES=self.output.planes, num_warps=PERSISTENT_WARPS, **plan)
         if m not in self.programs:
             self.programs[m] = persistent_programs(c, dev)
+            if getattr(c, "n_regs", None):
+                self.registers[m] = c.n_regs
         return logits
 
 
