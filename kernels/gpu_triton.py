@@ -913,7 +913,7 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
 # ---- the decode step as one persistent launch (TANDEM_GPU_PERSISTENT=1: GpuStep.decode_persistent) --
 
 
-@triton.jit
+@triton.jit(noinline=True)    # a call, not inlined: see ``_attn_task``
 def _mm_task(idx, x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, stride_xm, stride_om, eps, dep_ptr,
              need, stall_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_MV: tl.constexpr,
              BN: tl.constexpr, BB: tl.constexpr, SPL: tl.constexpr, PER: tl.constexpr, GEMV: tl.constexpr,
@@ -933,6 +933,27 @@ def _mm_task(idx, x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, st
         _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps, PER,
                       pid_n, 0, split, SPL, pid_n, dep_ptr, need, stall_ptr, K, BLOCK_MM, BN, BB, NORM, SILU,
                       RESIDUAL, SPL > 1, FIXUP, PRECISION, NW, False, PF, PLANES, True)
+
+
+@triton.jit(noinline=True)
+def _attn_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr,
+               stride_q, stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
+               bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps,
+               dep_ptr, need, stall_ptr, SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr,
+               GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+               BLOCK_K: tl.constexpr, NH: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+               SPLITS: tl.constexpr):
+    """``decode_persistent``'s attention task: ``_attn_decode_task`` behind a call. Inlined, the
+    matmul and attention tasks' code in one loop took ptxas to 255 registers a thread (attention
+    and the embedding alone 168, the lm head's task alone 90: each branch's loop-invariant
+    address arithmetic is hoisted out of the task loop, and all of it stays live), so an SM
+    held 2 programs; as calls (this and ``_mm_task``), 128 registers: 4 programs an SM (sm_90,
+    Triton 3.9; the calls' saved registers are its few bytes of "spill")."""
+    _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr,
+                      stride_q, stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr, kn_ptr,
+                      cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps, dep_ptr, need, stall_ptr,
+                      SEG, NSEG, NSEG_P, GROUP, GROUP_P, HD, BS, BLOCK_K, NSEG > 1, NSEG > 1, True, NH, HAS_BIAS,
+                      QK_NORM, SPLITS, True)
 
 
 @triton.jit(do_not_specialize=["M"])     # one compile for every batch of up to BLOCK_MM rows (qmatmul's tiles)
@@ -1011,12 +1032,11 @@ def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_p
                 elif r < T_QKV + T_ATT:                   # attention, rope and the KV write with it: segment
                     a = r - T_QKV                         # by segment (the later ones, mostly empty, last)
                     e = a % (M * NKV) // NKV
-                    _attn_decode_task(e.to(tl.int64), a % NKV, a // (M * NKV), NKV, part_ptr, kv_ptr + li * s_layer,
-                                      bt_ptr, lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr, cnt_ptr, NQKV, NH * HD,
-                                      stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr + li * NQKV,
-                                      qn_ptr + li * HD, kn_ptr + li * HD, cos_ptr, sin_ptr, pos_ptr, sblk_ptr,
-                                      soff_ptr, M * NQKV, eps, done, T_QKV, stall, SEG, NSEG, NSEG_P, GROUP, GROUP_P,
-                                      HD, BS, BLOCK_K, NSEG > 1, NSEG > 1, True, NH, HAS_BIAS, QK_NORM, SPL_QKV, True)
+                    _attn_task(e.to(tl.int64), a % NKV, a // (M * NKV), NKV, part_ptr, kv_ptr + li * s_layer, bt_ptr,
+                               lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr, cnt_ptr, NQKV, NH * HD, stride_bt, s_blk,
+                               s_kv, s_slot, s_head, scale, bias_ptr + li * NQKV, qn_ptr + li * HD, kn_ptr + li * HD,
+                               cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, M * NQKV, eps, done, T_QKV, stall, SEG,
+                               NSEG, NSEG_P, GROUP, GROUP_P, HD, BS, BLOCK_K, NH, HAS_BIAS, QK_NORM, SPL_QKV)
                     _count_done(done + 1)
                 elif r < T_QKV + T_ATT + T_O:             # o, the residual added
                     _mm_task(r - T_QKV - T_ATT, att_ptr, o_q + li * (D * (NH * HD // 32 * 18)),

@@ -192,10 +192,12 @@ def test_the_sweep_runs_its_code_paths_in_the_interpreter(tmp_path):
 
 
 def test_the_persistent_grid_is_what_the_sms_hold_at_once(monkeypatch):
-    """``decode_persistent``'s programs: an H200's 132 SMs hold two of 255 registers (4 warps), three
-    of 168; threads (16 programs of 128), shared memory and 32 programs an SM bound the rest;
-    never fewer than one an SM. TANDEM_GPU_PERSISTENT_PROGRAMS overrides it, checked."""
+    """``decode_persistent``'s programs: an H200's 132 SMs hold four of 128 registers (4 warps: the
+    kernel as compiled for sm_90), two of 255, three of 168; threads (16 programs of 128), shared
+    memory and 32 programs an SM bound the rest; never fewer than one an SM.
+    TANDEM_GPU_PERSISTENT_PROGRAMS overrides it, checked."""
     smem = 228 << 10
+    assert gpu_step.resident(128, 0, 132, smem) == 528
     assert gpu_step.resident(255, 0, 132, smem) == 264
     assert gpu_step.resident(168, 0, 132, smem) == 396
     assert gpu_step.resident(32, 0, 132, smem) == 132 * 16           # 2,048 threads an SM
