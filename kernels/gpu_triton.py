@@ -936,24 +936,26 @@ def _mm_task(idx, x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, st
 
 
 @triton.jit(noinline=True)
-def _attn_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr,
-               stride_q, stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
-               bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps,
-               dep_ptr, need, stall_ptr, SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr,
-               GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-               BLOCK_K: tl.constexpr, NH: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-               SPLITS: tl.constexpr):
-    """``decode_persistent``'s attention task: ``_attn_decode_task`` behind a call. Inlined, the
-    matmul and attention tasks' code in one loop took ptxas to 255 registers a thread (attention
-    and the embedding alone 168, the lm head's task alone 90: each branch's loop-invariant
-    address arithmetic is hoisted out of the task loop, and all of it stays live), so an SM
-    held 2 programs; as calls (this and ``_mm_task``), 128 registers: 4 programs an SM (sm_90,
-    Triton 3.9; the calls' saved registers are its few bytes of "spill")."""
-    _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr,
-                      stride_q, stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr, kn_ptr,
-                      cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps, dep_ptr, need, stall_ptr,
-                      SEG, NSEG, NSEG_P, GROUP, GROUP_P, HD, BS, BLOCK_K, NSEG > 1, NSEG > 1, True, NH, HAS_BIAS,
-                      QK_NORM, SPLITS, True)
+def _attn_task(a, li, M, qkv_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr, cnt_ptr, stride_bt,
+               s_layer, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
+               sblk_ptr, soff_ptr, eps, done, need, stall, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+               SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, GROUP: tl.constexpr,
+               GROUP_P: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+               QK_NORM: tl.constexpr, SPLITS: tl.constexpr):
+    """``decode_persistent``'s attention task ``a`` of layer ``li`` (segment by segment: the later
+    ones, mostly empty, last): ``_attn_decode_task`` with rope and the KV write, behind a call.
+    Inlined, the matmul and attention tasks' code in one loop took ptxas to 255 registers a
+    thread (attention and the embedding alone 168, the lm head's task alone 90: each branch's
+    loop-invariant address arithmetic is hoisted out of the task loop, and all of it stays
+    live), so an SM held 2 programs; as calls (this and ``_mm_task``), 128 registers: 4 programs
+    an SM (sm_90, Triton 3.9; the calls' saved registers are its few bytes of "spill")."""
+    NQKV: tl.constexpr = (NH + 2 * NKV) * HD
+    _attn_decode_task((a % (M * NKV) // NKV).to(tl.int64), a % NKV, a // (M * NKV), NKV, qkv_ptr,
+                      kv_ptr + li * s_layer, bt_ptr, lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr, cnt_ptr, NQKV,
+                      NH * HD, stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr + li * NQKV, qn_ptr + li * HD,
+                      kn_ptr + li * HD, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, M * NQKV, eps, done, need,
+                      stall, SEG, NSEG, NSEG_P, GROUP, GROUP_P, HD, BS, BLOCK_K, NSEG > 1, NSEG > 1, True, NH,
+                      HAS_BIAS, QK_NORM, SPLITS, True)
 
 
 @triton.jit(do_not_specialize=["M"])     # one compile for every batch of up to BLOCK_MM rows (qmatmul's tiles)
@@ -1029,14 +1031,11 @@ def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_p
                              stall, NQKV, D, BLOCK_MM, BLOCK_MV, BN_QKV, BB_QKV, SPL_QKV, PER_QKV, GEMV_QKV, NW_QKV,
                              PF_QKV, True, False, False, False, PRECISION, PLANES)
                     _count_done(done)
-                elif r < T_QKV + T_ATT:                   # attention, rope and the KV write with it: segment
-                    a = r - T_QKV                         # by segment (the later ones, mostly empty, last)
-                    e = a % (M * NKV) // NKV
-                    _attn_task(e.to(tl.int64), a % NKV, a // (M * NKV), NKV, part_ptr, kv_ptr + li * s_layer, bt_ptr,
-                               lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr, cnt_ptr, NQKV, NH * HD, stride_bt, s_blk,
-                               s_kv, s_slot, s_head, scale, bias_ptr + li * NQKV, qn_ptr + li * HD, kn_ptr + li * HD,
-                               cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, M * NQKV, eps, done, T_QKV, stall, SEG,
-                               NSEG, NSEG_P, GROUP, GROUP_P, HD, BS, BLOCK_K, NH, HAS_BIAS, QK_NORM, SPL_QKV)
+                elif r < T_QKV + T_ATT:                   # attention, rope and the KV write with it
+                    _attn_task(r - T_QKV, li, M, part_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr,
+                               cnt_ptr, stride_bt, s_layer, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr,
+                               kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, eps, done, T_QKV, stall, NH, NKV,
+                               HD, SEG, NSEG, NSEG_P, GROUP, GROUP_P, BS, BLOCK_K, HAS_BIAS, QK_NORM, SPL_QKV)
                     _count_done(done + 1)
                 elif r < T_QKV + T_ATT + T_O:             # o, the residual added
                     _mm_task(r - T_QKV - T_ATT, att_ptr, o_q + li * (D * (NH * HD // 32 * 18)),

@@ -412,17 +412,14 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     st.decode(i, i, i, i, torch.zeros(1, 512, dtype=torch.int32), i, i, kv)
     assert counts == {"embed": 1, "qmatmul": 2 * layers + 1, "attn_decode": layers, "qmlp": layers}
     assert sum(counts.values()) == 122
-    monkeypatch.setenv("TANDEM_GPU_PERSISTENT", "1")     # up to 16 rows: the whole step in one launch
-    st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
-    for rows, want in ((1, {"decode_persistent": 1}), (16, {"decode_persistent": 1}), (17, None)):
-        counts.clear()
-        i = torch.zeros(rows, dtype=torch.int32)
-        st.decode(i, i, i, i, torch.zeros(rows, 512, dtype=torch.int32), i, i, kv)
-        assert counts == (want or {"embed": 1, "qmatmul": 2 * layers + 1, "attn_decode": layers, "qmlp": layers})
-    monkeypatch.setenv("TANDEM_GPU_PERSISTENT_ROWS", "32")  # up to 32 rows
-    st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
-    for rows, want in ((17, {"decode_persistent": 1}), (32, {"decode_persistent": 1}), (33, None)):
-        counts.clear()
-        i = torch.zeros(rows, dtype=torch.int32)
-        st.decode(i, i, i, i, torch.zeros(rows, 512, dtype=torch.int32), i, i, kv)
-        assert counts == (want or {"embed": 1, "qmatmul": 2 * layers + 1, "attn_decode": layers, "qmlp": layers})
+    # TANDEM_GPU_PERSISTENT=1: up to 16 rows (32 with TANDEM_GPU_PERSISTENT_ROWS=32) one launch
+    monkeypatch.setenv("TANDEM_GPU_PERSISTENT", "1")
+    one, launches = {"decode_persistent": 1}, dict(counts)     # (past the limit: the launches above)
+    for limit, cases in (("16", ((1, one), (16, one), (17, launches))), ("32", ((17, one), (32, one), (33, launches)))):
+        monkeypatch.setenv("TANDEM_GPU_PERSISTENT_ROWS", limit)
+        st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
+        for rows, want in cases:
+            counts.clear()
+            i = torch.zeros(rows, dtype=torch.int32)
+            st.decode(i, i, i, i, torch.zeros(rows, 512, dtype=torch.int32), i, i, kv)
+            assert counts == want, (limit, rows)
