@@ -51,9 +51,10 @@ Without CUDA (the tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly th
 interpreter.
 
 With TANDEM_GPU_PERSISTENT=1 (off until a GPU measures it) a decode step of up to
-``PERSISTENT_ROWS`` rows (TANDEM_GPU_PERSISTENT_ROWS) is one ``decode_persistent`` launch instead: resident programs take the
-step's launches' programs above as tasks, in launch order from a ticket counter, each waiting only
-for the phase before it on a counter of its own (``GpuStep.decode_persistent``; the same bits).
+``PERSISTENT_ROWS`` rows (TANDEM_GPU_PERSISTENT_ROWS) is one ``decode_persistent`` launch
+instead: resident programs take the step's launches' programs above as tasks, in launch order
+from a ticket counter, each waiting only for the phase before it on a counter of its own
+(``GpuStep.decode_persistent``; the same bits).
 
 The matmuls read each Q4_0 weight through a ``Q4Weight``: the model's ``block_q4_0`` rows, or
 (TANDEM_GPU_WEIGHTS=planes) a copy with every quant byte of a row in one aligned run and the
@@ -100,8 +101,8 @@ GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls thr
 MATRICES = ("qkv", "o", "gate_up", "down")   # a layer's Q4_0 matrices (``Transformer.layers``)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
 # TANDEM_GPU_PERSISTENT=1: a decode step of up to this many rows as one ``decode_persistent`` launch
-# (TANDEM_GPU_PERSISTENT_ROWS=32: up to 32, a second compile; at 64 rows a tile it spilled 48 B on sm_90)
-PERSISTENT_ROWS, PERSISTENT_MAX_ROWS, PERSISTENT_WARPS = 16, 32, 4
+# (TANDEM_GPU_PERSISTENT_ROWS=32 or 64: up to that many, a compile more for each 32- and 64-row tile)
+PERSISTENT_ROWS, PERSISTENT_MAX_ROWS, PERSISTENT_WARPS = 16, 64, 4
 
 log = logging.getLogger("tandem.gpu")
 
@@ -332,8 +333,8 @@ class GpuStep:
         # GPU measures it: ``decode_persistent``); it reads each kind of a layer's tensors stacked
         self.persistent = os.environ.get("TANDEM_GPU_PERSISTENT", "0") == "1" and self.counters is not None
         rows = os.environ.get("TANDEM_GPU_PERSISTENT_ROWS", str(PERSISTENT_ROWS))
-        if rows not in ("16", "32"):
-            raise ValueError(f"TANDEM_GPU_PERSISTENT_ROWS must be 16 or 32, got {rows!r}")
+        if rows not in ("16", "32", "64"):
+            raise ValueError(f"TANDEM_GPU_PERSISTENT_ROWS must be 16, 32 or 64, got {rows!r}")
         self.persistent_rows = int(rows)
         self.stacked: dict[str, torch.Tensor] = {}
         self.programs: dict[int, int] = {}     # rows -> decode_persistent's grid
@@ -356,7 +357,7 @@ class GpuStep:
         for name in ("attn_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm"):
             if name in self.layers[0]:
                 st[name] = torch.stack([L[name].float() for L in self.layers]).contiguous()
-        # ticket, embedding, 5 phases a layer, the lm head; the watchdog's flag (``stalled``)
+        # ticket, embedding, 5 phases a layer, the lm head; the watchdog's flag (``_wait_count``)
         st["sync"] = torch.zeros(2 + 5 * len(self.layers) + 2, dtype=torch.int32, device=self.device)
 
     # ---- the kernels, launched ------------------------------------------------------------
@@ -565,7 +566,6 @@ class GpuStep:
         x = self._layers(ids, positions, slot_blocks, slot_offsets, kv, pb)
         return self.matmul(x, self.output, norm=self.m.output_norm)
 
-
     def persistent_plan(self, m: int) -> dict:
         """``decode_persistent``'s matmul constants for a step of ``m`` rows: per matrix the tile
         ``matmul`` would launch for it (kernels/gpu_tuning.py) — rows a program, blocks a K step,
@@ -580,7 +580,7 @@ class GpuStep:
             tile = self.tuning.tile(n, k, m)
             splits, per = tile.plan(n, k)
             gemv = m <= tile.gemv
-            block_m = _pow2(m) if gemv else 16 if m <= 16 else 32
+            block_m = _pow2(m) if gemv else 16 if m <= 16 else 32 if m <= 32 else 64
             plan |= {f"BN_{key}": tile.block_n, f"BB_{key}": tile.block_b, f"SPL_{key}": splits, f"PER_{key}": per,
                      f"GEMV_{key}": gemv, f"NW_{key}": tile.norm_step if gemv else 16 * tile.block_b,
                      f"PF_{key}": prefetch(block_m, per, tile.block_b, self.prefetch, norm and splits > 1)}
@@ -626,7 +626,7 @@ class GpuStep:
             m, LAYERS=len(self.layers), D=d, F=f, V=v, NH=self.nh, NKV=self.nkv, HD=self.hd, GROUP=self.group,
             GROUP_P=_pow2(self.group), BS=kv.shape[3], SEG=SEG, NSEG=self.nseg, NSEG_P=_pow2(self.nseg),
             BLOCK_K=BLOCK_K_DECODE, HAS_BIAS="qkv_bias" in st, QK_NORM="q_norm" in st,
-            BLOCK_MM=16 if m <= 16 else 32,
+            BLOCK_MM=16 if m <= 16 else 32 if m <= 32 else 64,
             BLOCK_MV=_pow2(m) if any(plan[f"GEMV_{k}"] for k in ("QKV", "O", "GU", "DN", "OUT")) else 16,
             EMBED_BB=EMBED_BLOCK_B, PRECISION="tf32x3" if self.precision == "tf32x3" else "ieee",
             PLANES=self.output.planes, num_warps=PERSISTENT_WARPS, **plan)

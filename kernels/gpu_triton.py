@@ -980,7 +980,7 @@ def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_p
                       GEMV_DN: tl.constexpr, NW_DN: tl.constexpr, PF_DN: tl.constexpr,
                       BN_OUT: tl.constexpr, BB_OUT: tl.constexpr, SPL_OUT: tl.constexpr, PER_OUT: tl.constexpr,
                       GEMV_OUT: tl.constexpr, NW_OUT: tl.constexpr, PF_OUT: tl.constexpr):
-    """A whole decode step of M rows (M <= BLOCK_MM: 16 or 32) in one launch of resident programs:
+    """A whole decode step of M rows (M <= BLOCK_MM: 16, 32 or 64) in one launch of resident programs:
     the work of the step's ~150 launches (``GpuStep.decode``) as a list of tasks in launch order — the embedding
     (a task a row); a layer's q|k|v tiles × splits, attention's (row, kv head, key segment),
     o, gate|up and down tiles × splits; the lm head's — each the same code and tile as that

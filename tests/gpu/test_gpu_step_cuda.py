@@ -160,8 +160,8 @@ def test_the_ffn_in_one_launch_replays_bitwise():
     assert same_best and scratch_written and bitwise and err <= cases.REL_STEP
 
 
-# (qmatmul's tiles: one compile for every batch of up to 16 rows, one of 17-32; qgemv's: one a BLOCK_M)
-@pytest.mark.parametrize("rows,gemv", [(1, False), (3, False), (16, False), (16, True), (20, False)])
+# (qmatmul's tiles: one compile for every batch of up to 16 rows, one of 17-32, one of 33-64; qgemv's: one a BLOCK_M)
+@pytest.mark.parametrize("rows,gemv", [(1, False), (3, False), (16, False), (16, True), (20, False), (40, False)])
 def test_the_persistent_decode_step_matches_the_launches(rows, gemv):
     """TANDEM_GPU_PERSISTENT=1 on the card: the decode step as one launch of resident programs
     (tasks taken in order, each waiting for the phase before on a counter) captured and replayed
@@ -169,7 +169,7 @@ def test_the_persistent_decode_step_matches_the_launches(rows, gemv):
     warps; within 1e-5 of the largest either way), the same KV, the op-by-op path's greedy
     tokens; no wait ran out (the watchdog's flag)."""
     same_logits, same_kv, err, taken, programs, vs_launches, dkv = cases._persistent_case(
-        "cuda", gemv, None, None, rows, 1024, "32" if rows > 16 else "16")
+        "cuda", gemv, None, None, rows, 1024, "64" if rows > 32 else "32" if rows > 16 else "16")
     print(f"\n[persistent, {rows} rows, gemv {gemv}] bitwise logits {same_logits}, KV {same_kv}, "
           f"vs launches {vs_launches:.1e}, vs ops {err:.1e}, grid {programs}")
     assert taken == (False, True) and err <= cases.REL_STEP

@@ -369,7 +369,7 @@ def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=
     lens = [20, 270 if max_context > 256 else 200, 33]
     ids, ctx = _step_context(model, [(seqs[i], 0, lens[i], t[i]) for i in range(3)], device)
     model.forward_ops(ids, ctx, kv0)
-    plan = [(seqs[i], lens[i], 1, t[i]) for i in range(3)] * 11
+    plan = [(seqs[i], lens[i], 1, t[i]) for i in range(3)] * 14
     ids, ctx = _step_context(model, plan[:rows], device)
     kv_ref = kv0.clone()
     want = model.forward_ops(ids, ctx, kv_ref)
@@ -384,7 +384,7 @@ def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=
         finally:
             del os.environ["TANDEM_GPU_PERSISTENT"], os.environ["TANDEM_GPU_PERSISTENT_ROWS"]
         kv = kv0.clone()
-        graphs = DecodeGraphs(st, kv, max_seqs=32, width=64, block_size=16, scratch_block=79, capture=capture)
+        graphs = DecodeGraphs(st, kv, max_seqs=64, width=64, block_size=16, scratch_block=79, capture=capture)
         for _ in range(1 + capture):
             kv.copy_(kv0)
             logits, _ = graphs.run(ids.tolist(), [c.start for c in ctx.chunks], tables)
@@ -938,18 +938,20 @@ def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp):
     assert scratch_written             # the padding row wrote its KV into the scratch block
 
 
-# rows: one, a padding row, a whole bucket of 16, 20 of a 32-row bucket (TANDEM_GPU_PERSISTENT_ROWS=32);
+# rows: one, a padding row, a whole bucket of 16, 20 of a 32-row bucket (TANDEM_GPU_PERSISTENT_ROWS=32),
+# 40 of a 64-row bucket (=64);
 # the matmuls through qmatmul and through qgemv; qwen2's bias and qwen3's norms; weights as planes;
 # a context of one key segment (no merges)
 @pytest.mark.parametrize("rows,gemv,arch,weights,ctx", [(1, False, {}, None, 1024), (3, False, {}, None, 1024),
                                                         (16, True, {}, None, 1024), (20, False, {}, None, 1024),
+                                                        (40, False, {}, None, 1024),
                                                         (3, True, {"attn_bias": True}, "planes", 1024),
                                                         (2, False, {"qk_norm": True}, None, 256)])
 def test_the_persistent_decode_step_is_the_launches_bit_for_bit(interp, rows, gemv, arch, weights, ctx):
     """TANDEM_GPU_PERSISTENT=1: a decode step as one launch whose programs take the step's
     launches' programs as tasks in order gives bitwise the launches' logits and KV."""
     same_logits, same_kv, err, taken, programs, *_ = interp(_persistent_case, "cpu", gemv, arch, weights, rows, ctx,
-                                                            "32" if rows > 16 else "16")
+                                                            "64" if rows > 32 else "32" if rows > 16 else "16")
     assert taken == (False, True) and programs == {1 << max(0, (rows - 1).bit_length()): 2}
     assert same_logits and same_kv
     assert err <= REL_STEP

@@ -239,13 +239,14 @@ def test_the_persistent_plan_is_each_matrix_s_launch_tile():
     assert st.persistent_plan(1)["SPL_QKV"] == 18          # the H200's q|k|v tile: 18 one-block splits
 
 
-@pytest.mark.parametrize("setting,ok", [("16", True), ("32", True), ("64", False), ("8", False), ("lots", False)])
+@pytest.mark.parametrize("setting,ok", [("16", True), ("32", True), ("64", True), ("128", False), ("8", False),
+                                        ("lots", False)])
 def test_the_persistent_rows_setting_is_checked(monkeypatch, setting, ok):
-    """TANDEM_GPU_PERSISTENT_ROWS: 16 or 32 (at 64 rows a tile the kernel spilled on sm_90)."""
+    """TANDEM_GPU_PERSISTENT_ROWS: 16, 32 or 64 (a tile of the step's matmuls holds 64 rows at most)."""
     from tests.unit.test_gpu_compile import bundled_shapes_model
     monkeypatch.setenv("TANDEM_GPU_PERSISTENT_ROWS", setting)
     if ok:
         assert gpu_step.GpuStep(bundled_shapes_model(), 8192).persistent_rows == int(setting)
     else:
-        with pytest.raises(ValueError, match="TANDEM_GPU_PERSISTENT_ROWS must be 16 or 32"):
+        with pytest.raises(ValueError, match="TANDEM_GPU_PERSISTENT_ROWS must be 16, 32 or 64"):
             gpu_step.GpuStep(bundled_shapes_model(), 8192)

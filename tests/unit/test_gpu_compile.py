@@ -190,12 +190,12 @@ def recording() -> Recorder:
             for b in (1, 16, 17, 40):
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
-        # TANDEM_GPU_PERSISTENT=1: the decode step as one launch, over the H200's tiles (up to 32 rows:
-        # TANDEM_GPU_PERSISTENT_ROWS=32), qgemv's, planes
-        for tuning, weights, sizes in ((h200, "blocks", (1, 16, 32)), (tunings[-1], "blocks", (1, 4, 16)),
+        # TANDEM_GPU_PERSISTENT=1: the decode step as one launch, over the H200's tiles (up to 64 rows:
+        # TANDEM_GPU_PERSISTENT_ROWS=64), qgemv's, planes
+        for tuning, weights, sizes in ((h200, "blocks", (1, 16, 32, 64)), (tunings[-1], "blocks", (1, 4, 16)),
                                        (h200, "planes", (1,))):
             st = gpu_step.GpuStep(model, 8192, tuning=tuning, weights=weights)
-            st.persistent, st.persistent_rows = True, 32
+            st.persistent, st.persistent_rows = True, 64
             st._stack()
             for b in sizes:
                 i = torch.zeros(b, dtype=torch.int32)
@@ -381,7 +381,7 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     (302 before the split sums, attention's merges and rope_kv went into other kernels); with
     TANDEM_GPU_REDUCE=launch they come back as launches of their own (302); with TANDEM_GPU_MLP=fused
     gate|up and down are one ``qmlp`` (122); with TANDEM_GPU_PERSISTENT=1 a step of up to 16 rows
-    (32 with TANDEM_GPU_PERSISTENT_ROWS=32) is one ``decode_persistent`` launch."""
+    (32 or 64 with TANDEM_GPU_PERSISTENT_ROWS) is one ``decode_persistent`` launch."""
     counts: dict[str, int] = {}
 
     class Counter:
@@ -413,10 +413,11 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     st.decode(i, i, i, i, torch.zeros(1, 512, dtype=torch.int32), i, i, kv)
     assert counts == {"embed": 1, "qmatmul": 2 * layers + 1, "attn_decode": layers, "qmlp": layers}
     assert sum(counts.values()) == 122
-    # TANDEM_GPU_PERSISTENT=1: up to 16 rows (32 with TANDEM_GPU_PERSISTENT_ROWS=32) one launch
+    # TANDEM_GPU_PERSISTENT=1: up to 16 rows (32 or 64 with TANDEM_GPU_PERSISTENT_ROWS) one launch
     monkeypatch.setenv("TANDEM_GPU_PERSISTENT", "1")
     one, launches = {"decode_persistent": 1}, dict(counts)     # (past the limit: the launches above)
-    for limit, cases in (("16", ((1, one), (16, one), (17, launches))), ("32", ((17, one), (32, one), (33, launches)))):
+    for limit, cases in (("16", ((1, one), (16, one), (17, launches))), ("32", ((17, one), (32, one), (33, launches))),
+                         ("64", ((33, one), (64, one)))):
         monkeypatch.setenv("TANDEM_GPU_PERSISTENT_ROWS", limit)
         st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
         for rows, want in cases:
