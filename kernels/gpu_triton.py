@@ -60,7 +60,7 @@ def _wait_count(ptr, need, stall_ptr):
     up and sets the flag at ``stall_ptr``, and every wait that reads the flag set gives up at
     once — the launch ends (its results void) instead of hanging the GPU; the host reads the
     flag with the step's tokens (``DecodeGraphs.finish``) and fails the step. (Read every spin:
-    a counter checked every 1,024 spins instead cost qgemv's variant 20 B of spills.)"""
+    a counter checked every 1,024 spins instead cost qgemv's variant 20 B of spills, inlined.)"""
     c = tl.load(ptr, volatile=True)
     spins = 0
     while (c < need) & (spins < STALL_SPINS):
