@@ -13,6 +13,13 @@ Q4_0 kernels). Energy where readable (``shared/energy.py``: NVML for the GPU, RA
 the host): tokens per joule of the decode runs at the largest batch. The op-by-op engine decodes
 fewer tokens per sequence (``--ops-gen-tokens``): it is the slow baseline, its rate is what counts.
 
+``--compile-only``: measure nothing; compile every engine's Triton kernels into Triton's disk cache,
+a process an engine, all at once (``compile_jobs``). In the bench's one process the engines compile
+the kernels their settings change one after another (~150 for a lease's variants, ~1 s each on an
+H200's host: docs/benchmarks.md "Kernels compiled ahead"). ``scripts/gpu-check run`` runs it
+before the tests and the bench; each engine's row then says how many kernels it still compiled
+(``triton``).
+
 Needs a CUDA device (and Triton); on a machine without one it says so and exits 2.
 Prints a Markdown table on stdout, progress on stderr. Run on a lent GPU by ``scripts/gpu-check``.
 An engine that raises is a FAILED line and the next one runs; SIGTERM (a time limit) prints the
@@ -25,6 +32,7 @@ import argparse
 import os
 import platform
 import signal
+import subprocess
 import sys
 import time
 from unittest import mock
@@ -48,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cpu", action="store_true", help="leave out the host's CPU engine")
     p.add_argument("--quick", action="store_true", help="1 and 8 sequences, 16 tokens")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--compile-only", action="store_true",
+                   help="measure nothing: compile the engines' Triton kernels into the disk cache, in parallel")
+    p.add_argument("--jobs", type=int, default=0, help="processes of --compile-only (0: one an engine, up to the cores)")
+    p.add_argument("--compile-job", metavar="ENGINE", help=argparse.SUPPRESS)     # one process of --compile-only
 
 
 _progress = report.progress("bench gpu")
@@ -76,6 +88,11 @@ PREFILL_VARIANTS = {"prefill_tf32_ms": {"TANDEM_GPU_PRECISION": "tf32"},
                     "prefill_kernels_ms": {"TANDEM_GPU_GEMM_ROWS": "0"},
                     "prefill_attn_fp16_ms": {"TANDEM_GPU_PREFILL_ATTN": "fp16"},
                     "prefill_tf32_attn_fp16_ms": {"TANDEM_GPU_PRECISION": "tf32", "TANDEM_GPU_PREFILL_ATTN": "fp16"}}
+
+
+# settings that change only the host's side of a decode step: an engine that differs from another
+# only in these launches the same kernels (``compile_jobs``)
+HOST_ONLY = ("TANDEM_GPU_AHEAD",)
 
 
 def _cuda_engine(mode: str, max_seqs: int, prefill: int, env: dict | None = None):
@@ -240,16 +257,18 @@ def run(args: argparse.Namespace, res: dict) -> None:
         gen = args.ops_gen_tokens if mode == "ops" else args.gen_tokens
         row: dict = {"decode": {}, "gen_tokens": gen}
         res["engines"][mode] = row        # filled as it goes: a stop or a failure keeps what it has
-        for c in args.concurrency:
-            bench_decode(engine, c, 4)                                   # compile, capture
-            if c == top and meter.available:
-                rate, used = _energy_run(engine, c, gen, meter)
-                row["joules"] = used
-                row["tokens_per_joule"] = tokens_per_joule(c * (gen - 1), used)
-            else:
-                rate = bench_decode(engine, c, gen)
-            row["decode"][str(c)] = round(rate, 1)
-        _progress(f"{mode}: decode tok/s {row['decode']}")     # (in the log as it comes: a stopped run keeps it)
+        with TritonCompiles() as compiles:
+            for c in args.concurrency:
+                bench_decode(engine, c, 4)                               # compile, capture
+                if c == top and meter.available:
+                    rate, used = _energy_run(engine, c, gen, meter)
+                    row["joules"] = used
+                    row["tokens_per_joule"] = tokens_per_joule(c * (gen - 1), used)
+                else:
+                    rate = bench_decode(engine, c, gen)
+                row["decode"][str(c)] = round(rate, 1)
+        row["triton"] = compiles.counts()   # kernels its decode levels compiled (none: --compile-only ran first)
+        _progress(f"{mode}: decode tok/s {row['decode']}; Triton kernels {row['triton']}")
         st = engine.model.gpu
         if st is not None and st.programs:     # the persistent step: its grid and registers, by batch rows
             row["persistent"] = {"programs": dict(st.programs), "registers": dict(st.registers)}
@@ -322,6 +341,167 @@ def run(args: argparse.Namespace, res: dict) -> None:
     if not args.no_cpu:
         each(res, ["cpu"], run_cpu)
     each(res, [m for m in args.modes if m in VARIANTS], run_mode)
+
+
+class TritonCompiles:
+    """Triton's compiles in this process while open (``triton.knobs.compilation.listener``):
+    kernels compiled, and kernels found in the disk cache. Kernels the process already holds are
+    neither (the JIT does not ask the compiler again)."""
+
+    def __enter__(self) -> "TritonCompiles":
+        self.compiled = self.cached = 0
+        try:
+            from triton import knobs
+        except ImportError:         # (no Triton: nothing compiles)
+            self._knobs = None
+            return self
+        self._knobs, self._before = knobs, knobs.compilation.listener
+
+        def listen(*, cache_hit: bool, **kw) -> None:
+            if cache_hit:
+                self.cached += 1
+            else:
+                self.compiled += 1
+            if self._before is not None:
+                self._before(cache_hit=cache_hit, **kw)
+        knobs.compilation.listener = listen
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.compilation.listener = self._before
+
+    def counts(self) -> dict:
+        return {"compiled": self.compiled, "from_cache": self.cached}
+
+
+def compile_jobs(modes: list[str]) -> list[str]:
+    """The engines ``--compile-only`` builds, a process each: a bench mode for each distinct kernel
+    setting among ``modes`` (``fused`` launches the kernels ``graphs`` does; ``ops`` launches none;
+    ``HOST_ONLY`` settings change no kernel), the prefill variants beside ``graphs``, and
+    ``worker``: the engine a gpu-decode worker of the stack builds."""
+    jobs, seen = [], set()
+    for m in modes:
+        if m == "ops":
+            continue
+        name = "graphs" if m == "fused" else m
+        kernels = tuple(sorted((k, v) for k, v in _job_env(name).items() if k not in HOST_ONLY))
+        if kernels not in seen:
+            seen.add(kernels)
+            jobs.append(name)
+    if "graphs" in jobs:
+        jobs += list(PREFILL_VARIANTS)
+    return jobs + ["worker"]
+
+
+def _job_env(name: str) -> dict:
+    return VARIANTS[name][0] if name in VARIANTS else PREFILL_VARIANTS.get(name, {})
+
+
+def compile_job(name: str, concurrency: list[int], prefill: int) -> dict:
+    """Engine ``name`` of ``compile_jobs`` built and run through what the bench (or the stack's
+    worker) runs on it — its warm-up (prefill shapes, every bucket's decode graphs and sampler
+    graphs), the bench's decode levels, its prefill — so that Triton compiles each kernel it
+    launches into the disk cache. Its seconds and Triton's counts, or the error that stopped it.
+    (``--compile-job``: a process of ``compile_ahead``.)"""
+    t0 = time.perf_counter()
+    out: dict = {}
+    with TritonCompiles() as compiles:
+        try:
+            if name == "worker":
+                from services.worker import engine_config
+                from shared import subjects
+                from shared.engine.engine import Engine
+                from shared.settings import Settings
+                settings = Settings.from_env()
+                engine = Engine.from_path(settings.worker.model, engine_config(
+                    settings, settings.worker.device or "cuda", subjects.GPU_DECODE))
+                engine.warm_up()
+            else:
+                mode = "graphs" if name in PREFILL_VARIANTS else name
+                engine = _cuda_engine(mode, max(concurrency), prefill, _job_env(name))
+                engine.warm_up()
+                if name not in PREFILL_VARIANTS:
+                    for c in concurrency:
+                        bench_decode(engine, c, 2)
+                if name == "graphs" and engine.graphs is not None and engine.graphs.device_sample:
+                    for c in concurrency:
+                        bench_decode(engine, c, 2, sampled=SAMPLED)
+                if name not in VARIANTS:
+                    bench_prefill(engine, prefill, 1)
+        except Exception as e:  # noqa: BLE001 - reported in the table; the bench meets it again, measured
+            out["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+    return out | compiles.counts() | {"seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _spawn_job(name: str, args: argparse.Namespace, out) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "bench", "gpu", "--compile-job", name,
+                             "--concurrency", *map(str, args.concurrency), "--prefill-tokens", str(args.prefill_tokens)],
+                            stdout=out)
+
+
+def compile_ahead(args: argparse.Namespace, res: dict, spawn=_spawn_job) -> None:
+    """``--compile-only``: each engine of ``compile_jobs(args.modes)`` in a process of its own
+    (``--compile-job``), ``args.jobs`` at once (default: all of them, up to the cores); filled into
+    ``res`` as each ends. A process that dies is a FAILED line with its exit status; a stop (the
+    step's time limit) kills the ones still running. ``spawn(name, args, out)``: a ``Popen`` whose
+    last line on ``out`` (a file) is ``compile_job``'s JSON."""
+    import json
+    import tempfile
+    if args.quick:
+        args.concurrency = [1, 8]
+    bad = [m for m in args.modes if m not in ("ops", "fused", "graphs", *VARIANTS)]
+    if bad:
+        raise SystemExit(f"tandem bench gpu: unknown mode {', '.join(bad)} (ops, fused, graphs, {', '.join(VARIANTS)})")
+    jobs = compile_jobs(args.modes)
+    workers = args.jobs or min(len(jobs), os.cpu_count() or 1)
+    res.update({"compile_only": True, "jobs": jobs, "processes": workers, "engines": {}})
+    _progress(f"compiling the kernels of {len(jobs)} engines, {workers} at once: {', '.join(jobs)}")
+    t0 = time.perf_counter()
+    waiting, running = list(jobs), {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < workers:
+                name = waiting.pop(0)
+                out = tempfile.TemporaryFile("w+")
+                running[name] = (spawn(name, args, out), out)
+            time.sleep(0.05)
+            for name, (proc, out) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[name]
+                out.seek(0)
+                lines = out.read().strip().splitlines()
+                out.close()
+                try:
+                    got = json.loads(lines[-1])
+                except (IndexError, ValueError):
+                    got = {"error": f"the process ended with status {proc.returncode} and no result"}
+                got = {"compiled": None, "from_cache": None, "seconds": None} | got
+                res["engines"][name] = got
+                if "error" in got:
+                    res.setdefault("failed", {})[name] = got["error"]
+                _progress(f"{name}: {got['compiled']} kernels compiled, {got['from_cache']} from the cache, "
+                          f"{got['seconds']} s" + (f"; FAILED: {got['error']}" if "error" in got else ""))
+    finally:
+        for proc, out in running.values():  # (a stop at the time limit: the engines still compiling go with it)
+            proc.kill()
+            proc.wait()
+            out.close()
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+
+
+def compile_table(res: dict) -> str:
+    lines = [f"Triton kernels compiled ahead: {len(res.get('jobs', []))} engines in {res.get('processes', '?')} "
+             f"processes, {res.get('wall_s', '?')} s of wall", "",
+             "| engine | kernels compiled | from the cache | seconds |", "|---|---:|---:|---:|"]
+    for name, got in res.get("engines", {}).items():
+        lines.append(f"| {name} | {got['compiled']} | {got['from_cache']} | {got['seconds']} |")
+    lines += [f"FAILED: {name}: {why}" for name, why in res.get("failed", {}).items()]
+    left = [n for n in res.get("jobs", []) if n not in res.get("engines", {})]
+    if res.get("stopped"):
+        lines += [f"STOPPED ({res['stopped']}): " + (f"not finished: {', '.join(left)}" if left else "all finished")]
+    return "\n".join(lines)
 
 
 def best_env(res: dict, seqs: str = "1", margin: float = 1.05) -> dict:
@@ -411,6 +591,11 @@ def table(res: dict) -> str:
                   f"{res.get('prefill_tf32_attn_fp16_ms', '?')} ms"]
     if "graphs" in eng and "ops" in eng:
         lines += ["graphs ÷ ops: " + _ratios(eng["graphs"], eng["ops"], cs)]
+    compiled = {name: row["triton"]["compiled"] for name, row in eng.items() if row.get("triton")}
+    if compiled:
+        lines += ["", "Triton kernels each engine compiled in its decode levels' warm-ups (the bench's time, not "
+                  "its rates; 0 where `--compile-only` compiled them first): "
+                  + ", ".join(f"{n} {k}" for n, k in compiled.items())]
     for name, why in res.get("failed", {}).items():
         lines += [f"FAILED: {name}: {why}"]
     if res.get("stopped"):
@@ -421,11 +606,21 @@ def table(res: dict) -> str:
 def main(args: argparse.Namespace) -> int:
     """0: every engine measured; 1: one failed, or the run was stopped (SIGTERM) part way — the
     table and JSON then hold what was measured; 2: no CUDA device or a bad argument."""
+    if args.compile_job:                # a process of --compile-only: its result on stdout
+        import json
+        print(json.dumps(compile_job(args.compile_job, args.concurrency, args.prefill_tokens)))
+        return 0
     t0 = time.perf_counter()
     res: dict = {}
     before = signal.signal(signal.SIGTERM, _stop)
     try:
-        run(args, res)
+        if args.compile_only:
+            import torch
+            if not torch.cuda.is_available():
+                raise SystemExit("tandem bench gpu: no CUDA device here (torch.cuda.is_available() is False)")
+            compile_ahead(args, res)
+        else:
+            run(args, res)
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2
@@ -435,6 +630,6 @@ def main(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, before)
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    report.emit(res, table, args.json)
+    report.emit(res, compile_table if args.compile_only else table, args.json)
     return 1 if res.get("failed") or res.get("stopped") else 0
 

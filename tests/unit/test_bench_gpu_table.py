@@ -112,7 +112,7 @@ def test_sigterm_reports_what_was_measured(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(gpu, "run", run)
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "bench.json"
-    assert gpu.main(argparse.Namespace(json=str(out))) == 1
+    assert gpu.main(argparse.Namespace(json=str(out), compile_job=None, compile_only=False)) == 1
     assert signal.getsignal(signal.SIGTERM) is before
     text = capsys.readouterr().out
     assert "| cuda graphs | 424.8 | nan | 1.0 / — | 1688.0 / — |" in text     # a row cut part way
@@ -141,3 +141,11 @@ def test_the_stack_runs_with_the_fastest_variant_at_one_sequence():
     assert gpu.best_env(res, "8") == {"TANDEM_GPU_PDL": "1"}
     del e["graphs"]
     assert gpu.best_env(res) == {}                                         # nothing to beat: the defaults
+
+
+def test_the_table_says_what_each_engine_still_compiled():
+    res = _result()
+    assert "Triton kernels" not in gpu.table(res)                          # (a result from before the count)
+    res["engines"]["graphs"]["triton"] = {"compiled": 0, "from_cache": 40}
+    res["engines"]["graphs-pdl"] = {"decode": {"1": 300.0}, "triton": {"compiled": 3, "from_cache": 30}}
+    assert gpu.table(res).splitlines()[-1].endswith("compiled them first): graphs 0, graphs-pdl 3")
