@@ -8,13 +8,26 @@ kernels and in the copies (docs/kernels.md, "Measured on a GPU").
 
 ``--gpu-us T`` models a device too: each replay "runs" T µs after the one before it ends,
 asynchronously, and reading its tokens back waits (spinning, as a CUDA synchronize does) until
-then. The table then shows a step's wall time stepped one after another (host + T) and with the
-next step launched ahead (TANDEM_GPU_AHEAD=1: before the last one's tokens are read) — the
-mechanism's gain for a given host and device time, not a GPU's figure."""
+then. The table then
+shows a step's wall time stepped one after another (host + T) and with the next step launched
+ahead (TANDEM_GPU_AHEAD=1: before the last one's tokens are read) — the mechanism's gain for a
+given host and device time, not a GPU's figure.
+
+``--stack T [T ...]``: what the stack adds to a token when its engine is that fast. For each T, one
+sequence decoding on the engine in process with a device modeled at T µs a step, then the same
+through ``tandem up --prefill 0 --gpu-decode 1 --cpu-decode 0 --kvpool 0`` whose gpu-decode
+worker's engine decodes on the same modeled device (bench/modeled_site: the worker's engine is
+built as usual, then ``attach``-ed) — streamed interactive chats through the gateway with the
+``openai`` client, TPOT p50 / p90 beside the engine's µs a token. There the wait for the modeled
+device sleeps (the last 100 µs spinning): a Python spin would hold the GIL the worker's event loop
+needs, where a CUDA synchronize leaves it free; a woken thread may then wait for a core. Issue 34's stack target is an
+interactive TPOT on gpu-decode of at most a third of cpu-decode's: this says which GPU step time
+the stack can carry to a client at that TPOT, on this machine."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -53,9 +66,9 @@ class ModeledDevice(StubGraphs):
     """StubGraphs whose replays take ``gpu_us`` each on a modeled device: one after another, from
     the launch or the end of the one before; ``finish`` waits for the step's end."""
 
-    def __init__(self, *a, gpu_us: float, **kw):
+    def __init__(self, *a, gpu_us: float, sleep: bool = False, **kw):
         super().__init__(*a, **kw)
-        self.gpu_s, self.busy_until, self.ends = gpu_us / 1e6, 0.0, {}
+        self.gpu_s, self.busy_until, self.ends, self.sleep = gpu_us / 1e6, 0.0, {}, sleep
 
     def start(self, *a, **kw):
         started = super().start(*a, **kw)
@@ -65,9 +78,20 @@ class ModeledDevice(StubGraphs):
 
     def finish(self, started):
         end = self.ends.pop(id(started))
+        left = end - time.perf_counter()
+        if self.sleep and left > 2e-4:      # asleep, the GIL free (a sleep oversleeps: the last 100 µs spun)
+            time.sleep(left - 1e-4)
         while time.perf_counter() < end:    # the host waits on the device (a synchronize spins)
             pass
         return super().finish(started)
+
+
+def attach(e, gpu_us: float) -> ModeledDevice:
+    """Engine ``e``'s decode steps on a device modeled at ``gpu_us`` µs a step (``ModeledDevice``,
+    its buckets up to the engine's ``max_num_seqs``, waited for asleep); prefill stays its own."""
+    e.graphs = ModeledDevice(e.config.max_num_seqs, 512, e.layout.block_size, e.model.cfg.vocab_size,
+                             e.tokenizer.encode(TEXT, add_special_tokens=False), gpu_us=gpu_us, sleep=True)
+    return e.graphs
 
 
 def _decode_steps(e, n: int, steps: int) -> float:
@@ -88,6 +112,96 @@ def _decode_steps(e, n: int, steps: int) -> float:
     return us
 
 
+# the stack's processes by what their command line holds (``_cpu_seconds``)
+ROLES = (("serve gpu-decode", "worker"), ("serve gateway", "gateway"), ("nats-server", "nats"),
+         ("serve router", "router"), ("services.cli up", "supervisor"))
+
+
+def _cpu_seconds(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the process tree under ``root_pid`` by role
+    (``ROLES``), and of this process ("client": the load generator)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    procs = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            procs[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, cmd)
+    tree, grew = {root_pid}, True
+    while grew:
+        more = {pid for pid, (ppid, _, _) in procs.items() if ppid in tree} - tree
+        tree |= more
+        grew = bool(more)
+    out = {"client": procs.get(os.getpid(), (0, 0.0, ""))[1]}
+    for pid in tree & procs.keys():
+        _, cpu, cmd = procs[pid]
+        role = next((name for key, name in ROLES if key in cmd), "other")
+        out[role] = out.get(role, 0.0) + cpu
+    return out
+
+
+def stack_tpot(gpu_us: float, requests: int, max_tokens: int, concurrency: int = 1) -> dict:
+    """TPOT / TTFT of ``requests`` streamed interactive chats, ``concurrency`` at a time, through a
+    stack whose gpu-decode worker decodes on a device modeled at ``gpu_us`` µs a step
+    (bench/modeled_site); the tokens a second streamed in all, and the CPU µs a streamed token each
+    of the stack's processes (and the client) spent."""
+    import asyncio
+    from pathlib import Path
+
+    from bench.node import _level, summarize
+    from bench.serve import Server, bench_env
+    from shared.nats_server import free_port
+    root = Path(__file__).resolve().parent.parent
+    port = free_port()
+    env = dict(bench_env(0), TANDEM_PORT=str(port), TANDEM_MODELED_GPU_US=str(gpu_us),
+               PYTHONPATH=os.pathsep.join(p for p in (str(root / "bench" / "modeled_site"), str(root),
+                                                      os.environ.get("PYTHONPATH", "")) if p))
+    env.pop("TANDEM_THREADS", None)         # (as `tandem up` picks them)
+    server = Server(f"modeled {gpu_us:g} µs", [sys.executable, "-m", "services.cli", "up", "--prefill", "0",
+                                               "--gpu-decode", "1", "--cpu-decode", "0", "--kvpool", "0",
+                                               "--port", str(port)], env, port)
+    try:
+        server.wait_workers({"gpu-decode": 1})
+        asyncio.run(_level(server.url, "interactive", 1, 2, 16))       # warm-up
+        before, t0 = _cpu_seconds(server.proc.pid), time.perf_counter()
+        got = summarize(asyncio.run(_level(server.url, "interactive", concurrency, requests, max_tokens)))
+        wall, after = time.perf_counter() - t0, _cpu_seconds(server.proc.pid)
+        tokens = got["ok"] * max_tokens
+        got["tokens_per_s"] = round(tokens / wall)
+        got["cpu_us_a_token"] = {k: round((after[k] - before.get(k, 0.0)) / tokens * 1e6) for k in after} \
+            if tokens else {}
+        return got
+    except BaseException:
+        sys.stderr.write(server.tail())
+        raise
+    finally:
+        server.stop()
+
+
+def _stack_main(a, e) -> int:
+    cols = ("worker", "gateway", "nats", "client")
+    print("| device µs a step | streams | engine µs a step | stack TPOT p50 / p90 µs | stack ÷ engine | tok/s in all | "
+          + " | ".join(f"{c} CPU µs a token" for c in cols) + " |\n|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cols),
+          flush=True)
+    for t in a.stack:
+        attach(e, t)
+        for c in a.streams:
+            engine_us = _decode_steps(e, c, a.steps)
+            got = stack_tpot(t, c * a.requests, a.max_tokens, c)
+            if got["errors"]:
+                print(f"({got['errors']} of {c * a.requests} requests failed)", flush=True)
+            tpot, cpu = got["tpot_p50_ms"] * 1e3, got["cpu_us_a_token"]
+            print(f"| {t:g} | {c} | {engine_us:.0f} | {tpot:.0f} / {got['tpot_p90_ms'] * 1e3:.0f} | "
+                  f"{tpot / engine_us:.2f} | {got['tokens_per_s']} | " + " | ".join(str(cpu.get(k, "—")) for k in cols)
+                  + " |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_host", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64])
@@ -95,6 +209,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-us", type=float, default=0.0,
                     help="model a device whose replay takes this long: stepped vs launched ahead (0: host only)")
     ap.add_argument("--rounds", type=int, default=3, help="with --gpu-us: stepped and ahead in turn, this many times")
+    ap.add_argument("--stack", type=float, nargs="+", metavar="T",
+                    help="device µs a step: one sequence on the engine vs streamed through the stack")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1], help="with --stack: chats at once (default 1)")
+    ap.add_argument("--requests", type=int, default=3, help="with --stack: chats a stream (default 3)")
+    ap.add_argument("--max-tokens", type=int, default=1024,
+                    help="with --stack: tokens a chat (default 1024: the worker's CPU prefill of its prompt spread thin)")
     a = ap.parse_args(argv)
     from shared.engine.engine import Engine, EngineConfig
     top = max(a.seqs)
@@ -103,6 +223,8 @@ def main(argv=None) -> int:
     blocks = top * -(-(16 + a.steps + 8) // 16) + 8
     e = Engine.from_path(None, EngineConfig(threads=2, enable_prefix_caching=False, max_num_seqs=top,
                                             num_kv_blocks=blocks))
+    if a.stack:
+        return _stack_main(a, e)
     stub = (e.model.cfg.vocab_size, e.tokenizer.encode(TEXT, add_special_tokens=False))
     host = StubGraphs(top, 512, e.layout.block_size, *stub)
     if not a.gpu_us:
