@@ -145,11 +145,12 @@ def _cpu_seconds(root_pid: int) -> dict[str, float]:
     return out
 
 
-def stack_tpot(gpu_us: float, requests: int, max_tokens: int, concurrency: int = 1) -> dict:
+def stack_tpot(gpu_us: float, requests: int, max_tokens: int, concurrency: int = 1, ahead: bool = False) -> dict:
     """TPOT / TTFT of ``requests`` streamed interactive chats, ``concurrency`` at a time, through a
     stack whose gpu-decode worker decodes on a device modeled at ``gpu_us`` µs a step
-    (bench/modeled_site); the tokens a second streamed in all, and the CPU µs a streamed token each
-    of the stack's processes (and the client) spent."""
+    (bench/modeled_site), each decode step launched before the last one's tokens are read where
+    ``ahead`` (TANDEM_GPU_AHEAD=1); the tokens a second streamed in all, and the CPU µs a streamed
+    token each of the stack's processes (and the client) spent."""
     import asyncio
     from pathlib import Path
 
@@ -158,7 +159,7 @@ def stack_tpot(gpu_us: float, requests: int, max_tokens: int, concurrency: int =
     from shared.nats_server import free_port
     root = Path(__file__).resolve().parent.parent
     port = free_port()
-    env = dict(bench_env(0), TANDEM_PORT=str(port), TANDEM_MODELED_GPU_US=str(gpu_us),
+    env = dict(bench_env(0), TANDEM_PORT=str(port), TANDEM_MODELED_GPU_US=str(gpu_us), TANDEM_GPU_AHEAD=str(int(ahead)),
                PYTHONPATH=os.pathsep.join(p for p in (str(root / "bench" / "modeled_site"), str(root),
                                                       os.environ.get("PYTHONPATH", "")) if p))
     env.pop("TANDEM_THREADS", None)         # (as `tandem up` picks them)
@@ -185,20 +186,23 @@ def stack_tpot(gpu_us: float, requests: int, max_tokens: int, concurrency: int =
 
 def _stack_main(a, e) -> int:
     cols = ("worker", "gateway", "nats", "client")
-    print("| device µs a step | streams | engine µs a step | stack TPOT p50 / p90 µs | stack ÷ engine | tok/s in all | "
-          + " | ".join(f"{c} CPU µs a token" for c in cols) + " |\n|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cols),
-          flush=True)
+    print("| device µs a step | streams | launched ahead | engine µs a step | stack TPOT p50 / p90 µs | stack ÷ engine | "
+          "tok/s in all | " + " | ".join(f"{c} CPU µs a token" for c in cols)
+          + " |\n|---:|---:|---|---:|---:|---:|---:|" + "---:|" * len(cols), flush=True)
     for t in a.stack:
-        attach(e, t)
+        modeled = attach(e, t)
         for c in a.streams:
-            engine_us = _decode_steps(e, c, a.steps)
-            got = stack_tpot(t, c * a.requests, a.max_tokens, c)
-            if got["errors"]:
-                print(f"({got['errors']} of {c * a.requests} requests failed)", flush=True)
-            tpot, cpu = got["tpot_p50_ms"] * 1e3, got["cpu_us_a_token"]
-            print(f"| {t:g} | {c} | {engine_us:.0f} | {tpot:.0f} / {got['tpot_p90_ms'] * 1e3:.0f} | "
-                  f"{tpot / engine_us:.2f} | {got['tokens_per_s']} | " + " | ".join(str(cpu.get(k, "—")) for k in cols)
-                  + " |", flush=True)
+            order = (False, True) if a.ahead else (False,)
+            for ahead in order[::-1] if c % 2 else order:   # (turned level by level: drift hits both alike)
+                modeled.ahead = ahead
+                engine_us = _decode_steps(e, c, a.steps)
+                got = stack_tpot(t, c * a.requests, a.max_tokens, c, ahead)
+                if got["errors"]:
+                    print(f"({got['errors']} of {c * a.requests} requests failed)", flush=True)
+                tpot, cpu = got["tpot_p50_ms"] * 1e3, got["cpu_us_a_token"]
+                print(f"| {t:g} | {c} | {'yes' if ahead else 'no'} | {engine_us:.0f} | {tpot:.0f} / "
+                      f"{got['tpot_p90_ms'] * 1e3:.0f} | {tpot / engine_us:.2f} | {got['tokens_per_s']} | "
+                      + " | ".join(str(cpu.get(col, "—")) for col in cols) + " |", flush=True)
     return 0
 
 
@@ -212,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stack", type=float, nargs="+", metavar="T",
                     help="device µs a step: one sequence on the engine vs streamed through the stack")
     ap.add_argument("--streams", type=int, nargs="+", default=[1], help="with --stack: chats at once (default 1)")
+    ap.add_argument("--ahead", action="store_true",
+                    help="with --stack: each level stepped and launched ahead (TANDEM_GPU_AHEAD=1), side by side")
     ap.add_argument("--requests", type=int, default=3, help="with --stack: chats a stream (default 3)")
     ap.add_argument("--max-tokens", type=int, default=1024,
                     help="with --stack: tokens a chat (default 1024: the worker's CPU prefill of its prompt spread thin)")

@@ -139,6 +139,11 @@ def test_the_stack_runs_with_the_fastest_variant_at_one_sequence():
     res["failed"] = {"graphs-all": "RuntimeError: boom"}
     assert gpu.best_env(res) == {"TANDEM_GPU_AHEAD": "1"}
     assert gpu.best_env(res, "8") == {"TANDEM_GPU_PDL": "1"}
+    # launching ahead changes no kernel: where it beat graphs on its own it joins the fastest variant
+    e["graphs-persistent"] = {"decode": {"1": 420.0}}
+    assert gpu.best_env(res) == {"TANDEM_GPU_PERSISTENT": "1", "TANDEM_GPU_AHEAD": "1"}
+    e["graphs-ahead"]["decode"]["1"] = 280.0                               # +4 %: left out
+    assert gpu.best_env(res) == {"TANDEM_GPU_PERSISTENT": "1"}
     del e["graphs"]
     assert gpu.best_env(res) == {}                                         # nothing to beat: the defaults
 
