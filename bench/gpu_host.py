@@ -8,21 +8,22 @@ kernels and in the copies (docs/kernels.md, "Measured on a GPU").
 
 ``--gpu-us T`` models a device too: each replay "runs" T µs after the one before it ends,
 asynchronously, and reading its tokens back waits (spinning, as a CUDA synchronize does) until
-then. The table then
-shows a step's wall time stepped one after another (host + T) and with the next step launched
-ahead (TANDEM_GPU_AHEAD=1: before the last one's tokens are read) — the mechanism's gain for a
-given host and device time, not a GPU's figure.
+then. The table then shows a step's wall time stepped one after another (host + T) and with the
+next step launched ahead (TANDEM_GPU_AHEAD=1: before the last one's tokens are read) — the
+mechanism's gain for a given host and device time, not a GPU's figure.
 
-``--stack T [T ...]``: what the stack adds to a token when its engine is that fast. For each T, one
-sequence decoding on the engine in process with a device modeled at T µs a step, then the same
-through ``tandem up --prefill 0 --gpu-decode 1 --cpu-decode 0 --kvpool 0`` whose gpu-decode
-worker's engine decodes on the same modeled device (bench/modeled_site: the worker's engine is
-built as usual, then ``attach``-ed) — streamed interactive chats through the gateway with the
-``openai`` client, TPOT p50 / p90 beside the engine's µs a token. There the wait for the modeled
+``--stack T [T ...]``: what the stack adds to a token when its engine is that fast. For each T and
+``--streams`` level: the engine in process on a device modeled at T µs a step, then streamed
+interactive chats (the ``openai`` client, through the gateway) from ``tandem up --prefill 0
+--gpu-decode 1 --cpu-decode 0 --kvpool 0`` whose gpu-decode worker builds its engine as usual and
+then decodes on the same modeled device (bench/modeled_site, ``attach``): TPOT p50 / p90 beside
+the engine's step, tokens a second in all, and each process's CPU µs a streamed token;
+``--ahead``: each level stepped and launched ahead, side by side. There the wait for the modeled
 device sleeps (the last 100 µs spinning): a Python spin would hold the GIL the worker's event loop
-needs, where a CUDA synchronize leaves it free; a woken thread may then wait for a core. Issue 34's stack target is an
-interactive TPOT on gpu-decode of at most a third of cpu-decode's: this says which GPU step time
-the stack can carry to a client at that TPOT, on this machine."""
+needs, where a CUDA synchronize leaves it free. Issue 34's stack target is an interactive TPOT on
+gpu-decode of at most a third of cpu-decode's: this says which device step the stack can carry to
+a client at that TPOT, on this machine (docs/benchmarks.md, "What the stack adds to a fast
+engine")."""
 
 from __future__ import annotations
 
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
                     help="model a device whose replay takes this long: stepped vs launched ahead (0: host only)")
     ap.add_argument("--rounds", type=int, default=3, help="with --gpu-us: stepped and ahead in turn, this many times")
     ap.add_argument("--stack", type=float, nargs="+", metavar="T",
-                    help="device µs a step: one sequence on the engine vs streamed through the stack")
+                    help="device µs a step: the engine in process vs streamed through the stack")
     ap.add_argument("--streams", type=int, nargs="+", default=[1], help="with --stack: chats at once (default 1)")
     ap.add_argument("--ahead", action="store_true",
                     help="with --stack: each level stepped and launched ahead (TANDEM_GPU_AHEAD=1), side by side")
