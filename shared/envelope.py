@@ -102,8 +102,11 @@ def encode(msg: Any) -> bytes:
     cls = type(msg)
     if cls not in _NAMES:
         raise TypeError(f"{cls.__name__} is not a registered message")
+    hints = _HINTS[cls]
     for name in _NAMES[cls]:
-        _check(getattr(msg, name), _HINTS[cls][name], f"{cls.SCHEMA}.{name}")
+        value, tp = getattr(msg, name), hints[name]
+        if type(value) is not tp:       # (``_check``'s first test, without the call and the path)
+            _check(value, tp, f"{cls.SCHEMA}.{name}")
     _check_values(msg.__dict__, cls.SCHEMA)
     data = orjson.dumps(to_dict(msg))
     if len(data) >= MAX_PAYLOAD:
@@ -151,9 +154,12 @@ def _build(cls: type, obj: dict, where: str) -> Any:
     if missing:
         bad = sorted(missing)[0]
         raise SchemaError(f"{where}: missing field {bad!r}", bad)
-    kwargs = {k: _check(v, hints[k], f"{where}.{k}") for k, v in obj.items()}
-    _check_values(kwargs, where)
-    return cls(**kwargs)
+    for k, v in obj.items():
+        tp = hints[k]
+        if type(v) is not tp:           # (``_check``'s first test, without the call and the path)
+            obj[k] = _check(v, tp, f"{where}.{k}")
+    _check_values(obj, where)
+    return cls(**obj)
 
 
 def _check_values(fields: dict, where: str) -> None:
@@ -163,13 +169,21 @@ def _check_values(fields: dict, where: str) -> None:
         raise SchemaError(f"{where}.tier: {tier!r} is not one of {', '.join(TIERS)}", "tier")
 
 
+_SHAPES: dict[Any, tuple[Any, tuple]] = {}   # field type -> (typing.get_origin, typing.get_args): asked once
+
+
 def _check(value: Any, tp: Any, path: str) -> Any:
     """Return ``value`` (nested messages built) if it has type ``tp``, else raise SchemaError."""
-    origin = typing.get_origin(tp)
+    if type(value) is tp:   # a value of exactly its field's class: what the checks below say too
+        return value
+    shape = _SHAPES.get(tp)
+    if shape is None:
+        shape = _SHAPES[tp] = (typing.get_origin(tp), typing.get_args(tp))
+    origin, args = shape
     if origin is typing.Union or origin is types.UnionType:
-        if value is None and type(None) in typing.get_args(tp):
+        if value is None and type(None) in args:
             return None
-        args, err = typing.get_args(tp), None
+        err = None
         for arm in args:
             if arm is type(None):
                 continue
@@ -196,7 +210,6 @@ def _check(value: Any, tp: Any, path: str) -> Any:
             return value
     elif tp is list or origin is list:
         if isinstance(value, list):
-            args = typing.get_args(tp)
             if args and args[0] in (str, int) and all(type(v) is args[0] for v in value):
                 return value  # fast path (KV event keys, token ids); the general check says the same
             if args and args[0] is not Any:
