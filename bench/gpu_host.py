@@ -155,21 +155,13 @@ def stack_tpot(gpu_us: float, requests: int, max_tokens: int, concurrency: int =
     import asyncio
     from pathlib import Path
 
-    from bench.node import _level, summarize
-    from bench.serve import Server, bench_env
-    from shared.nats_server import free_port
+    from bench.node import _level, _stack, _stop, summarize
     root = Path(__file__).resolve().parent.parent
-    port = free_port()
-    env = dict(bench_env(0), TANDEM_PORT=str(port), TANDEM_MODELED_GPU_US=str(gpu_us), TANDEM_GPU_AHEAD=str(int(ahead)),
-               PYTHONPATH=os.pathsep.join(p for p in (str(root / "bench" / "modeled_site"), str(root),
-                                                      os.environ.get("PYTHONPATH", "")) if p))
-    env.pop("TANDEM_THREADS", None)         # (as `tandem up` picks them)
-    server = Server(f"modeled {gpu_us:g} µs", [sys.executable, "-m", "services.cli", "up", "--prefill", "0",
-                                               "--gpu-decode", "1", "--cpu-decode", "0", "--kvpool", "0",
-                                               "--port", str(port)], env, port)
+    server = _stack(SimpleNamespace(threads=0), 0, {
+        "TANDEM_MODELED_GPU_US": str(gpu_us), "TANDEM_GPU_AHEAD": str(int(ahead)),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(root / "bench" / "modeled_site"), str(root),
+                                                  os.environ.get("PYTHONPATH", "")) if p)})
     try:
-        server.wait_workers({"gpu-decode": 1})
-        asyncio.run(_level(server.url, "interactive", 1, 2, 16))       # warm-up
         before, t0 = _cpu_seconds(server.proc.pid), time.perf_counter()
         got = summarize(asyncio.run(_level(server.url, "interactive", concurrency, requests, max_tokens)))
         wall, after = time.perf_counter() - t0, _cpu_seconds(server.proc.pid)
@@ -178,11 +170,8 @@ def stack_tpot(gpu_us: float, requests: int, max_tokens: int, concurrency: int =
         got["cpu_us_a_token"] = {k: round((after[k] - before.get(k, 0.0)) / tokens * 1e6) for k in after} \
             if tokens else {}
         return got
-    except BaseException:
-        sys.stderr.write(server.tail())
-        raise
     finally:
-        server.stop()
+        _stop(server)
 
 
 def _stack_main(a, e) -> int:

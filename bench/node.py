@@ -92,9 +92,11 @@ def summarize(results: list) -> dict:
             "tpot_p90_ms": percentile([r.tpot * 1e3 for r in ok], 90)}
 
 
-def _stack(args: argparse.Namespace, cpu_decode: int) -> Server:
+def _stack(args: argparse.Namespace, cpu_decode: int, extra_env: dict | None = None) -> Server:
+    """``tandem up`` with gpu-decode (and ``cpu_decode`` cpu-decode workers), warmed up; ``extra_env``
+    on top of the bench's environment (bench/gpu_host.py: a modeled device)."""
     port = free_port()
-    env = dict(bench_env(args.threads) if args.threads else bench_env(0), TANDEM_PORT=str(port))
+    env = dict(bench_env(args.threads) if args.threads else bench_env(0), TANDEM_PORT=str(port), **(extra_env or {}))
     if not args.threads:
         env.pop("TANDEM_THREADS", None)
     argv = [sys.executable, "-m", "services.cli", "up", "--prefill", "0", "--gpu-decode", "1", "--cpu-decode",
