@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-decode", type=int, default=1, help="gpu-decode worker copies (default 1)")
     p.add_argument("--cpu-decode", type=int, default=1, help="cpu-decode worker copies (default 1)")
     p.add_argument("--router", type=int, default=1, help="router copies (default 1)")
-    p.add_argument("--kvpool", type=int, default=1, help="KV pool service copies (default 1; 0: no pool)")
+    p.add_argument("--kvpool", type=int, default=1, help="KV pool service copies (default 1; 0: no pool, and the workers use none "
+                   "unless TANDEM_POOL is set)")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (TANDEM_MODEL; default bundled)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (TANDEM_SERVED_MODEL_NAME; "
                    "default the model file's stem, e.g. SmolLM2-135M-Instruct)")
@@ -87,6 +88,14 @@ def topology(args: argparse.Namespace) -> dict[str, str]:
     args.prefill, args.gpu_decode, args.cpu_decode = counts
     threads = cores if name == "single" else max(1, cores // w)
     return {"TANDEM_THREADS": str(threads), "TANDEM_ROUTER_POLICY": "round-robin" if name == "replicated" else "sla"}
+
+
+def pool_env(args: argparse.Namespace, environ) -> dict[str, str]:
+    """``--kvpool 0`` means no pool: the workers are told (TANDEM_POOL=0) unless the environment
+    says otherwise (a pool elsewhere on a shared bus), so they neither look prefixes up in a pool
+    nobody answers for nor copy out a finished request's KV to write back (~23 KB a token of the
+    bundled model, on the engine's thread)."""
+    return {"TANDEM_POOL": "0"} if getattr(args, "kvpool", 1) == 0 and "TANDEM_POOL" not in environ else {}
 
 
 def engines(name: str, workers: int) -> dict[str, int]:
@@ -288,7 +297,7 @@ def embedded_nats(env: dict[str, str]) -> EmbeddedNats:
 
 
 async def _up(args: argparse.Namespace) -> int:
-    env = dict(os.environ, **topology(args))
+    env = dict(os.environ, **topology(args), **pool_env(args, os.environ))
     nats = None
     if not env.get("TANDEM_NATS_URL"):
         nats = embedded_nats(env)

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from services.up import add_arguments, engines, plan, topology
+from services.up import add_arguments, engines, plan, pool_env, topology
+from shared.settings import Settings
 
 
 ENGINES = ("prefill", "gpu-decode", "cpu-decode")
@@ -66,3 +67,12 @@ def test_unknown_topology_is_rejected_by_the_parser():
 def test_restarts_back_off_from_half_a_second_doubling_to_ten():
     from services.up import backoff
     assert [backoff(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
+
+
+def test_no_pool_service_means_the_workers_use_no_pool():
+    """``--kvpool 0``: the workers get TANDEM_POOL=0 (no lookups nobody answers, no KV copied out of a
+    finished request for a write-back), unless the environment names it (a pool elsewhere)."""
+    for argv, environ, enabled in [((), {}, True), (("--kvpool", "0"), {}, False), (("--kvpool", "2"), {}, True),
+                                   (("--kvpool", "0"), {"TANDEM_POOL": "1"}, True)]:
+        env = dict(environ, **pool_env(parse(*argv), environ))
+        assert Settings.from_env(env).pool.enabled is enabled, (argv, environ)
