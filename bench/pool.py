@@ -17,6 +17,11 @@
   receiver share the process), the wire checksum on one thread, and the raw socket hashing every 1 MiB slice
   on both ends (the ceiling for a path that checksums every byte).
   ``--transfers-only`` runs just these (seconds instead of minutes).
+- ``--finish``: only the engine thread's time to copy a finished turn's KV out for the
+  write-back, per context (``--finish-contexts``, default 2,048 and 8,000 tokens reused from the
+  prefix cache, then 64 new ones and 8 generated): the whole context (what it copied before) and
+  what the turn added (the whole pool chunks it reused left out), alternately, medians. Every
+  other sequence on the worker waits that long. Seconds.
 - ``--restart``: the whole stack instead (``bench_restart``): per prompt length (``--stack-prompts``,
   default 2,112 and 8,000 tokens: 64 tokens after the last whole chunk), the stack's cold TTFT
   (a colocated cpu-decode worker with all ``--threads``, a KV pool on a fresh directory) beside
@@ -70,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--restart: prompt lengths, tokens (default 2112 8000)")
     p.add_argument("--warm-runs", type=int, default=3,
                    help="--restart: full restarts measured warm per prompt and tier, the median reported (default 3)")
+    p.add_argument("--finish", action="store_true", help="only the rows of a finished turn's KV copied out "
+                   "for the write-back: whole context vs what the turn added")
+    p.add_argument("--finish-contexts", type=int, nargs="+", default=[2048, 8000],
+                   help="--finish: reused context lengths (default 2048 8000)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
 
 
@@ -429,8 +438,47 @@ def bench_restart(args) -> list[dict]:
     return rows
 
 
+def bench_finish(args) -> list[dict]:
+    """``--finish``: the engine thread's time in ``_report_finished_kv`` (the copy the write-back
+    gets) for a turn that reused ``--finish-contexts`` tokens, the whole context copied (skip 0,
+    as before) and only what the turn added (skip = a pool chunk), in turn, 5 times each."""
+    from shared.engine.engine import Engine, EngineConfig, run_to_completion
+    from shared.engine.sampling import SamplingParams
+    chunk = 256
+    engine = Engine.from_path(None, EngineConfig(threads=args.threads, kv_cache_bytes=(max(args.finish_contexts)
+                                                                                       + 512) * 24 * 1024))
+    bs, rows = engine.layout.block_size, []
+    times, copied = [], []
+    orig = engine._report_finished_kv
+
+    def timed(seq) -> None:
+        t0 = time.perf_counter()
+        orig(seq)
+        times.append(time.perf_counter() - t0)
+    engine._report_finished_kv = timed
+    engine.finished_kv_align = 1
+    engine.finished_kv_hook = lambda rid, toks, kv, tenant, n, ret, start: copied.append(memoryview(kv).nbytes)
+    for ctx in args.finish_contexts:
+        ctx = ctx // chunk * chunk
+        ids = _text_tokens(engine.tokenizer, ctx + 64)
+        engine.load_prefix(ids[:ctx], bytes(ctx // bs * engine.layout.block_bytes))  # the reused context
+        got: dict[int, list[tuple[float, int]]] = {0: [], chunk: []}
+        for i in range(10):
+            skip = (0, chunk)[i % 2]
+            engine.finished_kv_skip = skip
+            out = run_to_completion(engine, {f"f{ctx}-{i}": (ids, SamplingParams(max_tokens=8, temperature=0))})
+            assert next(iter(out.values())).num_cached_tokens >= ctx, "the context was not reused"
+            got[skip].append((times.pop(), copied.pop()))
+        whole, added = (statistics.median(t for t, _ in got[k]) for k in (0, chunk))
+        rows.append({"bench": "finish-copy", "context": ctx, "whole_mb": got[0][0][1] / 1e6, "whole_ms": whole * 1e3,
+                     "added_mb": got[chunk][0][1] / 1e6, "added_ms": added * 1e3, "ratio": whole / added})
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
-    if args.restart:
+    if args.finish:
+        rows = _print(bench_finish(args))
+    elif args.restart:
         rows = _print(bench_restart(args))
     else:
         rows = [] if args.tiers_only else _print(asyncio.run(_transfers(args.transfer_mb * MiB)))

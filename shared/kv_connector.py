@@ -195,11 +195,13 @@ class KVConnector:
                                    self.sender, self.receiver, self.data_host, self.data_port)
             pool = self.pool
             if self._write_back:  # a finished sequence's full chunks (the session's next turn) and its
-                # prompt's tail (the same prompt again) go to the pool (a 24h session's pinned)
+                # prompt's tail (the same prompt again) go to the pool (a 24h session's pinned); the
+                # whole chunks it reused from a cache are not copied out again
                 await self.engine.on_finished_kv(
-                    1, lambda tokens, kv, tenant, prompt, ret: loop.call_soon_threadsafe(
+                    1, lambda tokens, kv, tenant, prompt, ret, start: loop.call_soon_threadsafe(
                         functools.partial(pool.store_later, tokens, kv, tenant, prompt_tail_end(prompt),
-                                          pin_s=pin_seconds(ret))))
+                                          pin_s=pin_seconds(ret), start=start)),
+                    skip=self.settings.pool.chunk_tokens)
             # a resident session evicted from the engine (retention.py): its KV to the pool, tail too
             await self.engine.on_spill(lambda tokens, kv, tenant, ret, session: loop.call_soon_threadsafe(
                 self._spilled, tokens, kv, tenant, ret))
@@ -517,32 +519,37 @@ class PoolClient:
         return self._settle(pieces, futures, out)
 
     def store_later(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0, *,
-                    session: bool = False, pin_s: float = 0.0) -> None:
-        """Write back the full chunks of (``token_ids``, their KV) of ``tenant``, and the tail up
-        to ``tail_end`` (0: none) — or a spilled ``session``'s entries (``session_pieces``) — in
-        the background, pinned ``pin_s`` seconds (0: not)."""
+                    session: bool = False, pin_s: float = 0.0, start: int = 0) -> None:
+        """Write back the full chunks of (``token_ids``, their KV from token ``start``) of ``tenant``,
+        and the tail up to ``tail_end`` (0: none) — or a spilled ``session``'s entries
+        (``session_pieces``) — in the background, pinned ``pin_s`` seconds (0: not)."""
         if len(token_ids) < (self.block_size if session else self.settings.chunk_tokens):
             return
-        t = asyncio.create_task(self.store(token_ids, kv, tenant, tail_end, session=session, pin_s=pin_s),
-                                name="pool-store")
+        t = asyncio.create_task(self.store(token_ids, kv, tenant, tail_end, session=session, pin_s=pin_s,
+                                           start=start), name="pool-store")
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
     async def store(self, token_ids: list[int], kv, tenant: str = "", tail_end: int = 0, *,
-                    session: bool = False, pin_s: float = 0.0) -> int:
+                    session: bool = False, pin_s: float = 0.0, start: int = 0) -> int:
         """Put the entries the pool lacks (``session``: a spilled session's, ``session_pieces``),
         pinning them all ``pin_s`` seconds under ``tenant`` (0: none); returns how many it stored
-        (0 on any failure)."""
+        (0 on any failure). ``kv`` holds the tokens from ``start`` (a block boundary): an entry
+        before it that the pool lacks (evicted since this request reused it) is not stored — the
+        next request that computes it writes it back."""
         pieces = self.session_pieces(token_ids, tenant) if session else \
             self.pieces(token_ids, len(token_ids), tail_end, tenant)
         keys = [k for k, _, _ in pieces]
         t0 = time.perf_counter()
         try:
             found = await self._lookup(keys, for_put=True, pin_s=pin_s, tenant=tenant)
-            missing = pieces[found.hits:]
+            missing = [p for p in pieces[found.hits:] if p[1] >= start]
+            if len(missing) < len(pieces) - found.hits:
+                log.info("KV pool: %d entries before token %d lacking, not written back (reused from a cache, "
+                         "not copied out)", len(pieces) - found.hits - len(missing), start)
             if not missing or not found.data_port:
                 return 0
-            entries = await asyncio.to_thread(self._encode, missing, kv)
+            entries = await asyncio.to_thread(self._encode, missing, kv, start)
             tid = f"{self.worker_id}-put-{next(self._ids)}"
             res = await send_and_report(self.bus, self.sender, self.worker_id, found.data_host, found.data_port,
                                         tid, pack_entries(entries), compressible=False)
@@ -559,9 +566,9 @@ class PoolClient:
                  (time.perf_counter() - t0) * 1e3)
         return reply.stored
 
-    def _encode(self, pieces: list[tuple[str, int, int]], kv) -> list[bytes]:
+    def _encode(self, pieces: list[tuple[str, int, int]], kv, start: int = 0) -> list[bytes]:
         mv = memoryview(kv).cast("B")
-        return [self.codec.encode(k, self._kv_of(mv, a, b), self.shape) for k, a, b in pieces]
+        return [self.codec.encode(k, self._kv_of(mv, a - start, b - start), self.shape) for k, a, b in pieces]
 
     def _kv_of(self, mv: memoryview, a: int, b: int):
         """The KV blocks of tokens [a, b) (``a`` at a block's start); a partial last block with

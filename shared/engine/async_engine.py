@@ -229,14 +229,16 @@ class AsyncEngine:
         ``call_soon_threadsafe``)."""
         await self._call(lambda: self.engine.watch_chunks(seed, chunk_tokens, hook))
 
-    async def on_finished_kv(self, align: int, hook: Callable[[list[int], bytes, str, int, str], None]) -> None:
-        """``hook(token_ids, kv, tenant, prompt tokens, retention)`` on the engine thread when a
-        request finishes, with its first ``align``-multiple computed tokens and their KV (the KV
-        pool's write-back)."""
+    async def on_finished_kv(self, align: int, hook: Callable[[list[int], memoryview, str, int, str, int], None],
+                             skip: int = 0) -> None:
+        """``hook(token_ids, kv, tenant, prompt tokens, retention, start)`` on the engine thread when
+        a request finishes, with its first ``align``-multiple computed tokens and the KV of those
+        from ``start``: the whole ``skip`` units of the prefix it reused are left out (0: none) —
+        the KV pool's write-back, whose chunks those are."""
         def install() -> None:
-            self.engine.finished_kv_align = align
-            self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant, prompt, ret: hook(tokens, kv, tenant,
-                                                                                           prompt, ret)
+            self.engine.finished_kv_align, self.engine.finished_kv_skip = align, skip
+            self.engine.finished_kv_hook = lambda rid, tokens, kv, tenant, prompt, ret, start: hook(
+                tokens, kv, tenant, prompt, ret, start)
         await self._call(install)
 
     async def on_spill(self, hook: Callable[[list[int], bytes, str, str, str], None]) -> None:

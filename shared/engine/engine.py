@@ -148,10 +148,13 @@ class Engine(KVHandoff):
         # session id there); their KV is on the ring's members, a step each runs after the batch
         self.rings: dict[str, tuple] = {}
         self._failed: list[tuple[str, Exception]] = []  # ring requests that failed (take_failed)
-        # Called (on the engine's thread) with (request_id, token_ids, kv bytes, tenant, prompt tokens,
-        # retention) when a request finishes, for its first ``finished_kv_align``-multiple computed
-        # tokens (the KV pool's write-back of a finished session). None: not called.
-        self.finished_kv_hook: Callable[[str, list[int], bytes, str, int, str], None] | None = None
+        # Called (on the engine's thread) with (request_id, token_ids, kv, tenant, prompt tokens,
+        # retention, start) when a request finishes, for its first ``finished_kv_align``-multiple
+        # computed tokens (the KV pool's write-back of a finished session); ``kv`` holds the tokens
+        # from ``start``: the whole ``finished_kv_skip`` units (0: none) of the prefix it reused are
+        # left out (``_report_finished_kv``). None: not called.
+        self.finished_kv_hook: Callable[[str, list[int], memoryview, str, int, str, int], None] | None = None
+        self.finished_kv_skip = 0
         # sessions' KV resident between turns (retention.py); an evicted one's (token ids, KV, tenant,
         # retention, session) go to ``spill_hook`` (the pool's write-back), on the engine's thread
         self.residency = retention.attach(self, config.session_retention_s)

@@ -62,7 +62,8 @@ def test_pool_prefix_gives_identical_greedy_output(bundled_model, prompt, codec)
     cold = engine(bundled_model)
     captured = {}
     cold.finished_kv_align = 1
-    cold.finished_kv_hook = lambda rid, toks, kv, tenant, n, ret: captured.update(tokens=toks, kv=kv, prompt=n)
+    cold.finished_kv_hook = lambda rid, toks, kv, tenant, n, ret, start: captured.update(tokens=toks, kv=bytes(kv),
+                                                                                         prompt=n, start=start)
     want = greedy(cold, prompt)
     end = prompt_tail_end(captured["prompt"])
     assert captured["prompt"] == len(prompt) and end == 2 * CHUNK + 39 and captured["tokens"][:end] == prompt[:end]
@@ -78,6 +79,26 @@ def test_pool_prefix_gives_identical_greedy_output(bundled_model, prompt, codec)
             got.add(o)
     assert got.token_ids == want.token_ids and got.text == want.text
     assert got.num_cached_tokens == end and want.num_cached_tokens == 0
+
+
+def test_a_finished_request_copies_out_only_what_it_did_not_reuse(bundled_model, prompt):
+    """The write-back's KV leaves out the whole pool chunks of the prefix a request reused (they were
+    cached when it came): its next turn copies what it added, not its whole context again."""
+    e = engine(bundled_model)
+    got = []
+    e.finished_kv_align, e.finished_kv_skip = 1, CHUNK
+    e.finished_kv_hook = lambda rid, toks, kv, tenant, n, ret, start: got.append((toks, bytes(kv), start))
+    greedy(e, prompt)
+    ids = bundled_model.tokenizer.encode(TEXT * 30, add_special_tokens=False)[:len(prompt) + 30]
+    out = run_to_completion(e, {"r2": (ids, SamplingParams(max_tokens=12, temperature=0))})["r2"]
+    (toks1, kv1, start1), (toks2, kv2, start2) = got
+    bb, cached = e.layout.block_bytes, out.num_cached_tokens
+    assert start1 == 0 and len(kv1) == e.layout.blocks_for(len(toks1)) * bb
+    assert cached >= 2 * CHUNK and start2 == cached // CHUNK * CHUNK == 2 * CHUNK
+    assert toks2 == ids + out.token_ids[:-1] and len(kv2) == (e.layout.blocks_for(len(toks2)) - start2 // 16) * bb
+    # the blocks both hold from start2 on are the same cache blocks: the same bytes
+    same = (cached - start2) // 16 * bb
+    assert same > 0 and kv2[:same] == kv1[start2 // 16 * bb:start2 // 16 * bb + same]
 
 
 def test_load_prefix_validates_and_skips_cached_blocks(bundled_model, prompt):

@@ -150,6 +150,22 @@ async def test_a_prompts_tail_is_reused_by_exactly_that_prompt(nats_server, tmp_
             assert tokens == prompt[:96] and bytes(got) == kv[:96 * LAYOUT.token_bytes]
 
 
+async def test_a_write_back_from_a_reused_prefix_stores_what_it_holds(nats_server, tmp_path):
+    """A finished request's KV starts at the whole chunks it reused (``start``): the entries from
+    there the pool lacks are stored, byte-exact; one before it the pool lost is not (no KV for it)."""
+    s = settings(nats_server, tmp_path)
+    async with pool_and_client(s, "worker-s") as (pool, a, bus):
+        prompt, kv = list(range(100)), kv_for(96)
+        assert await a.store(prompt[:32], kv[:32 * LAYOUT.token_bytes]) == 1     # the reused chunk
+        assert await a.store(prompt[:96], kv[32 * LAYOUT.token_bytes:], start=32) == 2
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:96] and bytes(got) == kv
+        other = list(range(1000, 1096))                                          # its first chunk never stored
+        assert await a.store(other, kv[32 * LAYOUT.token_bytes:], start=32) == 2
+        keys = a.keys(other)
+        assert pool.pool.lookup(keys[:1]) == [] and len(pool.pool.lookup(keys[1:])) == 2
+
+
 async def test_an_entry_unreadable_here_comes_over_the_data_plane(nats_server, tmp_path):
     """A worker reading the disk tier's files finds one gone (evicted meanwhile) or damaged: the
     whole prefix comes through the pool's data plane instead (its RAM tier), byte-exact."""
