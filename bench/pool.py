@@ -440,8 +440,9 @@ def bench_restart(args) -> list[dict]:
 
 def bench_finish(args) -> list[dict]:
     """``--finish``: the engine thread's time in ``_report_finished_kv`` (the copy the write-back
-    gets) for a turn that reused ``--finish-contexts`` tokens, the whole context copied (skip 0,
-    as before) and only what the turn added (skip = a pool chunk), in turn, 5 times each."""
+    gets) for a turn that reused ``--finish-contexts`` tokens, the whole context copied (skip 0:
+    what it copied before 2026-11-29, less a second copy into bytes) and only what the turn added
+    (skip = a pool chunk), in turn, 5 times each."""
     from shared.engine.engine import Engine, EngineConfig, run_to_completion
     from shared.engine.sampling import SamplingParams
     chunk = 256

@@ -241,7 +241,7 @@ class AsyncEngine:
                 tokens, kv, tenant, prompt, ret, start)
         await self._call(install)
 
-    async def on_spill(self, hook: Callable[[list[int], bytes, str, str, str], None]) -> None:
+    async def on_spill(self, hook: Callable[[list[int], memoryview, str, str, str], None]) -> None:
         """``hook(token_ids, kv, tenant, retention, session)`` on the engine thread when a resident
         session is evicted (``retention.py``): its KV, to keep in the pool."""
         def install() -> None:

@@ -158,7 +158,7 @@ class Engine(KVHandoff):
         # sessions' KV resident between turns (retention.py); an evicted one's (token ids, KV, tenant,
         # retention, session) go to ``spill_hook`` (the pool's write-back), on the engine's thread
         self.residency = retention.attach(self, config.session_retention_s)
-        self.spill_hook: Callable[[list[int], bytes, str, str, str], None] | None = None
+        self.spill_hook: Callable[[list[int], memoryview, str, str, str], None] | None = None
         self.finished_kv_align = config.block_size
         # Chunk events (``watch_chunks``): called on the engine's thread with (stored, evicted)
         # pool chunk keys, net, at most once per step. None: not tracked.
