@@ -71,11 +71,11 @@ class PrefillWorker(EngineWorker):
 
     async def hand_off(self, req: PrefillRequest, next_seq: int, attempt: int) -> None:
         t0 = time.monotonic()
-        blob = await self.engine.export_kv(req.request_id)
+        # the prompt's chunks and tail go to the pool whatever happens next: a retry, a resume or the
+        # same prompt again finds them (and the receiver's write-back leaves them out)
+        blob = await self.engine.export_kv(req.request_id, written_back=self.kv.pool is not None)
         exported = time.monotonic()
         h, kv = KVBlobHeader.parse(blob)
-        # the prompt's chunks and tail go to the pool whatever happens next: a retry, a resume or the
-        # same prompt again finds them
         self.kv.store_later(h.token_ids[:h.num_computed], kv, h.tenant,
                             prompt_tail_end(h.num_prompt_tokens))
         claim, scatter = None, None

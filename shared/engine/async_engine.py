@@ -184,8 +184,8 @@ class AsyncEngine:
                                            tenant=tenant):
             yield out
 
-    async def export_kv(self, request_id: str) -> bytes:
-        return await self._call(lambda: self.engine.export_kv(request_id))
+    async def export_kv(self, request_id: str, written_back: bool = False) -> bytes:
+        return await self._call(lambda: self.engine.export_kv(request_id, written_back=written_back))
 
     async def export_for_move(self, request_id: str) -> bytes:
         """Park a decoding request and serialise it (``Engine.export_kv(keep=True)``); its stream

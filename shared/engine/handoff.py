@@ -55,7 +55,8 @@ class KVHandoff:
     def _report_finished_kv(self, seq: Sequence) -> None:
         """The finished sequence's KV to ``finished_kv_hook``: its first ``finished_kv_align``-multiple
         computed tokens, less the whole ``finished_kv_skip`` units of the prefix it reused (those
-        were cached when it came: in the pool, whose write-back this is). This runs on the engine's
+        were cached when it came: in the pool, whose write-back this is) or that a hand-off's
+        sender wrote back (``pooled_tokens``). This runs on the engine's
         thread between two steps: an 8K context's KV is 189 MB of the bundled model, ~75 ms a copy
         on a 2-vCPU VM, which every other sequence here waits for — an agent's next turn now copies
         what it added, not its whole context again."""
@@ -63,7 +64,7 @@ class KVHandoff:
         if n == 0:
             return
         skip, bs = self.finished_kv_skip, self.layout.block_size
-        start = seq.num_cached_tokens // skip * skip // bs * bs if skip else 0
+        start = max(seq.num_cached_tokens, seq.pooled_tokens) // skip * skip // bs * bs if skip else 0
         try:  # the partial last block too: a prompt's tail entry ends at its last token but one
             kv = self.read_blocks(seq.block_table[start // bs:self.layout.blocks_for(n)])
             self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant, seq.num_prompt_tokens,
@@ -125,13 +126,15 @@ class KVHandoff:
 
     # ---- KV hand-off ------------------------------------------------------------------
     @torch.inference_mode()
-    def export_kv(self, request_id: str, keep: bool = False) -> bytes:
+    def export_kv(self, request_id: str, keep: bool = False, written_back: bool = False) -> bytes:
         """Serialise a parked (or decoding) sequence — KV, tokens, sampler and text state — as a
         KV blob (``KVBlobHeader``) and remove it from this engine. ``import_kv`` on any engine with
         the same model continues it. ``keep`` (a migration that may fail): only a decoding
         sequence; it stays here, parked with its KV, until ``settle_export`` drops it or puts it
         back in the batch. A ring session's KV is gathered from its members (the bytes of a
-        migration: its promotion to a single worker)."""
+        migration: its promotion to a single worker). ``written_back``: the caller writes this
+        KV's whole chunks back to the pool (a prefill's hand-off), so the receiver's write-back
+        leaves them out (``KVBlobHeader.pooled``)."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no request {request_id!r} in this engine")
@@ -148,7 +151,8 @@ class KVHandoff:
             num_computed=seq.num_computed, num_cached_tokens=seq.num_cached_tokens,
             params=seq.params.to_dict(), priority=seq.priority, kv_blocks=nb,
             detok=[seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars], tenant=seq.tenant,
-            session=seq.session, retention=seq.retention)
+            session=seq.session, retention=seq.retention,
+            pooled=seq.num_computed if written_back else max(seq.num_cached_tokens, seq.pooled_tokens))
         blob = header.pack(ring[0].gather(ring[1]) if ring else self.read_blocks(seq.block_table[:nb]))
         if keep:
             self.scheduler.remove(seq)
@@ -185,7 +189,7 @@ class KVHandoff:
                        h.priority if priority is None else priority, tenant=h.tenant)
         seq.token_ids = list(h.token_ids)
         seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars = h.detok
-        seq.num_cached_tokens = h.num_cached_tokens
+        seq.num_cached_tokens, seq.pooled_tokens = h.num_cached_tokens, h.pooled
         seq.session, seq.retention = h.session, h.retention
         retention.adopt(self.residency, seq)
         self._attach_guide(seq)  # the grammar state: the guide (in params) replayed over the output

@@ -114,6 +114,8 @@ class KVBlobHeader:
     tenant: str = ""             # the request's tenant (its block hashes are salted with it)
     session: str = ""            # its session id ("" none): its KV stays resident between turns
     retention: str = ""          # its prompt_cache_retention ("" | in_memory | 24h)
+    pooled: int = 0              # leading tokens whose whole pool chunks are in the pool: cached where the
+                                 # request came, or written back by the sender (a prefill's hand-off)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -46,6 +46,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []   # content hash of each full block, in order
         self.num_computed = 0                 # tokens whose KV is in the cache
         self.num_cached_tokens = 0            # prompt tokens reused from the prefix cache
+        self.pooled_tokens = 0                # leading tokens whose pool chunks a hand-off's sender wrote back
         self.swapped: torch.Tensor | None = None  # KV blocks held in host memory while preempted
         # (start, tokens, one KV block): KV from the pool for prompt tokens [start, start + tokens)
         # that do not fill a block; the scheduler puts it in place when the request starts

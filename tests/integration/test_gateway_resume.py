@@ -228,7 +228,7 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
                          decode_role=subjects.CPU_DECODE, reason="to d-b")
 
     class Engine:   # what hand_off asks of the engine: the exported KV (a header, no blocks)
-        async def export_kv(self, rid: str) -> bytes:
+        async def export_kv(self, rid: str, written_back: bool = False) -> bytes:
             return KVBlobHeader(layout=KVLayout(1, 1, 8).to_dict(), model="m", request_id=rid, token_ids=[1, 2, 3, 0], num_prompt_tokens=3,
                                 num_computed=3, num_cached_tokens=0, params={}, priority=0, kv_blocks=0).pack(b"")
 
@@ -238,7 +238,7 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
     kv = KVConnector.__new__(KVConnector)   # its sending half only: the bus, the TCP sender
     kv.bus, kv.worker_id = buses["p"], "p"
     kv.sender = make_transport(DataPlaneSettings(shm=False, key="k")).sender()
-    kv.store_later = lambda *a: None
+    kv.store_later, kv.pool = (lambda *a: None), None
     if refused:
         async def hand_off(*a, **kw):   # d-c's answer on its decode subject (KVConnector.hand_off)
             raise RemoteError("overloaded", "d-c: the engine is full")

@@ -101,6 +101,32 @@ def test_a_finished_request_copies_out_only_what_it_did_not_reuse(bundled_model,
     assert same > 0 and kv2[:same] == kv1[start2 // 16 * bb:start2 // 16 * bb + same]
 
 
+def test_a_handed_off_request_leaves_out_what_its_sender_wrote_back(bundled_model, prompt):
+    """A prefill worker writes the prompt's chunks back at its hand-off (``export_kv(written_back=True)``):
+    the decode side's write-back starts after them, and a migration carries that on; a plain export
+    (a migration from where it was computed) claims nothing."""
+    def finish_start(blob) -> int:
+        e, got = engine(bundled_model), []
+        e.finished_kv_align, e.finished_kv_skip = 1, CHUNK
+        e.finished_kv_hook = lambda rid, toks, kv, tenant, n, ret, start: got.append(start)
+        e.import_kv("x", blob)
+        while e.has_work():
+            e.step()
+        return got[0]
+
+    for written_back, want in ((True, 2 * CHUNK), (False, 0)):
+        pre = engine(bundled_model)
+        pre.add("x", prompt, SamplingParams(max_tokens=6, temperature=0), prefill_only=True)
+        while not any(o.finish_reason == "prefilled" for o in pre.step()):
+            pass
+        blob = pre.export_kv("x", written_back=written_back)
+        assert finish_start(blob) == want
+        mid = engine(bundled_model)          # moved once more mid-decode: what was written back stays so
+        mid.import_kv("x", blob)
+        mid.step()
+        assert finish_start(mid.export_kv("x")) == want
+
+
 def test_load_prefix_validates_and_skips_cached_blocks(bundled_model, prompt):
     e = engine(bundled_model)
     with pytest.raises(ValueError, match="whole blocks"):
