@@ -64,8 +64,8 @@ class KVHandoff:
         if n == 0:
             return
         skip, bs = self.finished_kv_skip, self.layout.block_size
-        start = max(seq.num_cached_tokens, seq.pooled_tokens) // skip * skip // bs * bs if skip else 0
         try:  # the partial last block too: a prompt's tail entry ends at its last token but one
+            start = min(max(seq.num_cached_tokens, seq.pooled_tokens), n) // skip * skip // bs * bs if skip else 0
             kv = self.read_blocks(seq.block_table[start // bs:self.layout.blocks_for(n)])
             self.finished_kv_hook(seq.request_id, seq.token_ids[:n], kv, seq.tenant, seq.num_prompt_tokens,
                                   seq.retention, start)
@@ -189,7 +189,10 @@ class KVHandoff:
                        h.priority if priority is None else priority, tenant=h.tenant)
         seq.token_ids = list(h.token_ids)
         seq.prefix_offset, seq.read_offset, seq.output_text, seq.emitted_chars = h.detok
-        seq.num_cached_tokens, seq.pooled_tokens = h.num_cached_tokens, h.pooled
+        seq.num_cached_tokens = h.num_cached_tokens
+        if not isinstance(h.pooled, int) or h.pooled < 0:   # a peer's claim: it only ever narrows a write-back
+            raise ValueError(f"bad KV blob header: pooled {h.pooled!r}")
+        seq.pooled_tokens = h.pooled
         seq.session, seq.retention = h.session, h.retention
         retention.adopt(self.residency, seq)
         self._attach_guide(seq)  # the grammar state: the guide (in params) replayed over the output

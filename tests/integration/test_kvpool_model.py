@@ -3,6 +3,8 @@ engine, gives exactly the output of computing it (lossless codecs), tail entry i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from kvpool.codec import LOSSLESS, LOSSY, RAW, ChunkShape, Codec, decode_entry
 from kvpool.keys import KeyScope, chunk_keys, tail_key
 from kvpool.pool import KVPool, PoolConfig
 from shared.engine.engine import Completion, Engine, EngineConfig, run_to_completion
+from shared.engine.kv_cache import KVBlobHeader
 from shared.engine.sampling import SamplingParams
 from shared.kv_connector import prompt_tail_end
 
@@ -125,6 +128,12 @@ def test_a_handed_off_request_leaves_out_what_its_sender_wrote_back(bundled_mode
         mid.import_kv("x", blob)
         mid.step()
         assert finish_start(mid.export_kv("x")) == want
+    # a peer's claim only narrows the write-back, within the tokens there are; a malformed one is refused
+    h, kv = KVBlobHeader.parse(blob)
+    assert finish_start(dataclasses.replace(h, pooled=10 ** 9).pack(kv)) == 2 * CHUNK
+    for bad in (-1, "512"):
+        with pytest.raises(ValueError, match="pooled"):
+            engine(bundled_model).import_kv("x", dataclasses.replace(h, pooled=bad).pack(kv))
 
 
 def test_load_prefix_validates_and_skips_cached_blocks(bundled_model, prompt):
