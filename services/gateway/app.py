@@ -84,9 +84,37 @@ async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
     return Response(status_code=499)
 
 
-async def _internal(request: Request, exc: Exception) -> Response:
-    log.error("%s internal error", getattr(request.state, "request_id", "-"), exc_info=exc)
-    return _error(request, APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+class Internal:
+    """ASGI middleware: an unexpected exception before the response started becomes a 500 in
+    OpenAI's shape, logged with its traceback, and the request ends there. (An exception handler
+    for ``Exception`` would answer the same, but Starlette re-raises after it, and uvicorn then
+    closes the connection: the client's next request on that keep-alive connection was lost.)
+    One raised after the response started still goes up: that response is broken, and closing
+    the connection is how its client learns it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            if started:
+                raise
+            request = Request(scope)
+            log.error("%s internal error", getattr(request.state, "request_id", "-"), exc_info=exc)
+            err = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+            await _error(request, err)(scope, receive, send)
 
 
 # ---- the app --------------------------------------------------------------------------------
@@ -101,8 +129,8 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
     app.add_exception_handler(BackendError, _backend_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_gone)
-    app.add_exception_handler(Exception, _internal)
     app.add_middleware(Limits, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(Internal)    # outside Limits: what a request held is released first
     app.include_router(router)
     app.include_router(responses_router)
     app.openapi = lambda: _openapi(app)

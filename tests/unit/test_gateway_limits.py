@@ -169,10 +169,13 @@ def test_a_large_input_is_tokenized_while_other_streams_flow(served):
 def test_an_unexpected_exception_is_a_500_with_a_code(served, stream):
     url, backend, _ = served
     backend.error = RuntimeError("a bug")
-    r = httpx.post(f"{url}/v1/chat/completions", json=_chat(stream=stream), headers=KEYS["alice"], timeout=10)
-    err = _error(r, 500, "internal_error")
-    assert err["type"] == "server_error" and "RuntimeError" in err["message"] and r.headers["x-request-id"]
-    backend.error = None
+    with httpx.Client(timeout=10) as http:   # one keep-alive connection for both requests
+        r = http.post(f"{url}/v1/chat/completions", json=_chat(stream=stream), headers=KEYS["alice"])
+        err = _error(r, 500, "internal_error")
+        assert err["type"] == "server_error" and "RuntimeError" in err["message"] and r.headers["x-request-id"]
+        backend.error = None
+        # the connection stays open: the client's next request on it is answered, not reset
+        assert http.post(f"{url}/v1/chat/completions", json=_chat(), headers=KEYS["alice"]).status_code == 200
     still_serving_keyed(url)
 
 
