@@ -67,6 +67,7 @@ def probs(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: 
         sx = sx.masked_fill(sx < kth, float("-inf"))
         ps = sx.softmax(-1)
         drop = ((ps.cumsum(-1) - ps) >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        drop[:, 0] = False      # the best token always stays (as the host's: a top_p that is 0 in float32)
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))
     p = x.softmax(-1)
     x = x.masked_fill(p < min_p[:, None] * p.amax(-1, keepdim=True), float("-inf"))   # min_p 0: nothing

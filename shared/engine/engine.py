@@ -367,8 +367,8 @@ class Engine(KVHandoff):
             token_ids, ctx = self._build_context(chunks)
             logits, greedy = self.model.forward(token_ids, ctx, self.kv), None
         step_out = self._complete(chunks, sampled, logits, greedy)
-        if constrained:
-            self._fast_forward(sampled, step_out)
+        if constrained:   # (one output a sequence of ``sampled``, in order, but for one that failed)
+            self._fast_forward([s for s in sampled if s.status is not Status.FAILED], step_out)
         return step_out
 
     def _complete(self, chunks: list[ScheduledChunk], sampled: list[Sequence], logits: torch.Tensor,
@@ -381,8 +381,12 @@ class Engine(KVHandoff):
             for c in chunks:
                 self.chunk_events.note_seq(c.seq)
             self._report_chunks()
-        tokens, lps = sampler.sample(logits, sampled, greedy)
-        return [self._append(seq, tok, lp) for seq, tok, lp in zip(sampled, tokens, lps)]
+        failed: dict[int, Exception] = {}
+        tokens, lps = sampler.sample(logits, sampled, greedy, failed)
+        for k, e in failed.items():
+            self._fail(sampled[k], e, "its token could not be chosen")
+        return [self._append(seq, tok, lp) for k, (seq, tok, lp) in enumerate(zip(sampled, tokens, lps))
+                if k not in failed]
 
     def _launch_ahead(self, chunks: list[ScheduledChunk], feed: tuple | None = None) -> tuple | None:
         """(chunks, the launched step) where the decode graphs run ahead and ``chunks`` are a
@@ -419,8 +423,18 @@ class Engine(KVHandoff):
         self.seqs[request_id] = seq
         self.rings[request_id] = (ring, sid)
 
+    def _fail(self, seq: Sequence, e: Exception, what: str) -> None:
+        """End ``seq`` with the error ``e`` (``take_failed`` hands it on); the rest of its step goes on."""
+        log.warning("%s: %s: %s", seq.request_id, what, e)
+        if self.seqs.get(seq.request_id) is seq:
+            del self.seqs[seq.request_id]
+        self._release(seq)
+        seq.status = Status.FAILED
+        self._failed.append((seq.request_id, e))
+
     def take_failed(self) -> list[tuple[str, Exception]]:
-        """Ring requests that ended with an error since the last call (a member was lost)."""
+        """Requests that ended with an error since the last call (a ring member was lost, a token
+        that could not be chosen)."""
         if not self._failed:   # every step asks: no new list then
             return self._failed
         out, self._failed = self._failed, []
@@ -437,13 +451,14 @@ class Engine(KVHandoff):
                     self.grammar.fill_masks([seq.matcher])
                 logits = ring.step(sid)
             except Exception as e:  # a member lost: the request ends here, with the error
-                log.warning("%s: ring step failed: %s", rid, e)
-                self.seqs.pop(rid, None)
-                self._release(seq)
-                self._failed.append((rid, e))
+                self._fail(seq, e, "ring step failed")
                 continue
             seq.num_computed += 1
-            tokens, lps = sampler.sample(logits, [seq])
+            failed: dict[int, Exception] = {}
+            tokens, lps = sampler.sample(logits, [seq], failed=failed)
+            if failed:
+                self._fail(seq, failed[0], "its token could not be chosen")
+                continue
             ring.append(sid, tokens[0])
             outs.append(self._append(seq, tokens[0], lps[0]))
         return outs
@@ -674,4 +689,7 @@ def run_to_completion(engine: Engine, requests: dict[str, tuple[list[int], Sampl
                 done[out.request_id].add(out)
                 if out.finished:
                     pending.discard(out.request_id)
+        for rid, e in engine.take_failed():
+            if rid in pending:
+                raise e
     return done

@@ -34,15 +34,19 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
 def _filter(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """Temperature-scaled logits with the top-k / top-p / min-p cut tokens at -inf."""
     p = seq.params
-    row = row / p.temperature
+    # (a logit a tiny repetition_penalty divided past float32's range is +inf, and a softmax with
+    # one is NaN: the largest finite value keeps it the most likely, and changes no finite logit)
+    row = (row / p.temperature).clamp(max=torch.finfo(row.dtype).max)
     if p.top_k and p.top_k < row.shape[0]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, idx = torch.sort(row, descending=True)
         probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the best token always stays)
+        # drop a token when the mass before it already reaches top_p; the best token always stays
+        # (a top_p under float32's least positive value, 1e-46, compares as 0 and would drop it)
         drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop[0] = False
         row = row.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
     if p.min_p > 0:
         probs = row.softmax(-1)
@@ -64,6 +68,9 @@ def draw(probs: torch.Tensor, seed: int, index: int) -> int:
     ``uniform(seed, index)`` number. A token of probability 0 is never drawn."""
     p = probs.double().numpy() if probs.device.type == "cpu" else probs.double().cpu().numpy()
     cdf = np.cumsum(p)
+    if not cdf[-1] > 0:   # (NaN too) a row with no token to draw: its request fails, not the step
+        raise ValueError(f"no token has a positive probability (total {cdf[-1]}): the row's logits, "
+                         "penalties and filters left nothing to draw")
     tok = int(np.searchsorted(cdf, uniform(seed, index) * cdf[-1], side="right"))
     if tok >= len(p) or p[tok] <= 0:  # u * total rounded up to the total: the last possible token
         tok = int(np.flatnonzero(p > 0)[-1])
@@ -102,13 +109,15 @@ def on_device(seq: Sequence) -> bool:
     return not seq.params.greedy and plain(seq)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence],
-           best: list[int] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], best: list[int] | None = None,
+           failed: dict[int, Exception] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """One next token per row of ``logits`` [S, vocab] (float32), for ``seqs`` in row order.
     ``best``: tokens chosen already on the GPU, in the decode graph: a greedy row's argmax (a
     greedy row without penalties takes it instead of reading its row back), an ``on_device``
     row's draw (taken as is), None for a sampled row the host draws. On a GPU the rows that are
-    read (all of them without ``best``) come to the host in one copy."""
+    read (all of them without ``best``) come to the host in one copy. ``failed``: a row whose
+    choice raises gets token -1 and its exception there (row -> exception), so one request's
+    failure is its own, not its batch's; without it the exception goes up."""
     tokens: list[int] = []
     lps: list[TokenLogprob | None] = []
     host: dict[int, torch.Tensor] = {}
@@ -119,37 +128,47 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
         if need:
             host = dict(zip(need, logits[need].cpu()))
     for i, seq in enumerate(seqs):
-        p = seq.params
         if chosen[i]:                        # (its row is never touched: no view of it is made)
             tokens.append(best[i])
             lps.append(None)
             continue
-        row = host[i] if i in host else logits[i]
-        m = seq.matcher  # the grammar's state, or None
-        if m is not None and needs_mask(seq):
-            row = row + _bias(m.mask(), row)   # the whole distribution counts: mask every banned token
-            m = None
-        raw = row
-        penalised = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        if penalised:
-            row = _apply_penalties(row.clone(), seq)
-        if p.greedy:
-            tok = best[i] if best is not None and not penalised and row is raw else _argmax(row)
-            if m is not None and not m.allows(tok):
-                # greedy under a grammar: only when the best token is banned does the row need
-                # the mask (most steps of a JSON string do not; the check costs ~2 us, a mask 3-80)
-                tok = _argmax(row + _bias(m.mask(), row))
-        else:
-            probs = _filter(row, seq).softmax(-1)
-            tok = draw(probs, seq.seed, seq.num_output_tokens)
-        lp = None
-        if p.logprobs or p.top_logprobs:
-            logp = raw.float().log_softmax(-1)
-            top = []
-            if p.top_logprobs:
-                v, i = torch.topk(logp, p.top_logprobs)
-                top = list(zip(i.tolist(), v.tolist()))
-            lp = TokenLogprob(tok, float(logp[tok]), top)
+        try:
+            tok, lp = _choose(host[i] if i in host else logits[i], seq, None if best is None else best[i])
+        except Exception as e:
+            if failed is None:
+                raise
+            failed[i], tok, lp = e, -1, None
         tokens.append(tok)
         lps.append(lp)
     return tokens, lps
+
+
+def _choose(row: torch.Tensor, seq: Sequence, best: int | None) -> tuple[int, TokenLogprob | None]:
+    """``sample``'s choice for one row the host reads (``best``: the graph's argmax, or None)."""
+    p = seq.params
+    m = seq.matcher  # the grammar's state, or None
+    if m is not None and needs_mask(seq):
+        row = row + _bias(m.mask(), row)   # the whole distribution counts: mask every banned token
+        m = None
+    raw = row
+    penalised = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+    if penalised:
+        row = _apply_penalties(row.clone(), seq)
+    if p.greedy:
+        tok = best if best is not None and not penalised and row is raw else _argmax(row)
+        if m is not None and not m.allows(tok):
+            # greedy under a grammar: only when the best token is banned does the row need
+            # the mask (most steps of a JSON string do not; the check costs ~2 us, a mask 3-80)
+            tok = _argmax(row + _bias(m.mask(), row))
+    else:
+        probs = _filter(row, seq).softmax(-1)
+        tok = draw(probs, seq.seed, seq.num_output_tokens)
+    lp = None
+    if p.logprobs or p.top_logprobs:
+        logp = raw.float().log_softmax(-1)
+        top = []
+        if p.top_logprobs:
+            v, ids = torch.topk(logp, p.top_logprobs)
+            top = list(zip(ids.tolist(), v.tolist()))
+        lp = TokenLogprob(tok, float(logp[tok]), top)
+    return tok, lp

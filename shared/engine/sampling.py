@@ -8,10 +8,15 @@ from dataclasses import asdict, dataclass, field, fields
 from shared.engine.grammar import check_guide
 
 
+# A temperature below this is greedy (as vLLM's): dividing logits by a smaller one overflows float32
+# (1e-38 did: every row of the step that sampled it failed), and the distribution is one-hot anyway.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16            # new tokens at most (finish_reason "length")
-    temperature: float = 1.0        # 0 = greedy
+    temperature: float = 1.0        # 0 (below GREEDY_BELOW) = greedy
     top_p: float = 1.0              # nucleus mass kept, (0, 1]
     top_k: int = 0                  # keep the k most likely tokens; 0 = off
     min_p: float = 0.0              # drop tokens below min_p * p(most likely); 0 = off
@@ -71,7 +76,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -25,6 +25,7 @@ class Status(enum.Enum):
     RUNNING = "running"
     PARKED = "parked"
     FINISHED = "finished"
+    FAILED = "failed"     # ended with an error (Engine._fail), not an answer
 
 
 class Sequence:

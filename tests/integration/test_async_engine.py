@@ -67,6 +67,37 @@ async def test_drain_never_merges_into_a_migration_or_past_an_error(engine):
         await ae.close()
 
 
+async def test_a_token_that_cannot_be_chosen_fails_its_request_alone(engine, monkeypatch):
+    """A row whose choice raises (here on purpose, at its 5th token; before the sampler's
+    fixes, a temperature of 1e-38) ends its own stream with the error; the requests batched with
+    it get every token they get alone, and the engine serves on."""
+    from shared.engine import sampler
+    ids = engine.tokenizer.encode("The lighthouse keeper wrote in his log that")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ref = run_to_completion(engine, {"ref": (ids, params)})["ref"]
+    choose = sampler._choose
+
+    def failing(row, seq, best):
+        if seq.request_id == "bad" and seq.num_output_tokens == 4:
+            raise ValueError("no token to choose")
+        return choose(row, seq, best)
+    monkeypatch.setattr(sampler, "_choose", failing)
+    ae = AsyncEngine(engine)
+    try:
+        async def stream(rid):
+            return [o async for o in ae.generate(rid, ids, SamplingParams(max_tokens=24, temperature=0.0,
+                                                                          ignore_eos=True, logprobs=True))]
+        got = await asyncio.gather(stream("good1"), stream("bad"), stream("good2"), return_exceptions=True)
+        assert isinstance(got[1], ValueError) and "no token to choose" in str(got[1])
+        for outs in (got[0], got[2]):
+            assert [t for o in outs for t in o.token_ids] == ref.token_ids and outs[-1].finish_reason == "length"
+        assert "bad" not in engine.seqs and engine.stats()["running"] == 0
+        after = [o async for o in ae.generate("after", ids, params)]
+        assert [t for o in after for t in o.token_ids] == ref.token_ids
+    finally:
+        await ae.close()
+
+
 async def test_batch_only_steps_run_on_the_batch_lane_with_its_kernel_team(bundled_model):
     """A step of batch sequences only runs on the lane's thread, and the kernels' OpenMP team
     that thread starts runs at its priority; a step with interactive work runs on the engine

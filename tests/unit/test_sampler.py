@@ -6,8 +6,10 @@ import math
 
 import torch
 
+import pytest
+
 from shared.engine.sampler import _apply_penalties, _filter, sample
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import GREEDY_BELOW, SamplingParams
 from shared.engine.sequence import Sequence
 
 
@@ -63,3 +65,33 @@ def test_precomputed_argmax_serves_plain_greedy_rows_only():
     tokens, lps = sample(logits, seqs, best=[0, 0, 2])
     assert tokens == [0, 1, 2]          # row 0 trusts best (even where it is not the row's argmax)
     assert lps[0] is None and lps[2] is not None and lps[2].token_id == 2
+
+
+def test_extreme_but_valid_parameters_still_choose_a_token():
+    """Values every check lets through, at float32's edges: a temperature of 1e-38 (the logits
+    divided by it were +-inf, the softmax NaN), a top_p of 1e-46 (0 in float32: every token was
+    dropped), a repetition_penalty of 1e-38 (a seen token's logit +inf). Each made ``draw`` index
+    an empty array, and the step failed for every request in it."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0]])
+    assert SamplingParams(temperature=GREEDY_BELOW / 2).greedy and not SamplingParams(temperature=GREEDY_BELOW).greedy
+    for kw in ({"temperature": 1e-38}, {"temperature": 1e-300}, {"top_p": 1e-46}, {"top_p": 5e-324}):
+        for s in range(5):
+            assert sample(logits.clone(), [seq([0], seed=s, **kw)])[0] == [1], kw   # the best token, always
+    # a seen token's logit over float32's range stays the most likely, and finite logits keep their odds
+    for s in range(5):
+        assert sample(logits.clone(), [seq([3], seed=s, repetition_penalty=1e-39)])[0] == [3]
+    row = _filter(_apply_penalties(logits[0].clone(), seq([3], repetition_penalty=1e-39)), seq([0]))
+    assert row.isfinite().all() and row[3] == torch.finfo(torch.float32).max
+
+
+def test_a_row_that_cannot_be_chosen_fails_alone():
+    """With ``failed``, a row whose choice raises gets its exception there; the other rows are
+    chosen as before. Without it the exception goes up."""
+    logits = torch.tensor([[0.0, 1.0, 5.0], [float("nan")] * 3, [0.0, 4.0, 1.0]])
+    rows = [seq([0], temperature=1.0, seed=1), seq([0], temperature=1.0, seed=1), seq([0], temperature=0)]
+    failed = {}
+    toks, lps = sample(logits, rows, failed=failed)
+    assert list(failed) == [1] and "no token has a positive probability" in str(failed[1])
+    assert toks[0] == sample(logits[:1], rows[:1])[0][0] and toks[2] == 1 and toks[1] == -1
+    with pytest.raises(ValueError, match="positive probability"):
+        sample(logits, rows)
