@@ -56,18 +56,22 @@ def validate_model(model_cls: type[BaseModel], data: dict) -> BaseModel:
         raise bad_param(param, f"invalid parameter {param}: {err['msg']}") from None
 
 
+# Unknown fields are accepted and logged (as vLLM does); known-unsupported ones are rejected. The
+# types are strict, as OpenAI's: "5" is no integer, "yes" no boolean (an int stands for a float).
+_STRICT = ConfigDict(extra="allow", strict=True)
+
+
 class _Request(BaseModel):
-    # unknown fields are accepted and logged (as vLLM does); known-unsupported ones are rejected
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     include_usage: bool | None = None     # Tandem always sends the usage chunk
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -78,7 +82,7 @@ class ChatMessage(BaseModel):
 class _Sampling(_Request):
     """Parameters shared by both endpoints (None = not given)."""
     model: str
-    stream: bool = False
+    stream: bool | None = None            # None: false (clients send null for "not set")
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -91,7 +95,7 @@ class _Sampling(_Request):
     repetition_penalty: float | None = None  # vLLM extension
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
-    ignore_eos: bool = False                 # vLLM extension
+    ignore_eos: bool | None = None           # vLLM extension
     n: int | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -140,6 +144,8 @@ def check_unsupported(req: _Sampling) -> None:
         raise bad_param("n", f"invalid parameter n={req.n}: must be in [1, {MAX_N}]")
     if req.logit_bias:
         raise bad_param("logit_bias", "logit_bias is not supported", code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise bad_param("stream_options", "stream_options is only allowed when stream is true")
     if isinstance(req, ChatCompletionRequest):
         if req.functions or req.function_call not in (None, "none"):
             raise bad_param("functions" if req.functions else "function_call",
@@ -230,9 +236,11 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(m.content, list):
             parts = []
             for j, p in enumerate(m.content):
-                if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise bad_param(f"messages[{i}].content[{j}]", "only text content parts are supported")
-                parts.append(p["text"])
+                kind = "refusal" if p.get("type") == "refusal" and m.role == "assistant" else "text"
+                if p.get("type") != kind or not isinstance(p.get(kind), str):
+                    raise bad_param(f"messages[{i}].content[{j}]", "only text content parts are supported (and an "
+                                    "assistant's refusal)", code="unsupported_parameter")
+                parts.append(p[kind])
             content = "\n".join(parts)
         else:
             content = m.content or ""
@@ -249,6 +257,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                                     "\"function\", \"function\": {\"name\", \"arguments\"}}")
             msg["tool_calls"] = m.tool_calls
         if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_param(f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers")
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out

@@ -25,6 +25,8 @@ from typing import Any
 
 from .errors import bad_param
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # what OpenAI accepts as a function's name
+
 # ---- parsers, one per model family ----------------------------------------------------------
 
 
@@ -180,11 +182,17 @@ def _params(fn: dict) -> dict:
 
 def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:
     """Validate ``tools`` / ``tool_choice`` (400 naming the parameter) and decide the mode."""
-    fns = []
+    fns, names = [], set()
     for i, t in enumerate(tools or []):
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_param(f"tools[{i}]", "each tool must be {\"type\": \"function\", \"function\": {\"name\", ...}}")
+        if not TOOL_NAME.fullmatch(fn["name"]):
+            raise bad_param(f"tools[{i}].function.name", f"{fn['name'][:80]!r} is not a valid tool name: "
+                            "a-z, A-Z, 0-9, underscores and dashes, at most 64")
+        if fn["name"] in names:
+            raise bad_param(f"tools[{i}].function.name", f"two tools are named {fn['name']!r}")
+        names.add(fn["name"])
         if "parameters" in fn and not isinstance(fn["parameters"], dict):
             raise bad_param(f"tools[{i}].function.parameters", "parameters must be a JSON schema object")
         fns.append({k: fn[k] for k in ("name", "description", "parameters") if k in fn})
@@ -195,7 +203,8 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) 
         return ToolPlan("none", fns)
     if choice in ("auto", "required"):
         return ToolPlan(choice, fns, parallel=parallel is not False)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise bad_param("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
                         "{\"type\": \"function\", \"function\": {\"name\": ...}}")
@@ -214,6 +223,8 @@ def turn_guide(plan: ToolPlan, rf: dict | None) -> tuple[dict | None, str]:
 
 def response_format_guide(rf: dict | None) -> dict | None:
     """``response_format`` -> a guide (400 for a bad one)."""
+    if rf is not None and "type" not in rf:
+        raise bad_param("response_format.type", "response_format needs a type: text, json_object or json_schema")
     kind = (rf or {}).get("type", "text")
     if kind == "text":
         return None
@@ -221,7 +232,7 @@ def response_format_guide(rf: dict | None) -> dict | None:
         return {"kind": "json_object", "value": None}
     if kind == "json_schema":
         js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict) or not isinstance(js.get("name"), str):
             raise bad_param("response_format.json_schema", "json_schema must be {\"name\", \"schema\": {...}, \"strict\"}")
         return {"kind": "json_schema", "value": js.get("schema") or {}}
     raise bad_param("response_format.type", f"unknown response_format type {kind!r}: text, json_object or json_schema")

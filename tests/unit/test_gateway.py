@@ -229,6 +229,20 @@ def test_chat_non_streaming(client, backend):
     assert backend.aborted == []
 
 
+def test_nulls_and_an_assistants_refusal_part_are_accepted(url, backend):
+    """What OpenAI takes too: ``stream`` / ``ignore_eos`` null (clients send null for "not set"),
+    an assistant turn of content parts with a refusal among them."""
+    msgs = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+            {"role": "user", "content": [{"type": "text", "text": "y"}]}]
+    r = httpx.post(f"{url}/v1/chat/completions", json=_chat(messages=msgs, stream=None, ignore_eos=None), timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json"), r.text
+    (req,) = backend.requests
+    assert req.prompt_token_ids == chat_prompt_ids([{"role": "user", "content": "x"},
+                                                    {"role": "assistant", "content": "I cannot."},
+                                                    {"role": "user", "content": "y"}])
+
+
 def test_chat_default_max_tokens_is_the_rest_of_the_context(client, backend):
     client.chat.completions.create(model=MODEL, messages=MSGS)
     assert backend.requests[0].sampling.max_tokens == backend.max_context - len(chat_prompt_ids(MSGS))
@@ -430,7 +444,24 @@ ERRORS = [
      "messages[0].role", "invalid_parameter"),
     ("image part", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), {}, 400,
-     "messages[0].content[0]", "invalid_parameter"),
+     "messages[0].content[0]", "unsupported_parameter"),
+    ("tool message without its call id", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]), {}, 400,
+     "messages[1].tool_call_id", "invalid_parameter"),
+    # strict types, as OpenAI's: no string for a number or a boolean, no number for a boolean
+    ("max_tokens as a string", "/v1/chat/completions", _chat(max_tokens="5"), {}, 400, "max_tokens",
+     "invalid_parameter"),
+    ("n as a boolean", "/v1/chat/completions", _chat(n=True), {}, 400, "n", "invalid_parameter"),
+    ("completion logprobs false", "/v1/completions", {"model": MODEL, "prompt": "p", "logprobs": False}, {}, 400,
+     "logprobs", "invalid_parameter"),
+    ("response_format without type", "/v1/chat/completions", _chat(response_format={}), {}, 400,
+     "response_format.type", "invalid_parameter"),
+    ("json_schema without name", "/v1/chat/completions",
+     _chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}), {}, 400,
+     "response_format.json_schema", "invalid_parameter"),
+    ("tool_choice function not an object", "/v1/chat/completions",
+     _chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": "f"}),
+     {}, 400, "tool_choice", "invalid_parameter"),
     ("template error", "/v1/chat/completions", _chat(messages=[{"role": "assistant", "content": "x"}]), {}, 400,
      "messages", "invalid_parameter"),
     ("temperature type", "/v1/chat/completions", _chat(temperature="hot"), {}, 400, "temperature",
@@ -497,6 +528,15 @@ def test_errors(url, backend, name, path, body, headers, status, param, code):
         assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
     assert backend.requests == [] and backend.aborted == []
     still_serving(url)
+
+
+@pytest.mark.parametrize("body,param", [(_chat(stream="yes"), "stream"), (_chat(stream=1), "stream"),
+                                        (_chat(stream_options={"include_usage": True}), "stream_options"),
+                                        (_chat(stream=False, stream_options={}), "stream_options")])
+def test_what_says_stream_is_checked_before_a_stream_starts(url, backend, body, param):
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert backend.requests == []
 
 
 @pytest.mark.parametrize("stream", [False, True])

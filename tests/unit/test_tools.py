@@ -93,9 +93,17 @@ def test_plans_and_their_guides():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     for tools, choice in (([WEATHER], {"type": "function", "function": {"name": "x"}}), ([WEATHER], "sometimes"),
-                          (None, "required"), ([{"type": "function", "function": {}}], None)):
-        with pytest.raises(APIError):
+                          (None, "required"), ([{"type": "function", "function": {}}], None),
+                          # a choice's "function" that is no object; names OpenAI refuses; two alike
+                          ([WEATHER], {"type": "function", "function": "get_weather"}),
+                          ([WEATHER], {"type": "function", "function": None}), ([WEATHER], ["get_weather"]),
+                          ([{"type": "function", "function": {"name": 'a b/c"d'}}], None),
+                          ([{"type": "function", "function": {"name": "f" * 65}}], None),
+                          ([WEATHER, WEATHER], None)):
+        with pytest.raises(APIError) as e:
             tool_plan(tools, choice, None)
+        assert e.value.status == 400 and e.value.param.startswith(("tools", "tool_choice"))
+    assert tool_plan([{"type": "function", "function": {"name": "mcp__fs-read_2"}}], "required", None).mode == "required"
 
 
 def test_response_format_guides():
