@@ -117,9 +117,10 @@ def check_auth(request: Request) -> None:
     request.state.tenant = PUBLIC
     if not gw.key_tiers:
         return
-    auth = request.headers.get("authorization", "").encode()
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip().encode() if scheme.lower() == "bearer" else b""   # (a scheme is case-insensitive)
     for key, tier in gw.key_tiers.items():
-        if hmac.compare_digest(auth, f"Bearer {key}".encode()):
+        if hmac.compare_digest(given, key.encode()):
             request.state.key_tier = tier
             if key != gw.settings.api_key:
                 request.state.tier_cap = tier
@@ -314,7 +315,9 @@ async def update_session(session_id: str, request: Request) -> Response:
     if not SESSION_RE.match(session_id):
         raise bad_param("session_id", "invalid session id: 1-256 visible ASCII characters, no spaces",
                         code="invalid_session")
-    state_ = await state(request).backend.update_session(session_id, tier.strip().lower(), request.state.tenant)
+    # never above the key's own tier (docs/security.md): a session asked for better runs at the cap
+    tier = max(tier.strip().lower(), request.state.tier_cap, key=lambda t: Tier(t).priority)
+    state_ = await state(request).backend.update_session(session_id, tier, request.state.tenant)
     log.info("session %s -> %s: moved %d request(s)", session_id, state_["tier"], len(state_["moved"]))
     return json_response(state_)
 

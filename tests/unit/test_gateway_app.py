@@ -49,6 +49,16 @@ async def test_api_keys_carry_default_tiers():
         assert r.headers["x-tandem-sla"] == "interactive"   # TANDEM_API_KEY has no ceiling
         r = await http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
         assert r.status_code == 401
+        # nor through a session: a batch key's session asked for interactive runs at batch
+        r = await http.post("/v1/sessions/a-1", json={"tier": "interactive"}, headers={"Authorization": "Bearer agent"})
+        assert r.status_code == 200 and r.json()["tier"] == "batch" and backend.sessions["a-1"] == "batch"
+        r = await http.post("/v1/sessions/h-1", json={"tier": "batch"}, headers={"Authorization": "Bearer human"})
+        assert backend.sessions["h-1"] == "batch"   # lowered: as asked
+        # the auth scheme is case-insensitive (RFC 7235); the key is not
+        for auth, status in (("bearer agent", 200), ("BEARER agent", 200), ("Bearer AGENT", 401), ("agent", 401),
+                             ("Basic agent", 401), ("Bearer", 401), ("", 401)):
+            r = await http.get("/v1/models", headers={"Authorization": auth})
+            assert r.status_code == status, auth
     with pytest.raises(ValueError, match="TANDEM_API_KEYS"):
         GatewaySettings(api_keys="k=gold").validate()
 
