@@ -19,6 +19,7 @@ holding it. Where they are kept, and their caps per tenant: ``response_store.py`
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -26,13 +27,13 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from . import streaming
 from .handlers import begin_generation, check_auth, prepare_chat, read_body, state, validated
 from .response_store import ResponseStore, StoredResponse
 from .openai_api import (
-    SESSION_RE, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
+    _STRICT, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
     resolve_retention, session_of,
 )
 
@@ -42,7 +43,7 @@ router = APIRouter()
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -57,25 +58,32 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     include: list[str] | None = None           # accepted; nothing to include beyond the defaults
-    store: bool = True
+    store: bool | None = None                   # None: true, OpenAI's default
     previous_response_id: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None   # in_memory | 24h (docs/api.md)
     truncation: str | None = None               # "disabled" (default) or "auto": accepted, never truncates
     reasoning: dict[str, Any] | None = None     # accepted; the model has no reasoning mode
-    stream: bool = False
+    stream: bool | None = None
     # Tandem extensions, as on the chat endpoint
     sla: str | None = None
     tier: str | None = None
     session_id: str | None = None
     cache_salt: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     # sampling extensions, as on the chat endpoint (vLLM's names); unset: TANDEM_GENERATION_DEFAULTS
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+
+
+# fields of OpenAI's Responses API this server refuses rather than ignores (they change the contract)
+UNSUPPORTED = {"background": "responses run in the foreground (the request waits for its answer)",
+               "conversation": "continue a conversation with previous_response_id"}
+# a chat parameter an error names -> the Responses parameter it came from
+PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
 # ---- request translation -----------------------------------------------------------------------
@@ -90,10 +98,12 @@ def _text(content: Any, where: str) -> str:
         raise bad_param(where, "content must be a string or a list of content parts")
     parts = []
     for j, p in enumerate(content):
-        if not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS or not isinstance(p.get("text"), str):
+        if not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS:
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
             raise bad_param(f"{where}[{j}]", f"unsupported content part {kind!r}: only input_text and "
                                              f"output_text are supported", code="unsupported_parameter")
+        if not isinstance(p.get("text"), str):
+            raise bad_param(f"{where}[{j}].text", f"a {p['type']} part needs its text, a string")
         parts.append(p["text"])
     return "\n".join(parts)
 
@@ -120,7 +130,10 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = it.get("output", "")
+            for field in ("call_id", "output"):
+                if field not in it:
+                    raise bad_param(f"input[{i}].{field}", f"a function_call_output item needs its {field}")
+            output = it["output"]
             out.append({"role": "tool", "tool_call_id": it.get("call_id", ""),
                         "content": output if isinstance(output, str) else _text(output, f"input[{i}].output")})
         elif kind == "reasoning":
@@ -136,8 +149,10 @@ def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[str]]:
     """Function tools in the chat shape, and the kinds left out (hosted tools the server cannot
     run: web_search, file_search, mcp, image_generation, code_interpreter, namespace groups...)."""
     kept, dropped = [], []
-    for t in tools or []:
-        if t.get("type") == "function" and t.get("name"):
+    for i, t in enumerate(tools or []):
+        if t.get("type") == "function" and not isinstance(t.get("name"), str):
+            raise bad_param(f"tools[{i}].name", "a function tool needs its name")
+        if t.get("type") == "function":
             fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
             kept.append({"type": "function", "function": fn})
         else:
@@ -187,19 +202,21 @@ def store_of(request: Request) -> ResponseStore:
     return gw.responses
 
 
-_RID_RE = SESSION_RE
+# what this server's ids look like (resp_ and 32 hex digits; a few more characters allowed): nothing a
+# NATS KV key gives a meaning to (".", "*", ">"), which the bucket refuses with an error of its own
+_RID_RE = re.compile(r"resp_[A-Za-z0-9_-]{1,200}")
 
 
-def check_id(rid: str) -> None:
-    if not rid.startswith("resp_") or not _RID_RE.match(rid) or "." in rid:
-        raise APIError(404, f"No response found with id '{rid}'.", param="response_id", code="not_found")
+def check_id(rid: str, param: str = "response_id") -> None:
+    if not _RID_RE.fullmatch(rid):
+        raise APIError(404, f"No response found with id '{rid[:300]}'.", param=param, code="not_found")
 
 
-async def load(request: Request, rid: str) -> StoredResponse:
-    check_id(rid)
+async def load(request: Request, rid: str, param: str = "response_id") -> StoredResponse:
+    check_id(rid, param)
     record = await store_of(request).get(request.state.tenant, rid)
     if record is None:
-        raise APIError(404, f"No response found with id '{rid}'.", param="response_id", code="not_found")
+        raise APIError(404, f"No response found with id '{rid}'.", param=param, code="not_found")
     return StoredResponse.from_dict(record)
 
 
@@ -311,20 +328,25 @@ class ResponsesFormat(_Format):
                 self._event("error", code=err["code"], message=error.message, param=error.param)]
 
     # -- the whole response
-    def output_items(self, message: dict) -> list[dict]:
-        """The chat message as output items, with the ids the stream used."""
+    def output_items(self, message: dict, cut: bool = False) -> list[dict]:
+        """The chat message as output items, with the ids the stream used: a call's ``call_id`` is
+        the one its ``output_item.added`` said, and the message (what a next turn continues) gets
+        it too, so a ``function_call_output`` answering the streamed id matches. ``cut``: the
+        output ended at max_output_tokens (the text item is incomplete then)."""
         items = []
         text = message.get("content")
         if text:
-            items.append({"type": "message", "id": self.msg_id, "status": "completed", "role": "assistant",
+            items.append({"type": "message", "id": self.msg_id, "status": "incomplete" if cut else "completed",
+                          "role": "assistant",
                           "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
         streamed = list(self.calls.values())
         for i, tc in enumerate(message.get("tool_calls") or []):
             fn = tc.get("function") or {}
-            known = streamed[i] if i < len(streamed) else None
-            items.append({"type": "function_call", "id": known["id"] if known else f"fc_{uuid.uuid4().hex}",
-                          "call_id": tc.get("id") or (known or {}).get("call_id") or f"call_{uuid.uuid4().hex[:24]}",
-                          "name": fn.get("name", ""), "arguments": fn.get("arguments", ""), "status": "completed"})
+            known = streamed[i] if i < len(streamed) else {}
+            tc["id"] = known.get("call_id") or tc.get("id") or f"call_{uuid.uuid4().hex[:24]}"
+            items.append({"type": "function_call", "id": known.get("id") or f"fc_{uuid.uuid4().hex}",
+                          "call_id": tc["id"], "name": fn.get("name", ""), "arguments": fn.get("arguments", ""),
+                          "status": "completed"})
         if self.items and [it["type"] for it in self.items] != [it["type"] for it in items]:
             # keep the streamed order (text first or calls first) for output_index consistency
             by_type = {t: [it for it in items if it["type"] == t] for t in ("message", "function_call")}
@@ -347,8 +369,8 @@ class ResponsesFormat(_Format):
         if "tandem" in u:
             usage["tandem"] = u["tandem"]
         incomplete = "max_output_tokens" if choice["finish_reason"] == "length" else None
-        obj = self._object("incomplete" if incomplete else "completed", self.output_items(choice["message"]),
-                           usage=usage, incomplete=incomplete)
+        obj = self._object("incomplete" if incomplete else "completed",
+                           self.output_items(choice["message"], cut=bool(incomplete)), usage=usage, incomplete=incomplete)
         return obj, choice["message"]
 
 
@@ -361,7 +383,12 @@ async def create_response(request: Request) -> Response:
     req = await validated(request, ResponsesRequest, await read_body(request))
     if req.truncation not in (None, "disabled", "auto"):
         raise bad_param("truncation", "truncation must be 'disabled' or 'auto'")
-    previous = await load(request, req.previous_response_id) if req.previous_response_id else None
+    for field, why in UNSUPPORTED.items():
+        if (req.model_extra or {}).get(field):
+            raise bad_param(field, f"{field} is not supported: {why}", code="unsupported_parameter")
+    store_it = req.store is not False
+    previous = await load(request, req.previous_response_id, "previous_response_id") \
+        if req.previous_response_id else None
     history = list(previous.messages) if previous else []
     new_messages = input_messages(req.input)
     conversation = history + new_messages            # what is stored and continued next turn
@@ -373,28 +400,34 @@ async def create_response(request: Request) -> Response:
         log.info("%s leaving out tools the server cannot run: %s", rid, ", ".join(dropped))
     # the conversation's session: its turns go to the worker holding its prefix
     session = req.session_id or (session_of(req.prompt_cache_key) if req.prompt_cache_key else None) \
-        or (previous.session if previous else None) or (rid if req.store else None)
+        or (previous.session if previous else None) or (rid if store_it else None)
     chat_body = {
         "model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "user": req.user,
         "sla": req.sla, "tier": req.tier, "session_id": session, "cache_salt": req.cache_salt,
         "prompt_cache_retention": resolve_retention(req.prompt_cache_retention) or None,
         "ignore_eos": req.ignore_eos,
-        "tools": tools, "tool_choice": chat_tool_choice(req.tool_choice) if tools else None,
+        "tools": tools, "tool_choice": chat_tool_choice(req.tool_choice),
         "response_format": chat_response_format(req.text), "top_k": req.top_k, "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
     }
     if req.parallel_tool_calls is not None and tools:
         chat_body["parallel_tool_calls"] = req.parallel_tool_calls
-    chat_req = await validated(request, ChatCompletionRequest, {k: v for k, v in chat_body.items() if v is not None})
-    gens, chat_fmt = await prepare_chat(request, chat_req, rid)
+    try:   # an error names the Responses parameter, not the chat one it became
+        chat_req = await validated(request, ChatCompletionRequest, {k: v for k, v in chat_body.items() if v is not None})
+        gens, chat_fmt = await prepare_chat(request, chat_req, rid)
+    except APIError as e:
+        if e.param:
+            head, dot, rest = e.param.partition(".")
+            e.param = PARAMS.get(head, head) + dot + rest
+        raise
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": gens[0].sampling.temperature,
             "top_p": req.top_p if req.top_p is not None else 1.0, "tools": req.tools or [],
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-            "previous_response_id": req.previous_response_id, "store": req.store, "metadata": req.metadata or {},
+            "previous_response_id": req.previous_response_id, "store": store_it, "metadata": req.metadata or {},
             "text": req.text or {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
             "user": req.user, "reasoning": {"effort": None, "summary": None}, "prompt_cache_key": req.prompt_cache_key,
             "prompt_cache_retention": req.prompt_cache_retention}
@@ -402,7 +435,7 @@ async def create_response(request: Request) -> Response:
     input_items = [item_of(m) for m in new_messages]
 
     async def on_finish(final: dict, message: dict) -> None:
-        if not req.store:
+        if not store_it:
             return
         turn = {"role": "assistant", "content": message.get("content")}
         if message.get("tool_calls"):
@@ -425,10 +458,28 @@ async def get_response(response_id: str, request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def get_input_items(response_id: str, request: Request) -> Response:
+    """The turn's input items, a page at a time as OpenAI's: ``limit`` (1-100, default 20),
+    ``order`` (``desc``, the default: newest first, or ``asc``), ``after`` (an item id: the page
+    starts past it)."""
     check_auth(request)
+    q = request.query_params
+    limit = q.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise bad_param("limit", f"limit must be an integer in [1, 100], got {limit!r}")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_param("order", f"order must be 'asc' or 'desc', got {order!r}")
     items = (await load(request, response_id)).input_items
-    return json_response({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-                          "last_id": items[-1]["id"] if items else None, "has_more": False})
+    items = items[::-1] if order == "desc" else items
+    after = q.get("after")
+    if after is not None:
+        at = next((k for k, it in enumerate(items) if it.get("id") == after), None)
+        if at is None:
+            raise bad_param("after", f"no input item {after[:100]!r} in this response")
+        items = items[at + 1:]
+    page = items[:int(limit)]
+    return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -125,18 +125,22 @@ def chat_streamed(stream) -> tuple[str, list[tuple[str, str]], str | None]:
 
 
 def responses_streamed(events) -> tuple[str, list[tuple[str, str]], str]:
-    text, done, status, args = "", [], None, {}
+    text, done, status, args, call_ids = "", [], None, {}, {}
     for e in events:
         if e.type == "response.output_text.delta":
             text += e.delta
+        elif e.type == "response.output_item.added" and e.item.type == "function_call":
+            call_ids[e.item.id] = e.item.call_id
         elif e.type == "response.function_call_arguments.delta":
             args[e.item_id] = args.get(e.item_id, "") + e.delta
         elif e.type == "response.output_item.done" and e.item.type == "function_call":
             assert args.get(e.item.id, "") == e.item.arguments  # the deltas assemble to the item
+            assert e.item.call_id == call_ids[e.item.id]         # one call, one call_id (openai's stream helper checks)
             done.append((e.item.name, e.item.arguments))
         elif e.type in ("response.completed", "response.incomplete"):
             status = e.response.status
             assert [(i.name, i.arguments) for i in e.response.output if i.type == "function_call"] == done
+            assert {i.id: i.call_id for i in e.response.output if i.type == "function_call"} == call_ids
     return text, done, status
 
 

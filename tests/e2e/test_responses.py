@@ -120,6 +120,13 @@ def test_a_forced_tool_call_its_output_turn_and_a_json_schema(stack):
                                       {"type": "function_call_output", "call_id": call.call_id,
                                        "output": '{"temperature_c": 21, "sky": "clear"}'}])
     assert after.status in ("completed", "incomplete") and after.output
+    # streamed with openai's helper (it refuses an item whose identity changes between added and done):
+    # the call_id streamed first is the one the response keeps and stores
+    with c.responses.stream(model=model, input=ask, tools=[TOOL], temperature=0, tool_choice="required") as s:
+        added = [e.item.call_id for e in s if e.type == "response.output_item.added" and e.item.type == "function_call"]
+        final = s.get_final_response()
+    assert added and [i.call_id for i in final.output if i.type == "function_call"] == added
+    assert [i.call_id for i in c.responses.retrieve(final.id).output if i.type == "function_call"] == added
     js = c.responses.create(model=model, input="Name a big city and its population.", temperature=0, store=False,
                             text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}})
     jsonschema.validate(json.loads(js.output_text), CITY)

@@ -61,7 +61,9 @@ def test_items_map_to_chat_messages(served, backend):
 def test_max_output_tokens_gives_incomplete(served, backend):
     r = client(served).responses.create(model=MODEL, input="Hi", max_output_tokens=4)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert r.output_text == REPLY[:4]
+    assert r.output_text == REPLY[:4] and r.output[0].status == "incomplete"   # the cut message item too
+    events = list(client(served).responses.create(model=MODEL, input="Hi", max_output_tokens=4, stream=True))
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
 
 
 def test_streamed_events_assemble_to_the_response(served, backend):
@@ -154,6 +156,56 @@ def test_bad_input_is_an_openai_400(served, backend):
     assert httpx.post(url, json={"model": "other", "input": "x"}, headers=h).status_code == 404
     assert httpx.get(served[0].url + "/v1/responses/resp_nope", headers=h).status_code == 404
     assert httpx.post(url, json={"model": MODEL, "input": "x"}).status_code == 401
+
+
+def test_errors_name_the_responses_parameters(served, backend):
+    """A Responses request's error names its own parameter (not the chat one it became); ids the
+    server never makes (NATS wildcards among them) are a 404, not a 500; fields that would change
+    the contract are refused; an item or a tool without what it needs is a 400."""
+    h = {"Authorization": "Bearer alice"}
+    url = served[0].url + "/v1/responses"
+    for body, status, param, code in (
+            ({"max_output_tokens": 0}, 400, "max_output_tokens", "invalid_parameter"),
+            ({"previous_response_id": "resp_nope"}, 404, "previous_response_id", "not_found"),
+            ({"previous_response_id": "resp_>"}, 404, "previous_response_id", "not_found"),
+            ({"previous_response_id": "resp_*"}, 404, "previous_response_id", "not_found"),
+            ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400, "input[0].content[0].text",
+             "invalid_parameter"),
+            ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "input[0].output", "invalid_parameter"),
+            ({"tools": [{"type": "function"}]}, 400, "tools[0].name", "invalid_parameter"),
+            ({"tool_choice": "required"}, 400, "tool_choice", "invalid_parameter"),
+            ({"text": {"format": {"type": "yaml"}}}, 400, "text.format.type", "invalid_parameter"),
+            ({"background": True}, 400, "background", "unsupported_parameter"),
+            ({"conversation": "conv_1"}, 400, "conversation", "unsupported_parameter"),
+            ({"stream": "yes"}, 400, "stream", "invalid_parameter")):
+        for stream in (False, True):
+            r = httpx.post(url, json={"model": MODEL, "input": "x", "stream": stream, **body}, headers=h)
+            assert r.status_code == status, (body, r.text)
+            assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), r.text
+    for rid in ("resp_*", "resp_%3E", "resp_a.b", "resp_a%20b"):
+        for method, path in (("GET", ""), ("GET", "/input_items"), ("DELETE", "")):
+            r = httpx.request(method, f"{url}/{rid}{path}", headers=h)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, rid, r.text)
+    assert backend.requests == []
+    r = httpx.post(url, json={"model": MODEL, "input": "x", "stream": None, "store": None}, headers=h)
+    assert r.status_code == 200 and r.json()["store"] is True
+
+
+def test_input_items_page_newest_first(served, backend):
+    c = client(served)
+    r = c.responses.create(model=MODEL, input=[{"role": "user", "content": t} for t in "abcde"])
+    texts = lambda page: [i.content[0].text for i in page.data]   # noqa: E731
+    assert texts(c.responses.input_items.list(r.id)) == list("edcba")   # OpenAI's default: desc
+    page = c.responses.input_items.list(r.id, limit=2, order="asc")
+    assert texts(page) == ["a", "b"] and page.has_more and page.last_id == page.data[-1].id
+    rest = c.responses.input_items.list(r.id, limit=10, order="asc", after=page.last_id)
+    assert texts(rest) == ["c", "d", "e"] and not rest.has_more
+    assert [i.content[0].text for i in c.responses.input_items.list(r.id, order="asc")] == list("abcde")  # every page
+    h = {"Authorization": "Bearer alice"}
+    for q, param in (("limit=0", "limit"), ("limit=abc", "limit"), ("limit=101", "limit"), ("order=up", "order"),
+                     ("after=msg_nope", "after")):
+        got = httpx.get(f"{served[0].url}/v1/responses/{r.id}/input_items?{q}", headers=h)
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
 
 
 def test_a_failure_mid_stream_is_a_failed_event(served, backend):
