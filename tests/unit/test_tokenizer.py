@@ -151,3 +151,20 @@ def test_sentencepiece_gguf_tokenizer():
     assert [t.id_to_piece(i) for i in ids[1:]] == ["▁hello", "▁world"]
     assert t.decode(ids) == "hello world"
     assert t.decode(t.encode("hé")) == "hé"  # é is not in the vocabulary: byte fallback
+
+
+def test_a_long_text_is_encoded_without_holding_the_gil(ours):
+    """The gateway tokenizes a large request in a pool thread so that its event loop serves the
+    other streams meanwhile: that holds only if the encoder lets go of the GIL (``encode`` of
+    the `tokenizers` library does not: the loop stood still for 36 s behind a 33 MB prompt)."""
+    import threading
+    text = "hello world, " * 150_000   # ~2 MB: hundreds of ms of encoding on any machine here
+    done, got = threading.Event(), []
+    worker = threading.Thread(target=lambda: (got.append(ours.encode(text)), done.set()))
+    worker.start()
+    ticks = 0
+    while not done.wait(0.001):   # this thread needs the GIL for every tick
+        ticks += 1
+    worker.join()
+    assert ticks >= 20, f"the main thread ran {ticks} times while a 2 MB text was encoded"
+    assert got[0] == ours.backend.encode(text).ids   # the same ids as the GIL-holding call
