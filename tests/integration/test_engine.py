@@ -225,6 +225,37 @@ def test_interactive_prompt_is_not_held_behind_a_batch_prefill(bundled_model):
     assert eng.blocks.num_free == 256
 
 
+def test_a_short_prompt_is_not_held_behind_a_long_one_of_its_tier(bundled_model):
+    """A long prompt is in chunked prefill; a short one of the same tier arrives: the long one
+    leaves it half the step, so its first token comes out in the next step, not after the long
+    prefill; the long one goes on at half the step meanwhile and has the whole step again once
+    the short one is in; two long prompts keep their order (the first one takes every step)."""
+    tok = bundled_model.tokenizer
+    long_prompt = tok.encode(" ".join(PROMPTS) * 8)[:600]
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=256, step_tokens=128, prefill_step_tokens=128,
+                                             enable_prefix_caching=False))
+    eng.add("long", long_prompt, greedy(2))
+    eng.step()
+    eng.add("short", tok.encode(PROMPTS[3]), greedy(2))
+    long_seq, before = eng.seqs["long"], eng.seqs["long"].num_computed
+    first = eng.step()
+    assert [o.request_id for o in first if o.token_ids] == ["short"]
+    assert long_seq.num_computed - before == 64                    # half the step
+    before = long_seq.num_computed
+    eng.step()
+    assert long_seq.num_computed - before == 128 - 1               # the short one decodes: the rest
+    while eng.has_work():
+        eng.step()
+    eng.add("long1", long_prompt[::-1], greedy(2))
+    eng.step()
+    eng.add("long2", long_prompt[1:], greedy(2))
+    eng.step()
+    assert eng.seqs["long2"].num_computed == 0 and eng.seqs["long1"].num_computed == 256   # FIFO
+    while eng.has_work():
+        eng.step()
+    assert eng.blocks.num_free == 256
+
+
 def test_batch_kv_is_evicted_before_interactive_kv(bundled_model):
     """Finished requests leave their KV in the prefix cache; under pressure the batch
     request's blocks are reused first, so the interactive prefix is still cached."""
