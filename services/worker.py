@@ -332,6 +332,9 @@ class EngineWorker:
         now = time.monotonic()
         self._prune(now)
         below = msg.below_attempt or ALL_ATTEMPTS
+        if self.kv is not None:   # KV on its way here for it, whose DecodeRequest may never come
+            for tid in self.kv.discard_request(msg.request_id, msg.below_attempt or None):
+                log.info("%s: KV transfer %s discarded (aborted)", msg.request_id, tid)
         rec = self.requests.setdefault(msg.request_id, Request(msg.request_id, State.ABORTED))
         rec.fence, rec.fenced_at = max(below, rec.fence), now   # remembered: a move may still bring it
         held = rec if rec.live else None

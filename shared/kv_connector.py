@@ -259,6 +259,20 @@ class KVConnector:
     def discard(self, transfer_id: str) -> None:
         self.receiver.discard(transfer_id)
 
+    def discard_request(self, request_id: str, below: int | None = None) -> list[str]:
+        """Forget the KV received, or on its way, for ``request_id`` (aborted): every transfer
+        of it (a hand-off ``<id>-<attempt>``, a move ``<id>-<worker>-<seq>``), or with ``below``
+        the hand-offs of its attempts below that (a fence). A hand-off whose DecodeRequest never
+        came (the sender was aborted between the bytes and the message) held its bytes in the
+        receiver's budget until the janitor's TTL (120 s) otherwise. The ids discarded."""
+        gone = []
+        for tid in self.receiver.transfers():
+            rest = tid[len(request_id) + 1:] if tid.startswith(request_id + "-") else None
+            if rest is not None and (below is None or (rest.isdigit() and int(rest) < below)):
+                self.receiver.discard(tid)
+                gone.append(tid)
+        return gone
+
     # -- the KV pool ----------------------------------------------------------------------------
 
     async def fetch_prefix(self, prompt: list[int], tenant: str = "") -> tuple[list[int], memoryview] | None:

@@ -215,6 +215,10 @@ class KVReceiver(abc.ABC):
         """Forget a transfer (request aborted): drop its bytes now or when they arrive."""
 
     @abc.abstractmethod
+    def transfers(self) -> list[str]:
+        """The ids of the transfers it holds, receives or waits for (not those discarded)."""
+
+    @abc.abstractmethod
     async def close(self) -> None:
         """Stop accepting, fail pending takes, free buffers."""
 

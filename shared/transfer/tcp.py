@@ -319,6 +319,9 @@ class TcpKVReceiver(KVReceiver):
         assert entry.payload is not None
         return entry.payload
 
+    def transfers(self) -> list[str]:
+        return [tid for tid, e in self._entries.items() if not e.discarded]
+
     def discard(self, transfer_id: str) -> None:
         entry = self._entries.setdefault(transfer_id, _Entry())
         entry.discarded = True
@@ -326,9 +329,8 @@ class TcpKVReceiver(KVReceiver):
         if entry.payload is not None:
             entry.payload.release()
             entry.payload = None
-        if not entry.done.is_set():
-            entry.error = TransferError("discarded", transfer_id)
-            entry.done.set()
+        entry.error = TransferError("discarded", transfer_id)   # (a take of it, even one received, says so)
+        entry.done.set()
 
     async def close(self) -> None:
         self._closed = True

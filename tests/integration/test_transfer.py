@@ -257,6 +257,29 @@ async def test_take_timeout_and_discard(rx, tx):
     assert rx.pool.allocated <= size_class(2)
 
 
+async def test_an_aborted_request_s_received_kv_is_discarded(rx, tx):
+    """The KV of a hand-off whose DecodeRequest never came (its sender was aborted between the
+    bytes and the message: n>1 streams whose client left) is dropped when the Abort reaches the
+    receiver's worker, not 120 s later: every transfer of the request for an abort of all its
+    attempts, the older attempts' hand-offs for a fence; another request's stays."""
+    from types import SimpleNamespace
+
+    from shared.kv_connector import KVConnector
+    host, port = rx.address
+    for tid in ("r-0", "r-2", "r-cpu-decode-1-7", "rx-0", "q-0"):
+        await tx.send(host, port, tid, tid.encode() * 1000)
+    kv = SimpleNamespace(receiver=rx)
+    assert KVConnector.discard_request(kv, "r", below=2) == ["r-0"]          # a fence: attempt 0 only
+    assert sorted(KVConnector.discard_request(kv, "r")) == ["r-2", "r-cpu-decode-1-7"]   # every attempt, a move's
+    assert sorted(rx.transfers()) == ["q-0", "rx-0"]   # (their buffers back in the pool, free)
+    for tid in ("r-0", "r-2"):
+        with pytest.raises(TransferError, match="discarded"):
+            await rx.take(tid, 1)
+    for tid in ("rx-0", "q-0"):
+        with await rx.take(tid, 1) as p:
+            assert bytes(p.data) == tid.encode() * 1000
+
+
 async def test_duplicate_transfer_id_refused(rx, tx):
     host, port = rx.address
     await tx.send(host, port, "dup", b"one")

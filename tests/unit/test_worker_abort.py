@@ -24,7 +24,7 @@ class FakeEngine:
 
 def bare_worker() -> EngineWorker:
     w = EngineWorker.__new__(EngineWorker)  # the abort bookkeeping only: no model, no bus
-    w.engine, w.requests, w.admitting, w.arriving = FakeEngine(), {}, {}, {}
+    w.engine, w.requests, w.admitting, w.arriving, w.kv = FakeEngine(), {}, {}, {}, None
     return w
 
 
