@@ -176,11 +176,14 @@ class ResponseStore:
         return orjson.loads(entry.value) if entry.value else None
 
     async def delete(self, tenant: str, rid: str) -> bool:
-        if await self.get(tenant, rid) is None:
-            return False
-        await self._remove(tenant, rid)
-        ledger = self._ledgers.get(tenant)
-        if ledger is not None:
-            ledger.pop(rid, None)
-            self._count()
-        return True
+        """True if it was there: of two deletes of one response at once on this gateway, one
+        (under the tenant's lock, as ``put``; across gateway copies both may say so)."""
+        async with self._tenant_locks.setdefault(tenant, asyncio.Lock()):
+            if await self.get(tenant, rid) is None:
+                return False
+            await self._remove(tenant, rid)
+            ledger = self._ledgers.get(tenant)
+            if ledger is not None:
+                ledger.pop(rid, None)
+                self._count()
+            return True

@@ -199,6 +199,10 @@ async def test_a_new_gateway_and_router_find_what_the_buckets_hold(secured):
         for tenant, rid in (("alice", "resp_1"), ("alice", "resp_2"), ("bob", "resp_3"), ("alice2", "resp_4")):
             await first.put(tenant, rid, {"id": rid, "output": "x" * 10})
         await first.delete("alice", "resp_2")
+        # two deletes of one response at once: one finds it (each answered 200 before)
+        await first.put("alice", "resp_5", {"id": "resp_5"})
+        assert sorted(await asyncio.gather(first.delete("alice", "resp_5"), first.delete("alice", "resp_5"))) == \
+            [False, True]
         again = ResponseStore(gateway)                      # a restart: nothing in memory
         assert list(await again._ledger("alice")) == ["resp_1"]
         assert list(await again._ledger("bob")) == ["resp_3"]
