@@ -231,7 +231,15 @@ class DirTier(Tier):
         self.name, self.capacity, self.shared = name, capacity, shared
         self.root = os.path.abspath(root)
         self._index: OrderedDict[str, int] = OrderedDict()   # key -> file size, LRU first
-        os.makedirs(self.root, exist_ok=True)
+        # every tenant's KV is in here: the service's user's alone (files 0600, directories 0700;
+        # every copy sharing the directory runs as that user: the image's, uid 999). A root made
+        # before (0755) is closed now, which closes what is under it
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        try:
+            if os.stat(self.root).st_mode & 0o077:
+                os.chmod(self.root, 0o700)
+        except OSError as e:   # (a mount point that is not ours: its owner decides)
+            log.warning("KV pool %s tier %s: could not make it private (%s)", name, self.root, e)
         self.rebuild()
 
     def path(self, key: str) -> str:
@@ -293,8 +301,8 @@ class DirTier(Tier):
         p = self.path(key)
         tmp = f"{p}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 _write_all(fd, entry)
                 os.fsync(fd)

@@ -46,6 +46,17 @@ _CONNECT_ATTEMPTS = 3  # per server, before Bus.connect gives up
 
 
 SUBJECTS_PAGE = 100_000   # subjects one STREAM.INFO answer lists at most (the server pages past it)
+REPLY_PREFIX = "_INBOX."  # every request's reply subject (a role's inbox: bus_auth.inbox_prefix)
+_refusals: dict[str, float] = {}   # subject served -> when a refused reply subject was last logged
+
+
+def _refused_reply(subject: str, reply: str) -> None:
+    """Log (at most once a minute a served subject) a request whose reply subject is no inbox."""
+    now = time.monotonic()
+    if now - _refusals.get(subject, -60.0) >= 60.0:
+        _refusals[subject] = now
+        log.warning("ignoring a request on %s whose reply subject %r is no inbox (a peer directing the answer "
+                    "at another's subject); more in the next minute are not logged", subject, reply[:120])
 
 
 def _placement(e: Exception) -> bool:
@@ -285,6 +296,11 @@ class Bus:
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
         async def on_msg(msg: Msg) -> None:
+            if msg.reply and not msg.reply.startswith(REPLY_PREFIX):
+                # a peer's request whose answer would go to a subject of another's (a client's
+                # stream: an ErrorReply there ended it): every requester here waits on its inbox
+                _refused_reply(subject, msg.reply)
+                return
             if sem is not None:
                 await sem.acquire()  # backpressure: the subscription callback waits
             task = asyncio.create_task(self._handle(msg, handler, expected, subject),
@@ -305,6 +321,7 @@ class Bus:
         return sub
 
     async def _handle(self, msg: Msg, handler: Handler, expected: type | None, pattern: str) -> None:
+        """One request: decoded, handled, answered on its reply subject (an inbox: ``serve``)."""
         request_id = ""
         try:
             req = schemas.decode(msg.data, expected)

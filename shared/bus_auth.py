@@ -62,20 +62,29 @@ def _stream_admin(stream: str) -> list[str]:
     return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}"]
 
 
+def _stream_getter(stream: str) -> list[str]:
+    """Look up a stream's messages one at a time (KV gets: ``STREAM.MSG.GET``, whose reply wraps
+    the message in JSON; not ``DIRECT.GET``, whose reply is the stored message as it is) and purge
+    them (KV purge, snapshot clean-up)."""
+    return _stream_admin(stream) + [f"$JS.API.STREAM.PURGE.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}"]
+
+
 def _stream_reader(stream: str) -> list[str]:
-    """Read a stream: direct and API gets, consumers (ordered consumers, KV keys/watch) with
-    their flow control, purges (KV purge, snapshot clean-up)."""
-    return _stream_admin(stream) + [
-        f"$JS.API.STREAM.PURGE.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
-        f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+    """Read a stream through a consumer (the router's ordered consumer of the KV events) with its
+    flow control. Only for a stream the role cannot write: a push consumer delivers to whatever
+    subject its creator names, and nats-server does not check the creator may publish there
+    (nats-server#8274), so a role that could store a message and make a consumer could have
+    the server publish it anywhere — a token on a client's stream, a worker's heartbeat."""
+    return _stream_getter(stream) + [
         f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
         f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>",
         f"$JS.FC.{stream}.>"]
 
 
 def _bucket(bucket: str) -> list[str]:
-    """Use a JetStream KV bucket: its stream, and writes to its keys."""
-    return _stream_reader(f"KV_{bucket}") + [f"$KV.{bucket}.>"]
+    """Use a JetStream KV bucket: its stream's lookups, gets and purges, writes to its keys; its
+    keys listed from the stream's info (``Bus.kv_keys``). No consumers: the role writes it (above)."""
+    return _stream_getter(f"KV_{bucket}") + [f"$KV.{bucket}.>"]
 
 
 def _worker_heartbeats() -> list[str]:
@@ -85,8 +94,9 @@ def _worker_heartbeats() -> list[str]:
 def permissions(role: str) -> dict:
     """The NATS permissions of ``role`` (the ``permissions`` map of its user)."""
     p = S.PREFIX
-    if role == TAP:  # read only: every subject, replies included; publishes nothing
-        return {"publish": {"deny": [">"]}, "subscribe": {"allow": [">"]}}
+    if role == TAP:  # read only: every subject, replies included; publishes nothing, joins no queue group
+        # (a member of the router's group would be handed route requests nobody answers)
+        return {"publish": {"deny": [">"]}, "subscribe": {"allow": [">"], "deny": ["> >"]}}
     pub: list[str]
     sub: list[str]
     if role == GATEWAY:

@@ -140,8 +140,10 @@ class NatsBackend:
             sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
         st = _Flight(req, sampling)
         # no flush round trip: every chunk is caused by a request this connection sends after the
-        # SUB, and the server handles one connection's protocol in order
-        sub = await self.bus.subscribe(subjects.stream(rid), flush=False)
+        # SUB, and the server handles one connection's protocol in order. A message that is no
+        # chunk or error (a JetStream API answer some peer sent here as its reply subject) is
+        # logged and skipped: it ended the client's stream with a 500 before
+        sub = await self.bus.subscribe(subjects.stream(rid), flush=False, skip_invalid=True)
         finished = False
         self.flights[rid] = st
         try:

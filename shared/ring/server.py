@@ -47,6 +47,10 @@ from shared.transfer.shm import available as shm_available, shm_unlink
 
 log = logging.getLogger("tandem.ring")
 
+HANDSHAKES = 64   # connections at once that have not proved the data-plane key yet; more are closed at
+                  # once (each has a thread: 3,000 idle ones held 3,000 threads and 200 MB for 30 s)
+HANDSHAKE_S = 5.0  # a new connection's time to prove it (a member's client does at once)
+
 
 def group_heads(nkv: int, groups: int, g: int) -> tuple[int, int]:
     """The kv heads [lo, hi) of head group ``g`` of ``groups`` (the fold's pipelining unit)."""
@@ -105,6 +109,8 @@ class RingServer:
         self._sock = socket.create_server((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
         self._conns = 0
+        self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
+        self.turned_away = 0                      # connections closed unserved: HANDSHAKES were pending
         self._live: set[socket.socket] = set()   # open connections (closed with the server)
         self._parked: dict[str, tuple[str, threading.Timer]] = {}   # claim ticket -> (shard's sid, expiry)
         self._park_lock = threading.Lock()
@@ -141,14 +147,29 @@ class RingServer:
                 pass
 
     def _accept(self) -> None:
+        """Accept until closed; an accept that fails (out of descriptors) or a thread that cannot
+        start costs that connection, never the listener."""
         while not self._closed:
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._closed:
+                    return
+                log.warning("ring member %s: accept failed (%s); going on", self.member.name, e)
+                time.sleep(0.1)
+                continue
+            if not self._handshakes.acquire(blocking=False):
+                self.turned_away += 1
+                conn.close()
+                continue
             self._conns += 1
-            threading.Thread(target=self._serve, args=(conn, peer, self._conns), name=f"ring-conn-{self._conns}",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer, self._conns), name=f"ring-conn-{self._conns}",
+                                 daemon=True).start()
+            except RuntimeError as e:   # no thread to be had
+                self._handshakes.release()
+                conn.close()
+                log.warning("ring member %s: connection from %s not served (%s)", self.member.name, peer, e)
 
     def _offer_region(self, ch: Channel, offer: ShmOffer) -> str | None:
         """``SHM``: a region for a coordinator on this host (its name in the reply), else none."""
@@ -186,9 +207,12 @@ class RingServer:
         self._live.add(conn)
         ch = None
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a reply's tag follows its payload
-            conn.settimeout(self.timeout)
-            ch = server_handshake(conn, self.key, self.max_payload)
+            try:   # (its place among the HANDSHAKES, taken by _accept, is given back once it is done)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a reply's tag follows its payload
+                conn.settimeout(min(self.timeout, HANDSHAKE_S))
+                ch = server_handshake(conn, self.key, self.max_payload)
+            finally:
+                self._handshakes.release()
             if ch is None:
                 log.warning("ring member %s refused a connection from %s: no valid proof of the data-plane key",
                             self.member.name, peer)

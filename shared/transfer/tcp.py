@@ -51,6 +51,7 @@ from shared.transfer.shm import shm_unlink, shm_write
 log = logging.getLogger(__name__)
 
 READERS = {F_NIXL: nixl.read, F_SHM: shm.read, F_ZSTD: zstd.read}   # a path's flag -> its reader
+FIRST_FRAME_S = 10.0   # a receiver's wait for a new connection's first header (the sender's is at once)
 
 # -- sender ------------------------------------------------------------------------------------
 
@@ -388,12 +389,17 @@ class TcpKVReceiver(KVReceiver):
     async def _serve_conn(self, conn: socket.socket, peer) -> None:
         loop = asyncio.get_running_loop()
         head = bytearray(HEADER.size)
+        # a sender writes its first frame as soon as it is connected: a connection that sends none
+        # within FIRST_FRAME_S is closed (2,000 idle ones held a descriptor each for the 300 s
+        # between-frames wait); one that did is kept idle that long for the sender to reuse
+        wait = min(self.timeout, FIRST_FRAME_S)
         try:
             while not self._closed:
                 try:  # idle between frames: wait longer, EOF here is a clean end
-                    await recv_exact(loop, conn, memoryview(head), self.timeout * 10)
+                    await recv_exact(loop, conn, memoryview(head), wait)
                 except ConnectionError:
                     return
+                wait = self.timeout * 10
                 magic, version, algo_id, id_len, nbytes, digest = HEADER.unpack(head)
                 if magic != MAGIC or version not in (1, 2, 3) or algo_id not in ALGO_NAMES \
                         or not 0 < id_len <= MAX_ID_BYTES:

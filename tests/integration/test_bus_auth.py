@@ -163,6 +163,61 @@ async def test_tap_reads_everything(secured):
         await worker.close()
 
 
+async def test_no_role_can_have_the_server_publish_for_it(secured):
+    """What the security probe did (2026-11-29): a push consumer on a bucket the role writes, its
+    deliver subject a client's stream, made the server publish a forged token there (nats-server
+    does not check the creator may publish to it: nats-server#8274); the tap joined the router's
+    queue group and took route requests nobody answered. Neither is allowed now; the tap still
+    reads everything."""
+    import nats.js.api as api
+    router, r_err = await connect(secured, subjects.ROUTER)
+    gateway, gw_err = await connect(secured, subjects.GATEWAY)
+    tap, tap_err = await connect(secured, bus_auth.TAP)
+    try:
+        await router.nc.jetstream().create_key_value(bucket=bus_auth.SESSIONS_BUCKET, history=1)
+        await gateway.nc.jetstream().create_key_value(bucket=bus_auth.RESPONSES_BUCKET, history=1)
+        for bus, errors, bucket in ((router, r_err, bus_auth.SESSIONS_BUCKET),
+                                    (gateway, gw_err, bus_auth.RESPONSES_BUCKET)):
+            with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):
+                await bus.nc.jetstream(timeout=QUIET).add_consumer(
+                    f"KV_{bucket}", api.ConsumerConfig(deliver_subject=subjects.stream("victim")))
+            await violation(errors, f"$JS.API.CONSUMER.CREATE.KV_{bucket}")
+        await tap.nc.subscribe(subjects.ROUTE, queue="router")
+        await violation(tap_err, subjects.ROUTE)
+        seen = await tap.subscribe(subjects.ALL)            # a plain subscription: still everything
+        await router.publish(subjects.ROUTER_DECISION, Ack(request_id="d1"))
+        assert (await seen.next(timeout=10)).request_id == "d1"
+    finally:
+        for b in (router, gateway, tap):
+            await b.close()
+
+
+async def test_a_request_whose_reply_is_no_inbox_is_not_answered(secured):
+    """A router credential sent a worker a request whose reply subject was a client's stream: the
+    worker's ErrorReply landed there and ended the stream. A served subject answers inboxes only."""
+    worker, _ = await connect(secured, subjects.CPU_DECODE)
+    router, _ = await connect(secured, subjects.ROUTER)
+    tap, _ = await connect(secured, bus_auth.TAP)
+    handled = []
+
+    async def handler(msg):
+        handled.append(msg.request_id)
+        raise BusError("not_found", "no such request")
+    try:
+        await worker.serve(subjects.worker_migrate("w1"), handler, expected=Abort)
+        victim = await tap.subscribe(subjects.stream("victim"))
+        await router.nc.publish(subjects.worker_migrate("w1"), b'{"schema": "abort", "v": 1, "request_id": "x"}',
+                                reply=subjects.stream("victim"))
+        with pytest.raises(BusError, match="not_found"):   # a real request (an inbox reply): answered
+            await router.request(subjects.worker_migrate("w1"), Abort(request_id="y"), timeout=10)
+        assert handled == ["y"]
+        with pytest.raises(BusError, match="timeout"):
+            await victim.next(timeout=QUIET)
+    finally:
+        for b in (worker, router, tap):
+            await b.close()
+
+
 async def test_jetstream_buckets_per_role(secured):
     """The router keeps its buckets; the gateway can read none of them (only its own)."""
     router, r_err = await connect(secured, subjects.ROUTER)

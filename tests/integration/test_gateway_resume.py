@@ -168,6 +168,23 @@ async def test_a_dropped_request_with_no_worker_left_is_a_clear_error():
         assert e.value.code == "worker_lost" and e.value.status == 502 and "dropped it" in e.value.message
 
 
+async def test_a_message_on_the_stream_that_is_no_chunk_is_skipped():
+    """A peer with any JetStream permission can have the server send an API answer (JSON without
+    an envelope) to a client's stream subject as its reply subject: that ended the request with a
+    500 (SchemaError). It is skipped; the stream is exact."""
+    async def interrupted(bus: Bus, req: GenerateRequest) -> None:
+        await bus.publish(req.stream_subject, chunk(req, "w-live", 0, 0, [0]))
+        await bus.nc.publish(req.stream_subject, b'{"type": "io.nats.jetstream.api.v1.stream_info_response"}')
+        await bus.nc.publish(req.stream_subject, b"not json")
+        for i in (1, 2):
+            await bus.publish(req.stream_subject, chunk(req, "w-live", i, i, [i], "stop" if i == 2 else None))
+
+    async with Scripted(["w-live"], {"w-live": interrupted}) as t:
+        outs = await t.run()
+        assert "".join(o.text for o in outs) == "all of it" and outs[-1].finish_reason == "stop"
+        assert t.backend.resumes == 0
+
+
 async def test_two_copies_of_one_attempt_never_drift():
     """The same attempt streamed by two workers (a hand-off that got no answer, yet arrived) with
     chunks cut at different tokens: the gateway takes a chunk only where it continues the text

@@ -280,6 +280,25 @@ async def test_an_aborted_request_s_received_kv_is_discarded(rx, tx):
             assert bytes(p.data) == tid.encode() * 1000
 
 
+async def test_a_connection_that_sends_no_frame_is_closed(rx, tx, monkeypatch):
+    """A sender writes its frame as soon as it is connected; a connection that sends nothing is
+    closed after FIRST_FRAME_S (it held a descriptor for the 300 s between-frames wait)."""
+    import shared.transfer.tcp as tcp
+    monkeypatch.setattr(tcp, "FIRST_FRAME_S", 0.3)
+    host, port = rx.address
+    loop = asyncio.get_running_loop()
+    silent = socket.create_connection((host, port))
+    silent.setblocking(False)
+    try:
+        async with asyncio.timeout(5):
+            assert await loop.sock_recv(silent, 16) == b""     # closed by the receiver
+    finally:
+        silent.close()
+    await tx.send(host, port, "after", b"kv")                   # a sender's frame still goes in
+    with await rx.take("after", 1) as p:
+        assert bytes(p.data) == b"kv"
+
+
 async def test_duplicate_transfer_id_refused(rx, tx):
     host, port = rx.address
     await tx.send(host, port, "dup", b"one")

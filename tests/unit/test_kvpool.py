@@ -174,6 +174,20 @@ def test_disk_tier_survives_restart_and_evicts(tmp_path):
     assert sum(len(fs) for _, _, fs in os.walk(tmp_path)) == 2
 
 
+def test_the_disk_tier_is_its_users_alone(tmp_path):
+    """Every tenant's KV is in there: files 0600, directories 0700; a root another version made
+    0755 is closed at start (the probe found every entry world-readable)."""
+    import stat
+    root = tmp_path / "pool"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    t = DirTier(str(root), capacity=10 << 20)
+    t.put(KEYS[0], entry(KEYS[0]))
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)   # noqa: E731
+    assert mode(root) == 0o700 and mode(t.path(KEYS[0])) == 0o600
+    assert mode(os.path.dirname(t.path(KEYS[0]))) & 0o077 == 0
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corrupt_file_is_a_miss_and_removed(tmp_path, damage):
     pool = KVPool.from_config(PoolConfig(ram_bytes=0, disk_dir=str(tmp_path)))

@@ -178,6 +178,34 @@ def test_a_link_no_fold_announced_is_refused():
         server.close()
 
 
+def test_connections_that_prove_nothing_are_bounded(monkeypatch):
+    """At most HANDSHAKES connections wait on their proof of the key at once, a thread each; more
+    are closed at once; once the silent ones time out, a member with the key gets in."""
+    import threading
+    import time
+    from shared import ring as ring_net
+    from shared.ring import server as ring_server
+    monkeypatch.setattr(ring_server, "HANDSHAKES", 4)
+    server = ring_net.RingServer(_NoMember(), key=b"k", shm=False, timeout=1.0)
+    server.start()
+    silent = []
+    try:
+        threads = threading.active_count()
+        silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
+        for _ in range(100):
+            if server.turned_away >= 6:
+                break
+            time.sleep(0.02)
+        assert server.turned_away == 6 and threading.active_count() <= threads + 4
+        time.sleep(1.5)   # the silent four time out: their places are given back
+        link = ring_net.RemoteMember("m", "127.0.0.1", server.port, b"k", None, shm=False)
+        link.close()
+    finally:
+        for s in silent:
+            s.close()
+        server.close()
+
+
 def test_both_kinds_of_member_speak_the_ring_member_protocol():
     """``Ring`` calls a member through ``RingMember`` only: the one in this process and the proxy
     of one in another worker both have every call, with the same parameters."""
