@@ -36,7 +36,7 @@ import time
 from bench import report
 from bench.loadgen import (DEFAULT_SLOS, WORKLOADS, RequestResult, make_jobs, parse_mix, run_level,
                            summarize)
-from shared.nats_server import free_port
+from shared.nats_server import die_with_parent, free_port
 from shared.tier import TIERS
 
 STACK_TOPOLOGY = "tandem up --gpu-decode 0: embedded NATS, KV pool, router, prefill, cpu-decode, gateway"
@@ -45,14 +45,15 @@ STACK_TOPOLOGY = "tandem up --gpu-decode 0: embedded NATS, KV pool, router, pref
 # ---- servers under test ---------------------------------------------------------------------
 
 class Server:
-    """A server under test in its own process group, logs kept for failures."""
+    """A server under test in its own process group, logs kept for failures; it gets SIGTERM when
+    the bench dies, however it dies (a bench stopped by ``timeout`` left a whole stack behind)."""
 
     def __init__(self, name: str, argv: list[str], env: dict, port: int):
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log: list[str] = []
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

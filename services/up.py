@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 
 from shared import bus_auth, metrics
-from shared.nats_server import EmbeddedNats
+from shared.engine.model_files import load_tokenizer
+from shared.nats_server import EmbeddedNats, die_with_parent
 from shared.os_priority import describe, engine_threads, omp_env
 from shared.settings import Settings
 
@@ -173,6 +174,7 @@ class Child:
         self.starts = 0
         self.exits: list[float] = []          # monotonic times of unexpected exits
         self.stopping = False
+        self.fatal = False                    # given up, and the stack cannot serve without it
         self.wake = asyncio.Event()           # set by stop(): cut a backoff short
 
     async def start(self) -> None:
@@ -181,7 +183,7 @@ class Child:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.cli", "serve", self.service, env=dict(self.env, TANDEM_WORKER_ID=wid),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            process_group=0, preexec_fn=_die_with_parent)
+            process_group=0, preexec_fn=die_with_parent)
         self.pump = asyncio.create_task(_pump(self.name, self.proc.stdout))
 
     async def supervise(self, stop: asyncio.Event) -> None:
@@ -196,6 +198,14 @@ class Child:
             now = time.monotonic()
             self.exits = [t for t in self.exits if now - t < RESTART_WINDOW_S] + [now]
             if len(self.exits) > RESTART_LIMIT:
+                metrics.GIVEN_UP.labels(self.service).inc()
+                if self.service == "gateway":   # nothing reaches the stack without it: stop, exit 1
+                    log.error("!!! %s exited with code %s, its %d%s exit in %.0f s: GIVING UP on it, and with no "
+                              "gateway the stack serves nothing: stopping it", self.name, code, len(self.exits),
+                              _nth(len(self.exits)), RESTART_WINDOW_S)
+                    self.fatal = True
+                    stop.set()
+                    return
                 log.error("!!! %s exited with code %s, its %d%s exit in %.0f s: GIVING UP on this copy; the "
                           "rest of the stack keeps serving", self.name, code, len(self.exits),
                           _nth(len(self.exits)), RESTART_WINDOW_S)
@@ -233,20 +243,11 @@ def backoff(restarts: int) -> float:
     return min(BACKOFF_S[0] * 2 ** (restarts - 1), BACKOFF_S[1])
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when `tandem up` dies, however it dies (kill -9
-    included), so no service copy outlives its supervisor (Linux's PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the services' own leases clean up instead
-        pass
-
-
 def _nth(n: int) -> str:
     return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
-async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
+async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event, fatal: list[str]) -> None:
     """The embedded nats-server is supervised too: restarted on the same address with its
     JetStream store, so every service reconnects to it and streams and buckets survive."""
     failures: list[float] = []
@@ -265,7 +266,11 @@ async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
         except Exception as e:
             log.error("embedded nats-server did not restart: %s", e)
             if len(failures) > RESTART_LIMIT:
-                log.error("!!! GIVING UP on the embedded nats-server: no service can talk to another now")
+                metrics.GIVEN_UP.labels("nats").inc()
+                log.error("!!! GIVING UP on the embedded nats-server: no service can talk to another; stopping the "
+                          "stack")
+                fatal.append("nats")
+                stop.set()
                 return
             await asyncio.sleep(backoff(len(failures)))
 
@@ -293,23 +298,37 @@ def embedded_nats(env: dict[str, str]) -> EmbeddedNats:
     else:
         log.warning("!!! TANDEM_NATS_CREDS_FILE is empty: the embedded NATS server has NO AUTHENTICATION; "
                     "anyone who reaches its port reads every prompt and can inject tokens")
-    return EmbeddedNats(store_dir=s.store_dir, config=config)
+    return EmbeddedNats(store_dir=s.store_dir, config=config, supervised=True)
+
+
+def preflight(settings: Settings) -> None:
+    """What would make every copy of a service fail the same way, checked before anything starts
+    (ValueError naming it: one clear line and exit 2, not five tracebacks a copy and a stack that
+    serves nothing): the model's file, and the gateway's port."""
+    load_tokenizer(settings.worker.model)   # its header, tensor list and tokenizer: a complete GGUF, or a clear error
+    host, port = settings.gateway.host, settings.gateway.port
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as e:
+        raise ValueError(f"the gateway's port {host}:{port} cannot be used ({e.strerror or e}): another "
+                         "server has it? (--port / TANDEM_PORT)") from None
 
 
 async def _up(args: argparse.Namespace) -> int:
     env = dict(os.environ, **topology(args), **pool_env(args, os.environ))
-    nats = None
-    if not env.get("TANDEM_NATS_URL"):
-        nats = embedded_nats(env)
-        env["TANDEM_NATS_URL"] = await asyncio.to_thread(nats.start)
-        log.info("embedded NATS (JetStream) at %s", env["TANDEM_NATS_URL"])
     if args.port:
         env["TANDEM_PORT"] = str(args.port)
     if args.model:
         env["TANDEM_MODEL"] = args.model
     if args.served_model_name:
         env["TANDEM_SERVED_MODEL_NAME"] = args.served_model_name
-    settings = Settings.from_env(env)
+    settings = Settings.from_env(env)   # every setting checked before anything starts
+    await asyncio.to_thread(preflight, settings)
+    nats = None
+    if not env.get("TANDEM_NATS_URL"):
+        nats = embedded_nats(env)
+        env["TANDEM_NATS_URL"] = await asyncio.to_thread(nats.start)
+        log.info("embedded NATS (JetStream) at %s", env["TANDEM_NATS_URL"])
     if not settings.pool.key:
         key_file(settings.pool.key_file, "pool secret")
     if not settings.data.key:
@@ -322,19 +341,19 @@ async def _up(args: argparse.Namespace) -> int:
     extra, priorities = os_priorities(args, env)
     log.info("%s", priorities)
     children = [Child(name, service, dict(env, **extra.get(service, {}))) for name, service in plan(args)]
-    tasks = []
+    tasks, fatal = [], []   # fatal: what was given up that the stack cannot serve without
     try:
         for c in children:
             await c.start()
         tasks = [asyncio.create_task(c.supervise(stop), name=f"supervise-{c.name}") for c in children]
         if nats is not None:
-            tasks.append(asyncio.create_task(_watch_nats(nats, stop), name="supervise-nats"))
+            tasks.append(asyncio.create_task(_watch_nats(nats, stop, fatal), name="supervise-nats"))
         log.info("started %s%s; gateway on port %s; supervisor metrics on http://127.0.0.1:%s/metrics",
                  ", ".join(c.name for c in children),
                  f" (topology {args.topology}, {env['TANDEM_THREADS']} thread(s) per engine)" if args.topology else "",
                  env.get("TANDEM_PORT", "8000"), port)
         await stop.wait()
-        return 0
+        return 1 if fatal or any(c.fatal for c in children) else 0
     finally:
         # gateway first (drains HTTP), then the engines (finish or hand over what they hold, write
         # KV back to the pool), then router and pool, then NATS

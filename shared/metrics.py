@@ -88,6 +88,8 @@ RESUMES = Counter("tandem_resumes", "requests resumed on this role after the wor
 RESUME_TOKENS = Counter("tandem_resume_tokens", "tokens of resumed requests: KV reused (prefix cache, KV pool) "
                         "or recomputed", ["role", "kind"])
 RESTARTS = Counter("tandem_restarts", "service copies restarted by `tandem up` after they exited", ["service"])
+GIVEN_UP = Counter("tandem_given_up", "service copies `tandem up` gave up restarting (a crash loop): they stay down",
+                   ["service"])
 MIGRATIONS = Counter("tandem_migrations", "running requests moved between decode workers, by outcome "
                      "(ok; failed: it went on at the source)", ["source_role", "target_role", "outcome"])
 ROUTER_MOVES = Counter("tandem_router_moves", "running requests the router moved, by kind (promote, demote; "

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ctypes
 import logging
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -76,13 +78,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free TCP port on {host} below {low} after 200 tries")
 
 
+def die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the process that started it dies, however it dies
+    (kill -9 included), so no child outlives its supervisor (Linux's PR_SET_PDEATHSIG; the
+    thread that forks must live as long as the parent: the supervisor's event loop or its executor's)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: leases and the services' own checks clean up instead
+        pass
+
+
 class EmbeddedNats:
     """One nats-server child process with JetStream in a temporary store directory."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None,
                  extra_args: list[str] | None = None, startup_timeout: float = 10.0,
                  log_file: Path | None = None, store_dir: str | Path | None = None,
-                 config: dict | None = None, server_name: str | None = None):
+                 config: dict | None = None, server_name: str | None = None, supervised: bool = False):
         self.host = host                          # bind address (loopback by default)
         self.port = port                          # None: a free port at start()
         self.extra_args = list(extra_args or [])  # e.g. ["--user", "u", "--pass", "p"]
@@ -96,6 +108,10 @@ class EmbeddedNats:
         self._config_file: Path | None = None     # where it is written (mode 0600) while the server lives
         self.proc: subprocess.Popen | None = None
         self._log_fh = None
+        # ``tandem up``'s: a process group of its own (a terminal's Ctrl-C reaches the supervisor,
+        # which stops the services first and NATS last; in its group NATS died at once and every
+        # stream in flight was cut), and SIGTERM when the supervisor dies, however it dies
+        self.supervised = supervised
 
     @property
     def url(self) -> str:
@@ -141,8 +157,8 @@ class EmbeddedNats:
             self._log_fh = open(self.log_file, "ab")
             out = self._log_fh
         log.info("starting embedded nats-server on %s (store %s)", self.url, self.store_dir)
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     **({"process_group": 0, "preexec_fn": die_with_parent} if self.supervised else {}))
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
@@ -152,6 +168,7 @@ class EmbeddedNats:
                                    f"(command: {' '.join(cmd)})")
             try:
                 if self._answers_as_ours():
+                    self._forget_config()   # read: the passwords need not lie in /tmp while it runs
                     break
             except RuntimeError:
                 self.stop(remove_store=False)
@@ -173,6 +190,12 @@ class EmbeddedNats:
                 json.dump(self.config, f)
             self._config_file = Path(path)
         return ["-c", str(self._config_file)]
+
+    def _forget_config(self) -> None:
+        """Remove the configuration file once the server has read it (a restart writes it again)."""
+        if self._config_file is not None:
+            self._config_file.unlink(missing_ok=True)
+            self._config_file = None
 
     def _answers_as_ours(self) -> bool:
         """Whether the server on our port is this child (its INFO names it). A port taken
@@ -210,9 +233,7 @@ class EmbeddedNats:
         if self.store_dir is not None and remove_store and not self.keep_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
-        if self._config_file is not None and remove_store:
-            self._config_file.unlink(missing_ok=True)
-            self._config_file = None
+        self._forget_config()
 
     def exited(self) -> int | None:
         """The exit code of a server that died on its own (None: running, or never started)."""

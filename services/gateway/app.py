@@ -12,6 +12,7 @@ bus message it causes (shared/tracing.py). ``GET /metrics``: Prometheus.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 
@@ -49,6 +50,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings.from_env(host=args.host, port=args.port, api_key=args.api_key,
                                     default_tier=args.default_tier, served_model_name=args.served_model_name)
 
+
+CLOSE_GRACE_S = 3.0   # after the drain time, for each stream still going to send its error event
 
 # ---- errors, all in OpenAI's shape ----------------------------------------------------------
 
@@ -159,12 +162,31 @@ def _openapi(app: FastAPI) -> dict:
 
 async def serve(backend: Backend, settings: GatewaySettings, log_level: str = "info") -> None:
     """Serve the gateway with uvicorn until SIGINT/SIGTERM; in-flight requests get ``drain_s``."""
-    import uvicorn
-
     await streaming.warm_up()
-    config = uvicorn.Config(create_app(backend, settings), host=settings.host, port=settings.port,
-                            log_level=log_level, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=settings.drain_s)
+    server = draining_server(create_app(backend, settings), settings, log_level=log_level)
     log.info("gateway on http://%s:%d serving %s (context %d)", settings.host, settings.port,
              backend.model_name, backend.max_context)
-    await uvicorn.Server(config).serve()
+    await server.serve()
+
+
+def draining_server(app: FastAPI, settings: GatewaySettings, **config):
+    """A uvicorn server of ``app`` whose shutdown (SIGINT / SIGTERM) drains: no new connection,
+    in-flight requests go on for ``drain_s``; then each stream still going ends with an error event
+    at its next chunk (``GatewayState.closing``), and uvicorn cancels what is left
+    ``CLOSE_GRACE_S`` later."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            def close() -> None:
+                log.warning("drain time (TANDEM_DRAIN_S=%.0f s) over: ending the streams still going with an "
+                            "error event", settings.drain_s)
+                app.state.gw.closing = True
+            timer = asyncio.get_running_loop().call_later(settings.drain_s, close)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server(uvicorn.Config(app, host=settings.host, port=settings.port, access_log=False, lifespan="off",
+                                 timeout_graceful_shutdown=settings.drain_s + CLOSE_GRACE_S, **config))

@@ -69,6 +69,9 @@ class GatewayState:
     responses: Any = None                           # stored Responses (responses.ResponseStore), made at first use
     streams: StreamCap = field(init=False)          # generation requests in flight per API key
     pool: TokenizePool = field(init=False)          # parse / template / tokenize large requests off the loop
+    # set when the drain time at shutdown ran out: a stream still going ends with an error event
+    # at its next chunk (it was cut with no error and no [DONE] before)
+    closing: bool = False
 
     def __post_init__(self) -> None:
         self.token_str = TokenStrings(self.backend.tokenizer)

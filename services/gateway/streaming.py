@@ -204,7 +204,8 @@ async def run(request: Request, backend: Backend, gens: list[GenerationRequest],
         await abort(backend, rids, f"request failed ({type(e).__name__})")
         await it.aclose()
         raise
-    return SSEResponse(_events(backend, gens, it, first, accs, fmt, t0), media_type="text/event-stream",
+    return SSEResponse(_events(backend, gens, it, first, accs, fmt, t0, request.app.state.gw),
+                       media_type="text/event-stream",
                        headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -241,7 +242,7 @@ async def _collect(request: Request, backend: Backend, gens: list[GenerationRequ
 
 
 async def _events(backend: Backend, gens: list[GenerationRequest], it: Choices, first, accs: list[Accumulator],
-                  fmt: _Format, t0: float) -> AsyncIterator[bytes]:
+                  fmt: _Format, t0: float, gw) -> AsyncIterator[bytes]:
     rid, rids = gens[0].request_id, [g.request_id for g in gens]
     finished = False
     try:
@@ -260,6 +261,9 @@ async def _events(backend: Backend, gens: list[GenerationRequest], it: Choices, 
                 if not left:
                     finished = True
                     break
+            if gw.closing:   # the gateway's drain time at shutdown ran out (app.serve)
+                raise BackendError("unavailable", "the gateway is shutting down and its drain time ran out before "
+                                                  "this answer was complete: send the request again", 503)
             try:
                 i, out = await it.__anext__()
             except StopAsyncIteration:

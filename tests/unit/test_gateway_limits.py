@@ -189,3 +189,44 @@ def test_a_client_gone_while_its_body_is_read_is_not_an_error(served, caplog):
         assert wait_for(lambda: gw.streams.in_flight() == 1)   # the handler is reading the body
     assert wait_for(lambda: "client disconnected before its request was read" in caplog.text), caplog.text
     assert "internal error" not in caplog.text and backend.requests == []
+
+
+def test_a_stream_still_going_when_the_drain_time_runs_out_ends_with_an_error_event():
+    """At shutdown in-flight streams get ``drain_s``; one still going then ends with an SSE error
+    event (code ``unavailable``: send it again), not a cut connection without an error or
+    ``[DONE]``."""
+    import asyncio
+    import time
+
+    from services.gateway.app import create_app, draining_server
+    backend = FakeBackend()
+    backend.endless = True
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    settings = GatewaySettings(drain_s=1.0, port=sock.getsockname()[1])
+    server = draining_server(create_app(backend, settings), settings, log_level="warning")
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: server.started, 10)
+        lines, got_data = [], threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"http://127.0.0.1:{settings.port}/v1/chat/completions",
+                              json=_chat(stream=True), timeout=30) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    got_data.set()
+        client = threading.Thread(target=stream)
+        client.start()
+        assert got_data.wait(10)
+        t0 = time.monotonic()
+        server.should_exit = True                      # what SIGTERM does
+        client.join(30)
+        assert not client.is_alive() and time.monotonic() - t0 < 1.0 + 3.0 + 2.0
+        data = [line for line in lines if line.startswith("data: ")]
+        assert '"code":"unavailable"' in data[-1] and "shutting down" in data[-1] and "data: [DONE]" not in data
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()

@@ -76,3 +76,64 @@ def test_no_pool_service_means_the_workers_use_no_pool():
                                    (("--kvpool", "0"), {"TANDEM_POOL": "1"}, True)]:
         env = dict(environ, **pool_env(parse(*argv), environ))
         assert Settings.from_env(env).pool.enabled is enabled, (argv, environ)
+
+
+def test_preflight_names_a_bad_model_and_a_taken_port(tmp_path):
+    """What would make every copy of a service fail alike is a clear error before anything starts
+    (it was five tracebacks a copy, then a stack serving nothing)."""
+    import socket
+
+    from services.up import preflight
+    from shared.nats_server import free_port
+    free = str(free_port())
+    text = tmp_path / "x.gguf"
+    text.write_text("not a model")
+    trunc = tmp_path / "t.gguf"
+    from shared.engine.model_files import bundled_model_path
+    trunc.write_bytes(open(bundled_model_path(), "rb").read(4096))
+    for model in (str(tmp_path / "missing.gguf"), str(text), str(trunc)):
+        with pytest.raises(ValueError, match="cannot load model"):
+            preflight(Settings.from_env({"TANDEM_MODEL": model, "TANDEM_PORT": free}))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port 127.0.0.1:{port} cannot be used"):
+            preflight(Settings.from_env({"TANDEM_PORT": str(port)}))
+    preflight(Settings.from_env({"TANDEM_PORT": free}))   # the bundled model, a free port: nothing to say
+
+
+def test_a_supervised_nats_is_in_its_own_group_and_dies_with_its_supervisor(tmp_path):
+    """`tandem up`'s NATS: out of the terminal's process group (a Ctrl-C reaches the supervisor,
+    which stops the services first and NATS last: NATS died at once and cut every stream), and
+    gone when the supervisor is killed -9 (it lived on, holding its port and its store)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from shared.nats_server import EmbeddedNats\n"
+        "n = EmbeddedNats(supervised=True)\n"
+        "n.start()\n"
+        "print(n.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        nats_pid = int(child.stdout.readline())
+        assert os.getpgid(nats_pid) == nats_pid != os.getpgid(child.pid)
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(nats_pid, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{nats_pid}/stat") as f:
+                if f.read().rsplit(") ", 1)[1][0] == "Z":
+                    break
+            time.sleep(0.1)
+        else:
+            os.kill(nats_pid, signal.SIGKILL)
+            raise AssertionError("the supervised nats-server outlived its supervisor")
+    finally:
+        child.kill()
