@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 
 import numpy as np
@@ -44,14 +45,31 @@ def main(args: argparse.Namespace) -> int:
     if os.path.exists(args.dst) and not args.force:
         log.error("%s exists (use --force to overwrite)", args.dst)
         return 2
+    where = os.path.dirname(os.path.abspath(args.dst))
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):   # said now, not after the conversion
+        log.error("cannot write %s: %s is %s", args.dst, where,
+                  "not a writable directory" if os.path.isdir(where) else "no directory")
+        return 2
     t0 = time.monotonic()
+    # SIGTERM / SIGHUP end it as Ctrl-C does: through quantize_model's clean-up of its temporary file
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         quantize_model(args.src, args.dst, progress=True)
-    except (ModelLoadError, ValueError) as e:
+    except (ModelLoadError, ValueError, OSError) as e:
         log.error("%s", e)
         return 1
+    except KeyboardInterrupt:
+        log.error("interrupted: %s not written", args.dst)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     log.info("wrote %s (%.1f MB) in %.1fs", args.dst, os.path.getsize(args.dst) / 1e6, time.monotonic() - t0)
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def quantize_model(src: str, dst: str, progress: bool = False, model: LoadedModel | None = None) -> None:

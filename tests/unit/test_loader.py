@@ -112,6 +112,27 @@ def test_quantize_cli_refuses_overwrite(quantized, tmp_path):
     assert main(["quantize", bundled_model_path(), quantized]) == 2
     assert main(["quantize", str(tmp_path / "nope.gguf"), str(tmp_path / "out.gguf")]) == 1
     assert not any(p.name.startswith("out.gguf") for p in tmp_path.iterdir())  # no temp file left
+    # a destination in no directory: said at once (it was a traceback after the conversion)
+    assert main(["quantize", bundled_model_path(), str(tmp_path / "no" / "out.gguf")]) == 2
+
+
+def test_quantize_stopped_by_sigterm_leaves_no_file(tmp_path):
+    """SIGTERM (or SIGHUP) mid-conversion ends it as Ctrl-C does: no DST, no DST.tmp<pid> (one
+    was left behind), exit code 130, no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    dst = tmp_path / "out.gguf"
+    p = subprocess.Popen([sys.executable, "-m", "services.cli", "quantize", bundled_model_path(), str(dst)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not any(f.name.startswith("out.gguf.tmp") for f in tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.02)   # the temporary file exists: it is writing
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 130 and "Traceback" not in out and "not written" in out, out
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- HF safetensors directories ---------------------------------------------------------------------
