@@ -86,7 +86,11 @@ def main(args: argparse.Namespace) -> int:
     if args.config == "-":
         sys.stdout.write(text)
     else:
-        bus_auth.write_private(args.config, text, replace=True)
+        try:
+            bus_auth.write_private(args.config, text, replace=True)
+        except OSError as e:   # a directory, /proc, a read-only place: one line, not a traceback
+            log.error("cannot write the nats-server configuration to %s: %s", args.config, e.strerror or e)
+            return 2
         log.info("nats-server %s for the roles of %s written to %s",
                  f"cluster configuration ({args.cluster})" if getattr(args, "cluster", None)
                  else "authorization", path, args.config)

@@ -196,6 +196,7 @@ def test_nats_auth_cluster_writes_a_config_nats_server_reads(tmp_path, monkeypat
     args = p.parse_args(["--config", str(out)])
     assert nats_auth.main(args) == 0
     assert out.read_text().startswith("authorization: ") and "cluster" not in out.read_text()
+    assert nats_auth.main(p.parse_args(["--config", str(tmp_path)])) == 2   # a directory: one line, exit 2
 
 
 def _blocks(text: str) -> list[str]:
