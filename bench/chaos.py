@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from bench import report
+from bench.cli import at_least
 from bench.loadgen import make_jobs, parse_mix
 from bench.serve import Server
 from shared.nats_server import free_port
@@ -50,19 +51,19 @@ BAD = ("abort", "cut_short", "drifted", "silent")                          # nev
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
-    p.add_argument("--concurrency", type=int, default=8, help="clients streaming at once (default 8)")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
-    p.add_argument("--kill-every", type=float, default=15.0,
+    p.add_argument("--duration", type=at_least(1, float), default=120.0, help="seconds of load (default 120)")
+    p.add_argument("--concurrency", type=at_least(1), default=8, help="clients streaming at once (default 8)")
+    p.add_argument("--max-tokens", type=at_least(1), default=48, help="tokens per request (default 48)")
+    p.add_argument("--kill-every", type=at_least(0, float), default=15.0,
                    help="seconds between SIGKILLs of a process of a random role (0: none, the soak)")
     p.add_argument("--roles", default=",".join(ROLES),
                    help=f"roles a kill picks from (default: {','.join(ROLES)}; nats = the embedded nats-server)")
-    p.add_argument("--prompts", type=int, default=12, help="agent-session prompts (references) in the load")
-    p.add_argument("--long-prompts", type=int, default=2, help="~1K-token document prompts in the load")
+    p.add_argument("--prompts", type=at_least(1), default=12, help="agent-session prompts (references) in the load")
+    p.add_argument("--long-prompts", type=at_least(0), default=2, help="~1K-token document prompts in the load")
     p.add_argument("--stream-share", type=float, default=0.5, help="share of requests streamed (default 0.5)")
     p.add_argument("--tiers", default="interactive=1,standard=2,batch=2", help="tier mix")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="TANDEM_THREADS per engine (default 1)")
+    p.add_argument("--threads", type=at_least(1), default=1, help="TANDEM_THREADS per engine (default 1)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="PNG of requests over time with the kills marked")
 

@@ -12,6 +12,20 @@ import importlib.util
 import logging
 
 
+def at_least(low: float, kind=int):
+    """An argparse type: a ``kind`` number of at least ``low`` (a bench given --duration -5 or
+    --concurrency 0 ran anyway, and one of them left a stack behind)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
+        return v
+    return parse
+
+
 def _module_arguments(name: str):
     return lambda p: importlib.import_module(name).add_arguments(p)
 

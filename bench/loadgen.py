@@ -288,7 +288,12 @@ def client_for(connections: int):
 
 
 async def served_model(client, url: str) -> str:
-    r = await client.get(url + "/v1/models")
+    """The first model ``url`` serves (ConnectionError naming the URL when nothing answers there)."""
+    import httpx
+    try:
+        r = await client.get(url + "/v1/models")
+    except httpx.TransportError as e:
+        raise ConnectionError(f"no OpenAI-compatible server answers at {url}: {e or type(e).__name__}") from None
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 

@@ -401,7 +401,7 @@ def run_cli(name: str, run_bench, args: argparse.Namespace) -> int:
     request failed; 0 otherwise."""
     try:
         out = run_bench(args)
-    except (ValueError, RuntimeError, TimeoutError) as e:
+    except (ValueError, RuntimeError, TimeoutError, ConnectionError) as e:
         sys.stderr.write(f"bench {name}: {e}\n")
         return 1
     return 0 if all(r["errors"] == 0 for r in out["runs"]) else 1

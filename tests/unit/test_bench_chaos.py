@@ -4,6 +4,8 @@ error, a finish outside OpenAI's, cut short, drifted, silent), resumes, and the 
 
 from __future__ import annotations
 
+import pytest
+
 import argparse
 
 from bench import chaos
@@ -64,3 +66,17 @@ def test_report_separates_errors_from_wrong_answers(capsys):
 def test_a_kill_picks_among_every_role():
     assert {chaos.role_of(n) for n in ("prefill-7", "gpu-decode-7-2", "cpu-decode-2-7", "kvpool-7", "router-7-1",
                                         "nats")} == set(chaos.ROLES)
+
+
+def test_arguments_out_of_range_are_refused():
+    """``--duration -5`` or ``--concurrency 0`` ran anyway (and one such run left a stack behind)."""
+    import argparse
+
+    from bench import chaos
+    p = argparse.ArgumentParser()
+    chaos.add_arguments(p)
+    for argv in (["--duration", "-5"], ["--concurrency", "0"], ["--kill-every", "-3"], ["--max-tokens", "x"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+    a = p.parse_args(["--duration", "30", "--concurrency", "2", "--kill-every", "0"])
+    assert (a.duration, a.concurrency, a.kill_every) == (30.0, 2, 0.0)

@@ -337,3 +337,19 @@ def test_bench_serve_against_the_synthetic_server(synthetic, tmp_path, capsys):
     assert [r["rate"] for r in res["runs"]] == [20.0, 40.0] and res["config"]["slos"]["batch"] == [10000.0, 100.0]
     assert all(r["output_tokens"] == 24 and len(r["per_request"]) == 8 for r in res["runs"])
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_a_url_where_nothing_answers_is_one_clear_error():
+    """``tandem bench serve --url`` at a port nobody listens on: a ConnectionError naming the URL
+    (the bench prints it as one line and exits 1), not httpx's traceback."""
+    import httpx
+
+    from bench.loadgen import served_model
+    from shared.nats_server import free_port
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def ask():
+        async with httpx.AsyncClient() as client:
+            return await served_model(client, url)
+    with pytest.raises(ConnectionError, match=f"no OpenAI-compatible server answers at {url}"):
+        asyncio.run(ask())
