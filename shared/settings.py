@@ -421,7 +421,8 @@ class GatewaySettings:
     responses_max_bytes_per_tenant: int = _env("TANDEM_RESPONSES_MAX_BYTES_PER_TENANT", 1 << 30, "bytes of stored "
                                                "Responses (their records: response, input items, conversation) one "
                                                "API key keeps at most; oldest out first; 0 = no cap")
-    drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long")
+    drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long; a stream "
+                          "still going then ends with an error event")
     served_model_name: str | None = _env("TANDEM_SERVED_MODEL_NAME", None, "the model id clients send and "
                                          "/v1/models lists; unset: the model file's stem (SmolLM2-135M-Instruct)")
     generation_defaults: str | None = _env("TANDEM_GENERATION_DEFAULTS", None, "what a request leaves out, for "
