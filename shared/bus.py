@@ -46,7 +46,7 @@ _CONNECT_ATTEMPTS = 3  # per server, before Bus.connect gives up
 
 
 SUBJECTS_PAGE = 100_000   # subjects one STREAM.INFO answer lists at most (the server pages past it)
-REPLY_PREFIX = "_INBOX."  # every request's reply subject (a role's inbox: bus_auth.inbox_prefix)
+REPLY_PREFIX = bus_auth.INBOX + "."   # every request's reply subject (a role's inbox, or nats-py's default)
 _refusals: dict[str, float] = {}   # subject served -> when a refused reply subject was last logged
 
 

@@ -52,9 +52,12 @@ def role_of(service: str) -> str:
                      f"{', '.join(S.ROLES + (WORKER, TAP))}")
 
 
+INBOX = "_INBOX"   # every reply subject starts here (nats-py's default inbox prefix, and each role's)
+
+
 def inbox_prefix(role: str) -> str:
     """Where a role's requests get their replies (nats-py ``inbox_prefix``)."""
-    return f"_INBOX.{role}"
+    return f"{INBOX}.{role}"
 
 
 def _stream_admin(stream: str) -> list[str]:
