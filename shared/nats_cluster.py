@@ -23,6 +23,7 @@ least 3 servers, else 1). shared/bus.py's ``Bus.stream_replicas`` applies it and
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -37,12 +38,50 @@ DEFAULT_ROUTE_PORT = 6222
 AUTO_REPLICAS = 3      # auto: R3 once the cluster has this many servers
 
 
-def route_url(host_port: str, login: tuple[str, str] | None) -> str:
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+_SIZE = re.compile(r"(\d+)\s*(?:([KMGT])(?:I?B)?)?", re.IGNORECASE)
+
+
+def host_port(text: str, what: str, default_port: int | None = DEFAULT_ROUTE_PORT) -> str:
+    """``host:port`` from ``host[:port]`` (or ``nats-route://host[:port]``), checked: a host name,
+    an IPv4 address or a bracketed IPv6 one, and a port 1..65535 — what nats-server would refuse
+    at start, said before a file is written."""
+    hp = text.strip()
+    if "://" in hp:
+        scheme, hp = hp.split("://", 1)
+        if scheme != "nats-route":
+            raise ValueError(f"{what} {text!r}: a route address is host[:port] (no {scheme}:// scheme)")
+    if "@" in hp or "/" in hp:
+        raise ValueError(f"{what} {text!r}: a route address is host[:port] (its credential is the "
+                         f"credentials file's, added here)")
+    host, sep, port = hp.rpartition(":") if not hp.endswith("]") else (hp, "", "")
+    if not sep:
+        host, port = hp, ""
+    if not _HOST.fullmatch(host or "") or (":" in host and not host.startswith("[")):
+        raise ValueError(f"{what} {text!r}: no host name or address in it")
+    if not sep:
+        if default_port is None:
+            raise ValueError(f"{what} {text!r}: needs a port (host:port)")
+        port = str(default_port)
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what} {text!r}: the port must be a number 1..65535")
+    return f"{host}:{int(port)}"
+
+
+def file_store_size(text: str) -> str | int:
+    """JetStream's ``max_file_store`` from ``20G``, ``20GB``, ``20GiB``, ``512m`` or bytes, as
+    nats-server reads it (``20G``: K, M, G, T are powers of 1,024; a bare number: bytes). It
+    refuses ``20GB`` or ``20g`` in a quoted string, and takes ``-5G``: both are said here."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m or int(m.group(1)) == 0:
+        raise ValueError(f"--max-file-store {text!r}: a positive size such as 20G, 512M or a byte count")
+    return f"{int(m.group(1))}{m.group(2).upper()}" if m.group(2) else int(m.group(1))
+
+
+def route_url(address: str, login: tuple[str, str] | None) -> str:
     """``nats-route://user:pass@host:port`` (port 6222 when none is given; TLS, when on, comes
     from the ``cluster.tls`` block, not the scheme)."""
-    hp = host_port.split("://", 1)[-1].rsplit("@", 1)[-1]
-    if ":" not in hp:
-        hp = f"{hp}:{DEFAULT_ROUTE_PORT}"
+    hp = host_port(address, "route address")
     cred = "" if login is None else f"{quote(login[0], safe='')}:{quote(login[1], safe='')}@"
     return f"nats-route://{cred}{hp}"
 
@@ -74,13 +113,16 @@ def cluster_config(creds: dict, routes: list[str], *, name: str = DEFAULT_CLUSTE
         raise ValueError("a cluster needs its servers' route addresses")
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("the TLS certificate and key go together")
+    if not name or any(c.isspace() for c in name):
+        raise ValueError(f"cluster name {name!r}: a word without spaces (nats-server's rule)")
+    listen = host_port(listen, "--cluster-listen", default_port=None)
     tls = tls_cert is not None
     conf = dict(bus_auth.server_config(creds, account))
     js: dict = {}
     if store_dir:
         js["store_dir"] = store_dir
     if max_file_store:
-        js["max_file_store"] = max_file_store
+        js["max_file_store"] = file_store_size(max_file_store)
     conf["jetstream"] = js or "enabled"
     if server_name:
         conf["server_name"] = server_name

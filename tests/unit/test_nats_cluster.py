@@ -208,3 +208,42 @@ def _blocks(text: str) -> list[str]:
             cur = ""
         cur += line
     return blocks + ([cur] if cur else [])
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--cluster", "nats-0.nats,http://nats-1.nats"], "no http:// scheme"),
+    (["--cluster", "nats-0.nats:99999"], "1..65535"),
+    (["--cluster", "nats-0.nats,u:pw@nats-1.nats"], "credential"),
+    (["--cluster", "nats 0,nats-1"], "no host name"),
+    (["--cluster", "a,b", "--cluster-listen", "0.0.0.0"], "needs a port"),
+    (["--cluster", "a,b", "--cluster-name", "my cluster"], "without spaces"),
+    (["--cluster", "a,b", "--max-file-store", "banana"], "a positive size"),
+    (["--cluster", "a,b", "--max-file-store=-5G"], "a positive size"),
+])
+def test_nats_auth_refuses_what_nats_server_would_and_writes_nothing(tmp_path, monkeypatch, caplog, argv, said):
+    """A route, listen address, cluster name or store size nats-server refuses at start (or, for
+    ``-5G``, takes): one line and exit 2 before anything is written — it wrote such a config and
+    exited 0, and nats-server's own complaint about a bad route printed the route password."""
+    monkeypatch.setenv("TANDEM_NATS_CREDS_FILE", str(tmp_path / "nats.creds"))
+    p = argparse.ArgumentParser()
+    nats_auth.add_arguments(p)
+    out = tmp_path / "nats.conf"
+    assert nats_auth.main(p.parse_args(["--config", str(out), *argv])) == 2
+    assert not out.exists() and said in caplog.text
+
+
+@pytest.mark.parametrize("size, written", [("20GB", "20G"), ("512mib", "512M"), ("1073741824", 1073741824)])
+def test_nats_auth_writes_store_sizes_as_nats_server_reads_them(tmp_path, monkeypatch, size, written):
+    """``20GB`` in a quoted string is refused by nats-server ("must end in K, M, G, T"): written as ``20G``."""
+    monkeypatch.setenv("TANDEM_NATS_CREDS_FILE", str(tmp_path / "nats.creds"))
+    p = argparse.ArgumentParser()
+    nats_auth.add_arguments(p)
+    out = tmp_path / "nats.conf"
+    args = p.parse_args(["--config", str(out), "--cluster", "[::1]:7222,nats-route://nats-1:6222",
+                         "--max-file-store", size])
+    assert nats_auth.main(args) == 0
+    conf = {k: json.loads(v) for k, v in (line.split(": ", 1) for line in _blocks(out.read_text()))}
+    assert conf["jetstream"]["max_file_store"] == written
+    assert [r.rsplit("@", 1)[1] for r in conf["cluster"]["routes"]] == ["[::1]:7222", "nats-1:6222"]
+    check = subprocess.run([str(find_nats_server()), "-c", str(out), "-t"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
