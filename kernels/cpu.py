@@ -188,7 +188,11 @@ def _isa_arg() -> int:
 
 
 def _isa_from_env() -> int:
-    return _ISA_IDS.get(os.environ.get("TANDEM_CPU_ISA", "").lower(), -1)
+    v = os.environ.get("TANDEM_CPU_ISA", "").strip().lower()
+    if v and v not in _ISA_IDS:
+        log.warning("ignoring TANDEM_CPU_ISA=%r (expected one of %s); using the best path the CPU has",
+                    v, ", ".join(ISA_NAMES.values()))
+    return _ISA_IDS.get(v, -1)
 
 
 _isa_choice = _isa_from_env()

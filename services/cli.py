@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from shared.tracing import setup_logging
     setup_logging(args.log_level.upper())  # the request id in every line (shared/tracing.py)
+    from shared.settings import unknown_env
+    for line in unknown_env().values():    # a typo'd variable would be ignored in silence
+        logging.getLogger("tandem").warning("%s", line)
     return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
 
 

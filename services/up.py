@@ -32,12 +32,13 @@ import signal
 import socket
 import sys
 import time
+from typing import Mapping
 
 from shared import bus_auth, metrics
 from shared.engine.model_files import load_tokenizer
 from shared.nats_server import EmbeddedNats, die_with_parent
 from shared.os_priority import describe, engine_threads, omp_env
-from shared.settings import Settings
+from shared.settings import Settings, unknown_env
 
 log = logging.getLogger("tandem.up")
 
@@ -314,14 +315,23 @@ def preflight(settings: Settings) -> None:
                          "server has it? (--port / TANDEM_PORT)") from None
 
 
-async def _up(args: argparse.Namespace) -> int:
-    env = dict(os.environ, **topology(args), **pool_env(args, os.environ))
+def stack_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of every copy: ``environ`` with the command line's settings, less the
+    ``TANDEM_*`` names nothing reads (said once by services/cli.py, not again by every copy)."""
+    env = dict(environ, **topology(args), **pool_env(args, environ))
     if args.port:
         env["TANDEM_PORT"] = str(args.port)
     if args.model:
         env["TANDEM_MODEL"] = args.model
     if args.served_model_name:
         env["TANDEM_SERVED_MODEL_NAME"] = args.served_model_name
+    for name in unknown_env(env):
+        del env[name]
+    return env
+
+
+async def _up(args: argparse.Namespace) -> int:
+    env = stack_env(args, os.environ)
     settings = Settings.from_env(env)   # every setting checked before anything starts
     await asyncio.to_thread(preflight, settings)
     nats = None

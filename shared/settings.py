@@ -588,6 +588,57 @@ def env_vars() -> list[tuple[str, str, str]]:
     return out
 
 
+# Variables read where they are used rather than through Settings: the kernels' and benches'
+# knobs (docs/kernels.md, docs/benchmarks.md, docs/observability.md). Listed so that a name in
+# neither is reported (``unknown_env``); tests/unit/test_settings.py checks the list is whole.
+ELSEWHERE: dict[str, str] = {
+    "TANDEM_KERNELS": "auto or reference (kernels/dispatch.py)",
+    "TANDEM_CACHE_DIR": "where the CPU kernels' built libraries live (kernels/cpu.py)",
+    "TANDEM_CXXFLAGS": "extra g++ flags for the CPU kernels",
+    "TANDEM_CPU_ISA": "cap the CPU kernels' path: scalar, avx2, avx512vnni, neon, amx",
+    "TANDEM_CPU_ACT": "the CPU matmuls' activations: q16, f32 or q8",
+    "TANDEM_CPU_FUSED": "0: the CPU model op by op",
+    "TANDEM_GPU_AHEAD": "1: launch the next decode step before reading this one's tokens",
+    "TANDEM_GPU_GEMM_ROWS": "prefill steps of at least this many rows through cuBLAS",
+    "TANDEM_GPU_MLP": "split or fused (a layer's FFN in one launch)",
+    "TANDEM_GPU_PDL": "1: programmatic dependent launch (sm_90+)",
+    "TANDEM_GPU_PERSISTENT": "1: a decode step as one launch of resident programs",
+    "TANDEM_GPU_PERSISTENT_PROGRAMS": "that launch's grid",
+    "TANDEM_GPU_PERSISTENT_ROWS": "16, 32 or 64: the rows it takes",
+    "TANDEM_GPU_PRECISION": "ieee, tf32 or tf32x3: the matmuls' dots",
+    "TANDEM_GPU_PREFETCH": "auto, 0 or 1: a K step's weights fetched during the step before",
+    "TANDEM_GPU_PREFILL_ATTN": "ieee, tf32 or fp16: the prefill attention's dots",
+    "TANDEM_GPU_REDUCE": "fused or launch: split sums by the last program or launches of their own",
+    "TANDEM_GPU_SAMPLE": "0: every draw on the host",
+    "TANDEM_GPU_STEP_INTERPRET": "1: the fused step in Triton's interpreter off CUDA (tests)",
+    "TANDEM_GPU_TUNING": "the matmul tiles' table (a JSON file, or none)",
+    "TANDEM_GPU_WEIGHTS": "blocks or planes: the matmul weights' layout on the GPU",
+    "TANDEM_LLAMA_CPP_CFLAGS": "extra flags for the llama.cpp build `tandem bench llamacpp` makes",
+    "TANDEM_LLAMA_CPP_VENV": "where that build's virtual environment lives",
+    "TANDEM_MODELED_GPU_US": "bench.gpu_host's modeled device time a step",
+    "TANDEM_OTLP_ENDPOINT": "send trace spans to this OTLP/HTTP endpoint (docs/observability.md)",
+    "TANDEM_VENV": "where scripts/setup puts the virtual environment",
+    "TANDEM_BASE_IMAGE": "scripts/compose-check's and kube-check's base image",
+    "TANDEM_NATS_HOST_PORT": "scripts/compose-check's NATS port on the host",
+    "TANDEM_LLAMA_CUDA_DIR": "scripts/gpu-check's llama.cpp CUDA build",
+}
+
+
+def unknown_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{name: one line} for each ``TANDEM_*`` variable of ``env`` (default os.environ) that nothing
+    reads — a typo such as TANDEM_THREDS would otherwise be ignored in silence — naming the
+    closest known variable where one is close."""
+    import difflib
+    env = os.environ if env is None else env
+    known = {v for v, _, _ in env_vars()} | set(ELSEWHERE)
+    out = {}
+    for name in sorted(n for n in env if n.startswith("TANDEM_") and n not in known):
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        out[name] = (f"{name} is not a Tandem setting and is ignored"
+                     + (f": did you mean {near[0]}?" if near else " (`tandem up --help` lists them)"))
+    return out
+
+
 def env_help() -> str:
     """Text for --help epilogs: one line per variable."""
     width = max(len(v) for v, _, _ in env_vars())

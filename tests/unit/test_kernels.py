@@ -384,3 +384,12 @@ def test_q16_real_weights(real_weights, name):
     for m in (1, 16):
         x = acts(m, k, seed=m)
         assert rel_err(cpu.matmul(x, p), q4_0.matmul(x, q)) < Q16_REL_TOL
+
+
+def test_an_unknown_isa_name_is_said_and_the_best_path_used(monkeypatch, caplog):
+    monkeypatch.setenv("TANDEM_CPU_ISA", "avx512")          # avx512vnni is the name
+    assert cpu._isa_from_env() == -1
+    assert "ignoring TANDEM_CPU_ISA='avx512'" in caplog.text and "avx512vnni" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("TANDEM_CPU_ISA", "AVX2")
+    assert cpu._isa_from_env() == 1 and "ignoring" not in caplog.text

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from services.up import add_arguments, engines, plan, pool_env, topology
+from services.up import add_arguments, engines, plan, pool_env, stack_env, topology
 from shared.settings import Settings
 
 
@@ -137,3 +137,12 @@ def test_a_supervised_nats_is_in_its_own_group_and_dies_with_its_supervisor(tmp_
             raise AssertionError("the supervised nats-server outlived its supervisor")
     finally:
         child.kill()
+
+
+def test_copies_get_the_command_line_settings_but_not_unknown_variables():
+    """A typo'd TANDEM_ variable is said once by the command (services/cli.py); `tandem up` does
+    not hand it to every copy to say again. Known ones pass through."""
+    env = stack_env(parse("--port", "18123"), {"TANDEM_THREDS": "4", "TANDEM_THREADS": "2",
+                                               "TANDEM_GPU_AHEAD": "1", "PATH": "/bin"})
+    assert env["TANDEM_PORT"] == "18123" and env["TANDEM_THREADS"] == "2" and env["TANDEM_GPU_AHEAD"] == "1"
+    assert "TANDEM_THREDS" not in env and env["PATH"] == "/bin"

@@ -1,0 +1,49 @@
+"""Unknown ``TANDEM_*`` variables are said, not ignored in silence (shared/settings.py
+``unknown_env``), and the list of variables read outside Settings is whole."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from shared.settings import ELSEWHERE, env_vars, unknown_env
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_VARIABLES = {"TANDEM_KVEVENTS"}   # a JetStream stream's name (shared/kv_events.py)
+
+
+def test_a_typo_is_named_with_the_variable_it_was_meant_to_be():
+    said = unknown_env({"TANDEM_THREDS": "4", "TANDEM_THREADS": "2", "TANDEM_GPU_AHEAD": "1",
+                        "TANDEM_FROBNICATE": "1", "PATH": "/bin"})
+    assert list(said) == ["TANDEM_FROBNICATE", "TANDEM_THREDS"]
+    assert said["TANDEM_THREDS"].endswith("did you mean TANDEM_THREADS?")
+    assert "did you mean" not in said["TANDEM_FROBNICATE"]
+
+
+def test_every_variable_the_code_reads_is_known():
+    """Every quoted ``"TANDEM_X"`` in the code and every ``${TANDEM_X`` in the scripts is a
+    setting or in ELSEWHERE — else setting it would be reported as unknown."""
+    names = set()
+    for folder in ("shared", "services", "kernels", "bench", "kvpool"):
+        for path in (ROOT / folder).rglob("*.py"):
+            names |= set(re.findall(r"[\"'](TANDEM_[A-Z0-9_]*[A-Z0-9])[\"']", path.read_text()))
+    for path in (ROOT / "scripts").iterdir():
+        if path.is_file():
+            names |= set(re.findall(r"\$\{(TANDEM_[A-Z0-9_]+)", path.read_text(errors="replace")))
+    known = {v for v, _, _ in env_vars()} | set(ELSEWHERE)
+    assert len(names) > 100
+    assert names - known - NOT_VARIABLES == set()
+    assert set(ELSEWHERE) <= names, "ELSEWHERE names a variable nothing reads"
+
+
+def test_the_command_warns_once_and_up_does_not_pass_it_to_every_copy(tmp_path):
+    """`tandem` says it on start; `tandem up` drops the variable from its copies' environment
+    (it has no effect) so that six copies do not say it again."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TANDEM_KV_BUDGT_MB": "64"}
+    out = subprocess.run([sys.executable, "-m", "services.cli", "nats-auth", "--config", "-"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("TANDEM_KV_BUDGT_MB is not a Tandem setting") == 1
+    assert "did you mean TANDEM_KV_BUDGET_MB?" in out.stderr
