@@ -22,11 +22,9 @@ SERVICES = ("gateway", "router", "prefill", "gpu-decode", "cpu-decode", "kvpool"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from services.gateway.app import add_arguments as gateway_arguments
     p.add_argument("service", choices=SERVICES, help="which service to run")
-    p.add_argument("--port", type=int, default=None, help="gateway HTTP port (TANDEM_PORT, default 8000)")
-    p.add_argument("--host", default=None, help="gateway bind address (TANDEM_HOST)")
-    p.add_argument("--served-model-name", default=None,
-                   help="gateway: the model id clients send (TANDEM_SERVED_MODEL_NAME; default the model file's stem)")
+    gateway_arguments(p)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = env_help()
 
@@ -79,10 +77,10 @@ async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
     from shared import tracing
     from shared.bus import Bus
     from shared.engine.model_files import load_tokenizer, served_model_name
-    from services.gateway.app import GatewaySettings, serve
+    from services.gateway.app import serve
     from services.gateway.nats_backend import NatsBackend
 
-    gw = GatewaySettings.from_env(host=args.host, port=args.port, served_model_name=args.served_model_name)
+    gw = args.gateway
     if (warning := exposure_warning(gw.host, bool(gw.key_tiers()))) is not None:
         log.warning("%s", warning)
     tracing.setup("gateway")  # span export only when TANDEM_OTLP_ENDPOINT is set
@@ -102,10 +100,21 @@ async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from shared.bus import BusError
+    from services.gateway.app import settings_from_args
     try:
         settings = Settings.from_env()
+        args.gateway = settings_from_args(args) if args.service == "gateway" else None
+        if not settings.nats.servers():
+            raise ValueError("no NATS server: set TANDEM_NATS_URL (or run `tandem up`, which starts an embedded one)")
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2
-    asyncio.run(_run(args, settings))
+    try:
+        asyncio.run(_run(args, settings))
+    except BusError as e:     # NATS unreachable or refusing this role at start: one line, not a traceback
+        if e.code != "unavailable":
+            raise
+        log.error("%s", e.message)
+        return 1
     return 0

@@ -36,19 +36,20 @@ log = logging.getLogger("tandem.gateway")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The gateway's command-line flags; each defaults to its environment variable."""
-    parser.add_argument("--host", default=None, help="interface to listen on (TANDEM_HOST, default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="HTTP port (TANDEM_PORT, default 8000)")
-    parser.add_argument("--api-key", default=None, help="require this bearer token on /v1/* (TANDEM_API_KEY)")
-    parser.add_argument("--default-tier", dest="default_tier", choices=TIERS, default=None,
-                        help="tier of requests that name none (TANDEM_DEFAULT_TIER, default standard)")
+    """The gateway's command-line flags (`tandem serve gateway`); each defaults to its environment
+    variable. API keys have none: a key on a command line is in every user's `ps`."""
+    parser.add_argument("--host", default=None, help="gateway: interface to listen on (TANDEM_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="gateway: HTTP port (TANDEM_PORT, default 8000)")
+    parser.add_argument("--default-tier", dest="default_tier", choices=[t.value for t in TIERS], default=None,
+                        help="gateway: tier of requests that name none (TANDEM_DEFAULT_TIER, default standard)")
     parser.add_argument("--served-model-name", dest="served_model_name", default=None,
-                        help="the model id clients send (TANDEM_SERVED_MODEL_NAME; default the model file's stem)")
+                        help="gateway: the model id clients send (TANDEM_SERVED_MODEL_NAME; default the model "
+                             "file's stem)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    return GatewaySettings.from_env(host=args.host, port=args.port, api_key=args.api_key,
-                                    default_tier=args.default_tier, served_model_name=args.served_model_name)
+    return GatewaySettings.from_env(host=args.host, port=args.port, default_tier=args.default_tier,
+                                    served_model_name=args.served_model_name)
 
 
 CLOSE_GRACE_S = 3.0   # after the drain time, for each stream still going to send its error event
