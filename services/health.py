@@ -10,6 +10,7 @@ has its own ``/health`` on its HTTP port.
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import sys
 import urllib.request
@@ -19,7 +20,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     port = os.environ.get("TANDEM_METRICS_PORT") or "9100"
     p.add_argument("--url", default=f"http://127.0.0.1:{port}/metrics",
                    help="the service's /metrics (default: TANDEM_METRICS_PORT on 127.0.0.1, else 9100)")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    p.add_argument("--timeout", type=_seconds, default=3.0, help="seconds to wait for the answer (default 3)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return v
 
 
 def check(text: str) -> tuple[bool, str]:
@@ -27,7 +38,8 @@ def check(text: str) -> tuple[bool, str]:
     ready = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
              if line.startswith("tandem_ready{")}
     if not ready:
-        return False, "no tandem_ready series yet (still starting)"
+        return False, ("no tandem_ready series: the service is still starting, or exports none (the gateway's "
+                       "check is its /health on the HTTP port)")
     down = [k for k, v in ready.items() if v != 1.0]
     return (False, "not ready: " + ", ".join(down)) if down else (True, "ready: " + ", ".join(ready))
 
@@ -36,7 +48,7 @@ def main(args) -> int:
     try:
         with urllib.request.urlopen(args.url, timeout=args.timeout) as r:
             ok, why = check(r.read().decode())
-    except OSError as e:
+    except (OSError, ValueError, http.client.HTTPException) as e:   # down, a bad URL, a bad port
         ok, why = False, f"{args.url}: {e}"
     print(why, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

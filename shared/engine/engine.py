@@ -66,7 +66,10 @@ class EngineConfig:
 
 
 def resolve_device(name: str) -> torch.device:
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:   # torch's own message lists its 20 device types
+        raise ValueError(f"unsupported device {name!r} (cpu or cuda)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but torch sees no CUDA device")
     if dev.type not in ("cpu", "cuda"):

@@ -315,6 +315,8 @@ def load(path: str | None, ops, cache_dir: str | None = None, threads: int | Non
     ``threads`` threads (None: every core this process may use; conversions on a node take turns,
     so they never share the cores). Raises ModelLoadError."""
     path = bundled_model_path() if path is None else os.fspath(path)
+    if not os.path.exists(path):   # said as load_tokenizer says it (the cache key would ask for safetensors)
+        raise ModelLoadError(f"cannot load model {path}: no such file or directory")
     threads = threads or len(os.sched_getaffinity(0))
     cache_dir = default_dir() if cache_dir is None else cache_dir
     if not cache_dir:

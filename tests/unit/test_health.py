@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from services import health
 from shared import metrics
 
 
 def test_check_wants_every_ready_series_at_one():
-    assert health.check("# HELP x\nother 1.0\n") == (False, "no tandem_ready series yet (still starting)")
+    ok, why = health.check("# HELP x\nother 1.0\n")
+    assert not ok and "still starting, or exports none (the gateway's check is its /health" in why
     ok, why = health.check('tandem_ready{service="cpu-decode"} 1.0\n')
     assert ok and "cpu-decode" in why
     ok, why = health.check('tandem_ready{service="cpu-decode"} 0.0\ntandem_ready{service="router"} 1.0\n')
@@ -25,3 +28,16 @@ def test_health_against_a_live_metrics_endpoint(capsys):
     metrics.set_ready("health-test", True)
     assert health.main(args) == 0
     assert health.main(argparse.Namespace(url="http://127.0.0.1:1/metrics", timeout=1.0)) == 1
+
+
+def test_a_bad_url_port_or_timeout_is_one_line_not_a_traceback(capsys):
+    """They were tracebacks (ValueError, http.client.InvalidURL)."""
+    for url in ("notaurl", "http://127.0.0.1:abc/metrics"):
+        assert health.main(argparse.Namespace(url=url, timeout=1.0)) == 1
+        assert url in capsys.readouterr().err
+    p = argparse.ArgumentParser()
+    health.add_arguments(p)
+    for bad in ("-1", "0", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--timeout", bad])
+    assert "is not a number of seconds > 0" in capsys.readouterr().err

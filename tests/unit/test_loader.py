@@ -342,3 +342,15 @@ def test_load_tokenizer_reads_metadata_only(bundled, tmp_path):
     p.write_bytes(os.urandom(4096))
     with pytest.raises(ModelLoadError, match="not a GGUF"):
         model_files.load_tokenizer(str(p))
+
+
+def test_a_missing_model_or_an_unknown_device_is_said_plainly(tmp_path):
+    """`tandem generate --model /nonexistent.gguf` said "no *.safetensors files"; `--device
+    banana` was torch's RuntimeError as a traceback."""
+    from shared.engine import weight_cache
+    from shared.engine.engine import resolve_device
+    from shared.engine.model_files import ModelLoadError
+    with pytest.raises(ModelLoadError, match="nonexistent.gguf: no such file or directory"):
+        weight_cache.load(str(tmp_path / "nonexistent.gguf"), None, str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"unsupported device 'banana' \(cpu or cuda\)"):
+        resolve_device("banana")

@@ -114,3 +114,21 @@ def test_a_picked_port_is_never_one_a_bind_to_port_0_gets():
     with socket.socket() as s:                   # what serve_http(0) does
         s.bind(("127.0.0.1", 0))
         assert low <= s.getsockname()[1] <= high
+
+
+def test_every_metric_the_docs_name_is_exported_under_that_name():
+    """docs named two counters without the ``_total`` prometheus_client exports them with: a
+    PromQL query on the documented name finds nothing."""
+    import re
+    from pathlib import Path
+    from prometheus_client import REGISTRY
+    from shared import bus_auth
+    exported = {bus_auth.RESPONSES_BUCKET, bus_auth.SESSIONS_BUCKET, bus_auth.PREFIX_BUCKET}  # not metrics
+    for family in REGISTRY.collect():   # a counter's family name is no series: its _total is
+        exported |= {family.name + "_total" if family.type == "counter" else family.name,
+                     *(s.name for s in family.samples)}
+    root = Path(__file__).resolve().parents[2]
+    named = {(path.name, m) for path in [root / "README.md", *(root / "docs").glob("*.md")]
+             for m in re.findall(r"\btandem_[a-z0-9_]+", path.read_text())}
+    assert len(named) > 40
+    assert sorted(n for n in named if n[1] not in exported) == []
