@@ -60,6 +60,10 @@ async def tap(subject: str = subjects.ALL, *, url: str | None = None, show_text:
               settings: Settings | None = None, ready: asyncio.Event | None = None) -> int:
     """Print matching messages to ``out`` (stdout) until ``count`` were shown or interrupted."""
     out = out or sys.stdout
+    tokens = subject.split(".")
+    if any(not t or any(c.isspace() for c in t) for t in tokens) or ">" in tokens[:-1]:
+        raise ValueError(f"{subject!r} is not a NATS subject: dot-separated tokens without spaces, "
+                         "'*' for one token, '>' last for the rest (e.g. tandem.route.>)")
     settings = settings or Settings.from_env()
     bus = await Bus.connect(settings, url=url, name="tandem-tap", role="tap")
     stop = asyncio.Event()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import ssl
 import time
 from typing import Any, Awaitable, Callable
@@ -205,6 +206,7 @@ class Bus:
         self.replicas_setting = 0                 # TANDEM_NATS_REPLICAS (0: auto, see stream_replicas)
         self.jetstream_wait = 60.0                # seconds jetstream_ensure waits for JetStream to answer
         self.configured_servers = 0               # the servers TANDEM_NATS_URL lists
+        self.refused_login = False                # the server said "Authorization Violation"
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -235,12 +237,20 @@ class Bus:
         if role is not None:
             role = bus_auth.role_of(role)
             opts.update(inbox_prefix=bus_auth.inbox_prefix(role))
+        anonymous = ""
         if s.user is not None:
             opts.update(user=s.user, password=s.password)
         elif s.token is not None:
             opts.update(token=s.token)
         elif role is not None and (login := bus_auth.role_login(s.creds_file, role)) is not None:
             opts.update(user=login[0], password=login[1])
+        elif role is not None:
+            how = (f"TANDEM_NATS_CREDS_FILE ({s.creds_file}) has no entry for role {bus_auth.role_of(role)!r}"
+                   if s.creds_file and os.path.exists(os.path.expanduser(s.creds_file)) else
+                   f"TANDEM_NATS_CREDS_FILE ({s.creds_file}) does not exist" if s.creds_file else
+                   "TANDEM_NATS_CREDS_FILE is empty")
+            anonymous = f"no credentials: {how}, TANDEM_NATS_USER and TANDEM_NATS_TOKEN are unset"
+            log.info("connecting to NATS with %s", anonymous)
         ctx = ssl_context(s)
         if ctx is not None:
             opts.update(tls=ctx)
@@ -249,8 +259,10 @@ class Bus:
             bus.nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
             bus.connected_since = time.monotonic()
         except Exception as e:
+            hint = (f" (the server refused this login: {anonymous})" if anonymous and bus.refused_login
+                    else " (the server refused this login: wrong credentials)" if bus.refused_login else "")
             raise BusError("unavailable", f"cannot connect to NATS at {', '.join(servers)}: "
-                           f"{type(e).__name__}: {e}") from e
+                           f"{type(e).__name__}: {e}{hint}") from e
         log.info("connected to NATS %s as %s", bus.nc.connected_url.netloc
                  if bus.nc.connected_url else servers, opts["name"])
         return bus
@@ -506,6 +518,8 @@ class Bus:
     # -- connection events --------------------------------------------------------------------
 
     async def _on_error(self, e: Exception) -> None:
+        if "authorization violation" in str(e).lower():
+            self.refused_login = True
         if self._closing:
             log.debug("NATS error while closing: %s: %s", type(e).__name__, e)
         else:

@@ -369,3 +369,13 @@ def test_tap_show_text_and_cli_parsing():
 
 async def _ack(req):
     return Ack(request_id=req.request_id)
+
+
+@pytest.mark.parametrize("subject", ["bad subject with spaces", "tandem..route", "tandem.>.x", ""])
+def test_tap_refuses_a_subject_nats_would_refuse_in_one_line(subject, caplog):
+    """It was nats.errors.BadSubjectError's traceback, after connecting."""
+    import argparse
+    from services import tap as tap_mod
+    code = tap_mod.main(argparse.Namespace(subject=subject, url="nats://127.0.0.1:1", show_text=False,
+                                           replies=False, count=1))
+    assert code == 1 and "is not a NATS subject" in caplog.text

@@ -72,9 +72,15 @@ async def test_an_unauthenticated_client_cannot_connect(secured):
         await nats.connect(url, allow_reconnect=False)
     with pytest.raises(BusError) as e:
         await Bus.connect(NatsSettings(url=url, creds_file=None), role=subjects.GATEWAY)
-    assert e.value.code == "unavailable"
-    with pytest.raises(BusError):  # a wrong password
+    assert e.value.code == "unavailable" and "TANDEM_NATS_CREDS_FILE is empty" in e.value.message
+    # the error says why there was no login (it said "no servers available" after 4 violations)
+    with pytest.raises(BusError) as e:
+        await Bus.connect(NatsSettings(url=url, creds_file="/nonexistent/nats.creds"), role="tap")
+    assert "refused this login: no credentials: TANDEM_NATS_CREDS_FILE (/nonexistent/nats.creds) does " \
+           "not exist" in e.value.message
+    with pytest.raises(BusError) as e:  # a wrong password
         await Bus.connect(NatsSettings(url=url, user="tandem-worker", password="guess", creds_file=None))
+    assert "refused this login: wrong credentials" in e.value.message
 
 
 async def test_the_request_life_cycle_works_with_role_credentials(secured):
