@@ -93,6 +93,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_args(p)
 
 
+def json_destination_problem(path: str) -> str | None:
+    """Why ``--json PATH`` could not be written after the run (checked before it), or None."""
+    import os
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--json {path}: a directory"
+    if not os.path.isdir(folder):
+        return f"--json {path}: no directory {folder}"
+    if not os.access(folder, os.W_OK):
+        return f"--json {path}: {folder} is not writable"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of the load
+    if getattr(args, "json", None) and (problem := json_destination_problem(args.json)):
+        logging.getLogger("tandem.bench").error("%s (said before the run, whose results it would lose)", problem)
+        return 2
     return int(BENCHES[args.bench][2](args) or 0)

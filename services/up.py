@@ -319,7 +319,7 @@ def stack_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str,
     """The environment of every copy: ``environ`` with the command line's settings, less the
     ``TANDEM_*`` names nothing reads (said once by services/cli.py, not again by every copy)."""
     env = dict(environ, **topology(args), **pool_env(args, environ))
-    if args.port:
+    if args.port is not None:           # --port 0 is refused by the settings, not taken for unset
         env["TANDEM_PORT"] = str(args.port)
     if args.model:
         env["TANDEM_MODEL"] = args.model

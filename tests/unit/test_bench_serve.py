@@ -130,3 +130,19 @@ def test_tiers_compares_interactive_ttft_idle_and_under_flood():
     assert "95% of what it was without any OS priority knob (target >= 90 %: met)" in lines[3]
     rows = table(list(by.values())).splitlines()
     assert rows[0] == "| metric | fifo | sla-os-off | sla |" and len(rows) == 2 + 18
+
+
+def test_a_json_destination_that_cannot_be_written_is_said_before_the_run(tmp_path):
+    """`tandem bench serve --json /nonexistent/dir/x.json` ran the whole benchmark, then lost its
+    results to a FileNotFoundError traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from bench.cli import json_destination_problem
+    assert json_destination_problem(str(tmp_path / "x.json")) is None
+    assert "a directory" in json_destination_problem(str(tmp_path))
+    assert "no directory" in json_destination_problem(str(tmp_path / "no" / "x.json"))
+    out = subprocess.run([sys.executable, "-m", "services.cli", "bench", "serve", "--url", "http://127.0.0.1:1",
+                          "--json", str(tmp_path / "no" / "x.json")], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "said before the run" in out.stderr and "Traceback" not in out.stderr

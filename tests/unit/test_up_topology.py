@@ -146,3 +146,10 @@ def test_copies_get_the_command_line_settings_but_not_unknown_variables():
                                                "TANDEM_GPU_AHEAD": "1", "PATH": "/bin"})
     assert env["TANDEM_PORT"] == "18123" and env["TANDEM_THREADS"] == "2" and env["TANDEM_GPU_AHEAD"] == "1"
     assert "TANDEM_THREDS" not in env and env["PATH"] == "/bin"
+
+
+def test_port_0_is_refused_not_taken_for_unset():
+    """`tandem up --port 0` served on 8000."""
+    env = stack_env(parse("--port", "0"), {})
+    with pytest.raises(ValueError, match="TANDEM_PORT must be in 1..65535, got 0"):
+        Settings.from_env(env)
