@@ -190,6 +190,7 @@ async def run(request: Request, backend: Backend, gens: list[GenerationRequest],
     try:
         first = await unless_disconnected(request, it.__anext__())
     except ClientGone:
+        metrics.observe_request("gateway", g.tier, outcome="aborted")
         await abort(backend, rids, "client disconnected")
         await it.aclose()
         return Response(status_code=499)
@@ -225,6 +226,7 @@ async def _collect(request: Request, backend: Backend, gens: list[GenerationRequ
     try:
         await unless_disconnected(request, collect())
     except ClientGone:
+        metrics.observe_request("gateway", gens[0].tier, outcome="aborted")
         await abort(backend, rids, "client disconnected")
         return Response(status_code=499)
     except BackendError:
@@ -275,15 +277,20 @@ async def _events(backend: Backend, gens: list[GenerationRequest], it: Choices, 
             yield fmt.done
         _done(gens[0], accs, t0)
     except BackendError as e:  # mid-stream: the status is sent already; an error event instead (no [DONE])
+        finished = None          # None: ended, not finished, and counted here
         metrics.observe_request("gateway", gens[0].tier, outcome="error")
         log.warning("%s failed mid-stream %d %s: %s", rid, e.status, e.code, e.message)
         for chunk in fmt.error_chunks(APIError.from_backend(e)):
             yield fmt.frame(chunk)
     except Exception as e:  # a bug: tell the client, abort (in finally), keep serving
+        finished = None
+        metrics.observe_request("gateway", gens[0].tier, outcome="error")
         log.exception("%s internal error mid-stream", rid)
         for chunk in fmt.error_chunks(APIError(500, f"internal error: {type(e).__name__}", code="internal_error")):
             yield fmt.frame(chunk)
     finally:
+        if finished is False:   # the client left (the generator closed or cancelled mid-stream)
+            metrics.observe_request("gateway", gens[0].tier, outcome="aborted")
         if not finished:
             await abort(backend, [r for r, a in zip(rids, accs) if a.finish_reason is None], "stream ended early")
         await it.aclose()

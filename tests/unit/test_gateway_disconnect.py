@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from shared import metrics
 from tests.unit.test_gateway import (  # noqa: F401  (fixtures: served, backend, url, client)
     MODEL, MSGS, _chat, backend, client, served, still_serving, url, wait_for,
 )
@@ -18,8 +19,15 @@ from tests.unit.test_gateway import (  # noqa: F401  (fixtures: served, backend,
 
 # ---- client disconnect -> abort ----------------------------------------------------------------
 
+def aborted() -> float:
+    """The gateway's count of requests its clients left (it counted none: docs promise `aborted`)."""
+    return sum(metrics.REQUESTS.labels("gateway", t, "aborted")._value.get()
+               for t in ("interactive", "standard", "batch"))
+
+
 def test_disconnect_mid_stream_aborts(url, backend):
     backend.hang_after = 2
+    before = aborted()
     with httpx.Client(timeout=10) as http:
         with http.stream("POST", f"{url}/v1/chat/completions", json=_chat(stream=True)) as r:
             rid = r.headers["x-request-id"]
@@ -32,6 +40,7 @@ def test_disconnect_mid_stream_aborts(url, backend):
             assert '"H"' in seen[1] and '"e"' in seen[2]
     assert wait_for(lambda: backend.aborted == [rid]), backend.aborted
     assert [q.request_id for q in backend.requests] == [rid]
+    assert wait_for(lambda: aborted() == before + 1)
     still_serving(url)
 
 
@@ -60,26 +69,31 @@ def _raw_request(url: str, body: dict) -> socket.socket:
 @pytest.mark.parametrize("stream", [False, True])
 def test_disconnect_before_first_output_aborts(url, backend, stream):
     backend.hang_after = 0
+    before = aborted()
     s = _raw_request(url, _chat(stream=stream))
     assert wait_for(lambda: len(backend.requests) == 1)
     s.close()
     rid = backend.requests[0].request_id
     assert wait_for(lambda: backend.aborted == [rid]), backend.aborted
+    assert wait_for(lambda: aborted() == before + 1)
     still_serving(url)
 
 
 def test_disconnect_non_streaming_mid_generation_aborts(url, backend):
     backend.hang_after = 5
+    before = aborted()
     s = _raw_request(url, _chat())
     assert wait_for(lambda: len(backend.requests) == 1)
     time.sleep(0.1)
     s.close()
     assert wait_for(lambda: backend.aborted == [backend.requests[0].request_id]), backend.aborted
+    assert wait_for(lambda: aborted() == before + 1)
     still_serving(url)
 
 
 def test_finished_requests_are_not_aborted(client, backend):
+    before = aborted()
     client.chat.completions.create(model=MODEL, messages=MSGS)
     list(client.chat.completions.create(model=MODEL, messages=MSGS, stream=True))
     time.sleep(0.1)
-    assert len(backend.requests) == 2 and backend.aborted == []
+    assert len(backend.requests) == 2 and backend.aborted == [] and aborted() == before
