@@ -22,10 +22,17 @@ from shared.engine.sampling import RequestOutput
 from shared.kv_connector import prompt_tail_end
 from shared.ring import RING_ERRORS, RingConnector, RingMemberLost
 from shared.schemas import PrefillRequest
-from shared.transfer import TransferError
-from services.worker import EngineWorker, priority_of, sampling_from
+from shared.transfer import Discarded, TransferError
+from services.worker import Aborted, EngineWorker, priority_of, sampling_from
 
 log = logging.getLogger("tandem.prefill")
+
+
+def dropped_in_hand_off(e: Exception) -> bool:
+    """The decode worker dropped the hand-off on purpose: the request was aborted there (its client
+    left, or a resume replaced this attempt) while its KV was on the way — the receiver discarded
+    the bytes, or its worker answered the DecodeRequest ``not_found``. Not a failure: nobody waits."""
+    return isinstance(e, Discarded) or (isinstance(e, RemoteError) and e.code == "not_found")
 
 
 def lost_in_hand_off(e: Exception, decode_worker: str) -> str:
@@ -90,6 +97,8 @@ class PrefillWorker(EngineWorker):
                                             session_id=req.session_id, attempt=attempt, origin=req.origin,
                                             ring=req.ring, claim=claim, alongside=scatter)
         except (TransferError, BusError, *RING_ERRORS) as e:
+            if dropped_in_hand_off(e) or self.is_aborted(req.request_id, attempt):
+                raise Aborted(f"{req.request_id} aborted during its hand-off to {req.decode_worker} ({e})") from None
             # the gateway resumes the request (a ring's members keep nothing): without the worker it
             # did not reach (ErrorReply.lost), or — a live peer refused it — with every worker
             lost = lost_in_hand_off(e, req.decode_worker)

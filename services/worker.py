@@ -144,6 +144,11 @@ class Request:
 ABORTED_TTL = 300.0      # seconds an aborted request id is remembered (a move may still bring it)
 HANDED_TTL = 120.0       # seconds a request handed to another worker is remembered (Where replies)
 TPOT_ALPHA = 0.05        # weight of the newest inter-token interval in the TPOT moving average
+class Aborted(Exception):
+    """A request found aborted by another worker (a hand-off's receiver dropped its KV): it ends
+    here as an abort — counted and logged so, no error reply (nobody waits for one)."""
+
+
 ALL_ATTEMPTS = 1 << 62   # Abort.below_attempt 0: every attempt
 
 
@@ -430,10 +435,10 @@ class EngineWorker:
                     return
                 if end is State.HANDING_OFF:        # prefill done: the first token, then the hand-off
                     await self.bus.publish(subject, self.chunk(out, seq, finish=False, attempt=attempt, offset=offset))
-                    self._observe(timing, first_at, emitted, "parked")
                     if rec is not None and rec.state is State.RUNNING:
                         rec.state = State.HANDING_OFF
                     await on_parked(out)
+                    self._observe(timing, first_at, emitted, "parked")
                     return
                 await self.bus.publish(subject, self.chunk(out, seq, finish=out.finished, attempt=attempt,
                                                            offset=offset))
@@ -446,6 +451,12 @@ class EngineWorker:
         except asyncio.CancelledError:  # aborted (client gone, a fence) or the worker stopping
             self._observe(timing, first_at, emitted, "aborted")
             raise
+        except Aborted as e:            # found aborted elsewhere (the hand-off's receiver dropped it)
+            self._observe(timing, first_at, emitted, "aborted")
+            log.info("%s", e)
+            await self.engine.abort(request_id)
+            if rec is not None and rec.live:
+                rec.state = State.ABORTED
         except Exception as e:  # the client hears about it, the worker goes on
             self._observe(timing, first_at, emitted, "error")
             log.exception("%s failed", request_id)

@@ -9,14 +9,14 @@ peer's link can do and orders the paths; ``select`` is the sender services use
 """
 
 from shared.transfer.base import (
-    ChecksumError, KVPayload, KVReceiver, KVSender, KVTransport, NotAuthorized, PeerUnavailable, SendResult,
+    ChecksumError, Discarded, KVPayload, KVReceiver, KVSender, KVTransport, NotAuthorized, PeerUnavailable, SendResult,
     TransferError, TransferState, checksum,
 )
 from shared.transfer.select import DataPlane, DataPlaneSender, make_transport
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender, TcpTransport
 
 __all__ = [
-    "ChecksumError", "KVPayload", "KVReceiver", "KVSender", "KVTransport", "NotAuthorized", "PeerUnavailable",
+    "ChecksumError", "Discarded", "KVPayload", "KVReceiver", "KVSender", "KVTransport", "NotAuthorized", "PeerUnavailable",
     "SendResult", "TransferError", "TransferState", "checksum",
     "TcpKVReceiver", "TcpKVSender", "TcpTransport", "DataPlane", "DataPlaneSender", "make_transport",
 ]

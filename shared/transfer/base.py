@@ -55,6 +55,11 @@ class TransferError(Exception):
         self.transfer_id = transfer_id
 
 
+class Discarded(TransferError):
+    """The receiver dropped the transfer on purpose: its request was aborted (or replaced by a
+    newer attempt) while the bytes were on their way. Not a path's failure: not retried."""
+
+
 class ChecksumError(TransferError):
     """The received bytes do not match the sender's checksum."""
 

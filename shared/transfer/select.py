@@ -26,7 +26,7 @@ import numpy as np
 from shared import metrics
 from shared.transfer import link as links
 from shared.transfer import nixl
-from shared.transfer.base import KVSender, KVTransport, NotAuthorized, PeerUnavailable, SendResult, TransferError
+from shared.transfer.base import Discarded, KVSender, KVTransport, NotAuthorized, PeerUnavailable, SendResult, TransferError
 from shared.transfer.shm import available as shm_available
 from shared.transfer.frames import MiB
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender, TcpTransport
@@ -94,7 +94,7 @@ class DataPlaneSender(KVSender):
             try:
                 res = await self.tcp.send(host, port, transfer_id, payload, checksum=checksum,
                                           timeout=timeout, mode=path)
-            except (PeerUnavailable, NotAuthorized):
+            except (PeerUnavailable, NotAuthorized, Discarded):   # another path would fare no better
                 raise
             except TransferError as e:
                 error = e

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from shared import metrics
 from shared.transfer import nixl, shm, zstd
 from shared.transfer.base import (
-    ChecksumError, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, NotAuthorized, PathUnavailable,
+    ChecksumError, Discarded, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, NotAuthorized, PathUnavailable,
     PeerUnavailable, SendResult, TransferError, TransferState, default_checksum,
 )
 from shared.transfer.frames import (
@@ -233,7 +233,8 @@ class TcpKVSender(KVSender):
 def _check(status: int, message: str, what: str, transfer_id: str = "") -> None:
     """Raise unless the receiver's verdict is OK (NotAuthorized when it refused the frame's tag)."""
     if status != OK:
-        raise (NotAuthorized if status == UNAUTHORIZED else TransferError)(f"{what}: {message}", transfer_id)
+        kind = NotAuthorized if status == UNAUTHORIZED else Discarded if status == DISCARDED else TransferError
+        raise kind(f"{what}: {message}", transfer_id)
 
 
 # -- receiver ----------------------------------------------------------------------------------

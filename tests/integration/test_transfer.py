@@ -16,7 +16,7 @@ import struct
 import pytest
 
 from shared.transfer import (
-    ChecksumError, PeerUnavailable, TcpKVReceiver, TcpKVSender, TcpTransport, TransferError,
+    ChecksumError, Discarded, PeerUnavailable, TcpKVReceiver, TcpKVSender, TcpTransport, TransferError,
     TransferState, checksum,
 )
 from shared.transfer.frames import HEADER, MAGIC, BufferPool, size_class
@@ -252,9 +252,22 @@ async def test_take_timeout_and_discard(rx, tx):
         await rx.take("never", 0.1)
     host, port = rx.address
     rx.discard("aborted")                        # request aborted before its KV arrived
-    with pytest.raises(TransferError, match="discarded"):
+    with pytest.raises(Discarded, match="discarded"):
         await tx.send(host, port, "aborted", b"kv")
     assert rx.pool.allocated <= size_class(2)
+
+
+async def test_a_discarded_transfer_is_not_retried_on_another_path(rx, caplog):
+    """The receiver dropped it on purpose (its request was aborted): the shm attempt's refusal
+    was taken for a path's failure and the KV sent again over TCP."""
+    from shared.transfer import DataPlaneSender
+    sender = DataPlaneSender(TcpKVSender(timeout=5.0))
+    host, port = rx.address
+    assert (await sender.link(host, port)).source == "shm"
+    rx.discard("gone")
+    with pytest.raises(Discarded):
+        await sender.send(host, port, "gone", os.urandom(MiB))
+    assert "retrying on" not in caplog.text
 
 
 async def test_an_aborted_request_s_received_kv_is_discarded(rx, tx):

@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
-from services.worker import EngineWorker, Request
+from services.worker import EngineWorker, Request, State
 from shared.bus import BusError
 from shared.schemas import Abort
+from shared.settings import Settings
 
 
 class FakeEngine:
@@ -125,4 +126,49 @@ def test_a_superseded_attempt_whose_stream_never_ran_is_dropped_in_the_engine():
         w.spawn("r", stream())                      # not run yet: no await since
         await w._on_abort(Abort(request_id="r", reason="superseded by a resume", below_attempt=2))
         assert not ran and w.engine.aborted == ["r"] and "r" not in w.held and "r" not in w.tasks
+    asyncio.run(go())
+
+
+def test_a_hand_off_its_receiver_dropped_ends_as_an_abort_not_an_error():
+    """A client that left during the prefill → decode hand-off: the decode worker discards the KV
+    (or answers the DecodeRequest not_found). The prefill logged that as a failure with a
+    traceback, retried the bytes on another path, counted it an error and sent an ErrorReply."""
+    from services.prefill import dropped_in_hand_off
+    from shared import metrics
+    from shared.bus import RemoteError
+    from shared.engine.sampling import RequestOutput
+    from shared.transfer import Discarded, TransferError
+    from services.worker import Aborted
+
+    assert dropped_in_hand_off(Discarded("receiver refused: transfer r-0 was discarded", "r-0"))
+    assert dropped_in_hand_off(RemoteError("not_found", "request r was aborted"))
+    assert not dropped_in_hand_off(TransferError("connection lost"))
+    assert not dropped_in_hand_off(RemoteError("overloaded", "full"))
+    assert not dropped_in_hand_off(BusError("unavailable", "no responders"))
+
+    class Bus:
+        def __init__(self):
+            self.sent = []
+
+        async def publish(self, subject, msg):
+            self.sent.append(msg)
+
+    async def go():
+        w = bare_worker()
+        w.role, w.worker_id, w.bus, w.tpot = "prefill", "prefill-t", Bus(), 0.0
+        w.settings = Settings.from_env({})
+        w.hold(Request("r", state=State.RUNNING, tier="batch", stream_subject="s", received=1.0))
+
+        async def outputs():
+            yield RequestOutput("r", [5], "x", finished=True, finish_reason="prefilled", num_output_tokens=1)
+
+        async def on_parked(out):
+            raise Aborted("r aborted during its hand-off to d (receiver refused: discarded)")
+
+        count = lambda outcome: metrics.REQUESTS.labels("prefill", "batch", outcome)._value.get()  # noqa: E731
+        before = {o: count(o) for o in ("aborted", "error", "parked")}
+        await w.stream_outputs("r", "s", outputs(), 0, on_parked)
+        assert {o: count(o) - before[o] for o in before} == {"aborted": 1, "error": 0, "parked": 0}
+        assert len(w.bus.sent) == 1 and w.bus.sent[0].finish_reason is None   # the first token, no ErrorReply
+        assert w.engine.aborted == ["r"] and w.requests["r"].state is State.ABORTED
     asyncio.run(go())
