@@ -409,6 +409,9 @@ class GatewaySettings:
                                 "can take it over before the client gets an error")
     max_body_bytes: int = _env("TANDEM_MAX_BODY_BYTES", 32 << 20, "larger request bodies get 413, chunked uploads "
                                "too (counted as they arrive, never buffered past it)")
+    read_timeout_s: float = _env("TANDEM_READ_TIMEOUT_S", 60.0, "seconds a client has to send a request's "
+                                 "headers (from connecting, or from its last request: else the connection is "
+                                 "closed), then its whole body (else 408 request_timeout)")
     max_streams_per_key: int = _env("TANDEM_MAX_STREAMS_PER_KEY", 256, "generation requests (streamed or not) one "
                                     "API key may have in flight; more get 429 too_many_streams; keyless clients "
                                     "count as one key; 0 = no cap")
@@ -477,6 +480,8 @@ class GatewaySettings:
                              "TANDEM_RESUME_ATTEMPTS >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("TANDEM_MAX_BODY_BYTES must be >= 1024")
+        if not self.read_timeout_s > 0:
+            raise ValueError("TANDEM_READ_TIMEOUT_S must be > 0")
         if self.max_streams_per_key < 0:
             raise ValueError("TANDEM_MAX_STREAMS_PER_KEY must be >= 0 (0 = no cap)")
         if self.tokenize_threads < 1:

@@ -27,7 +27,7 @@ from shared.tier import TIERS
 
 from .backend import Backend, BackendError
 from .handlers import GatewayState, router
-from .limits import Limits
+from .limits import Limits, deadline_protocol
 from . import streaming
 from .responses import router as responses_router
 from .openai_api import APIError, json_response
@@ -64,7 +64,7 @@ def _error(request: Request, err: APIError) -> Response:
     headers = {"X-Request-Id": rid} if rid != "-" else {}
     if err.retry_after > 0:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
-    if err.code == "body_too_large":  # the rest of the upload is never read
+    if err.code in ("body_too_large", "request_timeout"):  # the rest of the upload is never read
         headers["Connection"] = "close"
     return json_response(err.body(), err.status, headers=headers or None)
 
@@ -133,7 +133,7 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
     app.add_exception_handler(BackendError, _backend_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_gone)
-    app.add_middleware(Limits, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(Limits, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
     app.add_middleware(Internal)    # outside Limits: what a request held is released first
     app.include_router(router)
     app.include_router(responses_router)
@@ -190,4 +190,5 @@ def draining_server(app: FastAPI, settings: GatewaySettings, **config):
                 timer.cancel()
 
     return Server(uvicorn.Config(app, host=settings.host, port=settings.port, access_log=False, lifespan="off",
+                                 http=deadline_protocol(settings.read_timeout_s),
                                  timeout_graceful_shutdown=settings.drain_s + CLOSE_GRACE_S, **config))

@@ -132,11 +132,14 @@ def check_auth(request: Request) -> None:
     raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
 
-def begin_generation(request: Request) -> None:
-    """Authenticate a generation request and count it against its key's streams (429 past
-    ``TANDEM_MAX_STREAMS_PER_KEY``) until the app is done with it."""
+async def generation_body(request: Request) -> dict:
+    """Authenticate a generation request, read its body (``read_body``), then count it against its
+    key's streams (429 past ``TANDEM_MAX_STREAMS_PER_KEY``) until the app is done with it — from
+    the body on: an upload still coming holds no slot (limits.py)."""
     check_auth(request)
+    body = await read_body(request)
     state(request).streams.hold(request, request.state.tenant)
+    return body
 
 
 async def read_body(request: Request) -> dict:
@@ -352,8 +355,7 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest,
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     rid = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    begin_generation(request)
-    req = await validated(request, ChatCompletionRequest, await read_body(request))
+    req = await validated(request, ChatCompletionRequest, await generation_body(request))
     gens, fmt = await prepare_chat(request, req, rid)
     return await streaming.run(request, state(request).backend, gens, fmt, req.stream, req.user)
 
@@ -361,9 +363,8 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     rid = request.state.request_id = f"cmpl-{uuid.uuid4().hex}"
-    begin_generation(request)
     gw = state(request)
-    req = await validated(request, CompletionRequest, await read_body(request))
+    req = await validated(request, CompletionRequest, await generation_body(request))
     route = common(request, req, rid)
     prompt = await gw.pool.run(request, completion_prompt, req.prompt, gw.backend.tokenizer)
     asked = max_tokens_param(req.max_tokens if req.max_tokens is not None else gw.defaults.get("max_tokens", 16),

@@ -6,9 +6,15 @@
   handler reading the body ends with the 413 (in OpenAI's shape) having held at most the limit;
   a declared Content-Length over it fails before any byte is read. The 413 closes the
   connection, so the rest of an upload is never read.
+- **Read deadlines** (``TANDEM_READ_TIMEOUT_S``): a request's whole body must arrive within it
+  of the request's start (``Limits`` again: 408 ``request_timeout``, the connection closed), and
+  a connection must send a request's headers within it (``deadline_protocol``: uvicorn's own
+  timer runs only after a response, and any byte stops it) — else idle connections, headers
+  sent a byte at a time and bodies that never end were held for good.
 - **Streams per key** (``TANDEM_MAX_STREAMS_PER_KEY``): ``StreamCap`` counts each API key's
-  generation requests in flight (streamed or not; all keyless clients are one key). One over
-  the cap is a 429 ``too_many_streams``. A request's hold is released when the app is done with
+  generation requests in flight (streamed or not; all keyless clients are one key), from the
+  moment the body is read — an upload is not a stream: 256 stalled uploads took every slot of
+  the keyless tenant. One over the cap is a 429 ``too_many_streams``. A request's hold is released when the app is done with
   it — its response ended, its stream finished or broke off, its client went away, or an
   error — by the same middleware, so no path can leak one.
 - **Tokenization off the event loop** (``TANDEM_TOKENIZE_THREADS``): ``off_loop`` runs a
@@ -38,29 +44,72 @@ def body_too_large(limit: int) -> APIError:
     return APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
 
 
+def body_too_slow(seconds: float) -> APIError:
+    return APIError(408, f"request body not received within {seconds:g} s (TANDEM_READ_TIMEOUT_S)",
+                    code="request_timeout")
+
+
+def deadline_protocol(seconds: float) -> type:
+    """uvicorn's HTTP protocol class, closing a connection that has no request in progress and
+    starts none for ``seconds`` (checked every ``seconds``: closed within twice that): connected
+    and silent, or sending its headers too slowly."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class DeadlineProtocol(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._looked_at = None   # the request cycle seen at the last check
+            self._check = self.loop.call_later(seconds, self._headers_due)
+
+        def _headers_due(self) -> None:
+            cycle = self.cycle
+            if cycle is not None and (cycle is not self._looked_at or not cycle.response_complete):
+                self._looked_at = cycle    # a request came since, or is in progress (its body: Limits)
+                self._check = self.loop.call_later(seconds, self._headers_due)
+            elif not self.transport.is_closing():
+                log.info("closing a connection that sent no complete request in %g s (TANDEM_READ_TIMEOUT_S)",
+                         seconds)
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self._check.cancel()
+            super().connection_lost(exc)
+
+    return DeadlineProtocol
+
+
 class Limits:
     """ASGI middleware: the body-size limit, and the release of what a request held (module doc)."""
 
-    def __init__(self, app, max_body_bytes: int):
+    def __init__(self, app, max_body_bytes: int, read_timeout_s: float = 60.0):
         self.app = app
         self.limit = max_body_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit, seen = self.limit, 0
+        limit, seen, body_done = self.limit, 0, False
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        due = asyncio.get_running_loop().time() + self.read_timeout_s
 
         async def counted_receive():
-            nonlocal seen
+            nonlocal seen, body_done
             if declared is not None and declared.isdigit() and int(declared) > limit:
                 raise body_too_large(limit)
-            message = await receive()
+            if body_done:      # what comes now is the client's disconnect: no deadline on that
+                return await receive()
+            try:
+                async with asyncio.timeout_at(due):
+                    message = await receive()
+            except TimeoutError:
+                raise body_too_slow(self.read_timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     raise body_too_large(limit)
+                body_done = not message.get("more_body", False)
             return message
 
         releases: list[Callable[[], None]] = []

@@ -30,7 +30,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from . import streaming
-from .handlers import begin_generation, check_auth, prepare_chat, read_body, state, validated
+from .handlers import check_auth, generation_body, prepare_chat, state, validated
 from .response_store import ResponseStore, StoredResponse
 from .openai_api import (
     _STRICT, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
@@ -379,8 +379,7 @@ class ResponsesFormat(_Format):
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     rid = request.state.request_id = f"resp_{uuid.uuid4().hex}"
-    begin_generation(request)
-    req = await validated(request, ResponsesRequest, await read_body(request))
+    req = await validated(request, ResponsesRequest, await generation_body(request))
     if req.truncation not in (None, "disabled", "auto"):
         raise bad_param("truncation", "truncation must be 'disabled' or 'auto'")
     for field, why in UNSUPPORTED.items():

@@ -17,9 +17,8 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from services.gateway.app import GatewaySettings, create_app
+from services.gateway.app import GatewaySettings, create_app, draining_server
 from services.gateway.backend import (
     NO_WORKERS, OVERLOADED, Backend, BackendError, GenerationRequest, InProcessBackend,
 )
@@ -125,8 +124,7 @@ class Server:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(backend, settings)
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
+        self.server = draining_server(self.app, settings or GatewaySettings(), log_level="warning")  # as served
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "Server":

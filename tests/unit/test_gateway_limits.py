@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -186,7 +187,8 @@ def test_a_client_gone_while_its_body_is_read_is_not_an_error(served, caplog):
     with socket.create_connection((host, int(port))) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n"
                   b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
-        assert wait_for(lambda: gw.streams.in_flight() == 1)   # the handler is reading the body
+        time.sleep(0.3)                                        # the handler is reading the body
+        assert gw.streams.in_flight() == 0                     # an upload holds no stream slot
     assert wait_for(lambda: "client disconnected before its request was read" in caplog.text), caplog.text
     assert "internal error" not in caplog.text and backend.requests == []
 
@@ -230,3 +232,98 @@ def test_a_stream_still_going_when_the_drain_time_runs_out_ends_with_an_error_ev
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+# ---- read deadlines ---------------------------------------------------------------------------
+
+READ_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def deadlined():
+    """Keyless (one tenant for every client), 2 streams at most, 1 s to send a request."""
+    backend = FakeBackend()
+    settings = GatewaySettings(max_streams_per_key=2, read_timeout_s=READ_S)
+    with Server(backend, settings) as server:
+        yield server.url, backend, server.app.state.gw
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _partial_body(url: str) -> socket.socket:
+    s = _connect(url)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 200\r\n\r\n{\"model\": ")
+    return s
+
+
+def _closed_within(s: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """(closed by the server within ``seconds``, what it sent before)."""
+    s.settimeout(seconds)
+    got = b""
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+        return True, got
+    except TimeoutError:
+        return False, got
+    except ConnectionResetError:
+        return True, got
+
+
+def test_stalled_uploads_hold_no_stream_slot_and_end_with_408(deadlined):
+    """256 connections that never finished their body took every slot of the keyless tenant (the
+    cap counted them from the headers) and were held for good: 429 for every client, forever."""
+    url, backend, gw = deadlined
+    stalled = [_partial_body(url) for _ in range(3)]      # more than the 2 slots
+    try:
+        time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=10)
+        assert r.status_code == 200, r.text               # the slots are free for real requests
+        t0 = time.monotonic()
+        for s in stalled:
+            closed, got = _closed_within(s, 5 * READ_S)
+            assert closed and got.startswith(b"HTTP/1.1 408 "), got[:200]
+            assert b'"code":"request_timeout"' in got and b"connection: close" in got.lower()
+        assert time.monotonic() - t0 < 3 * READ_S
+    finally:
+        for s in stalled:
+            s.close()
+    assert gw.streams.in_flight() == 0 and len(backend.requests) == 1
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"])
+def test_a_connection_without_a_whole_request_is_closed(deadlined, sent):
+    """Connected and silent, or headers that never end (slowloris): uvicorn's keep-alive timer
+    runs only after a response, so both were held for good."""
+    url, _, _ = deadlined
+    with _connect(url) as s:
+        s.sendall(sent)
+        closed, got = _closed_within(s, 4 * READ_S)
+        assert closed and got == b""
+
+
+def test_a_long_stream_and_a_kept_alive_connection_are_not_cut(deadlined):
+    """The deadlines bound reading a request, not answering it, nor a client's next request
+    sent soon after its last one."""
+    url, backend, _ = deadlined
+    backend.endless = True
+    try:
+        with httpx.Client(timeout=10) as http:
+            with http.stream("POST", f"{url}/v1/completions",
+                             json={"model": MODEL, "prompt": "p", "stream": True, "max_tokens": 200}) as r:
+                t0, lines = time.monotonic(), 0
+                for line in r.iter_lines():
+                    lines += bool(line)
+                    if time.monotonic() - t0 > 3 * READ_S:
+                        break
+            assert lines > 100
+            backend.endless = False
+            for _ in range(3):
+                time.sleep(READ_S / 2)
+                assert http.post(f"{url}/v1/chat/completions", json=_chat()).status_code == 200
+    finally:
+        backend.endless = False
