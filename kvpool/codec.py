@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -243,11 +245,26 @@ def verify_parts(head, payload, key: str | None = None, secret: bytes = b"") -> 
         raise ForgedEntry("entry MAC does not check out: not written with this deployment's TANDEM_POOL_KEY")
 
 
+def open_entry(path: str):
+    """The entry file at ``path`` opened for reading (unbuffered), or CorruptEntry when it is no
+    regular file: a FIFO, a device or a socket put in its place would block a reader thread in
+    ``open`` or ``read`` for good (opened non-blocking, checked with fstat, then read as usual)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptEntry("not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_entry_into(path: str, out, key: str, secret: bytes = b"") -> None:
     """Decode the entry in file ``path`` into ``out`` (like ``decode_entry_into``); a raw entry's
     payload is read from the file straight into ``out`` (the page cache's one copy) and verified
     there. OSError when the file cannot be read, CorruptEntry / ForgedEntry as for an entry."""
-    with open(path, "rb", buffering=0) as f:
+    with open_entry(path) as f:
         head = f.read(HEADER.size)
         _, name, raw_n, total = entry_info(head)
         if name != RAW:

@@ -34,7 +34,7 @@ import uuid
 from collections import OrderedDict
 from typing import Callable
 
-from kvpool.codec import HEADER, CorruptEntry, entry_info, verify_entry
+from kvpool.codec import HEADER, CorruptEntry, entry_info, open_entry, verify_entry
 from kvpool.pins import Pins
 
 log = logging.getLogger("tandem.kvpool")
@@ -263,7 +263,7 @@ class DirTier(Tier):
                 key = fname[:-len(SUFFIX)]
                 try:
                     st = os.stat(p)
-                    with open(p, "rb") as f:
+                    with open_entry(p) as f:
                         got_key, _, _, total = entry_info(f.read(HEADER.size))
                     if got_key != key or total != st.st_size:
                         raise CorruptEntry(f"header says {total} bytes for key {got_key[:16]}…")
@@ -285,7 +285,7 @@ class DirTier(Tier):
             return None
         p = self.path(key)
         try:
-            with open(p, "rb") as f:
+            with open_entry(p) as f:
                 entry = f.read()
             verify_entry(entry, key)
         except FileNotFoundError:

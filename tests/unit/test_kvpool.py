@@ -260,3 +260,43 @@ def test_auto_codec_follows_the_tiers_and_lossless_codecs_share_entries():
     assert seed["auto"] == seed[RAW] == seed[LOSSLESS] != seed[LOSSY]             # same bytes: same entries
     with pytest.raises(ValueError, match="TANDEM_POOL_CODEC"):
         PoolSettings(codec="lz4").validate()
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s result, or a failure when it has not returned within ``seconds`` (a blocked read)."""
+    import threading
+    out: list = []
+
+    def run():
+        try:
+            out.append((fn(), None))
+        except Exception as e:
+            out.append((None, e))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} still blocked after {seconds} s"
+    result, error = out[0]
+    if error is not None:
+        raise error
+    return result
+
+
+def test_an_entry_that_is_no_regular_file_is_a_miss_not_a_blocked_reader(tmp_path):
+    """A FIFO (or a device) in an entry's place blocked the reading thread in open() for good: the
+    pool service's get, a worker's local read of the disk tier (2 such reads left every later
+    pool load of that worker timing out) and a restart's rebuild."""
+    from kvpool.codec import read_entry_into
+    t = DirTier(str(tmp_path), capacity=10 << 20)
+    for k in KEYS[:2]:
+        t.put(k, entry(k))
+    for k in KEYS[:2]:
+        os.unlink(t.path(k))
+        os.mkfifo(t.path(k), 0o600)
+    out = bytearray(1 << 16)
+    with pytest.raises(CorruptEntry, match="not a regular file"):
+        _within(10, lambda: read_entry_into(t.path(KEYS[0]), out, KEYS[0]))
+    assert _within(10, lambda: t.get(KEYS[0])) is None
+    assert t.corrupt == 1 and not os.path.exists(t.path(KEYS[0]))          # removed as unusable
+    again = _within(10, lambda: DirTier(str(tmp_path), capacity=10 << 20))  # a restart's rebuild
+    assert len(again) == 0 and not os.path.exists(t.path(KEYS[1]))
