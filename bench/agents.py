@@ -50,6 +50,7 @@ from bench import cpu_time, report
 from bench.loadgen import _text, client_for, make_jobs, percentile, send, served_model
 from bench.serve import Server, bench_env, run_cli
 from shared.nats_server import free_port
+from bench.cli import at_least
 
 INSTRUCTIONS = ("You are a coding agent. You read the tool's output, say what it means and what to do next, "
                 "then call the next tool.")
@@ -86,11 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flood-tokens", type=int, default=16, help="output tokens per flood request (default 16)")
     p.add_argument("--flood-alone", type=float, default=None, help="seconds of the flood alone (default 60 "
                    "per round)")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of sessions per phase, back to back (default 1): "
+    p.add_argument("--rounds", type=at_least(1), default=1, help="rounds of sessions per phase, back to back (default 1): "
                    "a flood request is ~1K tokens, so one phase of one round completes only 6-20 of them (one "
                    "more or less moves the flood's ratio 5-15 points); more rounds resolve it finer")
     p.add_argument("--tier", default="standard", help="the sessions' SLA tier (default standard)")
-    p.add_argument("--threads", type=int, default=0, help="TANDEM_THREADS of every engine (default 0: as "
+    p.add_argument("--threads", type=at_least(0), default=0, help="TANDEM_THREADS of every engine (default 0: as "
                    "`tandem up` picks them)")
     p.add_argument("--gpu-decode", type=int, default=1, help="gpu-decode worker copies of the stack (default 1, "
                    "as `tandem up`; 0: every decode on the cpu-decode worker)")

@@ -111,4 +111,9 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "json", None) and (problem := json_destination_problem(args.json)):
         logging.getLogger("tandem.bench").error("%s (said before the run, whose results it would lose)", problem)
         return 2
-    return int(BENCHES[args.bench][2](args) or 0)
+    from shared.engine.model_files import ModelLoadError
+    try:
+        return int(BENCHES[args.bench][2](args) or 0)
+    except ModelLoadError as e:     # --model naming no model: its line, not a traceback
+        logging.getLogger("tandem.bench").error("%s", e)
+        return 2

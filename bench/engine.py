@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from bench import report
+from bench.cli import at_least
 
 PROMPT_TEXT = ("The printing press changed how knowledge moved through Europe. Before it, books were "
                "copied by hand in monasteries, slowly and at great cost. ")
@@ -29,7 +30,7 @@ PROMPT_TEXT = ("The printing press changed how knowledge moved through Europe. B
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
-    p.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
+    p.add_argument("--threads", type=at_least(1), default=2, help="torch and kernel threads (default 2)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads, set after the engine is built (default: the engine's choice)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prefill prompt length (default 512)")

@@ -21,6 +21,7 @@ import statistics
 import time
 
 import numpy as np
+from bench.cli import at_least
 
 SCHEMAS = {
     "tool_call": {  # a typical tool's parameters
@@ -147,10 +148,10 @@ LIBS = [LLGuidance, XGrammar, OutlinesCore]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per library (medians reported)")
+    p.add_argument("--rounds", type=at_least(1), default=3, help="alternating rounds per library (medians reported)")
     p.add_argument("--engine", action="store_true", help="also: the engine's decode tok/s with and without a "
                    "JSON schema (bundled model, greedy, c=1 and c=16, alternating rounds)")
-    p.add_argument("--threads", type=int, default=2, help="--engine: kernel threads (default 2)")
+    p.add_argument("--threads", type=at_least(1), default=2, help="--engine: kernel threads (default 2)")
     p.add_argument("--json", default=None, help="write the results here")
 
 

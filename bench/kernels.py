@@ -32,6 +32,7 @@ import torch
 
 from kernels import cpu, q4_0
 from bench import report
+from bench.cli import at_least
 
 # (name, N rows of W, K) for SmolLM2-135M: hidden 576, intermediate 1536, 3 KV heads x 64
 SHAPES = [
@@ -266,7 +267,7 @@ def model_table(res: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=2, help="threads for both paths (0: torch's default)")
+    p.add_argument("--threads", type=at_least(0), default=2, help="threads for both paths (0: torch's default)")
     p.add_argument("--matmuls", action=argparse.BooleanOptionalAction, default=True, help="the matmul table")
     p.add_argument("--model-bench", action=argparse.BooleanOptionalAction, default=True,
                    help="the model-level table (Tandem, and llama.cpp with --with-llama-cpp)")

@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 from bench.report import fmt
+from bench.cli import at_least
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="256,1024,2048", help="context lengths in tokens (default 256,1024,2048)")
-    p.add_argument("--threads", type=int, default=None, help="engine threads (default: torch's)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="engine threads (default: torch's)")
     p.add_argument("--repeat", type=int, default=3, help="runs per figure, the median is shown (default 3)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
 

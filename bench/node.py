@@ -31,6 +31,7 @@ from bench import report
 from bench.loadgen import Request, client_for, percentile, run_jobs, served_model
 from bench.serve import Server, bench_env
 from shared.nats_server import free_port
+from bench.cli import at_least
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 TIERS = ("interactive", "standard")
@@ -54,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=8, help="requests per tier and level (default 8)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="streams at once (default 1 8)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default 128)")
-    p.add_argument("--threads", type=int, default=0, help="engine threads (0: as tandem up picks them)")
+    p.add_argument("--threads", type=at_least(0), default=0, help="engine threads (0: as tandem up picks them)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--no-levels", action="store_true", help="skip the side-by-side TTFT / TPOT levels")
     c = p.add_argument_group("capacity (bench/capacity.py)")

@@ -55,6 +55,7 @@ from kvpool.codec import LOSSLESS, LOSSY, ChunkShape, Codec, decode_entry
 from kvpool.keys import KeyScope, chunk_keys
 from kvpool.pool import KVPool, PoolConfig
 from shared.transfer.base import Hasher, default_checksum
+from bench.cli import at_least
 
 MiB = 1 << 20
 
@@ -62,7 +63,7 @@ MiB = 1 << 20
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
     p.add_argument("--suffix", type=int, default=64, help="tokens after the prefix (default 64)")
-    p.add_argument("--threads", type=int, default=None, help="engine threads (default: torch's)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="engine threads (default: torch's)")
     p.add_argument("--transfer-mb", type=int, default=64, help="payload per transfer, MiB (default 64)")
     p.add_argument("--transfers-only", action="store_true", help="only the data-plane transfers")
     p.add_argument("--tiers-only", action="store_true", help="only the tier rows: TTFT cold vs warm from each "

@@ -38,6 +38,7 @@ import json
 import time
 
 from bench.report import fmt
+from bench.cli import at_least
 
 # a 2-socket EPYC (Zen 4, 2 x 64 cores, 12 DDR5-4800 channels per socket) for the model:
 EPYC_MEM_BW = 2 * 460e9         # bytes/s, all cores reading the KV
@@ -50,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per figure (default 8)")
     p.add_argument("--model-contexts", default="8192,32768,131072,262144",
                    help="contexts of the compute/transfer model (default 8192,32768,131072,262144)")
-    p.add_argument("--threads", type=int, default=None, help="kernel threads (default: torch's)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="kernel threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     p.add_argument("--links", action="store_true",
                    help="the ring connections' per-step cost: a member in another process over TCP vs shm")
@@ -68,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator-scatter", action="store_true",
                    help="--stack: also, per ring size, a stack whose coordinator receives the whole KV and "
                         "scatters it (TANDEM_RING_PREFILL_SCATTER=0), against the prefill scattering it")
-    p.add_argument("--rounds", type=int, default=2, help="--stack: rounds, order alternating (default 2)")
+    p.add_argument("--rounds", type=at_least(1), default=2, help="--stack: rounds, order alternating (default 2)")
 
 
 def _bench(contexts: list[int], members: list[int], steps: int, threads: int | None) -> tuple[list[dict], dict]:

@@ -38,6 +38,7 @@ from bench.loadgen import (DEFAULT_SLOS, WORKLOADS, RequestResult, make_jobs, pa
                            summarize)
 from shared.nats_server import die_with_parent, free_port
 from shared.tier import TIERS
+from bench.cli import at_least
 
 STACK_TOPOLOGY = "tandem up --gpu-decode 0: embedded NATS, KV pool, router, prefill, cpu-decode, gateway"
 
@@ -324,10 +325,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, nargs="+", default=[1.0],
                    help="open loop: arrivals per second (agent: sessions per second; default 1)")
     add_workload_arguments(p)
-    p.add_argument("--rounds", type=int, default=2,
+    p.add_argument("--rounds", type=at_least(1), default=2,
                    help="--compare: split each level's requests into this many rounds, alternating which system "
                    "goes first, so load drift on a shared machine hits both alike (default 2)")
-    p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS") or 2),
+    p.add_argument("--threads", type=at_least(1), default=int(os.environ.get("TANDEM_THREADS") or 2),
                    help="TANDEM_THREADS for every engine in --compare (default $TANDEM_THREADS or 2)")
 
 

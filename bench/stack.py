@@ -39,6 +39,7 @@ from bench.serve import Server
 from shared.nats_server import free_port
 from shared.os_priority import engine_threads
 from bench import report
+from bench.cli import at_least
 
 STACKS = {  # name -> `tandem up` arguments
     "minimal": ["--prefill", "0", "--gpu-decode", "0", "--kvpool", "0", "--cpu-decode", "1"],
@@ -285,10 +286,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="streams at once (default 1 16)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per stream (default 256)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens (default 32)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per level, order reversed every other (default 3)")
+    p.add_argument("--rounds", type=at_least(1), default=3, help="rounds per level, order reversed every other (default 3)")
     p.add_argument("--stacks", nargs="+", choices=list(STACKS), default=list(STACKS),
                    help="which stacks to hold against the engine (default: minimal default)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=at_least(0), default=0,
                    help="TANDEM_THREADS for every engine, in-process and stack (default: unset, the engine's own)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON here")
 

@@ -33,6 +33,7 @@ import tempfile
 import time
 
 from bench import cpu_time
+from bench.cli import at_least
 from bench.serve import Server, bench_env
 from shared.nats_server import free_port
 
@@ -50,7 +51,7 @@ print("READY", flush=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
+    p.add_argument("--rounds", type=at_least(1), default=2, help="alternating rounds (default 2)")
     p.add_argument("--threads", type=int, default=0, help="TANDEM_THREADS of every engine (0: the default)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers of the stack (default 1)")
     p.add_argument("--gpu-decode", type=int, default=1, help="gpu-decode workers (default 1; on the CPU without CUDA)")

@@ -146,3 +146,18 @@ def test_a_json_destination_that_cannot_be_written_is_said_before_the_run(tmp_pa
                           "--json", str(tmp_path / "no" / "x.json")], cwd=Path(__file__).resolve().parents[2],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "said before the run" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["engine", "--threads", "-2"], "must be at least 1"),
+    (["grammar", "--rounds", "0"], "must be at least 1"),
+    (["kernels", "--model", "/nonexistent.gguf", "--no-matmuls"], "cannot load model /nonexistent.gguf"),
+])
+def test_a_bench_given_nonsense_says_so_in_one_line(argv, said):
+    """Each was a traceback (set_num_threads, a KeyError after the run, ModelLoadError)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-m", "services.cli", "bench", *argv], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
