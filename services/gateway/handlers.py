@@ -109,6 +109,14 @@ def key_tenant(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
+def scoped_session(session: str | None, tenant: str) -> str | None:
+    """A client's session id as the rest of the stack knows it: in the key's own namespace
+    (``<tenant>/<id>``) when there are keys, so two keys' ``agent-1`` are two sessions — a
+    session belonged to the first key that named it, and another key could claim an id before
+    its owner did (then the owner could never change its tier). Without keys: as given."""
+    return session if session is None or tenant == PUBLIC else f"{tenant}/{session}"
+
+
 def check_auth(request: Request) -> None:
     """401 unless a configured bearer token is sent; remembers that key's default tier, the best
     tier it may ask for (a ``TANDEM_API_KEYS`` key's own; any without keys or with
@@ -197,7 +205,7 @@ def common(request: Request, req, rid: str) -> dict:
     if extra:
         log.info("%s ignoring unsupported fields: %s", rid, ", ".join(extra))
     tier = resolve_tier(req, request.headers.get(SLA_HEADER), request.state.key_tier, request.state.tier_cap)
-    session = resolve_session(req, request.headers.get(SESSION_HEADER))
+    session = scoped_session(resolve_session(req, request.headers.get(SESSION_HEADER)), request.state.tenant)
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT:
         raise bad_param("cache_salt", f"cache_salt must be 1-{MAX_CACHE_SALT} characters", code="invalid_cache_salt")
     request.state.tier = tier
@@ -323,9 +331,10 @@ async def update_session(session_id: str, request: Request) -> Response:
                         code="invalid_session")
     # never above the key's own tier (docs/security.md): a session asked for better runs at the cap
     tier = max(tier.strip().lower(), request.state.tier_cap, key=lambda t: Tier(t).priority)
-    state_ = await state(request).backend.update_session(session_id, tier, request.state.tenant)
+    state_ = await state(request).backend.update_session(scoped_session(session_id, request.state.tenant), tier,
+                                                         request.state.tenant)
     log.info("session %s -> %s: moved %d request(s)", session_id, state_["tier"], len(state_["moved"]))
-    return json_response(state_)
+    return json_response({**state_, "id": session_id})
 
 
 async def prepare_chat(request: Request, req: ChatCompletionRequest,

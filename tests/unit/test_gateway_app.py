@@ -14,6 +14,7 @@ import pytest
 from services.gateway import app as gateway_app
 from services.gateway.app import GatewaySettings, create_app
 from services.gateway.backend import BackendError, GenerationRequest, InProcessBackend
+from services.gateway.handlers import key_tenant
 from shared.engine.sampling import RequestOutput, SamplingParams
 from tests.unit.test_gateway import MODEL, FakeBackend, FakeTokenizer, Server
 
@@ -51,9 +52,10 @@ async def test_api_keys_carry_default_tiers():
         assert r.status_code == 401
         # nor through a session: a batch key's session asked for interactive runs at batch
         r = await http.post("/v1/sessions/a-1", json={"tier": "interactive"}, headers={"Authorization": "Bearer agent"})
-        assert r.status_code == 200 and r.json()["tier"] == "batch" and backend.sessions["a-1"] == "batch"
+        assert r.status_code == 200 and r.json()["tier"] == "batch" and r.json()["id"] == "a-1"
+        assert backend.sessions[f"{key_tenant('agent')}/a-1"] == "batch"
         r = await http.post("/v1/sessions/h-1", json={"tier": "batch"}, headers={"Authorization": "Bearer human"})
-        assert backend.sessions["h-1"] == "batch"   # lowered: as asked
+        assert backend.sessions[f"{key_tenant('human')}/h-1"] == "batch"   # lowered: as asked
         # the auth scheme is case-insensitive (RFC 7235); the key is not
         for auth, status in (("bearer agent", 200), ("BEARER agent", 200), ("Bearer AGENT", 401), ("agent", 401),
                              ("Basic agent", 401), ("Bearer", 401), ("", 401)):
@@ -196,3 +198,29 @@ def test_in_process_backend_with_the_real_engine():
             assert info.value.code == "context_length_exceeded"
     finally:
         asyncio.run(engine.close())
+
+
+async def test_a_session_id_is_each_key_s_own():
+    """Sessions belonged to the first key that named them: another key could claim ``agent-1``
+    before its owner did (POST /v1/sessions/agent-1), and the owner's tier changes were 404 from
+    then on. Each key has its own namespace now; without keys ids are as given."""
+    backend = FakeBackend()
+    app = create_app(backend, GatewaySettings(api_keys="alice=interactive,bob=interactive"))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    alice, bob = ({"Authorization": f"Bearer {k}"} for k in ("alice", "bob"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        r = await http.post("/v1/sessions/agent-1", json={"tier": "batch"}, headers=bob)     # bob first
+        assert r.status_code == 200 and r.json()["id"] == "agent-1"
+        r = await http.post("/v1/sessions/agent-1", json={"tier": "interactive"}, headers=alice)
+        assert r.status_code == 200 and r.json()["tier"] == "interactive"
+        for h in (alice, bob):
+            r = await http.post("/v1/chat/completions", json=body, headers={**h, "X-Tandem-Session": "agent-1"})
+            assert r.status_code == 200
+        ids = [q.session_id for q in backend.requests[-2:]]
+        assert ids == [f"{key_tenant('alice')}/agent-1", f"{key_tenant('bob')}/agent-1"]
+        assert backend.sessions == {ids[0]: "interactive", ids[1]: "batch"}
+    keyless = FakeBackend()
+    app = create_app(keyless, GatewaySettings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        await http.post("/v1/chat/completions", json={**body, "session_id": "agent-1"})
+    assert keyless.requests[-1].session_id == "agent-1"

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from services.gateway.handlers import key_tenant
 from shared.settings import GatewaySettings
 from tests.unit.test_gateway import MODEL, REPLY, FakeBackend, FakeTokenizer, Server
 
@@ -86,7 +87,7 @@ def test_stored_turns_continue_and_belong_to_their_tenant(served, backend):
     second = alice.responses.create(model=MODEL, input="Two", instructions="Sys.", previous_response_id=first.id)
     assert prompt_text(backend) == f"<|system|>Sys.\n<|user|>One\n<|assistant|>{REPLY}\n<|user|>Two\n<|assistant|>"
     # the turns share a session: the router keeps them on the worker holding the prefix
-    assert backend.requests[-1].session_id == backend.requests[-2].session_id == first.id
+    assert backend.requests[-1].session_id == backend.requests[-2].session_id == f"{key_tenant('alice')}/{first.id}"
     got = alice.responses.retrieve(second.id)
     assert got.id == second.id and got.output_text == REPLY and got.previous_response_id == first.id
     items = alice.responses.input_items.list(second.id)
@@ -110,7 +111,7 @@ def test_store_false_keeps_nothing(served, backend):
 def test_prompt_cache_key_is_the_session(served, backend):
     client(served).responses.create(model=MODEL, input="Hi", prompt_cache_key="codex session 42")
     sid = backend.requests[-1].session_id
-    assert sid.startswith("pck-")
+    assert sid.startswith(f"{key_tenant('alice')}/pck-")   # the key's own namespace
     client(served).responses.create(model=MODEL, input="Hi", prompt_cache_key="codex session 42")
     assert backend.requests[-1].session_id == sid
 
@@ -125,7 +126,7 @@ def test_prompt_cache_retention_on_both_apis(served, backend):
         r = httpx.post(base + "/chat/completions", json={**chat, "prompt_cache_retention": value,
                                                          "prompt_cache_key": "agent 7"}, headers=h)
         assert r.status_code == 200, r.text
-        assert backend.requests[-1].cache_retention == value and backend.requests[-1].session_id.startswith("pck-")
+        assert backend.requests[-1].cache_retention == value and backend.requests[-1].session_id.startswith(f"{key_tenant('alice')}/pck-")
         r = httpx.post(base + "/responses", json={"model": MODEL, "input": "Hi", "prompt_cache_retention": value},
                        headers=h)
         assert r.status_code == 200 and r.json()["prompt_cache_retention"] == value, r.text
