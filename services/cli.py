@@ -19,7 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "nats-auth": ("services.nats_auth", "write the bus role credentials and the nats-server config accepting them"),
     "kube": ("services.kube", "Kubernetes: the Secrets, render, offline validation, podman form (docs/deploy.md)"),
     "health": ("services.health", "exit 0 when the service on this host takes work (container health checks)"),
-    "bench": ("bench.cli", "benchmarks: engine, serve"),
+    "bench": ("bench.cli", "benchmarks, each printing a table of side-by-side ratios (`tandem bench --help` "
+                           "lists them)"),
 }
 
 

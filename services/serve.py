@@ -11,9 +11,10 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 
-from shared import subjects
+from shared import subjects, tracing
 from shared.settings import Settings, env_help
 
 log = logging.getLogger("tandem.serve")
@@ -74,7 +75,6 @@ def _loopback(host: str) -> bool:
 
 
 async def _run_gateway(args: argparse.Namespace, settings: Settings) -> None:
-    from shared import tracing
     from shared.bus import Bus
     from shared.engine.model_files import load_tokenizer, served_model_name
     from services.gateway.app import serve
@@ -107,6 +107,8 @@ def main(args: argparse.Namespace) -> int:
         args.gateway = settings_from_args(args) if args.service == "gateway" else None
         if not settings.nats.servers():
             raise ValueError("no NATS server: set TANDEM_NATS_URL (or run `tandem up`, which starts an embedded one)")
+        if os.environ.get(tracing.OTLP_ENV):
+            tracing.check_exporter()
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2

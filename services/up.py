@@ -34,11 +34,11 @@ import sys
 import time
 from typing import Mapping
 
-from shared import bus_auth, metrics
+from shared import bus_auth, metrics, tracing
 from shared.engine.model_files import load_tokenizer
 from shared.nats_server import EmbeddedNats, die_with_parent
 from shared.os_priority import describe, engine_threads, omp_env
-from shared.settings import Settings, unknown_env
+from shared.settings import Settings, env_help, unknown_env
 
 log = logging.getLogger("tandem.up")
 
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (TANDEM_SERVED_MODEL_NAME; "
                    "default the model file's stem, e.g. SmolLM2-135M-Instruct)")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = TOPOLOGY_HELP
+    p.epilog = TOPOLOGY_HELP + "\n\nEvery service it starts reads these (set them for `tandem up`):\n" + env_help()
 
 
 TOPOLOGIES = ("single", "replicated", "disaggregated", "heterogeneous")
@@ -307,6 +307,8 @@ def preflight(settings: Settings) -> None:
     (ValueError naming it: one clear line and exit 2, not five tracebacks a copy and a stack that
     serves nothing): the model's file, and the gateway's port."""
     load_tokenizer(settings.worker.model)   # its header, tensor list and tokenizer: a complete GGUF, or a clear error
+    if os.environ.get(tracing.OTLP_ENV):
+        tracing.check_exporter()
     host, port = settings.gateway.host, settings.gateway.port
     try:
         socket.create_server((host, port)).close()

@@ -618,7 +618,7 @@ ELSEWHERE: dict[str, str] = {
     "TANDEM_GPU_STEP_INTERPRET": "1: the fused step in Triton's interpreter off CUDA (tests)",
     "TANDEM_GPU_TUNING": "the matmul tiles' table (a JSON file, or none)",
     "TANDEM_GPU_WEIGHTS": "blocks or planes: the matmul weights' layout on the GPU",
-    "TANDEM_LLAMA_CPP_CFLAGS": "extra flags for the llama.cpp build `tandem bench llamacpp` makes",
+    "TANDEM_LLAMA_CPP_CFLAGS": "extra flags for the llama.cpp build `tandem bench kernels --with-llama-cpp` makes",
     "TANDEM_LLAMA_CPP_VENV": "where that build's virtual environment lives",
     "TANDEM_MODELED_GPU_US": "bench.gpu_host's modeled device time a step",
     "TANDEM_OTLP_ENDPOINT": "send trace spans to this OTLP/HTTP endpoint (docs/observability.md)",

@@ -125,6 +125,19 @@ def span(name: str, **attributes: Any) -> Iterator[None]:
             _current.reset(token)
 
 
+def check_exporter(otlp: bool = True) -> None:
+    """ValueError unless the OpenTelemetry SDK (and, with ``otlp``, its OTLP exporter) imports:
+    said by ``tandem serve`` / ``tandem up`` before anything starts when TANDEM_OTLP_ENDPOINT is set."""
+    import importlib
+    try:
+        importlib.import_module("opentelemetry.sdk.trace")
+        if otlp:
+            importlib.import_module("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    except ImportError:
+        raise ValueError(f"{OTLP_ENV} is set but the OTLP exporter is not installed: "
+                         "pip install 'tandem-serve[otlp]'") from None
+
+
 def setup(service: str, exporter: Any = None, endpoint: str | None = None) -> bool:
     """Turn span export on when ``exporter`` is given or an OTLP endpoint is configured
     (``endpoint`` or TANDEM_OTLP_ENDPOINT). Returns whether export is on."""
@@ -133,6 +146,7 @@ def setup(service: str, exporter: Any = None, endpoint: str | None = None) -> bo
     if exporter is None and not endpoint:
         _tracer = None
         return False
+    check_exporter(exporter is None)
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -141,11 +155,7 @@ def setup(service: str, exporter: Any = None, endpoint: str | None = None) -> bo
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        except ImportError as e:
-            raise ValueError(f"{OTLP_ENV} is set but the OTLP exporter is not installed: "
-                             "pip install 'tandem-serve[otlp]'") from e
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
             endpoint=endpoint.rstrip("/") + "/v1/traces")))
     _tracer = provider.get_tracer("tandem")

@@ -57,3 +57,16 @@ def test_serve_gateway_takes_the_flags_docs_api_md_lists():
     assert (s.default_tier, s.port) == ("batch", 9100)
     with pytest.raises(SystemExit):
         p.parse_args(["gateway", "--api-key", "k"])
+
+
+def test_an_otlp_endpoint_without_its_exporter_is_one_line():
+    """docs/observability.md promises a clear error; it was a traceback from inside the service."""
+    from shared import tracing
+    try:
+        tracing.check_exporter()
+        pytest.skip("the OTLP exporter is installed here")
+    except ValueError:
+        pass
+    out = _serve("router", TANDEM_NATS_URL="nats://127.0.0.1:1", TANDEM_OTLP_ENDPOINT="http://127.0.0.1:4318")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "TANDEM_OTLP_ENDPOINT is set but the OTLP exporter is not installed" in out.stderr
