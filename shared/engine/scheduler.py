@@ -217,8 +217,10 @@ class Scheduler:
             seq.num_computed = len(cached) * self.blocks.block_size
             partial = seq.partial_kv   # the pool's partial block right after the cached ones
             extra = partial[1] if partial is not None and partial[0] == seq.num_computed else 0
-            if seq.num_cached_tokens == 0 and seq.num_output_tokens == 0:
-                seq.num_cached_tokens = seq.num_computed + extra
+            if seq.num_cached_tokens == 0 and (seq.num_output_tokens == 0 or seq.resumed):
+                # usage's cached_tokens: prompt tokens whose KV was reused (a resumed request's
+                # reused output tokens are not prompt; it reported 0 however much it reused)
+                seq.num_cached_tokens = min(seq.num_computed + extra, seq.num_prompt_tokens)
             if seq.resumed and seq.resume_reused is None:
                 seq.resume_reused = seq.num_computed + extra
         n = min(seq.num_tokens - seq.num_computed - extra, budget)

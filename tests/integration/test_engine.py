@@ -542,3 +542,23 @@ def test_the_host_share_bench_runs_the_graphs_path_with_a_stub(bundled_model):
         assert got[rid].token_ids[1:] == [text[(k + row) % len(text)] for k in range(1, 6)]
     assert eng.graphs.steps == 5       # the last step was fed each row's token of the step before
     assert eng.graphs.inputs.host_view("ids")[:3].tolist() == [text[(4 + row) % len(text)] for row in range(3)]
+
+
+def test_a_resumed_request_reports_the_prompt_tokens_it_found_cached(bundled_model):
+    """A request resumed on a worker whose prefix cache holds its prompt said cached_tokens 0 in
+    its usage (it counted reuse only for requests with no output yet), while a warm run of the
+    same prompt says nearly all of it."""
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=128))
+    prompt = eng.tokenizer.encode(" ".join(["The printing press spread across Europe."] * 12))
+    first = run_to_completion(eng, {"a": (prompt, greedy(12))})["a"]
+    warm = run_to_completion(eng, {"b": (prompt, greedy(12))})["b"]
+    assert warm.num_cached_tokens >= len(prompt) - eng.layout.block_size
+    done = Completion("r")
+    eng.add("r", prompt, greedy(12), resume_token_ids=first.token_ids[:5],
+            emitted_chars=len(eng.tokenizer.decode(first.token_ids[:5])))
+    while done.finish_reason is None:
+        for out in eng.step():
+            if out.request_id == "r":
+                done.add(out)
+    assert done.token_ids == first.token_ids[5:]
+    assert done.num_cached_tokens == warm.num_cached_tokens, (done.num_cached_tokens, warm.num_cached_tokens)
