@@ -236,7 +236,9 @@ def verify_parts(head, payload, key: str | None = None, secret: bytes = b"") -> 
     head, payload = memoryview(head), memoryview(payload).cast("B")
     got_key, _, _, total = entry_info(head)
     if key is not None and got_key != key:
-        raise CorruptEntry(f"entry holds key {got_key[:16]}…, expected {key[:16]}…")
+        at = next((i for i, (a, b) in enumerate(zip(got_key, key)) if a != b), min(len(got_key), len(key)))
+        raise CorruptEntry(f"entry holds key {got_key[:16]}…, expected {key[:16]}… (they differ from "
+                           f"character {at}: {got_key[at:at + 8]!r} against {key[at:at + 8]!r})")
     if head.nbytes != HEADER.size or HEADER.size + payload.nbytes != total:
         raise CorruptEntry(f"entry is {head.nbytes + payload.nbytes} bytes, header says {total} (truncated?)")
     if blake3.blake3(payload).digest() != bytes(head[_SIGNED - 32:_SIGNED]):

@@ -300,3 +300,10 @@ def test_an_entry_that_is_no_regular_file_is_a_miss_not_a_blocked_reader(tmp_pat
     assert t.corrupt == 1 and not os.path.exists(t.path(KEYS[0]))          # removed as unusable
     again = _within(10, lambda: DirTier(str(tmp_path), capacity=10 << 20))  # a restart's rebuild
     assert len(again) == 0 and not os.path.exists(t.path(KEYS[1]))
+
+
+def test_a_wrong_key_is_said_where_it_differs():
+    """Keys sharing their first 16 characters were logged as `holds key X…, expected X…`."""
+    other = KEYS[0][:20] + ("0" if KEYS[0][20] != "0" else "1") + KEYS[0][21:]
+    with pytest.raises(CorruptEntry, match=r"differ from character 20"):
+        decode_entry(entry(KEYS[0]), other)
