@@ -58,6 +58,7 @@ class Tier(abc.ABC):
         self.hits = self.misses = self.corrupt = self.write_errors = self.evictions = 0
         self._lock = threading.Lock()
         self.pins: Pins | None = None   # entries eviction skips while pinned (kvpool/pins.py; None: none)
+        self.out_of_space = False        # the last failed write was the device's "full" (ENOSPC, EDQUOT)
 
     def pin(self, key: str, tenant: str, until: float) -> bool:
         """Pin a held ``key`` for ``tenant`` until ``until`` (time.time()); False when not held or
@@ -79,16 +80,41 @@ class Tier(abc.ABC):
             if held is not None:
                 return held
         if not self._write(key, entry):
-            return False
+            if not (self.out_of_space and self._make_room_on_a_full_device(len(entry))
+                    and self._write(key, entry)):
+                return False
         with self._lock:
             if key not in self._index:
                 self._index[key] = len(entry)
                 self.used += len(entry)
         return True
 
+    def _make_room_on_a_full_device(self, nbytes: int) -> bool:
+        """The device said it is full (``out_of_space``) before the tier reached its capacity (a
+        disk smaller than TANDEM_POOL_DISK_GB, or shared with other data): the least recently used
+        unpinned entries go until ``nbytes`` are freed, for the new entry — the tier kept its
+        oldest entries for good and stored no new prefix. False: not enough of its own to free."""
+        with self._lock:
+            freed = 0
+            while freed < nbytes:
+                key = next((k for k in self._index if self.pins is None or not self.pins.pinned(k)), None)
+                if key is None:
+                    return False
+                size = self._index.pop(key)
+                self.used -= size
+                freed += size
+                self.evictions += 1
+                self._drop(key)
+                if self.on_evict is not None:
+                    self.on_evict(self.name, key)
+        log.warning("%s tier: the device is full below the tier's capacity: its %.1f MiB least recently used "
+                    "made room for a new entry", self.name, freed / 2**20)
+        return True
+
     @abc.abstractmethod
     def _write(self, key: str, entry: bytes) -> bool:
-        """Put the entry's bytes in place (room is made); False on failure."""
+        """Put the entry's bytes in place (room is made); False on failure (``out_of_space`` set
+        when the device said it is full)."""
 
     @abc.abstractmethod
     def contains(self, key: str) -> bool:
@@ -312,11 +338,13 @@ class DirTier(Tier):
         except OSError as e:
             _unlink(tmp)
             self.write_errors += 1
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            self.out_of_space = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            if self.out_of_space:
                 log.warning("%s tier %s is full: entry %s not stored (serving goes on)", self.name, self.root, key[:16])
             else:
                 log.warning("%s tier: cannot write %s: %s (serving goes on)", self.name, p, e)
             return False
+        self.out_of_space = False
         return True
 
     def contains(self, key: str) -> bool:

@@ -307,3 +307,31 @@ def test_a_wrong_key_is_said_where_it_differs():
     other = KEYS[0][:20] + ("0" if KEYS[0][20] != "0" else "1") + KEYS[0][21:]
     with pytest.raises(CorruptEntry, match=r"differ from character 20"):
         decode_entry(entry(KEYS[0]), other)
+
+
+def test_a_device_full_below_capacity_evicts_the_oldest_for_new_entries(tmp_path, monkeypatch, caplog):
+    """A disk smaller than TANDEM_POOL_DISK_GB (or shared): the tier kept its oldest entries and
+    stored no new prefix for good. Now the least recently used make room, for one retry: a device
+    full of others' data still just skips the entry."""
+    import kvpool.store as store
+    t = DirTier(str(tmp_path), capacity=10 << 20)
+    evicted = []
+    t.on_evict = lambda tier, k: evicted.append(k)
+    room = [2 * len(entry(KEYS[0]))]           # the device holds two entries
+    real = store._write_all
+
+    def device(fd, data):
+        held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path) for f in fs
+                   if f.endswith(".kvp"))
+        if held + len(data) > room[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(store, "_write_all", device)
+    for k in KEYS[:3]:
+        assert t.put(k, entry(k))
+    assert evicted == [KEYS[0]] and t.contains(KEYS[2]) and t.contains(KEYS[1]) and not t.contains(KEYS[0])
+    assert "made room for a new entry" in caplog.text and t.get(KEYS[2]) == entry(KEYS[2])
+    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
+    room[0] = 0                                # someone else's data fills it: one retry, then skipped
+    assert not t.put(KEYS[3], entry(KEYS[3])) and len(t) == 1 and t.write_errors == 3
