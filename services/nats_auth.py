@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = env_help()
 
 
+CLUSTER_ONLY = ("store_dir", "max_file_store", "tls_cert", "tls_key", "tls_ca", "tls_verify")   # ignored without it
+
+
 def config_text(creds: dict, account: str | None = None) -> str:
     """The ``authorization`` (or ``accounts``) block in NATS configuration syntax (its value JSON)."""
     return "".join(f"{key}: {json.dumps(value, indent=1)}\n"
@@ -78,6 +81,11 @@ def main(args: argparse.Namespace) -> int:
         path = Settings.from_env().nats.creds_file
         if not path:
             raise ValueError("TANDEM_NATS_CREDS_FILE is empty: nothing to make credentials in")
+        if not getattr(args, "cluster", None):
+            given = [f"--{k.replace('_', '-')}" for k in CLUSTER_ONLY if getattr(args, k, None)]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only with --cluster (the single-server block is the "
+                                 "authorization alone)")
         creds = bus_auth.ensure_creds(path)
         text = cluster_text(creds, args) if getattr(args, "cluster", None) else config_text(creds, args.account)
     except ValueError as e:

@@ -219,6 +219,8 @@ def _blocks(text: str) -> list[str]:
     (["--cluster", "a,b", "--cluster-name", "my cluster"], "without spaces"),
     (["--cluster", "a,b", "--max-file-store", "banana"], "a positive size"),
     (["--cluster", "a,b", "--max-file-store=-5G"], "a positive size"),
+    (["--max-file-store", "20G"], "--max-file-store: only with --cluster"),    # was ignored in silence
+    (["--tls-cert", "s.pem", "--tls-key", "k.pem"], "--tls-cert, --tls-key: only with --cluster"),
 ])
 def test_nats_auth_refuses_what_nats_server_would_and_writes_nothing(tmp_path, monkeypatch, caplog, argv, said):
     """A route, listen address, cluster name or store size nats-server refuses at start (or, for
