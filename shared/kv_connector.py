@@ -284,11 +284,11 @@ class KVConnector:
         bs = self.engine.layout.block_size
         if self.pool is None or len(prompt) - 1 < bs:
             return None  # not one whole block: no pool entry can match
-        short = len(prompt) - 1 < self.settings.pool.chunk_tokens
+        short = len(prompt) < self.settings.pool.chunk_tokens   # (a prompt of one chunk finds it stored)
         if short and (tenant, tuple(prompt[:bs])) not in self._spilled_heads:
             return None  # no chunk, and no session of this worker's spilled that it may continue
         have = 0 if short else await self.engine.cached_prefix_tokens(prompt, tenant)
-        got = await self.pool.fetch_prefix(prompt, have, tenant)
+        got = await self.pool.fetch_prefix(prompt, have, tenant, spilled=(tenant, tuple(prompt[:bs])) in self._spilled_heads)
         if self.pool.reloads:
             metrics.SESSIONS_RELOADED.labels(self.role).inc(self.pool.reloads)
             self.pool.reloads = 0
@@ -408,11 +408,14 @@ class PoolClient:
             out.append((tail_key(parent, token_ids[whole:n]), whole, n))
         return out
 
-    def tails(self, prompt: list[int], keys: list[str], tenant: str = "") -> list[tuple[str, int, int]]:
-        """The tails a prompt may continue after its full chunks (``keys``), longest first: its own
-        (up to its last token but one), then every whole-block end after the last chunk — where a
-        spilled session (``session_pieces``) ended."""
-        c, bs, end = self.settings.chunk_tokens, self.block_size, prompt_tail_end(len(prompt))
+    def tails(self, prompt: list[int], keys: list[str], tenant: str = "",
+              upto: int | None = None) -> list[tuple[str, int, int]]:
+        """The tails a prompt may continue after its full chunks (``keys``; its first ones, when a
+        lookup found only those), longest first: its own (up to its last token but one), then
+        every whole-block end after the last chunk up to ``upto`` — where a spilled session
+        (``session_pieces``) ended."""
+        c, bs = self.settings.chunk_tokens, self.block_size
+        end = min(prompt_tail_end(len(prompt)), upto if upto is not None else len(prompt))
         whole = len(keys) * c
         parent = keys[-1] if keys else tenant_seed(self.scope.seed(), tenant)
         ends = [end] if end % bs else []
@@ -425,15 +428,21 @@ class PoolClient:
             keys=keys, for_put=for_put, alternatives=alternatives, pin_s=pin_s, tenant=tenant),
             timeout=self.settings.timeout)
 
-    async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0,
-                           tenant: str = "") -> tuple[list[int], memoryview] | None:
+    async def fetch_prefix(self, prompt: list[int], have_tokens: int = 0, tenant: str = "",
+                           spilled: bool = False) -> tuple[list[int], memoryview] | None:
         """(tokens, KV) of the longest stored prefix of ``prompt`` of ``tenant`` — its full chunks,
         then, when every one is stored, the longest stored of its tails (``tails``: its own, up to
         ``prompt_tail_end`` — the last token is always computed —, or where a spilled session it
-        continues ended) — or None when the pool has no more than ``have_tokens``."""
+        continues ended) — or None when the pool has no more than ``have_tokens``. ``spilled``: a
+        session this prompt may continue was spilled (a turn that grew past a chunk boundary finds
+        its chunks stored up to the one the session ended in): where the chunks stop, the tails
+        hung off the last one found are asked for too (a second lookup)."""
         t0 = time.perf_counter()
         chunks = self.pieces(prompt, len(prompt) - 1, 0, tenant)
         tails = self.tails(prompt, [k for k, _, _ in chunks], tenant)
+        c = self.settings.chunk_tokens
+        if len(prompt) % c == 0:   # its last chunk, stored whole, serves up to its last token but one
+            tails.insert(0, (self.keys(prompt, len(prompt), tenant)[-1], len(prompt) - c, len(prompt) - 1))
         pieces = chunks + tails
         if not pieces or max(e for _, _, e in pieces) <= have_tokens:
             return None
@@ -444,8 +453,16 @@ class PoolClient:
         try:
             async with asyncio.timeout(self.settings.timeout):  # the whole fetch, not each step
                 found = await self._lookup(keys, alternatives=len(tails))
-                t1 = time.perf_counter()
                 hit = chunks[:found.hits] + ([tails[found.alternative]] if found.alternative >= 0 else [])
+                if spilled and found.hits < len(chunks):   # the session's tail within the chunk missed?
+                    lead = chunks[:found.hits]
+                    more = self.tails(prompt, [k for k, _, _ in lead], tenant,
+                                      upto=(found.hits + 1) * self.settings.chunk_tokens)
+                    again = await self._lookup([k for k, _, _ in lead + more], alternatives=len(more)) \
+                        if more else None
+                    if again is not None and again.hits == found.hits and again.alternative >= 0:
+                        found, hit = again, lead + [more[again.alternative]]
+                t1 = time.perf_counter()
                 if not hit or hit[-1][2] <= have_tokens:
                     self.misses += 1
                     return None

@@ -150,6 +150,35 @@ async def test_a_prompts_tail_is_reused_by_exactly_that_prompt(nats_server, tmp_
             assert tokens == prompt[:96] and bytes(got) == kv[:96 * LAYOUT.token_bytes]
 
 
+async def test_a_prompt_of_whole_chunks_uses_its_last_one_and_a_grown_turn_its_spilled_tail(nats_server, tmp_path):
+    """Two prefixes the pool held and never served (probe of 2026-11-29, speed only): a prompt of
+    exactly one chunk (256 tokens in the stack) found nothing — its chunk holds its last token,
+    which is always computed, and no tail is kept under one chunk; and a session spilled with a
+    tail, whose next turn grew past a chunk boundary, got its full chunks only — the lookup asked
+    for the tails after the prompt's own last chunk, which the session never filled."""
+    s = settings(nats_server, tmp_path)
+    async with pool_and_client(s, "worker-w") as (pool, a, bus):
+        prompt = list(range(1000, 1032))                # one chunk of 32: its own last token too
+        kv = kv_for(32)
+        assert await a.store(prompt, kv) == 1
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:31] and bytes(got) == kv   # (2 blocks: the last partial, the engine's own)
+        two = list(range(64))                            # two chunks: the second serves 32..62
+        kv2 = kv_for(64)
+        assert await a.store(two, kv2) == 2
+        tokens, got = await a.fetch_prefix(two)
+        assert tokens == two[:63] and bytes(got) == kv2
+
+        session = list(range(2000, 2080))               # 2 chunks, then 16 tokens: a whole-block tail
+        kv3 = kv_for(80)
+        assert await a.store(session, kv3, session=True) == 3
+        turn = session + list(range(5000, 5030))         # the next turn: 110 tokens, chunk 3 never stored
+        tokens, got = await a.fetch_prefix(turn)
+        assert tokens == turn[:64]                       # not known as a spilled session's: chunks only
+        tokens, got = await a.fetch_prefix(turn, spilled=True)
+        assert tokens == turn[:80] and bytes(got) == kv3
+
+
 async def test_a_write_back_from_a_reused_prefix_stores_what_it_holds(nats_server, tmp_path):
     """A finished request's KV starts at the whole chunks it reused (``start``): the entries from
     there the pool lacks are stored, byte-exact; one before it the pool lost is not (no KV for it)."""
