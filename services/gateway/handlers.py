@@ -213,6 +213,18 @@ def common(request: Request, req, rid: str) -> dict:
             "owner": request.state.tenant, "cache_retention": resolve_retention(req.prompt_cache_retention)}
 
 
+def too_long_to_encode(gw: GatewayState, text: str, param: str) -> None:
+    """400 ``context_length_exceeded`` for a prompt text that cannot fit the context whatever its
+    tokens (``Tokenizer.min_tokens``), before it is encoded: a 30 MiB text under the body limit
+    took the gateway 2-3 minutes of CPU and ~2 GiB each to tokenize, for the same 400."""
+    ctx = gw.backend.max_context
+    least = getattr(gw.backend.tokenizer, "min_tokens", lambda _: 0)(text)
+    if least >= ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your {param} "
+                            f"come to at least {least} tokens ({len(text)} characters). Please reduce the length "
+                            f"of the {param}.", param=param, code="context_length_exceeded")
+
+
 def chat_prompt(gw: GatewayState, req: ChatCompletionRequest, plan) -> list[int]:
     """The prompt's token ids: messages (+ tools) rendered by the chat template, then tokenized
     (each assistant reply on its own: ``encode_turns``)."""
@@ -229,6 +241,7 @@ def chat_prompt(gw: GatewayState, req: ChatCompletionRequest, plan) -> list[int]
                                          **(extra or {})) if replies else text
     except (ValueError, TemplateError) as e:  # the template's raise_exception, or no template
         raise bad_param("messages", f"could not apply the chat template: {e}") from None
+    too_long_to_encode(gw, text, "messages")
     # the template already holds BOS where the model wants one (as transformers tokenizes it)
     return encode_turns(tok, text, marked, {marks[i]: r for i, r in replies.items()})
 
@@ -375,6 +388,9 @@ async def completions(request: Request) -> Response:
     gw = state(request)
     req = await validated(request, CompletionRequest, await generation_body(request))
     route = common(request, req, rid)
+    text = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+    if isinstance(text, str):
+        too_long_to_encode(gw, text, "prompt")
     prompt = await gw.pool.run(request, completion_prompt, req.prompt, gw.backend.tokenizer)
     asked = max_tokens_param(req.max_tokens if req.max_tokens is not None else gw.defaults.get("max_tokens", 16),
                              "max_tokens")

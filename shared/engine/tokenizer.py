@@ -165,6 +165,7 @@ class Tokenizer:
             if tid is not None:
                 self.special_strings.setdefault(name, self.id_to_piece(tid))
         self._template = None
+        self._max_piece: int | None = None          # min_tokens' longest piece (0: no bound)
 
     def to_dict(self) -> dict:
         """Everything ``from_dict`` needs, JSON-serializable (the weight cache stores it)."""
@@ -180,6 +181,17 @@ class Tokenizer:
                    chat_template=d["chat_template"], special_strings=d["special_strings"])
 
     # ---- encode / decode -------------------------------------------------------------------
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` without encoding it: every character is at least
+        a byte of some token, and no token spells more than the longest vocabulary piece's UTF-8
+        bytes (a byte-level piece's character is one byte of text; its UTF-8 is one or two). 0
+        where a normalizer may drop text (no bound then). What lets the gateway refuse a 30 MiB
+        prompt for an 8K context at once: encoding it took minutes and gigabytes first."""
+        if self._max_piece is None:
+            self._max_piece = 0 if self.backend.normalizer is not None else max(
+                len(p.encode()) for p in self.backend.get_vocab(with_added_tokens=True))
+        return len(text) // self._max_piece if self._max_piece else 0
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text map to their ids.

@@ -327,3 +327,34 @@ def test_a_long_stream_and_a_kept_alive_connection_are_not_cut(deadlined):
                 assert http.post(f"{url}/v1/chat/completions", json=_chat()).status_code == 200
     finally:
         backend.endless = False
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_encoded():
+    """A 6 MiB message under the body limit (32 MiB) for an 8K context: the gateway encoded it —
+    seconds of CPU and ~50x its size in memory a request (30 MiB: 2-3 minutes, 2 GiB) — for a
+    400 certain from its length. Now refused from the length alone; the answer is the same 400."""
+    from shared.engine.model_files import load_tokenizer
+    tok, cfg = load_tokenizer()
+    encoded: list[int] = []
+
+    class Counting(type(tok)):
+        def encode(self, text, add_special_tokens=True):
+            encoded.append(len(text))
+            return super().encode(text, add_special_tokens)
+
+    tok.__class__ = Counting
+    backend = FakeBackend()
+    backend.tokenizer, backend.max_context = tok, cfg.max_context
+    with Server(backend, GatewaySettings()) as server:
+        big = "hello world " * (6 << 17)                          # 6 MiB
+        for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": big}]}),
+                           ("/v1/completions", {"model": MODEL, "prompt": big})):
+            t0 = time.monotonic()
+            r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+            err = _error(r, 400, "context_length_exceeded")
+            assert "at least" in err["message"] and err["param"] in ("messages", "prompt")
+            assert time.monotonic() - t0 < 10
+        assert max(encoded, default=0) < 1 << 20 and backend.requests == []
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text                     # a prompt that fits is encoded as before
+        assert encoded

@@ -168,3 +168,25 @@ def test_a_long_text_is_encoded_without_holding_the_gil(ours):
     worker.join()
     assert ticks >= 20, f"the main thread ran {ticks} times while a 2 MB text was encoded"
     assert got[0] == ours.backend.encode(text).ids   # the same ids as the GIL-holding call
+
+
+def test_min_tokens_is_a_lower_bound_of_the_encoding(ours):
+    """``min_tokens`` (the gateway refuses a prompt by it before encoding) never says more tokens
+    than the text has: runs of spaces and newlines (the longest pieces), digits (one token each),
+    multi-byte characters, special tokens written in the text, code."""
+    import random
+    rng = random.Random(7)
+    texts = [" " * 5000, "\n" + " " * 80 + "x", "1234567890" * 300, "日本語のテキスト" * 200,
+             "<|im_start|>user\nhi<|im_end|>" * 100, "def f(x):\n    return x\n" * 200, "é" * 999,
+             "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(3000))]
+    for t in texts:
+        assert ours.min_tokens(t) <= len(ours.encode(t, add_special_tokens=False)), t[:20]
+    assert ours.min_tokens("a" * (8192 * 162)) >= 8192   # a text this long cannot fit an 8K context
+
+
+def test_min_tokens_gives_no_bound_where_a_normalizer_may_drop_text():
+    from tokenizers import Tokenizer as HFTokenizer, models, normalizers
+    hf = HFTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    hf.normalizer = normalizers.StripAccents()
+    t = Tokenizer(hf, bos_token_id=None, eos_token_id=None)
+    assert t.min_tokens("a" * 10000) == 0
