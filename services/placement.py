@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -210,13 +211,15 @@ def _decoders(workers: list[WorkerView], now: float, need: int = 0) -> list[Work
             and w.beat.max_context >= need]
 
 
-def _retry_after(pool: list[WorkerView], tier: str, max_tokens: int) -> float:
-    """Seconds until the tier's queue has likely drained by one request: the waiting requests
-    times their output over the pool's decode rate, at least 1 s."""
-    waiting = sum(w.waiting(tier) for w in pool)
+def _retry_after(pool: list[WorkerView], max_tokens: int) -> float:
+    """Seconds until the tier's queue likely has room again: one request's output (its max_tokens,
+    at most 256 counted) at the pool's slowest measured time per token — by then the requests
+    running now have finished and as many waiting ones have started — times a random 1-1.5, so
+    that a burst's refused clients do not all come back at the same instant; 1..60 s. (It was the
+    waiting requests times that over the running ones, as of the last heartbeat: a burst on a pool
+    idle a second before said 60 s for a queue that drained in under 10.)"""
     tpot = max((w.beat.tpot_ms / 1e3 for w in pool if w.beat.tpot_ms > 0), default=DEFAULT_TPOT_S)
-    slots = max(1, sum(w.beat.running for w in pool))
-    return float(min(60, max(1, math.ceil(waiting * min(max_tokens, 256) * tpot / slots))))
+    return float(min(60, max(1, math.ceil(min(max_tokens, 256) * tpot * random.uniform(1.0, 1.5)))))
 
 
 def admit(req: RouteRequest, tier: str, pool: list[WorkerView], limit: int) -> None:
@@ -224,7 +227,7 @@ def admit(req: RouteRequest, tier: str, pool: list[WorkerView], limit: int) -> N
     waiting = sum(w.waiting(tier) for w in pool)
     if waiting >= limit:
         raise BusError("overloaded", f"{waiting} {tier} requests are waiting (limit {limit}); retry later",
-                       retry_after=_retry_after(pool, tier, req.max_tokens))
+                       retry_after=_retry_after(pool, req.max_tokens))
 
 
 def _choose_pool(tier: str, decoders: list[WorkerView], home: WorkerView | None = None) -> tuple[list[WorkerView], str]:

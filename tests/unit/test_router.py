@@ -395,3 +395,23 @@ def test_a_sessions_next_turn_finds_its_last_prompt_and_reply_on_its_worker():
     plan = place(r, [CPU, prefill], NOW, session=s, cached={"c1": 288})
     assert plan.prefill_worker is None and plan.decode_worker == "c1" and plan.cached_tokens == 288
     assert place(r, [CPU, prefill], NOW, session=s, cached={}).prefill_worker == "p1"
+
+
+def test_retry_after_is_about_one_request_not_the_whole_queue():
+    """A burst on a pool idle at its last heartbeat (running 0): 64 interactive requests of 4
+    tokens waiting said Retry-After 60 for a queue that drained in under 10 s. Now one request's
+    time (at least 1 s, at most 60), spread by up to half of it so refused clients do not return
+    together."""
+    limits = Limits(queue={"interactive": 64, "standard": 4, "batch": 4})
+    idle = [w("g1", "gpu-decode", running=0, queue=64, waiting={"interactive": 64}, tpot=50.0)]
+    seen = set()
+    for _ in range(50):
+        with pytest.raises(BusError) as e:
+            place(req("interactive", max_tokens=4), idle, NOW, limits=limits)
+        seen.add(e.value.retry_after)
+    assert seen == {1.0}
+    for _ in range(50):
+        with pytest.raises(BusError) as e:
+            place(req("interactive", max_tokens=1000), idle, NOW, limits=limits)   # 256 counted x 50 ms
+        seen.add(e.value.retry_after)
+    assert seen - {1.0} and all(13 <= s <= 20 for s in seen - {1.0}) and len(seen - {1.0}) > 1
