@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from fastapi import Request
 
-from .openai_api import APIError
+from .openai_api import APIError, json_response
 
 log = logging.getLogger("tandem.gateway")
 
@@ -92,6 +92,13 @@ class Limits:
             return
         limit, seen, body_done = self.limit, 0, False
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and any(k == b"transfer-encoding" for k, _ in scope["headers"]):
+            # both framings (RFC 9112 §6.1: an error, and the connection closed): a proxy in front
+            # that reads the other one would take the rest of this body for a request of its own
+            err = APIError(400, "a request with both Content-Length and Transfer-Encoding is refused",
+                           code="invalid_request")
+            await json_response(err.body(), 400, headers={"Connection": "close"})(scope, receive, send)
+            return
         due = asyncio.get_running_loop().time() + self.read_timeout_s
 
         async def counted_receive():

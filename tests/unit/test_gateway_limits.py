@@ -358,3 +358,17 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_encoded():
         r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
         assert r.status_code == 200, r.text                     # a prompt that fits is encoded as before
         assert encoded
+
+
+def test_both_framings_are_refused_and_the_connection_closed(served):
+    """Content-Length and Transfer-Encoding together (the request-smuggling vector when a proxy in
+    front reads the other) was taken with the chunked body: RFC 9112 §6.1 says error and close."""
+    url, backend, _ = served
+    with _connect(url) as s:
+        body = b'{"model": "m"}'
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+        closed, got = _closed_within(s, 5)
+    assert closed and got.startswith(b"HTTP/1.1 400 ") and b'"code":"invalid_request"' in got, got[:300]
+    assert backend.requests == []
