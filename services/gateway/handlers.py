@@ -217,9 +217,8 @@ def too_long_to_encode(gw: GatewayState, text: str, param: str) -> None:
     """400 ``context_length_exceeded`` for a prompt text that cannot fit the context whatever its
     tokens (``Tokenizer.min_tokens``), before it is encoded: a 30 MiB text under the body limit
     took the gateway 2-3 minutes of CPU and ~2 GiB each to tokenize, for the same 400."""
-    ctx = gw.backend.max_context
     least = getattr(gw.backend.tokenizer, "min_tokens", lambda _: 0)(text)
-    if least >= ctx:
+    if least and least >= (ctx := gw.backend.max_context):
         raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your {param} "
                             f"come to at least {least} tokens ({len(text)} characters). Please reduce the length "
                             f"of the {param}.", param=param, code="context_length_exceeded")

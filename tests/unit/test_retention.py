@@ -140,7 +140,7 @@ async def test_a_short_prompt_asks_the_pool_only_after_this_worker_spilled_its_s
         def __init__(self):
             self.asked, self.stored = [], []
 
-        async def fetch_prefix(self, prompt, have, tenant):
+        async def fetch_prefix(self, prompt, have, tenant, spilled=False):
             self.asked.append((len(prompt), have, tenant))
             return None
 

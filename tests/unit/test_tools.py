@@ -233,7 +233,7 @@ def test_a_reply_in_the_history_keeps_the_tokens_it_was_generated_as():
     from shared.engine.model_files import load_tokenizer
 
     tok, _ = load_tokenizer()
-    gw = SimpleNamespace(backend=SimpleNamespace(tokenizer=tok), tool_parser=HermesParser(), native_tools=False)
+    gw = SimpleNamespace(backend=SimpleNamespace(tokenizer=tok, max_context=8192), tool_parser=HermesParser(), native_tools=False)
     first = [{"role": "user", "content": "Hi"}]
     prompt = chat_prompt(gw, ChatCompletionRequest(model="m", messages=first), tool_plan(None, None, None))
     for reply in ("  two spaces", " Hello there", "\nHello", "Plain.\n\n"):
