@@ -217,6 +217,7 @@ async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, re
 LONG_NEW = 700
 
 
+@pytest.mark.slow   # 86 s on a 2-vCPU AVX2 EPYC: the slow lane (the ring of three stays in the default run)
 async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring_stack, nats_server, reference):
     """The router's spreading policy, on its own: a long batch chat (a 600-token prompt + 700 tokens, which
     one 1,360-token worker holds) runs on one worker; a second chat of the same session joins it

@@ -20,6 +20,7 @@ from tests.e2e.test_stack import local_chat, running_stack
 pytestmark = pytest.mark.timeout(900)
 
 
+@pytest.mark.slow   # 68 s on a 2-vCPU AVX2 EPYC: the slow lane (promotion of a single worker's session: test_tiers)
 def test_a_ring_session_is_promoted_to_a_gpu_worker_when_a_person_checks_in(nats_server, reference):
     """`--gpu-decode 1 --cpu-decode 2`: a batch session's 2,000-token chat runs on a ring of the two
     cpu-decode workers; mid-stream its session turns interactive (POST /v1/sessions/{id}) and the

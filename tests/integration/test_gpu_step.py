@@ -942,9 +942,13 @@ def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp):
 # 40 of a 64-row bucket (=64);
 # the matmuls through qmatmul and through qgemv; qwen2's bias and qwen3's norms; weights as planes;
 # a context of one key segment (no merges)
+_SLOW = pytest.mark.slow   # the bigger buckets: 20-35 s each on a 2-vCPU AVX2 EPYC
+
+
 @pytest.mark.parametrize("rows,gemv,arch,weights,ctx", [(1, False, {}, None, 1024), (3, False, {}, None, 1024),
-                                                        (16, True, {}, None, 1024), (20, False, {}, None, 1024),
-                                                        (40, False, {}, None, 1024),
+                                                        pytest.param(16, True, {}, None, 1024, marks=_SLOW),
+                                                        pytest.param(20, False, {}, None, 1024, marks=_SLOW),
+                                                        pytest.param(40, False, {}, None, 1024, marks=_SLOW),
                                                         (3, True, {"attn_bias": True}, "planes", 1024),
                                                         (2, False, {"qk_norm": True}, None, 256)])
 def test_the_persistent_decode_step_is_the_launches_bit_for_bit(interp, rows, gemv, arch, weights, ctx):
@@ -998,8 +1002,9 @@ def test_decode_steps_launched_ahead_give_the_same_outputs(interp):
     assert counts[True]["collected"] >= 2 and counts[True]["fed"] >= 3, counts
 
 
-@pytest.mark.parametrize("swap_bytes", [256 << 20, pytest.param(0, marks=pytest.mark.slow)],
-                         ids=["swapped", "recomputed"])
+@pytest.mark.parametrize("swap_bytes", [pytest.param(256 << 20, marks=pytest.mark.slow),
+                                        pytest.param(0, marks=pytest.mark.slow)],
+                         ids=["swapped", "recomputed"])   # 39 s: the slow lane
 def test_decode_steps_launched_ahead_under_kv_pressure(interp, swap_bytes):
     """The step launched ahead is scheduled while this one's tokens are placeholders: where that
     schedule could preempt a sequence (too few free blocks for the next slots), the step is read
