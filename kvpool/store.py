@@ -97,16 +97,10 @@ class Tier(abc.ABC):
         with self._lock:
             freed = 0
             while freed < nbytes:
-                key = next((k for k in self._index if self.pins is None or not self.pins.pinned(k)), None)
-                if key is None:
+                size = self._evict_oldest()
+                if size is None:
                     return False
-                size = self._index.pop(key)
-                self.used -= size
                 freed += size
-                self.evictions += 1
-                self._drop(key)
-                if self.on_evict is not None:
-                    self.on_evict(self.name, key)
         log.warning("%s tier: the device is full below the tier's capacity: its %.1f MiB least recently used "
                     "made room for a new entry", self.name, freed / 2**20)
         return True
@@ -174,16 +168,23 @@ class Tier(abc.ABC):
         """Drop least recently used entries — unpinned ones: a pinned entry stays while its pin
         lasts — until ``nbytes`` more fit (caller holds the lock); False when pins leave no room."""
         while self.used + nbytes > self.capacity:
-            key = next((k for k in self._index if self.pins is None or not self.pins.pinned(k)), None)
-            if key is None:
+            if self._evict_oldest() is None:
                 return False
-            size = self._index.pop(key)
-            self.used -= size
-            self.evictions += 1
-            self._drop(key)
-            if self.on_evict is not None:
-                self.on_evict(self.name, key)
         return True
+
+    def _evict_oldest(self) -> int | None:
+        """Drop the least recently used unpinned entry (caller holds the lock): its size, or None
+        when every entry is pinned (or there is none)."""
+        key = next((k for k in self._index if self.pins is None or not self.pins.pinned(k)), None)
+        if key is None:
+            return None
+        size = self._index.pop(key)
+        self.used -= size
+        self.evictions += 1
+        self._drop(key)
+        if self.on_evict is not None:
+            self.on_evict(self.name, key)
+        return size
 
     def _drop(self, key: str) -> None:
         """Free an evicted entry's storage."""
