@@ -116,6 +116,29 @@ def _compile(jobs):
     return got
 
 
+def shipped_tiles(device_name: str) -> dict:
+    """(N, K) -> the tiles (main, then decode) of the table kernels/tuning/ ships for ``device_name``;
+    {} where none ships."""
+    from kernels.gpu_tuning import Tuning, shipped
+    path = shipped(device_name) if device_name else None
+    if not path or not path.exists():
+        return {}
+    t = Tuning.read(path)
+    return {shape: [tile] + ([t.decode[shape]] if shape in t.decode else []) for shape, tile in t.tiles.items()}
+
+
+def sweep_order(cands: dict, known: dict) -> dict:
+    """name -> the order its candidates are timed in: the rule's tile, then the tiles of ``known``
+    (``shipped_tiles``) for its shape that are candidates, then the rest of ``cands[name]``."""
+    from kernels.gpu_tuning import rule
+    order = {}
+    for name, ts in cands.items():
+        shape = SHAPES[name][:2]
+        first = list(dict.fromkeys([rule(*shape)] + [t for t in known.get(shape, []) if t in ts]))
+        order[name] = first + [t for t in ts if t not in first]
+    return order
+
+
 def best_tile(times: dict, cands: list, name: str, ms: list[int]):
     """Of ``cands`` timed at every M of ``ms`` (and not failed), the one with the lowest sum of
     times relative to each M's best; None if none (or ``ms`` is empty)."""
@@ -203,10 +226,10 @@ def main(argv=None) -> int:
     times: dict[tuple, float] = {}
     deadline = t0 + a.budget_s
     shapes = {(name, m): Shape(name, m) for name, m in itertools.product(SHAPES, MS)}
-    # round by round over every (shape, M): the rule's tile first, then candidate i of each, so a
-    # deadline leaves every shape measured alike
-    order = {name: [rule(*SHAPES[name][:2])] + [c for c in ts if c != rule(*SHAPES[name][:2])]
-             for name, ts in cands.items()}
+    # round by round over every (shape, M): the rule's tile first, then the tiles a table shipped for
+    # this card holds (so a sweep its budget cuts short picks nothing slower than what ships), then
+    # candidate i of each, so a deadline leaves every shape measured alike
+    order = sweep_order(cands, shipped_tiles(torch.cuda.get_device_name() if DEVICE == "cuda" else ""))
     for i in range(max(len(v) for v in order.values())):
         if i and time.monotonic() > deadline:
             say(f"budget spent after {i} rounds of candidates (of {max(len(v) for v in order.values())})")

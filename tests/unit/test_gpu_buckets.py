@@ -176,6 +176,32 @@ def test_the_sweep_chooses_the_decode_and_main_tiles_apart():
     assert best_tile(times, [a, b, c, d], "o", [1]) is None
 
 
+def test_the_sweep_times_the_shipped_tiles_right_after_the_rule():
+    """A sweep its budget cuts short must not choose slower tiles than the card's shipped table:
+    the rule's tile is timed first, then the shipped table's main and decode tiles for the shape
+    (where they are candidates), then the rest, each once. The H200's shipped table's tiles are
+    candidates of the sweep as it stands."""
+    from bench.gpu_tune import SHAPES, candidates, shipped_tiles, sweep_order
+    known = shipped_tiles("NVIDIA H200")
+    assert set(known) == {v[:2] for v in SHAPES.values()}
+    cands = {name: sorted(candidates(n, k, norm), key=lambda t: (t.block_b, -t.splits, t.gemv, t.norm_w,
+                                                                 t.block_n, t.warps))
+             for name, (n, k, norm, *_) in SHAPES.items()}
+    order = sweep_order(cands, known)
+    for name, (n, k, *_) in SHAPES.items():
+        tiles = known[(n, k)]
+        assert order[name][0] == gpu_tuning.rule(n, k)
+        assert all(t in order[name][:1 + len(tiles)] for t in tiles), name
+        assert sorted(order[name], key=repr) == sorted(set(cands[name]) | {gpu_tuning.rule(n, k)}, key=repr)
+    # a decode tile that ships comes second too; a shipped tile that is no candidate is not timed
+    T = gpu_tuning.Tile
+    a, b, c = T(64, 1, 4, 18), T(32, 2, 4, 4, 256, 16), T(16, 8, 4, 1)
+    rule = gpu_tuning.rule(960, 576)
+    got = sweep_order({"qkv": [a, b]}, {(960, 576): [b, c]})["qkv"]
+    assert got == list(dict.fromkeys([rule, b, a]))
+    assert shipped_tiles("no such card") == {} and shipped_tiles("") == {}
+
+
 @pytest.mark.slow
 def test_the_sweep_runs_its_code_paths_in_the_interpreter(tmp_path):
     """`python -m bench.gpu_tune --dry-run` (Triton's interpreter, two tiles a shape, one row): it
