@@ -47,9 +47,9 @@ from shared.transfer.shm import available as shm_available, shm_unlink
 
 log = logging.getLogger("tandem.ring")
 
-HANDSHAKES = 64   # connections at once that have not proved the data-plane key yet; more are closed at
-                  # once (each has a thread: 3,000 idle ones held 3,000 threads and 200 MB for 30 s)
-HANDSHAKE_S = 5.0  # a new connection's time to prove it (a member's client does at once)
+HANDSHAKES = 64   # connections at once that have not proved the data-plane key yet, a thread each (3,000
+                  # idle ones held 3,000 threads and 200 MB for 30 s); a new one closes the oldest
+HANDSHAKE_S = 5.0  # a new connection's time, from accept, to prove it (a member's client does at once)
 
 
 def group_heads(nkv: int, groups: int, g: int) -> tuple[int, int]:
@@ -109,8 +109,9 @@ class RingServer:
         self._sock = socket.create_server((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
         self._conns = 0
-        self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
-        self.turned_away = 0                      # connections closed unserved: HANDSHAKES were pending
+        self._handshakes: dict[socket.socket, object] = {}   # connections still to prove the key -> peer,
+        self._hs_lock = threading.Lock()                     # oldest first
+        self.turned_away = 0                      # connections closed unproven: HANDSHAKES newer ones came
         self._live: set[socket.socket] = set()   # open connections (closed with the server)
         self._parked: dict[str, tuple[str, threading.Timer]] = {}   # claim ticket -> (shard's sid, expiry)
         self._park_lock = threading.Lock()
@@ -158,18 +159,41 @@ class RingServer:
                 log.warning("ring member %s: accept failed (%s); going on", self.member.name, e)
                 time.sleep(0.1)
                 continue
-            if not self._handshakes.acquire(blocking=False):
-                self.turned_away += 1
-                conn.close()
-                continue
+            self._admit(conn, peer)
             self._conns += 1
             try:
-                threading.Thread(target=self._serve, args=(conn, peer, self._conns), name=f"ring-conn-{self._conns}",
-                                 daemon=True).start()
+                threading.Thread(target=self._serve, args=(conn, peer, self._conns, time.monotonic() + HANDSHAKE_S),
+                                 name=f"ring-conn-{self._conns}", daemon=True).start()
             except RuntimeError as e:   # no thread to be had
-                self._handshakes.release()
+                self._proven(conn)
                 conn.close()
                 log.warning("ring member %s: connection from %s not served (%s)", self.member.name, peer, e)
+
+    def _admit(self, conn: socket.socket, peer) -> None:
+        """``conn`` joins the handshakes under way; where HANDSHAKES are, the oldest is closed: a
+        peer holding connections that prove nothing (slowly, within the deadline) gives up its
+        own, not an honest member's place, which proves itself at once."""
+        with self._hs_lock:
+            old = None
+            if len(self._handshakes) >= HANDSHAKES:
+                old, old_peer = next(iter(self._handshakes.items()))
+                del self._handshakes[old]
+                self.turned_away += 1
+                n = self.turned_away
+            self._handshakes[conn] = peer
+        if old is not None:
+            # the 1st, 2nd, 4th, 8th... is logged: a flood does not flood the log
+            (log.warning if n & (n - 1) == 0 else log.debug)(
+                "ring member %s closed a connection from %s that had not proved the data-plane key: %d newer "
+                "ones came (%d closed so far)", self.member.name, old_peer, HANDSHAKES, n)
+            try:
+                old.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _proven(self, conn: socket.socket) -> None:
+        with self._hs_lock:
+            self._handshakes.pop(conn, None)
 
     def _offer_region(self, ch: Channel, offer: ShmOffer) -> str | None:
         """``SHM``: a region for a coordinator on this host (its name in the reply), else none."""
@@ -202,7 +226,7 @@ class RingServer:
         ch.send(Op.OK)
         return name
 
-    def _serve(self, conn: socket.socket, peer, n: int) -> None:
+    def _serve(self, conn: socket.socket, peer, n: int, deadline: float) -> None:
         sids: set[str] = set()
         self._live.add(conn)
         ch = None
@@ -210,9 +234,9 @@ class RingServer:
             try:   # (its place among the HANDSHAKES, taken by _accept, is given back once it is done)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a reply's tag follows its payload
                 conn.settimeout(min(self.timeout, HANDSHAKE_S))
-                ch = server_handshake(conn, self.key, self.max_payload)
+                ch = server_handshake(conn, self.key, self.max_payload, min(deadline, time.monotonic() + self.timeout))
             finally:
-                self._handshakes.release()
+                self._proven(conn)
             if ch is None:
                 log.warning("ring member %s refused a connection from %s: no valid proof of the data-plane key",
                             self.member.name, peer)

@@ -249,10 +249,17 @@ def mac(key: bytes, label: bytes, *parts) -> bytes:
     return h.digest()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """``n`` bytes; with ``deadline`` (``time.monotonic()``) all of them by then, else TimeoutError
+    (the socket's own timeout bounds each read only)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {n} bytes by the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if not k:
             raise ConnectionError("connection closed")
@@ -361,11 +368,13 @@ class Channel:
 
 
 # ---- the handshake ---------------------------------------------------------------------------
-def server_handshake(conn: socket.socket, key: bytes, max_payload: int) -> Channel | None:
-    """The member's side: None when the client has no valid proof of ``key`` (it is told so)."""
+def server_handshake(conn: socket.socket, key: bytes, max_payload: int,
+                     deadline: float | None = None) -> Channel | None:
+    """The member's side: None when the client has no valid proof of ``key`` (it is told so);
+    TimeoutError when its hello is not all in by ``deadline`` (``time.monotonic()``)."""
     sn = os.urandom(NONCE)
     conn.sendall(MAGIC + sn)
-    hello = recv_exact(conn, len(MAGIC) + NONCE + TAG)
+    hello = recv_exact(conn, len(MAGIC) + NONCE + TAG, deadline)
     cn, proof = bytes(hello[4:4 + NONCE]), bytes(hello[4 + NONCE:])
     if hello[:4] != MAGIC:
         conn.sendall(bytes([OTHER_VERSION if hello[:3] == MAGIC[:3] else REFUSED]) + bytes(TAG))

@@ -51,7 +51,9 @@ from shared.transfer.shm import shm_unlink, shm_write
 log = logging.getLogger(__name__)
 
 READERS = {F_NIXL: nixl.read, F_SHM: shm.read, F_ZSTD: zstd.read}   # a path's flag -> its reader
-FIRST_FRAME_S = 10.0   # a receiver's wait for a new connection's first header (the sender's is at once)
+FIRST_FRAME_S = 10.0   # a new connection's time, from accept, to send its first frame's header, id and tag
+                       # (a sender writes them at once); a deadline, not a wait between bytes
+UNPROVEN = 256         # connections at once whose first frame has not been checked; a new one closes the oldest
 
 # -- sender ------------------------------------------------------------------------------------
 
@@ -273,6 +275,8 @@ class TcpKVReceiver(KVReceiver):
         self._entries: dict[str, _Entry] = {}
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()  # accept loop, janitor, one per connection
+        self._unproven: dict[socket.socket, object] = {}   # connections before their first frame's check
+                                                           # -> peer, oldest first
         self._closed = False
 
     # -- KVReceiver -------------------------------------------------------------------------
@@ -371,6 +375,18 @@ class TcpKVReceiver(KVReceiver):
                 await asyncio.sleep(0.1)
                 continue
             tune(conn)
+            if len(self._unproven) >= UNPROVEN:
+                # a peer holding connections that prove nothing (slowly, within the deadline) gives
+                # up its oldest, not an honest sender its place (which proves itself at once)
+                old, old_peer = next(iter(self._unproven.items()))
+                del self._unproven[old]
+                self._refuse(old_peer, "", "unproven", f"{UNPROVEN} connections had sent no checked frame: "
+                             f"the oldest is closed")
+                try:
+                    old.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._unproven[conn] = peer
             self._spawn(self._serve_conn(conn, peer), f"kv-conn:{peer}")
 
     async def _janitor(self) -> None:
@@ -390,35 +406,40 @@ class TcpKVReceiver(KVReceiver):
     async def _serve_conn(self, conn: socket.socket, peer) -> None:
         loop = asyncio.get_running_loop()
         head = bytearray(HEADER.size)
-        # a sender writes its first frame as soon as it is connected: a connection that sends none
-        # within FIRST_FRAME_S is closed (2,000 idle ones held a descriptor each for the 300 s
-        # between-frames wait); one that did is kept idle that long for the sender to reuse
-        wait = min(self.timeout, FIRST_FRAME_S)
+        # a sender writes its first frame as soon as it is connected: a connection whose first
+        # header, id and tag are not all in FIRST_FRAME_S after accept is closed (2,000 idle ones
+        # held a descriptor each for the 300 s between-frames wait; one byte every 8 s held one for
+        # hours while the limit was a wait between bytes); one whose frame checked is kept idle
+        # that long between frames for the sender to reuse
+        wait = self.timeout * 10
+        deadline: float | None = loop.time() + min(self.timeout, FIRST_FRAME_S)
         try:
             while not self._closed:
-                try:  # idle between frames: wait longer, EOF here is a clean end
-                    await recv_exact(loop, conn, memoryview(head), wait)
-                except ConnectionError:
-                    return
-                wait = self.timeout * 10
-                magic, version, algo_id, id_len, nbytes, digest = HEADER.unpack(head)
-                if magic != MAGIC or version not in (1, 2, 3) or algo_id not in ALGO_NAMES \
-                        or not 0 < id_len <= MAX_ID_BYTES:
-                    await self._reply(loop, conn, BAD_HEADER, f"bad header from {peer}")
-                    return
-                tid_buf = bytearray(id_len + (EXTRA.size if version > 1 else 0))
-                await recv_exact(loop, conn, memoryview(tid_buf), self.timeout)
-                tid = tid_buf[:id_len].decode(errors="replace")
-                flags, raw_n = EXTRA.unpack(tid_buf[id_len:]) if version > 1 else (0, nbytes)
-                tag = b""
-                if flags & F_AUTH:
-                    tag = bytearray(TAG)
-                    await recv_exact(loop, conn, memoryview(tag), self.timeout)
+                async with asyncio.timeout_at(deadline):   # None once a frame has checked
+                    try:  # idle between frames: wait longer, EOF here is a clean end
+                        await recv_exact(loop, conn, memoryview(head), wait)
+                    except ConnectionError:
+                        return
+                    magic, version, algo_id, id_len, nbytes, digest = HEADER.unpack(head)
+                    if magic != MAGIC or version not in (1, 2, 3) or algo_id not in ALGO_NAMES \
+                            or not 0 < id_len <= MAX_ID_BYTES:
+                        await self._reply(loop, conn, BAD_HEADER, f"bad header from {peer}")
+                        return
+                    tid_buf = bytearray(id_len + (EXTRA.size if version > 1 else 0))
+                    await recv_exact(loop, conn, memoryview(tid_buf), self.timeout)
+                    tid = tid_buf[:id_len].decode(errors="replace")
+                    flags, raw_n = EXTRA.unpack(tid_buf[id_len:]) if version > 1 else (0, nbytes)
+                    tag = b""
+                    if flags & F_AUTH:
+                        tag = bytearray(TAG)
+                        await recv_exact(loop, conn, memoryview(tag), self.timeout)
                 if self.key and not self._authentic(bytes(head) + bytes(tid_buf), bytes(tag)):
                     self._refuse(peer, tid, "no tag" if not tag else "wrong tag")
                     await self._reply(loop, conn, UNAUTHORIZED, "frame not authenticated: it carries no valid "
                                       "tag under this deployment's data-plane key (TANDEM_DATA_KEY)")
                     return
+                deadline = None
+                self._unproven.pop(conn, None)
                 if version == 3 and (flags & ~F_AUTH or raw_n != nbytes):  # a trailer only on plain payloads
                     await self._reply(loop, conn, BAD_HEADER, f"bad version-3 header from {peer}")
                     return
@@ -432,6 +453,7 @@ class TcpKVReceiver(KVReceiver):
         except (ConnectionError, TimeoutError, OSError) as e:
             log.debug("KV connection from %s ended: %s", peer, e)
         finally:
+            self._unproven.pop(conn, None)
             conn.close()
 
     def _authentic(self, signed: bytes, tag: bytes) -> bool:
@@ -439,13 +461,13 @@ class TcpKVReceiver(KVReceiver):
         return len(tag) == TAG and any(
             hmac.compare_digest(frame_tag(self.key, f"{name}:{self.port}", signed), tag) for name in self.names)
 
-    def _refuse(self, peer, tid: str, why: str) -> None:
+    def _refuse(self, peer, tid: str, why: str, detail: str = "") -> None:
         self.refused += 1
         metrics.DATA_REFUSED.labels(why).inc()
         # the 1st, 2nd, 4th, 8th... refusal is logged: a flood of forged frames does not flood the log
         (log.warning if self.refused & (self.refused - 1) == 0 else log.debug)(
-            "KV receiver %s:%d refused a frame for %r from %s: %s (data-plane key; %d refused so far)",
-            self.host, self.port, tid[:64], peer, why, self.refused)
+            "KV receiver %s:%d refused a frame for %r from %s: %s (%s; %d refused so far)",
+            self.host, self.port, tid[:64], peer, why, detail or "data-plane key", self.refused)
 
     async def _control(self, loop, conn, flags: int, nbytes: int) -> None:
         """A hello (identity exchange) or a probe (read and drop ``nbytes``)."""

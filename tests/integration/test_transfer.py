@@ -312,6 +312,66 @@ async def test_a_connection_that_sends_no_frame_is_closed(rx, tx, monkeypatch):
         assert bytes(p.data) == b"kv"
 
 
+async def test_a_first_frame_sent_byte_by_byte_is_still_due_within_its_deadline(rx, tx, monkeypatch):
+    """FIRST_FRAME_S is a deadline from accept for the first frame's header, id and tag, not a wait
+    between bytes: a peer sending a byte every 0.1 s (a 48-byte header) is closed after ~0.3 s."""
+    import time
+
+    import shared.transfer.tcp as tcp
+    monkeypatch.setattr(tcp, "FIRST_FRAME_S", 0.3)
+    host, port = rx.address
+    loop = asyncio.get_running_loop()
+    slow = socket.create_connection((host, port))
+    slow.setblocking(False)
+    t0 = time.monotonic()
+    try:
+        async with asyncio.timeout(5):
+            while True:
+                try:
+                    await loop.sock_sendall(slow, b"T")
+                except OSError:
+                    break                                      # reset: closed by the receiver
+                try:
+                    async with asyncio.timeout(0.1):
+                        if await loop.sock_recv(slow, 16) == b"":
+                            break                              # closed by the receiver
+                except TimeoutError:
+                    pass
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        slow.close()
+    await tx.send(host, port, "after-slow", b"kv")
+    with await rx.take("after-slow", 1) as p:
+        assert bytes(p.data) == b"kv"
+
+
+async def test_connections_that_prove_nothing_give_way_to_new_ones(rx, tx, monkeypatch):
+    """At most UNPROVEN connections wait on their first frame at once: a new one closes the oldest
+    (counted as refused), so silent connections never lock a sender out."""
+    import shared.transfer.tcp as tcp
+    monkeypatch.setattr(tcp, "UNPROVEN", 3)
+    host, port = rx.address
+    loop = asyncio.get_running_loop()
+    refused = rx.refused
+    silent = []
+    try:
+        for _ in range(5):
+            s = socket.create_connection((host, port))
+            s.setblocking(False)
+            silent.append(s)
+            await asyncio.sleep(0.05)                      # accepted in this order
+        async with asyncio.timeout(5):
+            for s in silent[:2]:                           # the two oldest: closed
+                assert await loop.sock_recv(s, 16) == b""
+        assert rx.refused - refused == 2
+        await tx.send(host, port, "after-silent", b"kv")   # the sender's connection closes the 3rd
+        with await rx.take("after-silent", 1) as p:
+            assert bytes(p.data) == b"kv"
+    finally:
+        for s in silent:
+            s.close()
+
+
 async def test_duplicate_transfer_id_refused(rx, tx):
     host, port = rx.address
     await tx.send(host, port, "dup", b"one")

@@ -179,30 +179,72 @@ def test_a_link_no_fold_announced_is_refused():
 
 
 def test_connections_that_prove_nothing_are_bounded(monkeypatch):
-    """At most HANDSHAKES connections wait on their proof of the key at once, a thread each; more
-    are closed at once; once the silent ones time out, a member with the key gets in."""
+    """At most HANDSHAKES connections wait on their proof of the key at once, a thread each; a new
+    one closes the oldest (counted, logged), so silent connections never lock a member with the
+    key out: it gets in at once, while they are still open."""
     import threading
     import time
     from shared import ring as ring_net
     from shared.ring import server as ring_server
     monkeypatch.setattr(ring_server, "HANDSHAKES", 4)
-    server = ring_net.RingServer(_NoMember(), key=b"k", shm=False, timeout=1.0)
+    server = ring_net.RingServer(_NoMember(), key=b"k", shm=False, timeout=30.0)
     server.start()
     silent = []
     try:
         threads = threading.active_count()
-        silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
+        for _ in range(10):
+            silent.append(socket.create_connection(("127.0.0.1", server.port)))
+            time.sleep(0.02)                                # accepted in this order
         for _ in range(100):
             if server.turned_away >= 6:
                 break
             time.sleep(0.02)
-        assert server.turned_away == 6 and threading.active_count() <= threads + 4
-        time.sleep(1.5)   # the silent four time out: their places are given back
+        assert server.turned_away == 6
+        for s in silent[:6]:                                # the six oldest: closed
+            s.settimeout(5)
+            assert s.recv(64)[:4] == b"TRG1" and s.recv(64) == b""
+        for _ in range(100):
+            if threading.active_count() <= threads + 4:
+                break
+            time.sleep(0.02)
+        assert threading.active_count() <= threads + 4
         link = ring_net.RemoteMember("m", "127.0.0.1", server.port, b"k", None, shm=False)
         link.close()
+        assert server.turned_away == 7
     finally:
         for s in silent:
             s.close()
+        server.close()
+
+
+def test_a_hello_sent_byte_by_byte_is_still_due_within_the_deadline(monkeypatch):
+    """HANDSHAKE_S is a deadline from accept for the whole hello, not a wait between bytes: a
+    peer sending a byte every 0.1 s is closed after ~0.3 s."""
+    import time
+    from shared import ring as ring_net
+    from shared.ring import server as ring_server
+    monkeypatch.setattr(ring_server, "HANDSHAKE_S", 0.3)
+    server = ring_net.RingServer(_NoMember(), key=b"k", shm=False, timeout=30.0)
+    server.start()
+    slow = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        slow.settimeout(0.1)
+        t0, closed = time.monotonic(), False
+        while time.monotonic() - t0 < 5 and not closed:
+            try:
+                slow.sendall(b"T")
+                while True:
+                    got = slow.recv(64)
+                    if not got:
+                        closed = True
+                        break
+            except TimeoutError:
+                pass
+            except OSError:
+                closed = True
+        assert closed and time.monotonic() - t0 < 2.0
+    finally:
+        slow.close()
         server.close()
 
 
