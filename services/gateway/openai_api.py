@@ -26,15 +26,35 @@ from .tools import ChoiceTools, ToolPlan
 
 # ---- request parsing ------------------------------------------------------------------------
 
+MAX_DEPTH = 128   # a request body's nesting: what it carries must encode again (orjson stops at 255
+                  # levels; a stored response echoes fields inside its own, the bus wraps a request)
+
+
 def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object, or APIError 400."""
+    """The request body as a JSON object nested at most ``MAX_DEPTH`` levels, or APIError 400
+    (deeper, a schema or metadata passed here and failed later: a 500 after the generation)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise APIError(400, f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if too_deep(data, MAX_DEPTH):
+        raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json")
     return data
+
+
+def too_deep(data: Any, limit: int) -> bool:
+    """Is ``data`` (parsed JSON) nested more than ``limit`` objects / arrays deep? (No recursion.)"""
+    stack = [(data, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return True
+        for x in (v.values() if isinstance(v, dict) else v):
+            if isinstance(x, (dict, list)):
+                stack.append((x, d + 1))
+    return False
 
 
 def _loc_to_param(loc: tuple) -> str:

@@ -86,6 +86,23 @@ UNSUPPORTED = {"background": "responses run in the foreground (the request waits
 PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512   # OpenAI's bounds on ``metadata``
+
+
+def check_metadata(metadata: dict | None) -> None:
+    """``metadata`` as OpenAI takes it: up to 16 pairs, string keys of up to 64 characters, string
+    values of up to 512 (it is echoed and stored with the response), else 400 before any work."""
+    if not metadata:
+        return
+    if len(metadata) > METADATA_PAIRS:
+        raise bad_param("metadata", f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(metadata)}")
+    for k, v in metadata.items():
+        if len(k) > METADATA_KEY:
+            raise bad_param("metadata", f"a metadata key is at most {METADATA_KEY} characters, got {len(k)}")
+        if not isinstance(v, str) or len(v) > METADATA_VALUE:
+            raise bad_param(f"metadata.{k}", f"a metadata value is a string of at most {METADATA_VALUE} characters")
+
+
 # ---- request translation -----------------------------------------------------------------------
 
 _TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -385,6 +402,7 @@ async def create_response(request: Request) -> Response:
     for field, why in UNSUPPORTED.items():
         if (req.model_extra or {}).get(field):
             raise bad_param(field, f"{field} is not supported: {why}", code="unsupported_parameter")
+    check_metadata(req.metadata)
     store_it = req.store is not False
     previous = await load(request, req.previous_response_id, "previous_response_id") \
         if req.previous_response_id else None

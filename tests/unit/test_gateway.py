@@ -435,6 +435,12 @@ ERRORS = [
     # (name, path, body (bytes = raw), headers, status, param, code)
     ("malformed json", "/v1/chat/completions", b'{"model": "fake-model", "messages": [', {}, 400, None, "invalid_json"),
     ("not an object", "/v1/chat/completions", b"[1, 2]", {}, 400, None, "invalid_json"),
+    # deeper than MAX_DEPTH (128): a schema 250 levels deep was a 500 (RecursionError keying the
+    # grammar cache), one 129 deep could not be carried on the bus (orjson stops at 255 levels)
+    ("nested too deep", "/v1/chat/completions",
+     (b'{"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+      b'"json_schema", "json_schema": {"name": "x", "schema": ' + b'{"properties": {"a": ' * 125 + b'{}'
+      + b'}}' * 125 + b'}}}'), {}, 400, None, "invalid_json"),
     ("missing model", "/v1/chat/completions", {"messages": MSGS}, {}, 400, "model", "invalid_parameter"),
     ("missing messages", "/v1/chat/completions", {"model": MODEL}, {}, 400, "messages", "invalid_parameter"),
     ("empty messages", "/v1/chat/completions", _chat(messages=[]), {}, 400, "messages", "invalid_parameter"),

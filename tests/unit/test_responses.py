@@ -178,7 +178,13 @@ def test_errors_name_the_responses_parameters(served, backend):
             ({"text": {"format": {"type": "yaml"}}}, 400, "text.format.type", "invalid_parameter"),
             ({"background": True}, 400, "background", "unsupported_parameter"),
             ({"conversation": "conv_1"}, 400, "conversation", "unsupported_parameter"),
-            ({"stream": "yes"}, 400, "stream", "invalid_parameter")):
+            ({"stream": "yes"}, 400, "stream", "invalid_parameter"),
+            # metadata as OpenAI takes it (16 string pairs; keys <= 64, values <= 512 characters):
+            # a nested value 300 levels deep was generated, then failed to encode (a 500)
+            ({"metadata": {"k": {"a": 1}}}, 400, "metadata.k", "invalid_parameter"),
+            ({"metadata": {"k": "v" * 513}}, 400, "metadata.k", "invalid_parameter"),
+            ({"metadata": {"k" * 65: "v"}}, 400, "metadata", "invalid_parameter"),
+            ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", "invalid_parameter")):
         for stream in (False, True):
             r = httpx.post(url, json={"model": MODEL, "input": "x", "stream": stream, **body}, headers=h)
             assert r.status_code == status, (body, r.text)
@@ -187,9 +193,13 @@ def test_errors_name_the_responses_parameters(served, backend):
         for method, path in (("GET", ""), ("GET", "/input_items"), ("DELETE", "")):
             r = httpx.request(method, f"{url}/{rid}{path}", headers=h)
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, rid, r.text)
+    deep = b'{"model": "%s", "input": "x", "metadata": {"k": ' % MODEL.encode() + b'[' * 200 + b']' * 200 + b'}}'
+    r = httpx.post(url, content=deep, headers={**h, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
     assert backend.requests == []
-    r = httpx.post(url, json={"model": MODEL, "input": "x", "stream": None, "store": None}, headers=h)
-    assert r.status_code == 200 and r.json()["store"] is True
+    r = httpx.post(url, json={"model": MODEL, "input": "x", "stream": None, "store": None,
+                              "metadata": {f"k{i}": "v" * 512 for i in range(16)}}, headers=h)
+    assert r.status_code == 200 and r.json()["store"] is True and len(r.json()["metadata"]) == 16
 
 
 def test_input_items_page_newest_first(served, backend):
