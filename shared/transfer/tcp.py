@@ -273,6 +273,8 @@ class TcpKVReceiver(KVReceiver):
         self.io = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="kv-recv")  # payload reads
         self.nixl = NixlEndpoint("rx")        # pulls F_NIXL payloads; started on the first one
         self._entries: dict[str, _Entry] = {}
+        self._taken: dict[str, float] = {}   # transfer id -> when taken: a replayed frame of it is a
+                                             # duplicate for unclaimed_ttl (the janitor forgets it then)
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()  # accept loop, janitor, one per connection
         self._unproven: dict[socket.socket, object] = {}   # connections before their first frame's check
@@ -323,6 +325,7 @@ class TcpKVReceiver(KVReceiver):
         if entry.error is not None:
             raise entry.error
         assert entry.payload is not None
+        self._taken[transfer_id] = time.monotonic()
         return entry.payload
 
     def transfers(self) -> list[str]:
@@ -393,6 +396,9 @@ class TcpKVReceiver(KVReceiver):
         while True:
             await asyncio.sleep(max(1.0, self.unclaimed_ttl / 4))
             now = time.monotonic()
+            for tid, t in list(self._taken.items()):
+                if now - t >= self.unclaimed_ttl:
+                    del self._taken[tid]
             for tid, e in list(self._entries.items()):
                 if now - e.since < self.unclaimed_ttl:
                     continue
@@ -486,6 +492,9 @@ class TcpKVReceiver(KVReceiver):
         """One frame's payload (``digest`` None: it follows the payload; ``tag``: the frame's
         authentication tag). Returns False when the connection must be closed."""
         raw_n = nbytes if raw_n is None else raw_n
+        if tid in self._taken:    # a replay of a frame whose transfer is done: held, it would wait for nobody
+            await self._reply(loop, conn, DUPLICATE, f"transfer {tid} already received and taken")
+            return False
         entry = self._entries.setdefault(tid, _Entry())
         if entry.state in (TransferState.TRANSFERRING, TransferState.SUCCESS):
             await self._reply(loop, conn, DUPLICATE, f"transfer {tid} already received")

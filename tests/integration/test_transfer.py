@@ -373,12 +373,17 @@ async def test_connections_that_prove_nothing_give_way_to_new_ones(rx, tx, monke
 
 
 async def test_duplicate_transfer_id_refused(rx, tx):
+    """A second frame under a transfer's id is refused while the first is held, and after it was
+    taken (a replayed frame would be held for the TTL for no one)."""
     host, port = rx.address
     await tx.send(host, port, "dup", b"one")
     with pytest.raises(TransferError, match="already received"):
         await tx.send(host, port, "dup", b"two")
     with await rx.take("dup", 1) as p:
         assert bytes(p.data) == b"one"
+    with pytest.raises(TransferError, match="already received and taken"):
+        await tx.send(host, port, "dup", b"one")
+    assert rx.transfers() == []
 
 
 def test_buffer_pool_size_classes():
