@@ -328,7 +328,9 @@ def sampling_params(req: _Sampling, max_tokens: int, *, logprobs: bool, top_logp
         presence_penalty=given(req.presence_penalty, 0.0, "presence_penalty"),
         frequency_penalty=given(req.frequency_penalty, 0.0, "frequency_penalty"),
         repetition_penalty=given(req.repetition_penalty, 1.0, "repetition_penalty"),
-        stop=[s for s in stop if s != ""],
+        # an output a guide constrains (a forced call, response_format) ends where its grammar does:
+        # a stop string inside it cut a call away or left invalid JSON under finish_reason "stop"
+        stop=[] if guide is not None else [s for s in stop if s != ""],
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,

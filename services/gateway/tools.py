@@ -177,7 +177,9 @@ class ToolPlan:
 
 
 def _params(fn: dict) -> dict:
-    return fn.get("parameters") or {"type": "object", "properties": {}}
+    """A function's arguments schema; none (or ``{}``) is an empty parameter list, as OpenAI's:
+    the arguments are ``{}`` (an open object let the model write any, and never end)."""
+    return fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:
@@ -195,6 +197,9 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) 
         names.add(fn["name"])
         if "parameters" in fn and not isinstance(fn["parameters"], dict):
             raise bad_param(f"tools[{i}].function.parameters", "parameters must be a JSON schema object")
+        if fn.get("parameters") and fn["parameters"].get("type", "object") != "object":
+            raise bad_param(f"tools[{i}].function.parameters", "parameters must be a JSON schema of type "
+                            f"\"object\", got type {fn['parameters'].get('type')!r}")
         fns.append({k: fn[k] for k in ("name", "description", "parameters") if k in fn})
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none" or not fns:

@@ -362,6 +362,13 @@ def test_stop_strings_reach_the_backend(client, backend):
     assert r.choices[0].message.content == "Hello! I am a " and r.choices[0].finish_reason == "stop"
     client.completions.create(model=MODEL, prompt="p", stop="!")
     assert backend.requests[-1].sampling.stop == ["!"]
+    # an output a grammar constrains (a forced call, response_format) ends where its grammar does:
+    # a stop string inside it cut the call away or left invalid JSON under finish_reason "stop"
+    from services.gateway.openai_api import ChatCompletionRequest, sampling_params
+    req = ChatCompletionRequest.model_validate(_chat(stop=["Paris", "x"]))
+    guide = {"kind": "json_schema", "value": {"type": "object"}}
+    assert sampling_params(req, 8, logprobs=False, top_logprobs=0).stop == ["Paris", "x"]
+    assert sampling_params(req, 8, logprobs=False, top_logprobs=0, guide=guide).stop == []
 
 
 def test_sampling_parameters_reach_the_backend(client, backend):

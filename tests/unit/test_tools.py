@@ -99,11 +99,25 @@ def test_plans_and_their_guides():
                           ([WEATHER], {"type": "function", "function": None}), ([WEATHER], ["get_weather"]),
                           ([{"type": "function", "function": {"name": 'a b/c"d'}}], None),
                           ([{"type": "function", "function": {"name": "f" * 65}}], None),
-                          ([WEATHER, WEATHER], None)):
+                          ([WEATHER, WEATHER], None),
+                          # parameters of another type than object: every output would be discarded
+                          ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None)):
         with pytest.raises(APIError) as e:
             tool_plan(tools, choice, None)
         assert e.value.status == 400 and e.value.param.startswith(("tools", "tool_choice"))
     assert tool_plan([{"type": "function", "function": {"name": "mcp__fs-read_2"}}], "required", None).mode == "required"
+
+
+def test_a_function_without_parameters_takes_none():
+    """OpenAI: "Omitting parameters defines a function with an empty parameter list": a forced
+    call's arguments are {} (an open object let the 135M model nest keys until the token cap)."""
+    for fn in ({"name": "ping"}, {"name": "ping", "parameters": {}}):
+        for choice in ({"type": "function", "function": {"name": "ping"}}, "required"):
+            schema = tool_plan([{"type": "function", "function": fn}], choice, None).guide()["value"]
+            args = schema if choice != "required" else schema["items"]["anyOf"][0]["properties"]["arguments"]
+            jsonschema.validate({}, args)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate({"function_name": {}}, args)
 
 
 def test_response_format_guides():
