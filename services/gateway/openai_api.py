@@ -6,6 +6,7 @@ Pure functions and data; no I/O. ``handlers.py`` and ``streaming.py`` string the
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import math
 import re
@@ -363,20 +364,30 @@ def _finite(lp: float) -> float:
 
 
 class TokenStrings:
-    """Token id -> its text for logprobs (special tokens spelled out), cached."""
+    """Token id -> (its text, its bytes) for logprobs, cached. A token that is part of a
+    character spelled by several tokens is no text on its own: OpenAI's ``"bytes:\\xf0\\x9f"``
+    spelling, and its own bytes (a decoded ``U+FFFD`` lost them: joined, they must give the text).
+    Special tokens are spelled out."""
 
     def __init__(self, tokenizer: Tokenizer, limit: int = 65536):
         self.tokenizer = tokenizer
         self.limit = limit
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token_id: int) -> str:
-        s = self._cache.get(token_id)
-        if s is None:
-            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.both(token_id)[0]
+
+    def both(self, token_id: int) -> tuple[str, bytes]:
+        got = self._cache.get(token_id)
+        if got is None:
+            b = self.tokenizer.token_bytes(token_id)
+            try:
+                got = (b.decode("utf-8"), b)
+            except UnicodeDecodeError:
+                got = ("bytes:" + "".join(f"\\x{x:02x}" for x in b), b)
             if len(self._cache) < self.limit:
-                self._cache[token_id] = s
-        return s
+                self._cache[token_id] = got
+        return got
 
 
 @dataclass
@@ -493,8 +504,8 @@ class ChatFormat(_Format):
         self._streams = [self._tools() for _ in range(self.n)]
 
     def _entry(self, tid: int, lp: float) -> dict:
-        s = self.token_str(tid)
-        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
+        s, b = self.token_str.both(tid)
+        return {"token": s, "logprob": _finite(lp), "bytes": list(b)}
 
     def logprobs(self, lps: list) -> dict | None:
         if self.top_logprobs is None:
@@ -557,19 +568,29 @@ class CompletionFormat(_Format):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._offset = [0] * self.n   # text_offset of each choice's next token, relative to its text
+        self._reset()
+
+    def _reset(self) -> None:
+        # text_offset of each choice's next token, relative to its text: the characters its tokens'
+        # bytes completed so far (a token inside a character starts where that character does)
+        self._offset = [0] * self.n
+        self._utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(self.n)]
 
     def logprobs(self, lps: list, index: int = 0) -> dict | None:
         if self.top_logprobs is None:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
         for tl in lps:
-            s = self.token_str(tl.token_id)
+            s, b = self.token_str.both(tl.token_id)
             tokens.append(s)
             token_lps.append(_finite(tl.logprob))
-            tops.append({self.token_str(t): _finite(lp) for t, lp in tl.top[: self.top_logprobs]})
+            # OpenAI: "the API will always return the logprob of the sampled token, so there may be
+            # up to logprobs+1 elements"
+            top = {self.token_str(t): _finite(lp) for t, lp in tl.top[: self.top_logprobs]}
+            top.setdefault(s, _finite(tl.logprob))
+            tops.append(top)
             offsets.append(self._offset[index])
-            self._offset[index] += len(s)
+            self._offset[index] += len(self._utf8[index].decode(b))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _chunk(self, index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
@@ -588,7 +609,7 @@ class CompletionFormat(_Format):
         return [self._chunk(index, "", finish_reason=acc.finish_reason)]
 
     def response(self, accs: list[Accumulator]) -> dict:
-        self._offset = [0] * self.n
+        self._reset()
         return {**self._head(self.object_full),
                 "choices": [{"index": i, "text": "".join(acc.text), "logprobs": self.logprobs(acc.logprobs, i),
                              "finish_reason": acc.finish_reason} for i, acc in enumerate(accs)],

@@ -19,6 +19,7 @@ a multi-byte UTF-8 character (vLLM's prefix/read offset scheme, see its docstrin
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -71,6 +72,11 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+@functools.cache
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _split_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -214,6 +220,29 @@ class Tokenizer:
 
     def token_to_id(self, piece: str) -> int | None:
         return self.backend.token_to_id(piece)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for — part of a character where a character takes several
+        tokens, which ``decode`` shows as U+FFFD (logprobs' ``bytes``): a byte-level BPE piece
+        through the byte alphabet, a SentencePiece byte token ``<0xNN>`` as that byte, ``▁`` as
+        a space; an added token as its text; else the token's decoded text."""
+        piece = self.id_to_piece(token_id)
+        if piece is None:
+            return b""
+        if int(token_id) in self.backend.get_added_tokens_decoder():
+            return piece.encode()
+        if type(self.backend.decoder).__name__ == "ByteLevel":
+            inverse = _unicode_to_bytes()
+            if all(c in inverse for c in piece):
+                return bytes(inverse[c] for c in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        elif "▁" in piece:
+            return piece.replace("▁", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def is_special(self, token_id: int) -> bool:
         tok = self.backend.get_added_tokens_decoder().get(int(token_id))

@@ -42,6 +42,9 @@ class FakeTokenizer:
         body = bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return body + ("" if skip_special_tokens else "<eos>" * sum(1 for i in ids if i == EOS))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else b"<eos>"
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if messages[-1]["role"] == "assistant" and add_generation_prompt:
             raise ValueError("the last message must not be the assistant's")
@@ -404,6 +407,26 @@ def test_completion_logprobs(client):
     lp = r.choices[0].logprobs
     assert lp.tokens == list(REPLY[:3]) and lp.token_logprobs == [-0.5] * 3
     assert lp.top_logprobs == [{ch: -0.5} for ch in REPLY[:3]] and lp.text_offset == [0, 1, 2]
+
+
+def test_logprobs_of_a_character_spelled_by_several_tokens():
+    """A token inside a character: its own bytes (joined, the text; a decoded U+FFFD lost them),
+    spelled as OpenAI does ("bytes:\\xf0..."); completions' text_offset counts the characters its
+    tokens completed, and its top_logprobs always hold the sampled token (OpenAI: up to
+    logprobs + 1 entries; with logprobs 0, that one)."""
+    from services.gateway.openai_api import ChatFormat, CompletionFormat, TokenStrings
+    ts = TokenStrings(FakeTokenizer())
+    text = "a😀b"
+    ids = list(text.encode())
+    lps = [TokenLogprob(t, -0.5, [(t + 1, -0.25), (t, -0.5)]) for t in ids]
+    content = ChatFormat("chatcmpl-x", MODEL, ts, 2).logprobs(lps)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
+    assert [e["token"] for e in content] == ["a", "bytes:\\xf0", "bytes:\\x9f", "bytes:\\x98", "bytes:\\x80", "b"]
+    comp = CompletionFormat("cmpl-x", MODEL, ts, 0).logprobs(lps)
+    assert comp["text_offset"] == [0, 1, 1, 1, 1, 2]
+    assert comp["top_logprobs"][0] == {"a": -0.5}
+    comp = CompletionFormat("cmpl-x", MODEL, ts, 1).logprobs(lps)
+    assert comp["top_logprobs"][0] == {"b": -0.25, "a": -0.5}
 
 
 def test_tier_and_session(url, client, backend):

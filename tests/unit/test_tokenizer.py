@@ -151,6 +151,20 @@ def test_sentencepiece_gguf_tokenizer():
     assert [t.id_to_piece(i) for i in ids[1:]] == ["▁hello", "▁world"]
     assert t.decode(ids) == "hello world"
     assert t.decode(t.encode("hé")) == "hé"  # é is not in the vocabulary: byte fallback
+    # each token's own bytes (logprobs' "bytes"): joined, the text, é's two byte tokens included
+    ids = t.encode("hello hé", add_special_tokens=False)
+    assert b"".join(t.token_bytes(i) for i in ids) == " hello hé".encode()
+    assert t.token_bytes(tokens.index("<0xC3>")) == b"\xc3" and t.token_bytes(1) == b"<s>"
+
+
+def test_token_bytes_join_to_the_text_where_a_character_takes_several_tokens(ours):
+    """The bundled byte-level vocabulary: an emoji is three tokens, none of them text alone (its
+    decode is U+FFFD); their bytes, joined with the rest, are the text's UTF-8."""
+    text = "😀😀 héllo <|im_end|>"
+    ids = ours.encode(text, add_special_tokens=False)
+    parts = [ours.token_bytes(i) for i in ids]
+    assert b"".join(parts) == text.encode() and len(ids) > len(text.split())
+    assert any(ours.decode([i]) == "\ufffd" and len(p) < 4 for i, p in zip(ids, parts))
 
 
 def test_a_long_text_is_encoded_without_holding_the_gil(ours):
