@@ -56,7 +56,8 @@ CLOSE_GRACE_S = 3.0   # after the drain time, for each stream still going to sen
 
 # ---- errors, all in OpenAI's shape ----------------------------------------------------------
 
-def _error(request: Request, err: APIError) -> Response:
+def _error(request: Request, err: APIError, extra: dict | None = None) -> Response:
+    """``err`` as OpenAI's error body; ``extra``: headers the status needs (405: ``Allow``)."""
     rid = getattr(request.state, "request_id", "-")
     level = logging.WARNING if err.status >= 500 else logging.INFO
     metrics.observe_request("gateway", getattr(request.state, "tier", "-"), outcome="error")
@@ -66,6 +67,7 @@ def _error(request: Request, err: APIError) -> Response:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
     if err.code in ("body_too_large", "request_timeout"):  # the rest of the upload is never read
         headers["Connection"] = "close"
+    headers.update(extra or {})
     return json_response(err.body(), err.status, headers=headers or None)
 
 
@@ -79,7 +81,8 @@ async def _backend_error(request: Request, exc: BackendError) -> Response:
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return _error(request, APIError(exc.status_code, str(exc.detail), code=code))
+    allow = {k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"}   # RFC 9110: a 405 has one
+    return _error(request, APIError(exc.status_code, str(exc.detail), code=code), allow)
 
 
 async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:

@@ -263,6 +263,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                                     "assistant's refusal)", code="unsupported_parameter")
                 parts.append(p[kind])
             content = "\n".join(parts)
+        elif m.content is None and m.role != "assistant":    # (an assistant's turn may be only calls)
+            raise bad_param(f"messages[{i}].content", f"a {m.role} message needs its content")
         else:
             content = m.content or ""
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content}

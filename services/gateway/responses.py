@@ -125,11 +125,14 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
-def input_messages(items: str | list[dict]) -> list[dict]:
+def input_messages(items: str | list[dict], history: list[dict] = ()) -> list[dict]:
     """Responses ``input`` -> chat messages (OpenAI chat shape). ``reasoning`` items are dropped
-    (the model has no reasoning mode; their text is not the model's to see again)."""
+    (the model has no reasoning mode; their text is not the model's to see again). A
+    ``function_call_output`` answers a call of ``history`` (the previous response's conversation)
+    or of an earlier item, else 400, as OpenAI's ("No tool call found ...")."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    calls = {c.get("id") for m in history for c in (m.get("tool_calls") or [])}
     out: list[dict] = []
     for i, it in enumerate(items):
         kind = it.get("type", "message" if "role" in it else None)
@@ -142,6 +145,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         elif kind == "function_call":
             call = {"id": it.get("call_id") or it.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                     "function": {"name": it.get("name", ""), "arguments": it.get("arguments", "")}}
+            calls.add(call["id"])
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                 out[-1]["tool_calls"].append(call)   # parallel calls of one assistant turn
             else:
@@ -150,6 +154,9 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             for field in ("call_id", "output"):
                 if field not in it:
                     raise bad_param(f"input[{i}].{field}", f"a function_call_output item needs its {field}")
+            if it["call_id"] not in calls:
+                raise bad_param(f"input[{i}].call_id", f"no tool call found for function call output with call_id "
+                                                       f"{str(it['call_id'])[:64]!r}")
             output = it["output"]
             out.append({"role": "tool", "tool_call_id": it.get("call_id", ""),
                         "content": output if isinstance(output, str) else _text(output, f"input[{i}].output")})
@@ -267,6 +274,7 @@ class ResponsesFormat(_Format):
     def _object(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None,
                 incomplete: str | None = None) -> dict:
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                **({"completed_at": int(time.time())} if status == "completed" else {}),
                 "model": self.model, "output": output, "usage": usage, "error": error,
                 "incomplete_details": {"reason": incomplete} if incomplete else None, **self.echo}
 
@@ -380,7 +388,10 @@ class ResponsesFormat(_Format):
         choice = chat["choices"][0]
         u = chat["usage"]
         usage = {"input_tokens": u["prompt_tokens"],
-                 "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                 # cache_write_tokens: the openai SDK's types require it; a prompt's KV is kept
+                 # by the workers' prefix caches and the pool as a side effect, never billed apart
+                 "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                                          "cache_write_tokens": 0},
                  "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": u["total_tokens"]}
         if "tandem" in u:
@@ -407,7 +418,7 @@ async def create_response(request: Request) -> Response:
     previous = await load(request, req.previous_response_id, "previous_response_id") \
         if req.previous_response_id else None
     history = list(previous.messages) if previous else []
-    new_messages = input_messages(req.input)
+    new_messages = input_messages(req.input, history)
     conversation = history + new_messages            # what is stored and continued next turn
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     if not messages:

@@ -543,7 +543,20 @@ ERRORS = [
     ("completion logprobs range", "/v1/completions", {"model": MODEL, "prompt": "p", "logprobs": 21}, {}, 400,
      "logprobs", "invalid_parameter"),
     ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, {}, 404, None, "not_found"),
+    # OpenAI: "Missing required parameter: 'messages[0].content'" (an assistant's may be only calls)
+    ("user message without content", "/v1/chat/completions", _chat(messages=[{"role": "user"}]), {}, 400,
+     "messages[0].content", "invalid_parameter"),
+    ("tool message with null content", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c", "content": None}]), {},
+     400, "messages[1].content", "invalid_parameter"),
 ]
+
+
+def test_a_405_names_the_methods_allowed(url):
+    """RFC 9110: a 405 response MUST carry an Allow header."""
+    r = httpx.get(f"{url}/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
 
 
 @pytest.mark.parametrize("name,path,body,headers,status,param,code", ERRORS, ids=[e[0] for e in ERRORS])

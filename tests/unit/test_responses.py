@@ -48,6 +48,27 @@ def test_a_string_input_gives_a_response_object(served, backend):
     assert r.instructions == "Be brief." and r.store is True
 
 
+def test_responses_and_their_events_validate_against_the_sdks_types(served, backend):
+    """Every field the openai SDK's types require is there (usage's cache_write_tokens was not),
+    and a completed response says when (completed_at)."""
+    import json
+
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+    h = {"Authorization": "Bearer alice"}
+    url = served[0].url + "/v1/responses"
+    r = httpx.post(url, json={"model": MODEL, "input": "Hi"}, headers=h).json()
+    got = Response.model_validate(r)
+    assert got.status == "completed" and got.completed_at >= got.created_at
+    assert got.usage.input_tokens_details.cache_write_tokens == 0
+    events = TypeAdapter(ResponseStreamEvent)
+    with httpx.stream("POST", url, json={"model": MODEL, "input": "Hi", "stream": True}, headers=h) as s:
+        data = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert data and [events.validate_python(e).type for e in data][-1] == "response.completed"
+    r = httpx.post(url, json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}, headers=h).json()
+    assert Response.model_validate(r).status == "incomplete" and "completed_at" not in r
+
+
 def test_items_map_to_chat_messages(served, backend):
     client(served).responses.create(model=MODEL, input=[
         {"role": "developer", "content": "Rules."},
@@ -173,6 +194,9 @@ def test_errors_name_the_responses_parameters(served, backend):
             ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400, "input[0].content[0].text",
              "invalid_parameter"),
             ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "input[0].output", "invalid_parameter"),
+            # OpenAI: "No tool call found for function call output with call_id ..."
+            ({"input": [{"type": "function_call_output", "call_id": "call_never_made", "output": "x"}]}, 400,
+             "input[0].call_id", "invalid_parameter"),
             ({"tools": [{"type": "function"}]}, 400, "tools[0].name", "invalid_parameter"),
             ({"tool_choice": "required"}, 400, "tool_choice", "invalid_parameter"),
             ({"text": {"format": {"type": "yaml"}}}, 400, "text.format.type", "invalid_parameter"),
@@ -193,6 +217,13 @@ def test_errors_name_the_responses_parameters(served, backend):
         for method, path in (("GET", ""), ("GET", "/input_items"), ("DELETE", "")):
             r = httpx.request(method, f"{url}/{rid}{path}", headers=h)
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, rid, r.text)
+    # an output answering a call made earlier in the input is taken
+    r = httpx.post(url, json={"model": MODEL, "input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]}, headers=h)
+    assert r.status_code == 200, r.text
+    backend.requests.clear()
     deep = b'{"model": "%s", "input": "x", "metadata": {"k": ' % MODEL.encode() + b'[' * 200 + b']' * 200 + b'}}'
     r = httpx.post(url, content=deep, headers={**h, "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
