@@ -3,7 +3,9 @@ receiver maps it and unlinks it at once (the mapping stays valid), so nothing ou
 transfer: one memory copy instead of a socket's two, no kernel socket buffers in between.
 
 Names are ``tandem-kv-<32 hex>``; a receiver maps nothing else (a peer cannot make it read an
-arbitrary file). The sender unlinks its file when the transfer fails before the receiver took it.
+arbitrary file). The sender unlinks its file when the transfer fails before the receiver took it,
+or when its send is cancelled while the file is being written (once the write is done); segments a
+dead sender left are swept by the next receiver to start (``sweep``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,32 @@ def shm_map(name: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
+
+
+STALE_S = 900.0   # a segment lives for one exchange (seconds); one this old was left by a process that died
+
+
+def sweep(max_age_s: float = STALE_S, now: float | None = None) -> tuple[int, int]:
+    """Remove Tandem segments older than ``max_age_s`` (their sender died mid-transfer: a kill -9,
+    an OOM): (files, bytes) removed. Each receiver sweeps as it starts listening, so a restart
+    gives their RAM back."""
+    import time
+    now = time.time() if now is None else now
+    files = size = 0
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if _NAME.match(n)]
+    except OSError:
+        return 0, 0
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.stat(path)
+            if now - st.st_mtime >= max_age_s:
+                os.unlink(path)
+                files, size = files + 1, size + st.st_size
+        except OSError:    # gone meanwhile (its receiver took it), or not ours to remove
+            continue
+    return files, size
 
 
 def shm_unlink(name: str) -> None:

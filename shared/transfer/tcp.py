@@ -57,6 +57,12 @@ UNPROVEN = 256         # connections at once whose first frame has not been chec
 
 # -- sender ------------------------------------------------------------------------------------
 
+def _unlink_written(work) -> None:
+    """A segment write's done callback: remove the file it wrote (none if it never ran or failed)."""
+    if not work.cancelled() and work.exception() is None:
+        shm_unlink(work.result())
+
+
 class TcpKVSender(KVSender):
     """Opens one connection per transfer, sends header + payload, waits for the verdict.
 
@@ -140,12 +146,20 @@ class TcpKVSender(KVSender):
         """(body, flags, shm segment, checksum) for a zstd or shm frame; hashing runs in a
         second thread beside the compression or the segment write."""
         loop = asyncio.get_running_loop()
-        work = zstd.compress if mode == "tcp+zstd" else shm_write
-        jobs = [loop.run_in_executor(self._io, work, view)]
+        work = self._io.submit(zstd.compress if mode == "tcp+zstd" else shm_write, view)
+        jobs = [asyncio.wrap_future(work)]
         if checksum is None:
             hasher = Hasher(self.algo)
             jobs.append(loop.run_in_executor(self._io, hasher.update, view))  # blake3 drops the GIL
-        done = await asyncio.gather(*jobs, return_exceptions=True)
+        try:
+            done = await asyncio.gather(*jobs, return_exceptions=True)
+        except asyncio.CancelledError:
+            # the send was cancelled (its request aborted) while a thread writes the segment: the
+            # write goes on, and its file — a prompt's KV in RAM — is removed once it is done
+            # (nothing else would ever know its name: 120-175 MB a cancelled hand-off, for good)
+            if mode == "shm":
+                work.add_done_callback(_unlink_written)
+            raise
         if mode == "shm" and isinstance(done[-1], BaseException) and isinstance(done[0], str):
             shm_unlink(done[0])
         for r in done:
@@ -304,6 +318,10 @@ class TcpKVReceiver(KVReceiver):
         if not self.key:
             log.warning("no data-plane key (TANDEM_DATA_KEY / TANDEM_DATA_KEY_FILE): the KV receiver on %s:%d "
                         "accepts frames from any process that can reach it", self.host, self.port)
+        files, size = shm.sweep()
+        if files:
+            log.warning("removed %d shared-memory KV segment(s) (%d MiB) older than %.0f s in %s: their senders "
+                        "died mid-transfer", files, size // MiB, shm.STALE_S, shm.SHM_DIR)
         return self.host, self.port
 
     def poll(self, transfer_id: str) -> TransferState:

@@ -20,6 +20,7 @@ from shared.transfer import (
     TransferState, checksum,
 )
 from shared.transfer.frames import HEADER, MAGIC, BufferPool, size_class
+from shared.transfer.shm import shm_write
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
@@ -436,6 +437,49 @@ async def test_every_path_is_byte_exact(rx, tx, mode, n):
     if mode == "tcp+zstd" and n > 1:
         assert sent.wire_bytes < n  # the zero half compresses
     assert _shm_files() == before  # the receiver unlinked the segment
+
+
+async def test_a_send_cancelled_while_its_segment_is_written_leaves_no_file(rx, tx, monkeypatch):
+    """A request aborted during its hand-off cancels the send while a thread writes the /dev/shm
+    segment: the write goes on, and its file (a prompt's KV in RAM) is removed once it is done —
+    nothing else knows its name (each such cancel left 120-175 MB for good)."""
+    import threading
+
+    import shared.transfer.tcp as tcp
+    writing, go = threading.Event(), threading.Event()
+
+    def slow_write(data):
+        writing.set()
+        go.wait(5)
+        return shm_write(data)
+    monkeypatch.setattr(tcp, "shm_write", slow_write)
+    before = _shm_files()
+    host, port = rx.address
+    send = asyncio.create_task(tx.send(host, port, "cancelled", os.urandom(1 << 20), mode="shm"))
+    await asyncio.to_thread(writing.wait, 5)
+    send.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await send
+    go.set()
+    for _ in range(100):
+        if _shm_files() == before:
+            break
+        await asyncio.sleep(0.02)
+    assert _shm_files() == before
+
+
+def test_segments_a_dead_sender_left_are_swept(tmp_path, monkeypatch):
+    """``shm.sweep``: Tandem segments older than the age are removed (a sender killed mid-transfer
+    left them in RAM across restarts); fresh ones, in flight, and other files stay."""
+    from shared.transfer import shm
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    old, new, other = "tandem-kv-" + "a" * 32, "tandem-kv-" + "b" * 32, "tandem-kv-notours"
+    for name in (old, new, other):
+        (tmp_path / name).write_bytes(b"x" * 10)
+    os.utime(tmp_path / old, (1000.0, 1000.0))
+    os.utime(tmp_path / other, (1000.0, 1000.0))
+    assert shm.sweep(900.0, now=1000.0 + 900) == (1, 10)
+    assert sorted(os.listdir(tmp_path)) == sorted([new, other])
 
 
 async def test_shm_segment_names_are_checked(rx):
