@@ -185,7 +185,7 @@ def draining_server(app: FastAPI, settings: GatewaySettings, **config):
             def close() -> None:
                 log.warning("drain time (TANDEM_DRAIN_S=%.0f s) over: ending the streams still going with an "
                             "error event", settings.drain_s)
-                app.state.gw.closing = True
+                app.state.gw.close()
             timer = asyncio.get_running_loop().call_later(settings.drain_s, close)
             try:
                 await super().shutdown(sockets)

@@ -26,6 +26,7 @@ import logging
 import re
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +71,19 @@ class GatewayState:
     streams: StreamCap = field(init=False)          # generation requests in flight per API key
     pool: TokenizePool = field(init=False)          # parse / template / tokenize large requests off the loop
     # set when the drain time at shutdown ran out: a stream still going ends with an error event
-    # at its next chunk (it was cut with no error and no [DONE] before)
+    # at its next chunk (it was cut with no error and no [DONE] before), and every request waiting
+    # on its next output (``live``) is woken to end so (streaming.Choices.interrupt)
     closing: bool = False
+    live: weakref.WeakSet = field(default_factory=weakref.WeakSet)   # streaming.Choices of requests running
+
+    def close(self) -> None:
+        """The drain time ran out: every request still running ends with ``unavailable`` now —
+        a stream with an error event, one not yet answered with a 503 — whether or not an output
+        is on its way (one waiting on a backend that said nothing — a prefill, a bus gone — was
+        cut by uvicorn with no answer at all)."""
+        self.closing = True
+        for c in list(self.live):
+            c.interrupt()
 
     def __post_init__(self) -> None:
         self.token_str = TokenStrings(self.backend.tokenizer)

@@ -113,20 +113,55 @@ async def abort(backend: Backend, rids: list[str], why: str) -> None:
                 log.exception("%s abort failed", rid)
 
 
+class ShuttingDown(BackendError):
+    """The gateway ended the request (its drain time ran out), not the backend: it is aborted."""
+
+
+def shutting_down() -> BackendError:
+    return ShuttingDown("unavailable", "the gateway is shutting down and its drain time ran out before this answer "
+                                       "was complete: send the request again", 503)
+
+
 class Choices:
     """The outputs of one request's generations (one per choice, ``n``) as ``(index, output)``
     in arrival order; ``__anext__`` raises StopAsyncIteration when a generation ends unfinished
     or every one has finished."""
 
-    def __init__(self, backend: Backend, gens: list[GenerationRequest]):
+    def __init__(self, backend: Backend, gens: list[GenerationRequest], live=None):
+        """``live``: a set the gateway keeps of its running requests (``GatewayState.close``)."""
         self.its = [backend.generate(g).__aiter__() for g in gens]
         self.pending: dict[int, asyncio.Future] = {}
         self.finished: set[int] = set()
+        self.waiting: asyncio.Task | None = None    # the task awaiting the next output, while it does
+        self.interrupted = False
+        if live is not None:
+            live.add(self)
 
     def __aiter__(self):
         return self
 
+    def interrupt(self) -> None:
+        """The gateway's drain ran out: the wait for the next output (now or later) raises
+        ``unavailable`` (BackendError 503)."""
+        self.interrupted = True
+        if self.waiting is not None:
+            self.waiting.cancel()
+
     async def __anext__(self) -> tuple[int, object]:
+        if self.interrupted:
+            raise shutting_down()
+        self.waiting = asyncio.current_task()
+        try:
+            return await self._next()
+        except asyncio.CancelledError:
+            if not self.interrupted:
+                raise
+            self.waiting.uncancel()
+            raise shutting_down() from None
+        finally:
+            self.waiting = None
+
+    async def _next(self) -> tuple[int, object]:
         if len(self.its) == 1:
             out = await self.its[0].__anext__()
             return 0, checked(out)
@@ -182,7 +217,7 @@ async def run(request: Request, backend: Backend, gens: list[GenerationRequest],
     headers = {"X-Request-Id": rid, "X-Tandem-SLA": g.tier}
     t0 = time.monotonic()
     accs = [Accumulator(prompt_tokens=len(g.prompt_token_ids)) for _ in gens]
-    it = Choices(backend, gens)
+    it = Choices(backend, gens, request.app.state.gw.live)
     if not stream:
         return await _collect(request, backend, gens, it, accs, fmt, headers, t0)
 
@@ -197,8 +232,8 @@ async def run(request: Request, backend: Backend, gens: list[GenerationRequest],
     except StopAsyncIteration:
         await it.aclose()
         raise BackendError("internal_error", "the backend ended the stream without output", 502) from None
-    except BackendError:
-        await abort(backend, rids if len(rids) > 1 else [], "a choice failed")
+    except BackendError as e:   # the backend ended it (one of several choices: the others go too)
+        await abort(backend, rids if len(rids) > 1 or isinstance(e, ShuttingDown) else [], e.code)
         await it.aclose()
         raise
     except BaseException as e:
@@ -229,9 +264,9 @@ async def _collect(request: Request, backend: Backend, gens: list[GenerationRequ
         metrics.observe_request("gateway", gens[0].tier, outcome="aborted")
         await abort(backend, rids, "client disconnected")
         return Response(status_code=499)
-    except BackendError:
-        if len(rids) > 1:  # the backend ended this choice itself; the others go too
-            await abort(backend, rids, "a choice failed")
+    except BackendError as e:
+        if len(rids) > 1 or isinstance(e, ShuttingDown):  # the backend ended this choice itself; the others go
+            await abort(backend, rids, e.code)
         raise
     except BaseException as e:
         await abort(backend, rids, f"request failed ({type(e).__name__})")
@@ -264,8 +299,7 @@ async def _events(backend: Backend, gens: list[GenerationRequest], it: Choices, 
                     finished = True
                     break
             if gw.closing:   # the gateway's drain time at shutdown ran out (app.serve)
-                raise BackendError("unavailable", "the gateway is shutting down and its drain time ran out before "
-                                                  "this answer was complete: send the request again", 503)
+                raise shutting_down()
             try:
                 i, out = await it.__anext__()
             except StopAsyncIteration:

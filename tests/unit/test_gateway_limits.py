@@ -4,6 +4,7 @@ tokenized off the event loop, and every error in OpenAI's shape with a code."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -228,6 +229,76 @@ def test_a_stream_still_going_when_the_drain_time_runs_out_ends_with_an_error_ev
         assert not client.is_alive() and time.monotonic() - t0 < 1.0 + 3.0 + 2.0
         data = [line for line in lines if line.startswith("data: ")]
         assert '"code":"unavailable"' in data[-1] and "shutting down" in data[-1] and "data: [DONE]" not in data
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+class _Stalling(FakeBackend):
+    """A backend that says nothing more: before the first output where the prompt says "silent"
+    (a request still in its prefill), after 3 outputs else (a bus gone mid-stream)."""
+
+    async def generate(self, req):
+        silent = b"silent" in bytes(t for t in req.prompt_token_ids if t < 256)
+        n = 0
+        async for out in super().generate(req):
+            if silent or n == 3:
+                await asyncio.sleep(3600)
+            n += 1
+            yield out
+
+
+def test_requests_waiting_on_their_backend_when_the_drain_time_runs_out_end_with_unavailable():
+    """A request with no output on its way when the drain ends (still in its prefill, or its
+    backend silent: the bus stopped with the stack) is woken then: a stream ends with the error
+    event, a request not yet answered gets a 503 — not a connection cut by uvicorn 3 s later
+    with no answer, or a body cut without an error."""
+    import time
+
+    from services.gateway.app import create_app, draining_server
+    backend = _Stalling()
+    backend.hang_after = None
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    settings = GatewaySettings(drain_s=1.0, port=sock.getsockname()[1])
+    server = draining_server(create_app(backend, settings), settings, log_level="warning")
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{settings.port}/v1/chat/completions"
+    got: dict[str, object] = {}
+    try:
+        assert wait_for(lambda: server.started, 10)
+
+        def stalled_stream() -> None:
+            with httpx.stream("POST", url, json=_chat(stream=True), timeout=30) as r:
+                got["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        def post(name: str, body: dict) -> None:
+            try:
+                got[name] = httpx.post(url, json=body, timeout=30)
+            except httpx.HTTPError as e:
+                got[name] = e
+        silent = [{"role": "user", "content": "silent"}]
+        clients = [threading.Thread(target=stalled_stream),
+                   threading.Thread(target=post, args=("prefill", _chat(messages=silent, stream=True))),
+                   threading.Thread(target=post, args=("collect", _chat()))]
+        for c in clients:
+            c.start()
+        assert wait_for(lambda: len(backend.requests) == 3, 10)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        server.should_exit = True                      # what SIGTERM does
+        for c in clients:
+            c.join(30)
+        assert time.monotonic() - t0 < 1.0 + 2.0       # at the drain's end, not uvicorn's 3 s later
+        data = got["stream"]
+        assert len(data) > 3 and '"code":"unavailable"' in data[-1] and "data: [DONE]" not in data
+        for name in ("prefill", "collect"):
+            r = got[name]
+            assert isinstance(r, httpx.Response) and r.status_code == 503, (name, r)
+            assert r.json()["error"]["code"] == "unavailable"
+        assert wait_for(lambda: len(backend.aborted) == 3, 5), backend.aborted
     finally:
         server.should_exit = True
         thread.join(15)
