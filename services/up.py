@@ -302,11 +302,23 @@ def embedded_nats(env: dict[str, str]) -> EmbeddedNats:
     return EmbeddedNats(store_dir=s.store_dir, config=config, supervised=True)
 
 
-def preflight(settings: Settings) -> None:
+def preflight(settings: Settings, pool: bool = True) -> None:
     """What would make every copy of a service fail the same way, checked before anything starts
     (ValueError naming it: one clear line and exit 2, not five tracebacks a copy and a stack that
-    serves nothing): the model's file, and the gateway's port."""
+    serves nothing): the model's file, the gateway's port, and (``pool``: a kvpool copy runs) the
+    pool's directories — made as the pool makes them, and writable."""
     load_tokenizer(settings.worker.model)   # its header, tensor list and tokenizer: a complete GGUF, or a clear error
+    cfg = settings.pool.pool_config() if pool else None
+    for name, where in (("TANDEM_POOL_DIR", cfg and cfg.disk_dir), ("TANDEM_POOL_SHARED_DIR", cfg and cfg.shared_dir)):
+        if not where:
+            continue
+        try:
+            os.makedirs(where, mode=0o700, exist_ok=True)
+            if not os.access(where, os.W_OK | os.X_OK):
+                raise PermissionError(f"not writable by this user ({os.getuid()})")
+        except OSError as e:
+            raise ValueError(f"the KV pool's directory {name}={where} cannot be used ({e.strerror or e}): "
+                             f"set another (empty: no such tier), or --kvpool 0") from None
     if os.environ.get(tracing.OTLP_ENV):
         tracing.check_exporter()
     host, port = settings.gateway.host, settings.gateway.port
@@ -335,7 +347,7 @@ def stack_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str,
 async def _up(args: argparse.Namespace) -> int:
     env = stack_env(args, os.environ)
     settings = Settings.from_env(env)   # every setting checked before anything starts
-    await asyncio.to_thread(preflight, settings)
+    await asyncio.to_thread(preflight, settings, any(service == "kvpool" for _, service in plan(args)))
     nats = None
     if not env.get("TANDEM_NATS_URL"):
         nats = embedded_nats(env)

@@ -99,6 +99,17 @@ def test_preflight_names_a_bad_model_and_a_taken_port(tmp_path):
         with pytest.raises(ValueError, match=f"port 127.0.0.1:{port} cannot be used"):
             preflight(Settings.from_env({"TANDEM_PORT": str(port)}))
     preflight(Settings.from_env({"TANDEM_PORT": free}))   # the bundled model, a free port: nothing to say
+    # a pool directory that cannot be made (under a file, in /proc): one line, not a kvpool crash
+    # loop of tracebacks under a /health that says ready; nothing to say where no pool runs
+    for bad in (str(text / "kvpool"), "/proc/tandem-kvpool"):
+        for name in ("TANDEM_POOL_DIR", "TANDEM_POOL_SHARED_DIR"):
+            env = {"TANDEM_PORT": free, name: bad}
+            with pytest.raises(ValueError, match=f"{name}={bad} cannot be used"):
+                preflight(Settings.from_env(env))
+            preflight(Settings.from_env(env), pool=False)
+    made = tmp_path / "pool" / "disk"
+    preflight(Settings.from_env({"TANDEM_PORT": free, "TANDEM_POOL_DIR": str(made)}))
+    assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700
 
 
 def test_a_supervised_nats_is_in_its_own_group_and_dies_with_its_supervisor(tmp_path):
