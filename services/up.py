@@ -223,6 +223,13 @@ class Child:
                 return
             await self.start()
 
+    def kill(self) -> None:
+        """SIGKILL now (a second Ctrl-C): no drain, no hand-over."""
+        self.stopping = True
+        self.wake.set()
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+
     async def stop(self, timeout: float) -> None:
         self.stopping = True
         self.wake.set()
@@ -359,12 +366,26 @@ async def _up(args: argparse.Namespace) -> int:
         key_file(settings.data.key_file, "data-plane key")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    children: list[Child] = []
+    drain_s = settings.gateway.drain_s
+
+    def signalled(sig: signal.Signals) -> None:
+        """The first SIGINT / SIGTERM stops the stack in order, draining; the next stops it now."""
+        if not stop.is_set():
+            log.info("%s: stopping — the gateway drains its streams (up to %.0f s, TANDEM_DRAIN_S), then the "
+                     "engines, router and pool, NATS last; %s again stops everything at once", sig.name, drain_s,
+                     sig.name)
+            stop.set()
+            return
+        log.warning("%s again: stopping at once (streams still going are cut)", sig.name)
+        for c in children:
+            c.kill()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled, sig)
     port = metrics.serve_http(0, "127.0.0.1")
     extra, priorities = os_priorities(args, env)
     log.info("%s", priorities)
-    children = [Child(name, service, dict(env, **extra.get(service, {}))) for name, service in plan(args)]
+    children += [Child(name, service, dict(env, **extra.get(service, {}))) for name, service in plan(args)]
     tasks, fatal = [], []   # fatal: what was given up that the stack cannot serve without
     try:
         for c in children:

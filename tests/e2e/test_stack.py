@@ -45,6 +45,17 @@ def start_stack(nats_url: str | None, extra_args=(), env: dict | None = None) ->
     return Server("stack", [sys.executable, "-m", "services.cli", "up", *extra_args], env, port)
 
 
+def wait(cond, timeout: float) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` s pass (False)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def bus_denials(s: Server) -> list[str]:
     """The stack's log lines where NATS refused a service something (a permission the feature
     needs and its role lacks, shared/bus_auth.py): the feature then fails silently, or falls back."""
@@ -326,14 +337,43 @@ def test_bad_requests_get_4xx_and_services_stay_up(stack, client, model_name):
 
 
 def test_embedded_nats_default(tmp_path):
-    """With TANDEM_NATS_URL unset, `tandem up` starts its own nats-server and everything works."""
+    """With TANDEM_NATS_URL unset, `tandem up` starts its own nats-server and everything works.
+    Stopping it: the first Ctrl-C says what it does (drain, then the rest) and drains; a second
+    stops everything at once, a stream still going included (it was ignored, silently)."""
+    import signal
+    import threading
+    import time
     s = start_stack(None, ["--gpu-decode", "0", "--prefill", "0"])
     try:
         s.wait_healthy(180)
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-        r = c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=4, temperature=0)
+        model = c.models.list().data[0].id
+        r = c.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
+        got = []
+
+        def stream() -> None:
+            try:
+                for chunk in c.completions.create(model=model, prompt="Count:", max_tokens=4000, stream=True,
+                                                  extra_body={"ignore_eos": True}):
+                    got.append(chunk)
+            except Exception as e:     # cut at once by the second Ctrl-C
+                got.append(e)
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        assert wait(lambda: len(got) > 3, 60)
+        s.proc.send_signal(signal.SIGINT)
+        assert wait(lambda: any("SIGINT: stopping" in line for line in s.log), 10), s.tail()
+        time.sleep(1.0)
+        assert s.proc.poll() is None                  # draining: the stream goes on (TANDEM_DRAIN_S 30 s)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGINT)
+        s.proc.wait(20)
+        assert time.monotonic() - t0 < 15, s.tail()
+        assert any("SIGINT again: stopping at once" in line for line in s.log), s.tail()
+        t.join(10)
     finally:
-        assert s.stop() == 0
+        s.stop()
     assert any("embedded NATS accepts only the role credentials" in line for line in s.log)
+    assert any("stack stopped" in line for line in s.log)
     assert not bus_denials(s)
