@@ -4,22 +4,27 @@ What a container health check runs (compose.yaml). It reads the service's Promet
 (``TANDEM_METRICS_PORT``, default 9100 in the image) and wants every ``tandem_ready`` series at 1:
 a worker is ready while connected to NATS and its engine is not stuck in a step
 (``TANDEM_STEP_DEADLINE_S``); the router while connected; the KV pool once it serves. The gateway
-has its own ``/health`` on its HTTP port.
+has its own ``/health`` on its HTTP port: a ``--url`` of ``/health``, or of the bare gateway address
+(``http://host:8000``), checks that (ready: 200; its roles' details otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import os
 import sys
+import urllib.error
+import urllib.parse
 import urllib.request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     port = os.environ.get("TANDEM_METRICS_PORT") or "9100"
     p.add_argument("--url", default=f"http://127.0.0.1:{port}/metrics",
-                   help="the service's /metrics (default: TANDEM_METRICS_PORT on 127.0.0.1, else 9100)")
+                   help="the service's /metrics (default: TANDEM_METRICS_PORT on 127.0.0.1, else 9100), or the "
+                        "gateway's address or /health")
     p.add_argument("--timeout", type=_seconds, default=3.0, help="seconds to wait for the answer (default 3)")
 
 
@@ -44,11 +49,31 @@ def check(text: str) -> tuple[bool, str]:
     return (False, "not ready: " + ", ".join(down)) if down else (True, "ready: " + ", ".join(ready))
 
 
-def main(args) -> int:
+def check_gateway(status: int, body: bytes) -> tuple[bool, str]:
+    """(healthy, why) from the gateway's ``/health`` answer (200 ready, 503 not, its roles' details)."""
     try:
-        with urllib.request.urlopen(args.url, timeout=args.timeout) as r:
-            ok, why = check(r.read().decode())
+        doc = json.loads(body)
+    except ValueError:
+        doc = {}
+    details = doc.get("details") if isinstance(doc, dict) else None
+    down = [role for role, d in (details or {}).items() if isinstance(d, dict) and not d.get("ready")]
+    if status == 200:
+        return True, "ready: gateway" + (f" ({', '.join(sorted(details))})" if details else "")
+    return False, f"not ready: gateway (HTTP {status}" + (f"; no ready {', '.join(down)}" if down else "") + ")"
+
+
+def main(args) -> int:
+    url = args.url
+    parts = urllib.parse.urlsplit(url)
+    gateway = parts.path in ("", "/", "/health")
+    if gateway:
+        url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/health", "", ""))
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as r:
+            ok, why = check_gateway(r.status, r.read()) if gateway else check(r.read().decode())
+    except urllib.error.HTTPError as e:    # the gateway's 503 (not ready) comes here
+        ok, why = check_gateway(e.code, e.read()) if gateway and e.code == 503 else (False, f"{url}: {e}")
     except (OSError, ValueError, http.client.HTTPException) as e:   # down, a bad URL, a bad port
-        ok, why = False, f"{args.url}: {e}"
+        ok, why = False, f"{url}: {e}"
     print(why, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

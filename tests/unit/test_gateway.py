@@ -455,6 +455,23 @@ def test_health(url, backend):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_tandem_health_checks_the_gateway_by_its_address(url, backend, capsys):
+    """`tandem health --url http://host:port` (or .../health) checks the gateway's /health: it was
+    a bare "HTTP Error 404" (only a service's /metrics was read)."""
+    import argparse
+
+    from services import health
+    for u in (url, url + "/", url + "/health"):
+        assert health.main(argparse.Namespace(url=u, timeout=3.0)) == 0, capsys.readouterr()
+        assert "ready: gateway" in capsys.readouterr().out
+    backend.ready = False
+    try:
+        assert health.main(argparse.Namespace(url=url, timeout=3.0)) == 1
+        assert "not ready: gateway (HTTP 503; no ready cpu-decode)" in capsys.readouterr().err
+    finally:
+        backend.ready = True
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 def _chat(**kw) -> dict:
