@@ -14,8 +14,10 @@ directory, so clients reconnect to it and JetStream state (streams, KV buckets) 
 from __future__ import annotations
 
 import asyncio
-import json
 import ctypes
+import fcntl
+import glob
+import json
 import logging
 import os
 import random
@@ -88,6 +90,36 @@ def die_with_parent() -> None:
         pass
 
 
+STORE_PREFIX = "tandem-nats-"   # a temporary JetStream store (stored Responses, sessions: tenants' data)
+OWNER = ".owner"                # in it: a file its EmbeddedNats holds a lock on while it has the store
+
+
+def sweep_stores() -> int:
+    """Remove temporary stores whose owner died without removing them (``kill -9`` of ``tandem
+    up``): those whose owner lock nobody holds (a store without an owner file — another user's,
+    or made before stores had one — is left alone). Returns how many; each start of a temporary
+    store sweeps."""
+    removed = 0
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), STORE_PREFIX + "*")):
+        if not os.path.isdir(d) or os.path.islink(d):
+            continue
+        try:
+            fd = os.open(os.path.join(d, OWNER), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue                  # a live owner holds it
+        finally:
+            os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    if removed:
+        log.info("removed %d JetStream store(s) in %s that a killed `tandem up` left", removed, tempfile.gettempdir())
+    return removed
+
+
 class EmbeddedNats:
     """One nats-server child process with JetStream in a temporary store directory."""
 
@@ -108,6 +140,7 @@ class EmbeddedNats:
         self._config_file: Path | None = None     # where it is written (mode 0600) while the server lives
         self.proc: subprocess.Popen | None = None
         self._log_fh = None
+        self._owner: int | None = None             # a lock on a temporary store while this object has it
         # ``tandem up``'s: a process group of its own (a terminal's Ctrl-C reaches the supervisor,
         # which stops the services first and NATS last; in its group NATS died at once and every
         # stream in flight was cut), and SIGTERM when the supervisor dies, however it dies
@@ -147,7 +180,10 @@ class EmbeddedNats:
 
     def _start_once(self, binary: Path) -> str:
         if self.store_dir is None:
-            self.store_dir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
+            sweep_stores()
+            self.store_dir = Path(tempfile.mkdtemp(prefix=STORE_PREFIX))
+            self._owner = os.open(self.store_dir / OWNER, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.name = self.fixed_name or f"tandem-{uuid.uuid4().hex[:12]}"
         cmd = [str(binary), "-js", "-sd", str(self.store_dir), "-a", self.host,
@@ -233,6 +269,9 @@ class EmbeddedNats:
         if self.store_dir is not None and remove_store and not self.keep_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
+            if self._owner is not None:
+                os.close(self._owner)
+                self._owner = None
         self._forget_config()
 
     def exited(self) -> int | None:
