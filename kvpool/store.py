@@ -340,10 +340,15 @@ class DirTier(Tier):
             _unlink(tmp)
             self.write_errors += 1
             self.out_of_space = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            # the 1st, 2nd, 4th... is a warning: a directory that refuses every write said so a
+            # chunk at a time (26 lines for one prompt)
+            say = log.warning if self.write_errors & (self.write_errors - 1) == 0 else log.debug
             if self.out_of_space:
-                log.warning("%s tier %s is full: entry %s not stored (serving goes on)", self.name, self.root, key[:16])
+                say("%s tier %s is full: entry %s not stored (serving goes on; %d write(s) failed so far)",
+                    self.name, self.root, key[:16], self.write_errors)
             else:
-                log.warning("%s tier: cannot write %s: %s (serving goes on)", self.name, p, e)
+                say("%s tier: cannot write %s: %s (serving goes on; %d write(s) failed so far)", self.name, p, e,
+                    self.write_errors)
             return False
         self.out_of_space = False
         return True

@@ -207,6 +207,7 @@ class Bus:
         self.jetstream_wait = 60.0                # seconds jetstream_ensure waits for JetStream to answer
         self.configured_servers = 0               # the servers TANDEM_NATS_URL lists
         self.refused_login = False                # the server said "Authorization Violation"
+        self._errors = 0                          # errors since the connection was last (re)made
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -293,7 +294,10 @@ class Bus:
                 await asyncio.wait_for(self.nc.flush(), timeout)
             except (asyncio.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.FlushTimeoutError):
                 pass
-            await self.nc.close()
+            try:
+                await self.nc.close()
+            except OSError as e:   # the server went first (NATS stopped with the rest): nothing to flush
+                log.debug("closing the NATS connection: %s: %s", type(e).__name__, e)
 
     # -- serve --------------------------------------------------------------------------------
 
@@ -520,10 +524,14 @@ class Bus:
     async def _on_error(self, e: Exception) -> None:
         if "authorization violation" in str(e).lower():
             self.refused_login = True
+        self._errors += 1
         if self._closing:
             log.debug("NATS error while closing: %s: %s", type(e).__name__, e)
+        elif self._errors & (self._errors - 1) == 0:   # the 1st, 2nd, 4th...: a server gone is not a
+            log.warning("NATS error: %s: %s (%d since connected)",  # line every reconnect attempt
+                        type(e).__name__, e, self._errors)
         else:
-            log.warning("NATS error: %s: %s", type(e).__name__, e)
+            log.debug("NATS error: %s: %s", type(e).__name__, e)
 
     async def _on_disconnected(self) -> None:
         self.connected_since = None
@@ -532,6 +540,7 @@ class Bus:
 
     async def _on_reconnected(self) -> None:
         self.connected_since = time.monotonic()
+        self._errors = 0
         log.info("NATS reconnected")
 
     def connected_for(self) -> float:

@@ -379,3 +379,36 @@ def test_tap_refuses_a_subject_nats_would_refuse_in_one_line(subject, caplog):
     code = tap_mod.main(argparse.Namespace(subject=subject, url="nats://127.0.0.1:1", show_text=False,
                                            replies=False, count=1))
     assert code == 1 and "is not a NATS subject" in caplog.text
+
+
+async def test_a_server_gone_is_not_a_warning_every_reconnect_attempt(caplog):
+    """With NATS gone every service tried again every 0.5 s and logged each refusal as a warning:
+    the 1st, 2nd, 4th, 8th... since the connection was lost is one (with the count), the rest
+    debug; a reconnect starts the count again."""
+    from shared.bus import log
+    b = Bus(None)
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        for _ in range(10):
+            await b._on_error(ConnectionRefusedError(111, "Connection refused"))
+        assert len([r for r in caplog.records if "NATS error" in r.getMessage()]) == 4
+        assert caplog.records[-1].getMessage().endswith("(8 since connected)")
+        await b._on_reconnected()
+        caplog.clear()
+        await b._on_error(ConnectionRefusedError(111, "Connection refused"))
+        assert [r.getMessage() for r in caplog.records][-1].endswith("(1 since connected)")
+
+
+async def test_closing_after_the_server_went_first_is_quiet():
+    """NATS stopped with the rest (systemd's control-group stop): the client's close found the
+    connection reset, and the worker exited with a ConnectionResetError traceback."""
+    import nats.errors
+
+    class Gone:
+        is_closed = False
+
+        async def flush(self):
+            raise nats.errors.ConnectionClosedError()
+
+        async def close(self):
+            raise ConnectionResetError("Connection lost")
+    await Bus(Gone()).close()

@@ -174,6 +174,27 @@ def test_disk_tier_survives_restart_and_evicts(tmp_path):
     assert sum(len(fs) for _, _, fs in os.walk(tmp_path)) == 2
 
 
+def test_a_directory_that_refuses_writes_says_so_without_flooding_the_log(tmp_path, monkeypatch, caplog):
+    """Every write refused (a read-only or immutable directory): serving goes on from the other
+    tiers, and the 1st, 2nd, 4th, 8th... failure is a warning, with the count (one a chunk flooded
+    the log: 26 lines for one prompt)."""
+    import logging
+
+    from kvpool import store
+    t = DirTier(str(tmp_path), capacity=10 << 20)
+    entries = {k: entry(k) for k in KEYS}
+
+    def refuse(*a, **k):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(store.os, "open", refuse)
+    with caplog.at_level(logging.WARNING, logger=store.log.name):
+        for i in range(10):
+            k = KEYS[i % len(KEYS)]
+            assert not t.put(k, entries[k])
+    warned = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(warned) == 4 and warned[-1].endswith("8 write(s) failed so far)") and t.write_errors == 10
+
+
 def test_the_disk_tier_is_its_users_alone(tmp_path):
     """Every tenant's KV is in there: files 0600, directories 0700; a root another version made
     0755 is closed at start (the probe found every entry world-readable)."""
