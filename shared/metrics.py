@@ -127,6 +127,10 @@ def observe_session_turn(tier: str, prompt_tokens: int, cached_tokens: int) -> N
     SESSION_TURN_CACHED.labels(tier).observe(min(cached_tokens, prompt_tokens))
 
 
+# -- the gateway ------------------------------------------------------------------------------
+GATEWAY_IN_FLIGHT = Gauge("tandem_gateway_requests_in_flight", "generation requests the gateway is answering now "
+                          "(streamed or not; 0 when idle: nothing left behind by clients that left)")
+
 # -- stored Responses (services/gateway/response_store.py) -----------------------------------
 RESPONSES_STORED = Gauge("tandem_responses_stored", "stored Responses this gateway knows of, over every tenant "
                          "(records, bytes)", ["what"])

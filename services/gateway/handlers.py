@@ -92,6 +92,7 @@ class GatewayState:
         self.tool_parser = tools.choose_parser(self.backend.tokenizer, self.settings.tool_parser)
         self.native_tools = tools.template_takes_tools(getattr(self.backend.tokenizer, "chat_template", None))
         self.streams = StreamCap(self.settings.max_streams_per_key)
+        _CAPS.add(self.streams)
         self.pool = TokenizePool(self.settings.tokenize_threads)
 
     def check_guide(self, guide: dict | None, param: str) -> None:
@@ -114,6 +115,10 @@ def state(request: Request) -> GatewayState:
 # ---- request plumbing -----------------------------------------------------------------------
 
 PUBLIC = "public"   # the tenant of every request when no API keys are configured
+
+# every gateway app's stream counts (one in a served process; tests make several)
+_CAPS: weakref.WeakSet = weakref.WeakSet()
+metrics.GATEWAY_IN_FLIGHT.set_function(lambda: sum(c.in_flight() for c in list(_CAPS)))
 
 
 def key_tenant(key: str) -> str:

@@ -194,6 +194,26 @@ def test_a_client_gone_while_its_body_is_read_is_not_an_error(served, caplog):
     assert "internal error" not in caplog.text and backend.requests == []
 
 
+def test_the_requests_in_flight_are_a_gauge_that_returns_to_zero(served):
+    """`tandem_gateway_requests_in_flight`: what an operator reads to see nothing was left behind
+    by clients that left (before, only the workers' gauges, on ports found in the log)."""
+    url, backend, gw = served
+    backend.endless = True
+
+    def gauge() -> float:
+        text = httpx.get(f"{url}/metrics").text
+        return float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("tandem_gateway_requests_in_flight ")))
+    base = gauge()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=_chat(stream=True),
+                      headers={"Authorization": "Bearer alice"}, timeout=30) as r:
+        lines = r.iter_lines()      # (kept: a dropped line iterator closes the response)
+        next(lines)
+        assert wait_for(lambda: gauge() == base + 1)
+    assert wait_for(lambda: gauge() == base)
+    backend.endless = False
+
+
 def test_a_stream_still_going_when_the_drain_time_runs_out_ends_with_an_error_event():
     """At shutdown in-flight streams get ``drain_s``; one still going then ends with an SSE error
     event (code ``unavailable``: send it again), not a cut connection without an error or
