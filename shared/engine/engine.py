@@ -593,9 +593,9 @@ class Engine(KVHandoff):
             finish = "stop"  # counted as generated, never shown
         else:
             new_ids.append(tok)
-            if lp is not None:
-                new_lps.append(lp)
             old = len(seq.output_text)
+            if lp is not None:
+                (seq.held_logprobs.append((old, lp)) if p.stop else new_lps.append(lp))
             self._detokenize(seq)
             if p.stop:
                 if seq.stops is None:  # the first output here (also after a hand-off / resume)
@@ -604,6 +604,8 @@ class Engine(KVHandoff):
                 if cut:
                     seq.output_text = seq.output_text[:len(seq.output_text) - cut]
                     finish = "stop"
+                    # the stop string's tokens: their logprobs go with their text
+                    seq.held_logprobs = [h for h in seq.held_logprobs if h[0] < len(seq.output_text)]
             if seq.matcher is not None and (not seq.matcher.accept(tok) or seq.matcher.done):
                 if seq.matcher.error:  # the mask allowed only what the grammar accepts: a bug
                     log.warning("%s: grammar rejected token %d: %s", seq.request_id, tok, seq.matcher.error)
@@ -616,6 +618,12 @@ class Engine(KVHandoff):
             end -= seq.stops.holdback
         text = seq.output_text[seq.emitted_chars:end] if end > seq.emitted_chars else ""
         seq.emitted_chars = max(seq.emitted_chars, end)
+        if seq.held_logprobs:
+            # a token's logprob goes out with its text (all of them where the sequence ends here,
+            # or leaves this engine: a prefill worker's first token)
+            out = finish is not None or seq.prefill_only
+            new_lps = [lp for start, lp in seq.held_logprobs if out or start < end]
+            seq.held_logprobs = [] if out else [h for h in seq.held_logprobs if h[0] >= end]
         if finish is not None:
             self.seqs.pop(seq.request_id, None)
             if self.finished_kv_hook is not None and seq.request_id not in self.rings:

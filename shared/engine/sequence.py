@@ -71,9 +71,9 @@ class Sequence:
         self.output_text = ""   # decoded output so far (stop strings trimmed at finish)
         self.emitted_chars = 0  # how much of output_text has been handed out
         self.stops = None       # stops.StopMatcher over output_text, built by the engine at its first output
-        # news since the last step's output
-        self.new_token_ids: list[int] = []
-        self.new_logprobs: list[TokenLogprob] = []
+        # with stop strings: each output token's logprob and where its text starts in output_text,
+        # held back with that text (a stop string's tokens are dropped with it)
+        self.held_logprobs: list[tuple[int, TokenLogprob]] = []
 
     @property
     def num_tokens(self) -> int:

@@ -400,6 +400,18 @@ def test_stop_strings_and_lengths(engine):
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.index(stop_at)]
     assert stop_at not in cut.text
+    # logprobs go out with their text: none for the stop string's tokens, none ahead of the text
+    # (a text held back as a possible stop string held its tokens' logprobs back too)
+    engine.add("lp", ids, greedy(30, stop=[stop_at], logprobs=True))
+    outs = []
+    while not (outs and outs[-1].finished):
+        outs += [o for o in engine.step() if o.request_id == "lp"]
+    text, spelled = "", b""
+    for o in outs:
+        text += o.text
+        spelled += b"".join(tok.token_bytes(lp.token_id) for lp in o.logprobs or [])
+        assert len(spelled.decode(errors="ignore")) <= len(text), (text, spelled)
+    assert text == cut.text and spelled.decode() == cut.text
     stop_tok = free.token_ids[3]
     first = free.token_ids.index(stop_tok)
     eos = run_to_completion(engine, {"e": (ids, greedy(30, stop_token_ids=[stop_tok]))})["e"]
