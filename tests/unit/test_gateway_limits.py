@@ -5,6 +5,7 @@ tokenized off the event loop, and every error in OpenAI's shape with a code."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -218,20 +219,9 @@ def test_a_stream_still_going_when_the_drain_time_runs_out_ends_with_an_error_ev
     """At shutdown in-flight streams get ``drain_s``; one still going then ends with an SSE error
     event (code ``unavailable``: send it again), not a cut connection without an error or
     ``[DONE]``."""
-    import asyncio
-    import time
-
-    from services.gateway.app import create_app, draining_server
     backend = FakeBackend()
     backend.endless = True
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    settings = GatewaySettings(drain_s=1.0, port=sock.getsockname()[1])
-    server = draining_server(create_app(backend, settings), settings, log_level="warning")
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    try:
-        assert wait_for(lambda: server.started, 10)
+    with draining(backend) as (server, settings):
         lines, got_data = [], threading.Event()
 
         def stream() -> None:
@@ -249,6 +239,22 @@ def test_a_stream_still_going_when_the_drain_time_runs_out_ends_with_an_error_ev
         assert not client.is_alive() and time.monotonic() - t0 < 1.0 + 3.0 + 2.0
         data = [line for line in lines if line.startswith("data: ")]
         assert '"code":"unavailable"' in data[-1] and "shutting down" in data[-1] and "data: [DONE]" not in data
+
+
+@contextlib.contextmanager
+def draining(backend, drain_s: float = 1.0):
+    """A gateway served as `tandem serve gateway` serves it (draining at shutdown), in a thread;
+    stopped after."""
+    from services.gateway.app import create_app, draining_server
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    settings = GatewaySettings(drain_s=drain_s, port=sock.getsockname()[1])
+    server = draining_server(create_app(backend, settings), settings, log_level="warning")
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: server.started, 10)
+        yield server, settings
     finally:
         server.should_exit = True
         thread.join(15)
@@ -274,21 +280,10 @@ def test_requests_waiting_on_their_backend_when_the_drain_time_runs_out_end_with
     backend silent: the bus stopped with the stack) is woken then: a stream ends with the error
     event, a request not yet answered gets a 503 — not a connection cut by uvicorn 3 s later
     with no answer, or a body cut without an error."""
-    import time
-
-    from services.gateway.app import create_app, draining_server
     backend = _Stalling()
-    backend.hang_after = None
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    settings = GatewaySettings(drain_s=1.0, port=sock.getsockname()[1])
-    server = draining_server(create_app(backend, settings), settings, log_level="warning")
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{settings.port}/v1/chat/completions"
     got: dict[str, object] = {}
-    try:
-        assert wait_for(lambda: server.started, 10)
+    with draining(backend) as (server, settings):
+        url = f"http://127.0.0.1:{settings.port}/v1/chat/completions"
 
         def stalled_stream() -> None:
             with httpx.stream("POST", url, json=_chat(stream=True), timeout=30) as r:
@@ -319,10 +314,6 @@ def test_requests_waiting_on_their_backend_when_the_drain_time_runs_out_end_with
             assert isinstance(r, httpx.Response) and r.status_code == 503, (name, r)
             assert r.json()["error"]["code"] == "unavailable"
         assert wait_for(lambda: len(backend.aborted) == 3, 5), backend.aborted
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
 
 
 # ---- read deadlines ---------------------------------------------------------------------------
