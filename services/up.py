@@ -370,16 +370,21 @@ async def _up(args: argparse.Namespace) -> int:
     drain_s = settings.gateway.drain_s
 
     def signalled(sig: signal.Signals) -> None:
-        """The first SIGINT / SIGTERM stops the stack in order, draining; the next stops it now."""
+        """The first SIGINT / SIGTERM stops the stack in order, draining; a second Ctrl-C (SIGINT)
+        stops it now. A second SIGTERM changes nothing (a process manager or a script that sends
+        it twice means "stop", and has SIGKILL for "now"; forced, it lost the KV write-backs the
+        workers drain into the pool)."""
         if not stop.is_set():
             log.info("%s: stopping — the gateway drains its streams (up to %.0f s, TANDEM_DRAIN_S), then the "
-                     "engines, router and pool, NATS last; %s again stops everything at once", sig.name, drain_s,
-                     sig.name)
+                     "engines, router and pool, NATS last; Ctrl-C again stops everything at once", sig.name,
+                     drain_s)
             stop.set()
-            return
-        log.warning("%s again: stopping at once (streams still going are cut)", sig.name)
-        for c in children:
-            c.kill()
+        elif sig == signal.SIGINT:
+            log.warning("SIGINT again: stopping at once (streams still going are cut)")
+            for c in children:
+                c.kill()
+        else:
+            log.info("%s again: already stopping, in order (Ctrl-C or SIGKILL stops at once)", sig.name)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signalled, sig)
     port = metrics.serve_http(0, "127.0.0.1")

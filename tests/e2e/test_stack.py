@@ -338,7 +338,8 @@ def test_bad_requests_get_4xx_and_services_stay_up(stack, client, model_name):
 
 def test_embedded_nats_default(tmp_path):
     """With TANDEM_NATS_URL unset, `tandem up` starts its own nats-server and everything works.
-    Stopping it: the first Ctrl-C says what it does (drain, then the rest) and drains; a second
+    Stopping it: the first Ctrl-C says what it does (drain, then the rest) and drains; a SIGTERM
+    then changes nothing (a second forced stop lost the workers' KV write-backs); a second Ctrl-C
     stops everything at once, a stream still going included (it was ignored, silently)."""
     import signal
     import threading
@@ -366,6 +367,10 @@ def test_embedded_nats_default(tmp_path):
         assert wait(lambda: any("SIGINT: stopping" in line for line in s.log), 10), s.tail()
         time.sleep(1.0)
         assert s.proc.poll() is None                  # draining: the stream goes on (TANDEM_DRAIN_S 30 s)
+        s.proc.send_signal(signal.SIGTERM)            # a second SIGTERM (a script, a manager): still in order
+        assert wait(lambda: any("SIGTERM again: already stopping" in line for line in s.log), 10), s.tail()
+        time.sleep(1.0)
+        assert s.proc.poll() is None and len(got) > 3 and not isinstance(got[-1], Exception)
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGINT)
         s.proc.wait(20)
