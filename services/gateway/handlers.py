@@ -43,7 +43,7 @@ from .backend import Backend, GenerationRequest
 from .limits import StreamCap, TokenizePool
 from .openai_api import (
     SESSION_HEADER, SESSION_RE, SLA_HEADER, APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
-    CompletionRequest, TokenStrings, bad_param, chat_messages, check_unsupported, completion_prompt,
+    CompletionRequest, TokenStrings, bad_param, chat_messages, check_one_tier, check_unsupported, completion_prompt,
     ignored_fields, json_response, model_card, models_list, parse_json, resolve_retention, resolve_session,
     resolve_tier,
     sampling_params, validate_model,
@@ -351,6 +351,7 @@ async def update_session(session_id: str, request: Request) -> Response:
     for extra in sorted(set(body) - {"tier", "sla"}):
         raise bad_param(extra, f"unknown field {extra!r}: the body is {{\"tier\": \"interactive\" | "
                                f"\"standard\" | \"batch\"}}")
+    check_one_tier(body.get("sla"), body.get("tier"))
     tier = body.get("tier", body.get("sla"))
     if not isinstance(tier, str) or tier.strip().lower() not in TIERS:
         raise bad_param("tier", f"invalid SLA tier {tier!r}: expected one of {', '.join(TIERS)}",

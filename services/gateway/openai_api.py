@@ -194,11 +194,17 @@ SESSION_HEADER = "x-tandem-session"
 SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII, no spaces, at most 256
 
 
+def check_one_tier(sla: Any, tier: Any) -> None:
+    """``sla`` and ``tier`` name one setting: both given, they must name the same tier (case
+    aside, as every tier value), else 400 ``invalid_tier``."""
+    if sla is not None and tier is not None and (str(sla).strip().lower() != str(tier).strip().lower()):
+        raise bad_param("sla", f"sla={sla!r} and tier={tier!r} disagree; send one", code="invalid_tier")
+
+
 def resolve_tier(req: _Sampling, header: str | None, default: str, cap: str = "interactive") -> str:
     """Body ``sla`` / ``tier`` over header ``X-Tandem-SLA`` over the default, never better than
     ``cap`` (the API key's tier)."""
-    if req.sla is not None and req.tier is not None and req.sla != req.tier:
-        raise bad_param("sla", f"sla={req.sla!r} and tier={req.tier!r} disagree; send one")
+    check_one_tier(req.sla, req.tier)
     for param, value in (("sla", req.sla), ("tier", req.tier), ("X-Tandem-SLA", header)):
         if value is not None:
             v = value.strip().lower()

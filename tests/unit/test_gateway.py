@@ -438,6 +438,9 @@ def test_tier_and_session(url, client, backend):
                                    extra_headers={"X-Tandem-SLA": "interactive", "X-Tandem-Session": "s-1"},
                                    extra_body={"sla": "batch", "session_id": "s-2"})
     assert (backend.requests[-1].tier, backend.requests[-1].session_id) == ("batch", "s-2")
+    client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1,     # one tier, two spellings
+                                   extra_body={"sla": "Batch", "tier": "batch"})
+    assert backend.requests[-1].tier == "batch"
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "p", "max_tokens": 1,
                                                   "tier": "interactive"})
     assert r.status_code == 200 and r.headers["x-tandem-sla"] == "interactive"
@@ -548,6 +551,8 @@ ERRORS = [
     ("bad tier header", "/v1/chat/completions", _chat(), {"X-Tandem-SLA": "platinum"}, 400, "X-Tandem-SLA",
      "invalid_tier"),
     ("bad tier body", "/v1/chat/completions", _chat(sla="gold"), {}, 400, "sla", "invalid_tier"),
+    ("sla and tier disagree", "/v1/chat/completions", _chat(sla="batch", tier="interactive"), {}, 400, "sla",
+     "invalid_tier"),
     ("bad session", "/v1/chat/completions", _chat(session_id="has space"), {}, 400, "session_id",
      "invalid_session"),
     ("echo", "/v1/completions", {"model": MODEL, "prompt": "p", "echo": True}, {}, 400, "echo",

@@ -98,9 +98,14 @@ async def test_session_tier_endpoint():
         assert r.status_code == 200 and r.json()["tier"] == "interactive" and r.json()["object"] == "session"
         assert backend.sessions == {"agent-7": "interactive"}
         for bad, param in (({"tier": "gold"}, "tier"), ({"tier": 3}, "tier"), ({"color": "red"}, "color"),
-                           ([1], None)):
+                           ([1], None),
+                           # two names of one setting that disagree (the chat path's 400; it kept `tier`)
+                           ({"tier": "batch", "sla": "interactive"}, "sla"),
+                           ({"sla": "interactive", "tier": "batch"}, "sla")):
             r = await http.post("/v1/sessions/agent-7", json=bad)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = await http.post("/v1/sessions/agent-7", json={"tier": "Interactive", "sla": "interactive"})
+        assert r.status_code == 200 and r.json()["tier"] == "interactive"
         r = await http.post("/v1/sessions/agent-7", content=b"{not json")
         assert r.status_code == 400
     assert backend.sessions == {"agent-7": "interactive"}
