@@ -97,6 +97,7 @@ class _Flight:
     gap_since: float | None = None       # when a chunk ahead of a missing seq arrived
     suspect_since: float | None = None   # when the holder said it no longer has it (grace before resuming)
     stalled_since: float | None = None   # when the holder reported a hung engine
+    tier: str = ""                       # the router's plan's tier, until the first output says it
 
 
 class NatsBackend:
@@ -152,7 +153,9 @@ class NatsBackend:
             while not finished:
                 for chunk in await self._next_chunks(st, sub):
                     finished = chunk.finish_reason is not None
-                    yield to_output(chunk)
+                    out = to_output(chunk)
+                    out.tier, st.tier = st.tier, ""
+                    yield out
                     if finished:
                         break
         finally:
@@ -324,6 +327,8 @@ class NatsBackend:
                 attempt=st.attempt, tenant=req.tenant, owner=req.owner)
             plan = await self._call(subjects.ROUTE, route, RoutePlan,
                                     timeout=min(ROUTE_TRY_S, self.bus.request_timeout))
+            if not st.attempt:
+                st.tier = plan.tier
             target = plan.prefill_worker or plan.decode_worker
             sampling = st.sampling.to_dict()
             stream_subject = subjects.stream(req.request_id)

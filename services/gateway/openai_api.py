@@ -412,8 +412,10 @@ class Accumulator:
     resumes: int = 0                          # times the request went on elsewhere after losing its worker
     reused_tokens: int = 0                    # ... tokens of KV those resumes found cached
     recomputed_tokens: int = 0                # ... and computed again
+    tier: str = ""                            # the tier it ran at, where the backend said (RequestOutput.tier)
 
     def add(self, out: RequestOutput) -> None:
+        self.tier = self.tier or out.tier
         if out.reused_tokens >= 0:
             self.resumes += 1
             self.reused_tokens += out.reused_tokens

@@ -194,13 +194,14 @@ class Choices:
 
 def _done(g: GenerationRequest, accs: list[Accumulator], t0: float) -> None:
     now = time.monotonic()
+    tier = accs[0].tier or g.tier   # the tier it ran at (a session's tier change overrides the request's)
     if g.session_id:  # an agent's turn: how much of its prompt (the conversation so far) was reused
-        metrics.observe_session_turn(g.tier, accs[0].prompt_tokens, max(a.cached_tokens for a in accs))
+        metrics.observe_session_turn(tier, accs[0].prompt_tokens, max(a.cached_tokens for a in accs))
     for acc in accs:
         ttft = (acc.first_token_at - t0) if acc.first_token_at else float("nan")
         tpot = (now - acc.first_token_at) / (acc.completion_tokens - 1) \
             if acc.first_token_at is not None and acc.completion_tokens > 1 else None
-        metrics.observe_request("gateway", g.tier, ttft=ttft if acc.first_token_at else None, tpot=tpot,
+        metrics.observe_request("gateway", tier, ttft=ttft if acc.first_token_at else None, tpot=tpot,
                                 tokens=acc.completion_tokens, outcome="ok")
         log.info("%s done finish=%s prompt=%d completion=%d cached=%d ttft=%.3fs total=%.3fs", g.request_id,
                  acc.finish_reason, acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens, ttft, now - t0)
@@ -240,6 +241,7 @@ async def run(request: Request, backend: Backend, gens: list[GenerationRequest],
         await abort(backend, rids, f"request failed ({type(e).__name__})")
         await it.aclose()
         raise
+    headers["X-Tandem-SLA"] = first[1].tier or g.tier   # the tier it runs at, where the router said
     return SSEResponse(_events(backend, gens, it, first, accs, fmt, t0, request.app.state.gw),
                        media_type="text/event-stream",
                        headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -275,6 +277,7 @@ async def _collect(request: Request, backend: Backend, gens: list[GenerationRequ
         await it.aclose()
     _done(gens[0], accs, t0)
     await fmt.finish(accs)
+    headers["X-Tandem-SLA"] = accs[0].tier or gens[0].tier
     return json_response(fmt.response(accs), headers=headers)
 
 

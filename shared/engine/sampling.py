@@ -111,6 +111,8 @@ class RequestOutput:
     num_output_tokens: int = 0           # generated so far, in total
     reused_tokens: int = -1              # first output of a resumed request: tokens of KV found cached
     recomputed_tokens: int = 0           # ... and computed again (-1 above: not a resume)
+    tier: str = ""                       # the tier it runs at, where a backend's router set it (a
+                                         # session's tier change overrides the request's): the first output
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -119,4 +121,4 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     resumed = a if a.reused_tokens >= 0 else b   # the first output of a resumed request says what it cost
     return RequestOutput(a.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, lps,
                          b.num_prompt_tokens, b.num_cached_tokens, b.num_output_tokens, resumed.reused_tokens,
-                         resumed.recomputed_tokens)
+                         resumed.recomputed_tokens, a.tier or b.tier)

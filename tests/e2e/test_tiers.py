@@ -78,6 +78,11 @@ def test_session_promoted_and_demoted_mid_stream(stack, client, model):
     promoted, demoted = moves[0]["moved"][0], moves[1]["moved"][0]
     assert promoted["source"].startswith("cpu-decode") and promoted["target"].startswith("gpu-decode")
     assert demoted["source"].startswith("gpu-decode") and demoted["target"].startswith("cpu-decode")
+    # the promoted session's next batch turn runs interactive: the response says the tier it ran at
+    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=300,
+                   json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+                   headers={"X-Tandem-SLA": "batch", "X-Tandem-Session": "agent-up"})
+    assert r.status_code == 200 and r.headers["x-tandem-sla"] == "interactive", r.headers
     assert moves[0]["tier"] == "interactive" and moves[1]["tier"] == "batch"
 
 

@@ -71,6 +71,7 @@ class FakeBackend:
         self.hang_after = None                       # outputs sent before waiting forever (0 = none)
         self.endless = False                         # stream "x" every 2 ms until aborted
         self.sessions: dict[str, str] = {}          # update_session calls
+        self.run_tier = ""                           # the tier the first output says it runs at (a router's)
 
     def health(self) -> tuple[bool, dict]:
         return self.ready, {"router": {"ready": True, "workers": 1},
@@ -105,7 +106,7 @@ class FakeBackend:
             yield RequestOutput(req.request_id, [] if tid is None else [tid], "" if tid is None else chr(tid),
                                 finished=finish is not None, finish_reason=finish, logprobs=lps,
                                 num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=CACHED,
-                                num_output_tokens=n if tid is not None else 0)
+                                num_output_tokens=n if tid is not None else 0, tier=self.run_tier if n == 1 else "")
             await asyncio.sleep(0)
             if finish is not None:
                 return
@@ -427,6 +428,26 @@ def test_logprobs_of_a_character_spelled_by_several_tokens():
     assert comp["top_logprobs"][0] == {"a": -0.5}
     comp = CompletionFormat("cmpl-x", MODEL, ts, 1).logprobs(lps)
     assert comp["top_logprobs"][0] == {"b": -0.25, "a": -0.5}
+
+
+def test_the_sla_header_is_the_tier_the_request_ran_at(url, backend):
+    """A session's tier change makes the router run a request at the session's tier: the
+    X-Tandem-SLA header and the gateway's metrics say that tier, not the one asked for (they said
+    "batch" for a turn that ran interactive on the GPU)."""
+    from shared import metrics
+    backend.run_tier = "interactive"
+    try:
+        for stream in (False, True):
+            before = metrics.REQUESTS.labels("gateway", "interactive", "ok")._value.get()
+            r = httpx.post(f"{url}/v1/chat/completions", json=_chat(sla="batch", stream=stream), timeout=10)
+            assert r.status_code == 200 and r.headers["x-tandem-sla"] == "interactive", r.headers
+            assert backend.requests[-1].tier == "batch"
+            assert metrics.REQUESTS.labels("gateway", "interactive", "ok")._value.get() == before + 1
+        backend.run_tier = ""                       # a backend that does not say: the request's tier
+        r = httpx.post(f"{url}/v1/chat/completions", json=_chat(sla="batch"), timeout=10)
+        assert r.headers["x-tandem-sla"] == "batch"
+    finally:
+        backend.run_tier = ""
 
 
 def test_tier_and_session(url, client, backend):
