@@ -446,12 +446,15 @@ async def test_a_send_cancelled_while_its_segment_is_written_leaves_no_file(rx, 
     import threading
 
     import shared.transfer.tcp as tcp
-    writing, go = threading.Event(), threading.Event()
+    writing, go, written = threading.Event(), threading.Event(), threading.Event()
 
     def slow_write(data):
         writing.set()
         go.wait(5)
-        return shm_write(data)
+        try:
+            return shm_write(data)
+        finally:
+            written.set()
     monkeypatch.setattr(tcp, "shm_write", slow_write)
     before = _shm_files()
     host, port = rx.address
@@ -461,6 +464,7 @@ async def test_a_send_cancelled_while_its_segment_is_written_leaves_no_file(rx, 
     with pytest.raises(asyncio.CancelledError):
         await send
     go.set()
+    assert await asyncio.to_thread(written.wait, 5)     # (before it is written there is nothing to see)
     for _ in range(100):
         if _shm_files() == before:
             break
