@@ -37,6 +37,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from shared import bus_auth, nats_cluster, schemas, tracing
+from shared.logs import sparse
 from shared.schemas import ERROR_STATUS, Ack, ErrorReply, SchemaError
 from shared.settings import NatsSettings, Settings
 
@@ -527,11 +528,8 @@ class Bus:
         self._errors += 1
         if self._closing:
             log.debug("NATS error while closing: %s: %s", type(e).__name__, e)
-        elif self._errors & (self._errors - 1) == 0:   # the 1st, 2nd, 4th...: a server gone is not a
-            log.warning("NATS error: %s: %s (%d since connected)",  # line every reconnect attempt
-                        type(e).__name__, e, self._errors)
-        else:
-            log.debug("NATS error: %s: %s", type(e).__name__, e)
+        else:   # a server gone is not a line every reconnect attempt
+            sparse(log, self._errors)("NATS error: %s: %s (%d since connected)", type(e).__name__, e, self._errors)
 
     async def _on_disconnected(self) -> None:
         self.connected_since = None

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.cpu_ring import RingKernels
+from shared.logs import sparse
 from shared.ring.remote import RemoteMember
 from shared.ring.session import LocalMember, RingCapacityError
 from shared.ring.wire import (
@@ -183,7 +184,7 @@ class RingServer:
             self._handshakes[conn] = peer
         if old is not None:
             # the 1st, 2nd, 4th, 8th... is logged: a flood does not flood the log
-            (log.warning if n & (n - 1) == 0 else log.debug)(
+            sparse(log, n)(
                 "ring member %s closed a connection from %s that had not proved the data-plane key: %d newer "
                 "ones came (%d closed so far)", self.member.name, old_peer, HANDSHAKES, n)
             try:

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from shared import metrics
+from shared.logs import sparse
 from shared.transfer import nixl, shm, zstd
 from shared.transfer.base import (
     ChecksumError, Discarded, Hasher, KVPayload, KVReceiver, KVSender, KVTransport, NotAuthorized, PathUnavailable,
@@ -489,7 +490,7 @@ class TcpKVReceiver(KVReceiver):
         self.refused += 1
         metrics.DATA_REFUSED.labels(why).inc()
         # the 1st, 2nd, 4th, 8th... refusal is logged: a flood of forged frames does not flood the log
-        (log.warning if self.refused & (self.refused - 1) == 0 else log.debug)(
+        sparse(log, self.refused)(
             "KV receiver %s:%d refused a frame for %r from %s: %s (%s; %d refused so far)",
             self.host, self.port, tid[:64], peer, why, detail or "data-plane key", self.refused)
 
