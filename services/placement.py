@@ -92,9 +92,10 @@ class WorkerView:
     def renewed(self, beat: Heartbeat, now: float) -> WorkerView:
         """The view after a new heartbeat. A request routed here less than one heartbeat interval
         ago that the beat does not list may still be on its way (the beat was built before it
-        arrived): it stays counted until the next beat, which was built after it arrived."""
-        listed = {r.request_id for r in beat.requests}
-        return WorkerView(beat, now, [r for r in self.routed if r[0] not in listed and now - r[3] < beat.interval])
+        arrived): it stays counted until the next beat, which was built after it arrived — unless
+        the beat says it ended (``Heartbeat.ended``: a request that ended sends a beat sooner)."""
+        gone = {r.request_id for r in beat.requests} | set(beat.ended)
+        return WorkerView(beat, now, [r for r in self.routed if r[0] not in gone and now - r[3] < beat.interval])
 
     @property
     def pending(self) -> dict[str, int]:

@@ -141,6 +141,8 @@ class Request:
         return t
 
 
+ENDED_S = 5.0            # seconds a heartbeat lists a request that left (Heartbeat.ended) ...
+ENDED_MAX = 512          # ... at most this many, the newest
 ABORTED_TTL = 300.0      # seconds an aborted request id is remembered (a move may still bring it)
 HANDED_TTL = 120.0       # seconds a request handed to another worker is remembered (Where replies)
 TPOT_ALPHA = 0.05        # weight of the newest inter-token interval in the TPOT moving average
@@ -176,6 +178,12 @@ class EngineWorker:
         self.admitting: dict[str, tuple[int, asyncio.Future]] = {}  # request id -> (attempt, done): the engine takes it
         self.arriving: dict[str, int] = {}         # request id -> the newest attempt being admitted (Where: held)
         self._lease_task: asyncio.Task | None = None
+        # what the heartbeat says left lately: the held set of the last beat, the ids taken since,
+        # and id -> when a beat first found it gone (listed for ENDED_S); an end wakes the beat
+        self._beat_held: set[str] = set()
+        self._taken: set[str] = set()
+        self._ended: dict[str, float] = {}
+        self._beat_wake = asyncio.Event()
 
     async def start(self) -> None:
         tracing.setup(self.role)
@@ -196,7 +204,7 @@ class EngineWorker:
         self._lease_task = asyncio.create_task(self._leases(), name="gateway-leases")
         await self.register()
         self.bus.start_heartbeat(subjects.heartbeat(self.role, self.worker_id), self.heartbeat,
-                                 self.settings.worker.heartbeat_interval)
+                                 self.settings.worker.heartbeat_interval, wake=self._beat_wake)
         log.info("%s %s ready on %s (model %s)", self.role, self.worker_id, self.device, self.model_name)
 
     async def register(self) -> None:
@@ -211,17 +219,33 @@ class EngineWorker:
                                 sessions_resident=st.get("sessions_resident", 0))
         ready = self.ready()
         metrics.set_ready(self.role, ready and self.bus.nc.is_connected)
+        held = self.held
         return Heartbeat(worker_id=self.worker_id, role=self.role, device=self.device, model=self.model_name,
                          ready=ready, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
                          free_kv_blocks=st["free_kv_blocks"], total_kv_blocks=st["total_kv_blocks"],
                          max_context=self.engine.max_context, data_host=self.data_host,
                          data_port=self.data_port, ts=time.time(),
                          interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port,
-                         requests=[InFlight(rid, r.session_id, r.tier) for rid, r in self.held.items()],
+                         requests=[InFlight(rid, r.session_id, r.tier) for rid, r in held.items()],
+                         ended=self.ended(held),
                          waiting_by_tier=self.waiting_by_tier(st), tpot_ms=round(self.tpot * 1e3, 3),
                          kv_scope=self.kv.scope.seed().hex(), chunk_tokens=self.kv.scope.chunk_tokens,
                          kv_block_tokens=self.engine.layout.block_size, ring_port=self.ring_port,
                          kv_tokens=st.get("kv_tokens", {}))
+
+    def ended(self, held: dict) -> list[str]:
+        """The requests that left this worker lately (finished, handed off, moved, aborted): each
+        listed by the beats of ``ENDED_S`` seconds (two intervals, if longer) from the first that found it gone — the router
+        stops counting it as soon as one arrives, a lost beat or two notwithstanding. The newest
+        ``ENDED_MAX``."""
+        now, keep = time.monotonic(), max(ENDED_S, 2 * self.settings.worker.heartbeat_interval)
+        for rid in (self._beat_held | self._taken) - held.keys():
+            self._ended.setdefault(rid, now)
+        self._beat_held, self._taken = set(held), set()
+        for rid, t in list(self._ended.items()):
+            if now - t > keep or rid in held:
+                del self._ended[rid]
+        return list(self._ended)[-ENDED_MAX:]
 
     @staticmethod
     def waiting_by_tier(st: dict) -> dict:
@@ -378,6 +402,7 @@ class EngineWorker:
         if prev is not None:
             rec.fence, rec.fenced_at = prev.fence, prev.fenced_at
         self.requests[rec.request_id] = rec
+        self._taken.add(rec.request_id)
 
     def _stream_done(self, rec: Request, task: asyncio.Task) -> None:
         """Its stream ended: running / handing off -> done; moving -> held (the move decides)."""
@@ -391,6 +416,8 @@ class EngineWorker:
             rec.state = State.DONE
             if not rec.fence and not rec.handed_to and self.requests.get(rec.request_id) is rec:
                 del self.requests[rec.request_id]   # nothing to remember
+        if not rec.live:
+            self._beat_wake.set()                   # the router's count of it goes with the next beat
 
     async def stream_outputs(self, request_id: str, subject: str, outputs: AsyncIterator[RequestOutput],
                              first_seq: int, on_parked=None, attempt: int = 0, offset: int = 0) -> int | None:

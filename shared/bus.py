@@ -429,14 +429,19 @@ class Bus:
 
     # -- heartbeats ---------------------------------------------------------------------------
 
-    def start_heartbeat(self, subject: str, make_msg: Callable[[], Any], interval: float) -> asyncio.Task:
-        """Publish ``make_msg()`` (sync or async) on ``subject`` now and every ``interval`` s."""
+    def start_heartbeat(self, subject: str, make_msg: Callable[[], Any], interval: float,
+                        wake: asyncio.Event | None = None, min_gap: float = 0.2) -> asyncio.Task:
+        """Publish ``make_msg()`` (sync or async) on ``subject`` now and every ``interval`` s;
+        ``wake`` set: the next one sooner, but not within ``min_gap`` s of the one before."""
         if interval <= 0:
             raise ValueError(f"heartbeat interval must be > 0, got {interval}")
 
         async def beat() -> None:
             while True:
+                sent = time.monotonic()
                 try:
+                    if wake is not None:
+                        wake.clear()
                     m = make_msg()
                     if inspect.isawaitable(m):
                         m = await m
@@ -445,7 +450,14 @@ class Bus:
                     raise
                 except Exception:
                     log.exception("heartbeat on %s failed; retrying in %.1fs", subject, interval)
-                await asyncio.sleep(interval)
+                if wake is None:
+                    await asyncio.sleep(interval)
+                    continue
+                try:
+                    await asyncio.wait_for(wake.wait(), interval)
+                except TimeoutError:
+                    continue
+                await asyncio.sleep(max(0.0, sent + min(min_gap, interval) - time.monotonic()))
 
         task = asyncio.create_task(beat(), name=f"heartbeat:{subject}")
         self._heartbeats.add(task)

@@ -316,7 +316,7 @@ class LeaseReply:
     attempts: dict = field(default_factory=dict)   # request id -> current attempt
 
 
-@message("Heartbeat", 4)
+@message("Heartbeat", 5)
 class Heartbeat:
     """worker -> subjects.heartbeat(role, id), every few seconds: readiness and load."""
     SCHEMA: ClassVar[str]
@@ -345,6 +345,8 @@ class Heartbeat:
     ring_port: int = 0           # cpu-decode: the data-plane port it hosts ring members on (0 = none)
     kv_tokens: dict = field(default_factory=dict)  # running requests: id -> [tokens now, tokens at its end
                                                    # (prompt + max_tokens), ring members (1: here alone)]
+    ended: list[str] = field(default_factory=list)  # requests that left it lately (finished, handed off,
+                                                    # moved, aborted): the router stops counting them
 
 
 @message("Ack", 1)

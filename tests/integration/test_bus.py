@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -230,6 +231,34 @@ async def test_heartbeat_arrives(nats_server, bus):
     finally:
         await worker.close()  # cancels the heartbeat
     assert task.cancelled()
+
+
+async def test_a_woken_heartbeat_comes_sooner_but_not_within_its_gap(nats_server, bus):
+    """``wake`` brings the next beat forward (a worker whose request ended); a burst of wakes
+    gives one beat, not one each, and none within ``min_gap`` of the one before."""
+    worker = await Bus.connect(NatsSettings(url=nats_server), name="worker")
+    wake, sent = asyncio.Event(), []
+
+    def make() -> Heartbeat:
+        sent.append(time.monotonic())
+        return Heartbeat("w1", subjects.CPU_DECODE, "cpu", "m", True, 0, len(sent), 10, 10, 2048,
+                         "127.0.0.1", 0, 0.0, interval=30.0)
+
+    try:
+        sub = await bus.subscribe(subjects.heartbeat(subjects.CPU_DECODE, "w1"), expected=Heartbeat)
+        worker.start_heartbeat(subjects.heartbeat(subjects.CPU_DECODE, "w1"), make, 30.0, wake=wake, min_gap=0.4)
+        assert (await sub.next(timeout=2)).running == 1            # the first one at once
+        for _ in range(5):                                         # a burst of ends: one beat, after the gap
+            wake.set()
+            await asyncio.sleep(0.02)
+        assert (await sub.next(timeout=2)).running == 2
+        assert sent[1] - sent[0] >= 0.4
+        await asyncio.sleep(0.6)
+        assert len(sent) == 2                                       # nothing more without a wake ...
+        wake.set()                                                  # ... and a wake past the gap: at once
+        assert (await sub.next(timeout=0.3)).running == 3
+    finally:
+        await worker.close()
 
 
 async def test_close_lets_running_handler_finish(private_nats):

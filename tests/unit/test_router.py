@@ -211,6 +211,9 @@ def test_a_routed_request_outlives_a_heartbeat_built_before_it_arrived():
     assert listed.routed == [] and listed.held() == [InFlight("r-new", "s1", "batch")] and listed.load() == 1
     gone = early.renewed(w("c1", "cpu-decode").beat, NOW + 1.1)       # finished before any beat listed it
     assert gone.held() == [] and gone.load() == 0
+    ended = w("c1", "cpu-decode").beat
+    ended.ended = ["r-new"]                                           # ... and a beat says so: gone at once
+    assert cpu.renewed(ended, NOW + 0.1).routed == [] and cpu.renewed(ended, NOW + 0.1).load() == 0
 
 
 def test_no_move_without_a_tier_change_or_while_moving():

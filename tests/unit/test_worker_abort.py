@@ -1,10 +1,12 @@
-"""A worker's Abort handling when a resume's new attempt arrives while an older attempt's stream is
-still being cancelled (the engine knows only the request id, so aborting there would end the new
-attempt too). Fakes: no engine, no bus; the real EngineWorker._on_abort and admit."""
+"""A worker's bookkeeping of its requests: Abort handling when a resume's new attempt arrives while
+an older attempt's stream is still being cancelled (the engine knows only the request id, so
+aborting there would end the new attempt too); what its heartbeats say ended. Fakes: no engine,
+no bus; the real EngineWorker._on_abort, admit, hold, spawn and ended."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -26,6 +28,8 @@ class FakeEngine:
 def bare_worker() -> EngineWorker:
     w = EngineWorker.__new__(EngineWorker)  # the abort bookkeeping only: no model, no bus
     w.engine, w.requests, w.admitting, w.arriving, w.kv = FakeEngine(), {}, {}, {}, None
+    w.settings = Settings()
+    w._beat_held, w._taken, w._ended, w._beat_wake = set(), set(), {}, asyncio.Event()
     return w
 
 
@@ -171,4 +175,40 @@ def test_a_hand_off_its_receiver_dropped_ends_as_an_abort_not_an_error():
         assert {o: count(o) - before[o] for o in before} == {"aborted": 1, "error": 0, "parked": 0}
         assert len(w.bus.sent) == 1 and w.bus.sent[0].finish_reason is None   # the first token, no ErrorReply
         assert w.engine.aborted == ["r"] and w.requests["r"].state is State.ABORTED
+    asyncio.run(go())
+
+
+def test_heartbeats_list_what_ended_since_and_for_a_while(monkeypatch):
+    """A request that ended between two beats (never in one), one a beat listed that ended since,
+    one still running; ended ones stay listed for ``ENDED_S`` (a lost beat does not lose them),
+    the newest ``ENDED_MAX``; an end wakes the beat; a new attempt of an ended id is held again."""
+    import services.worker as worker_mod
+
+    def age(w, s):  # the time since each end was first seen grows by s
+        w._ended = {rid: t - s for rid, t in w._ended.items()}
+
+    async def go():
+        w = bare_worker()
+        for rid in ("long", "listed"):
+            w.hold(Request(rid))
+            w.spawn(rid, asyncio.sleep(3600))
+        assert w.ended(w.held) == [] and w._beat_held == {"long", "listed"}
+        w.hold(Request("short"))                         # taken and done between two beats
+        w.spawn("short", asyncio.sleep(0))
+        w.requests["listed"].task.cancel()
+        await asyncio.sleep(0.01)
+        assert w._beat_wake.is_set()                     # an end brings the next beat forward
+        assert sorted(w.ended(w.held)) == ["listed", "short"] and set(w.held) == {"long"}
+        age(w, worker_mod.ENDED_S - 0.1)                 # a later beat still lists them ...
+        assert sorted(w.ended(w.held)) == ["listed", "short"]
+        w.hold(Request("short", attempt=1))              # ... but not one held again (a resume here)
+        assert w.ended(w.held) == ["listed"]
+        age(w, 0.2)
+        assert w.ended(w.held) == []                     # ... until ENDED_S have passed
+        monkeypatch.setattr(worker_mod, "ENDED_MAX", 2)
+        w._ended = {f"e{i}": time.monotonic() for i in range(5)}
+        assert w.ended(w.held) == ["e3", "e4"]
+        w.requests["long"].task.cancel()
+        w.requests["short"].task = None
+        await asyncio.sleep(0.01)
     asyncio.run(go())
