@@ -135,7 +135,23 @@ class WorkerView:
         return any(Tier(r.tier).priority > mine for r in self.held())
 
     def waiting(self, tier: str) -> int:
-        return self.beat.waiting_by_tier.get(tier, 0) + self.pending.get(tier, 0)
+        return self.beat.waiting_by_tier.get(tier, 0) + self.queued.get(tier, 0)
+
+    @property
+    def queued(self) -> dict[str, int]:
+        """Tier -> requests routed here that no heartbeat lists yet and that find no free sequence
+        slot (``Heartbeat.max_running`` less those running and waiting there): they wait. The
+        better tiers take the free slots first, as the engine's scheduler admits them. A worker
+        that does not say its slots: every such request waits."""
+        b = self.beat
+        free = max(0, b.max_running - b.running - b.queue_depth)
+        out: dict[str, int] = {}
+        for tier, n in sorted(self.pending.items(), key=lambda kv: Tier(kv[0]).priority):
+            took = min(n, free)
+            free -= took
+            if n > took:
+                out[tier] = n - took
+        return out
 
     def key(self) -> tuple:
         """Least loaded first, then more free KV, then id (deterministic)."""

@@ -227,7 +227,7 @@ class EngineWorker:
                          data_port=self.data_port, ts=time.time(),
                          interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port,
                          requests=[InFlight(rid, r.session_id, r.tier) for rid, r in held.items()],
-                         ended=self.ended(held),
+                         max_running=st.get("max_running", 0), ended=self.ended(held),
                          waiting_by_tier=self.waiting_by_tier(st), tpot_ms=round(self.tpot * 1e3, 3),
                          kv_scope=self.kv.scope.seed().hex(), chunk_tokens=self.kv.scope.chunk_tokens,
                          kv_block_tokens=self.engine.layout.block_size, ring_port=self.ring_port,

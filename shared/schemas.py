@@ -345,6 +345,7 @@ class Heartbeat:
     ring_port: int = 0           # cpu-decode: the data-plane port it hosts ring members on (0 = none)
     kv_tokens: dict = field(default_factory=dict)  # running requests: id -> [tokens now, tokens at its end
                                                    # (prompt + max_tokens), ring members (1: here alone)]
+    max_running: int = 0         # sequences it runs at once at most (0: not said)
     ended: list[str] = field(default_factory=list)  # requests that left it lately (finished, handed off,
                                                     # moved, aborted): the router stops counting them
 

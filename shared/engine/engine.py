@@ -282,7 +282,7 @@ class Engine(KVHandoff):
                 "waiting_by_priority": by_priority,
                 "parked": sum(s.status is Status.PARKED for s in self.seqs.values()),
                 "free_kv_blocks": self.blocks.num_free, "total_kv_blocks": self.blocks.num_blocks,
-                "preemptions": self.scheduler.num_preemptions, "kv_tokens": self.kv_tokens(),
+                "max_running": self.scheduler.max_num_seqs, "preemptions": self.scheduler.num_preemptions, "kv_tokens": self.kv_tokens(),
                 **retention.stats(self.residency)}
 
     def kv_tokens(self) -> dict[str, list[int]]:

@@ -1,7 +1,8 @@
 """A router and a real cpu-decode worker (the bundled model) on an embedded NATS server: a
 request that ended leaves the router's count with the worker's next heartbeat, which an ended
-request brings forward (docs/routing.md "Admission"). Requests sent one after another are not
-counted as a queue: with room for one waiting batch request, each is admitted."""
+request brings forward; and requests routed since the last beat wait (for admission) only
+where the worker has no free sequence slot. So requests sent one after another are not counted
+as a queue: with room for one waiting batch request, each is admitted (docs/routing.md)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,15 @@ async def test_an_ended_request_leaves_the_router_s_count_with_the_next_beat(bun
             while rid not in (beat := await beats.next(timeout=INTERVAL * 2)).ended:
                 pass
             assert rid not in [r.request_id for r in beat.requests]
+        # two routed back to back, before any beat: the first is no queue for the second (the
+        # worker's beat said it runs 64 sequences at once, and none is running)
+        assert beat.max_running == 64 and beat.running == 0
+        for rid in ("burst-a", "burst-b"):
+            plan = await client.request(subjects.ROUTE, RouteRequest(
+                request_id=rid, model=worker.model_name, tier="batch", session_id=None,
+                num_prompt_tokens=len(ids), max_tokens=4, prompt_token_ids=ids), expected=RoutePlan)
+            assert plan.decode_worker == wid
+        assert router.workers[wid].pending == {"batch": 2} and router.workers[wid].waiting("batch") == 0
     finally:
         await beats.unsubscribe()
         await client.close()

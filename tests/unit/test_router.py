@@ -216,6 +216,17 @@ def test_a_routed_request_outlives_a_heartbeat_built_before_it_arrived():
     assert cpu.renewed(ended, NOW + 0.1).routed == [] and cpu.renewed(ended, NOW + 0.1).load() == 0
 
 
+def test_routed_requests_wait_only_past_the_worker_s_free_slots():
+    cpu = w("c1", "cpu-decode", running=2, queue=0, pending={"batch": 3, "interactive": 1, "standard": 1})
+    assert cpu.queued == {"batch": 3, "interactive": 1, "standard": 1}   # slots not said: all wait
+    cpu.beat.max_running = 5                                  # 3 free: interactive, standard, one batch
+    assert cpu.queued == {"batch": 2} and cpu.waiting("batch") == 2 and cpu.waiting("interactive") == 0
+    cpu.beat.queue_depth, cpu.beat.waiting_by_tier = 1, {"standard": 1}   # one waits there already
+    assert cpu.queued == {"batch": 3} and cpu.waiting("standard") == 1
+    cpu.beat.max_running = 64
+    assert cpu.queued == {} and cpu.load() == 2 + 1 + 5      # not a queue, but load all the same
+
+
 def test_no_move_without_a_tier_change_or_while_moving():
     workers = [w("g1", "gpu-decode", requests=[("r1", "s1", "batch")]), CPU]   # batch overflowed to GPU
     assert rebalance(workers, {"s1": SessionView(tier="batch", last=NOW)}, NOW) == []
