@@ -57,7 +57,8 @@ def engine_config(settings: Settings, device: str, role: str = "") -> EngineConf
     cpu = not device.startswith("cuda")
     return EngineConfig(device=device, threads=w.threads or None, num_kv_blocks=w.kv_blocks or None,
                         kv_cache_bytes=w.kv_budget_mb_for(role) << 20, max_context=w.max_context or None,
-                        step_tokens=w.step_tokens or (64 if cpu else 512),
+                        max_num_seqs=w.max_seqs or EngineConfig.max_num_seqs,
+                        step_tokens=w.step_tokens or max(64 if cpu else 512, w.max_seqs),
                         prefill_step_tokens=w.prefill_step_tokens or (512 if cpu else None),
                         shared_step_tokens=w.shared_step_tokens or (8 if cpu else 64),
                         guest_step_tokens=(w.guest_step_tokens or (16 if cpu else None))

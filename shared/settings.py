@@ -87,7 +87,7 @@ class NatsSettings:
 _ROLE_BUDGETS = {"prefill": "prefill", "gpu-decode": "gpu_decode", "cpu-decode": "cpu_decode"}  # role -> field suffix
 
 
-_NON_NEGATIVE = {"threads", "kv_blocks", "load_threads", "max_context", "step_tokens", "prefill_step_tokens",
+_NON_NEGATIVE = {"threads", "kv_blocks", "max_seqs", "load_threads", "max_context", "step_tokens", "prefill_step_tokens",
                  "shared_step_tokens", "guest_step_tokens", "batch_coalesce_ms", "session_retention_s"}
 
 
@@ -129,6 +129,8 @@ class WorkerSettings:
     guest_step_tokens: int = _env("TANDEM_GUEST_STEP_TOKENS", 0, "prefill tokens of standard/batch work per step "
                                   "on a gpu-decode worker (overflow guests of the interactive pool); 0 = 16 "
                                   "when it runs on the CPU, no cap on CUDA")
+    max_seqs: int = _env("TANDEM_MAX_SEQS", 0, "sequences one engine runs at once (its decode batch); 0 = 64. "
+                         "More wait in its queue, and the router counts them as waiting (TANDEM_QUEUE_*)")
     max_waiting: int = _env("TANDEM_MAX_WAITING", 256, "requests queued in one engine at most; more get "
                             "'overloaded' (429 at the gateway)")
     batch_coalesce_ms: float = _env("TANDEM_BATCH_COALESCE_MS", 0.0, "batch-tier streams only: wait this long "
@@ -155,8 +157,9 @@ class WorkerSettings:
                 raise ValueError(f"{f.metadata['env']} must be >= 0")
         if self.gpu_step not in ("graphs", "fused", "ops"):
             raise ValueError(f"TANDEM_GPU_STEP must be graphs, fused or ops, got {self.gpu_step!r}")
-        if 0 < self.step_tokens < 64:
-            raise ValueError("TANDEM_STEP_TOKENS must be 0 (the device's default) or >= 64 (one token per sequence)")
+        if 0 < self.step_tokens < max(64, self.max_seqs):
+            raise ValueError(f"TANDEM_STEP_TOKENS must be 0 (the device's default) or >= {max(64, self.max_seqs)} "
+                             "(one token per sequence: 64, or TANDEM_MAX_SEQS where larger)")
         if self.kv_blocks == 0 and self.kv_budget_mb <= 0:
             raise ValueError("TANDEM_KV_BLOCKS is 0, so TANDEM_KV_BUDGET_MB must be > 0")
         for suffix in _ROLE_BUDGETS.values():

@@ -22,7 +22,7 @@ FLOOD = "Summarize the history of the printing press in detail. " * 12
 @pytest.fixture(scope="module")
 def stack(nats_server):
     with running_stack(nats_server, ["--prefill", "0", "--gpu-decode", "1", "--cpu-decode", "1", "--kvpool", "0"],
-                       env={"TANDEM_QUEUE_BATCH": "3"}, workers={"gpu-decode": 1, "cpu-decode": 1}) as s:
+                       env={"TANDEM_QUEUE_BATCH": "3", "TANDEM_MAX_SEQS": "4"}, workers={"gpu-decode": 1, "cpu-decode": 1}) as s:
         yield s
 
 

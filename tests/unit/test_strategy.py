@@ -107,3 +107,16 @@ def test_worker_engine_config_uses_the_role_budget():
     s = Settings.from_env({"TANDEM_KV_BUDGET_MB": "256", "TANDEM_KV_BUDGET_MB_CPU_DECODE": "30"})
     assert engine_config(s, "cpu", subjects.CPU_DECODE).kv_cache_bytes == 30 << 20
     assert engine_config(s, "cpu", subjects.PREFILL).kv_cache_bytes == 256 << 20
+
+
+def test_max_seqs_sets_the_engine_s_slots_and_its_step_room():
+    from services.worker import engine_config
+    assert engine_config(Settings.from_env({}), "cpu", subjects.CPU_DECODE).max_num_seqs == 64
+    c = engine_config(Settings.from_env({"TANDEM_MAX_SEQS": "200"}), "cpu", subjects.CPU_DECODE)
+    assert (c.max_num_seqs, c.step_tokens) == (200, 200)      # a decode step holds a token of each
+    c = engine_config(Settings.from_env({"TANDEM_MAX_SEQS": "4"}), "cuda", subjects.GPU_DECODE)
+    assert (c.max_num_seqs, c.step_tokens) == (4, 512)
+    with pytest.raises(ValueError, match="TANDEM_STEP_TOKENS must be 0 .* or >= 200"):
+        Settings.from_env({"TANDEM_MAX_SEQS": "200", "TANDEM_STEP_TOKENS": "128"})
+    with pytest.raises(ValueError, match="TANDEM_MAX_SEQS must be >= 0"):
+        Settings.from_env({"TANDEM_MAX_SEQS": "-1"})
