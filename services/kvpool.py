@@ -207,8 +207,8 @@ class PoolService:
         else:
             self.events.add(evicted=[k for k in keys if not any(t.holds(k) for t in self.pool.tiers)])
 
-    async def run(self, stop: asyncio.Event) -> None:
-        await self.start()
+    async def run_until(self, stop: asyncio.Event) -> None:
+        """Started: serve until ``stop`` is set, then drain and close."""
         await stop.wait()
         await self.drain()
         await self.close()

@@ -283,8 +283,8 @@ class Router:
             except Exception:
                 log.exception("rebalance failed")
 
-    async def run(self, stop: asyncio.Event) -> None:
-        await self.start()
+    async def run_until(self, stop: asyncio.Event) -> None:
+        """Started: serve until ``stop`` is set, then drain and close."""
         await stop.wait()
         await self.close()
 

@@ -35,7 +35,8 @@ async def _run(args: argparse.Namespace, settings: Settings) -> None:
         await _run_gateway(args, settings)
         return
     # Building the service loads the model: until it is built, SIGTERM ends the process at once
-    # (the default action; nothing is in flight yet). Then SIGINT / SIGTERM drain it.
+    # (the default action; nothing is in flight yet). Until it has started (NATS may keep it
+    # waiting: a cluster electing its leader) SIGINT / SIGTERM stop it at once; then they drain it.
     if args.service == "router":
         from services.router import Router
         service = Router(settings)
@@ -52,7 +53,15 @@ async def _run(args: argparse.Namespace, settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await service.run(stop)
+    starting, stopped = asyncio.ensure_future(service.start()), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        log.warning("%s stopped before it was ready", args.service)
+        return
+    stopped.cancel()
+    starting.result()
+    await service.run_until(stop)
 
 
 def exposure_warning(host: str, has_keys: bool) -> str | None:

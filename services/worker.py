@@ -584,8 +584,8 @@ class EngineWorker:
             await self.engine.abort(rid)
         return out
 
-    async def run(self, stop: asyncio.Event) -> None:
-        await self.start()
+    async def run_until(self, stop: asyncio.Event) -> None:
+        """Started: serve until ``stop`` is set, then drain and close."""
         await stop.wait()
         log.info("%s %s draining %d request(s)", self.role, self.worker_id, len(self.tasks))
         if self.tasks:

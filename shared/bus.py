@@ -208,6 +208,8 @@ class Bus:
         self.jetstream_wait = 60.0                # seconds jetstream_ensure waits for JetStream to answer
         self.configured_servers = 0               # the servers TANDEM_NATS_URL lists
         self.refused_login = False                # the server said "Authorization Violation"
+        self._refused = asyncio.Event()           # ... _CONNECT_ATTEMPTS times before a first connect
+        self._refusals = 0
         self._errors = 0                          # errors since the connection was last (re)made
 
     # -- connection ---------------------------------------------------------------------------
@@ -256,8 +258,20 @@ class Bus:
         ctx = ssl_context(s)
         if ctx is not None:
             opts.update(tls=ctx)
+        nc = nats.NATS()
+        connecting = asyncio.ensure_future(nc.connect(**opts))
+        refused = asyncio.ensure_future(bus._refused.wait())
         try:
-            bus.nc = await nats.connect(**opts)
+            await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+            if not connecting.done():
+                # refused again and again: nats-py would go on for good, as a cluster's INFO gives
+                # back the servers it gave up on (their client URLs)
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+                await nc.close()
+                raise ConnectionRefusedError(f"the login was refused {_CONNECT_ATTEMPTS} times")
+            connecting.result()
+            bus.nc = nc
             bus.nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
             bus.connected_since = time.monotonic()
         except Exception as e:
@@ -265,6 +279,8 @@ class Bus:
                     else " (the server refused this login: wrong credentials)" if bus.refused_login else "")
             raise BusError("unavailable", f"cannot connect to NATS at {', '.join(servers)}: "
                            f"{type(e).__name__}: {e}{hint}") from e
+        finally:
+            refused.cancel()
         log.info("connected to NATS %s as %s", bus.nc.connected_url.netloc
                  if bus.nc.connected_url else servers, opts["name"])
         return bus
@@ -537,11 +553,15 @@ class Bus:
     async def _on_error(self, e: Exception) -> None:
         if "authorization violation" in str(e).lower():
             self.refused_login = True
+            self._refusals += 1
+            if self.nc is None and self._refusals >= _CONNECT_ATTEMPTS:
+                self._refused.set()
         self._errors += 1
+        since = "since connected" if self.nc is not None else "trying to connect"
         if self._closing:
             log.debug("NATS error while closing: %s: %s", type(e).__name__, e)
         else:   # a server gone is not a line every reconnect attempt
-            sparse(log, self._errors)("NATS error: %s: %s (%d since connected)", type(e).__name__, e, self._errors)
+            sparse(log, self._errors)("NATS error: %s: %s (%d %s)", type(e).__name__, e, self._errors, since)
 
     async def _on_disconnected(self) -> None:
         self.connected_since = None

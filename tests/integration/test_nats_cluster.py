@@ -20,7 +20,7 @@ from services.gateway.responses import ResponseStore
 from services.prefix_index import IndexFeed, PrefixIndex
 from services.sessions import SessionStore
 from shared import bus_auth, subjects
-from shared.bus import Bus
+from shared.bus import Bus, BusError
 from shared.kv_events import STREAM, KVEventPublisher
 from shared.nats_cluster import EmbeddedCluster, cluster_config
 from shared.nats_server import EmbeddedNats, free_port
@@ -206,3 +206,18 @@ async def test_permissions_and_the_tap_are_the_same_across_servers(cluster):
     finally:
         for b in (tap, gateway, worker):
             await b.close()
+
+
+async def test_a_refused_login_fails_fast_against_a_cluster_too(cluster, tmp_path):
+    """nats-py alone retries a cluster for good: each INFO gives back the servers it gave up on
+    (their client URLs). A login refused 3 times fails the connect, and says why."""
+    c, path = cluster
+    t0 = time.monotonic()
+    with pytest.raises(BusError) as e:
+        await asyncio.wait_for(Bus.connect(NatsSettings(url=c.servers[0].url, creds_file=str(tmp_path / "none.creds")),
+                                           name="t-nocreds", role=bus_auth.ROUTER), 30)
+    assert time.monotonic() - t0 < 15
+    assert "refused" in e.value.message and "none.creds" in e.value.message and "does not exist" in e.value.message
+    with pytest.raises(BusError, match="wrong credentials"):
+        await asyncio.wait_for(Bus.connect(NatsSettings(url=c.servers[1].url, user="tandem-router", password="wrong"),
+                                           name="t-bad"), 30)

@@ -70,3 +70,36 @@ def test_an_otlp_endpoint_without_its_exporter_is_one_line():
     out = _serve("router", TANDEM_NATS_URL="nats://127.0.0.1:1", TANDEM_OTLP_ENDPOINT="http://127.0.0.1:4318")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "TANDEM_OTLP_ENDPOINT is set but the OTLP exporter is not installed" in out.stderr
+
+
+def test_sigterm_stops_a_service_still_waiting_for_nats(tmp_path):
+    """A service not started yet (its NATS server silent: a cluster still forming) stops at
+    SIGTERM, at once — it used to wait for the connect to give up (minutes, or for good)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()                                # takes connections, never says a word
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env = {**base, "HOME": str(tmp_path), "TANDEM_METRICS_PORT": "-1", "TANDEM_NATS_CONNECT_TIMEOUT": "120",
+           "TANDEM_NATS_URL": f"nats://127.0.0.1:{silent.getsockname()[1]}"}
+    p = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "router"], env=env, text=True,
+                         cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE)
+    try:
+        for line in p.stderr:                      # the bus is being connected: its handlers are set
+            if "connecting to NATS" in line:
+                break
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=30)
+        rest = p.stderr.read()
+        assert rc == 0 and time.monotonic() - t0 < 10 and "router stopped before it was ready" in rest, rest
+    finally:
+        p.kill()
+        silent.close()
