@@ -25,8 +25,10 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import orjson
+from nats.errors import Error as NatsError
 
 from shared import metrics
+from shared.bus import BusError
 
 log = logging.getLogger("tandem.gateway")
 
@@ -50,6 +52,15 @@ async def retried(op):
             log.info("stored responses: the bus timed out (try %d of %d); again in %.1f s", i + 1, BUS_TRIES,
                      0.5 * 2 ** i)
             await asyncio.sleep(0.5 * 2 ** i)
+
+class StoreUnavailable(Exception):
+    """The bus did not store or read a response: JetStream without a quorum (a cluster that lost
+    most of its servers), NATS gone. Nothing is known to be lost; ask again later."""
+
+
+def _unavailable(e: Exception) -> StoreUnavailable:
+    return StoreUnavailable(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+
 
 @dataclass
 class StoredResponse:
@@ -122,6 +133,14 @@ class ResponseStore:
         metrics.RESPONSES_STORED.labels("bytes").set(sum(sum(led.values()) for led in self._ledgers.values()))
 
     async def put(self, tenant: str, rid: str, record: dict) -> None:
+        """Store ``record``; StoreUnavailable when the bus does not take it, ValueError when it is
+        over the caps."""
+        try:
+            await self._store(tenant, rid, record)
+        except (NatsError, BusError) as e:
+            raise _unavailable(e) from e
+
+    async def _store(self, tenant: str, rid: str, record: dict) -> None:
         data = orjson.dumps(record)
         if self.max_bytes and len(data) > self.max_bytes or len(data) > MAX_VALUE:
             raise ValueError(f"the stored response is {len(data)} bytes, over the cap of "
@@ -165,6 +184,13 @@ class ResponseStore:
             await (await self._bucket()).purge(f"{tenant}.{rid}")
 
     async def get(self, tenant: str, rid: str) -> dict | None:
+        """The record (None: no such response of ``tenant``); StoreUnavailable when the bus does not answer."""
+        try:
+            return await self._get(tenant, rid)
+        except (NatsError, BusError) as e:
+            raise _unavailable(e) from e
+
+    async def _get(self, tenant: str, rid: str) -> dict | None:
         if self.bus is None:
             data = self._mem.get(f"{tenant}.{rid}")
             return None if data is None else orjson.loads(data)
@@ -181,7 +207,10 @@ class ResponseStore:
         async with self._tenant_locks.setdefault(tenant, asyncio.Lock()):
             if await self.get(tenant, rid) is None:
                 return False
-            await self._remove(tenant, rid)
+            try:
+                await self._remove(tenant, rid)
+            except (NatsError, BusError) as e:
+                raise _unavailable(e) from e
             ledger = self._ledgers.get(tenant)
             if ledger is not None:
                 ledger.pop(rid, None)

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from . import streaming
 from .handlers import check_auth, generation_body, prepare_chat, state, validated
-from .response_store import ResponseStore, StoredResponse
+from .response_store import ResponseStore, StoredResponse, StoreUnavailable
 from .openai_api import (
     _STRICT, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
     resolve_retention, session_of,
@@ -236,9 +236,18 @@ def check_id(rid: str, param: str = "response_id") -> None:
         raise APIError(404, f"No response found with id '{rid[:300]}'.", param=param, code="not_found")
 
 
+async def unless_unavailable(op):
+    """``await op``; a 503 ``unavailable`` (retry) when the bus cannot read or write stored responses."""
+    try:
+        return await op
+    except StoreUnavailable as e:
+        raise APIError(503, f"stored responses are unavailable now ({e}); try again shortly",
+                       code="unavailable", retry_after=5) from None
+
+
 async def load(request: Request, rid: str, param: str = "response_id") -> StoredResponse:
     check_id(rid, param)
-    record = await store_of(request).get(request.state.tenant, rid)
+    record = await unless_unavailable(store_of(request).get(request.state.tenant, rid))
     if record is None:
         raise APIError(404, f"No response found with id '{rid}'.", param=param, code="not_found")
     return StoredResponse.from_dict(record)
@@ -471,8 +480,12 @@ async def create_response(request: Request) -> Response:
         record = StoredResponse(final, input_items, conversation + [turn], session)
         try:
             await store.put(tenant, rid, record.to_dict())
-        except Exception:  # the answer still goes out; a later previous_response_id gets a clear 404
-            log.exception("%s could not be stored", rid)
+        except Exception as e:  # the answer still goes out, saying it was not stored (a later
+            final["store"] = False   # previous_response_id would get a 404)
+            if isinstance(e, (StoreUnavailable, ValueError)):
+                log.warning("%s could not be stored: %s; answered with \"store\": false", rid, e)
+            else:
+                log.exception("%s could not be stored; answered with \"store\": false", rid)
 
     fmt = ResponsesFormat(chat_fmt, rid, req, echo, on_finish)
     return await streaming.run(request, state(request).backend, gens, fmt, req.stream, req.user)
@@ -514,6 +527,6 @@ async def get_input_items(response_id: str, request: Request) -> Response:
 async def delete_response(response_id: str, request: Request) -> Response:
     check_auth(request)
     check_id(response_id)
-    if not await store_of(request).delete(request.state.tenant, response_id):
+    if not await unless_unavailable(store_of(request).delete(request.state.tenant, response_id)):
         raise APIError(404, f"No response found with id '{response_id}'.", param="response_id", code="not_found")
     return json_response({"id": response_id, "object": "response", "deleted": True})

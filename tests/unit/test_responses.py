@@ -333,3 +333,39 @@ def test_a_bus_timeout_while_storing_is_tried_again(monkeypatch):
     with pytest.raises(nats.errors.TimeoutError):
         asyncio.run(response_store.retried(down))
     assert len(calls) == response_store.BUS_TRIES
+
+
+def test_a_bus_that_cannot_store_says_store_false_and_reads_are_503(served, backend):
+    """JetStream without a quorum (2 of 3 NATS servers gone): the answer still goes out, saying
+    ``"store": false`` (it said true, and its id was a 404 later); a read or delete is a 503
+    ``unavailable`` with Retry-After (it was a 500)."""
+    import nats.js.errors
+
+    from services.gateway.response_store import ResponseStore
+
+    class NoQuorum(ResponseStore):
+        async def _store(self, *a):
+            raise nats.js.errors.ServiceUnavailableError()
+
+        async def _get(self, *a):
+            raise nats.errors.TimeoutError()
+
+    gw = served[0].app.state.gw
+    kept, gw.responses = gw.responses, NoQuorum()
+    try:
+        r = client(served).responses.create(model=MODEL, input="Hi")
+        assert r.status == "completed" and r.output_text == REPLY and r.store is False
+        events = list(client(served).responses.create(model=MODEL, input="Hi", stream=True))
+        assert events[0].response.store is True and events[-1].type == "response.completed"
+        assert events[-1].response.store is False
+        assert client(served).responses.create(model=MODEL, input="Hi", store=False).store is False
+        h = {"Authorization": "Bearer alice"}
+        for method in ("GET", "DELETE"):
+            got = httpx.request(method, f"{served[0].url}/v1/responses/resp_{'0' * 32}", headers=h)
+            assert got.status_code == 503 and got.json()["error"]["code"] == "unavailable", got.text
+            assert got.headers["retry-after"] == "5"
+        with pytest.raises(openai.APIStatusError) as e:     # a next turn cannot be continued: 503 too
+            client(served).responses.create(model=MODEL, input="again", previous_response_id=f"resp_{'1' * 32}")
+        assert e.value.status_code == 503
+    finally:
+        gw.responses = kept
