@@ -133,6 +133,8 @@ class Subscription:
         self._sub = sub                  # nats-py Subscription
         self._expected = expected        # message class to enforce (None: any registered)
         self._skip_invalid = skip_invalid  # log and skip bad messages instead of raising
+        self.skipped = 0                   # ... how many so far, the last one's error and time
+        self.last_skipped, self.last_skipped_at = "", 0.0
         self._it = sub.messages.__aiter__()
         self._next: asyncio.Future | None = None  # a read still under way when ``next`` timed out
 
@@ -154,7 +156,10 @@ class Subscription:
             except SchemaError as e:
                 if not self._skip_invalid:
                     raise
-                log.warning("skipping invalid message on %s: %s", msg.subject, e)
+                self.skipped += 1          # a peer of another release sends one a beat: not a line each
+                self.last_skipped, self.last_skipped_at = f"{msg.subject}: {e}", time.monotonic()
+                sparse(log, self.skipped)("skipping invalid message on %s: %s (%d so far)", msg.subject, e,
+                                          self.skipped)
 
     async def __anext__(self) -> Any:
         return await self.next()

@@ -8,13 +8,16 @@ Wire envelope (one JSON object)::
 1 MiB including headers); KV bytes never travel in a message, only a ``TransferHandle``.
 ``decode(data, expected)`` checks the schema name, the version and every field's type and
 raises ``SchemaError`` (a ValueError) naming the bad field: a peer speaking another version of
-a message is refused with the versions named. ``REGISTRY`` maps schema name to class so
+a message is refused with the versions named. A field this build does not know is a newer
+peer's addition and is ignored (said once), so services of two releases whose messages differ
+only by added fields work together through a rolling upgrade. ``REGISTRY`` maps schema name to class so
 ``tandem tap`` can decode anything. Messages are declared with ``@message(name, version)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from dataclasses import dataclass
@@ -23,6 +26,8 @@ from typing import Any
 import orjson
 
 from shared.tier import TIERS
+
+log = logging.getLogger(__name__)
 
 MAX_PAYLOAD = 512 * 1024  # bytes; NATS's default max_payload is 1 MiB including headers
 
@@ -144,12 +149,17 @@ def from_fields(cls: type, obj: dict) -> Any:
     return _build(cls, dict(obj), cls.SCHEMA)
 
 
+_IGNORED: set[tuple[str, str]] = set()   # (schema, field) of a newer peer's, said once
+
+
 def _build(cls: type, obj: dict, where: str) -> Any:
     hints = _HINTS[cls]
     unknown = obj.keys() - hints.keys()
-    if unknown:
-        bad = sorted(unknown)[0]
-        raise SchemaError(f"{where}: unknown field {bad!r}", bad)
+    for name in sorted(unknown):   # a newer peer's addition (a change an old reader cannot
+        del obj[name]              # take bumps VERSION instead): a rolling upgrade goes on
+        if (where, name) not in _IGNORED and len(_IGNORED) < 1024:
+            _IGNORED.add((where, name))
+            log.info("%s: ignoring field %r, which this build does not know (a newer peer's)", where, name[:64])
     missing = _REQUIRED[cls] - obj.keys()
     if missing:
         bad = sorted(missing)[0]

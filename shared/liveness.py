@@ -54,6 +54,14 @@ class Heartbeats:
         if self.on_beat is not None:
             self.on_beat(beat, now)
 
+    def refused(self, within: float = 30.0) -> tuple[int, str]:
+        """(heartbeats refused so far — another release's version, a bad field —, the last one's
+        why) when the last was refused within ``within`` seconds; else (0, "")."""
+        sub = self._sub
+        if sub is None or not sub.skipped or time.monotonic() - sub.last_skipped_at > within:
+            return 0, ""
+        return sub.skipped, sub.last_skipped
+
     def alive(self, worker: str, now: float | None = None) -> bool:
         """A fresh heartbeat from ``worker`` that says it is ready."""
         got = self.last.get(worker)

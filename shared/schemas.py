@@ -316,7 +316,7 @@ class LeaseReply:
     attempts: dict = field(default_factory=dict)   # request id -> current attempt
 
 
-@message("Heartbeat", 5)
+@message("Heartbeat", 4)
 class Heartbeat:
     """worker -> subjects.heartbeat(role, id), every few seconds: readiness and load."""
     SCHEMA: ClassVar[str]

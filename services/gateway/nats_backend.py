@@ -131,6 +131,9 @@ class NatsBackend:
         ready = bool(roles.get(subjects.ROUTER)) and bool(decode)
         details = {r: {"ready": bool(roles.get(r)), "workers": sorted(roles.get(r, []))}
                    for r in (subjects.ROUTER, subjects.PREFILL, subjects.GPU_DECODE, subjects.CPU_DECODE)}
+        refused, why = self.heartbeats.refused()
+        if refused:   # a service this gateway cannot read (another release's heartbeat version) is not
+            details["refused_heartbeats"] = {"count": refused, "last": why}   # counted above: say so
         return ready, details
 
     # ---- a request ------------------------------------------------------------------------

@@ -261,6 +261,41 @@ async def test_a_woken_heartbeat_comes_sooner_but_not_within_its_gap(nats_server
         await worker.close()
 
 
+async def test_heartbeats_of_another_release_are_refused_sparsely_and_said_in_health(nats_server, bus, caplog):
+    """A service of another release whose heartbeat version this build does not speak: skipped,
+    logged at the 1st, 2nd, 4th... (it was a line each beat: 631 in 10 minutes), and the gateway's
+    /health says so (the service was invisible while /health said ready)."""
+    import types
+
+    import orjson
+
+    from services.gateway.nats_backend import NatsBackend
+    from shared.envelope import encode
+    from shared.liveness import Heartbeats
+    beats = Heartbeats(bus)
+    await beats.start()
+    try:
+        good = Heartbeat("w-old", subjects.CPU_DECODE, "cpu", "m", True, 0, 0, 10, 10, 2048, "127.0.0.1", 0, 0.0)
+        other = dict(orjson.loads(encode(good)), worker_id="w-new", v=99)
+        with caplog.at_level(logging.DEBUG, logger="shared.bus"):
+            for _ in range(5):
+                await bus.nc.publish(subjects.heartbeat(subjects.CPU_DECODE, "w-new"), orjson.dumps(other))
+            await bus.publish(subjects.heartbeat(subjects.CPU_DECODE, "w-old"), good)
+            deadline = time.monotonic() + 5
+            while "w-old" not in beats.last:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+        assert "w-new" not in beats.last and beats.refused()[0] == 5 and "version 99" in beats.refused()[1]
+        warned = [r for r in caplog.records if "skipping invalid message" in r.getMessage()]
+        assert [r.levelno for r in warned] == [logging.WARNING, logging.WARNING, logging.DEBUG, logging.WARNING,
+                                               logging.DEBUG]
+        ready, details = NatsBackend.health(types.SimpleNamespace(heartbeats=beats))
+        assert details["refused_heartbeats"]["count"] == 5 and "version 99" in details["refused_heartbeats"]["last"]
+        assert beats.refused(within=0.0) == (0, "")               # an old refusal is not news
+    finally:
+        await beats.close()
+
+
 async def test_close_lets_running_handler_finish(private_nats):
     server = await Bus.connect(NatsSettings(url=private_nats), name="server")
     client = await Bus.connect(NatsSettings(url=private_nats), name="client")
@@ -416,6 +451,7 @@ async def test_a_server_gone_is_not_a_warning_every_reconnect_attempt(caplog):
     debug; a reconnect starts the count again."""
     from shared.bus import log
     b = Bus(None)
+    b.nc = object()          # connected once (before the first connect, the count says "trying to connect")
     with caplog.at_level(logging.WARNING, logger=log.name):
         for _ in range(10):
             await b._on_error(ConnectionRefusedError(111, "Connection refused"))
