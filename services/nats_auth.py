@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write the nats-server authorization config (mode 0600); '-': stdout")
     p.add_argument("--account", default=None,
                    help="put the users in this NATS account (with JetStream) instead of the global one")
+    p.add_argument("--data-key-file", default=None, metavar="PATH",
+                   help="also make the data-plane key there (random, mode 0600) unless it exists: services "
+                        "that share the file (a volume: compose.yaml) tag and check their KV frames with it")
+    p.add_argument("--pool-key-file", default=None, metavar="PATH",
+                   help="also make the KV pool secret there (the same way): for the workers only, never the pool")
     c = p.add_argument_group("a cluster of NATS servers (docs/deploy.md)")
     c.add_argument("--cluster", default=None, metavar="HOST[:PORT],...",
                    help="every server's route address (itself included; port 6222 if none): "
@@ -81,7 +86,11 @@ def main(args: argparse.Namespace) -> int:
         path = Settings.from_env().nats.creds_file
         if not path:
             raise ValueError("TANDEM_NATS_CREDS_FILE is empty: nothing to make credentials in")
-        if not getattr(args, "cluster", None):
+        cluster = getattr(args, "cluster", None)
+        if cluster is not None and (not cluster.strip() or any(not r.strip() for r in cluster.split(","))):
+            raise ValueError(f"--cluster {cluster!r}: expected every server's route address, comma-separated "
+                             "(an unset shell variable?)")
+        if not cluster:
             given = [f"--{k.replace('_', '-')}" for k in CLUSTER_ONLY if getattr(args, k, None)]
             if given:
                 raise ValueError(f"{', '.join(given)}: only with --cluster (the single-server block is the "
@@ -91,6 +100,14 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
+    for path, what in ((getattr(args, "data_key_file", None), "data-plane key"),
+                       (getattr(args, "pool_key_file", None), "pool secret")):
+        try:
+            if path:
+                bus_auth.key_file(path, what)
+        except OSError as e:
+            log.error("cannot make the %s in %s: %s", what, path, e.strerror or e)
+            return 2
     if args.config == "-":
         sys.stdout.write(text)
     else:

@@ -116,6 +116,13 @@ def main(args: argparse.Namespace) -> int:
         args.gateway = settings_from_args(args) if args.service == "gateway" else None
         if not settings.nats.servers():
             raise ValueError("no NATS server: set TANDEM_NATS_URL (or run `tandem up`, which starts an embedded one)")
+        if (args.service not in ("gateway", "router") and not _loopback(settings.data.host)
+                and not settings.data.secret()):
+            raise ValueError(f"TANDEM_DATA_HOST={settings.data.host} takes KV from beyond this machine, but there "
+                             "is no data-plane key to tell its peers from anyone else: set TANDEM_DATA_KEY (the "
+                             "same on every host, e.g. `openssl rand -hex 32`) or TANDEM_DATA_KEY_FILE "
+                             f"naming a file that holds one (now {settings.data.key_file}: missing or empty) — "
+                             "docs/security.md")
         if os.environ.get(tracing.OTLP_ENV):
             tracing.check_exporter()
     except ValueError as e:

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import logging
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -283,14 +282,6 @@ async def _watch_nats(nats: EmbeddedNats, stop: asyncio.Event, fatal: list[str])
             await asyncio.sleep(backoff(len(failures)))
 
 
-def key_file(path: str, what: str = "pool secret") -> None:
-    """Create a deployment secret file (a random key, mode 0600) unless it exists; every child reads
-    it: the pool secret (TANDEM_POOL_KEY_FILE), so pool entries carry a MAC only this deployment can
-    make, and the data-plane key (TANDEM_DATA_KEY_FILE), so receivers take KV from its services only."""
-    if not os.path.exists(os.path.expanduser(path)) and bus_auth.write_private(path, secrets.token_hex(32)):
-        log.info("%s created in %s", what, path)  # (False: another `tandem up` made it meanwhile)
-
-
 def embedded_nats(env: dict[str, str]) -> EmbeddedNats:
     """The embedded nats-server: it accepts only the role users of TANDEM_NATS_CREDS_FILE (created
     when missing), each with its role's permissions (shared/bus_auth.py); every child logs in
@@ -361,9 +352,9 @@ async def _up(args: argparse.Namespace) -> int:
         env["TANDEM_NATS_URL"] = await asyncio.to_thread(nats.start)
         log.info("embedded NATS (JetStream) at %s", env["TANDEM_NATS_URL"])
     if not settings.pool.key:
-        key_file(settings.pool.key_file, "pool secret")
+        bus_auth.key_file(settings.pool.key_file, "pool secret")
     if not settings.data.key:
-        key_file(settings.data.key_file, "data-plane key")
+        bus_auth.key_file(settings.data.key_file, "data-plane key")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     children: list[Child] = []

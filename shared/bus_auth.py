@@ -182,6 +182,16 @@ def ensure_creds(path: str) -> dict:
     return read_creds(path) or creds
 
 
+def key_file(path: str, what: str) -> bool:
+    """Create a deployment secret file (a random key, mode 0600) unless it exists; True: made here.
+    The pool secret (TANDEM_POOL_KEY_FILE), so pool entries carry a MAC only this deployment can
+    make, and the data-plane key (TANDEM_DATA_KEY_FILE), so receivers take KV from its services only."""
+    if os.path.exists(os.path.expanduser(path)) or not write_private(path, secrets.token_hex(32)):
+        return False            # (False from write_private: another process made it meanwhile)
+    log.info("%s created in %s", what, os.path.expanduser(path))
+    return True
+
+
 def write_private(path: str, text: str, replace: bool = False) -> bool:
     """Write ``text`` to ``path`` readable by this user only (0600), atomically; unless ``replace``,
     never over a file that exists (another process's, made meanwhile). True: written."""

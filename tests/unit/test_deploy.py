@@ -125,6 +125,28 @@ def test_nats_accepts_only_the_role_credentials_every_service_reads():
         assert ro and _env_of(block)["TANDEM_NATS_CREDS_FILE"] == f"{where}/{os.path.basename(creds)}", name
 
 
+def test_the_secrets_reach_only_the_blocks_that_use_them():
+    """The nats-auth step makes the data-plane key (every Tandem block reads it: the workers bind
+    beyond loopback, and one without a key does not start) and the pool secret, in a volume only
+    the engine workers mount — the pool must not be able to forge an entry (docs/security.md)."""
+    doc = _compose()
+    auth = doc["services"]["nats-auth"]
+    command = auth["command"]
+    data_key, pool_key = (command[command.index(flag) + 1] for flag in ("--data-key-file", "--pool-key-file"))
+    assert os.path.dirname(data_key) == _mount(auth, "nats-auth")[0]
+    assert os.path.dirname(pool_key) == _mount(auth, "pool-key")[0] and "pool-key" in doc["volumes"]
+    for name, block in _tandem_blocks().items():
+        env = _env_of(block)
+        where, _ = _mount(block, "nats-auth")
+        assert env["TANDEM_DATA_KEY_FILE"] == f"{where}/{os.path.basename(data_key)}", name
+        if name in ("prefill", "gpu-decode", "cpu-decode"):
+            where, ro = _mount(block, "pool-key")
+            assert ro and env["TANDEM_POOL_KEY_FILE"] == f"{where}/{os.path.basename(pool_key)}", name
+        else:
+            assert not any(str(v).startswith("pool-key:") for v in block.get("volumes", [])), name
+            assert "TANDEM_POOL_KEY" not in env and "TANDEM_POOL_KEY_FILE" not in env, name
+
+
 def test_nats_runs_jetstream_with_a_volume_for_its_store():
     doc = _compose()
     nats = doc["services"]["nats"]

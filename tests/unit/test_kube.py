@@ -125,6 +125,12 @@ def test_one_deployment_per_role_probed_by_tandem_health_with_only_its_credentia
     assert gpu == ["gpu-decode"]
     shared = by_name(base, "PersistentVolumeClaim")["tandem-kvpool-shared"]
     assert shared["spec"]["accessModes"] == ["ReadWriteMany"]
+    # the pool secret: the engine workers MAC entries with it, the pool must not hold it (it could
+    # forge an entry); the data-plane key: every pod that binds the data plane beyond loopback
+    for role in ROLES:
+        env = {e["name"] for e in container(deps[f"tandem-{role}"]).get("env", [])}
+        assert ("TANDEM_POOL_KEY" in env) == (role in ("prefill", "gpu-decode", "cpu-decode")), role
+        assert ("TANDEM_DATA_KEY" in env) == (role not in ("gateway", "router")), role
 
 
 def test_environment_only_known_tandem_variables_and_valid_settings(base):

@@ -220,6 +220,8 @@ def _blocks(text: str) -> list[str]:
     (["--cluster", "a,b", "--max-file-store", "banana"], "a positive size"),
     (["--cluster", "a,b", "--max-file-store=-5G"], "a positive size"),
     (["--max-file-store", "20G"], "--max-file-store: only with --cluster"),    # was ignored in silence
+    (["--cluster", ""], "expected every server's route address"),             # an unset variable: was a
+    (["--cluster", "h1,,h3"], "expected every server's route address"),       # single-server config, exit 0
     (["--tls-cert", "s.pem", "--tls-key", "k.pem"], "--tls-cert, --tls-key: only with --cluster"),
 ])
 def test_nats_auth_refuses_what_nats_server_would_and_writes_nothing(tmp_path, monkeypatch, caplog, argv, said):
@@ -249,3 +251,21 @@ def test_nats_auth_writes_store_sizes_as_nats_server_reads_them(tmp_path, monkey
     assert [r.rsplit("@", 1)[1] for r in conf["cluster"]["routes"]] == ["[::1]:7222", "nats-1:6222"]
     check = subprocess.run([str(find_nats_server()), "-c", str(out), "-t"], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+
+
+def test_nats_auth_makes_the_deployment_s_other_secrets_once(tmp_path, monkeypatch):
+    """``--data-key-file`` / ``--pool-key-file`` (compose's nats-auth step, the N-hosts recipe):
+    random keys, mode 0600, made once — a second run keeps them."""
+    import os
+    monkeypatch.setenv("TANDEM_NATS_CREDS_FILE", str(tmp_path / "nats.creds"))
+    p = argparse.ArgumentParser()
+    nats_auth.add_arguments(p)
+    argv = ["--config", str(tmp_path / "nats.conf"), "--data-key-file", str(tmp_path / "k" / "data.key"),
+            "--pool-key-file", str(tmp_path / "p" / "pool.key")]
+    assert nats_auth.main(p.parse_args(argv)) == 0
+    data, pool = (tmp_path / "k" / "data.key").read_text(), (tmp_path / "p" / "pool.key").read_text()
+    assert len(data) == len(pool) == 64 and data != pool
+    assert os.stat(tmp_path / "k" / "data.key").st_mode & 0o777 == 0o600
+    assert nats_auth.main(p.parse_args(argv)) == 0
+    assert (tmp_path / "k" / "data.key").read_text() == data and (tmp_path / "p" / "pool.key").read_text() == pool
+    assert nats_auth.main(p.parse_args([*argv[:2], "--data-key-file", "/proc/nope/data.key"])) == 2

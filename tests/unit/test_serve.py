@@ -36,6 +36,9 @@ def _serve(*argv: str, **env: str):
     (["gateway", "--port", "0"], {"TANDEM_NATS_URL": "nats://127.0.0.1:1"}, 2, "TANDEM_PORT must be in 1..65535"),
     (["router"], {"TANDEM_NATS_URL": "nats://127.0.0.1:1", "TANDEM_NATS_CONNECT_TIMEOUT": "0.5"}, 1,
      "cannot connect to NATS at nats://127.0.0.1:1"),
+    (["cpu-decode"], {"TANDEM_NATS_URL": "nats://127.0.0.1:1", "TANDEM_DATA_HOST": "0.0.0.0",
+                      "TANDEM_DATA_ADVERTISE_HOST": "10.0.0.7", "TANDEM_DATA_KEY_FILE": "/nonexistent/data.key"}, 2,
+     "TANDEM_DATA_HOST=0.0.0.0 takes KV from beyond this machine, but there is no data-plane key"),
 ])
 def test_a_service_that_cannot_start_says_why_in_one_line(argv, env, rc, said):
     """No NATS, a bad flag, NATS unreachable: one line and an exit code (they were tracebacks)."""
