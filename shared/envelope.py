@@ -155,11 +155,8 @@ _IGNORED: set[tuple[str, str]] = set()   # (schema, field) of a newer peer's, sa
 def _build(cls: type, obj: dict, where: str) -> Any:
     hints = _HINTS[cls]
     unknown = obj.keys() - hints.keys()
-    for name in sorted(unknown):   # a newer peer's addition (a change an old reader cannot
-        del obj[name]              # take bumps VERSION instead): a rolling upgrade goes on
-        if (where, name) not in _IGNORED and len(_IGNORED) < 1024:
-            _IGNORED.add((where, name))
-            log.info("%s: ignoring field %r, which this build does not know (a newer peer's)", where, name[:64])
+    if unknown:
+        _ignore(obj, unknown, where)
     missing = _REQUIRED[cls] - obj.keys()
     if missing:
         bad = sorted(missing)[0]
@@ -170,6 +167,16 @@ def _build(cls: type, obj: dict, where: str) -> Any:
             obj[k] = _check(v, tp, f"{where}.{k}")
     _check_values(obj, where)
     return cls(**obj)
+
+
+def _ignore(obj: dict, unknown: set, where: str) -> None:
+    """Drop the fields this build does not know: a newer peer's additions (a change an old
+    reader cannot take bumps VERSION instead), so a rolling upgrade goes on. Said once each."""
+    for name in sorted(unknown):
+        del obj[name]
+        if (where, name) not in _IGNORED and len(_IGNORED) < 1024:
+            _IGNORED.add((where, name))
+            log.info("%s: ignoring field %r, which this build does not know (a newer peer's)", where, name[:64])
 
 
 def _check_values(fields: dict, where: str) -> None:
