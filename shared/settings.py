@@ -270,6 +270,8 @@ class DataPlaneSettings:
     host: str = _env("TANDEM_DATA_HOST", "127.0.0.1", "data-plane bind address (loopback unless set: "
                      "another machine's workers cannot reach it)")
     port: int = _env("TANDEM_DATA_PORT", 0, "data-plane port; 0 = a free one")
+    ring_port: int = _env("TANDEM_RING_PORT", 0, "cpu-decode: the port it hosts ring members on, on "
+                          "TANDEM_DATA_HOST (in its heartbeats); 0 = a free one. Fixed, a firewall rule can name it")
     advertise_host: str | None = _env("TANDEM_DATA_ADVERTISE_HOST", None,
                                       "address peers dial (heartbeats); unset: TANDEM_DATA_HOST")
     chunk_mb: int = _env("TANDEM_DATA_CHUNK_MB", 4, "socket read/write chunk and buffer unit, MiB")
@@ -301,8 +303,10 @@ class DataPlaneSettings:
         return _secret(self.key, self.key_file)
 
     def validate(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError("TANDEM_DATA_PORT must be in 0..65535")
+        if not 0 <= self.port <= 65535 or not 0 <= self.ring_port <= 65535:
+            raise ValueError("TANDEM_DATA_PORT and TANDEM_RING_PORT must be in 0..65535")
+        if self.port and self.port == self.ring_port:
+            raise ValueError("TANDEM_DATA_PORT and TANDEM_RING_PORT must differ (two listeners)")
         if self.chunk_mb <= 0 or self.max_pending_mb < self.chunk_mb:
             raise ValueError("TANDEM_DATA_CHUNK_MB must be > 0 and <= TANDEM_DATA_MAX_PENDING_MB")
         if self.timeout <= 0:

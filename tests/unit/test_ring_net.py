@@ -274,3 +274,34 @@ def test_ring_steps_and_bytes_reach_the_metrics():
     metrics.ring_step(0.01, out=4096, back=512, ring=0)
     assert value("tandem_ring_steps_total") == steps + 1
     assert value("tandem_ring_bytes_total", {"direction": "out"}) == out + 4096
+
+
+def test_a_cpu_decode_worker_hosts_ring_members_on_the_port_it_is_given(monkeypatch):
+    """TANDEM_RING_PORT: a fixed port a firewall rule can name (0: a free one, as before)."""
+    import socket
+
+    import shared.ring.connector as connector
+    from shared.ring.session import LocalMember
+    from shared.settings import Settings
+
+    import torch
+
+    class Member(LocalMember):
+        def __init__(self, engine, on_engine, name):
+            self.name, self.kv = name, torch.zeros(4)
+
+    monkeypatch.setattr(connector, "EngineMember", Member)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = Settings.from_env({"TANDEM_RING_PORT": str(port), "TANDEM_DATA_KEY": "k"}).data
+    ring = connector.RingConnector("c1", data, None, type("E", (), {"engine": None, "run_blocking": None})())
+    try:
+        assert ring.host() == port
+    finally:
+        if ring.server is not None:
+            ring.server.close()
+    with pytest.raises(ValueError, match="must differ"):
+        Settings.from_env({"TANDEM_RING_PORT": "7000", "TANDEM_DATA_PORT": "7000"})
+    with pytest.raises(ValueError, match="TANDEM_RING_PORT must be in"):
+        Settings.from_env({"TANDEM_RING_PORT": "70000"})
