@@ -307,6 +307,10 @@ class NatsBackend:
                 if e.code not in retry_on:
                     raise
                 if time.monotonic() > deadline:
+                    if not self.bus.connected_for():   # not the router's silence: the bus is gone
+                        raise BackendError("no_workers", f"the message bus (NATS) is unreachable from this "
+                                           f"gateway (tried for {wait:g} s); try again shortly", 503,
+                                           retry_after=5) from None
                     raise BackendError(e.code, f"{e.message} (tried for {wait:g} s)", e.status,
                                        retry_after=e.retry_after) from None
                 log.info("%s: %s; waiting for a worker", st.req.request_id, e.message)

@@ -77,6 +77,27 @@ async def test_a_worker_that_dies_holding_the_dispatch_loses_nothing():
         server.stop()
 
 
+async def test_a_request_while_the_bus_is_down_gets_a_503_not_a_timeout():
+    """The whole bus down for the request's wait: a 503 saying so, with Retry-After (it was a
+    504 "timeout: no reply on tandem.router.route", the router blamed for NATS)."""
+    server = EmbeddedNats()
+    url = server.start()
+    gw_bus = await Bus.connect(Settings(nats=NatsSettings(url=url, request_timeout=0.5)), name="gw")
+    backend = NatsBackend(gw_bus, "m", 1024, tokenizer=None,
+                          settings=GatewaySettings(liveness_check_s=0.2, resume_wait_s=1.5))
+    await backend.start()
+    try:
+        server.stop()
+        req = GenerationRequest("r-down", "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None)
+        with pytest.raises(BackendError) as e:
+            await asyncio.wait_for(backend.generate(req).__anext__(), 30)
+        assert (e.value.status, e.value.code, e.value.retry_after) == (503, "no_workers", 5)
+        assert "NATS" in e.value.message and "unreachable" in e.value.message
+    finally:
+        await backend.close()
+        await gw_bus.close()
+
+
 WORDS = ["all ", "of ", "it"]
 
 
