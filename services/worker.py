@@ -236,9 +236,9 @@ class EngineWorker:
 
     def ended(self, held: dict) -> list[str]:
         """The requests that left this worker lately (finished, handed off, moved, aborted): each
-        listed by the beats of ``ENDED_S`` seconds (two intervals, if longer) from the first that found it gone — the router
-        stops counting it as soon as one arrives, a lost beat or two notwithstanding. The newest
-        ``ENDED_MAX``."""
+        listed by the beats of ``ENDED_S`` seconds (two intervals, if longer) from the first that
+        found it gone — the router stops counting it as soon as one arrives, a lost beat or two
+        notwithstanding. The newest ``ENDED_MAX``."""
         now, keep = time.monotonic(), max(ENDED_S, 2 * self.settings.worker.heartbeat_interval)
         for rid in (self._beat_held | self._taken) - held.keys():
             self._ended.setdefault(rid, now)

@@ -286,6 +286,8 @@ class Bus:
                            f"{type(e).__name__}: {e}{hint}") from e
         finally:
             refused.cancel()
+            if not connecting.done():   # this connect was cancelled (a service stopped while starting)
+                connecting.cancel()
         log.info("connected to NATS %s as %s", bus.nc.connected_url.netloc
                  if bus.nc.connected_url else servers, opts["name"])
         return bus
