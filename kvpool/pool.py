@@ -115,6 +115,11 @@ class KVPool:
 
     def get(self, key: str) -> bytes | None:
         """The verified entry for ``key``, or None (a corrupt copy is removed, then a miss)."""
+        found = self.get_from(key)
+        return None if found is None else found[0]
+
+    def get_from(self, key: str) -> tuple[bytes, str] | None:
+        """``get``, and the name of the tier the entry came from."""
         check_key(key)
         for i, t in enumerate(self.tiers):
             entry = t.get(key)
@@ -123,7 +128,7 @@ class KVPool:
             for faster in self.tiers[:i]:
                 faster.put(key, entry)
             self.get_bytes += len(entry)
-            return entry
+            return entry, t.name
         return None
 
     def put(self, key: str, entry, pin: tuple[str, float] | None = None) -> list[str]:

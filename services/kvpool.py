@@ -101,10 +101,8 @@ class PoolService:
             await asyncio.to_thread(self.pool.pin, req.keys[:hits], req.tenant, time.time() + req.pin_s)
         if req.for_put and hits < len(req.keys):  # the writer puts keys[hits:] next
             self._announced[req.keys[hits]].append(time.monotonic())
-        for t in tiers:
-            metrics.pool_lookup(t, hit=True)
-        if hits < len(req.keys) - req.alternatives:
-            metrics.pool_lookup("all", hit=False)
+        if not req.for_put:   # a read (a write-back's "what is there already" is no lookup for KV)
+            metrics.pool_lookup(tiers[0] if hits else "none", hit=bool(hits))
         return PoolLookupReply(pool_id=self.pool_id, hits=hits, tiers=tiers,
                                chunk_tokens=self.settings.pool.chunk_tokens,
                                data_host=self.data_host, data_port=self.data_port, alternative=alt)
@@ -123,10 +121,11 @@ class PoolService:
         """The leading entries of ``keys`` the pool has, read and verified several at a time (file
         reads and blake3 release the GIL)."""
         out = []
-        for e in self._readers.map(self.pool.get, keys):
-            if e is None:
+        for found in self._readers.map(self.pool.get_from, keys):
+            if found is None:
                 break
-            out.append(e)
+            out.append(found[0])
+            metrics.pool_hit_bytes(found[1], len(found[0]))
         return out
 
     async def put(self, req: PoolPut) -> PoolPutReply:

@@ -9,7 +9,7 @@ How a service feeds them:
     from shared import metrics
     metrics.observe_request("cpu-decode", "standard", ttft=0.05, tpot=0.012, queue=0.003)
     metrics.set_engine_load("cpu-decode", queue_depth=2, running=5, kv_used=100, kv_free=412)
-    metrics.pool_lookup("cpu", hit=True, nbytes=1 << 20)     # KV pool, per storage tier
+    metrics.pool_lookup("ram", hit=True)                      # KV pool, per storage tier
     metrics.pool_stored("disk", nbytes=64 << 20)             # bytes the tier now holds
     metrics.transfer("tcp", nbytes=2_000_000, seconds=0.004) # KV moved, per data-plane path
     metrics.migration("gpu-decode", "cpu-decode", "ok", 0.02) # a running request moved between workers
@@ -42,7 +42,8 @@ TPOT = Histogram("tandem_tpot_seconds", "mean time per output token after the fi
                  ["service", "tier"], buckets=_PER_TOKEN)
 QUEUE_TIME = Histogram("tandem_queue_seconds", "time a request waited before its first engine step "
                        "(gateway: before a worker accepted it)", ["service", "tier"], buckets=_LATENCY)
-REQUESTS = Counter("tandem_requests", "requests by outcome (ok, error, aborted; parked = a prefill "
+REQUESTS = Counter("tandem_requests", "requests by outcome (ok, error, aborted; the gateway: rejected = "
+                   "a 4xx, the client's, overloaded = a 429, shed load; parked = a prefill "
                    "worker handed it to decode; migrated = moved to another decode worker)",
                    ["service", "tier", "outcome"])
 TOKENS = Counter("tandem_generated_tokens", "output tokens generated", ["service", "tier"])
@@ -171,11 +172,15 @@ def set_ready(service: str, ready: bool) -> None:
     READY.labels(service).set(1 if ready else 0)
 
 
-def pool_lookup(tier: str, hit: bool, nbytes: int = 0) -> None:
-    """One KV pool lookup on storage ``tier``; a hit adds the bytes it served."""
+def pool_lookup(tier: str, hit: bool) -> None:
+    """One KV pool lookup for a prompt: a hit (its first chunk found on storage ``tier``), or a
+    miss (tier "none")."""
     POOL_LOOKUPS.labels(tier, "hit" if hit else "miss").inc()
-    if hit and nbytes:
-        POOL_HIT_BYTES.labels(tier).inc(nbytes)
+
+
+def pool_hit_bytes(tier: str, nbytes: int) -> None:
+    """Bytes of KV the pool read from storage ``tier`` for a worker."""
+    POOL_HIT_BYTES.labels(tier).inc(nbytes)
 
 
 def pool_stored(tier: str, nbytes: int) -> None:

@@ -60,8 +60,12 @@ def _error(request: Request, err: APIError, extra: dict | None = None) -> Respon
     """``err`` as OpenAI's error body; ``extra``: headers the status needs (405: ``Allow``)."""
     rid = getattr(request.state, "request_id", "-")
     level = logging.WARNING if err.status >= 500 else logging.INFO
-    metrics.observe_request("gateway", getattr(request.state, "tier", "-"), outcome="error")
-    log.log(level, "%s rejected %d %s param=%s: %s", rid, err.status, err.code, err.param, err.message)
+    # the server's failures are errors; load shed is "overloaded"; the rest is the client's own
+    # (a bad body, no key, a path that does not exist: a scanner must not move the error rate)
+    outcome = "error" if err.status >= 500 else "overloaded" if err.status == 429 else "rejected"
+    metrics.observe_request("gateway", getattr(request.state, "tier", None) or "none", outcome=outcome)
+    log.log(level, "%s rejected %d %s param=%s: %s (%s %s)", rid, err.status, err.code, err.param, err.message,
+            request.method, request.url.path[:200])
     headers = {"X-Request-Id": rid} if rid != "-" else {}
     if err.retry_after > 0:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))

@@ -73,6 +73,24 @@ def kv_for(tokens: int) -> bytes:
     return np.random.default_rng(tokens).normal(0, 1, tokens * LAYOUT.token_bytes // 2).astype(np.float16).tobytes()
 
 
+def metric(name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shared import metrics
+    want = tuple(sorted(labels.items()))
+    return sum(sm.value for fam in text_string_to_metric_families(metrics.render()[0].decode())
+               for sm in fam.samples if sm.name == name and tuple(sorted(sm.labels.items())) == want)
+
+
+def lookups() -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shared import metrics
+    return {(sm.labels["tier"], sm.labels["result"]): sm.value
+            for fam in text_string_to_metric_families(metrics.render()[0].decode())
+            for sm in fam.samples if sm.name == "tandem_pool_lookups_total"}
+
+
 @pytest.mark.parametrize("local_read", [True, False], ids=["disk-files", "data-plane"])
 async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path, local_read):
     """On the pool's host a worker reads the disk tier's files itself (the pool only answers the
@@ -95,11 +113,17 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path, local_
             stored += ev.stored
         assert stored == a.keys(prompt[:96])
 
+        counted = lookups()
         tokens, got = await b.fetch_prefix(prompt)
         assert tokens == prompt[:96] and bytes(got) == kv
         assert (pool.pool.get_bytes == 0) == local_read       # the pool sent nothing: read here
         assert await b.fetch_prefix(prompt, have_tokens=96) is None  # the engine has it already
         assert await b.fetch_prefix(list(range(50, 150))) is None   # another prefix: a miss
+        # one count a lookup (not one a chunk; a write-back's check is none), the tier of its first
+        # chunk; the bytes the pool read for a worker, by the tier they came from
+        moved = {k: v - counted.get(k, 0) for k, v in lookups().items() if v != counted.get(k, 0)}
+        assert moved == {("ram", "hit"): 2, ("none", "miss"): 1}, moved   # (have_tokens=96: looked up, not read)
+        assert metric("tandem_pool_hit_bytes_total", tier="ram") >= (0 if local_read else len(kv))
     finally:
         for c, bus, rx in ((a, bus_a, rx_a), (b, bus_b, rx_b)):
             await c.close()

@@ -22,10 +22,11 @@ def value(name: str, **labels) -> float:
 
 def test_helpers_feed_the_named_series():
     before = value("tandem_pool_lookups_total", tier="disk", result="hit")
-    metrics.pool_lookup("disk", hit=True, nbytes=4096)
-    metrics.pool_lookup("disk", hit=False)
+    metrics.pool_lookup("disk", hit=True)
+    metrics.pool_lookup("none", hit=False)
+    metrics.pool_hit_bytes("disk", 4096)
     assert value("tandem_pool_lookups_total", tier="disk", result="hit") == before + 1
-    assert value("tandem_pool_lookups_total", tier="disk", result="miss") >= 1
+    assert value("tandem_pool_lookups_total", tier="none", result="miss") >= 1
     assert value("tandem_pool_hit_bytes_total", tier="disk") >= 4096
     metrics.pool_stored("disk", 123)
     assert value("tandem_pool_bytes", tier="disk") == 123
@@ -74,8 +75,14 @@ def test_gateway_metrics_after_a_request():
     assert value("tandem_ttft_seconds_count", service="gateway", tier="interactive") >= 1
     assert value("tandem_tpot_seconds_count", service="gateway", tier="interactive") >= 1
     assert value("tandem_generated_tokens_total", service="gateway", tier="interactive") >= 4
-    assert sum(v for (name, labels), v in samples().items()
-               if name == "tandem_requests_total" and ("outcome", "error") in labels) >= 1
+    assert value("tandem_requests_total", service="gateway", tier="none", outcome="rejected") >= 1
+    # a client's mistakes (a path that does not exist, a bad body) are not the server's errors
+    before = {k: v for k, v in samples().items() if k[0] == "tandem_requests_total"}
+    assert client.get("/wp-login.php").status_code == 404
+    assert client.post("/v1/chat/completions", content=b"{nope").status_code == 400
+    after = {k: v for k, v in samples().items() if k[0] == "tandem_requests_total"}
+    moved = {dict(k[1])["outcome"]: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    assert moved == {"rejected": 2}
 
 
 def test_session_kv_series():
