@@ -32,7 +32,8 @@ _MAX_STR = 80                                  # characters shown of other strin
 
 def add_arguments(parser) -> None:
     parser.add_argument("subject", nargs="?", default=subjects.ALL,
-                        help=f"subject or wildcard to watch (default {subjects.ALL})")
+                        help=f"subject or wildcard to watch (default {subjects.ALL}; a tap on request subjects "
+                             "delays finding a dead worker: NATS no longer says 'no responders' for it)")
     parser.add_argument("--show-text", action="store_true",
                         help="print prompt token ids and text instead of eliding them")
     parser.add_argument("--url", default=None, help="NATS URL (default: TANDEM_NATS_URL)")
@@ -63,7 +64,7 @@ async def tap(subject: str = subjects.ALL, *, url: str | None = None, show_text:
     tokens = subject.split(".")
     if any(not t or any(c.isspace() for c in t) for t in tokens) or ">" in tokens[:-1]:
         raise ValueError(f"{subject!r} is not a NATS subject: dot-separated tokens without spaces, "
-                         "'*' for one token, '>' last for the rest (e.g. tandem.route.>)")
+                         "'*' for one token, '>' last for the rest (e.g. tandem.router.>)")
     settings = settings or Settings.from_env()
     bus = await Bus.connect(settings, url=url, name="tandem-tap", role="tap")
     stop = asyncio.Event()
