@@ -322,7 +322,12 @@ async def health(request: Request) -> Response:
 
 
 @router.get("/metrics")
-async def prometheus_metrics() -> Response:
+async def prometheus_metrics(request: Request) -> Response:
+    try:   # the gateway's tandem_ready: what /health says, as of this scrape
+        ready = state(request).backend.health()[0]
+    except Exception:
+        ready = False
+    metrics.set_ready("gateway", ready)
     body, content_type = metrics.render()
     return Response(body, media_type=content_type)
 

@@ -62,7 +62,8 @@ def test_gateway_metrics_after_a_request():
     from services.gateway.app import create_app
     from tests.unit.test_gateway import MODEL, FakeBackend
 
-    client = TestClient(create_app(FakeBackend()))
+    backend = FakeBackend()
+    client = TestClient(create_app(backend))
     ok = value("tandem_requests_total", service="gateway", tier="interactive", outcome="ok")
     r = client.post("/v1/chat/completions", headers={"X-Tandem-SLA": "interactive"},
                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -71,6 +72,10 @@ def test_gateway_metrics_after_a_request():
     assert bad.status_code in (400, 404)
     m = client.get("/metrics")
     assert m.status_code == 200 and "tandem_ttft_seconds_bucket" in m.text
+    assert 'tandem_ready{service="gateway"} 1.0' in m.text     # what /health says (an alert on min(tandem_ready))
+    backend.ready = False
+    assert 'tandem_ready{service="gateway"} 0.0' in client.get("/metrics").text
+    backend.ready = True
     assert value("tandem_requests_total", service="gateway", tier="interactive", outcome="ok") == ok + 1
     assert value("tandem_ttft_seconds_count", service="gateway", tier="interactive") >= 1
     assert value("tandem_tpot_seconds_count", service="gateway", tier="interactive") >= 1
