@@ -118,6 +118,9 @@ def format_line(subject: str, data: bytes, *, show_text: bool = False,
     """One tap line: time, subject, size, schema/version, trace id prefix, short payload."""
     when = when or datetime.datetime.now()
     stamp = when.strftime("%H:%M:%S.%f")[:-3]
+    if not data:   # no payload: a NATS status (a JetStream heartbeat, "no responders") or an empty reply
+        status = " ".join(f"{k}={v}" for k, v in (headers or {}).items() if k.lower() in ("status", "description"))
+        return f"{stamp}  {subject}  0B  -  no payload{f' ({status})' if status else ''}"
     try:
         msg = schemas.decode(data)
     except schemas.SchemaError as e:

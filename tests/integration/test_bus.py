@@ -416,6 +416,15 @@ async def test_tap_prints_decoded_lines(private_nats):
     assert "undecodable" in lines[2] and "<5 bytes>" in lines[2]
 
 
+def test_tap_says_a_message_without_payload_is_one():
+    """A NATS status (JetStream's idle heartbeat, "no responders" on a reply) has no payload: it
+    was an "undecodable (not JSON ...)" line every 5 s under --replies."""
+    from services.tap import format_line
+    line = format_line("_INBOX.gateway.x", b"", headers={"Status": "100", "Description": "Idle Heartbeat"})
+    assert "no payload (Status=100 Description=Idle Heartbeat)" in line and "undecodable" not in line
+    assert format_line("_INBOX.gateway.x", b"").endswith("no payload")
+
+
 def test_tap_show_text_and_cli_parsing():
     import argparse
     from services import tap as tap_mod
