@@ -25,6 +25,7 @@ from shared.nats_server import free_port
 from shared.schemas import Heartbeat, KVEvent, PoolGet, PoolPut
 from shared.settings import DataPlaneSettings, NatsSettings, PoolSettings, Settings
 from shared.transfer import make_transport
+from tests.unit.test_metrics import samples, value
 
 pytestmark = pytest.mark.timeout(120)
 LAYOUT = KVLayout(n_layers=2, n_kv_heads=2, head_dim=8, block_size=16)
@@ -73,22 +74,10 @@ def kv_for(tokens: int) -> bytes:
     return np.random.default_rng(tokens).normal(0, 1, tokens * LAYOUT.token_bytes // 2).astype(np.float16).tobytes()
 
 
-def metric(name: str, **labels) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from shared import metrics
-    want = tuple(sorted(labels.items()))
-    return sum(sm.value for fam in text_string_to_metric_families(metrics.render()[0].decode())
-               for sm in fam.samples if sm.name == name and tuple(sorted(sm.labels.items())) == want)
-
-
 def lookups() -> dict[tuple[str, str], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from shared import metrics
-    return {(sm.labels["tier"], sm.labels["result"]): sm.value
-            for fam in text_string_to_metric_families(metrics.render()[0].decode())
-            for sm in fam.samples if sm.name == "tandem_pool_lookups_total"}
+    """tandem_pool_lookups_total by (tier, result)."""
+    return {(dict(labels)["tier"], dict(labels)["result"]): v for (name, labels), v in samples().items()
+            if name == "tandem_pool_lookups_total"}
 
 
 @pytest.mark.parametrize("local_read", [True, False], ids=["disk-files", "data-plane"])
@@ -123,7 +112,7 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path, local_
         # chunk; the bytes the pool read for a worker, by the tier they came from
         moved = {k: v - counted.get(k, 0) for k, v in lookups().items() if v != counted.get(k, 0)}
         assert moved == {("ram", "hit"): 2, ("none", "miss"): 1}, moved   # (have_tokens=96: looked up, not read)
-        assert metric("tandem_pool_hit_bytes_total", tier="ram") >= (0 if local_read else len(kv))
+        assert value("tandem_pool_hit_bytes_total", tier="ram") >= (0 if local_read else len(kv))
     finally:
         for c, bus, rx in ((a, bus_a, rx_a), (b, bus_b, rx_b)):
             await c.close()
