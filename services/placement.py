@@ -45,7 +45,6 @@ running requests may still need moves its longest background request onto a ring
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import random
@@ -70,6 +69,7 @@ POOLS = {
     Tier.BATCH: (subjects.CPU_DECODE, subjects.GPU_DECODE),
 }
 POOL = "pool"            # the KV pool's key in the overlap map
+CONTEXTS = 4             # a session's recent turns whose prompts the router remembers (SessionView.turn)
 
 
 @dataclass
@@ -88,6 +88,7 @@ class WorkerView:
     seen: float                    # router's clock when the last heartbeat arrived
     routed: list = field(default_factory=list)  # [request id, session id, tier, router clock] routed
                                                 # here and not in a heartbeat yet
+    since: float = 0.0             # router's clock when its first heartbeat arrived
 
     def renewed(self, beat: Heartbeat, now: float) -> WorkerView:
         """The view after a new heartbeat. A request routed here less than one heartbeat interval
@@ -95,7 +96,8 @@ class WorkerView:
         arrived): it stays counted until the next beat, which was built after it arrived — unless
         the beat says it ended (``Heartbeat.ended``: a request that ended sends a beat sooner)."""
         gone = {r.request_id for r in beat.requests} | set(beat.ended)
-        return WorkerView(beat, now, [r for r in self.routed if r[0] not in gone and now - r[3] < beat.interval])
+        return WorkerView(beat, now, [r for r in self.routed if r[0] not in gone and now - r[3] < beat.interval],
+                          self.since)
 
     @property
     def pending(self) -> dict[str, int]:
@@ -164,8 +166,19 @@ class SessionView:
     worker: str | None = None      # decode worker that last held the session's KV
     last: float = 0.0              # router clock of the session's last request or update
     owner: str | None = None       # the API key's tenant that created it (None: not known yet)
-    context: int = 0               # prompt tokens of the session's last turn (0: not known)
-    digest: str = ""               # context_digest of that prompt (its tenant and tokens)
+    contexts: list = field(default_factory=list)  # its last turns' prompts, the latest last (CONTEXTS at
+                                                  # most): [decode worker, prompt tokens, context_digest]
+
+    def turn(self, worker: str, tokens: int, digest: str) -> None:
+        """A turn's prompt of ``tokens`` (``context_digest``), run on ``worker``: its KV and its reply's
+        stay there. The last few are kept, not just the last: a conversation forked from an
+        earlier turn (two replies tried from one ``previous_response_id``) continues that turn's."""
+        self.contexts = [c for c in self.contexts if c[2] != digest][-(CONTEXTS - 1):] + [[worker, tokens, digest]]
+
+    def moved(self, source: str, target: str) -> None:
+        """Its running turn moved from ``source`` to ``target`` with its KV (the turn's prompt with it)."""
+        if self.contexts and self.contexts[-1][0] == source:
+            self.contexts[-1][0] = target
 
 
 def context_digest(tenant: str, token_ids: list[int]) -> str:
@@ -176,20 +189,23 @@ def context_digest(tenant: str, token_ids: list[int]) -> str:
 
 
 def session_held(session: SessionView | None, tenant: str, token_ids: list[int], cached: dict[str, int],
-                 chunk_tokens: int, block_tokens: int) -> int:
-    """Prompt tokens the session's worker holds for this turn, at block granularity: the last
-    turn's prompt, when this prompt continues it (same tenant and tokens) — its KV and the reply's
-    stay in that worker's prefix cache (the reply's blocks too: the next prompt renders the reply
-    as the tokens it was generated as, so they match up to the first difference, which the
-    worker's block match finds). The prefix index sees whole chunks only; it must still list the
-    chunks of that prompt on the worker (none evicted). 0: nothing known."""
-    if session is None or not session.worker or not session.context or len(token_ids) <= session.context:
-        return 0
-    if context_digest(tenant, token_ids[:session.context]) != session.digest:
-        return 0
-    if cached.get(session.worker, 0) < session.context // chunk_tokens * chunk_tokens:
-        return 0  # some of its chunks were evicted there
-    return session.context // block_tokens * block_tokens
+                 chunk_tokens: int, block_tokens: int) -> tuple[str, int]:
+    """(worker, prompt tokens it holds for this turn at block granularity): the longest of the
+    session's recent turns' prompts that this prompt continues (same tenant and tokens) — its KV
+    and the reply's stay in that worker's prefix cache (the reply's blocks too: the next prompt
+    renders the reply as the tokens it was generated as, so they match up to the first
+    difference, which the worker's block match finds). The prefix index sees whole chunks only;
+    it must still list the chunks of that prompt on the worker (none evicted). ("", 0): nothing
+    known."""
+    best = ("", 0)
+    for worker, tokens, digest in reversed(session.contexts if session is not None else []):
+        held = tokens // block_tokens * block_tokens
+        if (not worker or len(token_ids) <= tokens or held <= best[1]
+                or cached.get(worker, 0) < tokens // chunk_tokens * chunk_tokens):  # some chunks evicted there
+            continue
+        if context_digest(tenant, token_ids[:tokens]) == digest:
+            best = (worker, held)
+    return best
 
 
 @dataclass
@@ -290,13 +306,20 @@ def _pick(pool: list[WorkerView], cached: dict[str, int], session: SessionView |
     return best, "least loaded"
 
 
+def _not_ready(later: list[WorkerView], roles: tuple[str, ...], now: float) -> str:
+    """``later``'s workers of ``roles`` as a clause for a message: their ids and how long ago each was heard."""
+    return ", ".join(f"{w.id} (last heartbeat {max(0.0, now - w.seen):.1f} s ago)" for w in later if w.role in roles)
+
+
 def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str = "sla", turn: int = 0,
           cached: dict[str, int] | None = None, session: SessionView | None = None,
-          limits: Limits | None = None, chunk_tokens: int = 256) -> RoutePlan:
+          limits: Limits | None = None, chunk_tokens: int = 256, later: list[WorkerView] = ()) -> RoutePlan:
     """The plan for one request. ``cached``: prefix tokens of the prompt each holder (worker id,
-    or POOL) has cached; ``turn``: the round-robin counter (the caller's state). Raises
-    BusError("unavailable") with no decode worker, BusError("overloaded") when the tier's queue
-    is full or every candidate's is."""
+    or POOL) has cached; ``turn``: the round-robin counter (the caller's state); ``later``:
+    workers heard from lately that are not ready now (``decide``). Raises BusError("unavailable")
+    with no decode worker ready — or none ready that holds the prompt while one of ``later``
+    would: it may be back in seconds —, BusError("prompt_too_long") when no decode worker holds
+    the prompt, BusError("overloaded") when the tier's queue is full or every candidate's is."""
     if policy not in POLICIES:
         raise ValueError(f"unknown router policy {policy!r} (one of {', '.join(POLICIES)})")
     cached = cached or {}
@@ -304,10 +327,15 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
     decoders = _decoders(workers, now, req.num_prompt_tokens + 1)
     if not decoders:
         live = _decoders(workers, now)
+        longest = max((w.beat.max_context for w in live), default=0)
+        back = [w for w in later if w.role in subjects.DECODE_ROLES and w.beat.max_context > req.num_prompt_tokens]
+        if back:  # the worker that holds it is restarting (or was lost a moment ago): wait for it
+            raise BusError("unavailable", f"no ready decode worker holds a prompt of {req.num_prompt_tokens} tokens "
+                                          f"(the longest context of a ready one is {longest} tokens); "
+                                          f"{_not_ready(back, subjects.DECODE_ROLES, now)} would, and is not ready now")
         if live:  # ready, but none has the room (a worker's KV budget can cap its context)
             raise BusError("prompt_too_long", f"a prompt of {req.num_prompt_tokens} tokens does not fit: the "
-                                              f"longest context of a ready decode worker is "
-                                              f"{max(w.beat.max_context for w in live)} tokens")
+                                              f"longest context of a ready decode worker is {longest} tokens")
         raise BusError("unavailable", "no decode worker is ready")
     tier = Tier.STANDARD if policy == "fifo" else effective_tier(req.tier, session)
     if policy == "round-robin":
@@ -362,11 +390,8 @@ def _busy_ring(tier: str, context: int, decoders: list[WorkerView], pool: list[P
     "prompt too long"."""
     if not pool or max(w.beat.max_context for w in decoders) >= context:
         return
-    beats = {w.id: w.beat for w in decoders}
-    empty = [dataclasses.replace(p, free_tokens=beats[p.id].total_kv_blocks * beats[p.id].kv_block_tokens)
-             for p in pool]
     try:
-        strategy, _ = choose(tier, context, empty)
+        strategy, _ = choose(tier, context, _empty(_strategists(decoders)))
     except NoCapacity:
         return
     if strategy.kind == RING:
@@ -380,23 +405,65 @@ def strategy_of(plan: RoutePlan) -> str:
     return GPU if plan.decode_role == subjects.GPU_DECODE else CPU
 
 
+def _strategists(views: list[WorkerView]) -> list[WorkerView]:
+    """The decode workers a strategy may use: gpu-decode, and cpu-decode workers hosting ring members."""
+    return [w for w in views if w.role in subjects.DECODE_ROLES and w.beat.kv_block_tokens
+            and (w.role == subjects.GPU_DECODE or w.beat.ring_port)]
+
+
+def _empty(views: list[WorkerView]) -> list[PoolWorker]:
+    """``views`` as the policy sees them with all their KV free."""
+    return [PoolWorker(w.id, w.role, w.beat.total_kv_blocks * w.beat.kv_block_tokens, w.beat.max_context)
+            for w in views]
+
+
+def _prefills(views: list[WorkerView], req: RouteRequest) -> list[WorkerView]:
+    """The prefill workers of ``views`` that hold ``req``'s prompt and take part in a ring (a data plane)."""
+    return [w for w in views if w.role == subjects.PREFILL and w.beat.max_context > req.num_prompt_tokens
+            and w.beat.data_port]
+
+
+def _ring_later(req: RouteRequest, tier: str, context: int, ready: list[WorkerView], later: list[WorkerView],
+                now: float) -> None:
+    """Raise BusError("unavailable") when no worker ready now (``ready``), busy or not, holds
+    ``context`` but those with some of ``later`` would — a ring member or the gpu-decode worker
+    restarting, a member lost a moment ago whose replacement is starting: wait for them, not
+    "prompt too long"."""
+    back = _strategists(later)
+    if not back:
+        return
+    try:
+        strategy, _ = choose(tier, context, _empty(_strategists(ready) + back))
+    except (NoCapacity, ValueError):
+        return
+    if strategy.kind == RING and not _prefills([*ready, *later], req):
+        return  # nothing would compute its prompt either
+    raise BusError("unavailable", f"no ready decode worker, nor a ring of them, holds {context} tokens "
+                                  f"({req.num_prompt_tokens} in the prompt, up to {req.max_tokens} more); a {strategy} "
+                                  f"would once {_not_ready(back, subjects.DECODE_ROLES, now)} is back")
+
+
 def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, policy: str = "sla",
-                  session: SessionView | None = None, limits: Limits | None = None) -> tuple[RoutePlan | None, str]:
+                  session: SessionView | None = None, limits: Limits | None = None,
+                  later: list[WorkerView] = ()) -> tuple[RoutePlan | None, str]:
     """(a ``cpu-ring(N)`` plan, why) when ``choose`` picks a ring for this request — no single
     worker holds its prospective context and a ring of cpu-decode workers that host ring members
     does, with a prefill worker to compute the prompt — else (None, why: ``place`` decides).
-    Raises BusError("overloaded") when the tier's queue is full."""
+    Raises BusError("overloaded") when the tier's queue is full or only a ring of busy workers
+    holds it, BusError("unavailable") when only workers of ``later`` (heard from lately, not
+    ready now) would complete one."""
     if policy != "sla":
         return None, ""
     tier = effective_tier(req.tier, session)
     decoders = _decoders(workers, now)
     pool = [PoolWorker(w.id, w.role, w.beat.free_kv_blocks * w.beat.kv_block_tokens, w.beat.max_context)
-            for w in decoders if w.beat.kv_block_tokens and (w.role == subjects.GPU_DECODE or w.beat.ring_port)]
+            for w in _strategists(decoders)]
     context = req.num_prompt_tokens + req.max_tokens
     try:
         strategy, why = choose(tier, context, pool)
     except (NoCapacity, ValueError) as e:
         _busy_ring(tier, context, decoders, pool)
+        _ring_later(req, tier, context, [w for w in workers if w.alive(now)], later, now)
         return None, str(e)
     if strategy.kind != RING:
         return None, why
@@ -405,9 +472,13 @@ def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, poli
     longest = max((w.beat.max_context for w in singles), default=0)
     if longest >= context:
         return None, f"{why}, but {longest} tokens fit one worker once its KV frees: no ring"
-    prefills = [w for w in workers if w.alive(now) and w.role == subjects.PREFILL
-                and w.beat.max_context >= req.num_prompt_tokens + 1 and w.beat.data_port]
+    prefills = _prefills([w for w in workers if w.alive(now)], req)
     if not prefills:
+        back = _prefills(later, req)
+        if back:   # the prefill worker is restarting (or was lost a moment ago): wait for it
+            raise BusError("unavailable", f"{why}, but no prefill worker is ready to compute its "
+                                          f"{req.num_prompt_tokens}-token prompt: "
+                                          f"{_not_ready(back, (subjects.PREFILL,), now)} is not ready now")
         return None, f"{why}; no prefill worker holds the {req.num_prompt_tokens}-token prompt for a ring"
     limits = limits or Limits()
     admit(req, tier, decoders, limits.queue[tier])
@@ -423,19 +494,77 @@ def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, poli
     return plan, why
 
 
+def ring_room(views: list[WorkerView]) -> tuple[int, int]:
+    """(members, tokens): the longest context a ring of the cpu-decode workers of ``views`` that
+    host ring members would hold with all their KV free; (0, 0) when they make no ring."""
+    cpus = [p for p in _empty(_strategists(views)) if p.role == subjects.CPU_DECODE]
+    lo, hi = 0, sum(p.free_tokens for p in cpus)
+    while lo < hi:   # the largest context a ring holds (a ring that holds n tokens holds fewer)
+        mid = (lo + hi + 1) // 2
+        if smallest_ring(cpus, mid, MAX_RING) is None:
+            hi = mid - 1
+        else:
+            lo = mid
+    ring = smallest_ring(cpus, lo, MAX_RING) if lo else None
+    return (len(ring), lo) if ring else (0, 0)
+
+
+def _too_long(req: RouteRequest, ready: list[WorkerView]) -> str:
+    """Why no ready decode worker, nor a ring of them, takes the request, with what would fit."""
+    longest = max((w.beat.max_context for w in ready if w.role in subjects.DECODE_ROLES), default=0)
+    msg = (f"a prompt of {req.num_prompt_tokens} tokens does not fit: the longest context of a ready decode "
+           f"worker is {longest} tokens")
+    members, room = ring_room(ready) if _prefills(ready, req) else (0, 0)
+    if room:
+        msg += (f", and a ring of {members} cpu-decode workers holds {room} tokens, for the prompt and up to "
+                f"max_tokens ({req.max_tokens}) more")
+        if room > req.num_prompt_tokens:
+            msg += f": ask for at most {room - req.num_prompt_tokens} tokens (max_tokens)"
+    return msg
+
+
+def _later(workers: list[WorkerView], exclude: set[str], now: float) -> list[WorkerView]:
+    """The workers of ``workers`` not ready now or excluded for this request that may be back in
+    seconds: each stands for itself restarting or for its replacement — unless a worker of its
+    role came up after its last heartbeat (that one is its replacement, or new capacity: counted
+    once, ready)."""
+    up = [w for w in workers if w.alive(now) and w.id not in exclude]
+    out = []
+    for gone in sorted((w for w in workers if not w.alive(now) or w.id in exclude), key=lambda w: w.seen):
+        successor = next((w for w in sorted(up, key=lambda w: w.since) if w.role == gone.role and w.since > gone.seen),
+                         None)
+        if successor is None:
+            out.append(gone)
+        else:
+            up.remove(successor)
+    return out
+
+
 def decide(req: RouteRequest, workers: list[WorkerView], now: float, policy: str = "sla", turn: int = 0,
            cached: dict[str, int] | None = None, session: SessionView | None = None,
            limits: Limits | None = None, chunk_tokens: int = 256) -> RoutePlan:
     """The router's one decision for a request: its strategy (gpu, cpu or cpu-ring(N)) and where
     it runs. A ring when ``strategy_plan`` finds one (no single worker holds the prospective
     context), else ``place`` picks the single decode worker (and a prefill worker), the plan's
-    strategy its pool's; why no ring is in the reason. Pure: the caller keeps ``turn``. Raises
-    what ``strategy_plan`` and ``place`` raise."""
-    plan, why = strategy_plan(req, workers, now, policy, session, limits)
+    strategy its pool's; why no ring is in the reason. ``workers``: every worker the router
+    heard from lately — those of ``req.exclude`` (found gone for this request) are not used, and
+    they and those not ready now count as capacity that may be back in seconds (a restarting
+    worker, the replacement of one just lost — whose heartbeats may not have lapsed yet:
+    "unavailable", the gateway waits, rather than "prompt too long"). Pure: the caller keeps
+    ``turn``. Raises what ``strategy_plan`` and ``place`` raise."""
+    exclude = set(req.exclude)
+    later = _later(workers, exclude, now)
+    usable = [w for w in workers if w.id not in exclude]
+    plan, why = strategy_plan(req, usable, now, policy, session, limits, later=later)
     if plan is not None:
         return plan
-    plan = place(req, workers, now, policy, turn, cached=cached, session=session, limits=limits,
-                 chunk_tokens=chunk_tokens)
+    try:
+        plan = place(req, usable, now, policy, turn, cached=cached, session=session, limits=limits,
+                     chunk_tokens=chunk_tokens, later=later)
+    except BusError as e:
+        if e.code != "prompt_too_long" or policy != "sla":
+            raise
+        raise BusError("prompt_too_long", _too_long(req, [w for w in usable if w.alive(now)])) from None
     plan.strategy = strategy_of(plan)
     if why:
         plan.reason += f"; strategy {plan.strategy} ({why})"

@@ -97,9 +97,10 @@ class Router:
     def _seen(self, beat: Heartbeat, now: float) -> None:
         """A heartbeat (``Heartbeats``, shared/liveness.py): the worker's view renewed."""
         old = self.workers.get(beat.worker_id)
-        self.workers[beat.worker_id] = old.renewed(beat, now) if old else WorkerView(beat, now)
+        self.workers[beat.worker_id] = old.renewed(beat, now) if old else WorkerView(beat, now, since=now)
 
-    def _live(self, now: float) -> list[WorkerView]:
+    def _view(self, now: float) -> list[WorkerView]:
+        """Every worker heard from in the last FORGET_S seconds, ready or not (the rest forgotten)."""
         for wid, w in list(self.workers.items()):
             if now - w.seen > FORGET_S:
                 del self.workers[wid]
@@ -149,9 +150,11 @@ class Router:
                 w.routed.append([plan.request_id, plan.session_id or "", plan.tier, now])
         s = self._owned(plan.session_id, plan.owner)
         if s is not None:
-            s.worker, s.last = plan.decode_worker, now
             if plan.context_tokens:
-                s.context, s.digest = plan.context_tokens, plan.context_digest
+                s.turn(plan.decode_worker, plan.context_tokens, plan.context_digest)
+            elif plan.moved_from:
+                s.moved(plan.moved_from, plan.decode_worker)
+            s.worker, s.last = plan.decode_worker, now
             if s.tier is None or Tier(plan.tier).priority < Tier(s.tier).priority:
                 s.tier = plan.tier
             if plan.router == self.worker_id and self.store is not None:
@@ -173,12 +176,11 @@ class Router:
         session = self._owned(req.session_id, req.owner)  # another key's session id: no session
         before = session.tier if session is not None else None
         cached, chunk = self.cached(req.prompt_token_ids, req.tenant)
-        live = [w for w in self._live(now) if w.id not in req.exclude]  # found dead for this request
-        held = session_held(session, req.tenant, req.prompt_token_ids, cached, chunk, self._block_tokens())
-        if held > cached.get(session.worker if session else "", 0):
-            cached[session.worker] = held  # its last prompt and reply, block by block: no prefill worker
-        plan = decide(req, live, now, self.policy, self.turn, cached=cached, session=session, limits=self.limits,
-                      chunk_tokens=chunk)
+        at, held = session_held(session, req.tenant, req.prompt_token_ids, cached, chunk, self._block_tokens())
+        if held > cached.get(at, 0):
+            cached[at] = held  # a recent turn's prompt and reply, block by block: no prefill worker
+        plan = decide(req, self._view(now), now, self.policy, self.turn, cached=cached, session=session,
+                      limits=self.limits, chunk_tokens=chunk)
         plan.router, plan.owner = self.worker_id, req.owner
         if session is None:
             plan.session_id = None
@@ -219,7 +221,7 @@ class Router:
         """Moves to make now (of ``session_id``'s requests, or all); they count as moving at once,
         so a second plan made before they run leaves them alone."""
         now = time.monotonic()
-        moves = rebalance(self._live(now), self.sessions, now, self.limits, self.moving, pressure)
+        moves = rebalance(self._view(now), self.sessions, now, self.limits, self.moving, pressure)
         moves = [m for m in moves if session_id is None or m.session_id == session_id]
         self.moving.update(m.request_id for m in moves)
         return moves

@@ -24,7 +24,7 @@ TOOL_OUTPUTS = ["ls: 3 files: main.py, util.py, README.md", "main.py: 120 lines,
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    env = {"TANDEM_API_KEYS": "alice=standard,bob=standard", "TANDEM_RESPONSES_MAX_PER_TENANT": str(CAP),
+    env = {"TANDEM_API_KEYS": "alice=standard,bob=standard,carol=standard", "TANDEM_RESPONSES_MAX_PER_TENANT": str(CAP),
            "TANDEM_NATS_STORE_DIR": str(tmp_path_factory.mktemp("nats"))}
     with running_stack(None, [], env) as s:
         yield s
@@ -67,6 +67,22 @@ def test_a_session_chats_reply_is_not_prefilled_again(stack):
         seen.append((r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.prompt_tokens_details.cached_tokens))
     for (p_in, p_out, _), (_, _, cached) in zip(seen, seen[1:]):
         assert cached >= reused(p_in, p_out), (seen, [ln for ln in stack.tail().splitlines() if "tandem.router" in ln][-6:])
+
+
+def test_each_fork_of_a_turn_reuses_that_turn(stack):
+    """Two replies tried from one turn (an agent retrying, a tree search): the second fork finds the
+    trunk's prompt and reply as the first did — the router remembers the session's last turns, not
+    only the latest (which is now the first fork's)."""
+    c = client(stack, "carol")
+    model = c.models.list().data[0].id
+    trunk = c.responses.create(model=model, input=f"Tool output: {TOOL_OUTPUTS[0]}. What next?", temperature=0,
+                               instructions="You are a coding agent.", max_output_tokens=40)
+    need = reused(trunk.usage.input_tokens, trunk.usage.output_tokens)
+    for i, out in enumerate(TOOL_OUTPUTS[1:]):
+        fork = c.responses.create(model=model, input=f"Tool output: {out}. What next?", previous_response_id=trunk.id,
+                                  instructions="You are a coding agent.", max_output_tokens=8, temperature=0)
+        assert fork.usage.input_tokens_details.cached_tokens >= need, (i, fork.usage, need, [
+            ln for ln in stack.tail().splitlines() if "tandem.router" in ln][-4:])
 
 
 def test_stored_responses_stay_within_the_tenants_cap(stack):

@@ -8,8 +8,8 @@ import pytest
 
 from shared.bus import BusError
 from shared.schemas import Heartbeat, InFlight, RouteRequest
-from services.placement import (POOL, Limits, SessionView, WorkerView, decide, kv_need, place, rebalance, spread,
-                                strategy_plan)
+from services.placement import (POOL, Limits, SessionView, WorkerView, decide, kv_need, place, rebalance, ring_room,
+                                spread, strategy_plan)
 
 NOW = 1000.0
 
@@ -317,6 +317,69 @@ def test_a_ring_whose_workers_are_busy_now_is_overloaded_not_refused():
     assert strategy_plan(req("batch", n=5000), busy, NOW)[0] is None
 
 
+GONE = NOW - 30.0   # a last heartbeat this long ago: the worker is not ready (dead, restarting)
+
+
+def excluding(r, *ids):
+    r.exclude = list(ids)
+    return r
+
+
+def refused(r, workers):
+    with pytest.raises(BusError) as e:
+        decide(r, workers, NOW)
+    return e.value
+
+
+def test_a_worker_not_ready_that_would_hold_the_request_is_waited_for_not_refused():
+    """A restarting worker (or the replacement of one just lost) is capacity seconds away: the
+    router answers "unavailable" — the gateway waits and routes again — where "prompt too long"
+    would end the request for good. Workers excluded for this request (found gone by the gateway,
+    their heartbeats lapsed or not yet) count for their replacement."""
+    small, big = w("c1", "cpu-decode", ctx=2048), w("c2", "cpu-decode", ctx=8192, seen=GONE)
+    e = refused(req(n=3000), [small, big])
+    assert e.code == "unavailable" and "c2 (last heartbeat 30.0 s ago)" in e.message, e.message
+    assert refused(excluding(req(n=3000), "c2"), [small, big]).code == "unavailable"
+    assert refused(req(n=3000), [small]).code == "prompt_too_long"
+    assert refused(excluding(req(n=3000), "c2"), [small, w("c2", "cpu-decode", ctx=8192)]).code == "unavailable"
+
+    # a ring of 3 (1,280 tokens each) with a member restarting: no ring of the two ready ones holds 2,700
+    c1, c2, c3, p1 = RING3
+    dead3 = rw("c3", free=78, seen=GONE)
+    e = refused(req("batch", n=2500, max_tokens=200), [c1, c2, dead3, p1])
+    assert e.code == "unavailable" and "cpu-ring(3)" in e.message and "c3 (last heartbeat" in e.message, e.message
+    for c3_now in (dead3, c3):   # its resume: c3 found gone, its heartbeat lapsed or not yet
+        e = refused(excluding(req("batch", n=2500, max_tokens=200), "c3"), [c1, c2, c3_now, p1])
+        assert e.code == "unavailable", e.message
+    plan = decide(excluding(req("batch", n=2500, max_tokens=200), "c3"), [c1, c2, dead3, rw("c4", free=80), p1], NOW)
+    assert {m.worker for m in plan.ring} == {"c1", "c2", "c4"}   # with the replacement
+    # the replacement (up after c3's last heartbeat) is c3 again, not one more: a ring of 4 of
+    # these would not hold 3,900 tokens either (3 x 1,280 make 3,840): refused, not waited for
+    c4 = dataclasses.replace(rw("c4", free=80), since=GONE + 5.0)
+    assert refused(req("batch", n=3800, max_tokens=100), [c1, c2, dead3, c4, p1]).code == "prompt_too_long"
+    assert refused(req("batch", n=3800, max_tokens=100), [c1, c2, dead3, rw("c4", free=80), p1]).code == "unavailable"
+    # a context no ring of all of them would hold: refused at once
+    assert refused(req("batch", n=4000, max_tokens=16), [c1, c2, dead3, p1]).code == "prompt_too_long"
+    # the prefill worker a ring needs is restarting
+    e = refused(req("batch", n=2500, max_tokens=200), [c1, c2, c3, w("p1", "prefill", seen=GONE)])
+    assert e.code == "unavailable" and "no prefill worker is ready" in e.message and "p1 (last" in e.message
+    assert refused(req("batch", n=2500, max_tokens=200), [c1, c2, c3]).code == "prompt_too_long"
+
+
+def test_prompt_too_long_says_what_a_ring_would_hold_and_the_max_tokens_that_fit():
+    """Three workers of 1,280 tokens make a ring of 3,840: the refusal names it, and how many
+    tokens to ask for where the prompt alone fits (a chat without max_tokens asks for the rest of
+    the model's context)."""
+    e = refused(req("batch", n=2042, max_tokens=6150), RING3)
+    assert e.code == "prompt_too_long" and "longest context of a ready decode worker is 1280 tokens" in e.message
+    assert "a ring of 3 cpu-decode workers holds 3840 tokens" in e.message
+    assert "ask for at most 1798 tokens (max_tokens)" in e.message, e.message
+    e = refused(req("batch", n=3900, max_tokens=16), RING3)
+    assert "holds 3840 tokens" in e.message and "ask for" not in e.message
+    assert "ring" not in refused(req("batch", n=2042, max_tokens=6150), RING3[:3]).message   # no prefill: no ring
+    assert ring_room(RING3) == (3, 3840) and ring_room(RING3[:1]) == (0, 0)
+
+
 # ---- spreading under KV pressure: a cpu-decode worker short of KV spreads onto a ring ----------
 
 def sw(wid, free=80, kv=None, held=(), ring=7000, role="cpu-decode", **kw):
@@ -395,20 +458,43 @@ def test_a_sessions_next_turn_finds_its_last_prompt_and_reply_on_its_worker():
     decode worker prefill the rest itself (its prefix cache holds the reply too)."""
     from services.placement import context_digest, session_held
     last = list(range(300))
-    s = SessionView(worker="c1", context=len(last), digest=context_digest("t", last))
+    s = SessionView(worker="c1")
+    s.turn("c1", len(last), context_digest("t", last))
     now = last + list(range(1000, 1150))                              # the reply and a new message
-    assert session_held(s, "t", now, {"c1": 256}, 256, 16) == 288   # 300 rounded down to the block
-    assert session_held(s, "t", now, {}, 256, 16) == 0               # its first chunk left the worker
-    assert session_held(s, "u", now, {"c1": 256}, 256, 16) == 0      # another tenant (cache_salt)
-    assert session_held(s, "t", [7] + now[1:], {"c1": 256}, 256, 16) == 0   # not a continuation
-    assert session_held(s, "t", last, {"c1": 256}, 256, 16) == 0     # no longer than the last turn
-    short = SessionView(worker="c1", context=40, digest=context_digest("t", now[:40]))
-    assert session_held(short, "t", now, {}, 256, 16) == 32          # under a chunk: no index evidence needed
+    assert session_held(s, "t", now, {"c1": 256}, 256, 16) == ("c1", 288)   # 300 rounded down to the block
+    assert session_held(s, "t", now, {}, 256, 16) == ("", 0)                 # its first chunk left the worker
+    assert session_held(s, "u", now, {"c1": 256}, 256, 16) == ("", 0)        # another tenant (cache_salt)
+    assert session_held(s, "t", [7] + now[1:], {"c1": 256}, 256, 16) == ("", 0)   # not a continuation
+    assert session_held(s, "t", last, {"c1": 256}, 256, 16) == ("", 0)      # no longer than the last turn
+    short = SessionView(worker="c1")
+    short.turn("c1", 40, context_digest("t", now[:40]))
+    assert session_held(short, "t", now, {}, 256, 16) == ("c1", 32)          # under a chunk: no index evidence needed
     prefill = w("p1", "prefill")
     r = dataclasses.replace(req(n=len(now), session="s1"), prompt_token_ids=now)
     plan = place(r, [CPU, prefill], NOW, session=s, cached={"c1": 288})
     assert plan.prefill_worker is None and plan.decode_worker == "c1" and plan.cached_tokens == 288
     assert place(r, [CPU, prefill], NOW, session=s, cached={}).prefill_worker == "p1"
+
+
+def test_a_fork_of_an_earlier_turn_finds_that_turn_on_its_worker():
+    """Two replies tried from one turn (two requests with one previous_response_id): the second
+    fork continues the trunk's prompt, not the first fork's — the router keeps the session's
+    last few turns, each with its worker (a move takes the running turn's along)."""
+    from services.placement import CONTEXTS, context_digest, session_held
+    trunk = list(range(300))
+    fork_a, fork_b = trunk + list(range(1000, 1100)), trunk + list(range(2000, 2100))
+    s = SessionView()
+    s.turn("c1", len(trunk), context_digest("t", trunk))
+    s.turn("c1", len(fork_a), context_digest("t", fork_a))
+    assert session_held(s, "t", fork_b + [5], {"c1": 256}, 256, 16) == ("c1", 288)       # the trunk's
+    assert session_held(s, "t", fork_a + [5], {"c1": 256}, 256, 16) == ("c1", 400)       # the longest match
+    s.moved("c1", "c2")                       # fork a's turn moved to c2 with its KV; the trunk's stays on c1
+    assert session_held(s, "t", fork_a + [5], {"c1": 256, "c2": 256}, 256, 16) == ("c2", 400)
+    assert session_held(s, "t", fork_b + [5], {"c1": 256, "c2": 256}, 256, 16) == ("c1", 288)
+    for i in range(1, CONTEXTS + 1):          # the oldest turns are forgotten
+        s.turn("c3", 16 * i, context_digest("t", trunk[:16 * i]))
+    assert len(s.contexts) == CONTEXTS
+    assert session_held(s, "t", fork_b + [5], {"c1": 256}, 256, 16) == ("c3", 16 * CONTEXTS)
 
 
 def test_retry_after_is_about_one_request_not_the_whole_queue():
