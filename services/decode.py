@@ -57,7 +57,8 @@ class DecodeWorker(EngineWorker):
         self.ring: RingConnector | None = None
 
     async def register(self) -> None:
-        self.ring = RingConnector(self.worker_id, self.settings.data, self.kv.peers, self.engine)
+        self.ring = RingConnector(self.worker_id, self.settings.data, self.kv.peers, self.engine,
+                                  self.settings.worker.step_deadline_s)
         if self.role == subjects.CPU_DECODE and RingKernels.of(self.engine.engine.model) is not None:
             self.ring_port = self.ring.host()   # this worker's cache hosts ring members' shards
         await self.bus.serve(subjects.worker_decode(self.worker_id), self.handle_decode, expected=DecodeRequest)

@@ -133,6 +133,12 @@ class DataPeers:
             return None
         return seen[0]
 
+    def was_at(self, worker: str, host: str, port: int) -> bool:
+        """Whether ``worker``'s heartbeats named (host, port), fresh or not: a worker that was there
+        and stopped beating is gone (lost), where an address no heartbeat named is nobody's."""
+        seen = self._seen.get((host, port))
+        return seen is not None and seen[0] == worker
+
     async def check(self, host: str, port: int, worker: str | None = None, what: str = "KV") -> str:
         """The live worker at (host, port) — ``worker``, when given — waiting ``wait_s`` at most for
         a heartbeat (a worker that just started); BusError("forbidden") when there is none."""

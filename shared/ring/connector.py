@@ -45,7 +45,7 @@ def bus_error(e: Exception, request_id: str) -> BusError:
     if isinstance(e, RingCapacityError):
         return BusError("overloaded", str(e))
     if isinstance(e, RingMemberLost):
-        return BusError("unavailable", str(e))
+        return BusError("unavailable", str(e), lost=e.lost)
     if isinstance(e, RingMemberError):
         return BusError(e.code, str(e))
     return BusError("bad_request", f"{request_id}: {e}")
@@ -135,8 +135,13 @@ class RingConnector:
     first), ``close``. Member addresses are checked against live heartbeats (``peers``) before
     any KV goes there."""
 
-    def __init__(self, worker_id: str, data: DataPlaneSettings, peers: "DataPeers", engine: "AsyncEngine"):
+    def __init__(self, worker_id: str, data: DataPlaneSettings, peers: "DataPeers", engine: "AsyncEngine",
+                 step_deadline_s: float = 0.0):
         self.worker_id, self.data, self.peers, self.engine = worker_id, data, peers, engine
+        # a coordinator waits for a silent member a little less than its engine's step deadline, so
+        # that the ring's error names the member before the gateway finds this worker's engine stuck
+        # in that step and resumes the request without this worker (TANDEM_STEP_DEADLINE_S)
+        self.member_timeout = min(data.timeout, 0.8 * step_deadline_s) if step_deadline_s > 0 else data.timeout
         self.member: EngineMember | None = None
         self.server: RingServer | None = None
 
@@ -149,14 +154,22 @@ class RingConnector:
 
     async def check(self, ring: list[RingPeer], coordinator: str, request_id: str) -> int:
         """The coordinator's place in ``ring``, once every other member's address is the ring port
-        of that live worker (a heartbeat names it). BusError bad_request / forbidden."""
+        of that live worker (a heartbeat names it). BusError bad_request / forbidden;
+        RingMemberLost for a member whose heartbeats named that port but stopped (it died since
+        the router planned the ring): the gateway resumes the request without that member, not
+        without this worker."""
         me = next((i for i, p in enumerate(ring) if p.worker == coordinator), None)
         if me is None:
             raise BusError("bad_request", f"the coordinator {coordinator} is not a member of the ring "
                                           f"{[p.worker for p in ring]}")
         for p in ring:   # KV goes only to live members' advertised ring ports
             if p.worker != coordinator:
-                await self.peers.check(p.host, p.port, p.worker, f"ring shards of {request_id}")
+                try:
+                    await self.peers.check(p.host, p.port, p.worker, f"ring shards of {request_id}")
+                except BusError as e:
+                    if e.code == "forbidden" and self.peers.was_at(p.worker, p.host, p.port):
+                        raise RingMemberLost(p.worker, f"no heartbeat from it lately ({e.message})") from None
+                    raise
         return me
 
     @staticmethod
@@ -211,7 +224,10 @@ class RingConnector:
             raise BusError("bad_request", f"{self.worker_id} cannot coordinate a ring (no fused CPU kernels)")
         h, kv = KVBlobHeader.parse(blob)
         rid = h.request_id
-        me = await self.check(ring, self.worker_id, rid)
+        try:
+            me = await self.check(ring, self.worker_id, rid)
+        except RingMemberLost as e:
+            raise bus_error(e, rid) from None
         k = self.member.kernels
         ranges = self.ranges(h, len(ring), k.max_context)
         if claim is not None and [tuple(r) for r in claim.ranges] != ranges:
@@ -222,7 +238,7 @@ class RingConnector:
         def build() -> Ring:
             nkv = k.cfg.n_kv_heads
             r = Ring(k, connect_ring([p.as_list() for p in ring], self.worker_id, self.member, d.secret(),
-                                     self.engine.layout, d.timeout, d.shm),
+                                     self.engine.layout, self.member_timeout, d.shm),
                      fold=d.ring_fold, groups=min(d.ring_groups or nkv, nkv), qpass=d.ring_qpass)
             try:
                 if claim is not None:

@@ -37,6 +37,7 @@ class RemoteMember:
         self.host, self.port = host, port
         self.ranges: dict[str, tuple[int, int]] = {}
         self.bytes_out = self.bytes_back = 0
+        self.lost = False    # its connection broke or timed out: nothing more is sent on it
         try:
             sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -76,12 +77,14 @@ class RemoteMember:
         try:
             self.ch.send(op, meta, payload)
         except OSError as e:
+            self.lost = True
             raise RingMemberLost(self.name, str(e) or type(e).__name__) from None
 
     def _reply(self) -> tuple[dict, bytearray]:
         try:
             op, meta, payload = self.ch.recv()
-        except (OSError, ConnectionError) as e:
+        except (OSError, ConnectionError) as e:   # a timeout too: the connection is out of step for good
+            self.lost = True
             raise RingMemberLost(self.name, str(e) or type(e).__name__) from None
         if op == Op.ERR:
             err = Err.parse(meta)
@@ -168,8 +171,11 @@ class RemoteMember:
         return tensor(payload, meta["shape"])
 
     def release(self, sid: str) -> None:
-        """Free the shard (best effort: a lost member's shards went with its connection)."""
-        if self.ranges.pop(sid, None) is None:
+        """Free the shard (best effort: a lost member's shards go with its connection, which the
+        ring's ``close`` closes — a member that stopped answering is not asked again: that would
+        hold the coordinator's engine for another timeout, and the gateway would take the engine
+        for stuck)."""
+        if self.ranges.pop(sid, None) is None or self.lost:
             return
         try:
             self._call(Op.RELEASE, Release(sid))

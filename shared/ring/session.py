@@ -287,12 +287,16 @@ class Ring:
 
     def adopt(self, sid: str, token_ids: list[int], num_computed: int, ranges: list[tuple[int, int]]) -> None:
         """A session whose shards the members hold already, in ``ranges`` (a prefill scattered
-        them and this coordinator claimed them: ``shared/ring/connector.admit_claimed``)."""
+        them and this coordinator claimed them: ``shared/ring/connector.admit_claimed``). With the
+        fold the remote members are told their places in it, as ``admit`` does (on a failure the
+        caller releases the session's shards)."""
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already on this ring")
         if not 0 < num_computed < len(token_ids) <= ranges[-1][1]:
             raise ValueError(f"need 0 < computed ({num_computed}) < tokens ({len(token_ids)}) <= the ring's "
                              f"length ({ranges[-1][1]})")
+        if self.fold and any(self.remote):
+            self._chain(sid)
         self.sessions[sid] = _Session(list(ranges), num_computed, list(token_ids))
 
     def _chain(self, sid: str) -> None:

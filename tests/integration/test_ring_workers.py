@@ -268,11 +268,14 @@ def all_free(*engines) -> bool:
     return all(e.engine.blocks.num_free == e.engine.blocks.num_blocks for e in engines)
 
 
-async def test_the_prefill_s_scatter_claimed_by_the_coordinator_is_the_single_worker(parking_workers, handoff, single):
+@pytest.mark.parametrize("fold, groups, qpass", [(False, 1, False), (True, 3, True), (True, 1, False)])
+async def test_the_prefill_s_scatter_claimed_by_the_coordinator_is_the_single_worker(parking_workers, handoff, single,
+                                                                                     fold, groups, qpass):
     """The prefill loads b's and c's ranges itself, at the same time, parks them under a ticket and
     closes its connections; the coordinator claims them, loads its own range (what the data plane
     brings it) and decodes: every step's logits bitwise the single worker's, the same greedy
-    tokens, the same KV afterwards; every cache free once the ring is released."""
+    tokens, the same KV afterwards; every cache free once the ring is released. With the fold
+    (TANDEM_RING_FOLD) the claimed members are told their places in it as a scattered ring's are."""
     import asyncio
     from shared.ring import EngineMember, admit_claimed, connect_ring, new_ticket, ring_ranges, scatter_parked
     (a, b, c), servers = parking_workers
@@ -288,7 +291,8 @@ async def test_the_prefill_s_scatter_claimed_by_the_coordinator_is_the_single_wo
     from shared.ring.session import shard_bytes
     own = shard_bytes(a.layout, kv, *ranges[0], h.num_computed)
     assert own.nbytes < kv.nbytes   # the coordinator receives its own range only
-    ring = Ring(ma.kernels, connect_ring(plan_of(servers), "a", ma, b"data-key", a.layout))
+    ring = Ring(ma.kernels, connect_ring(plan_of(servers), "a", ma, b"data-key", a.layout), fold=fold, groups=groups,
+                qpass=qpass)
     await asyncio.to_thread(admit_claimed, ring, "r#0", ticket, h, own, ranges)
     await decodes_as_single(ring, "r#0", single)
     await holds_single_kv(ring, "r#0", a.layout, single, len(h.token_ids))

@@ -305,3 +305,93 @@ def test_a_cpu_decode_worker_hosts_ring_members_on_the_port_it_is_given(monkeypa
         Settings.from_env({"TANDEM_RING_PORT": "7000", "TANDEM_DATA_PORT": "7000"})
     with pytest.raises(ValueError, match="TANDEM_RING_PORT must be in"):
         Settings.from_env({"TANDEM_RING_PORT": "70000"})
+
+
+def test_a_member_that_stopped_beating_is_named_lost_and_an_unknown_address_is_refused():
+    """A ring planned with a member that died since: the coordinator's (or the prefill's) check
+    names that member (RingMemberLost: the gateway resumes without it, not without the sender);
+    an address no heartbeat named, or another live worker's, stays a "forbidden" refusal."""
+    import asyncio
+
+    from shared.bus import BusError
+    from shared.kv_connector import DataPeers
+    from shared.liveness import clock
+    from shared.ring.connector import RingConnector, bus_error
+    from shared.ring.wire import RingMemberLost
+    from shared.schemas import Heartbeat, RingPeer
+    from shared.settings import Settings
+
+    def beat(wid, port, ring_port):
+        return Heartbeat(worker_id=wid, role="cpu-decode", device="cpu", model="m", ready=True, queue_depth=0,
+                         running=0, free_kv_blocks=1, total_kv_blocks=1, max_context=1, data_host="127.0.0.1",
+                         data_port=port, ts=0.0, interval=1.0, ring_port=ring_port)
+
+    async def main():
+        peers = DataPeers(None, wait_s=0.05)
+        peers._seen_beat(beat("c1", 9001, 7001), clock())
+        peers._seen_beat(beat("c2", 9002, 7002), clock())
+        peers._seen_beat(beat("c3", 9003, 7003), clock() - 100.0)   # its last heartbeat long ago: dead
+        ring = RingConnector("c1", Settings.from_env({}).data, peers, None)
+        me = RingPeer("c1", "127.0.0.1", 7001)
+        assert await ring.check([me, RingPeer("c2", "127.0.0.1", 7002)], "c1", "r1") == 0
+        with pytest.raises(RingMemberLost) as lost:
+            await ring.check([me, RingPeer("c2", "127.0.0.1", 7002), RingPeer("c3", "127.0.0.1", 7003)], "c1", "r1")
+        assert lost.value.lost == "c3" and bus_error(lost.value, "r1").lost == "c3"
+        for member in (RingPeer("c3", "127.0.0.1", 7999), RingPeer("c3", "127.0.0.1", 7002)):  # nobody's / c2's
+            with pytest.raises(BusError) as e:
+                await ring.check([me, member], "c1", "r1")
+            assert e.value.code == "forbidden"
+
+    asyncio.run(main())
+
+
+def test_a_coordinator_gives_up_on_a_silent_member_before_its_own_step_deadline():
+    """The gateway finds a worker whose engine step runs past TANDEM_STEP_DEADLINE_S stuck and
+    resumes without it; a coordinator waiting on a stopped member is in such a step. So it waits
+    for the member a little less long: the ring's error names the member first."""
+    from shared.ring.connector import RingConnector
+    from shared.settings import Settings
+
+    data = Settings.from_env({}).data
+    assert data.timeout == 30.0
+    assert RingConnector("c1", data, None, None, step_deadline_s=30.0).member_timeout == 24.0
+    assert RingConnector("c1", data, None, None, step_deadline_s=120.0).member_timeout == 30.0
+    assert RingConnector("c1", data, None, None).member_timeout == 30.0
+
+
+def test_a_member_that_timed_out_is_not_asked_to_release():
+    """A coordinator whose member stopped answering (SIGSTOP) fails the step after its timeout,
+    then releases the session: asking that member again held the engine for another whole
+    timeout — past the step deadline, so the gateway took the coordinator's engine for stuck and
+    resumed without it (a member frozen 40 s lost the request though a spare worker was free).
+    A member whose connection broke or timed out is not asked again; a healthy one is."""
+    from shared.ring.remote import RemoteMember
+    from shared.ring.wire import RingMemberLost
+
+    class Channel:
+        def __init__(self, answers):
+            self.sent, self.answers = [], answers
+
+        def send(self, op, meta, payload=b""):
+            self.sent.append(op)
+
+        def recv(self):
+            if not self.answers:
+                raise socket.timeout("timed out")
+            return self.answers.pop(0)
+
+    def member(answers):
+        m = RemoteMember.__new__(RemoteMember)
+        m.name, m.ranges, m.lost, m.bytes_out, m.bytes_back = "b", {"s": (0, 256)}, False, 0, 0
+        m.ch = Channel(answers)
+        return m
+
+    silent = member([])
+    with pytest.raises(RingMemberLost) as e:
+        silent._call(1, {})
+    assert e.value.lost == "b" and silent.lost
+    silent.release("s")
+    assert silent.ch.sent == [1] and silent.ranges == {}   # no RELEASE sent to it
+    healthy = member([(0, {}, b"")])
+    healthy.release("s")
+    assert len(healthy.ch.sent) == 1 and not healthy.lost
