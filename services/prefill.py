@@ -20,7 +20,7 @@ from shared.bus import BusError, RemoteError
 from shared.engine.kv_cache import KVBlobHeader
 from shared.engine.sampling import RequestOutput
 from shared.kv_connector import prompt_tail_end
-from shared.ring import RING_ERRORS, RingConnector, RingMemberLost
+from shared.ring import RING_ERRORS, RingCapacityError, RingConnector, RingMemberLost
 from shared.schemas import PrefillRequest
 from shared.transfer import Discarded, TransferError
 from services.worker import Aborted, EngineWorker, priority_of, sampling_from
@@ -99,6 +99,11 @@ class PrefillWorker(EngineWorker):
         except (TransferError, BusError, *RING_ERRORS) as e:
             if dropped_in_hand_off(e) or self.is_aborted(req.request_id, attempt):
                 raise Aborted(f"{req.request_id} aborted during its hand-off to {req.decode_worker} ({e})") from None
+            if getattr(e, "code", "") == "overloaded" or isinstance(e, RingCapacityError):
+                # a ring member (or the decode worker) had no room for it: nobody is lost, the gateway
+                # routes it again once there is room (two choices of one request planned onto one ring)
+                raise BusError("overloaded", f"hand-off to {req.decode_worker} refused for room: {e}",
+                               retry_after=1.0, sender_ok=True) from None
             # the gateway resumes the request (a ring's members keep nothing): without the worker it
             # did not reach (ErrorReply.lost), or — a live peer refused it — with every worker
             lost = lost_in_hand_off(e, req.decode_worker)

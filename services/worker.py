@@ -487,7 +487,12 @@ class EngineWorker:
                 rec.state = State.ABORTED
         except Exception as e:  # the client hears about it, the worker goes on
             self._observe(timing, first_at, emitted, "error")
-            log.exception("%s failed", request_id)
+            if getattr(e, "code", "") in ("unavailable", "overloaded"):
+                # a hand-off (or a ring member) that found its peer gone or full: the gateway goes on
+                # elsewhere, no bug here
+                log.warning("%s: %s", request_id, e)
+            else:
+                log.exception("%s failed", request_id)
             await self.engine.abort(request_id)
             code = "overloaded" if isinstance(e, EngineFull) else getattr(e, "code", "internal")
             try:

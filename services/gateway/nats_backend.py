@@ -24,7 +24,10 @@ worker excluded) and continues from the next token the client has not seen, comp
 from the prefix cache / KV pool where it can; chunks of older attempts are ignored and an
 ``Abort(below_attempt=...)`` fences any copy still running. No worker able to take it within
 ``TANDEM_RESUME_WAIT_S`` (or more than ``TANDEM_RESUME_ATTEMPTS`` losses) ends the stream with an
-OpenAI-shaped error, never a silently closed stream. While the gateway's own NATS connection is
+OpenAI-shaped error, never a silently closed stream. A hand-off refused for room (a ring member
+or the decode worker full: an "overloaded" error from a sender that is fine) loses nobody: the
+request goes on the same way, routed again once there is room, without counting as a loss
+(``REQUEUES`` such refusals at most). While the gateway's own NATS connection is
 down it waits (outages of a few seconds are ridden out), then checks every request. A route
 request nobody answers (a router killed holding it, the bus reconnecting) is asked again within
 the same wait. Workers renew their lease of each request with this gateway (``_alive``): it names
@@ -63,6 +66,7 @@ CODE_MAP = {  # bus error code -> (gateway code, HTTP status)
     "timeout": ("timeout", 504), "internal": ("internal_error", 500),
 }
 RESUMABLE = {"unavailable", "timeout"}   # a worker's stream error that another worker may not hit
+REQUEUES = 16            # hand-offs of one request refused for room, routed again each time, at most
 FINISHES = {"stop", "length"}            # the finish reasons a worker may end a stream with (OpenAI's)
 ROUTE_TRY_S = 3.0        # a route request unanswered this long is asked again (the router may have died
 #                          holding it, or the bus be reconnecting), up to TANDEM_RESUME_WAIT_S in all
@@ -88,6 +92,8 @@ class _Flight:
     req: GenerationRequest
     sampling: SamplingParams             # the request's, with a seed
     attempt: int = 0                     # 0, then one more per resume
+    losses: int = 0                      # resumes after a lost worker (TANDEM_RESUME_ATTEMPTS at most)
+    requeues: int = 0                    # resumes after a hand-off refused for room (REQUEUES at most)
     next_seq: int = 0                    # the next chunk the client gets
     token_ids: list[int] = field(default_factory=list)   # tokens the client got
     chars: int = 0                       # characters of text the client got
@@ -191,6 +197,9 @@ class NatsBackend:
                     gone = msg.lost or ("" if msg.sender_ok else st.holder)
                     await self._resume(st, f"its worker failed: {msg.message}", gone)
                     continue
+                if msg.code == "overloaded" and msg.sender_ok:   # its hand-off found no room: nobody lost
+                    await self._resume(st, f"no room for its hand-off: {msg.message}", "", lost=False)
+                    continue
                 raise backend_error(msg.code, msg.message, msg.retry_after)
             if not isinstance(msg, StreamChunk) or msg.attempt != st.attempt or msg.seq < st.next_seq:
                 continue  # not a chunk, an older attempt's, or one already delivered
@@ -266,11 +275,17 @@ class NatsBackend:
     def _stale(self, worker: str, now: float) -> bool:
         return self.heartbeats.gone(worker, now)
 
-    async def _resume(self, st: _Flight, why: str, dead: str) -> None:
-        """Go on from the next token the client has not seen, on another worker (module doc)."""
+    async def _resume(self, st: _Flight, why: str, dead: str, lost: bool = True) -> None:
+        """Go on from the next token the client has not seen, on another worker (module doc);
+        ``lost``: its worker was lost (else a hand-off was refused for room: routed again)."""
         rid = st.req.request_id
-        if st.attempt >= self.settings.resume_attempts:
-            raise BackendError("worker_lost", f"the request was lost {st.attempt + 1} times ({why}); giving up", 502)
+        if lost and st.losses >= self.settings.resume_attempts:
+            raise BackendError("worker_lost", f"the request was lost {st.losses + 1} times ({why}); giving up", 502)
+        if not lost and st.requeues >= REQUEUES:
+            raise BackendError("overloaded", f"{why}; refused for room {st.requeues + 1} times: retry later", 429,
+                               retry_after=5)
+        st.losses += lost
+        st.requeues += not lost
         st.attempt += 1
         self.resumes += 1
         metrics.RESUMES.labels("gateway").inc()

@@ -9,6 +9,7 @@ prefill's hand-off could not reach is left out of the resume."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -228,14 +229,16 @@ async def test_two_copies_of_one_attempt_never_drift():
 
 
 @pytest.mark.parametrize("refused", [False, True])
-async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_resume(refused):
+async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_resume(refused, caplog):
     """The router plans prefill "p" -> decode "d-c" while d-c is dead (its heartbeats not yet
     missed): p's KV hand-off finds d-c's data plane refusing connections. The prefill's stream
     error names d-c as lost (the real PrefillWorker.hand_off, KVConnector.hand_off and TCP sender,
     EngineWorker.stream_outputs; no engine): the resume is routed without d-c, not without p (the
     bench of N hosts saw a router name d-c again for that resume). ``refused``: d-c is alive and
     answers the hand-off with an error ("overloaded"): nobody is gone, the resume excludes nobody
-    (it used to exclude p, the prefill, which had done nothing wrong)."""
+    (it used to exclude p, the prefill, which had done nothing wrong), and refusals for room are
+    no losses: two of them under TANDEM_RESUME_ATTEMPTS=1 (two choices of one request planned
+    onto one ring: the second's hand-offs refused until the first ends) still end exact."""
     import socket
 
     from shared.bus import RemoteError
@@ -258,7 +261,7 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
 
     async def route(req: RouteRequest) -> RoutePlan:
         routed.append(req)
-        if len(routed) == 1:   # prefill on p (unless p is excluded), the KV to d-c; then d-b
+        if len(routed) <= (2 if refused else 1):   # prefill on p (unless p is excluded), the KV to d-c; then d-b
             return RoutePlan(request_id=req.request_id, prefill_worker=None if "p" in req.exclude else "p",
                              decode_worker="d-c", decode_role=subjects.CPU_DECODE, reason="to d-c",
                              decode_data_host="127.0.0.1", decode_data_port=closed_port)
@@ -285,14 +288,17 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
     prefill.bus, prefill.worker_id, prefill.requests, prefill.engine, prefill.kv, prefill.tpot = \
         buses["p"], "p", {}, Engine(), kv, 0.0
 
-    async def on_prefill(req: PrefillRequest) -> Ack:   # the first word, then the hand-off (services/prefill.py)
+    async def on_prefill(req: PrefillRequest) -> Ack:   # the next word, then the hand-off (services/prefill.py)
+        start, seq = (len(req.resume.output_token_ids), req.resume.next_seq) if req.resume else (0, 0)
+        attempt = req.resume.attempt if req.resume else 0
+
         async def outputs():
-            yield RequestOutput(req.request_id, [0], WORDS[0], True, "prefilled")
+            yield RequestOutput(req.request_id, [start], WORDS[start], True, "prefilled")
 
         async def parked(out) -> None:
-            await prefill.hand_off(req, 1, 0)
+            await prefill.hand_off(req, seq + 1, attempt)
         asyncio.get_running_loop().create_task(prefill.stream_outputs(
-            req.request_id, req.stream_subject, outputs(), 0, parked, 0))
+            req.request_id, req.stream_subject, outputs(), seq, parked, attempt, offset=start))
         return Ack(worker="p")
 
     async def on_generate(req: GenerateRequest) -> Ack:
@@ -303,13 +309,19 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
     await buses["p"].serve(subjects.worker_prefill("p"), on_prefill, expected=PrefillRequest)
     await buses["d-b"].serve(subjects.worker_generate("d-b"), on_generate, expected=GenerateRequest)
     backend = NatsBackend(buses["gw"], "m", 1024, tokenizer=None,
-                          settings=GatewaySettings(liveness_check_s=0.2, resume_wait_s=5.0))
+                          settings=GatewaySettings(liveness_check_s=0.2, resume_wait_s=5.0, resume_attempts=1))
     await backend.start()
     try:
         req = GenerationRequest("r-1", "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None)
         outs = await asyncio.wait_for(_collect(backend, req), 30)
         assert "".join(o.text for o in outs) == "all of it" and outs[-1].finish_reason == "stop"
-        assert [r.exclude for r in routed] == [[], [] if refused else ["d-c"]] and backend.resumes == 1
+        # a failed hand-off is routine (the gateway goes on elsewhere): a warning, not an error with a traceback
+        assert not [r for r in caplog.records if r.name == "tandem.worker" and r.levelno >= logging.ERROR]
+        assert [r for r in caplog.records if r.name == "tandem.worker" and "hand-off to d-c" in r.getMessage()]
+        if refused:
+            assert [r.exclude for r in routed] == [[]] * 3 and backend.resumes == 2
+        else:
+            assert [r.exclude for r in routed] == [[], ["d-c"]] and backend.resumes == 1
     finally:
         await backend.close()
         await kv.sender.close()
