@@ -177,9 +177,42 @@ class ToolPlan:
 
 
 def _params(fn: dict) -> dict:
-    """A function's arguments schema; none (or ``{}``) is an empty parameter list, as OpenAI's:
-    the arguments are ``{}`` (an open object let the model write any, and never end)."""
-    return fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+    """A function's arguments schema, its objects closed (``closed``); none (or ``{}``) is an
+    empty parameter list, as OpenAI's: the arguments are ``{}`` (an open object let the model
+    write any, and never end)."""
+    return closed(fn.get("parameters") or {"type": "object", "properties": {}})
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "not", "if", "then", "else", "contains", "additionalItems")
+
+
+def closed(schema):
+    """``schema`` with every object that does not say ``additionalProperties`` (nor
+    ``patternProperties``) closed to its declared properties — OpenAI's strict function calling
+    and vLLM's default (xgrammar's strict mode) do the same: a grammar that allows any other key
+    lets a small model add keys, nested ever deeper, until the token cap, and the call is lost.
+    A new schema; the caller's is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed(v) for v in out[k]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(v) for name, v in out[k].items()}
+    for k in _SUBSCHEMAS:
+        if isinstance(out.get(k), dict):
+            out[k] = closed(out[k])
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(out["additionalProperties"])
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
+        or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:

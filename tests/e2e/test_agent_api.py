@@ -79,6 +79,22 @@ def test_named_tool_choice_gives_a_valid_call(client, model):
     check_call(call)
 
 
+def test_a_forced_call_whose_schema_leaves_objects_open_still_ends(client, model):
+    """No additionalProperties in the tool's schema (JSON Schema then allows any other key): the
+    135M model, forced to call, wrote {"q": "...", "type": {"type": {...}}} until the token cap
+    and no call came out. The gateway closes such objects for forced calls, as OpenAI's strict
+    mode and vLLM do: one call with the declared keys."""
+    lookup = {"type": "function", "function": {"name": "lookup", "description": "look up a fact", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 16}}, "required": ["q"]}}}
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Look up fact 1."}],
+                                       tools=[lookup], tool_choice={"type": "function", "function": {"name": "lookup"}},
+                                       max_tokens=64, temperature=0)
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls", (choice.finish_reason, r.usage)
+    (call,) = choice.message.tool_calls
+    assert set(json.loads(call.function.arguments)) == {"q"}
+
+
 def test_required_tool_choice_gives_valid_calls(client, model):
     r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=80, temperature=0.7, seed=1)

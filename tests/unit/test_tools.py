@@ -11,7 +11,7 @@ import pytest
 from services.gateway import tools
 from services.gateway.openai_api import APIError
 from services.gateway.tools import (
-    ChoiceTools, HermesParser, Llama3JsonParser, MistralParser, choose_parser, render_messages,
+    ChoiceTools, HermesParser, Llama3JsonParser, MistralParser, choose_parser, closed, render_messages,
     response_format_guide, template_takes_tools, tool_plan,
 )
 from shared.engine.grammar import check_guide
@@ -118,6 +118,35 @@ def test_a_function_without_parameters_takes_none():
             jsonschema.validate({}, args)
             with pytest.raises(jsonschema.ValidationError):
                 jsonschema.validate({"function_name": {}}, args)
+
+
+def test_a_forced_call_s_objects_are_closed_unless_the_schema_opens_them():
+    """A parameters schema without additionalProperties allows any other key: the 135M model
+    wrote {"q": "...", "type": {"type": {...}}} to the token cap and the call was lost. Forced
+    calls close such objects (OpenAI's strict mode, vLLM's xgrammar default), nested ones too; a
+    schema that says additionalProperties (or patternProperties) keeps it; the caller's schema is
+    left as it was."""
+    params = {"type": "object", "properties": {
+        "q": {"type": "string", "maxLength": 16},
+        "opts": {"type": "object", "properties": {"deep": {"type": "boolean"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "meta": {"type": "object", "additionalProperties": {"type": "string"}},
+        "any": {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "null"}]}},
+        "required": ["q"]}
+    before = json.dumps(params, sort_keys=True)
+    fn = {"type": "function", "function": {"name": "search", "parameters": params}}
+    for choice in ({"type": "function", "function": {"name": "search"}}, "required"):
+        schema = tool_plan([fn], choice, None).guide()["value"]
+        args = schema if choice != "required" else schema["items"]["anyOf"][0]["properties"]["arguments"]
+        ok = {"q": "x", "opts": {"deep": True}, "tags": [{"k": "v"}], "meta": {"free": "form"}, "any": {"a": 1}}
+        jsonschema.validate(ok, args)
+        for extra in ({"q": "x", "type": {}}, {"q": "x", "opts": {"deep": True, "x": 1}}, {"q": "x", "tags": [{"z": 1}]},
+                      {"q": "x", "any": {"a": 1, "b": 2}}):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(extra, args)
+    assert json.dumps(params, sort_keys=True) == before
+    assert closed({"type": "object", "patternProperties": {"^x": {}}}) == {"type": "object", "patternProperties": {"^x": {}}}
+    assert closed({"type": "object", "additionalProperties": True})["additionalProperties"] is True
 
 
 def test_response_format_guides():
