@@ -137,7 +137,8 @@ class WorkerSettings:
                                     "after each published chunk, so the next carries every token made meanwhile "
                                     "(fewer bus messages); 0 = off. Interactive and standard never wait")
     step_deadline_s: float = _env("TANDEM_STEP_DEADLINE_S", 30.0, "an engine step running longer than this "
-                                  "marks the worker not ready (a hung engine gets no work; its requests resume elsewhere)")
+                                  "marks the worker not ready (a hung engine gets no work; its requests resume elsewhere); a ring's "
+                                  "coordinator gives up a silent member after 0.8 of it")
     heartbeat_interval: float = _env("TANDEM_HEARTBEAT_INTERVAL", 1.0, "seconds between heartbeats (a worker "
                                      "silent for 3 of them is taken for gone)")
     metrics_port: int = _env("TANDEM_METRICS_PORT", 0, "Prometheus /metrics HTTP port of a worker or "
