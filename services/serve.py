@@ -116,8 +116,12 @@ def main(args: argparse.Namespace) -> int:
         args.gateway = settings_from_args(args) if args.service == "gateway" else None
         if not settings.nats.servers():
             raise ValueError("no NATS server: set TANDEM_NATS_URL (or run `tandem up`, which starts an embedded one)")
-        if (args.service not in ("gateway", "router") and not _loopback(settings.data.host)
-                and not settings.data.secret()):
+        keyed = args.service not in ("gateway", "router")   # the data plane's services, the pool's secret
+        data_key = b""
+        if keyed:   # their key files, read now: one that cannot be read is a ValueError naming it
+            settings.pool.secret()
+            data_key = settings.data.secret()
+        if keyed and not _loopback(settings.data.host) and not data_key:
             raise ValueError(f"TANDEM_DATA_HOST={settings.data.host} takes KV from beyond this machine, but there "
                              "is no data-plane key to tell its peers from anyone else: set TANDEM_DATA_KEY (the "
                              "same on every host, e.g. `openssl rand -hex 32`) or TANDEM_DATA_KEY_FILE "

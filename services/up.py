@@ -8,7 +8,8 @@ then router and KV pool (which stores what it was handed), then NATS.
 
 Supervision: a copy that exits, whatever its code, is restarted with a backoff (0.5 s doubling
 to 10 s) under a new worker id; more than 5 exits within 60 s and that copy is given up, loudly,
-while the rest keeps serving. The embedded nats-server is restarted on the same address with its
+while the rest keeps serving — but the gateway, NATS or the last decode copy given up stops the
+stack (exit 1): nothing could be served. The embedded nats-server is restarted on the same address with its
 JetStream store. Each restart is one log line and ``tandem_restarts_total{service}`` on the
 supervisor's own /metrics (its address is in the start-up line).
 
@@ -31,9 +32,9 @@ import signal
 import socket
 import sys
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
-from shared import bus_auth, metrics, tracing
+from shared import bus_auth, metrics, subjects, tracing
 from shared.engine.model_files import load_tokenizer
 from shared.nats_server import EmbeddedNats, die_with_parent
 from shared.os_priority import describe, engine_threads, omp_env
@@ -175,6 +176,8 @@ class Child:
         self.exits: list[float] = []          # monotonic times of unexpected exits
         self.stopping = False
         self.fatal = False                    # given up, and the stack cannot serve without it
+        self.given_up = False
+        self.decoders_left: Callable[[], bool] = lambda: True   # a decode copy not given up runs (set by _up)
         self.wake = asyncio.Event()           # set by stop(): cut a backoff short
 
     async def start(self) -> None:
@@ -203,6 +206,15 @@ class Child:
                     log.error("!!! %s exited with code %s, its %d%s exit in %.0f s: GIVING UP on it, and with no "
                               "gateway the stack serves nothing: stopping it", self.name, code, len(self.exits),
                               _nth(len(self.exits)), RESTART_WINDOW_S)
+                    self.fatal = True
+                    stop.set()
+                    return
+                self.given_up = True
+                if self.service in subjects.DECODE_ROLES and not self.decoders_left():
+                    # no decode copy of any kind left: every request would wait, then fail
+                    log.error("!!! %s exited with code %s, its %d%s exit in %.0f s: GIVING UP on it, and with "
+                              "every decode copy given up the stack serves nothing: stopping it (its log above "
+                              "says why)", self.name, code, len(self.exits), _nth(len(self.exits)), RESTART_WINDOW_S)
                     self.fatal = True
                     stop.set()
                     return
@@ -303,8 +315,9 @@ def embedded_nats(env: dict[str, str]) -> EmbeddedNats:
 def preflight(settings: Settings, pool: bool = True) -> None:
     """What would make every copy of a service fail the same way, checked before anything starts
     (ValueError naming it: one clear line and exit 2, not five tracebacks a copy and a stack that
-    serves nothing): the model's file, the gateway's port, and (``pool``: a kvpool copy runs) the
-    pool's directories — made as the pool makes them, and writable."""
+    serves nothing): the model's file, the gateway's port, the pool secret and the data-plane key
+    (their files made when missing, and readable), and (``pool``: a kvpool copy runs) the pool's
+    directories — made as the pool makes them, and writable."""
     load_tokenizer(settings.worker.model)   # its header, tensor list and tokenizer: a complete GGUF, or a clear error
     cfg = settings.pool.pool_config() if pool else None
     for name, where in (("TANDEM_POOL_DIR", cfg and cfg.disk_dir), ("TANDEM_POOL_SHARED_DIR", cfg and cfg.shared_dir)):
@@ -317,6 +330,10 @@ def preflight(settings: Settings, pool: bool = True) -> None:
         except OSError as e:
             raise ValueError(f"the KV pool's directory {name}={where} cannot be used ({e.strerror or e}): "
                              f"set another (empty: no such tier), or --kvpool 0") from None
+    for what, keyed in (("pool secret", settings.pool), ("data-plane key", settings.data)):
+        if not keyed.key:
+            bus_auth.key_file(keyed.key_file, what)
+        keyed.secret()   # a file that cannot be read: ValueError naming it
     if os.environ.get(tracing.OTLP_ENV):
         tracing.check_exporter()
     host, port = settings.gateway.host, settings.gateway.port
@@ -351,10 +368,6 @@ async def _up(args: argparse.Namespace) -> int:
         nats = embedded_nats(env)
         env["TANDEM_NATS_URL"] = await asyncio.to_thread(nats.start)
         log.info("embedded NATS (JetStream) at %s", env["TANDEM_NATS_URL"])
-    if not settings.pool.key:
-        bus_auth.key_file(settings.pool.key_file, "pool secret")
-    if not settings.data.key:
-        bus_auth.key_file(settings.data.key_file, "data-plane key")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     children: list[Child] = []
@@ -382,6 +395,8 @@ async def _up(args: argparse.Namespace) -> int:
     extra, priorities = os_priorities(args, env)
     log.info("%s", priorities)
     children += [Child(name, service, dict(env, **extra.get(service, {}))) for name, service in plan(args)]
+    for c in children:
+        c.decoders_left = lambda: any(d.service in subjects.DECODE_ROLES and not d.given_up for d in children)
     tasks, fatal = [], []   # fatal: what was given up that the stack cannot serve without
     try:
         for c in children:

@@ -254,8 +254,10 @@ class RouterSettings:
             raise ValueError("TANDEM_LOCAL_PREFILL_TOKENS must be >= 0")
 
 
-def _secret(value: str | None, path: str) -> bytes:
-    """A deployment secret: ``value`` when set, else the contents of the file at ``path`` (b"": none)."""
+def _secret(value: str | None, path: str, name: str) -> bytes:
+    """A deployment secret: ``value`` when set, else the contents of the file at ``path`` (b"": no
+    such file). ValueError naming the variable ``name`` for a path that cannot be read (a
+    directory, no permission): every copy would fail the same way."""
     if value:
         return value.encode()
     try:
@@ -263,6 +265,9 @@ def _secret(value: str | None, path: str) -> bytes:
             return f.read().strip()
     except FileNotFoundError:
         return b""
+    except OSError as e:
+        raise ValueError(f"{name}={path} cannot be read ({e.strerror or e}): name a file this user can "
+                         "read, or set the key itself") from None
 
 
 @dataclass
@@ -301,7 +306,7 @@ class DataPlaneSettings:
 
     def secret(self) -> bytes:
         """The data-plane key (TANDEM_DATA_KEY, else TANDEM_DATA_KEY_FILE's contents; b"": none)."""
-        return _secret(self.key, self.key_file)
+        return _secret(self.key, self.key_file, "TANDEM_DATA_KEY_FILE")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535 or not 0 <= self.ring_port <= 65535:
@@ -380,7 +385,7 @@ class PoolSettings:
 
     def secret(self) -> bytes:
         """The MAC secret of pool entries (TANDEM_POOL_KEY, else TANDEM_POOL_KEY_FILE's contents; b"": none)."""
-        return _secret(self.key, self.key_file)
+        return _secret(self.key, self.key_file, "TANDEM_POOL_KEY_FILE")
 
     def pool_config(self):
         """The kvpool.pool.PoolConfig these settings describe."""

@@ -39,6 +39,11 @@ def _serve(*argv: str, **env: str):
     (["cpu-decode"], {"TANDEM_NATS_URL": "nats://127.0.0.1:1", "TANDEM_DATA_HOST": "0.0.0.0",
                       "TANDEM_DATA_ADVERTISE_HOST": "10.0.0.7", "TANDEM_DATA_KEY_FILE": "/nonexistent/data.key"}, 2,
      "TANDEM_DATA_HOST=0.0.0.0 takes KV from beyond this machine, but there is no data-plane key"),
+    # a key file that is a directory: every copy crash-looped on it with a traceback
+    (["cpu-decode"], {"TANDEM_NATS_URL": "nats://127.0.0.1:1", "TANDEM_DATA_KEY_FILE": "/"}, 2,
+     "TANDEM_DATA_KEY_FILE=/ cannot be read (Is a directory)"),
+    (["kvpool"], {"TANDEM_NATS_URL": "nats://127.0.0.1:1", "TANDEM_POOL_KEY_FILE": "/"}, 2,
+     "TANDEM_POOL_KEY_FILE=/ cannot be read (Is a directory)"),
 ])
 def test_a_service_that_cannot_start_says_why_in_one_line(argv, env, rc, said):
     """No NATS, a bad flag, NATS unreachable: one line and an exit code (they were tracebacks)."""

@@ -109,6 +109,10 @@ def test_preflight_names_a_bad_model_and_a_taken_port(tmp_path):
             preflight(Settings.from_env(env), pool=False)
     made = tmp_path / "pool" / "disk"
     preflight(Settings.from_env({"TANDEM_PORT": free, "TANDEM_POOL_DIR": str(made)}))
+    # a key file that cannot be read (a directory): every worker crash-looped on it, a traceback each
+    for name in ("TANDEM_DATA_KEY_FILE", "TANDEM_POOL_KEY_FILE"):
+        with pytest.raises(ValueError, match=f"{name}={tmp_path} cannot be read"):
+            preflight(Settings.from_env({"TANDEM_PORT": free, name: str(tmp_path)}), pool=False)
     assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700
 
 
