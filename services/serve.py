@@ -15,7 +15,7 @@ import os
 import signal
 
 from shared import subjects, tracing
-from shared.settings import Settings, env_help
+from shared.settings import ConfigError, Settings, env_help
 
 log = logging.getLogger("tandem.serve")
 
@@ -134,6 +134,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(_run(args, settings))
+    except ConfigError as e:  # found while starting (a fixed port another process has): one line
+        log.error("bad configuration: %s", e)
+        return 2
     except BusError as e:     # NATS unreachable or refusing this role at start: one line, not a traceback
         if e.code != "unavailable":
             raise

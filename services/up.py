@@ -32,6 +32,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.parse
 from typing import Callable, Mapping
 
 from shared import bus_auth, metrics, subjects, tracing
@@ -312,12 +313,24 @@ def embedded_nats(env: dict[str, str]) -> EmbeddedNats:
     return EmbeddedNats(store_dir=s.store_dir, config=config, supervised=True)
 
 
-def preflight(settings: Settings, pool: bool = True) -> None:
+def _reachable(url: str, timeout: float) -> bool:
+    """A TCP connection to the NATS server of ``url`` (nats://, tls://; port 4222 unless given) opens."""
+    u = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
+    try:
+        socket.create_connection((u.hostname or "127.0.0.1", u.port or 4222), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def preflight(settings: Settings, pool: bool = True, metrics_servers: int = 1) -> None:
     """What would make every copy of a service fail the same way, checked before anything starts
     (ValueError naming it: one clear line and exit 2, not five tracebacks a copy and a stack that
     serves nothing): the model's file, the gateway's port, the pool secret and the data-plane key
     (their files made when missing, and readable), and (``pool``: a kvpool copy runs) the pool's
-    directories — made as the pool makes them, and writable."""
+    directories — made as the pool makes them, and writable; a fixed TANDEM_METRICS_PORT, which
+    only one of the ``metrics_servers`` processes that serve metrics could bind; and the NATS server
+    TANDEM_NATS_URL names, when it names one (every copy would crash-loop on it)."""
     load_tokenizer(settings.worker.model)   # its header, tensor list and tokenizer: a complete GGUF, or a clear error
     cfg = settings.pool.pool_config() if pool else None
     for name, where in (("TANDEM_POOL_DIR", cfg and cfg.disk_dir), ("TANDEM_POOL_SHARED_DIR", cfg and cfg.shared_dir)):
@@ -330,6 +343,14 @@ def preflight(settings: Settings, pool: bool = True) -> None:
         except OSError as e:
             raise ValueError(f"the KV pool's directory {name}={where} cannot be used ({e.strerror or e}): "
                              f"set another (empty: no such tier), or --kvpool 0") from None
+    if settings.nats.servers() and not any(_reachable(url, settings.nats.connect_timeout)
+                                           for url in settings.nats.servers()):
+        raise ValueError(f"no NATS server answers at TANDEM_NATS_URL={settings.nats.url}: start it (or unset "
+                         "TANDEM_NATS_URL: `tandem up` then starts an embedded one)")
+    if settings.worker.metrics_port > 0 and metrics_servers > 1:
+        raise ValueError(f"TANDEM_METRICS_PORT={settings.worker.metrics_port} is one port, but {metrics_servers} "
+                         "processes of this stack serve metrics: leave it 0 (each a free port, said in its log and "
+                         "heartbeats) or -1 (off); a fixed port is for one service a container (`tandem serve`)")
     for what, keyed in (("pool secret", settings.pool), ("data-plane key", settings.data)):
         if not keyed.key:
             bus_auth.key_file(keyed.key_file, what)
@@ -362,7 +383,9 @@ def stack_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str,
 async def _up(args: argparse.Namespace) -> int:
     env = stack_env(args, os.environ)
     settings = Settings.from_env(env)   # every setting checked before anything starts
-    await asyncio.to_thread(preflight, settings, any(service == "kvpool" for _, service in plan(args)))
+    services = [service for _, service in plan(args)]
+    await asyncio.to_thread(preflight, settings, "kvpool" in services,
+                            sum(service != "gateway" for service in services))   # the gateway's are on its port
     nats = None
     if not env.get("TANDEM_NATS_URL"):
         nats = embedded_nats(env)

@@ -27,6 +27,8 @@ import logging
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
+from shared.settings import ConfigError
+
 log = logging.getLogger(__name__)
 
 # latency buckets: 1 ms .. 2 min (TTFT of a long prompt on a CPU runs to tens of seconds)
@@ -236,7 +238,11 @@ def serve_http(port: int, host: str = "127.0.0.1") -> int | None:
     if port < 0:
         return None
     from prometheus_client import start_http_server
-    server, _thread = start_http_server(port, addr=host)
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as e:   # a fixed port another process has: one line, not a traceback
+        raise ConfigError(f"TANDEM_METRICS_PORT={port} cannot be used on {host} ({e.strerror or e}): another "
+                          "process has it? (0: a free port, said in the heartbeats; -1: off)") from None
     bound = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound

@@ -18,6 +18,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+class ConfigError(ValueError):
+    """A setting the environment cannot honour, found while a service starts (a key file that cannot
+    be read, a fixed port another process has): ``tandem serve`` says it in one line and exits 2."""
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -266,7 +271,7 @@ def _secret(value: str | None, path: str, name: str) -> bytes:
     except FileNotFoundError:
         return b""
     except OSError as e:
-        raise ValueError(f"{name}={path} cannot be read ({e.strerror or e}): name a file this user can "
+        raise ConfigError(f"{name}={path} cannot be read ({e.strerror or e}): name a file this user can "
                          "read, or set the key itself") from None
 
 

@@ -52,6 +52,19 @@ def test_a_service_that_cannot_start_says_why_in_one_line(argv, env, rc, said):
     assert said in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def test_a_metrics_port_another_process_has_is_one_line():
+    """A fixed TANDEM_METRICS_PORT already bound: it was an OSError traceback (and, under `tandem
+    up`, a crash loop of every copy but the first)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = _serve("router", TANDEM_NATS_URL="nats://127.0.0.1:1", TANDEM_METRICS_PORT=str(port))
+    assert out.returncode == 2, out.stderr
+    assert f"TANDEM_METRICS_PORT={port} cannot be used" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_serve_gateway_takes_the_flags_docs_api_md_lists():
     """--default-tier was documented but not taken by `tandem serve gateway`; an API key has no
     flag on purpose (a command line is in every user's `ps`)."""

@@ -109,6 +109,13 @@ def test_preflight_names_a_bad_model_and_a_taken_port(tmp_path):
             preflight(Settings.from_env(env), pool=False)
     made = tmp_path / "pool" / "disk"
     preflight(Settings.from_env({"TANDEM_PORT": free, "TANDEM_POOL_DIR": str(made)}))
+    # TANDEM_NATS_URL naming no server: every copy crash-looped on it for half a minute
+    with pytest.raises(ValueError, match="no NATS server answers at TANDEM_NATS_URL=nats://127.0.0.1:1"):
+        preflight(Settings.from_env({"TANDEM_PORT": free, "TANDEM_NATS_URL": "nats://127.0.0.1:1"}), pool=False)
+    # a fixed metrics port for several processes: all but the first crash-looped on EADDRINUSE
+    with pytest.raises(ValueError, match="TANDEM_METRICS_PORT=9100 is one port, but 4 processes"):
+        preflight(Settings.from_env({"TANDEM_PORT": free, "TANDEM_METRICS_PORT": "9100"}), metrics_servers=4)
+    preflight(Settings.from_env({"TANDEM_PORT": free, "TANDEM_METRICS_PORT": "9100"}), pool=False)
     # a key file that cannot be read (a directory): every worker crash-looped on it, a traceback each
     for name in ("TANDEM_DATA_KEY_FILE", "TANDEM_POOL_KEY_FILE"):
         with pytest.raises(ValueError, match=f"{name}={tmp_path} cannot be read"):
