@@ -307,8 +307,10 @@ def _pick(pool: list[WorkerView], cached: dict[str, int], session: SessionView |
 
 
 def _not_ready(later: list[WorkerView], roles: tuple[str, ...], now: float) -> str:
-    """``later``'s workers of ``roles`` as a clause for a message: their ids and how long ago each was heard."""
-    return ", ".join(f"{w.id} (last heartbeat {max(0.0, now - w.seen):.1f} s ago)" for w in later if w.role in roles)
+    """``later``'s workers of ``roles`` as a clause for a message: their ids and why each is not usable now."""
+    def why(w: WorkerView) -> str:
+        return "found gone for this request" if w.alive(now) else f"last heartbeat {max(0.0, now - w.seen):.1f} s ago"
+    return ", ".join(f"{w.id} ({why(w)})" for w in later if w.role in roles)
 
 
 def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str = "sla", turn: int = 0,
@@ -438,8 +440,9 @@ def _ring_later(req: RouteRequest, tier: str, context: int, ready: list[WorkerVi
         return
     if strategy.kind == RING and not _prefills([*ready, *later], req):
         return  # nothing would compute its prompt either
+    what = f"a {strategy}" if strategy.kind == RING else f"a {strategy.kind}-decode worker"
     raise BusError("unavailable", f"no ready decode worker, nor a ring of them, holds {context} tokens "
-                                  f"({req.num_prompt_tokens} in the prompt, up to {req.max_tokens} more); a {strategy} "
+                                  f"({req.num_prompt_tokens} in the prompt, up to {req.max_tokens} more); {what} "
                                   f"would once {_not_ready(back, subjects.DECODE_ROLES, now)} is back")
 
 

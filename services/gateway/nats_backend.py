@@ -99,6 +99,8 @@ class _Flight:
     chars: int = 0                       # characters of text the client got
     holder: str = ""                     # the worker believed to hold it (last chunk's, or dispatched to)
     exclude: set[str] = field(default_factory=set)       # workers found dead for it
+    silent: dict[str, float] = field(default_factory=dict)  # ... of them found silent (no answer, no heartbeat,
+                                                         # a hung step): when; a heartbeat since lets them back
     held: dict[int, StreamChunk] = field(default_factory=dict)  # chunks ahead of next_seq
     gap_since: float | None = None       # when a chunk ahead of a missing seq arrived
     suspect_since: float | None = None   # when the holder said it no longer has it (grace before resuming)
@@ -195,7 +197,7 @@ class NatsBackend:
                     # the worker found gone (a ring's member; the decode worker a prefill's hand-off
                     # did not reach), nobody (a live peer refused the sender's hand-off), else the sender
                     gone = msg.lost or ("" if msg.sender_ok else st.holder)
-                    await self._resume(st, f"its worker failed: {msg.message}", gone)
+                    await self._resume(st, f"its worker failed: {msg.message}", gone, silent=bool(msg.lost))
                     continue
                 if msg.code == "overloaded" and msg.sender_ok:   # its hand-off found no room: nobody lost
                     await self._resume(st, f"no room for its hand-off: {msg.message}", "", lost=False)
@@ -250,9 +252,9 @@ class NatsBackend:
                                                timeout=max(1.0, self.settings.liveness_check_s), expected=WhereReply)
             except BusError as e:
                 if e.code == "unavailable":  # no responders: the process is gone
-                    await self._resume(st, f"worker {worker} is gone", worker)
+                    await self._resume(st, f"worker {worker} is gone", worker, silent=True)
                 elif self._stale(worker, now):
-                    await self._resume(st, f"worker {worker} stopped answering (no heartbeat)", worker)
+                    await self._resume(st, f"worker {worker} stopped answering (no heartbeat)", worker, silent=True)
                 return  # a slow answer from a live worker: it is busy, not gone
             if where.holds and where.attempt == st.attempt:
                 if where.ready:
@@ -260,7 +262,7 @@ class NatsBackend:
                     return
                 st.stalled_since = st.stalled_since or now  # its engine is stuck in a step
                 if now - st.stalled_since > self.settings.liveness_check_s:
-                    await self._resume(st, f"worker {worker}'s engine is not making progress", worker)
+                    await self._resume(st, f"worker {worker}'s engine is not making progress", worker, silent=True)
                 return
             if where.handed_to and not where.holds:
                 worker = where.handed_to  # follow the hand-off / migration
@@ -275,9 +277,11 @@ class NatsBackend:
     def _stale(self, worker: str, now: float) -> bool:
         return self.heartbeats.gone(worker, now)
 
-    async def _resume(self, st: _Flight, why: str, dead: str, lost: bool = True) -> None:
+    async def _resume(self, st: _Flight, why: str, dead: str, lost: bool = True, silent: bool = False) -> None:
         """Go on from the next token the client has not seen, on another worker (module doc);
-        ``lost``: its worker was lost (else a hand-off was refused for room: routed again)."""
+        ``lost``: its worker was lost (else a hand-off was refused for room: routed again);
+        ``silent``: ``dead`` was found silent — it may be back (a pause, not a death): excluded
+        until it sends a heartbeat again (``_readmit``)."""
         rid = st.req.request_id
         if lost and st.losses >= self.settings.resume_attempts:
             raise BackendError("worker_lost", f"the request was lost {st.losses + 1} times ({why}); giving up", 502)
@@ -291,6 +295,8 @@ class NatsBackend:
         metrics.RESUMES.labels("gateway").inc()
         if dead:
             st.exclude.add(dead)
+            if silent:
+                st.silent[dead] = time.monotonic()
         st.held.clear()
         st.gap_since = st.suspect_since = st.stalled_since = None
         log.warning("%s: %s; resuming at token %d (seq %d, attempt %d)", rid, why, len(st.token_ids), st.next_seq,
@@ -331,7 +337,20 @@ class NatsBackend:
                 log.info("%s: %s; waiting for a worker", st.req.request_id, e.message)
             if not keep_excluded:
                 st.exclude.clear()
+            self._readmit(st)
             await asyncio.sleep(min(1.0, self.settings.liveness_check_s * 2))
+
+    def _readmit(self, st: _Flight) -> None:
+        """Workers excluded for silence that have sent a ready heartbeat since (stopped for a few
+        seconds, a GC or swap pause, a step that hung and ended): routed to again — they dropped
+        the attempt they held. A dead worker never beats again under its id (a restart has a new one)."""
+        for wid, since in list(st.silent.items()):
+            got = self.heartbeats.last.get(wid)
+            if got is not None and got[1] > since and got[0].ready:
+                st.exclude.discard(wid)
+                del st.silent[wid]
+                log.info("%s: %s is back (a heartbeat since it was found silent): it may take the request again",
+                         st.req.request_id, wid)
 
     async def _dispatch(self, st: _Flight) -> None:
         """Route the request (its current attempt) and hand it to the planned worker; a planned

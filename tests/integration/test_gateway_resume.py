@@ -183,6 +183,34 @@ async def test_a_request_a_worker_dropped_is_resumed_elsewhere():
         assert [r.exclude for r in t.routed] == [[], ["w-drop"]] and t.backend.resumes == 1
 
 
+async def test_a_worker_back_from_a_pause_takes_the_request_again():
+    """The only worker that can hold the request stops answering (SIGSTOP, a long GC or swap
+    pause): the gateway resumes without it — and, once it sends heartbeats again under the same
+    id, routes to it again (it was excluded for good: the request waited TANDEM_RESUME_WAIT_S for
+    a worker that was back, then ended worker_lost). A worker killed never beats again under its id."""
+    from shared.schemas import Heartbeat
+
+    async def pausing(bus: Bus, req: GenerateRequest) -> None:
+        if req.resume:   # back: the rest from where the client is
+            return await finishing(bus, req)
+        await bus.publish(req.stream_subject, chunk(req, "w-only", 0, 0, [0]))   # then silent, no Where
+
+    async with Scripted(["w-only"], {"w-only": pausing}, resume_wait_s=10.0) as t:
+        async def beat_later():
+            await asyncio.sleep(1.5)
+            for _ in range(10):
+                await t.buses["w-only"].publish(subjects.heartbeat(subjects.CPU_DECODE, "w-only"), Heartbeat(
+                    worker_id="w-only", role=subjects.CPU_DECODE, device="cpu", model="m", ready=True,
+                    queue_depth=0, running=0, free_kv_blocks=1, total_kv_blocks=1, max_context=1024,
+                    data_host="", data_port=0, ts=0.0, interval=1.0))
+                await asyncio.sleep(0.5)
+        beating = asyncio.create_task(beat_later())
+        outs = await t.run()
+        beating.cancel()
+        assert "".join(o.text for o in outs) == "all of it" and outs[-1].finish_reason == "stop"
+        assert t.routed[1].exclude == ["w-only"] and t.routed[-1].exclude == [] and t.backend.resumes == 1
+
+
 async def test_a_dropped_request_with_no_worker_left_is_a_clear_error():
     async with Scripted(["w-drop"], {"w-drop": dropping}, resume_wait_s=1.0) as t:
         with pytest.raises(BackendError) as e:
