@@ -46,7 +46,8 @@ class PoolConfig:
         if self.ram_bytes == 0 and not self.disk_dir and not self.shared_dir and not self.redis_url:
             raise ValueError("the pool needs at least one tier (RAM bytes > 0, a disk or a shared directory, Redis)")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"the pool's Redis URL must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+            raise ValueError(f"the pool's Redis URL (TANDEM_POOL_REDIS_URL) must start with redis://, rediss:// "
+                             f"or unix://, got {self.redis_url!r}")
         if self.disk_dir and self.shared_dir and os.path.abspath(self.disk_dir) == os.path.abspath(self.shared_dir):
             raise ValueError("the disk and shared pool directories must differ")
         return self

@@ -162,6 +162,7 @@ async def _pump(name: str, stream: asyncio.StreamReader) -> None:
 RESTART_LIMIT = 5         # restarts of one copy within RESTART_WINDOW_S before it is given up
 RESTART_WINDOW_S = 60.0
 BACKOFF_S = (0.5, 10.0)   # first and longest wait before a restart (doubling in between)
+ESSENTIAL = ((subjects.ROUTER,), subjects.DECODE_ROLES)   # the last copy of either given up: nothing is served
 STOP_ORDER = ("gateway", "prefill", "gpu-decode", "cpu-decode", "router", "kvpool")  # see the module doc
 
 
@@ -178,7 +179,8 @@ class Child:
         self.stopping = False
         self.fatal = False                    # given up, and the stack cannot serve without it
         self.given_up = False
-        self.decoders_left: Callable[[], bool] = lambda: True   # a decode copy not given up runs (set by _up)
+        self.left: Callable[[tuple[str, ...]], bool] = lambda services: True   # a copy of one of these services
+                                                                               # is not given up (set by _up)
         self.wake = asyncio.Event()           # set by stop(): cut a backoff short
 
     async def start(self) -> None:
@@ -211,11 +213,13 @@ class Child:
                     stop.set()
                     return
                 self.given_up = True
-                if self.service in subjects.DECODE_ROLES and not self.decoders_left():
-                    # no decode copy of any kind left: every request would wait, then fail
+                needed = next((kind for kind in ESSENTIAL if self.service in kind), ())
+                if needed and not self.left(needed):
+                    # no router, or no decode copy of any kind, left: every request would wait, then fail
                     log.error("!!! %s exited with code %s, its %d%s exit in %.0f s: GIVING UP on it, and with "
-                              "every decode copy given up the stack serves nothing: stopping it (its log above "
-                              "says why)", self.name, code, len(self.exits), _nth(len(self.exits)), RESTART_WINDOW_S)
+                              "every %s copy given up the stack serves nothing: stopping it (its log above says "
+                              "why)", self.name, code, len(self.exits), _nth(len(self.exits)), RESTART_WINDOW_S,
+                              " or ".join(needed))
                     self.fatal = True
                     stop.set()
                     return
@@ -323,14 +327,26 @@ def _reachable(url: str, timeout: float) -> bool:
         return False
 
 
-def preflight(settings: Settings, pool: bool = True, metrics_servers: int = 1) -> None:
+def _bindable(host: str, what: str) -> None:
+    """``host`` (a TANDEM_*_HOST) is an address of this machine a server can bind: ValueError naming ``what``."""
+    try:
+        socket.create_server((host, 0)).close()
+    except OSError as e:
+        raise ValueError(f"{what}={host} cannot be bound ({e.strerror or e}): an address of this machine, "
+                         "e.g. 127.0.0.1 or 0.0.0.0") from None
+
+
+def preflight(settings: Settings, pool: bool = True, metrics_servers: int = 1,
+              data_servers: int = 1, ring_servers: int = 1) -> None:
     """What would make every copy of a service fail the same way, checked before anything starts
     (ValueError naming it: one clear line and exit 2, not five tracebacks a copy and a stack that
     serves nothing): the model's file, the gateway's port, the pool secret and the data-plane key
     (their files made when missing, and readable), and (``pool``: a kvpool copy runs) the pool's
-    directories — made as the pool makes them, and writable; a fixed TANDEM_METRICS_PORT, which
-    only one of the ``metrics_servers`` processes that serve metrics could bind; and the NATS server
-    TANDEM_NATS_URL names, when it names one (every copy would crash-loop on it)."""
+    directories — made as the pool makes them, and writable; a fixed TANDEM_METRICS_PORT,
+    TANDEM_DATA_PORT or TANDEM_RING_PORT, which only one of the processes that serve them
+    (``metrics_servers``, ``data_servers``, ``ring_servers``) could bind, and the hosts they bind;
+    the embedded NATS server's store directory; and the NATS server TANDEM_NATS_URL names, when it
+    names one (every copy would crash-loop on it)."""
     load_tokenizer(settings.worker.model)   # its header, tensor list and tokenizer: a complete GGUF, or a clear error
     cfg = settings.pool.pool_config() if pool else None
     for name, where in (("TANDEM_POOL_DIR", cfg and cfg.disk_dir), ("TANDEM_POOL_SHARED_DIR", cfg and cfg.shared_dir)):
@@ -347,10 +363,20 @@ def preflight(settings: Settings, pool: bool = True, metrics_servers: int = 1) -
                                            for url in settings.nats.servers()):
         raise ValueError(f"no NATS server answers at TANDEM_NATS_URL={settings.nats.url}: start it (or unset "
                          "TANDEM_NATS_URL: `tandem up` then starts an embedded one)")
-    if settings.worker.metrics_port > 0 and metrics_servers > 1:
-        raise ValueError(f"TANDEM_METRICS_PORT={settings.worker.metrics_port} is one port, but {metrics_servers} "
-                         "processes of this stack serve metrics: leave it 0 (each a free port, said in its log and "
-                         "heartbeats) or -1 (off); a fixed port is for one service a container (`tandem serve`)")
+    for var, port, servers in (("TANDEM_METRICS_PORT", settings.worker.metrics_port, metrics_servers),
+                               ("TANDEM_DATA_PORT", settings.data.port, data_servers),
+                               ("TANDEM_RING_PORT", settings.data.ring_port, ring_servers)):
+        if port > 0 and servers > 1:
+            raise ValueError(f"{var}={port} is one port, but {servers} processes of this stack would bind it: "
+                             "leave it 0 (each a free port, said in its log and heartbeats); a fixed port is for "
+                             "one service a container (`tandem serve`)")
+    if settings.worker.metrics_port >= 0:
+        _bindable(settings.worker.metrics_host, "TANDEM_METRICS_HOST")
+    _bindable(settings.data.host, "TANDEM_DATA_HOST")
+    store = settings.nats.store_dir
+    if store and not settings.nats.servers() and os.path.exists(os.path.expanduser(store)) \
+            and not os.path.isdir(os.path.expanduser(store)):
+        raise ValueError(f"TANDEM_NATS_STORE_DIR={store} is not a directory: name one (made when missing)")
     for what, keyed in (("pool secret", settings.pool), ("data-plane key", settings.data)):
         if not keyed.key:
             bus_auth.key_file(keyed.key_file, what)
@@ -368,7 +394,12 @@ def preflight(settings: Settings, pool: bool = True, metrics_servers: int = 1) -
 def stack_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
     """The environment of every copy: ``environ`` with the command line's settings, less the
     ``TANDEM_*`` names nothing reads (said once by services/cli.py, not again by every copy)."""
-    env = dict(environ, **topology(args), **pool_env(args, environ))
+    chosen = topology(args)
+    for name, value in chosen.items():   # the topology decides these: say so where the user set another
+        if environ.get(name, value) != value:
+            log.warning("--topology %s sets %s=%s (the environment's %r is not used)", args.topology, name, value,
+                        environ[name])
+    env = dict(environ, **chosen, **pool_env(args, environ))
     if args.port is not None:           # --port 0 is refused by the settings, not taken for unset
         env["TANDEM_PORT"] = str(args.port)
     if args.model:
@@ -381,11 +412,14 @@ def stack_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str,
 
 
 async def _up(args: argparse.Namespace) -> int:
+    Settings.from_env(os.environ)       # what the user set, checked as set (a topology may replace some)
     env = stack_env(args, os.environ)
     settings = Settings.from_env(env)   # every setting checked before anything starts
     services = [service for _, service in plan(args)]
     await asyncio.to_thread(preflight, settings, "kvpool" in services,
-                            sum(service != "gateway" for service in services))   # the gateway's are on its port
+                            sum(service != "gateway" for service in services),   # the gateway's are on its port
+                            sum(service in ("prefill", *subjects.DECODE_ROLES, "kvpool") for service in services),
+                            services.count(subjects.CPU_DECODE))
     nats = None
     if not env.get("TANDEM_NATS_URL"):
         nats = embedded_nats(env)
@@ -419,7 +453,7 @@ async def _up(args: argparse.Namespace) -> int:
     log.info("%s", priorities)
     children += [Child(name, service, dict(env, **extra.get(service, {}))) for name, service in plan(args)]
     for c in children:
-        c.decoders_left = lambda: any(d.service in subjects.DECODE_ROLES and not d.given_up for d in children)
+        c.left = lambda services: any(d.service in services and not d.given_up for d in children)
     tasks, fatal = [], []   # fatal: what was given up that the stack cannot serve without
     try:
         for c in children:

@@ -241,8 +241,9 @@ def serve_http(port: int, host: str = "127.0.0.1") -> int | None:
     try:
         server, _thread = start_http_server(port, addr=host)
     except OSError as e:   # a fixed port another process has: one line, not a traceback
-        raise ConfigError(f"TANDEM_METRICS_PORT={port} cannot be used on {host} ({e.strerror or e}): another "
-                          "process has it? (0: a free port, said in the heartbeats; -1: off)") from None
+        raise ConfigError(f"the metrics server cannot listen on {host}:{port} (TANDEM_METRICS_HOST, "
+                          f"TANDEM_METRICS_PORT={port}: {e.strerror or e}): another process has the port? (0: a "
+                          "free port, said in the heartbeats; -1: off)") from None
     bound = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound

@@ -12,7 +12,9 @@ cross-field checks in ``validate()`` raise ValueError naming the variables invol
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import socket
 import typing
 from dataclasses import dataclass, field
@@ -92,6 +94,8 @@ class NatsSettings:
 _ROLE_BUDGETS = {"prefill": "prefill", "gpu-decode": "gpu_decode", "cpu-decode": "cpu_decode"}  # role -> field suffix
 
 
+MAX_THREADS = 4096            # engine threads a worker may ask for (more is a typo, not a machine)
+MAX_BUDGET_MB = 1 << 30       # a KV budget past 1 PiB is a typo (and overflows what it sizes)
 _NON_NEGATIVE = {"threads", "kv_blocks", "max_seqs", "load_threads", "max_context", "step_tokens", "prefill_step_tokens",
                  "shared_step_tokens", "guest_step_tokens", "batch_coalesce_ms", "session_retention_s"}
 
@@ -142,8 +146,8 @@ class WorkerSettings:
                                     "after each published chunk, so the next carries every token made meanwhile "
                                     "(fewer bus messages); 0 = off. Interactive and standard never wait")
     step_deadline_s: float = _env("TANDEM_STEP_DEADLINE_S", 30.0, "an engine step running longer than this "
-                                  "marks the worker not ready (a hung engine gets no work; its requests resume elsewhere); a ring's "
-                                  "coordinator gives up a silent member after 0.8 of it")
+                                  "marks the worker not ready (a hung engine gets no work; its requests resume "
+                                  "elsewhere); a ring's coordinator gives up a silent member after 0.8 of it")
     heartbeat_interval: float = _env("TANDEM_HEARTBEAT_INTERVAL", 1.0, "seconds between heartbeats (a worker "
                                      "silent for 3 of them is taken for gone)")
     metrics_port: int = _env("TANDEM_METRICS_PORT", 0, "Prometheus /metrics HTTP port of a worker or "
@@ -161,6 +165,15 @@ class WorkerSettings:
         for f in dataclasses.fields(self):  # counts and budgets: 0 means "the default" or "off"
             if f.name in _NON_NEGATIVE and getattr(self, f.name) < 0:
                 raise ValueError(f"{f.metadata['env']} must be >= 0")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"TANDEM_DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.threads > MAX_THREADS or self.load_threads > MAX_THREADS:
+            raise ValueError(f"TANDEM_THREADS and TANDEM_LOAD_THREADS must be at most {MAX_THREADS}")
+        for f in dataclasses.fields(self):
+            if f.name.startswith("kv_budget_mb") and getattr(self, f.name) > MAX_BUDGET_MB:
+                raise ValueError(f"{f.metadata['env']} must be at most {MAX_BUDGET_MB} (MiB)")
+        if self.kv_blocks > 2**31:
+            raise ValueError("TANDEM_KV_BLOCKS must be at most 2**31")
         if self.gpu_step not in ("graphs", "fused", "ops"):
             raise ValueError(f"TANDEM_GPU_STEP must be graphs, fused or ops, got {self.gpu_step!r}")
         if 0 < self.step_tokens < max(64, self.max_seqs):
@@ -509,6 +522,8 @@ class GatewaySettings:
                              "(0 = no cap)")
         if self.drain_s < 0:
             raise ValueError("TANDEM_DRAIN_S must be >= 0")
+        if self.responses_retention_s <= 0:   # JetStream refuses a negative age: every store failed, the 200s said stored
+            raise ValueError("TANDEM_RESPONSES_RETENTION_S must be > 0")
         if self.tool_parser is not None and self.tool_parser not in ("hermes", "llama3_json", "mistral"):
             raise ValueError(f"TANDEM_TOOL_PARSER must be hermes, llama3_json or mistral, got {self.tool_parser!r}")
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -595,7 +610,10 @@ def _parse(raw: str, tp: Any, var: str) -> Any:
         if tp is int:
             return int(raw)
         if tp is float:
-            return float(raw)
+            v = float(raw)
+            if not math.isfinite(v):   # nan passes every "x <= 0" check, inf overflows what it sizes
+                raise ValueError("expected a finite number")
+            return v
         return raw
     except ValueError as e:
         raise ValueError(f"{var}={raw!r}: {e}") from None

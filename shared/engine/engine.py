@@ -126,8 +126,8 @@ class Engine(KVHandoff):
             # forever. It ends with finish_reason "length" there, and the worker advertises this
             # context, so the router sends it no prompt that cannot fit.
             log.warning("the KV cache holds %d tokens, less than the context of %d: the context is capped "
-                        "there (a larger TANDEM_KV_BUDGET_MB lifts it)", num_blocks * config.block_size,
-                        self.max_context)
+                        "there (more KV lifts it: %s)", num_blocks * config.block_size, self.max_context,
+                        "a larger TANDEM_KV_BLOCKS" if config.num_kv_blocks else "a larger TANDEM_KV_BUDGET_MB")
             self.max_context = num_blocks * config.block_size
         layout = weight_cache.layout_of(ops)
         if model.runtime is not None and model.runtime != layout:

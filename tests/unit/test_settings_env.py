@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shared.settings import ELSEWHERE, env_vars, unknown_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,3 +49,24 @@ def test_the_command_warns_once_and_up_does_not_pass_it_to_every_copy(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("TANDEM_KV_BUDGT_MB is not a Tandem setting") == 1
     assert "did you mean TANDEM_KV_BUDGET_MB?" in out.stderr
+
+
+@pytest.mark.parametrize("env, said", [
+    # nan passed every "x <= 0" check (heartbeats then carried null: no worker was ever seen), inf overflowed
+    ({"TANDEM_HEARTBEAT_INTERVAL": "nan"}, "TANDEM_HEARTBEAT_INTERVAL='nan': expected a finite number"),
+    ({"TANDEM_RESUME_WAIT_S": "inf"}, "TANDEM_RESUME_WAIT_S='inf': expected a finite number"),
+    ({"TANDEM_POOL_DISK_GB": "inf"}, "TANDEM_POOL_DISK_GB='inf': expected a finite number"),
+    # values every worker died of (a traceback, a C++ abort), after the stack had started
+    ({"TANDEM_DEVICE": "foo"}, "TANDEM_DEVICE must be cpu, cuda or cuda:N"),
+    ({"TANDEM_THREADS": "99999999999999999999"}, "TANDEM_THREADS and TANDEM_LOAD_THREADS must be at most"),
+    ({"TANDEM_KV_BUDGET_MB": "99999999999999999999"}, "TANDEM_KV_BUDGET_MB must be at most"),
+    ({"TANDEM_KV_BUDGET_MB_CPU_DECODE": "99999999999999999999"}, "TANDEM_KV_BUDGET_MB_CPU_DECODE must be at most"),
+    # JetStream refused the negative age: every stored Response was lost behind a 200
+    ({"TANDEM_RESPONSES_RETENTION_S": "-1"}, "TANDEM_RESPONSES_RETENTION_S must be > 0"),
+])
+def test_a_value_no_service_could_run_with_is_refused_naming_it(env, said):
+    from shared.settings import Settings
+    with pytest.raises(ValueError) as e:
+        Settings.from_env(env)
+    assert said in str(e.value)
+    Settings.from_env({"TANDEM_DEVICE": "cuda:1", "TANDEM_THREADS": "64", "TANDEM_HEARTBEAT_INTERVAL": "0.5"})

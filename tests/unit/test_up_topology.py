@@ -112,6 +112,15 @@ def test_preflight_names_a_bad_model_and_a_taken_port(tmp_path):
     # TANDEM_NATS_URL naming no server: every copy crash-looped on it for half a minute
     with pytest.raises(ValueError, match="no NATS server answers at TANDEM_NATS_URL=nats://127.0.0.1:1"):
         preflight(Settings.from_env({"TANDEM_PORT": free, "TANDEM_NATS_URL": "nats://127.0.0.1:1"}), pool=False)
+    # fixed data / ring ports for several processes, hosts no server can bind, a store that is a file
+    for var, kw in (("TANDEM_DATA_PORT", {"data_servers": 3}), ("TANDEM_RING_PORT", {"ring_servers": 2})):
+        with pytest.raises(ValueError, match=f"{var}=7123 is one port, but"):
+            preflight(Settings.from_env({"TANDEM_PORT": free, var: "7123"}), pool=False, **kw)
+    for var in ("TANDEM_METRICS_HOST", "TANDEM_DATA_HOST"):
+        with pytest.raises(ValueError, match=f"{var}=nan cannot be bound"):
+            preflight(Settings.from_env({"TANDEM_PORT": free, var: "nan", "TANDEM_DATA_KEY": "k"}), pool=False)
+    with pytest.raises(ValueError, match="TANDEM_NATS_STORE_DIR=.* is not a directory"):
+        preflight(Settings.from_env({"TANDEM_PORT": free, "TANDEM_NATS_STORE_DIR": str(text)}), pool=False)
     # a fixed metrics port for several processes: all but the first crash-looped on EADDRINUSE
     with pytest.raises(ValueError, match="TANDEM_METRICS_PORT=9100 is one port, but 4 processes"):
         preflight(Settings.from_env({"TANDEM_PORT": free, "TANDEM_METRICS_PORT": "9100"}), metrics_servers=4)
