@@ -149,7 +149,8 @@ class RingConnector:
         """Serve this worker's engine cache as a ring member (cpu-decode): its ring port."""
         d = self.data
         self.member = EngineMember(self.engine.engine, self.engine.run_blocking, self.worker_id)
-        self.server = RingServer(self.member, d.host, d.ring_port, d.secret(), d.timeout, d.shm)
+        self.server = RingServer(self.member, d.host, d.ring_port, d.secret(), d.timeout, d.shm,
+                                 fold_timeout=0.5 * self.member_timeout)
         return self.server.start()[1]
 
     async def check(self, ring: list[RingPeer], coordinator: str, request_id: str) -> int:

@@ -43,6 +43,7 @@ from shared.ring.wire import (
     SHM_AREA, SLOTS, Attend, Chain, Channel, Err, Load, Mapped, Op, Parts, Peer, Range, Read, Release, Reserve,
     RingMemberLost, ShmAnswer, ShmOffer, State, Step, Ticket, check_ticket, new_region, server_handshake, tensor,
 )
+from shared.strategy import MAX_RING
 from shared.transfer import link as links
 from shared.transfer.shm import available as shm_available, shm_unlink
 
@@ -101,9 +102,15 @@ class RingServer:
     connection's shards are released when it closes (its coordinator ended, or died)."""
 
     def __init__(self, member: LocalMember, host: str = "127.0.0.1", port: int = 0, key: bytes = b"",
-                 timeout: float = 30.0, shm: bool = True):
-        """``shm``: offer coordinators on this host a shared-memory region (module doc)."""
+                 timeout: float = 30.0, shm: bool = True, fold_timeout: float = 0.0):
+        """``shm``: offer coordinators on this host a shared-memory region (module doc).
+        ``fold_timeout``: in a fold, how long the first member after the coordinator waits for its
+        predecessor's state (``timeout`` when 0); each member after it waits a little longer
+        (``fold_wait``), so that the member right after a silent one gives up on it first and names
+        it, and the members after pass that on — well before the coordinator gives up on the last
+        (``RingConnector.member_timeout``: give this half of it), which would name the wrong one."""
         self.member, self.key, self.timeout = member, key, timeout
+        self.fold_timeout = fold_timeout or timeout
         self.shm = shm and shm_available()
         self.identity = links.host_identity()
         self.max_payload = member.kv.numel() * member.kv.element_size() + (1 << 20)
@@ -147,6 +154,11 @@ class RingServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def fold_wait(self, index: int) -> float:
+        """Seconds member ``index`` of a fold waits for its predecessor: ``fold_timeout``, 7.5 % more
+        a place along the ring (under 1.6 times it for the last of MAX_RING)."""
+        return self.fold_timeout * (1 + 0.6 * index / MAX_RING)
 
     def _accept(self) -> None:
         """Accept until closed; an accept that fails (out of descriptors) or a thread that cannot
@@ -489,7 +501,7 @@ class RingServer:
             if err is None and chain.prev != "none":
                 w0 = time.perf_counter()
                 try:
-                    got = src.recv() if direct else chain.inbox.get(timeout=self.timeout)
+                    got = src.recv() if direct else chain.inbox.get(timeout=self.fold_wait(chain.index))
                 except (queue.Empty, OSError, ConnectionError):
                     got = None
                 self.wait_s += time.perf_counter() - w0

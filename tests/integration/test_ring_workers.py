@@ -118,7 +118,7 @@ def three_workers(bundled_model):
     yield from _ring_workers(bundled_model)
 
 
-def _ring_workers(bundled_model, timeout: float = 30.0):
+def _ring_workers(bundled_model, timeout: float = 30.0, fold_timeout: float = 0.0):
     """Engines ``a`` (the coordinator), ``b`` and ``c`` ({name: AsyncEngine}), ``b`` and ``c``
     hosting members on ring ports ({name: RingServer}, data-plane key on, ``timeout``)."""
     from shared.engine.async_engine import AsyncEngine
@@ -127,7 +127,7 @@ def _ring_workers(bundled_model, timeout: float = 30.0):
     servers = {}
     for w in "bc":
         servers[w] = RingServer(EngineMember(engines[w].engine, engines[w].run_blocking, w), "127.0.0.1", 0,
-                                key=b"data-key", timeout=timeout)
+                                key=b"data-key", timeout=timeout, fold_timeout=fold_timeout)
         servers[w].start()
     yield engines, servers
     for srv in servers.values():
@@ -206,6 +206,42 @@ async def test_a_member_lost_inside_the_fold_is_named(three_workers, handoff, or
     await asyncio.sleep(0.2)
     for e in engines.values():
         assert e.engine.blocks.num_free == e.engine.blocks.num_blocks
+
+
+async def test_a_member_that_stops_inside_the_fold_is_named_not_the_last_one(bundled_model, handoff):
+    """b stops answering mid-step (SIGSTOP, a hung host): c waits for b's state, the coordinator for
+    c's. Each member after the coordinator waits for its predecessor a little longer than the one
+    before it, and all less than the coordinator waits for the last (RingServer.fold_wait, half of
+    its member timeout): c gives up on b first and says so, and the error names b. With every wait
+    alike the coordinator gave up on c first and named c — a healthy worker the resume then left
+    out, and with no spare worker no ring could form again."""
+    import asyncio
+    import time
+    from shared.ring import EngineMember, RingMemberLost, connect_ring
+    for engines, servers in _ring_workers(bundled_model, fold_timeout=1.0):
+        a = engines["a"]
+        ma = EngineMember(a.engine, a.run_blocking, "a")
+        plan = [[w, "127.0.0.1", servers[w].port if w in servers else 0] for w in "abc"]
+        ring = Ring(ma.kernels, connect_ring(plan, "a", ma, b"data-key", a.layout, timeout=2.0), fold=True, groups=1)
+        h, kv = KVBlobHeader.parse(handoff)
+        await asyncio.to_thread(ring.admit, "s", h.token_ids, h.num_computed, kv, len(h.token_ids) + NEW)
+        await asyncio.to_thread(ring.generate, "s", 1)
+        b = servers["b"].member
+        attend = b.attend
+
+        def stopped(*args, **kw):
+            time.sleep(4.0)
+            return attend(*args, **kw)
+        b.attend = stopped
+        t0 = time.monotonic()
+        with pytest.raises(RingMemberLost) as err:
+            await asyncio.to_thread(ring.generate, "s", 1)
+        assert err.value.lost == "b", err.value
+        assert time.monotonic() - t0 < 2.0     # c's wait (1.15 s), not the coordinator's (2 s)
+        assert servers["c"].fold_wait(2) < 2.0 and servers["c"].fold_wait(1) < servers["c"].fold_wait(2)
+        await asyncio.sleep(3.0)   # b wakes, finds nobody waiting
+        await asyncio.to_thread(ring.release, "s")
+        ring.close()
 
 
 def test_a_member_refuses_a_connection_without_the_data_plane_key(two_workers):
