@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -281,10 +282,14 @@ async def send(client, url: str, model: str, req: Request, t_run: float = 0.0) -
 
 
 def client_for(connections: int):
+    """The load's HTTP client; with ``OPENAI_API_KEY`` set (as the openai client reads it) every
+    request carries it as its bearer token — a gateway that wants a key (TANDEM_API_KEY[S])."""
     import httpx
 
+    key = os.environ.get("OPENAI_API_KEY")
     return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0),
-                             limits=httpx.Limits(max_connections=connections + 4))
+                             limits=httpx.Limits(max_connections=connections + 4),
+                             headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
 async def served_model(client, url: str) -> str:
@@ -294,6 +299,9 @@ async def served_model(client, url: str) -> str:
         r = await client.get(url + "/v1/models")
     except httpx.TransportError as e:
         raise ConnectionError(f"no OpenAI-compatible server answers at {url}: {e or type(e).__name__}") from None
+    if r.status_code in (401, 403):
+        raise ConnectionError(f"the server at {url} refused the request ({r.status_code}): it wants an API key — "
+                              "set OPENAI_API_KEY")
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 

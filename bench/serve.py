@@ -315,7 +315,8 @@ def add_workload_arguments(p: argparse.ArgumentParser, num_requests: int = 16, m
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=None, help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000); "
+    p.add_argument("--url", default=None, help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000; "
+                   "OPENAI_API_KEY, when set, is sent as its bearer token); "
                    "unset: --compare")
     p.add_argument("--compare", action="store_true",
                    help="start the in-process gateway and the whole stack and compare them (default without --url)")

@@ -57,8 +57,10 @@ def check_gateway(status: int, body: bytes) -> tuple[bool, str]:
         doc = {}
     details = doc.get("details") if isinstance(doc, dict) else None
     down = [role for role, d in (details or {}).items() if isinstance(d, dict) and not d.get("ready")]
-    if status == 200:
-        return True, "ready: gateway" + (f" ({', '.join(sorted(details))})" if details else "")
+    if status == 200:   # ready (a router and a decode worker); the roles with none said apart
+        up = sorted(role for role, d in (details or {}).items() if isinstance(d, dict) and d.get("ready"))
+        return True, "ready: gateway" + (f" ({', '.join(up)})" if up else "") + (
+            f"; none of {', '.join(sorted(down))}" if down else "")
     return False, f"not ready: gateway (HTTP {status}" + (f"; no ready {', '.join(down)}" if down else "") + ")"
 
 

@@ -41,3 +41,17 @@ def test_a_bad_url_port_or_timeout_is_one_line_not_a_traceback(capsys):
         with pytest.raises(SystemExit):
             p.parse_args(["--timeout", bad])
     assert "is not a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_the_gateway_s_health_names_the_roles_with_no_worker():
+    """`tandem health --url http://gw:8000` said "ready: gateway (cpu-decode, gpu-decode, prefill,
+    router)" when the stack had no prefill or gpu-decode worker: the roles are now said apart."""
+    import json
+
+    from services.health import check_gateway
+    body = json.dumps({"status": "ready", "details": {
+        "router": {"ready": True, "workers": ["r"]}, "prefill": {"ready": False, "workers": []},
+        "gpu-decode": {"ready": False, "workers": []}, "cpu-decode": {"ready": True, "workers": ["c"]}}}).encode()
+    assert check_gateway(200, body) == (True, "ready: gateway (cpu-decode, router); none of gpu-decode, prefill")
+    ok, why = check_gateway(503, body.replace(b'"router": {"ready": true', b'"router": {"ready": false'))
+    assert not ok and "no ready" in why and "router" in why

@@ -353,3 +353,28 @@ def test_a_url_where_nothing_answers_is_one_clear_error():
             return await served_model(client, url)
     with pytest.raises(ConnectionError, match=f"no OpenAI-compatible server answers at {url}"):
         asyncio.run(ask())
+
+
+def test_the_load_carries_openai_api_key_and_a_refusal_says_to_set_it(monkeypatch):
+    """`tandem bench serve --url` against a gateway with TANDEM_API_KEY[S]: every request was a
+    401, and the model lookup a traceback. OPENAI_API_KEY (as the openai client reads it) is sent;
+    a 401 says to set it."""
+    import httpx
+
+    from bench.loadgen import client_for, served_model
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert "Authorization" not in client_for(1).headers
+    monkeypatch.setenv("OPENAI_API_KEY", "k1")
+    assert client_for(1).headers["Authorization"] == "Bearer k1"
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("Authorization") != "Bearer k1":
+            return httpx.Response(401, json={"error": {"message": "no key"}})
+        return httpx.Response(200, json={"data": [{"id": "m"}]})
+
+    async def lookup(headers):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer), headers=headers) as c:
+            return await served_model(c, "http://gw")
+    assert asyncio.run(lookup({"Authorization": "Bearer k1"})) == "m"
+    with pytest.raises(ConnectionError, match="wants an API key — set OPENAI_API_KEY"):
+        asyncio.run(lookup({}))
