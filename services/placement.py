@@ -434,6 +434,11 @@ def _ring_later(req: RouteRequest, tier: str, context: int, ready: list[WorkerVi
     back = _strategists(later)
     if not back:
         return
+    try:   # the ready ones would hold it once their KV frees (busy, not missing): it queues as before
+        choose(tier, context, _empty(_strategists(ready)))
+        return
+    except (NoCapacity, ValueError):
+        pass
     try:
         strategy, _ = choose(tier, context, _empty(_strategists(ready) + back))
     except (NoCapacity, ValueError):

@@ -358,6 +358,11 @@ def test_a_worker_not_ready_that_would_hold_the_request_is_waited_for_not_refuse
     c4 = dataclasses.replace(rw("c4", free=80), since=GONE + 5.0)
     assert refused(req("batch", n=3800, max_tokens=100), [c1, c2, dead3, c4, p1]).code == "prompt_too_long"
     assert refused(req("batch", n=3800, max_tokens=100), [c1, c2, dead3, rw("c4", free=80), p1]).code == "unavailable"
+    # a worker ready but busy (its KV in use) that holds the context once it frees: it queues there as
+    # before, whatever worker died lately
+    busy = rw("c1", free=10)
+    plan = decide(req("batch", n=1000, max_tokens=64), [busy, dead3, p1], NOW)
+    assert plan.decode_worker == "c1" and not plan.ring
     # a context no ring of all of them would hold: refused at once
     assert refused(req("batch", n=4000, max_tokens=16), [c1, c2, dead3, p1]).code == "prompt_too_long"
     # the prefill worker a ring needs is restarting
