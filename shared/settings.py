@@ -443,6 +443,9 @@ class GatewaySettings:
     read_timeout_s: float = _env("TANDEM_READ_TIMEOUT_S", 60.0, "seconds a client has to send a request's "
                                  "headers (from connecting, or from its last request: else the connection is "
                                  "closed), then its whole body (else 408 request_timeout)")
+    write_timeout_s: float = _env("TANDEM_WRITE_TIMEOUT_S", 60.0, "seconds a response may wait for its client "
+                                  "to read (the connection's buffers full: a client that stopped reading); then "
+                                  "it is closed and its request aborted, its stream slot freed")
     max_streams_per_key: int = _env("TANDEM_MAX_STREAMS_PER_KEY", 256, "generation requests (streamed or not) one "
                                     "API key may have in flight; more get 429 too_many_streams; keyless clients "
                                     "count as one key; 0 = no cap")
@@ -511,8 +514,8 @@ class GatewaySettings:
                              "TANDEM_RESUME_ATTEMPTS >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("TANDEM_MAX_BODY_BYTES must be >= 1024")
-        if not self.read_timeout_s > 0:
-            raise ValueError("TANDEM_READ_TIMEOUT_S must be > 0")
+        if not self.read_timeout_s > 0 or not self.write_timeout_s > 0:
+            raise ValueError("TANDEM_READ_TIMEOUT_S and TANDEM_WRITE_TIMEOUT_S must be > 0")
         if self.max_streams_per_key < 0:
             raise ValueError("TANDEM_MAX_STREAMS_PER_KEY must be >= 0 (0 = no cap)")
         if self.tokenize_threads < 1:

@@ -140,7 +140,8 @@ def create_app(backend: Backend, settings: GatewaySettings | None = None) -> Fas
     app.add_exception_handler(BackendError, _backend_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_gone)
-    app.add_middleware(Limits, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
+    app.add_middleware(Limits, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s,
+                       write_timeout_s=settings.write_timeout_s)
     app.add_middleware(Internal)    # outside Limits: what a request held is released first
     app.include_router(router)
     app.include_router(responses_router)

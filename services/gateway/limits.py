@@ -81,10 +81,11 @@ def deadline_protocol(seconds: float) -> type:
 class Limits:
     """ASGI middleware: the body-size limit, and the release of what a request held (module doc)."""
 
-    def __init__(self, app, max_body_bytes: int, read_timeout_s: float = 60.0):
+    def __init__(self, app, max_body_bytes: int, read_timeout_s: float = 60.0, write_timeout_s: float = 60.0):
         self.app = app
         self.limit = max_body_bytes
         self.read_timeout_s = read_timeout_s
+        self.write_timeout_s = write_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -119,13 +120,34 @@ class Limits:
                 body_done = not message.get("more_body", False)
             return message
 
+        async def timed_send(message) -> None:
+            """A response's bytes wait for the client to read at most ``write_timeout_s`` (the
+            server's send blocks only while the connection's buffers are full)."""
+            if message["type"] != "http.response.body":
+                return await send(message)
+            try:
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise ClientNotReading() from None
+
         releases: list[Callable[[], None]] = []
         scope[RELEASES] = releases
         try:
-            await self.app(scope, counted_receive, send)
+            await self.app(scope, counted_receive, timed_send)
+        except ClientNotReading:
+            # a client that stopped reading held its stream slot and its unsent output for as long as
+            # it kept the connection open: the request is aborted (SSEResponse closes its generator),
+            # the slot freed here, and uvicorn closes the connection
+            log.warning("%s %s: the client read nothing for %.0f s (TANDEM_WRITE_TIMEOUT_S): response abandoned, "
+                        "connection closed", scope.get("method", ""), scope.get("path", ""), self.write_timeout_s)
         finally:
             for release in releases:
                 release()
+
+
+class ClientNotReading(Exception):
+    """A response's send waited past the write timeout: its client stopped reading."""
 
 
 class StreamCap:

@@ -70,6 +70,7 @@ class FakeBackend:
         self.drop_after: int | None = None           # outputs sent before one that ends "abort" (dropped)
         self.hang_after = None                       # outputs sent before waiting forever (0 = none)
         self.endless = False                         # stream "x" every 2 ms until aborted
+        self.endless_text = "x"                      # ... or this text a step
         self.sessions: dict[str, str] = {}          # update_session calls
         self.run_tier = ""                           # the tier the first output says it runs at (a router's)
 
@@ -85,7 +86,7 @@ class FakeBackend:
         while self.endless:
             if req.request_id in self.aborted:
                 return
-            yield RequestOutput(req.request_id, [120], "x", finished=False, num_output_tokens=1)
+            yield RequestOutput(req.request_id, [120], self.endless_text, finished=False, num_output_tokens=1)
             await asyncio.sleep(0.002)
         stop_at = min((REPLY.index(s) for s in sp.stop if s in REPLY), default=len(REPLY))
         ids = list(REPLY[:stop_at].encode("utf-8"))  # the engine never emits a stop string

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import threading
@@ -314,6 +315,36 @@ def test_requests_waiting_on_their_backend_when_the_drain_time_runs_out_end_with
             assert isinstance(r, httpx.Response) and r.status_code == 503, (name, r)
             assert r.json()["error"]["code"] == "unavailable"
         assert wait_for(lambda: len(set(backend.aborted)) == 4, 5), backend.aborted
+
+
+# ---- a client that stops reading ----------------------------------------------------------------
+
+def test_a_client_that_stops_reading_gives_its_stream_slot_back():
+    """A streamed request whose client never reads (a full receive window, connection kept open):
+    its stream slot and its unsent output were held for as long as the connection lasted — one
+    client locked every other client of its key out with 429 (the HTTP probe: 8 of 8 slots for
+    7 minutes). After TANDEM_WRITE_TIMEOUT_S without the client reading, the request is aborted,
+    its slot freed and the connection closed."""
+    backend = FakeBackend()
+    backend.endless, backend.endless_text = True, "x" * 8192   # 4 MB/s: the buffers fill in a second
+    with Server(backend, GatewaySettings(max_streams_per_key=1, write_timeout_s=1.0)) as server:
+        gw = server.app.state.gw
+        host, port = server.url.removeprefix("http://").split(":")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.connect((host, int(port)))
+        body = json.dumps(_chat(stream=True)).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            assert wait_for(lambda: gw.streams.in_flight() == 1, 10)
+            assert wait_for(lambda: backend.aborted, 30), "the unread stream was never given up"
+            assert wait_for(lambda: gw.streams.in_flight() == 0, 5), gw.streams.held
+            backend.endless = False
+            r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(), timeout=10)
+            assert r.status_code == 200, r.text           # the key's one slot is free again
+        finally:
+            s.close()
 
 
 # ---- read deadlines ---------------------------------------------------------------------------
