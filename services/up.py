@@ -8,8 +8,8 @@ then router and KV pool (which stores what it was handed), then NATS.
 
 Supervision: a copy that exits, whatever its code, is restarted with a backoff (0.5 s doubling
 to 10 s) under a new worker id; more than 5 exits within 60 s and that copy is given up, loudly,
-while the rest keeps serving — but the gateway, NATS or the last decode copy given up stops the
-stack (exit 1): nothing could be served. The embedded nats-server is restarted on the same address with its
+while the rest keeps serving — but the gateway, NATS, the last router or the last decode copy
+given up stops the stack (exit 1): nothing could be served. The embedded nats-server is restarted on the same address with its
 JetStream store. Each restart is one log line and ``tandem_restarts_total{service}`` on the
 supervisor's own /metrics (its address is in the start-up line).
 
