@@ -6,8 +6,8 @@ chunked prefill takes what the token budget leaves), then waiting sequences in q
 (every stream waits for the step) and ``prefill_step_tokens`` while none does and the best
 prompt is not batch work: a long prompt alone computes in throughput-sized steps, a batch flood
 in short ones (an interactive arrival waits for one step). A prompt that would take the whole
-step leaves half of it when the next prompt of its tier fits there, so a short prompt behind a
-long one waits a step, not the long one's whole prefill. When the KV blocks run out, the lowest-priority running
+step leaves half of it to the short prompts of its tier queued behind it (past other long ones),
+so a short prompt behind long ones waits a step, not their whole prefills. When the KV blocks run out, the lowest-priority running
 sequence is preempted: its KV is copied to host memory (the swap space), its blocks are
 freed and it goes back to the queue; on resume the bytes are copied back, so it continues
 exactly where it stopped. When the swap space is full, a preempted sequence's KV is dropped
@@ -29,6 +29,7 @@ from shared.engine.sequence import Sequence, Status
 
 BATCH_PRIORITY = Tier.BATCH.priority
 INTERACTIVE_PRIORITY = Tier.INTERACTIVE.priority
+SHORT_SCAN = 64   # how far past a long prompt the scheduler looks for a short one of its tier
 
 
 @dataclass
@@ -149,15 +150,19 @@ class Scheduler:
         admitting = True  # waiting sequences are admitted in queue order until one does not fit
         interactive = any(s.priority == INTERACTIVE_PRIORITY for s in running + queue)
         worse_left = min(self.shared_step_tokens if interactive else budget, self.guest_step_tokens)
+        short: list[Sequence] = []  # short prompts moved up to share a long one's step
         for i, seq in enumerate(queue):
             allowed = budget if seq.priority == INTERACTIVE_PRIORITY else min(budget, worse_left)
-            if seq.num_tokens - seq.num_computed > allowed and self._short_next(queue[i + 1:], seq.priority,
-                                                                                  allowed // 2):
-                # a prompt that alone fills the step leaves half of it to a short one queued next in its
-                # tier: that one is not held behind the long one's whole prefill (52 s behind 8,000
-                # tokens on 2 cores), and the long one goes on at half the step or more (two long
-                # prompts keep their order: sharing would only finish the first later)
-                allowed -= allowed // 2
+            if not short and seq.num_tokens - seq.num_computed > allowed:
+                short = self._short_after(queue[i + 1:], seq.priority, allowed // 2)
+                if short:
+                    # a prompt that alone fills the step leaves half of it to the short prompts of its
+                    # tier queued after it, past other long ones: those are not held behind whole long
+                    # prefills (52 s behind 8,000 tokens on 2 cores; 7 s behind three 2,000-token ring
+                    # prompts), and the long one goes on at half the step or more (long prompts keep
+                    # their order among themselves: sharing would only finish the first later)
+                    queue[i + 1:] = short + [q for q in queue[i + 1:] if q not in short]
+                    allowed -= allowed // 2
             if allowed == 0:
                 if budget == 0:
                     break
@@ -166,7 +171,7 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 took = self._run(seq, allowed, out)
             elif admitting and seq.status is Status.WAITING and seq in self.waiting:
-                if len(self.running) >= self.max_num_seqs or seq is not self.waiting[0]:
+                if len(self.running) >= self.max_num_seqs or seq is not self.waiting[0] and seq not in short:
                     admitting = False
                     continue
                 took = self._admit(seq, allowed, out)
@@ -181,13 +186,19 @@ class Scheduler:
         # this step (its KV swapped out, it resumes where it stopped)
         return [c for c in out if c.seq.status is Status.RUNNING]
 
-    def _short_next(self, rest: list[Sequence], priority: int, room: int) -> bool:
-        """Is the queue's next sequence after a long prompt one of its tier whose prompt fits in
-        ``room`` tokens, and may it compute in this step (in chunked prefill already, or waiting
-        with a sequence slot free)?"""
-        if not rest or rest[0].priority != priority or rest[0].num_tokens - rest[0].num_computed > room:
-            return False
-        return rest[0].status is Status.RUNNING or len(self.running) < self.max_num_seqs
+    def _short_after(self, rest: list[Sequence], tier: int, room: int) -> list[Sequence]:
+        """The sequences of ``tier`` at the head of ``rest`` (the queue after a long prompt, in tier
+        order) whose prompts fit in ``room`` tokens and that may compute in this step: in chunked
+        prefill already, or waiting while sequence slots are free. At most ``SHORT_SCAN`` are
+        looked at: a step's cost stays bounded."""
+        found, slots = [], self.max_num_seqs - len(self.running)
+        for seq in rest[:SHORT_SCAN]:
+            if seq.priority != tier:
+                break
+            if seq.num_tokens - seq.num_computed <= room and (seq.status is Status.RUNNING or slots > 0):
+                found.append(seq)
+                slots -= seq.status is not Status.RUNNING
+        return found
 
     def _run(self, seq: Sequence, budget: int, out: list[ScheduledChunk]) -> int:
         """Schedule a running sequence's next chunk; the tokens it takes (0: it was preempted)."""
@@ -234,7 +245,7 @@ class Scheduler:
             self.kv[seq.block_table[seq.num_computed // self.blocks.block_size], :, :, :extra] = block[:, :, :extra]
             seq.num_computed += extra
         seq.partial_kv = None
-        self.waiting.pop(0)
+        self.waiting.remove(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))

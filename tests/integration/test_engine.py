@@ -256,6 +256,36 @@ def test_a_short_prompt_is_not_held_behind_a_long_one_of_its_tier(bundled_model)
     assert eng.blocks.num_free == 256
 
 
+def test_a_short_prompt_passes_several_long_ones_of_its_tier(bundled_model):
+    """Three long prompts queued, then two short ones of the same tier: the first long one
+    leaves half the step to both short ones (past the two long ones waiting), which each
+    sample their first token in the next step; the long ones keep their order among
+    themselves (the second takes only what is left of a step), and a short prompt of a worse
+    tier is not moved up."""
+    tok = bundled_model.tokenizer
+    text = tok.encode(" ".join(PROMPTS) * 8)
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=512, step_tokens=128, prefill_step_tokens=128,
+                                             enable_prefix_caching=False))
+    for i in range(3):
+        eng.add(f"long{i}", text[i:600 + i], greedy(2))
+    eng.step()
+    eng.add("batch", tok.encode(PROMPTS[2]), greedy(2), priority=2)
+    eng.add("short0", tok.encode(PROMPTS[3]), greedy(2))
+    eng.add("short1", tok.encode(PROMPTS[1]), greedy(2))
+    before = eng.seqs["long0"].num_computed
+    first = eng.step()
+    assert sorted(o.request_id for o in first if o.token_ids) == ["short0", "short1"]
+    assert eng.seqs["long0"].num_computed - before == 64                     # half the step
+    assert eng.seqs["long2"].num_computed == 0              # (long1 may take what the short ones left)
+    assert eng.seqs["batch"].num_computed == 0                              # a worse tier waits
+    while eng.seqs["long0"].num_computed < eng.seqs["long0"].num_tokens - 1:
+        eng.step()
+        assert eng.seqs["long2"].num_computed == 0                          # FIFO among the long
+    while eng.has_work():
+        eng.step()
+    assert eng.blocks.num_free == 512
+
+
 def test_batch_kv_is_evicted_before_interactive_kv(bundled_model):
     """Finished requests leave their KV in the prefix cache; under pressure the batch
     request's blocks are reused first, so the interactive prefix is still cached."""
