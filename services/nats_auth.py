@@ -90,6 +90,10 @@ def main(args: argparse.Namespace) -> int:
         if cluster is not None and (not cluster.strip() or any(not r.strip() for r in cluster.split(","))):
             raise ValueError(f"--cluster {cluster!r}: expected every server's route address, comma-separated "
                              "(an unset shell variable?)")
+        if cluster and len(cluster.split(",")) < 2:
+            raise ValueError(f"--cluster {cluster!r} names one server: a cluster is every server's route address, "
+                             "comma-separated (3 for JetStream to survive one lost server); one server needs no "
+                             "--cluster")
         if not cluster:
             given = [f"--{k.replace('_', '-')}" for k in CLUSTER_ONLY if getattr(args, k, None)]
             if given:
@@ -100,13 +104,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
-    for path, what in ((getattr(args, "data_key_file", None), "data-plane key"),
-                       (getattr(args, "pool_key_file", None), "pool secret")):
+    for key_path, what in ((getattr(args, "data_key_file", None), "data-plane key"),
+                           (getattr(args, "pool_key_file", None), "pool secret")):
         try:
-            if path:
-                bus_auth.key_file(path, what)
+            if key_path:
+                bus_auth.key_file(key_path, what)
         except OSError as e:
-            log.error("cannot make the %s in %s: %s", what, path, e.strerror or e)
+            log.error("cannot make the %s in %s: %s", what, key_path, e.strerror or e)
             return 2
     if args.config == "-":
         sys.stdout.write(text)

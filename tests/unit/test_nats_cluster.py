@@ -212,7 +212,7 @@ def _blocks(text: str) -> list[str]:
 
 @pytest.mark.parametrize("argv, said", [
     (["--cluster", "nats-0.nats,http://nats-1.nats"], "no http:// scheme"),
-    (["--cluster", "nats-0.nats:99999"], "1..65535"),
+    (["--cluster", "nats-0.nats:99999,nats-1.nats"], "1..65535"),
     (["--cluster", "nats-0.nats,u:pw@nats-1.nats"], "credential"),
     (["--cluster", "nats 0,nats-1"], "no host name"),
     (["--cluster", "a,b", "--cluster-listen", "0.0.0.0"], "needs a port"),
@@ -222,6 +222,7 @@ def _blocks(text: str) -> list[str]:
     (["--max-file-store", "20G"], "--max-file-store: only with --cluster"),    # was ignored in silence
     (["--cluster", ""], "expected every server's route address"),             # an unset variable: was a
     (["--cluster", "h1,,h3"], "expected every server's route address"),       # single-server config, exit 0
+    (["--cluster", "nats-0"], "names one server"),                          # a one-server "cluster", exit 0
     (["--tls-cert", "s.pem", "--tls-key", "k.pem"], "--tls-cert, --tls-key: only with --cluster"),
 ])
 def test_nats_auth_refuses_what_nats_server_would_and_writes_nothing(tmp_path, monkeypatch, caplog, argv, said):
@@ -253,16 +254,19 @@ def test_nats_auth_writes_store_sizes_as_nats_server_reads_them(tmp_path, monkey
     assert check.returncode == 0, check.stderr
 
 
-def test_nats_auth_makes_the_deployment_s_other_secrets_once(tmp_path, monkeypatch):
+def test_nats_auth_makes_the_deployment_s_other_secrets_once(tmp_path, monkeypatch, caplog):
     """``--data-key-file`` / ``--pool-key-file`` (compose's nats-auth step, the N-hosts recipe):
-    random keys, mode 0600, made once — a second run keeps them."""
+    random keys, mode 0600, made once — a second run keeps them. The log names the credentials
+    file the configuration is for (it named the last key file, or None)."""
     import os
     monkeypatch.setenv("TANDEM_NATS_CREDS_FILE", str(tmp_path / "nats.creds"))
     p = argparse.ArgumentParser()
     nats_auth.add_arguments(p)
     argv = ["--config", str(tmp_path / "nats.conf"), "--data-key-file", str(tmp_path / "k" / "data.key"),
             "--pool-key-file", str(tmp_path / "p" / "pool.key")]
-    assert nats_auth.main(p.parse_args(argv)) == 0
+    with caplog.at_level("INFO", logger="tandem"):
+        assert nats_auth.main(p.parse_args(argv)) == 0
+    assert f"for the roles of {tmp_path / 'nats.creds'} written to" in caplog.text, caplog.text
     data, pool = (tmp_path / "k" / "data.key").read_text(), (tmp_path / "p" / "pool.key").read_text()
     assert len(data) == len(pool) == 64 and data != pool
     assert os.stat(tmp_path / "k" / "data.key").st_mode & 0o777 == 0o600
