@@ -70,6 +70,9 @@ class DecodeWorker(EngineWorker):
         if self.is_aborted(req.request_id, req.attempt):  # aborted while its KV was on the way
             self.kv.discard(req.handle.transfer_id)
             raise BusError("not_found", f"request {req.request_id} was aborted")
+        if self.draining:
+            self.kv.discard(req.handle.transfer_id)
+            self.refuse_if_draining("overloaded", f"the KV of {req.request_id}")
         blob = await self.kv.receive(req.handle)
         if req.ring:   # this worker coordinates the ring (the prefill may have scattered the others' ranges)
             submit = self.ring.coordinate(req.ring, blob, f"{req.request_id}#{req.attempt}", req.claim,
@@ -84,6 +87,7 @@ class DecodeWorker(EngineWorker):
         """Run the prompt here; a prefix the KV pool holds (a session's earlier turns, written
         back by whichever worker ran them) is loaded instead of computed. With ``req.resume`` the
         request continues where its client is (its worker was lost)."""
+        self.refuse_if_draining("not_found", f"request {req.request_id}")
         params = sampling_from(req.sampling)
         resume = req.resume
         outputs_so_far = resume.output_token_ids if resume else []

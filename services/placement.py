@@ -535,10 +535,11 @@ def _later(workers: list[WorkerView], exclude: set[str], now: float) -> list[Wor
     """The workers of ``workers`` not ready now or excluded for this request that may be back in
     seconds: each stands for itself restarting or for its replacement — unless a worker of its
     role came up after its last heartbeat (that one is its replacement, or new capacity: counted
-    once, ready)."""
+    once, ready). A worker that said it is stopping (``draining``) is not coming back."""
     up = [w for w in workers if w.alive(now) and w.id not in exclude]
     out = []
-    for gone in sorted((w for w in workers if not w.alive(now) or w.id in exclude), key=lambda w: w.seen):
+    for gone in sorted((w for w in workers if (not w.alive(now) or w.id in exclude) and not w.beat.draining),
+                       key=lambda w: w.seen):
         successor = next((w for w in sorted(up, key=lambda w: w.since) if w.role == gone.role and w.since > gone.seen),
                          None)
         if successor is None:
@@ -626,6 +627,40 @@ def spread(workers: list[WorkerView], now: float, moving: set[str] = frozenset()
                           f"spread: {w.id} has {w.beat.free_kv_blocks * w.beat.kv_block_tokens} tokens of KV free, "
                           f"its requests may need {kv_need(w)}; {rid} ({tokens} of up to {end} tokens) onto "
                           f"cpu-ring({len(ring)}) {[v.id for v in ring]}", ring))
+    return moves
+
+
+def evacuate(workers: list[WorkerView], now: float, moving: set[str] = frozenset()) -> list[Move]:
+    """Moves out of the decode workers that are stopping (``Heartbeat.draining``): each request
+    one holds, to the least loaded ready decode worker of its role that holds its whole context
+    (prompt and max_tokens) and has the KV for what it has now — of the other decode role when
+    none of its own does (a stream that goes on slower beats one cut and resumed). Requests in
+    ``moving``, and rings (their members hold shards too), are left alone: what is not moved
+    finishes on the stopping worker, or is cut when its drain ends and resumed by its gateway."""
+    live = _decoders(workers, now)
+    taken: dict[str, int] = {}       # target id -> KV tokens planned onto it here
+    moves: list[Move] = []
+
+    def room(v: WorkerView) -> int:
+        return v.beat.free_kv_blocks * v.beat.kv_block_tokens - taken.get(v.id, 0)
+
+    def load(v: WorkerView) -> int:
+        return v.load() + sum(m.target is v for m in moves)
+
+    for w in workers:
+        if not w.beat.draining or w.role not in subjects.DECODE_ROLES or not fresh(w.seen, w.beat.interval, now):
+            continue
+        for r in w.beat.requests:
+            has, end, members = (w.beat.kv_tokens.get(r.request_id) or [0, 0, 1])[:3]
+            if r.request_id in moving or members > 1:
+                continue
+            fits = [v for v in live if v.beat.max_context >= end and room(v) >= has]
+            pool = [v for v in fits if v.role == w.role] or fits
+            if not pool:
+                continue
+            t = min(pool, key=lambda v: (load(v), -room(v), v.id))
+            taken[t.id] = taken.get(t.id, 0) + has
+            moves.append(Move(r.request_id, r.session_id, w.id, t, r.tier, f"evacuate: {w.id} is stopping"))
     return moves
 
 

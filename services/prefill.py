@@ -55,6 +55,7 @@ class PrefillWorker(EngineWorker):
         await self.bus.serve(subjects.worker_prefill(self.worker_id), self.handle, expected=PrefillRequest)
 
     async def handle(self, req: PrefillRequest) -> None:
+        self.refuse_if_draining("not_found", f"request {req.request_id}")
         params = sampling_from(req.sampling)
         # the KV goes to the decode worker's data plane only (a forbidden error before any work otherwise)
         await self.kv.peers.check(req.decode_data_host, req.decode_data_port, req.decode_worker,

@@ -31,8 +31,8 @@ from shared.schemas import Heartbeat, InFlight, RingPeer, RoutePlan, RouteReques
 from shared.settings import Settings
 from shared.tier import Tier
 from services.migrate import migrate, to_target
-from services.placement import (POOL, Limits, Move, SessionView, WorkerView, context_digest, decide, rebalance,
-                                session_held)
+from services.placement import (POOL, Limits, Move, SessionView, WorkerView, context_digest, decide, evacuate,
+                                rebalance, session_held)
 from services.prefix_index import IndexFeed, PrefixIndex
 from services.sessions import SessionStore
 
@@ -98,6 +98,11 @@ class Router:
         """A heartbeat (``Heartbeats``, shared/liveness.py): the worker's view renewed."""
         old = self.workers.get(beat.worker_id)
         self.workers[beat.worker_id] = old.renewed(beat, now) if old else WorkerView(beat, now, since=now)
+        if beat.draining and (old is None or not old.beat.draining):
+            log.info("%s is stopping (draining): no new work to it%s", beat.worker_id,
+                     f"; moving the {len(beat.requests)} request(s) it holds" if beat.requests else "")
+            if self._leader(now):
+                self._spawn_evacuation()
 
     def _view(self, now: float) -> list[WorkerView]:
         """Every worker heard from in the last FORGET_S seconds, ready or not (the rest forgotten)."""
@@ -226,8 +231,16 @@ class Router:
         self.moving.update(m.request_id for m in moves)
         return moves
 
+    def _spawn_evacuation(self) -> None:
+        """Move what stopping workers hold to others (``placement.evacuate``), whatever the policy."""
+        moves = evacuate(self._view(time.monotonic()), time.monotonic(), self.moving)
+        self.moving.update(m.request_id for m in moves)
+        self._spawn(moves)
+
     def _spawn_moves(self, session_id: str | None, pressure: bool) -> None:
-        moves = self._plan_moves(session_id, pressure)
+        self._spawn(self._plan_moves(session_id, pressure))
+
+    def _spawn(self, moves: list[Move]) -> None:
         if moves:
             t = asyncio.create_task(self._run_moves(moves), name="moves")
             self._moves.add(t)
@@ -274,14 +287,17 @@ class Router:
         return not routers or min(routers + [self.worker_id]) == self.worker_id
 
     async def _tick(self) -> None:
-        """Every heartbeat interval, on the leader copy only (no double moves): lapse idle sessions,
-        follow tier changes, relieve GPU pressure."""
+        """Every heartbeat interval, on the leader copy only (no double moves): move what stopping
+        workers still hold (a request not decoding yet at the first try), and with the SLA policy
+        lapse idle sessions, follow tier changes, relieve GPU pressure."""
         while True:
             await asyncio.sleep(self.settings.worker.heartbeat_interval)
-            if self.policy != "sla" or not self._leader(time.monotonic()):
+            if not self._leader(time.monotonic()):
                 continue
             try:
-                self._spawn_moves(None, pressure=True)
+                self._spawn_evacuation()
+                if self.policy == "sla":
+                    self._spawn_moves(None, pressure=True)
             except Exception:
                 log.exception("rebalance failed")
 

@@ -185,6 +185,7 @@ class EngineWorker:
         self._taken: set[str] = set()
         self._ended: dict[str, float] = {}
         self._beat_wake = asyncio.Event()
+        self.draining = False                      # stopping: no new work (heartbeats say so)
 
     async def start(self) -> None:
         tracing.setup(self.role)
@@ -218,11 +219,11 @@ class EngineWorker:
         metrics.set_engine_load(self.role, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
                                 kv_used=st["total_kv_blocks"] - st["free_kv_blocks"], kv_free=st["free_kv_blocks"],
                                 sessions_resident=st.get("sessions_resident", 0))
-        ready = self.ready()
+        ready = self.ready() and not self.draining
         metrics.set_ready(self.role, ready and self.bus.nc.is_connected)
         held = self.held
         return Heartbeat(worker_id=self.worker_id, role=self.role, device=self.device, model=self.model_name,
-                         ready=ready, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
+                         ready=ready, draining=self.draining, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
                          free_kv_blocks=st["free_kv_blocks"], total_kv_blocks=st["total_kv_blocks"],
                          max_context=self.engine.max_context, data_host=self.data_host,
                          data_port=self.data_port, ts=time.time(),
@@ -257,8 +258,16 @@ class EngineWorker:
         return out
 
     def ready(self) -> bool:
-        """Takes work: the engine is not stuck in a step (TANDEM_STEP_DEADLINE_S)."""
+        """The engine is not stuck in a step (TANDEM_STEP_DEADLINE_S): it makes progress on what it
+        holds (Where replies) and, unless draining, takes work (heartbeats)."""
         return not self.engine.stalled(self.settings.worker.step_deadline_s)
+
+    def refuse_if_draining(self, code: str, what: str) -> None:
+        """A stopping worker takes no new work: ``what`` is refused with ``code``, which sends it
+        elsewhere — not_found for a request from a gateway (it routes it again without this
+        worker), overloaded for a hand-off (the sender's gateway routes it again, nobody lost)."""
+        if self.draining:
+            raise BusError(code, f"{self.worker_id} is stopping (draining): {what} goes to another worker")
 
     # ---- views of the records ----------------------------------------------------------
     @property
@@ -590,12 +599,28 @@ class EngineWorker:
         return out
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        """Started: serve until ``stop`` is set, then drain and close."""
+        """Started: serve until ``stop`` is set (SIGTERM), then drain and close. Draining: a
+        heartbeat at once says so (not ready, ``draining``), so no router sends work here and the
+        router moves the decodes held here to other workers (migration: their streams go on
+        there, unbroken); new work that still arrives is refused to go elsewhere; what is left
+        finishes here, for up to TANDEM_DRAIN_S seconds. Then what still runs is cut (the gateways
+        resume it elsewhere)."""
         await stop.wait()
-        log.info("%s %s draining %d request(s)", self.role, self.worker_id, len(self.tasks))
-        if self.tasks:
-            await asyncio.wait(list(self.tasks.values()), timeout=30)
+        self.draining = True
+        self._beat_wake.set()
+        t0 = time.monotonic()
+        log.info("%s %s draining: %d request(s) held, no new work; the router moves decodes to other workers",
+                 self.role, self.worker_id, len(self.held))
+        while self._busy() and time.monotonic() - t0 < self.settings.gateway.drain_s:
+            await asyncio.sleep(0.05)
+        left = len(self.held)
+        log.info("%s %s drained in %.1f s%s", self.role, self.worker_id, time.monotonic() - t0,
+                 f": {left} request(s) still held are cut (their gateways resume them)" if left else "")
         await self.close()
+
+    def _busy(self) -> bool:
+        """Holds a request: running, being admitted or moving away."""
+        return bool(self.tasks or self.admitting or self.moving)
 
     async def close(self) -> None:
         for t in list(self.tasks.values()):

@@ -348,6 +348,8 @@ class Heartbeat:
     max_running: int = 0         # sequences it runs at once at most (0: not said)
     ended: list[str] = field(default_factory=list)  # requests that left it lately (finished, handed off,
                                                     # moved, aborted): the router stops counting them
+    draining: bool = False       # stopping (SIGTERM): takes no new work, and is not coming back; the
+                                 # router moves what it holds to other workers (ready is False)
 
 
 @message("Ack", 1)

@@ -94,6 +94,7 @@ class NatsSettings:
 _ROLE_BUDGETS = {"prefill": "prefill", "gpu-decode": "gpu_decode", "cpu-decode": "cpu_decode"}  # role -> field suffix
 
 
+KV_BLOCK_TOKENS = 16          # tokens per KV block (every engine's; a pool chunk is a whole number of them)
 MAX_THREADS = 4096            # engine threads a worker may ask for (more is a typo, not a machine)
 MAX_BUDGET_MB = 1 << 30       # a KV budget past 1 PiB is a typo (and overflows what it sizes)
 _NON_NEGATIVE = {"threads", "kv_blocks", "max_seqs", "load_threads", "max_context", "step_tokens", "prefill_step_tokens",
@@ -393,6 +394,9 @@ class PoolSettings:
                 or not 0 <= self.pin_share <= 1:
             raise ValueError("TANDEM_POOL_CHUNK_TOKENS must be >= 1, TANDEM_POOL_TIMEOUT > 0, TANDEM_POOL_BACKOFF_S "
                              ">= 0, TANDEM_POOL_DRAIN_S >= 0 and TANDEM_POOL_PIN_SHARE in [0, 1]")
+        if self.chunk_tokens % KV_BLOCK_TOKENS:   # every worker failed at start (a crash loop)
+            raise ValueError(f"TANDEM_POOL_CHUNK_TOKENS must be a multiple of the KV block ({KV_BLOCK_TOKENS} "
+                             f"tokens), got {self.chunk_tokens}")
 
     def resolved_codec(self) -> str:
         """The codec workers write with: TANDEM_POOL_CODEC, ``auto`` resolved from the tiers."""
@@ -458,8 +462,10 @@ class GatewaySettings:
     responses_max_bytes_per_tenant: int = _env("TANDEM_RESPONSES_MAX_BYTES_PER_TENANT", 1 << 30, "bytes of stored "
                                                "Responses (their records: response, input items, conversation) one "
                                                "API key keeps at most; oldest out first; 0 = no cap")
-    drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long; a stream "
-                          "still going then ends with an error event")
+    drain_s: float = _env("TANDEM_DRAIN_S", 30.0, "on SIGTERM, in-flight requests get this long: at the "
+                          "gateway a stream still going then ends with an error event; an engine worker hands "
+                          "its decodes to other workers and waits this long for the rest, then cuts it (resumed "
+                          "elsewhere)")
     served_model_name: str | None = _env("TANDEM_SERVED_MODEL_NAME", None, "the model id clients send and "
                                          "/v1/models lists; unset: the model file's stem (SmolLM2-135M-Instruct)")
     generation_defaults: str | None = _env("TANDEM_GENERATION_DEFAULTS", None, "what a request leaves out, for "
@@ -691,3 +697,37 @@ def env_help() -> str:
         suffix = f" (default {default})" if default else ""
         lines.append(f"  {var:<{width}}  {help}{suffix}")
     return "\n".join(lines)
+
+
+SECTION_TITLES = {"nats": "The bus (NATS)", "worker": "Engine workers", "priority": "OS priorities",
+                  "router": "The router", "data": "The data plane (KV transfers, rings)",
+                  "pool": "The KV pool", "gateway": "The gateway (HTTP)"}
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: every variable with its default and what it does, by section, then the
+    ones read where they are used (``ELSEWHERE``). Generated (``python -m shared.settings``); a
+    test keeps the file equal to it."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+    lines = ["# Settings", "",
+             "Every `TANDEM_*` environment variable, generated from `shared/settings.py` (`python -m "
+             "shared.settings > docs/settings.md`; a test keeps this file equal to it). Each service reads "
+             "these at start; `tandem up` passes them to every process it starts, and refuses a value no "
+             "service could run with before anything starts. `tandem up --help` prints the same list."]
+    for sec in _sections():
+        lines += ["", f"## {SECTION_TITLES.get(sec.name, sec.name)}", "", "| variable | default | what |",
+                  "|---|---|---|"]
+        for f in dataclasses.fields(sec.type_cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            shown = "" if default is None or default == "" else f"`{default}`"
+            lines.append(f"| `{f.metadata['env']}` | {cell(shown)} | {cell(f.metadata['help'])} |")
+    lines += ["", "## Read where they are used", "",
+              "Kernel, benchmark and script knobs (docs/kernels.md, docs/benchmarks.md, docs/testing.md):", "",
+              "| variable | what |", "|---|---|"]
+    lines += [f"| `{var}` | {cell(text)} |" for var, text in ELSEWHERE.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(settings_markdown(), end="")

@@ -27,6 +27,7 @@ from shared.engine.scheduler import ScheduledChunk, Scheduler
 from shared.engine.sequence import Sequence, Status
 from shared.engine.stops import StopMatcher
 from shared.engine.tokenizer import decode_step
+from shared.settings import KV_BLOCK_TOKENS
 
 log = logging.getLogger("tandem.engine")
 
@@ -34,7 +35,7 @@ log = logging.getLogger("tandem.engine")
 class EngineConfig:
     device: str = "cpu"                 # "cpu" | "cuda" | "cuda:N"
     threads: int | None = None          # torch / kernel threads (None: leave as is)
-    block_size: int = 16                # tokens per KV block
+    block_size: int = KV_BLOCK_TOKENS   # tokens per KV block
     kv_cache_bytes: int = 256 << 20     # KV budget; ignored when num_kv_blocks is set
     num_kv_blocks: int | None = None    # exact number of KV blocks (tests use tiny budgets)
     max_num_seqs: int = 64              # running sequences at most

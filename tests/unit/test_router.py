@@ -8,8 +8,8 @@ import pytest
 
 from shared.bus import BusError
 from shared.schemas import Heartbeat, InFlight, RouteRequest
-from services.placement import (POOL, Limits, SessionView, WorkerView, decide, kv_need, place, rebalance, ring_room,
-                                spread, strategy_plan)
+from services.placement import (POOL, Limits, SessionView, WorkerView, decide, evacuate, kv_need, place, rebalance,
+                                ring_room, spread, strategy_plan)
 
 NOW = 1000.0
 
@@ -520,3 +520,46 @@ def test_retry_after_is_about_one_request_not_the_whole_queue():
             place(req("interactive", max_tokens=1000), idle, NOW, limits=limits)   # 256 counted x 50 ms
         seen.add(e.value.retry_after)
     assert seen - {1.0} and all(13 <= s <= 20 for s in seen - {1.0}) and len(seen - {1.0}) > 1
+
+
+def draining(view: WorkerView) -> WorkerView:
+    """``view`` after the heartbeat a stopping worker sends: not ready, draining."""
+    view.beat.ready, view.beat.draining = False, True
+    return view
+
+
+def test_a_stopping_worker_is_moved_out_of_and_not_waited_for():
+    """A decode worker that said it is stopping: each request it holds goes to the least loaded
+    ready worker of its role that holds its context and has the KV for it — of the other decode
+    role when none of its own does —; rings and requests already moving stay; and a prompt only it
+    could hold is refused, not waited for (it is not coming back)."""
+    src = draining(sw("c1", kv={"r1": [300, 1000, 1], "r2": [100, 200, 1], "r3": [500, 900, 3]},
+                      held=[["r1", "s1", "batch"], ["r2", "", "standard"], ["r3", "", "batch"], ["r4", "", "batch"]]))
+    idle, busy = sw("c2"), sw("c3", running=3)
+    moves = evacuate([src, idle, busy], NOW)
+    assert {m.request_id: m.target.id for m in moves} == {"r1": "c2", "r2": "c2", "r4": "c2"}   # r3: a ring
+    assert all(m.source == "c1" and m.kind == "evacuate" for m in moves) and moves[0].session_id == "s1"
+    assert moves[0].tier == "batch" and moves[1].tier == "standard"
+    assert {m.request_id for m in evacuate([src, idle, busy], NOW, moving={"r1"})} == {"r2", "r4"}
+    # the KV planned onto a target counts: r1 takes 300 of c2's 320 free tokens, r2 (100) goes to c3
+    tight = sw("c2", free=20)
+    assert {m.request_id: m.target.id for m in evacuate([src, tight, busy], NOW)} == {
+        "r1": "c2", "r2": "c3", "r4": "c2"}
+    # a context no ready worker of its role holds (r1 ends at 1,000 tokens) ...
+    short_ctx = sw("c2", ctx=512)
+    assert {m.request_id for m in evacuate([src, short_ctx], NOW)} == {"r2", "r4"}
+    # ... goes to the other decode role when none of its own takes it
+    gpu = w("g1", "gpu-decode", device="cuda:0", free=100)
+    gpu.beat.kv_block_tokens = 16
+    assert {m.request_id: m.target.id for m in evacuate([src, short_ctx, gpu], NOW)} == {
+        "r1": "g1", "r2": "c2", "r4": "c2"}
+    assert evacuate([src], NOW) == []                                # nowhere to go: it finishes there
+    assert evacuate([draining(sw("c1", seen=GONE, held=[["r1", "", "batch"]])), idle], NOW) == []  # gone already
+    assert evacuate([sw("c1", held=[["r1", "", "batch"]]), idle], NOW) == []   # not stopping
+
+    # the router's wait for a worker that may be back: not for one that is stopping
+    big = w("c2", "cpu-decode", ctx=8192)
+    small = w("c1", "cpu-decode", ctx=2048)
+    assert refused(req(n=3000), [small, dataclasses.replace(big, beat=dataclasses.replace(
+        big.beat, ready=False))]).code == "unavailable"
+    assert refused(req(n=3000), [small, draining(big)]).code == "prompt_too_long"

@@ -63,6 +63,7 @@ def test_the_command_warns_once_and_up_does_not_pass_it_to_every_copy(tmp_path):
     ({"TANDEM_KV_BUDGET_MB_CPU_DECODE": "99999999999999999999"}, "TANDEM_KV_BUDGET_MB_CPU_DECODE must be at most"),
     # JetStream refused the negative age: every stored Response was lost behind a 200
     ({"TANDEM_RESPONSES_RETENTION_S": "-1"}, "TANDEM_RESPONSES_RETENTION_S must be > 0"),
+    ({"TANDEM_POOL_CHUNK_TOKENS": "100"}, "TANDEM_POOL_CHUNK_TOKENS must be a multiple of the KV block (16"),
 ])
 def test_a_value_no_service_could_run_with_is_refused_naming_it(env, said):
     from shared.settings import Settings
@@ -70,3 +71,14 @@ def test_a_value_no_service_could_run_with_is_refused_naming_it(env, said):
         Settings.from_env(env)
     assert said in str(e.value)
     Settings.from_env({"TANDEM_DEVICE": "cuda:1", "TANDEM_THREADS": "64", "TANDEM_HEARTBEAT_INTERVAL": "0.5"})
+
+
+def test_docs_settings_md_is_the_generated_list():
+    """docs/settings.md lists every setting with its default (generated: `python -m shared.settings >
+    docs/settings.md`); a setting added, renamed or re-documented without regenerating it fails here."""
+    from pathlib import Path
+
+    from shared.settings import env_vars, settings_markdown
+    text = (Path(__file__).resolve().parents[2] / "docs" / "settings.md").read_text()
+    assert text == settings_markdown(), "docs/settings.md is stale: run `python -m shared.settings > docs/settings.md`"
+    assert all(f"`{var}`" in text for var, _, _ in env_vars())
