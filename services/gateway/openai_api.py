@@ -37,12 +37,25 @@ def parse_json(raw: bytes) -> dict:
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise APIError(400, f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
+        raise APIError(400, _unparsable(raw, e), code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     if too_deep(data, MAX_DEPTH):
         raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json")
     return data
+
+
+def _unparsable(raw: bytes, e: Exception) -> str:
+    """Why a body is not JSON, in the client's terms (orjson says "surrogates not allowed" for any
+    body that is not UTF-8)."""
+    if raw[:2] == b"\x1f\x8b":
+        return "the request body is gzip-compressed: send it uncompressed (no Content-Encoding is accepted)"
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as u:
+        return (f"the request body is not UTF-8 text (byte {u.start}: {raw[u.start:u.start + 1]!r}); JSON bodies "
+                "must be UTF-8, uncompressed")
+    return f"could not parse the JSON body of the request: {e}"
 
 
 def too_deep(data: Any, limit: int) -> bool:

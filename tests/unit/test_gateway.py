@@ -621,6 +621,21 @@ def test_errors(url, backend, name, path, body, headers, status, param, code):
     still_serving(url)
 
 
+def test_a_body_that_is_not_utf8_json_says_why(url, backend):
+    """A gzip-compressed body or one in another encoding: the 400 says so (orjson's own message
+    was "str is not valid UTF-8: surrogates not allowed" for both)."""
+    import gzip
+    raw = json.dumps(_chat()).encode()
+    for body, said in ((gzip.compress(raw), "gzip-compressed: send it uncompressed"),
+                       ('{"model": "fake-model", "messages": [{"role": "user", "content": "café"}]}'.encode("latin-1"),
+                        "not UTF-8 text (byte 69: b'\\xe9')")):
+        r = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
+                       timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert said in r.json()["error"]["message"] and "surrogates" not in r.text, r.text
+    assert backend.requests == []
+
+
 @pytest.mark.parametrize("body,param", [(_chat(stream="yes"), "stream"), (_chat(stream=1), "stream"),
                                         (_chat(stream_options={"include_usage": True}), "stream_options"),
                                         (_chat(stream=False, stream_options={}), "stream_options")])
