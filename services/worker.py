@@ -609,8 +609,9 @@ class EngineWorker:
         self.draining = True
         self._beat_wake.set()
         t0 = time.monotonic()
-        log.info("%s %s draining: %d request(s) held, no new work; the router moves decodes to other workers",
-                 self.role, self.worker_id, len(self.held))
+        log.info("%s %s draining: %d request(s) held%s, no new work; the router moves decodes to other workers",
+                 self.role, self.worker_id, len(self.held), f", ring shards of {hosted} request(s) of other workers"
+                 if (hosted := self._hosting()) else "")
         while self._busy() and time.monotonic() - t0 < self.settings.gateway.drain_s:
             await asyncio.sleep(0.05)
         left = len(self.held)
@@ -619,8 +620,15 @@ class EngineWorker:
         await self.close()
 
     def _busy(self) -> bool:
-        """Holds a request: running, being admitted or moving away."""
-        return bool(self.tasks or self.admitting or self.moving)
+        """Holds a request (running, being admitted or moving away), or ring shards of other
+        workers' requests: those rings go on to their ends (no new ring takes a member whose
+        heartbeat says it is stopping)."""
+        return bool(self.tasks or self.admitting or self.moving or self._hosting())
+
+    def _hosting(self) -> int:
+        """Ring shards held here for other workers' requests (a cpu-decode worker's ring member)."""
+        ring = getattr(self, "ring", None)
+        return ring.hosting() if ring is not None else 0
 
     async def close(self) -> None:
         for t in list(self.tasks.values()):

@@ -275,6 +275,11 @@ class RingConnector:
             r.close()
             raise
 
+    def hosting(self) -> int:
+        """Shards this worker's member holds for rings other workers coordinate (or a prefill parked
+        for them): a stopping worker serves them until their requests end (``EngineWorker.run_until``)."""
+        return len(self.member.shards) if self.member is not None else 0
+
     def close(self) -> None:
         if self.server is not None:
             self.server.close()

@@ -12,6 +12,7 @@ import asyncio
 import io
 import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -158,6 +159,47 @@ async def test_a_killed_ring_member_loses_nothing(ring_stack, nats_server, refer
     mine = [p for p in plans if p.request_id == got["id"]]
     assert len(mine) >= 2 and all(killed[0] not in [m.worker for m in p.ring] for p in mine[1:]), mine
     assert mine[-1].strategy.startswith("cpu-ring"), mine[-1]
+
+
+async def test_a_stopped_ring_member_serves_its_shard_to_the_end(ring_stack, nats_server, reference):
+    """A ring of 2, one member stopped with SIGTERM mid-stream (a scale-down, a rolling update):
+    it keeps serving its shard until the request ends — no resume, exactly the undisturbed text —
+    and only then exits; no new ring takes it meanwhile."""
+    content = question(reference, 2000, tag="Stop. ")
+    ids, want = local_chat(reference, content, NEW, ignore_eos=True)
+    client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    ring_stack.wait_workers({"cpu-decode": 3}, 180)
+    bus = await Bus.connect(url=nats_server, name="e2e-ring-stop")
+    plans: list[RoutePlan] = []
+    noting = asyncio.create_task(_collect(await bus.subscribe(subjects.ROUTER_DECISION, RoutePlan,
+                                                              skip_invalid=True), plans))
+    stopped: list[str] = []
+
+    async def on_chunk(o):
+        if o["chunks"] == 4 and not stopped:
+            ring = next(p.ring for p in plans if p.request_id == o["id"] and p.strategy.startswith("cpu-ring"))
+            stopped.append(ring[1].worker)   # a member, not the coordinator
+            os.kill(pid_of(ring[1].worker), signal.SIGTERM)
+
+    try:
+        got = await asyncio.wait_for(chat(client, model, content, on_chunk), 600)
+    finally:
+        noting.cancel()
+        await bus.close()
+    assert stopped, "the stream ended before a member could be stopped"
+    assert got["text"] == want.text and got["finish"] == "length", (got, want.text)
+    assert not (got["usage"].model_extra or {}).get("tandem"), got["usage"]     # not resumed
+    assert len([p for p in plans if p.request_id == got["id"]]) == 1
+    deadline = time.monotonic() + 60
+    drained = None
+    while drained is None and time.monotonic() < deadline:
+        drained = next((ln for ln in ring_stack.log if f"{stopped[0]} drained in" in ln), None)
+        await asyncio.sleep(0.2)
+    assert drained is not None and "are cut" not in drained, ring_stack.tail()
+    said = next(ln for ln in ring_stack.log if f"{stopped[0]} draining:" in ln)
+    assert "ring shards of 1 request(s) of other workers" in said, said
+    ring_stack.wait_workers({"cpu-decode": 3}, 180)      # the supervisor starts it again
 
 
 async def _collect(sub, into) -> None:
