@@ -161,7 +161,8 @@ class Scheduler:
                     # prefills (52 s behind 8,000 tokens on 2 cores; 7 s behind three 2,000-token ring
                     # prompts), and the long one goes on at half the step or more (long prompts keep
                     # their order among themselves: sharing would only finish the first later)
-                    queue[i + 1:] = short + [q for q in queue[i + 1:] if q not in short]
+                    moved = set(map(id, short))
+                    queue[i + 1:] = short + [q for q in queue[i + 1:] if id(q) not in moved]
                     allowed -= allowed // 2
             if allowed == 0:
                 if budget == 0:
