@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 
@@ -186,6 +187,15 @@ def draining_server(app: FastAPI, settings: GatewaySettings, **config):
     import uvicorn
 
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn raises the signal it stopped for again once it has shut down: the process
+            then dies of SIGTERM (exit 143 in a container) after a clean drain — every rolling
+            update would look like a failure. Drained: it exits 0, as every other service does."""
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
         async def shutdown(self, sockets=None) -> None:
             def close() -> None:
                 log.warning("drain time (TANDEM_DRAIN_S=%.0f s) over: ending the streams still going with an "
