@@ -7,7 +7,7 @@ chunked prefill takes what the token budget leaves), then waiting sequences in q
 prompt is not batch work: a long prompt alone computes in throughput-sized steps, a batch flood
 in short ones (an interactive arrival waits for one step). A prompt that would take the whole
 step leaves half of it to the short prompts of its tier queued behind it (past other long ones),
-so a short prompt behind long ones waits a step, not their whole prefills. When the KV blocks run out, the lowest-priority running
+so a short prompt behind long ones waits a step or two, not their whole prefills. When the KV blocks run out, the lowest-priority running
 sequence is preempted: its KV is copied to host memory (the swap space), its blocks are
 freed and it goes back to the queue; on resume the bytes are copied back, so it continues
 exactly where it stopped. When the swap space is full, a preempted sequence's KV is dropped
@@ -30,6 +30,7 @@ from shared.engine.sequence import Sequence, Status
 BATCH_PRIORITY = Tier.BATCH.priority
 INTERACTIVE_PRIORITY = Tier.INTERACTIVE.priority
 SHORT_SCAN = 64   # how far past a long prompt the scheduler looks for a short one of its tier
+SHORT_TOKENS = 256  # a prompt this short (and a quarter of the long one's rest at most) shares its step
 
 
 @dataclass
@@ -153,8 +154,9 @@ class Scheduler:
         short: list[Sequence] = []  # short prompts moved up to share a long one's step
         for i, seq in enumerate(queue):
             allowed = budget if seq.priority == INTERACTIVE_PRIORITY else min(budget, worse_left)
-            if not short and seq.num_tokens - seq.num_computed > allowed:
-                short = self._short_after(queue[i + 1:], seq.priority, allowed // 2)
+            left = seq.num_tokens - seq.num_computed
+            if not short and left > allowed:
+                short = self._short_after(queue[i + 1:], seq.priority, max(allowed // 2, min(SHORT_TOKENS, left // 4)))
                 if short:
                     # a prompt that alone fills the step leaves half of it to the short prompts of its
                     # tier queued after it, past other long ones: those are not held behind whole long
@@ -187,16 +189,18 @@ class Scheduler:
         # this step (its KV swapped out, it resumes where it stopped)
         return [c for c in out if c.seq.status is Status.RUNNING]
 
-    def _short_after(self, rest: list[Sequence], tier: int, room: int) -> list[Sequence]:
+    def _short_after(self, rest: list[Sequence], tier: int, short: int) -> list[Sequence]:
         """The sequences of ``tier`` at the head of ``rest`` (the queue after a long prompt, in tier
-        order) whose prompts fit in ``room`` tokens and that may compute in this step: in chunked
+        order) with at most ``short`` prompt tokens left — half the step, or up to ``SHORT_TOKENS``
+        where the long one has four times as many left: a 40-token chat behind 2,000-token prompts
+        in 64-token steps takes two steps at half — that may compute in this step: in chunked
         prefill already, or waiting while sequence slots are free. At most ``SHORT_SCAN`` are
         looked at: a step's cost stays bounded."""
         found, slots = [], self.max_num_seqs - len(self.running)
         for seq in rest[:SHORT_SCAN]:
             if seq.priority != tier:
                 break
-            if seq.num_tokens - seq.num_computed <= room and (seq.status is Status.RUNNING or slots > 0):
+            if seq.num_tokens - seq.num_computed <= short and (seq.status is Status.RUNNING or slots > 0):
                 found.append(seq)
                 slots -= seq.status is not Status.RUNNING
         return found

@@ -285,6 +285,25 @@ def test_a_short_prompt_passes_several_long_ones_of_its_tier(bundled_model):
         eng.step()
     assert eng.blocks.num_free == 512
 
+    # a short prompt longer than half the step (a 40-token chat behind 600 tokens in 32-token
+    # steps, a batch flood's step on a CPU worker): half the step each step until it is in
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=512, step_tokens=32, prefill_step_tokens=32, max_num_seqs=8,
+                                             enable_prefix_caching=False))
+    for i in range(2):
+        eng.add(f"long{i}", text[i:600 + i], greedy(2), priority=2)
+    eng.step()
+    chat = tok.encode(" ".join(PROMPTS[:6]))
+    assert 16 < len(chat) <= 150
+    eng.add("chat", chat, greedy(2), priority=2)
+    steps = 0
+    while not eng.seqs["chat"].output_token_ids:
+        before = eng.seqs["long0"].num_computed
+        eng.step()
+        steps += 1
+        assert eng.seqs["long0"].num_computed - before == 16                # the long one keeps half
+    assert steps == -(-len(chat) // 16)                                     # the chat: the other half
+    assert eng.seqs["long1"].num_computed < 16                              # what the chat left of a step
+
 
 def test_batch_kv_is_evicted_before_interactive_kv(bundled_model):
     """Finished requests leave their KV in the prefix cache; under pressure the batch
