@@ -535,11 +535,13 @@ def _later(workers: list[WorkerView], exclude: set[str], now: float) -> list[Wor
     """The workers of ``workers`` not ready now or excluded for this request that may be back in
     seconds: each stands for itself restarting or for its replacement — unless a worker of its
     role came up after its last heartbeat (that one is its replacement, or new capacity: counted
-    once, ready). A worker that said it is stopping (``draining``) is not coming back."""
+    once, ready). A worker that said it is stopping (``draining``) counts too: a restart (a rolling
+    update, the supervisor) brings it back as a new worker within seconds, a scale-down never — the
+    router cannot tell them apart, and a wait then a 503 is the lesser harm than a 400 for a
+    request its replacement would have served."""
     up = [w for w in workers if w.alive(now) and w.id not in exclude]
     out = []
-    for gone in sorted((w for w in workers if (not w.alive(now) or w.id in exclude) and not w.beat.draining),
-                       key=lambda w: w.seen):
+    for gone in sorted((w for w in workers if not w.alive(now) or w.id in exclude), key=lambda w: w.seen):
         successor = next((w for w in sorted(up, key=lambda w: w.since) if w.role == gone.role and w.since > gone.seen),
                          None)
         if successor is None:

@@ -103,8 +103,9 @@ class PrefillWorker(EngineWorker):
             if getattr(e, "code", "") == "overloaded" or isinstance(e, RingCapacityError):
                 # a ring member (or the decode worker) had no room for it: nobody is lost, the gateway
                 # routes it again once there is room (two choices of one request planned onto one ring)
-                raise BusError("overloaded", f"hand-off to {req.decode_worker} refused for room: {e}",
-                               retry_after=1.0, sender_ok=True) from None
+                # (a decode worker that is stopping refuses so too, naming itself: routed without it)
+                raise BusError("overloaded", f"hand-off to {req.decode_worker} refused: {e}",
+                               retry_after=1.0, sender_ok=True, lost=getattr(e, "lost", "")) from None
             # the gateway resumes the request (a ring's members keep nothing): without the worker it
             # did not reach (ErrorReply.lost), or — a live peer refused it — with every worker
             lost = lost_in_hand_off(e, req.decode_worker)

@@ -265,9 +265,11 @@ class EngineWorker:
     def refuse_if_draining(self, code: str, what: str) -> None:
         """A stopping worker takes no new work: ``what`` is refused with ``code``, which sends it
         elsewhere — not_found for a request from a gateway (it routes it again without this
-        worker), overloaded for a hand-off (the sender's gateway routes it again, nobody lost)."""
+        worker), overloaded for a hand-off (the sender's gateway routes it again, no loss counted,
+        without this worker: the refusal names it, ``lost``)."""
         if self.draining:
-            raise BusError(code, f"{self.worker_id} is stopping (draining): {what} goes to another worker")
+            raise BusError(code, f"{self.worker_id} is stopping (draining): {what} goes to another worker",
+                           lost=self.worker_id)
 
     # ---- views of the records ----------------------------------------------------------
     @property
@@ -607,8 +609,12 @@ class EngineWorker:
         resume it elsewhere)."""
         await stop.wait()
         self.draining = True
-        self._beat_wake.set()
         t0 = time.monotonic()
+        try:   # at once (a woken beat waits out its 0.2 s gap): routers place by the last beat
+            await self.bus.publish(subjects.heartbeat(self.role, self.worker_id), self.heartbeat())
+        except Exception as e:   # the bus is down: the next beat says it
+            log.warning("could not say %s is stopping: %s", self.worker_id, e)
+            self._beat_wake.set()
         log.info("%s %s draining: %d request(s) held%s, no new work; the router moves decodes to other workers",
                  self.role, self.worker_id, len(self.held), f", ring shards of {hosted} request(s) of other workers"
                  if (hosted := self._hosting()) else "")

@@ -88,8 +88,8 @@ class RemoteError(BusError):
     """The remote handler answered with an ErrorReply."""
 
     def __init__(self, code: str, message: str, status: int | None = None, request_id: str = "",
-                 retry_after: float = 0.0):
-        super().__init__(code, message, retry_after)
+                 retry_after: float = 0.0, lost: str = ""):
+        super().__init__(code, message, retry_after, lost=lost)
         self.remote_status = status if status is not None else ERROR_STATUS.get(code, 500)
         self.request_id = request_id
 
@@ -99,13 +99,14 @@ class RemoteError(BusError):
 
     @classmethod
     def from_reply(cls, reply: ErrorReply) -> "RemoteError":
-        return cls(reply.code, reply.message, reply.status, reply.request_id, reply.retry_after)
+        return cls(reply.code, reply.message, reply.status, reply.request_id, reply.retry_after, reply.lost)
 
 
 def error_reply_for(exc: BaseException, request_id: str = "") -> ErrorReply:
     """The ErrorReply an exception becomes (the coded error envelope)."""
     if isinstance(exc, BusError):
-        return ErrorReply(exc.code, exc.message, exc.status, request_id, exc.retry_after)
+        return ErrorReply(exc.code, exc.message, exc.status, request_id, exc.retry_after, lost=exc.lost,
+                          sender_ok=exc.sender_ok)
     if isinstance(exc, ValueError):
         return ErrorReply.of("bad_request", str(exc), request_id)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):

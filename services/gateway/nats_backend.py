@@ -199,8 +199,9 @@ class NatsBackend:
                     gone = msg.lost or ("" if msg.sender_ok else st.holder)
                     await self._resume(st, f"its worker failed: {msg.message}", gone, silent=bool(msg.lost))
                     continue
-                if msg.code == "overloaded" and msg.sender_ok:   # its hand-off found no room: nobody lost
-                    await self._resume(st, f"no room for its hand-off: {msg.message}", "", lost=False)
+                if msg.code == "overloaded" and msg.sender_ok:   # its hand-off was refused: nobody lost
+                    # (no room there, or the decode worker is stopping: then it is named, and left out)
+                    await self._resume(st, f"its hand-off was refused: {msg.message}", msg.lost, lost=False)
                     continue
                 raise backend_error(msg.code, msg.message, msg.retry_after)
             if not isinstance(msg, StreamChunk) or msg.attempt != st.attempt or msg.seq < st.next_seq:

@@ -16,7 +16,7 @@ import pytest
 from services.gateway.backend import BackendError, GenerationRequest
 from services.gateway.nats_backend import NatsBackend
 from shared import subjects
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, error_reply_for
 from shared.engine.sampling import SamplingParams
 from shared.nats_server import EmbeddedNats
 from shared.schemas import Ack, GenerateRequest, RoutePlan, RouteRequest, StreamChunk
@@ -256,7 +256,7 @@ async def test_two_copies_of_one_attempt_never_drift():
         assert t.backend.resumes == 1
 
 
-@pytest.mark.parametrize("refused", [False, True])
+@pytest.mark.parametrize("refused", [None, "full", "draining"])
 async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_resume(refused, caplog):
     """The router plans prefill "p" -> decode "d-c" while d-c is dead (its heartbeats not yet
     missed): p's KV hand-off finds d-c's data plane refusing connections. The prefill's stream
@@ -266,7 +266,9 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
     answers the hand-off with an error ("overloaded"): nobody is gone, the resume excludes nobody
     (it used to exclude p, the prefill, which had done nothing wrong), and refusals for room are
     no losses: two of them under TANDEM_RESUME_ATTEMPTS=1 (two choices of one request planned
-    onto one ring: the second's hand-offs refused until the first ends) still end exact."""
+    onto one ring: the second's hand-offs refused until the first ends) still end exact. A decode
+    worker that refuses because it is stopping (``draining``) names itself: the request is routed
+    again without it, still no loss."""
     import socket
 
     from shared.bus import RemoteError
@@ -310,6 +312,9 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
     kv.store_later, kv.pool = (lambda *a: None), None
     if refused:
         async def hand_off(*a, **kw):   # d-c's answer on its decode subject (KVConnector.hand_off)
+            if refused == "draining":   # what EngineWorker.refuse_if_draining answers, through the bus
+                raise RemoteError.from_reply(error_reply_for(BusError(
+                    "overloaded", "d-c is stopping (draining): the KV of r-1 goes to another worker", lost="d-c")))
             raise RemoteError("overloaded", "d-c: the engine is full")
         kv.hand_off = hand_off
     prefill = PrefillWorker.__new__(PrefillWorker)
@@ -346,8 +351,10 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
         # a failed hand-off is routine (the gateway goes on elsewhere): a warning, not an error with a traceback
         assert not [r for r in caplog.records if r.name == "tandem.worker" and r.levelno >= logging.ERROR]
         assert [r for r in caplog.records if r.name == "tandem.worker" and "hand-off to d-c" in r.getMessage()]
-        if refused:
+        if refused == "full":
             assert [r.exclude for r in routed] == [[]] * 3 and backend.resumes == 2
+        elif refused == "draining":
+            assert [r.exclude for r in routed] == [[], ["d-c"], ["d-c"]] and backend.resumes == 2
         else:
             assert [r.exclude for r in routed] == [[], ["d-c"]] and backend.resumes == 1
     finally:

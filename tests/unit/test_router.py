@@ -528,11 +528,12 @@ def draining(view: WorkerView) -> WorkerView:
     return view
 
 
-def test_a_stopping_worker_is_moved_out_of_and_not_waited_for():
+def test_a_stopping_worker_is_moved_out_of_and_waited_for():
     """A decode worker that said it is stopping: each request it holds goes to the least loaded
     ready worker of its role that holds its context and has the KV for it — of the other decode
     role when none of its own does —; rings and requests already moving stay; and a prompt only it
-    could hold is refused, not waited for (it is not coming back)."""
+    could hold waits for it (its restart, a rolling update's replacement) as for a worker that
+    died: the router cannot tell a restart from a scale-down, and a 400 is for good."""
     src = draining(sw("c1", kv={"r1": [300, 1000, 1], "r2": [100, 200, 1], "r3": [500, 900, 3]},
                       held=[["r1", "s1", "batch"], ["r2", "", "standard"], ["r3", "", "batch"], ["r4", "", "batch"]]))
     idle, busy = sw("c2"), sw("c3", running=3)
@@ -557,9 +558,10 @@ def test_a_stopping_worker_is_moved_out_of_and_not_waited_for():
     assert evacuate([draining(sw("c1", seen=GONE, held=[["r1", "", "batch"]])), idle], NOW) == []  # gone already
     assert evacuate([sw("c1", held=[["r1", "", "batch"]]), idle], NOW) == []   # not stopping
 
-    # the router's wait for a worker that may be back: not for one that is stopping
+    # the router's wait for a worker that may be back: one that is stopping too (a restart or a
+    # scale-down, it cannot tell) — unless its replacement is up already
     big = w("c2", "cpu-decode", ctx=8192)
     small = w("c1", "cpu-decode", ctx=2048)
-    assert refused(req(n=3000), [small, dataclasses.replace(big, beat=dataclasses.replace(
-        big.beat, ready=False))]).code == "unavailable"
-    assert refused(req(n=3000), [small, draining(big)]).code == "prompt_too_long"
+    assert refused(req(n=3000), [small, draining(big)]).code == "unavailable"
+    successor = dataclasses.replace(w("c3", "cpu-decode", ctx=8192), since=NOW + 1)
+    assert decide(req(n=3000), [small, draining(big), successor], NOW).decode_worker == "c3"
