@@ -192,6 +192,13 @@ class Choices:
                         log.exception("closing the backend stream failed")
 
 
+def _first_token(accs: list[Accumulator], t0: float) -> float | None:
+    """TTFT of a request that ended before its last token (the client left, an error mid-stream):
+    its first token reached the client all the same, and counts (None: none did)."""
+    firsts = [a.first_token_at for a in accs if a.first_token_at is not None]
+    return min(firsts) - t0 if firsts else None
+
+
 def _done(g: GenerationRequest, accs: list[Accumulator], t0: float) -> None:
     now = time.monotonic()
     tier = accs[0].tier or g.tier   # the tier it ran at (a session's tier change overrides the request's)
@@ -315,19 +322,19 @@ async def _events(backend: Backend, gens: list[GenerationRequest], it: Choices, 
         _done(gens[0], accs, t0)
     except BackendError as e:  # mid-stream: the status is sent already; an error event instead (no [DONE])
         finished = None          # None: ended, not finished, and counted here
-        metrics.observe_request("gateway", gens[0].tier, outcome="error")
+        metrics.observe_request("gateway", gens[0].tier, ttft=_first_token(accs, t0), outcome="error")
         log.warning("%s failed mid-stream %d %s: %s", rid, e.status, e.code, e.message)
         for chunk in fmt.error_chunks(APIError.from_backend(e)):
             yield fmt.frame(chunk)
     except Exception as e:  # a bug: tell the client, abort (in finally), keep serving
         finished = None
-        metrics.observe_request("gateway", gens[0].tier, outcome="error")
+        metrics.observe_request("gateway", gens[0].tier, ttft=_first_token(accs, t0), outcome="error")
         log.exception("%s internal error mid-stream", rid)
         for chunk in fmt.error_chunks(APIError(500, f"internal error: {type(e).__name__}", code="internal_error")):
             yield fmt.frame(chunk)
     finally:
         if finished is False:   # the client left (the generator closed or cancelled mid-stream)
-            metrics.observe_request("gateway", gens[0].tier, outcome="aborted")
+            metrics.observe_request("gateway", gens[0].tier, ttft=_first_token(accs, t0), outcome="aborted")
         if not finished:
             await abort(backend, [r for r, a in zip(rids, accs) if a.finish_reason is None], "stream ended early")
         await it.aclose()

@@ -90,6 +90,29 @@ def test_gateway_metrics_after_a_request():
     assert moved == {"rejected": 2}
 
 
+def test_a_stream_that_ends_early_still_counts_its_first_token():
+    """A stream that fails mid-stream (or whose client leaves) after its first token: its TTFT
+    is observed (it was left out: the TTFT of every such stream went missing)."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from services.gateway.app import create_app
+    from services.gateway.backend import BackendError
+    from tests.unit.test_gateway import MODEL, FakeBackend
+
+    backend = FakeBackend()
+    backend.mid_error = BackendError("worker_lost", "lost", 502)
+    client = TestClient(create_app(backend))
+    ttft = value("tandem_ttft_seconds_count", service="gateway", tier="batch")
+    errors = value("tandem_requests_total", service="gateway", tier="batch", outcome="error")
+    with client.stream("POST", "/v1/chat/completions", headers={"X-Tandem-SLA": "batch"},
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
+        body = "".join(r.iter_text())
+    assert r.status_code == 200 and "worker_lost" in body, body
+    assert value("tandem_requests_total", service="gateway", tier="batch", outcome="error") == errors + 1
+    assert value("tandem_ttft_seconds_count", service="gateway", tier="batch") == ttft + 1
+
+
 def test_session_kv_series():
     """Sessions resident (heartbeat load), evicted (the connector's spill), cached tokens per turn."""
     from collections import OrderedDict
