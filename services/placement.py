@@ -307,10 +307,14 @@ def _pick(pool: list[WorkerView], cached: dict[str, int], session: SessionView |
 
 
 def _not_ready(later: list[WorkerView], roles: tuple[str, ...], now: float) -> str:
-    """``later``'s workers of ``roles`` as a clause for a message: their ids and why each is not usable now."""
+    """``later``'s workers of ``roles`` as a clause for a message: their ids and why each is not usable
+    now (a worker restarted comes back under a new id: the clause says "or a replacement")."""
     def why(w: WorkerView) -> str:
+        if w.beat.draining and fresh(w.seen, w.beat.interval, now):
+            return "stopping"
         return "found gone for this request" if w.alive(now) else f"last heartbeat {max(0.0, now - w.seen):.1f} s ago"
-    return ", ".join(f"{w.id} ({why(w)})" for w in later if w.role in roles)
+    named = [f"{w.id} ({why(w)})" for w in later if w.role in roles]
+    return ", ".join(named) + (" or a replacement" if len(named) == 1 else " or replacements")
 
 
 def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str = "sla", turn: int = 0,
@@ -334,7 +338,7 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
         if back:  # the worker that holds it is restarting (or was lost a moment ago): wait for it
             raise BusError("unavailable", f"no ready decode worker holds a prompt of {req.num_prompt_tokens} tokens "
                                           f"(the longest context of a ready one is {longest} tokens); "
-                                          f"{_not_ready(back, subjects.DECODE_ROLES, now)} would, and is not ready now")
+                                          f"{_not_ready(back, subjects.DECODE_ROLES, now)} would, once ready")
         if live:  # ready, but none has the room (a worker's KV budget can cap its context)
             raise BusError("prompt_too_long", f"a prompt of {req.num_prompt_tokens} tokens does not fit: the "
                                               f"longest context of a ready decode worker is {longest} tokens")
@@ -485,8 +489,8 @@ def strategy_plan(req: RouteRequest, workers: list[WorkerView], now: float, poli
         back = _prefills(later, req)
         if back:   # the prefill worker is restarting (or was lost a moment ago): wait for it
             raise BusError("unavailable", f"{why}, but no prefill worker is ready to compute its "
-                                          f"{req.num_prompt_tokens}-token prompt: "
-                                          f"{_not_ready(back, (subjects.PREFILL,), now)} is not ready now")
+                                          f"{req.num_prompt_tokens}-token prompt until "
+                                          f"{_not_ready(back, (subjects.PREFILL,), now)} is")
         return None, f"{why}; no prefill worker holds the {req.num_prompt_tokens}-token prompt for a ring"
     limits = limits or Limits()
     admit(req, tier, decoders, limits.queue[tier])

@@ -252,6 +252,11 @@ class Router:
 
     async def _move(self, m: Move) -> dict | None:
         t0 = time.monotonic()
+        target = self.workers.get(m.target.id)
+        if target is None or not target.alive(t0):   # not ready since the plan (stopping, gone): plan again
+            self.moving.discard(m.request_id)
+            log.info("%s: not moved to %s, which is not ready any more", m.request_id, m.target.id)
+            return None
         try:
             reply = await migrate(self.bus, m.source, to_target(m.request_id, m.target.beat, m.tier, m.reason,
                                                                  [v.beat for v in m.ring]))

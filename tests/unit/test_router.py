@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -565,3 +566,27 @@ def test_a_stopping_worker_is_moved_out_of_and_waited_for():
     assert refused(req(n=3000), [small, draining(big)]).code == "unavailable"
     successor = dataclasses.replace(w("c3", "cpu-decode", ctx=8192), since=NOW + 1)
     assert decide(req(n=3000), [small, draining(big), successor], NOW).decode_worker == "c3"
+
+
+async def test_a_move_whose_target_stopped_since_the_plan_is_not_tried():
+    """Moves are planned from the router's view and run a moment later: a target whose heartbeat
+    said since that it is stopping (two workers drained together, each planned as the other's
+    target) is not asked — the move is dropped and planned again at the next tick."""
+    from services.placement import Move
+    from services.router import Router
+
+    class Bus:
+        def __init__(self):
+            self.asked = []
+
+        async def request(self, subject, msg, timeout=None, expected=None):
+            self.asked.append(subject)
+            raise AssertionError("no move should be sent")
+
+    router = Router.__new__(Router)
+    router.bus, router.moving = Bus(), {"r1"}
+    target = sw("c2")
+    router.workers = {"c2": draining(sw("c2"))}
+    router.workers["c2"].seen = time.monotonic()      # heard just now: stopping
+    assert await router._move(Move("r1", "", "c1", target, "batch", "evacuate: c1 is stopping")) is None
+    assert router.bus.asked == [] and router.moving == set()
