@@ -127,6 +127,35 @@ def restarted(stack, name: str) -> bool:
     return re.search(rf"{re.escape(name)}\S* exited with code -9; restarting", stack.tail(400)) is not None
 
 
+async def streams_under_way(client, model, watch: Watch, jobs, n: int):
+    """``jobs`` ([prompt, temperature, seed]) streamed undisturbed side by side (the references: a
+    row's tokens do not depend on its batch, test_fused_forward), then again, as tasks, until each
+    has 4 chunks out and a heartbeat lists one of them: (references, the runs, their ids, the
+    heartbeat of the decode worker holding the most of them)."""
+    want = await asyncio.gather(*(stream(client, model, p, temperature=t, seed=s, max_tokens=n) for p, t, s in jobs))
+    assert all(w["finish"] == "length" and w["text"] for w in want)
+    started = {i: asyncio.Event() for i in range(len(jobs))}
+    ids = set()
+
+    def noting(i):
+        async def on_chunk(out):
+            ids.add(out["id"])
+            if out["chunks"] >= 4:
+                started[i].set()
+        return on_chunk
+
+    runs = [asyncio.create_task(stream(client, model, p, temperature=t, seed=s, on_chunk=noting(i), max_tokens=n))
+            for i, (p, t, s) in enumerate(jobs)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
+    deadline, holders = time.monotonic() + 30, []
+    while not holders and time.monotonic() < deadline:
+        holders = [b for b in list(watch.beats.values()) if b.role in subjects.DECODE_ROLES
+                   and any(r.request_id in ids for r in b.requests)]
+        await asyncio.sleep(0.02)
+    assert holders, f"no decode worker's heartbeat lists a stream: {watch.beats}"
+    return want, runs, ids, max(holders, key=lambda b: len(b.requests))
+
+
 @pytest.fixture(scope="module")
 def stack(nats_server):
     with running_stack(nats_server, ["--cpu-decode", "2", "--kvpool", "1"]) as s:
@@ -141,32 +170,8 @@ async def test_streams_survive_a_killed_decode_worker(stack, nats_server):
     try:
         jobs = [(STORY.format(i), 0.0, None) for i in range(3)] + [(STORY.format(9), 0.9, 1234)]
         n = 400  # long enough that a heartbeat sees them running on the fastest CPU here
-        # undisturbed, side by side (a row's tokens do not depend on its batch: test_fused_forward)
-        want = await asyncio.gather(*(stream(client, model, p, temperature=t, seed=s, max_tokens=n) for p, t, s in jobs))
-        assert all(w["finish"] == "length" and w["text"] for w in want)
-
-        started = {i: asyncio.Event() for i in range(len(jobs))}
-
-        ids = set()
-
-        def noting(i):
-            async def on_chunk(out):
-                ids.add(out["id"])
-                if out["chunks"] >= 4:
-                    started[i].set()
-            return on_chunk
-
-        runs = [asyncio.create_task(stream(client, model, p, temperature=t, seed=s, on_chunk=noting(i), max_tokens=n))
-                for i, (p, t, s) in enumerate(jobs)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
         # the decode worker holding the most of these streams dies, mid-stream (a heartbeat shows it)
-        deadline, holders = time.monotonic() + 30, []
-        while not holders and time.monotonic() < deadline:
-            holders = [b for b in list(watch.beats.values()) if b.role in subjects.DECODE_ROLES
-                       and any(r.request_id in ids for r in b.requests)]
-            await asyncio.sleep(0.02)
-        assert holders, f"no decode worker's heartbeat lists a stream: {watch.beats}"
-        victim_beat = max(holders, key=lambda b: len(b.requests))
+        want, runs, ids, victim_beat = await streams_under_way(client, model, watch, jobs, n)
         victim, role = victim_beat.worker_id, victim_beat.role
         os.kill(pid_of(victim), signal.SIGKILL)
         got = await asyncio.wait_for(asyncio.gather(*runs), 240)
@@ -228,28 +233,7 @@ async def test_a_stopping_decode_worker_hands_its_streams_over(stack, nats_serve
                                                                  skip_invalid=True)))
     try:
         jobs = [(STORY.format(20 + i), 0.0, None) for i in range(3)] + [(STORY.format(29), 0.9, 77)]
-        n = 600
-        want = await asyncio.gather(*(stream(client, model, p, temperature=t, seed=s, max_tokens=n) for p, t, s in jobs))
-        started = {i: asyncio.Event() for i in range(len(jobs))}
-        ids = set()
-
-        def noting(i):
-            async def on_chunk(out):
-                ids.add(out["id"])
-                if out["chunks"] >= 4:
-                    started[i].set()
-            return on_chunk
-
-        runs = [asyncio.create_task(stream(client, model, p, temperature=t, seed=s, on_chunk=noting(i), max_tokens=n))
-                for i, (p, t, s) in enumerate(jobs)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
-        deadline, holders = time.monotonic() + 30, []
-        while not holders and time.monotonic() < deadline:
-            holders = [b for b in list(watch.beats.values()) if b.role in subjects.DECODE_ROLES
-                       and any(r.request_id in ids for r in b.requests)]
-            await asyncio.sleep(0.02)
-        assert holders, f"no decode worker's heartbeat lists a stream: {watch.beats}"
-        victim_beat = max(holders, key=lambda b: len(b.requests))
+        want, runs, ids, victim_beat = await streams_under_way(client, model, watch, jobs, 600)
         victim = victim_beat.worker_id
         held = {r.request_id for r in victim_beat.requests} & ids
         os.kill(pid_of(victim), signal.SIGTERM)

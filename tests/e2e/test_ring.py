@@ -127,38 +127,42 @@ async def test_a_killed_ring_member_loses_nothing(ring_stack, nats_server, refer
     ring of the two workers left, and the client gets exactly the undisturbed greedy text."""
     content = question(reference, 2000)
     ids, want = local_chat(reference, content, NEW, ignore_eos=True)
-    client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
-    model = (await client.models.list()).data[0].id
-    bus = await Bus.connect(url=nats_server, name="e2e-ring-kill")
-    plans: list[RoutePlan] = []
-    sub = await bus.subscribe(subjects.ROUTER_DECISION, RoutePlan, skip_invalid=True)
-
-    async def note() -> None:
-        async for p in sub:
-            plans.append(p)
-
-    noting = asyncio.create_task(note())
-    killed: list[str] = []
-
-    async def on_chunk(o):
-        if o["chunks"] == 4 and not killed:
-            ring = next(p.ring for p in plans if p.request_id == o["id"] and p.strategy == "cpu-ring(2)")
-            killed.append(ring[1].worker)   # a member, not the coordinator
-            os.kill(pid_of(ring[1].worker), signal.SIGKILL)
-
-    try:
-        got = await asyncio.wait_for(chat(client, model, content, on_chunk), 600)
-    finally:
-        noting.cancel()
-        await bus.close()
+    got, killed, plans = await ring_chat_with_a_member_signalled(ring_stack, nats_server, content, signal.SIGKILL)
     assert killed, "the stream ended before a member could be killed"
     assert got["text"] == want.text and got["finish"] == "length", (got, want.text)
     assert got["usage"].completion_tokens == NEW
     t = (got["usage"].model_extra or {}).get("tandem") or {}
     assert t.get("resumes", 0) >= 1, got["usage"]
     mine = [p for p in plans if p.request_id == got["id"]]
-    assert len(mine) >= 2 and all(killed[0] not in [m.worker for m in p.ring] for p in mine[1:]), mine
+    assert mine[0].strategy == "cpu-ring(2)", mine[0]
+    assert len(mine) >= 2 and all(killed not in [m.worker for m in p.ring] for p in mine[1:]), mine
     assert mine[-1].strategy.startswith("cpu-ring"), mine[-1]
+
+
+async def ring_chat_with_a_member_signalled(stack, nats_url: str, content: str, sig: int):
+    """``chat`` of ``content`` on ``stack`` (a ring's), and ``sig`` to its ring's second member —
+    a member, not the coordinator — after the 4th chunk: (the chat, that member or None if the
+    stream ended first, the router's plans meanwhile)."""
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    bus = await Bus.connect(url=nats_url, name="e2e-ring-member")
+    plans: list[RoutePlan] = []
+    noting = asyncio.create_task(_collect(await bus.subscribe(subjects.ROUTER_DECISION, RoutePlan,
+                                                              skip_invalid=True), plans))
+    hit: list[str] = []
+
+    async def on_chunk(o):
+        if o["chunks"] == 4 and not hit:
+            ring = next(p.ring for p in plans if p.request_id == o["id"] and p.strategy.startswith("cpu-ring"))
+            hit.append(ring[1].worker)
+            os.kill(pid_of(ring[1].worker), sig)
+
+    try:
+        got = await asyncio.wait_for(chat(client, model, content, on_chunk), 600)
+    finally:
+        noting.cancel()
+        await bus.close()
+    return got, hit[0] if hit else None, plans
 
 
 async def test_a_stopped_ring_member_serves_its_shard_to_the_end(ring_stack, nats_server, reference):
@@ -167,26 +171,8 @@ async def test_a_stopped_ring_member_serves_its_shard_to_the_end(ring_stack, nat
     and only then exits; no new ring takes it meanwhile."""
     content = question(reference, 2000, tag="Stop. ")
     ids, want = local_chat(reference, content, NEW, ignore_eos=True)
-    client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
-    model = (await client.models.list()).data[0].id
     ring_stack.wait_workers({"cpu-decode": 3}, 180)
-    bus = await Bus.connect(url=nats_server, name="e2e-ring-stop")
-    plans: list[RoutePlan] = []
-    noting = asyncio.create_task(_collect(await bus.subscribe(subjects.ROUTER_DECISION, RoutePlan,
-                                                              skip_invalid=True), plans))
-    stopped: list[str] = []
-
-    async def on_chunk(o):
-        if o["chunks"] == 4 and not stopped:
-            ring = next(p.ring for p in plans if p.request_id == o["id"] and p.strategy.startswith("cpu-ring"))
-            stopped.append(ring[1].worker)   # a member, not the coordinator
-            os.kill(pid_of(ring[1].worker), signal.SIGTERM)
-
-    try:
-        got = await asyncio.wait_for(chat(client, model, content, on_chunk), 600)
-    finally:
-        noting.cancel()
-        await bus.close()
+    got, stopped, plans = await ring_chat_with_a_member_signalled(ring_stack, nats_server, content, signal.SIGTERM)
     assert stopped, "the stream ended before a member could be stopped"
     assert got["text"] == want.text and got["finish"] == "length", (got, want.text)
     assert not (got["usage"].model_extra or {}).get("tandem"), got["usage"]     # not resumed
@@ -194,10 +180,10 @@ async def test_a_stopped_ring_member_serves_its_shard_to_the_end(ring_stack, nat
     deadline = time.monotonic() + 60
     drained = None
     while drained is None and time.monotonic() < deadline:
-        drained = next((ln for ln in ring_stack.log if f"{stopped[0]} drained in" in ln), None)
+        drained = next((ln for ln in ring_stack.log if f"{stopped} drained in" in ln), None)
         await asyncio.sleep(0.2)
     assert drained is not None and "are cut" not in drained, ring_stack.tail()
-    said = next(ln for ln in ring_stack.log if f"{stopped[0]} draining:" in ln)
+    said = next(ln for ln in ring_stack.log if f"{stopped} draining:" in ln)
     assert "ring shards of 1 request(s) of other workers" in said, said
     ring_stack.wait_workers({"cpu-decode": 3}, 180)      # the supervisor starts it again
 
