@@ -1,0 +1,116 @@
+"""The scheduler on its own (shared/engine/scheduler.py), driven as the engine drives it but
+without a model: random arrivals of long and short prompts at three tiers, a KV cache that may
+run short (preemption, swap), and every step checked — its token budget, each sequence once,
+chunks that continue where the sequence is — until every request is done. The engine tests
+(tests/integration/test_engine.py) check the same rules case by case with the real model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shared.engine.kv_cache import BlockManager
+from shared.engine.sampling import SamplingParams
+from shared.engine.scheduler import SHORT_TOKENS, Scheduler
+from shared.engine.sequence import Sequence, Status
+
+BS = 16
+
+
+def _requests(rng: random.Random, n: int) -> list[tuple[int, Sequence, int]]:
+    """(arrival step, sequence, tokens out) of ``n`` requests: a third long prompts, the rest short."""
+    out = []
+    step = 0
+    for i in range(n):
+        step += rng.choice([0, 0, 1, 2, 5])
+        long = rng.random() < 0.35
+        prompt = [rng.randrange(1, 5000) for _ in range(rng.randint(600, 2500) if long else rng.randint(3, 200))]
+        seq = Sequence(f"r{i}", prompt, SamplingParams(max_tokens=8), priority=rng.choice([0, 1, 1, 2, 2]))
+        out.append((step, seq, rng.randint(1, 8)))
+    return out
+
+
+def _simulate(seed: int, num_blocks: int, max_num_seqs: int) -> dict:
+    rng = random.Random(seed)
+    blocks = BlockManager(num_blocks, BS, enable_prefix_caching=False)
+    kv = torch.zeros(num_blocks, 2)
+    sched = Scheduler(blocks, max_num_seqs=max_num_seqs, step_tokens=64, kv=kv, swap_bytes=kv[0].numel() * 4 * 40,
+                      shared_step_tokens=8, prefill_step_tokens=512)
+    todo = _requests(rng, 40)
+    want = {seq.request_id: n for _, seq, n in todo}
+    first_run: dict[str, int] = {}
+    done: dict[str, int] = {}
+    step = 0
+    while todo or sched.has_work():
+        while todo and todo[0][0] <= step:
+            sched.add(todo.pop(0)[1])
+        chunks = sched.schedule()
+        seqs = [c.seq for c in chunks]
+        assert len(set(map(id, seqs))) == len(seqs), f"step {step}: a sequence scheduled twice"
+        assert sum(c.num_tokens for c in chunks) <= max(sched.max_tokens, sched.prefill_tokens)
+        for c in chunks:
+            s = c.seq
+            assert s.status is Status.RUNNING and c.start == s.num_computed and c.num_tokens >= 1
+            assert c.start + c.num_tokens <= len(s.block_table) * BS        # its blocks are there
+            assert c.sample == (c.start + c.num_tokens == s.num_tokens)
+            first_run.setdefault(s.request_id, step)
+        sched.commit(chunks)
+        for c in chunks:
+            s = c.seq
+            if c.sample:
+                s.token_ids.append(rng.randrange(1, 5000))
+                if s.num_output_tokens >= want[s.request_id]:
+                    sched.drop(s)
+                    s.status = Status.FINISHED
+                    done[s.request_id] = step
+        step += 1
+        assert step < 20_000, "the queue never drained"
+    assert set(done) == set(want)                                          # nothing lost
+    assert blocks.num_free == num_blocks and sched.swap_used == 0          # nothing leaked
+    return {"first_run": first_run, "done": done, "steps": step, "preemptions": sched.num_preemptions}
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("num_blocks, max_num_seqs", [(4096, 64), (160, 64), (4096, 2)])
+def test_random_arrivals_are_all_served_within_every_step_s_rules(seed, num_blocks, max_num_seqs):
+    """Every step keeps its budget and schedules a sequence once, where it left off, in blocks it
+    holds; every request finishes and gives back its blocks — with plenty of KV, with KV short
+    enough to preempt (160 blocks: 2,560 tokens for prompts of up to 2,500), and with two sequence
+    slots. Among the long prompts of one tier (more than ``SHORT_TOKENS`` left, never moved up past
+    one another) none starts before one that arrived earlier, unless that one was preempted."""
+    got = _simulate(seed, num_blocks, max_num_seqs)
+    if got["preemptions"]:
+        return
+    rng = random.Random(seed)
+    longs = [(seq.priority, seq.arrival, seq.request_id) for _, seq, _ in _requests(rng, 40)
+             if seq.num_prompt_tokens > 4 * SHORT_TOKENS]
+    first = got["first_run"]
+    for tier in {t for t, _, _ in longs}:
+        order = [rid for t, _, rid in sorted(longs) if t == tier]
+        starts = [first[rid] for rid in order]
+        assert starts == sorted(starts), (tier, list(zip(order, starts)))
+
+
+def test_a_short_prompt_passes_long_ones_in_a_few_steps():
+    """Three long prompts of a tier queued, then a 74-token one of that tier: half of each 64-token
+    step is its, so its prefill is done in three steps, not after the long ones' (about 100 steps)."""
+    blocks = BlockManager(4096, BS, enable_prefix_caching=False)
+    sched = Scheduler(blocks, max_num_seqs=64, step_tokens=64, kv=torch.zeros(4096, 2), swap_bytes=0,
+                      shared_step_tokens=8, prefill_step_tokens=512)
+    longs = [Sequence(f"L{i}", [7] * 2000, SamplingParams(max_tokens=1), priority=2) for i in range(3)]
+    for s in longs:
+        sched.add(s)
+    sched.commit(sched.schedule())
+    short = Sequence("S", [9] * 74, SamplingParams(max_tokens=1), priority=2)
+    sched.add(short)
+    for step in range(1, 4):
+        chunks = sched.schedule()
+        sched.commit(chunks)
+        assert any(c.seq is longs[0] for c in chunks)                   # the first long one goes on
+        if any(c.seq is short and c.sample for c in chunks):
+            break
+    else:
+        raise AssertionError("the short prompt did not finish its prefill in three steps")
+    assert longs[2].num_computed == 0
