@@ -223,7 +223,8 @@ class EngineWorker:
         metrics.set_ready(self.role, ready and self.bus.nc.is_connected)
         held = self.held
         return Heartbeat(worker_id=self.worker_id, role=self.role, device=self.device, model=self.model_name,
-                         ready=ready, draining=self.draining, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
+                         ready=ready, draining=self.draining, queue_depth=st["waiting"] + st["queued_commands"],
+                         running=st["running"],
                          free_kv_blocks=st["free_kv_blocks"], total_kv_blocks=st["total_kv_blocks"],
                          max_context=self.engine.max_context, data_host=self.data_host,
                          data_port=self.data_port, ts=time.time(),
@@ -615,9 +616,10 @@ class EngineWorker:
         except Exception as e:   # the bus is down: the next beat says it
             log.warning("could not say %s is stopping: %s", self.worker_id, e)
             self._beat_wake.set()
+        hosted = self._hosting()
         log.info("%s %s draining: %d request(s) held%s, no new work; the router moves decodes to other workers",
-                 self.role, self.worker_id, len(self.held), f", ring shards of {hosted} request(s) of other workers"
-                 if (hosted := self._hosting()) else "")
+                 self.role, self.worker_id, len(self.held),
+                 f", ring shards of {hosted} request(s) of other workers" if hosted else "")
         while self._busy() and time.monotonic() - t0 < self.settings.gateway.drain_s:
             await asyncio.sleep(0.05)
         left = len(self.held)

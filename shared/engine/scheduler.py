@@ -7,10 +7,10 @@ chunked prefill takes what the token budget leaves), then waiting sequences in q
 prompt is not batch work: a long prompt alone computes in throughput-sized steps, a batch flood
 in short ones (an interactive arrival waits for one step). A prompt that would take the whole
 step leaves half of it to the short prompts of its tier queued behind it (past other long ones),
-so a short prompt behind long ones waits a step or two, not their whole prefills. When the KV blocks run out, the lowest-priority running
-sequence is preempted: its KV is copied to host memory (the swap space), its blocks are
-freed and it goes back to the queue; on resume the bytes are copied back, so it continues
-exactly where it stopped. When the swap space is full, a preempted sequence's KV is dropped
+so a short prompt behind long ones waits a step or two, not their whole prefills. When the KV
+blocks run out, the lowest-priority running sequence is preempted: its KV is copied to host
+memory (the swap space), its blocks are freed and it goes back to the queue; on resume the
+bytes are copied back, so it continues exactly where it stopped. When the swap space is full, a preempted sequence's KV is dropped
 and recomputed on resume instead. Nothing is dropped. When every sequence slot is taken, a
 waiting sequence of a better tier preempts the worst running one the same way (interactive
 work preempts batch work on a shared worker).
