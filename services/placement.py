@@ -341,7 +341,8 @@ def place(req: RouteRequest, workers: list[WorkerView], now: float, policy: str 
                                           f"{_not_ready(back, subjects.DECODE_ROLES, now)} would, once ready")
         if live:  # ready, but none has the room (a worker's KV budget can cap its context)
             raise BusError("prompt_too_long", f"a prompt of {req.num_prompt_tokens} tokens does not fit: the "
-                                              f"longest context of a ready decode worker is {longest} tokens")
+                                              f"longest context of a ready decode worker is {longest} tokens",
+                           param="prompt")
         raise BusError("unavailable", "no decode worker is ready")
     tier = Tier.STANDARD if policy == "fifo" else effective_tier(req.tier, session)
     if policy == "round-robin":
@@ -521,8 +522,9 @@ def ring_room(views: list[WorkerView]) -> tuple[int, int]:
     return (len(ring), lo) if ring else (0, 0)
 
 
-def _too_long(req: RouteRequest, ready: list[WorkerView]) -> str:
-    """Why no ready decode worker, nor a ring of them, takes the request, with what would fit."""
+def _too_long(req: RouteRequest, ready: list[WorkerView]) -> tuple[str, str]:
+    """Why no ready decode worker, nor a ring of them, takes the request, with what would fit; and
+    the field at fault: max_tokens where a ring would take the prompt with fewer, else the prompt."""
     longest = max((w.beat.max_context for w in ready if w.role in subjects.DECODE_ROLES), default=0)
     msg = (f"a prompt of {req.num_prompt_tokens} tokens does not fit: the longest context of a ready decode "
            f"worker is {longest} tokens")
@@ -531,8 +533,8 @@ def _too_long(req: RouteRequest, ready: list[WorkerView]) -> str:
         msg += (f", and a ring of {members} cpu-decode workers holds {room} tokens, for the prompt and up to "
                 f"max_tokens ({req.max_tokens}) more")
         if room > req.num_prompt_tokens:
-            msg += f": ask for at most {room - req.num_prompt_tokens} tokens (max_tokens)"
-    return msg
+            return msg + f": ask for at most {room - req.num_prompt_tokens} tokens (max_tokens)", "max_tokens"
+    return msg, "prompt"
 
 
 def _later(workers: list[WorkerView], exclude: set[str], now: float) -> list[WorkerView]:
@@ -579,7 +581,8 @@ def decide(req: RouteRequest, workers: list[WorkerView], now: float, policy: str
     except BusError as e:
         if e.code != "prompt_too_long" or policy != "sla":
             raise
-        raise BusError("prompt_too_long", _too_long(req, [w for w in usable if w.alive(now)])) from None
+        msg, param = _too_long(req, [w for w in usable if w.alive(now)])
+        raise BusError("prompt_too_long", msg, param=param) from None
     plan.strategy = strategy_of(plan)
     if why:
         plan.reason += f"; strategy {plan.strategy} ({why})"

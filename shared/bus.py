@@ -71,10 +71,12 @@ def _placement(e: Exception) -> bool:
 class BusError(Exception):
     """An error with a wire code (a key of schemas.ERROR_STATUS); handlers raise it on purpose."""
 
-    def __init__(self, code: str, message: str, retry_after: float = 0.0, lost: str = "", sender_ok: bool = False):
+    def __init__(self, code: str, message: str, retry_after: float = 0.0, lost: str = "", sender_ok: bool = False,
+                 param: str = ""):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.param = param               # the request field at fault (ErrorReply.param)
         self.retry_after = retry_after   # "overloaded": seconds until a retry may succeed
         self.lost = lost                 # a stream's error: the worker found gone (ErrorReply.lost)
         self.sender_ok = sender_ok       # ... or nobody: a live peer's answer failed it (ErrorReply.sender_ok)
@@ -88,8 +90,8 @@ class RemoteError(BusError):
     """The remote handler answered with an ErrorReply."""
 
     def __init__(self, code: str, message: str, status: int | None = None, request_id: str = "",
-                 retry_after: float = 0.0, lost: str = ""):
-        super().__init__(code, message, retry_after, lost=lost)
+                 retry_after: float = 0.0, lost: str = "", param: str = ""):
+        super().__init__(code, message, retry_after, lost=lost, param=param)
         self.remote_status = status if status is not None else ERROR_STATUS.get(code, 500)
         self.request_id = request_id
 
@@ -99,14 +101,15 @@ class RemoteError(BusError):
 
     @classmethod
     def from_reply(cls, reply: ErrorReply) -> "RemoteError":
-        return cls(reply.code, reply.message, reply.status, reply.request_id, reply.retry_after, reply.lost)
+        return cls(reply.code, reply.message, reply.status, reply.request_id, reply.retry_after, reply.lost,
+                   reply.param)
 
 
 def error_reply_for(exc: BaseException, request_id: str = "") -> ErrorReply:
     """The ErrorReply an exception becomes (the coded error envelope)."""
     if isinstance(exc, BusError):
         return ErrorReply(exc.code, exc.message, exc.status, request_id, exc.retry_after, lost=exc.lost,
-                          sender_ok=exc.sender_ok)
+                          sender_ok=exc.sender_ok, param=exc.param)
     if isinstance(exc, ValueError):
         return ErrorReply.of("bad_request", str(exc), request_id)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):

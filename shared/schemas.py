@@ -376,6 +376,8 @@ class ErrorReply:
     #                              a prefill's failed hand-off: the decode worker it did not reach)
     sender_ok: bool = False      # nobody is gone: a live peer's answer failed the sender (a decode worker
     #                              refusing a prefill's hand-off), so a resume may route to both again
+    param: str = ""              # the request field at fault: "prompt" or "max_tokens" for prompt_too_long
+    #                              (the gateway answers with its endpoint's name of it: messages, input, ...)
 
     @classmethod
     def of(cls, code: str, message: str, request_id: str = "", retry_after: float = 0.0) -> "ErrorReply":

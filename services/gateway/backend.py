@@ -67,6 +67,8 @@ class GenerationRequest:
     tenant: str = ""                 # whose cached KV it may reuse (handlers.cache_tenant; "" = public)
     owner: str = "public"            # the API key's tenant: sessions belong to it
     cache_retention: str = ""        # prompt_cache_retention: "" | in_memory | 24h (its session's KV)
+    params: tuple[str, str] = ("prompt", "max_tokens")  # its endpoint's names of the prompt and of the
+                                                        # output budget: a context error's param
 
 
 class Tokenizer(Protocol):

@@ -393,7 +393,8 @@ async def prepare_chat(request: Request, req: ChatCompletionRequest,
                                defaults=gw.defaults)
     fmt = ChatFormat(rid, req.model, gw.token_str, (req.top_logprobs or 0) if want_lp else None, n=req.n or 1,
                      plan=plan, parser=gw.tool_parser)
-    return choices(GenerationRequest(rid, req.model, prompt, sampling, **route), req.n or 1), fmt
+    return choices(GenerationRequest(rid, req.model, prompt, sampling, **route, params=("messages", max_param)),
+                   req.n or 1), fmt
 
 
 @router.post("/v1/chat/completions")

@@ -74,9 +74,9 @@ GAP_S = 1.0              # a missing seq not filled for this long (chunks lost i
 HOPS = 4                 # Where replies followed (prefill -> decode -> migration targets) per check
 
 
-def backend_error(code: str, message: str, retry_after: float = 0.0) -> BackendError:
+def backend_error(code: str, message: str, retry_after: float = 0.0, param: str = "") -> BackendError:
     gw_code, status = CODE_MAP.get(code, ("internal_error", 500))
-    return BackendError(gw_code, message, status, retry_after=retry_after)
+    return BackendError(gw_code, message, status, param=param or None, retry_after=retry_after)
 
 
 def too_large(e: Exception) -> BackendError:
@@ -367,8 +367,13 @@ class NatsBackend:
                 num_prompt_tokens=len(req.prompt_token_ids) + len(st.token_ids), max_tokens=req.sampling.max_tokens,
                 prompt_token_ids=req.prompt_token_ids + st.token_ids, exclude=sorted(st.exclude),
                 attempt=st.attempt, tenant=req.tenant, owner=req.owner)
-            plan = await self._call(subjects.ROUTE, route, RoutePlan,
-                                    timeout=min(ROUTE_TRY_S, self.bus.request_timeout))
+            try:
+                plan = await self._call(subjects.ROUTE, route, RoutePlan,
+                                        timeout=min(ROUTE_TRY_S, self.bus.request_timeout))
+            except BackendError as e:   # the router's "prompt" / "max_tokens": this endpoint's names
+                if e.param in ("prompt", "max_tokens"):
+                    e.param = req.params[e.param == "max_tokens"]
+                raise
             if not st.attempt:
                 st.tier = plan.tier
             target = plan.prefill_worker or plan.decode_worker
@@ -428,7 +433,7 @@ class NatsBackend:
         try:
             return await self.bus.request(subject, msg, timeout=timeout, expected=expected)
         except RemoteError as e:
-            raise backend_error(e.code, e.message, e.retry_after) from None
+            raise backend_error(e.code, e.message, e.retry_after, e.param) from None
         except BusError as e:
             raise backend_error(e.code, str(e), e.retry_after) from None
         except (MessageTooLarge, MaxPayloadError) as e:

@@ -18,6 +18,7 @@ holding it. Where they are kept, and their caps per tenant: ``response_store.py`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -459,6 +460,7 @@ async def create_response(request: Request) -> Response:
             head, dot, rest = e.param.partition(".")
             e.param = PARAMS.get(head, head) + dot + rest
         raise
+    gens = [dataclasses.replace(g, params=("input", "max_output_tokens")) for g in gens]   # a context error's param
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": gens[0].sampling.temperature,
             "top_p": req.top_p if req.top_p is not None else 1.0, "tools": req.tools or [],

@@ -365,6 +365,39 @@ async def test_a_decode_worker_the_prefill_could_not_reach_is_left_out_of_the_re
         server.stop()
 
 
+@pytest.mark.parametrize("field, params, want", [("max_tokens", ("messages", "max_completion_tokens"),
+                                                  "max_completion_tokens"),
+                                                 ("prompt", ("input", "max_output_tokens"), "input"),
+                                                 ("max_tokens", ("prompt", "max_tokens"), "max_tokens")])
+async def test_a_context_error_names_the_endpoint_s_own_field(field, params, want):
+    """The router's prompt_too_long names the field at fault ("prompt" or "max_tokens"; it was
+    always param: null): it crosses the bus (ErrorReply.param) and the client's 400 names it as its
+    endpoint calls it (GenerationRequest.params: chat messages / max_completion_tokens, Responses
+    input / max_output_tokens, completions prompt / max_tokens)."""
+    from services.gateway.backend import BackendError
+
+    server = EmbeddedNats()
+    s = Settings(nats=NatsSettings(url=server.start(), request_timeout=2.0))
+    gw_bus, router = [await Bus.connect(s, name=n) for n in ("gw", "router")]
+
+    async def route(req: RouteRequest) -> RoutePlan:
+        raise BusError("prompt_too_long", "a prompt of 3 tokens does not fit", param=field)
+
+    await router.serve(subjects.ROUTE, route, expected=RouteRequest)
+    backend = NatsBackend(gw_bus, "m", 1024, tokenizer=None, settings=GatewaySettings(resume_wait_s=1.0))
+    await backend.start()
+    try:
+        req = GenerationRequest("r-1", "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None, params=params)
+        with pytest.raises(BackendError) as e:
+            await asyncio.wait_for(_collect(backend, req), 30)
+        assert (e.value.code, e.value.status, e.value.param) == ("context_length_exceeded", 400, want)
+    finally:
+        await backend.close()
+        for b in (gw_bus, router):
+            await b.close()
+        server.stop()
+
+
 async def _collect(backend: NatsBackend, req: GenerationRequest) -> list:
     return [o async for o in backend.generate(req)]
 

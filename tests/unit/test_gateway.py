@@ -718,3 +718,15 @@ def test_a_session_turn_counts_its_cached_and_computed_prompt_tokens(url, client
     assert value("cached") + value("computed") == before + r.usage.prompt_tokens
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert value("cached") + value("computed") == before + r.usage.prompt_tokens   # not a session's turn
+
+
+def test_each_endpoint_names_its_own_prompt_and_budget_fields(client, backend):
+    """What a context error from the workers (the router's prompt_too_long) names as its param —
+    the prompt or the output budget — in the endpoint's own words (NatsBackend maps the router's
+    "prompt" / "max_tokens" through GenerationRequest.params)."""
+    client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4)
+    client.chat.completions.create(model=MODEL, messages=MSGS, max_completion_tokens=4)
+    client.completions.create(model=MODEL, prompt="p", max_tokens=4)
+    client.responses.create(model=MODEL, input="hi", max_output_tokens=16, store=False)
+    assert [r.params for r in backend.requests] == [("messages", "max_tokens"), ("messages", "max_completion_tokens"),
+                                                    ("prompt", "max_tokens"), ("input", "max_output_tokens")]

@@ -380,8 +380,10 @@ def test_prompt_too_long_says_what_a_ring_would_hold_and_the_max_tokens_that_fit
     assert e.code == "prompt_too_long" and "longest context of a ready decode worker is 1280 tokens" in e.message
     assert "a ring of 3 cpu-decode workers holds 3840 tokens" in e.message
     assert "ask for at most 1798 tokens (max_tokens)" in e.message, e.message
+    assert e.param == "max_tokens"                 # fewer tokens out would fit: the field at fault
     e = refused(req("batch", n=3900, max_tokens=16), RING3)
     assert "holds 3840 tokens" in e.message and "ask for" not in e.message
+    assert e.param == "prompt"                     # the prompt alone does not fit
     assert "ring" not in refused(req("batch", n=2042, max_tokens=6150), RING3[:3]).message   # no prefill: no ring
     assert ring_room(RING3) == (3, 3840) and ring_room(RING3[:1]) == (0, 0)
 
