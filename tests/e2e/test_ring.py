@@ -78,6 +78,7 @@ def test_one_worker_refuses_a_context_over_its_budget(nats_server, reference):
                                            max_tokens=NEW, temperature=0, extra_headers=BATCH)
         assert e.value.code == "context_length_exceeded", e.value
         assert "1360 tokens" in str(e.value), e.value
+        assert e.value.param == "messages", e.value.body     # the prompt is what does not fit
 
 
 @pytest.fixture(scope="module")
