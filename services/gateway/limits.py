@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -74,6 +75,17 @@ def deadline_protocol(seconds: float) -> type:
         def connection_lost(self, exc) -> None:
             self._check.cancel()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """A request the HTTP parser refuses (a bad chunk size, an HTTP/0.9 line, headers too
+            large): OpenAI's error shape, as every other 400 here (uvicorn's is plain text)."""
+            body = json.dumps({"error": {
+                "message": f"malformed HTTP request: {msg.rstrip('.')} (bad framing, a bad request line or "
+                           "headers too large)", "type": "invalid_request_error", "param": None,
+                "code": "invalid_request"}}).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+            self.transport.close()
 
     return DeadlineProtocol
 

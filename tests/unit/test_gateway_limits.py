@@ -473,6 +473,24 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_encoded():
         assert encoded
 
 
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",   # chunk size
+    b"GET /v1/models\r\n\r\n",                                                                   # HTTP/0.9
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",           # headers
+])
+def test_a_request_the_http_parser_refuses_gets_an_openai_shaped_400(served, raw):
+    """Framing the HTTP layer itself refuses: a 400 in OpenAI's error shape (uvicorn's own was
+    plain text, "Invalid HTTP request received."), and the connection closed."""
+    url, backend, _ = served
+    with _connect(url) as s:
+        s.sendall(raw)
+        closed, got = _closed_within(s, 5)
+    assert closed and got.startswith(b"HTTP/1.1 400 ") and b"application/json" in got, got[:300]
+    body = json.loads(got.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "invalid_request" and body["error"]["type"] == "invalid_request_error", body
+    assert backend.requests == []
+
+
 def test_both_framings_are_refused_and_the_connection_closed(served):
     """Content-Length and Transfer-Encoding together (the request-smuggling vector when a proxy in
     front reads the other) was taken with the chunked body: RFC 9112 §6.1 says error and close."""
