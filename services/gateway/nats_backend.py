@@ -43,6 +43,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -72,6 +73,7 @@ ROUTE_TRY_S = 3.0        # a route request unanswered this long is asked again (
 #                          holding it, or the bus be reconnecting), up to TANDEM_RESUME_WAIT_S in all
 GAP_S = 1.0              # a missing seq not filled for this long (chunks lost in a NATS outage): resume
 HOPS = 4                 # Where replies followed (prefill -> decode -> migration targets) per check
+ABORTED_MAX = 4096       # request ids whose Abort was sent, remembered (a second one for the same is noise)
 
 
 def backend_error(code: str, message: str, retry_after: float = 0.0, param: str = "") -> BackendError:
@@ -120,6 +122,7 @@ class NatsBackend:
         self.heartbeats = Heartbeats(bus, name="gateway-heartbeats")   # who is alive (shared/liveness.py)
         self.flights: dict[str, _Flight] = {}   # request id -> the request under way (workers' leases)
         self.resumes = 0                 # requests resumed by this gateway (tests, logs)
+        self.aborted: OrderedDict[str, None] = OrderedDict()   # ids whose Abort went out (ABORTED_MAX newest)
 
     async def start(self) -> None:
         await self.heartbeats.start()
@@ -442,6 +445,13 @@ class NatsBackend:
             raise backend_error("unavailable", f"the bus is unavailable: {type(e).__name__}: {e}") from None
 
     async def abort(self, request_id: str) -> None:
+        """Broadcast that ``request_id`` is over (its client left, it failed): once — the HTTP layer
+        aborts a request whose client left, then closing its stream here would again."""
+        if request_id in self.aborted:
+            return
+        self.aborted[request_id] = None
+        if len(self.aborted) > ABORTED_MAX:
+            self.aborted.popitem(last=False)
         try:
             await self.bus.publish(subjects.ABORT, Abort(request_id=request_id, reason="client gone"))
         except Exception:  # the bus is gone: the workers' gateway leases will clean up

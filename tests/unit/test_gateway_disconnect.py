@@ -97,3 +97,22 @@ def test_finished_requests_are_not_aborted(client, backend):
     list(client.chat.completions.create(model=MODEL, messages=MSGS, stream=True))
     time.sleep(0.1)
     assert len(backend.requests) == 2 and backend.aborted == [] and aborted() == before
+
+
+async def test_one_abort_goes_out_per_request():
+    """The HTTP layer aborts a request whose client left, and closing its backend stream aborts it
+    again: the NATS backend broadcasts the Abort once (every worker got two)."""
+    from services.gateway.nats_backend import NatsBackend
+
+    class Bus:
+        def __init__(self):
+            self.sent = []
+
+        async def publish(self, subject, msg):
+            self.sent.append((subject, msg.request_id))
+
+    bus = Bus()
+    backend = NatsBackend(bus, "m", 1024, tokenizer=None)
+    for rid in ("r1", "r1", "r2", "r1"):
+        await backend.abort(rid)
+    assert [rid for _, rid in bus.sent] == ["r1", "r2"]
