@@ -112,7 +112,7 @@ async def test_one_abort_goes_out_per_request():
             self.sent.append((subject, msg.request_id))
 
     bus = Bus()
-    backend = NatsBackend(bus, "m", 1024, tokenizer=None)
+    gateway = NatsBackend(bus, "m", 1024, tokenizer=None)
     for rid in ("r1", "r1", "r2", "r1"):
-        await backend.abort(rid)
+        await gateway.abort(rid)
     assert [rid for _, rid in bus.sent] == ["r1", "r2"]
