@@ -644,8 +644,9 @@ def evacuate(workers: list[WorkerView], now: float, moving: set[str] = frozenset
     one holds, to the least loaded ready decode worker of its role that holds its whole context
     (prompt and max_tokens) and has the KV for what it has now — of the other decode role when
     none of its own does (a stream that goes on slower beats one cut and resumed). Requests in
-    ``moving``, and rings (their members hold shards too), are left alone: what is not moved
-    finishes on the stopping worker, or is cut when its drain ends and resumed by its gateway."""
+    ``moving``, rings (their members hold shards too) and requests not running yet (queued in the
+    engine: no KV to move; a later call moves them) are left alone: what is not moved finishes on
+    the stopping worker, or is cut when its drain ends and resumed by its gateway."""
     live = _decoders(workers, now)
     taken: dict[str, int] = {}       # target id -> KV tokens planned onto it here
     moves: list[Move] = []
@@ -660,9 +661,10 @@ def evacuate(workers: list[WorkerView], now: float, moving: set[str] = frozenset
         if not w.beat.draining or w.role not in subjects.DECODE_ROLES or not fresh(w.seen, w.beat.interval, now):
             continue
         for r in w.beat.requests:
-            has, end, members = (w.beat.kv_tokens.get(r.request_id) or [0, 0, 1])[:3]
-            if r.request_id in moving or members > 1:
-                continue
+            kv = w.beat.kv_tokens.get(r.request_id)
+            if kv is None or r.request_id in moving or kv[2] > 1:
+                continue   # not running yet (moved once it is: a later tick), moving, or a ring
+            has, end = kv[0], kv[1]
             fits = [v for v in live if v.beat.max_context >= end and room(v) >= has]
             pool = [v for v in fits if v.role == w.role] or fits
             if not pool:

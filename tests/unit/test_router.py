@@ -532,34 +532,35 @@ def draining(view: WorkerView) -> WorkerView:
 
 
 def test_a_stopping_worker_is_moved_out_of_and_waited_for():
-    """A decode worker that said it is stopping: each request it holds goes to the least loaded
+    """A decode worker that said it is stopping: each request it runs goes to the least loaded
     ready worker of its role that holds its context and has the KV for it — of the other decode
-    role when none of its own does —; rings and requests already moving stay; and a prompt only it
+    role when none of its own does —; rings, requests already moving and requests not running
+    yet (queued: a later tick moves them) stay; and a prompt only it
     could hold waits for it (its restart, a rolling update's replacement) as for a worker that
     died: the router cannot tell a restart from a scale-down, and a 400 is for good."""
     src = draining(sw("c1", kv={"r1": [300, 1000, 1], "r2": [100, 200, 1], "r3": [500, 900, 3]},
                       held=[["r1", "s1", "batch"], ["r2", "", "standard"], ["r3", "", "batch"], ["r4", "", "batch"]]))
     idle, busy = sw("c2"), sw("c3", running=3)
     moves = evacuate([src, idle, busy], NOW)
-    assert {m.request_id: m.target.id for m in moves} == {"r1": "c2", "r2": "c2", "r4": "c2"}   # r3: a ring
+    assert {m.request_id: m.target.id for m in moves} == {"r1": "c2", "r2": "c2"}   # r3: a ring; r4 not running
     assert all(m.source == "c1" and m.kind == "evacuate" for m in moves) and moves[0].session_id == "s1"
     assert moves[0].tier == "batch" and moves[1].tier == "standard"
-    assert {m.request_id for m in evacuate([src, idle, busy], NOW, moving={"r1"})} == {"r2", "r4"}
+    assert {m.request_id for m in evacuate([src, idle, busy], NOW, moving={"r1"})} == {"r2"}
     # the KV planned onto a target counts: r1 takes 300 of c2's 320 free tokens, r2 (100) goes to c3
     tight = sw("c2", free=20)
-    assert {m.request_id: m.target.id for m in evacuate([src, tight, busy], NOW)} == {
-        "r1": "c2", "r2": "c3", "r4": "c2"}
+    assert {m.request_id: m.target.id for m in evacuate([src, tight, busy], NOW)} == {"r1": "c2", "r2": "c3"}
     # a context no ready worker of its role holds (r1 ends at 1,000 tokens) ...
     short_ctx = sw("c2", ctx=512)
-    assert {m.request_id for m in evacuate([src, short_ctx], NOW)} == {"r2", "r4"}
+    assert {m.request_id for m in evacuate([src, short_ctx], NOW)} == {"r2"}
     # ... goes to the other decode role when none of its own takes it
     gpu = w("g1", "gpu-decode", device="cuda:0", free=100)
     gpu.beat.kv_block_tokens = 16
-    assert {m.request_id: m.target.id for m in evacuate([src, short_ctx, gpu], NOW)} == {
-        "r1": "g1", "r2": "c2", "r4": "c2"}
+    assert {m.request_id: m.target.id for m in evacuate([src, short_ctx, gpu], NOW)} == {"r1": "g1", "r2": "c2"}
     assert evacuate([src], NOW) == []                                # nowhere to go: it finishes there
-    assert evacuate([draining(sw("c1", seen=GONE, held=[["r1", "", "batch"]])), idle], NOW) == []  # gone already
-    assert evacuate([sw("c1", held=[["r1", "", "batch"]]), idle], NOW) == []   # not stopping
+    one = {"held": [["r1", "", "batch"]], "kv": {"r1": [100, 200, 1]}}
+    assert len(evacuate([draining(sw("c1", **one)), idle], NOW)) == 1
+    assert evacuate([draining(sw("c1", seen=GONE, **one)), idle], NOW) == []   # gone already
+    assert evacuate([sw("c1", **one), idle], NOW) == []                         # not stopping
 
     # the router's wait for a worker that may be back: one that is stopping too (a restart or a
     # scale-down, it cannot tell) — unless its replacement is up already
