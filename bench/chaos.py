@@ -3,6 +3,7 @@
     tandem bench chaos                                   # 120 s, 8 clients, a kill every 15 s
     tandem bench chaos --duration 900 --concurrency 16 --kill-every 10 --json chaos.json --plot chaos.png
     tandem bench chaos --duration 1800 --concurrency 16 --kill-every 0 --json soak.json   # the soak
+    tandem bench chaos --signal term                     # rolling restarts: each stop a SIGTERM
 
 Starts `tandem up` (embedded NATS, ``--cpu-decode 2``, a prefill worker, a gpu-decode worker, the
 router and the KV pool) and keeps ``--concurrency`` clients sending greedy requests through the
@@ -10,7 +11,9 @@ official HTTP API with ``ignore_eos`` (so each yields exactly ``--max-tokens`` t
 workload's sessions plus a few ~1K-token documents, in a mix of tiers, streamed or not
 (``--stream-share``). Every ``--kill-every`` seconds one process of a random role among
 ``--roles`` (default: prefill, gpu-decode, cpu-decode, kvpool, router and the nats-server; never
-the gateway) gets SIGKILL. Every answer is checked against the undisturbed text of its prompt
+the gateway) gets SIGKILL — or, with ``--signal term``, SIGTERM: a graceful stop, as a rolling
+update or a scale-down sends (the copy drains, its decodes move to others, ``tandem up`` starts it
+again); ``mixed``: either, at random. Every answer is checked against the undisturbed text of its prompt
 (taken before the chaos starts) and counted in exactly one class:
 - exact: the reference text, ``finish_reason: "length"``;
 - clear error: an OpenAI-shaped error (an HTTP error status, or an ``error`` event mid-stream);
@@ -56,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=at_least(1), default=48, help="tokens per request (default 48)")
     p.add_argument("--kill-every", type=at_least(0, float), default=15.0,
                    help="seconds between SIGKILLs of a process of a random role (0: none, the soak)")
+    p.add_argument("--signal", choices=("kill", "term", "mixed"), default="kill",
+                   help="what a kill sends: SIGKILL (default), SIGTERM (a graceful stop: a rolling restart), "
+                        "either at random")
     p.add_argument("--roles", default=",".join(ROLES),
                    help=f"roles a kill picks from (default: {','.join(ROLES)}; nats = the embedded nats-server)")
     p.add_argument("--prompts", type=at_least(1), default=12, help="agent-session prompts (references) in the load")
@@ -289,10 +295,11 @@ async def run(args) -> dict:
                     if not live:
                         continue
                     name = rng.choice(sorted(by_role[rng.choice(live)]))
+                    sig = {"kill": "SIGKILL", "term": "SIGTERM"}.get(args.signal) or rng.choice(["SIGKILL", "SIGTERM"])
                     t = time.time()
-                    os.kill(procs[name], signal.SIGKILL)
-                    print(f"chaos: killed {name} (pid {procs[name]})", file=sys.stderr)
-                    kill = {"t": t, "name": name, "role": role_of(name)}
+                    os.kill(procs[name], getattr(signal, sig))
+                    print(f"chaos: {sig} to {name} (pid {procs[name]})", file=sys.stderr)
+                    kill = {"t": t, "name": name, "role": role_of(name), "signal": sig}
                     kills.append(kill)
                     kill["back_task"] = asyncio.create_task(back_after(name, t))
                     kill["served_task"] = asyncio.create_task(served_after(t))
@@ -373,10 +380,11 @@ def print_report(res: dict) -> None:
         for k in res["kills"]:
             roles[k.get("role", role_of(k["name"]))] = roles.get(k.get("role", role_of(k["name"])), 0) + 1
         print("\nkills:", ", ".join(f"{r} ×{m}" for r, m in sorted(roles.items())))
-        print("\n| kill | at (s) | copy back after (s) | a request served after (s) |\n|---|---:|---:|---:|")
+        print("\n| kill | signal | at (s) | copy back after (s) | a request served after (s) |\n"
+              "|---|---|---:|---:|---:|")
         for k in res["kills"]:
-            print(f"| {k['name']} | {k['t'] - res['t0']:.1f} | {report.fmt(k['back_s'], 1)} | "
-                  f"{report.fmt(k['heal_s'], 1)} |")
+            print(f"| {k['name']} | {k.get('signal', 'SIGKILL')} | {k['t'] - res['t0']:.1f} | "
+                  f"{report.fmt(k['back_s'], 1)} | {report.fmt(k['heal_s'], 1)} |")
     if res["rss_mb"]:
         print("\n| service | RSS first (MiB) | RSS last (MiB) | max | growth after warm-up (MiB) |\n"
               "|---|---:|---:|---:|---:|")
