@@ -213,6 +213,7 @@ class Bus:
         self._subs: list = []                     # serve() subscriptions
         self._closing = False                     # close() called: disconnects are expected
         self.connected_since: float | None = None  # monotonic time of the last (re)connect; None: down
+        self.down_since: float | None = None      # monotonic time the connection was lost; None: up
         self.replicas_setting = 0                 # TANDEM_NATS_REPLICAS (0: auto, see stream_replicas)
         self.jetstream_wait = 60.0                # seconds jetstream_ensure waits for JetStream to answer
         self.configured_servers = 0               # the servers TANDEM_NATS_URL lists
@@ -576,14 +577,21 @@ class Bus:
 
     async def _on_disconnected(self) -> None:
         self.connected_since = None
+        if self.down_since is None:
+            self.down_since = time.monotonic()
         if not self._closing:
             log.warning("NATS disconnected; reconnecting")
 
     async def _on_reconnected(self) -> None:
         self.connected_since = time.monotonic()
+        self.down_since = None
         self._errors = 0
         log.info("NATS reconnected")
 
     def connected_for(self) -> float:
         """Seconds since this connection was (re)established; 0 while it is down."""
         return 0.0 if self.connected_since is None else time.monotonic() - self.connected_since
+
+    def down_for(self) -> float:
+        """Seconds since this connection was lost; 0 while it is up."""
+        return 0.0 if self.down_since is None else time.monotonic() - self.down_since

@@ -74,6 +74,7 @@ ROUTE_TRY_S = 3.0        # a route request unanswered this long is asked again (
 GAP_S = 1.0              # a missing seq not filled for this long (chunks lost in a NATS outage): resume
 HOPS = 4                 # Where replies followed (prefill -> decode -> migration targets) per check
 ABORTED_MAX = 4096       # request ids whose Abort was sent, remembered (a second one for the same is noise)
+BUS_DOWN_S = 10.0        # a new request while this gateway has been cut off from NATS this long: 503 at once
 
 
 def backend_error(code: str, message: str, retry_after: float = 0.0, param: str = "") -> BackendError:
@@ -321,7 +322,14 @@ class NatsBackend:
         """Dispatch; while the answer is one of ``retry_on`` (no worker or no router: a bus restart,
         copies reconnecting or restarting; a route request a dying router took with it), try again,
         up to TANDEM_RESUME_WAIT_S. A new request forgets the workers it found gone (they may be
-        back); a resumed one keeps its dead worker out."""
+        back); a resumed one keeps its dead worker out. A new request while this gateway has been
+        cut off from NATS for BUS_DOWN_S already is a 503 at once (a NATS restart or a cluster's
+        failover takes a few seconds: one that lasts is an outage, and a client waiting the whole
+        TANDEM_RESUME_WAIT_S for the same answer gains nothing); a resumed one waits as ever."""
+        down = self.bus.down_for()
+        if not st.attempt and down > BUS_DOWN_S:
+            raise BackendError("no_workers", f"the message bus (NATS) has been unreachable from this gateway for "
+                               f"{down:.0f} s; try again shortly", 503, retry_after=5)
         wait = self.settings.resume_wait_s
         deadline = time.monotonic() + wait
         while True:

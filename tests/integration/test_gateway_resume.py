@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -94,6 +95,36 @@ async def test_a_request_while_the_bus_is_down_gets_a_503_not_a_timeout():
             await asyncio.wait_for(backend.generate(req).__anext__(), 30)
         assert (e.value.status, e.value.code, e.value.retry_after) == (503, "no_workers", 5)
         assert "NATS" in e.value.message and "unreachable" in e.value.message
+    finally:
+        await backend.close()
+        await gw_bus.close()
+
+
+async def test_a_new_request_during_a_long_bus_outage_is_a_503_at_once(monkeypatch):
+    """A bus that has been down past BUS_DOWN_S (an outage, not a restart): a new request is a 503
+    with Retry-After at once, not after the whole TANDEM_RESUME_WAIT_S; within it, the wait as
+    before (a NATS restart is ridden out)."""
+    from services.gateway import nats_backend
+    monkeypatch.setattr(nats_backend, "BUS_DOWN_S", 1.0)
+    server = EmbeddedNats()
+    url = server.start()
+    gw_bus = await Bus.connect(Settings(nats=NatsSettings(url=url, request_timeout=0.5)), name="gw")
+    backend = NatsBackend(gw_bus, "m", 1024, tokenizer=None,
+                          settings=GatewaySettings(liveness_check_s=0.2, resume_wait_s=20.0))
+    await backend.start()
+    try:
+        server.stop()
+        deadline = time.monotonic() + 10
+        while gw_bus.down_for() <= 1.0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert gw_bus.down_for() > 1.0 and gw_bus.connected_for() == 0.0
+        req = GenerationRequest("r-out", "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None)
+        t0 = time.monotonic()
+        with pytest.raises(BackendError) as e:
+            await asyncio.wait_for(backend.generate(req).__anext__(), 30)
+        assert time.monotonic() - t0 < 5.0                       # not the 20 s wait
+        assert (e.value.status, e.value.code, e.value.retry_after) == (503, "no_workers", 5)
+        assert "has been unreachable from this gateway for" in e.value.message
     finally:
         await backend.close()
         await gw_bus.close()
