@@ -48,6 +48,9 @@ class FakeBus:
     def connected_for(self) -> float:
         return 100.0
 
+    def down_for(self) -> float:
+        return 0.0
+
     async def subscribe(self, subject, expected=None, flush=True, skip_invalid=False):
         self.subs[subject] = FakeSub()
         return self.subs[subject]
