@@ -9,6 +9,7 @@ prefill's hand-off could not reach is left out of the resume."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -79,25 +80,37 @@ async def test_a_worker_that_dies_holding_the_dispatch_loses_nothing():
         server.stop()
 
 
-async def test_a_request_while_the_bus_is_down_gets_a_503_not_a_timeout():
-    """The whole bus down for the request's wait: a 503 saying so, with Retry-After (it was a
-    504 "timeout: no reply on tandem.router.route", the router blamed for NATS)."""
+@contextlib.asynccontextmanager
+async def gateway_without_a_bus(resume_wait_s: float):
+    """A gateway backend whose NATS server has just been stopped: (its bus, the backend)."""
     server = EmbeddedNats()
     url = server.start()
     gw_bus = await Bus.connect(Settings(nats=NatsSettings(url=url, request_timeout=0.5)), name="gw")
     backend = NatsBackend(gw_bus, "m", 1024, tokenizer=None,
-                          settings=GatewaySettings(liveness_check_s=0.2, resume_wait_s=1.5))
+                          settings=GatewaySettings(liveness_check_s=0.2, resume_wait_s=resume_wait_s))
     await backend.start()
     try:
         server.stop()
-        req = GenerationRequest("r-down", "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None)
-        with pytest.raises(BackendError) as e:
-            await asyncio.wait_for(backend.generate(req).__anext__(), 30)
-        assert (e.value.status, e.value.code, e.value.retry_after) == (503, "no_workers", 5)
-        assert "NATS" in e.value.message and "unreachable" in e.value.message
+        yield gw_bus, backend
     finally:
         await backend.close()
         await gw_bus.close()
+
+
+async def _first_error(backend: NatsBackend, rid: str) -> BackendError:
+    req = GenerationRequest(rid, "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None)
+    with pytest.raises(BackendError) as e:
+        await asyncio.wait_for(backend.generate(req).__anext__(), 30)
+    return e.value
+
+
+async def test_a_request_while_the_bus_is_down_gets_a_503_not_a_timeout():
+    """The whole bus down for the request's wait: a 503 saying so, with Retry-After (it was a
+    504 "timeout: no reply on tandem.router.route", the router blamed for NATS)."""
+    async with gateway_without_a_bus(1.5) as (_, backend):
+        e = await _first_error(backend, "r-down")
+    assert (e.status, e.code, e.retry_after) == (503, "no_workers", 5)
+    assert "NATS" in e.message and "unreachable" in e.message
 
 
 async def test_a_new_request_during_a_long_bus_outage_is_a_503_at_once(monkeypatch):
@@ -106,28 +119,16 @@ async def test_a_new_request_during_a_long_bus_outage_is_a_503_at_once(monkeypat
     before (a NATS restart is ridden out)."""
     from services.gateway import nats_backend
     monkeypatch.setattr(nats_backend, "BUS_DOWN_S", 1.0)
-    server = EmbeddedNats()
-    url = server.start()
-    gw_bus = await Bus.connect(Settings(nats=NatsSettings(url=url, request_timeout=0.5)), name="gw")
-    backend = NatsBackend(gw_bus, "m", 1024, tokenizer=None,
-                          settings=GatewaySettings(liveness_check_s=0.2, resume_wait_s=20.0))
-    await backend.start()
-    try:
-        server.stop()
+    async with gateway_without_a_bus(20.0) as (gw_bus, backend):
         deadline = time.monotonic() + 10
         while gw_bus.down_for() <= 1.0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert gw_bus.down_for() > 1.0 and gw_bus.connected_for() == 0.0
-        req = GenerationRequest("r-out", "m", [1, 2, 3], SamplingParams(max_tokens=8), "standard", None)
         t0 = time.monotonic()
-        with pytest.raises(BackendError) as e:
-            await asyncio.wait_for(backend.generate(req).__anext__(), 30)
+        e = await _first_error(backend, "r-out")
         assert time.monotonic() - t0 < 5.0                       # not the 20 s wait
-        assert (e.value.status, e.value.code, e.value.retry_after) == (503, "no_workers", 5)
-        assert "has been unreachable from this gateway for" in e.value.message
-    finally:
-        await backend.close()
-        await gw_bus.close()
+    assert (e.status, e.code, e.retry_after) == (503, "no_workers", 5)
+    assert "has been unreachable from this gateway for" in e.message
 
 
 WORDS = ["all ", "of ", "it"]
