@@ -41,6 +41,9 @@ worker that holds the prompt (it hands the KV to the coordinator, which scatters
 ``place`` decides as above and the plan's strategy is its decode pool's (``gpu`` / ``cpu``).
 Spreading (``spread``, run by ``rebalance``): a cpu-decode worker whose free KV is below what its
 running requests may still need moves its longest background request onto a ring of others.
+Homecoming (``homecoming``, run by ``rebalance``): an interactive request running on cpu-decode
+(no gpu-decode worker was ready when it was placed, or its own was stopped) goes back to a
+gpu-decode worker once one has room.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ POOLS = {
 }
 POOL = "pool"            # the KV pool's key in the overlap map
 CONTEXTS = 4             # a session's recent turns whose prompts the router remembers (SessionView.turn)
+HOME_MIN_TOKENS = 32     # an interactive request off the GPU pool goes back with at least this many tokens left
 
 
 @dataclass
@@ -675,13 +679,58 @@ def evacuate(workers: list[WorkerView], now: float, moving: set[str] = frozenset
     return moves
 
 
+def homecoming(workers: list[WorkerView], now: float, moving: set[str] = frozenset()) -> list[Move]:
+    """Interactive requests running on cpu-decode — placed there while no gpu-decode worker was
+    ready (restarting, stopping, all gone), or moved there off a stopping one (``evacuate``) — go
+    back to the GPU pool once a gpu-decode worker is ready with room: a free sequence slot, no
+    interactive request waiting there, the request's whole context (prompt and max_tokens) and
+    the KV it has now. Only with at least ``HOME_MIN_TOKENS`` of its output left (a move costs
+    a step boundary and the KV's transfer), most tokens left first; rings and requests in
+    ``moving`` stay. Nothing moves the other way: standard and batch work on gpu-decode is the
+    GPU engine's to preempt (its scheduler does when interactive work comes)."""
+    live = _decoders(workers, now)
+    gpus = [v for v in live if v.role == subjects.GPU_DECODE]
+    if not gpus:
+        return []
+    taken: dict[str, list[int]] = {}    # target id -> [sequences, KV tokens] planned onto it here
+
+    def fits(v: WorkerView, has: int, end: int) -> bool:
+        b, (n, kv) = v.beat, taken.get(v.id, [0, 0])
+        slots = b.max_running == 0 or b.running + b.queue_depth + len(v.routed) + n < b.max_running
+        return (slots and not v.waiting(Tier.INTERACTIVE) and b.max_context >= end
+                and b.free_kv_blocks * b.kv_block_tokens - kv >= has)
+
+    cands = []
+    for w in live:
+        if w.role != subjects.CPU_DECODE:
+            continue
+        for r in w.beat.requests:
+            kv = w.beat.kv_tokens.get(r.request_id)
+            if (r.tier == Tier.INTERACTIVE and kv is not None and kv[2] == 1 and r.request_id not in moving
+                    and kv[1] - kv[0] >= HOME_MIN_TOKENS):
+                cands.append((kv[0] - kv[1], r.request_id, r, w, kv[0], kv[1]))
+    moves: list[Move] = []
+    for _, rid, r, w, has, end in sorted(cands, key=lambda c: c[:2]):
+        pool = [v for v in gpus if fits(v, has, end)]
+        if not pool:
+            continue
+        t = min(pool, key=lambda v: (v.load() + taken.get(v.id, [0])[0], -v.beat.free_kv_blocks, v.id))
+        n, kv = taken.get(t.id, [0, 0])
+        taken[t.id] = [n + 1, kv + has]
+        moves.append(Move(rid, r.session_id, w.id, t, r.tier,
+                          f"promote: {rid} is interactive and {t.id} has room again ({end - has} tokens left)"))
+    return moves
+
+
 def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: float,
               limits: Limits | None = None, moving: set[str] = frozenset(),
               pressure: bool = True) -> list[Move]:
     """Moves to make now: requests running at another tier than their session's, whose new tier
-    wants the other pool (promotion to GPU decode, demotion to CPU decode), and — with ``pressure`` — the lowest-tier request of a
-    GPU worker short of free KV blocks, to the CPU worker with the most free blocks, and a cpu-decode
-    worker's longest request spread onto a ring when it is short of KV (``spread``). Requests in
+    wants the other pool (promotion to GPU decode, demotion to CPU decode), and — with ``pressure``
+    (the router's tick) — the lowest-tier request of a GPU worker short of free KV blocks, to the
+    CPU worker with the most free blocks, interactive requests on cpu-decode back to a gpu-decode
+    worker with room (``homecoming``), and a cpu-decode worker's longest request spread onto a
+    ring when it is short of KV (``spread``). Requests in
     ``moving`` are left alone. Also lapses idle sessions' tier overrides (mutates ``sessions``)."""
     limits = limits or Limits()
     for s in sessions.values():
@@ -727,6 +776,8 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
                 taken[t.id] = taken.get(t.id, 0) + 1
                 moves.append(Move(rid, sid, w.id, t, tier, f"demote: {w.id} has {free:.0%} KV free"))
         planned = {m.request_id for m in moves}
-        busy = {m.source for m in moves} | set(taken)
+        moves += homecoming([v for v in workers if v.id not in taken], now, set(moving) | planned)
+        planned = {m.request_id for m in moves}
+        busy = {m.source for m in moves} | set(taken) | {m.target.id for m in moves}
         moves += spread([v for v in workers if v.id not in busy], now, set(moving) | planned)
     return moves

@@ -270,6 +270,51 @@ async def test_a_stopping_decode_worker_hands_its_streams_over(stack, nats_serve
         await bus.close()
 
 
+async def test_an_interactive_stream_goes_back_to_the_gpu_pool_when_it_can(stack, nats_server):
+    """An interactive stream whose gpu-decode worker is stopped (SIGTERM) goes on on cpu-decode —
+    the only place left — and, once the supervisor's replacement is ready, back to gpu-decode:
+    two moves, one stream, the exact text of an undisturbed run, not resumed."""
+    stack.wait_workers({"cpu-decode": 2, "gpu-decode": 1}, 180)
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    bus = await Bus.connect(url=nats_server, name="e2e-resilience-home")
+    watch = await Watch(bus).start()
+    plans: list[RoutePlan] = []
+
+    async def note_plans(sub):
+        async for p in sub:
+            plans.append(p)
+    planner = asyncio.create_task(note_plans(await bus.subscribe(subjects.ROUTER_DECISION, RoutePlan,
+                                                                 skip_invalid=True)))
+    args = dict(model=model, messages=[{"role": "user", "content": STORY.format(41)}], max_tokens=1500,
+                temperature=0, stream=True, extra_body={"ignore_eos": True, "sla": "interactive"})
+    try:
+        want = await collect(await client.chat.completions.create(**args))
+        rid: list[str] = []
+        started = asyncio.Event()
+
+        async def on_chunk(out):
+            rid[:] = [out["id"]]
+            if out["chunks"] >= 4:
+                started.set()
+        run = asyncio.create_task(collect(await client.chat.completions.create(**args), on_chunk))
+        await asyncio.wait_for(started.wait(), 60)
+        gpu = await watch.wait_holder(rid[0], (subjects.GPU_DECODE,))
+        os.kill(pid_of(gpu), signal.SIGTERM)
+        got = await asyncio.wait_for(run, 300)
+        mine = [p for p in plans if p.request_id == rid[0] and p.moved_from]
+        assert [(p.moved_from == gpu, p.decode_role, p.reason.split(":")[0]) for p in mine] == [
+            (True, subjects.CPU_DECODE, "evacuate"), (False, subjects.GPU_DECODE, "promote")], \
+            ([p.reason for p in mine], stack.tail(3000)[-4000:])
+        assert mine[1].decode_worker != gpu and "has room again" in mine[1].reason
+        assert got["text"] == want["text"] and got["finish"] == want["finish"] == "length"
+        assert not (got["usage"].model_extra or {}).get("tandem"), got["usage"]   # moved, not resumed
+    finally:
+        planner.cancel()
+        watch.task.cancel()
+        await bus.close()
+
+
 def test_the_bus_dies_and_comes_back():
     """The embedded nats-server is killed mid-stream: `tandem up` restarts it on the same address;
     the stream in flight ends with the undisturbed text (or, never silently, an error event), and

@@ -571,6 +571,38 @@ def test_a_stopping_worker_is_moved_out_of_and_waited_for():
     assert decide(req(n=3000), [small, draining(big), successor], NOW).decode_worker == "c3"
 
 
+def test_interactive_requests_on_cpu_decode_go_back_to_a_gpu_worker_with_room():
+    """An interactive request running on cpu-decode (placed there while no gpu-decode worker was
+    ready, or moved there off a stopping one) returns to a gpu-decode worker once one is ready
+    with a free slot, no interactive work waiting, its context and its KV — most tokens left
+    first, not with fewer than HOME_MIN_TOKENS left, never a ring, nor anything else."""
+    from services.placement import HOME_MIN_TOKENS, homecoming
+    cpu = sw("c1", kv={"ri": [300, 1000, 1], "rs": [100, 900, 1], "rr": [500, 900, 3], "rl": [100, 130, 1],
+                       "ra": [50, 400, 1]},
+             held=[["ri", "s1", "interactive"], ["rs", "", "standard"], ["rr", "", "interactive"],
+                   ["rl", "", "interactive"], ["ra", "", "interactive"]])
+    gpu = sw("g1", role="gpu-decode", free=100, ring=0)
+    gpu.beat.max_running = 8
+    moves = homecoming([cpu, gpu], NOW)
+    assert [(m.request_id, m.source, m.target.id, m.tier, m.kind) for m in moves] == [
+        ("ri", "c1", "g1", "interactive", "promote"), ("ra", "c1", "g1", "interactive", "promote")]
+    assert moves[0].session_id == "s1" and "700 tokens left" in moves[0].reason
+    assert 130 - 100 < HOME_MIN_TOKENS                          # rl: too little left to be worth a move
+    assert [m.request_id for m in homecoming([cpu, gpu], NOW, moving={"ri"})] == ["ra"]
+    # the KV planned onto the target counts: 300 of 320 free tokens, then rj's 50 does not fit
+    assert [m.request_id for m in homecoming([cpu, sw("g1", role="gpu-decode", free=20)], NOW)] == ["ri"]
+    # no room: no free slot, interactive work waiting there, a context too short, not ready
+    for full in (dict(running=8), dict(waiting={"interactive": 1}), dict(ctx=512)):
+        g = sw("g1", role="gpu-decode", free=100, **full)
+        g.beat.max_running = 8
+        assert [m.request_id for m in homecoming([cpu, g], NOW)] == (["ra"] if "ctx" in full else []), full
+    assert homecoming([cpu, draining(sw("g1", role="gpu-decode"))], NOW) == []
+    assert homecoming([cpu, sw("c2")], NOW) == []                      # no gpu-decode worker at all
+    # the router's tick (rebalance with pressure) makes them; a session tier change does not
+    assert [m.request_id for m in rebalance([cpu, gpu], {}, NOW)] == ["ri", "ra"]
+    assert rebalance([cpu, gpu], {}, NOW, pressure=False) == []
+
+
 async def test_a_move_whose_target_stopped_since_the_plan_is_not_tried():
     """Moves are planned from the router's view and run a moment later: a target whose heartbeat
     said since that it is stopping (two workers drained together, each planned as the other's
