@@ -1,4 +1,4 @@
-"""``tandem bench BENCH`` (engine, gpu, node, agents, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, stops, ring, startup, two-hosts, hosts): one module per benchmark.
+"""``tandem bench BENCH`` (engine, gpu, node, agents, kernels, serve, stack, crossover, pool, migration, tiers, chaos, grammar, stops, ring, startup, tenants, two-hosts, hosts): one module per benchmark.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Every
 benchmark takes ``--json FILE``. ``serve`` is dispatched to ``bench.serve`` when that module exists.
@@ -75,6 +75,9 @@ BENCHES = {
     "agents": ("agent loops through /v1/responses (previous_response_id, tool pauses), idle and beside a batch "
                "flood: turn TTFT, cached share of input, conversation prefilled again (bench/agents.py)",
                _module_arguments("bench.agents"), _module_main("bench.agents")),
+    "tenants": ("one API key's flood beside another key's single request: the engine's queue shared fairly "
+                "between keys vs one arrival-order queue, side by side (bench/tenants.py)",
+                _module_arguments("bench.tenants"), _module_main("bench.tenants")),
     "startup": ("seconds to ready, cold and warm weight cache, one engine and tandem up; RSS/PSS per engine",
                 _module_arguments("bench.startup"), _module_main("bench.startup")),
 }

@@ -48,6 +48,18 @@ class KeyScope:
         return blake3.blake3(text.encode()).digest()
 
 
+PUBLIC_OWNER = "public"   # the API key tenant of every request when a gateway has no keys
+
+
+def tenant_owner(tenant: str) -> str:
+    """The API key a cache tenant belongs to: a request's ``cache_salt`` splits its key's cache
+    as ``<owner>:<salt hash>`` (the gateway's ``cache_tenant``); "" for the public tenant ("" or
+    ``public:…``). The engine's scheduler shares its queue by owner, not by cache tenant, so a
+    client cannot jump the queue by salting each request differently."""
+    owner = tenant.split(":", 1)[0]
+    return "" if owner == PUBLIC_OWNER else owner
+
+
 def tenant_salt(tenant: str) -> bytes:
     """The 16-byte salt of a tenant id (``b""`` for the public tenant ``""``)."""
     return blake3.blake3(f"tandem-tenant|{tenant}".encode()).digest(16) if tenant else b""

@@ -64,7 +64,7 @@ def engine_config(settings: Settings, device: str, role: str = "") -> EngineConf
                         guest_step_tokens=(w.guest_step_tokens or (16 if cpu else None))
                         if role == subjects.GPU_DECODE else None, max_waiting=w.max_waiting,
                         weight_cache_dir=w.weight_cache_dir, load_threads=w.load_threads or None,
-                        gpu_step=w.gpu_step, session_retention_s=w.session_retention_s)
+                        gpu_step=w.gpu_step, session_retention_s=w.session_retention_s, fair_tenants=w.fair_tenants)
 
 
 def batch_lane(settings: Settings, device) -> BatchLane | None:

@@ -155,6 +155,9 @@ class WorkerSettings:
                              "router (the gateway uses its own port); 0 = a free one (in heartbeats), -1 = off")
     metrics_host: str = _env("TANDEM_METRICS_HOST", "127.0.0.1", "bind address of that /metrics server")
     session_retention_s: float = _env("TANDEM_SESSION_RETENTION_S", 600.0, "session KV kept resident, s idle; 0: off")
+    fair_tenants: bool = _env("TANDEM_FAIR_TENANTS", True, "share each tier's queue of an engine fairly between "
+                              "API keys (a key with one request waits for a slot, not for another key's backlog); "
+                              "0: one queue in arrival order")
 
     def validate(self) -> None:
         if self.worker_id is not None:

@@ -34,6 +34,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from jinja2 import TemplateError
 
+from kvpool.keys import PUBLIC_OWNER
 from shared import metrics, tracing
 from shared.settings import GatewaySettings
 from shared.tier import TIERS, Tier
@@ -114,7 +115,7 @@ def state(request: Request) -> GatewayState:
 
 # ---- request plumbing -----------------------------------------------------------------------
 
-PUBLIC = "public"   # the tenant of every request when no API keys are configured
+PUBLIC = PUBLIC_OWNER   # the tenant of every request when no API keys are configured
 
 # every gateway app's stream counts (one in a served process; tests make several)
 _CAPS: weakref.WeakSet = weakref.WeakSet()
@@ -206,7 +207,8 @@ def check_context(request: Request, n_prompt: int, max_tokens: int | None, promp
 
 def cache_tenant(owner: str, cache_salt: str | None) -> str:
     """The tenant whose cached KV a request may reuse: its API key's (``owner``), split further by
-    the request's ``cache_salt``; "" (the public tenant, shared by all) without either."""
+    the request's ``cache_salt`` (``<owner>:<hash>``: kvpool.keys.tenant_owner reads the owner
+    back); "" (the public tenant, shared by all) without either."""
     if cache_salt is None:
         return "" if owner == PUBLIC else owner
     return f"{owner}:{hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}"

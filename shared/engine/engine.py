@@ -51,6 +51,7 @@ class EngineConfig:
     load_threads: int | None = None     # from_path: threads converting a model on a cache miss (None: weight_cache.LOAD_THREADS)
     gpu_step: str = "graphs"            # on CUDA: graphs | fused | ops (kernels/gpu_step.py; TANDEM_GPU_STEP)
     session_retention_s: float = 0.0    # sessions' KV resident between turns this long idle (retention.py; 0: off)
+    fair_tenants: bool = True           # share each tier's queue between API keys (scheduler.py; TANDEM_FAIR_TENANTS)
 
     def validate(self) -> "EngineConfig":
         if self.block_size < 1 or self.max_num_seqs < 1 or self.step_tokens < 1:
@@ -144,7 +145,7 @@ class Engine(KVHandoff):
         self.graphs = _gpu_step(self.model, self.kv, self.blocks, config, self.max_context)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.step_tokens,
                                    self.kv, config.swap_bytes, config.shared_step_tokens,
-                                   config.guest_step_tokens, config.prefill_step_tokens)
+                                   config.guest_step_tokens, config.prefill_step_tokens, config.fair_tenants)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs not tied to a forward step (aborts)
         self._ahead: tuple | None = None  # a decode step launched ahead, its tokens not read yet (step)

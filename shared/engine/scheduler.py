@@ -14,6 +14,15 @@ bytes are copied back, so it continues exactly where it stopped. When the swap s
 and recomputed on resume instead. Nothing is dropped. When every sequence slot is taken, a
 waiting sequence of a better tier preempts the worst running one the same way (interactive
 work preempts batch work on a shared worker).
+
+Within a tier the queue is **shared fairly between API keys** (``fair``; start-time fair
+queueing, one request one unit): a sequence that enters gets the tag ``max(V, its owner's last
+tag) + 1``, where V is the largest tag admitted so far, and the queue is in tag order. One key's
+requests stay in arrival order; a key that sends one request while another has hundreds queued
+gets the next free slot, not the end of the queue; a key that has been idle starts at V, with
+no credit saved up. With one key (or none) the order is arrival order, as without it. The worst
+running sequence (the first preempted) is then, within the lowest tier, the newest of the key
+furthest ahead.
 """
 
 from __future__ import annotations
@@ -44,7 +53,8 @@ class ScheduledChunk:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, step_tokens: int,
                  kv: torch.Tensor, swap_bytes: int, shared_step_tokens: int | None = None,
-                 guest_step_tokens: int | None = None, prefill_step_tokens: int | None = None):
+                 guest_step_tokens: int | None = None, prefill_step_tokens: int | None = None,
+                 fair: bool = True):
         self.blocks = blocks
         self.kv = kv                    # the engine's KV tensor (kv_cache.py layout)
         self.swap_bytes = swap_bytes    # host memory for preempted sequences' KV
@@ -62,14 +72,31 @@ class Scheduler:
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.fair = fair                   # share each tier's queue between API keys (module doc)
+        self.fair_time = 0                 # V: the largest tag admitted so far
+        self.fair_last: dict[str, int] = {}  # owner -> the tag of its latest sequence (those above V)
+
+    def _tag(self, seq: Sequence) -> None:
+        """Give a sequence entering the engine its fair-share tag (once: a preempted one keeps it)."""
+        if seq.fair_tag is not None:
+            return
+        if not self.fair:
+            seq.fair_tag = 0
+            return
+        seq.fair_tag = max(self.fair_time, self.fair_last.get(seq.owner, 0)) + 1
+        self.fair_last[seq.owner] = seq.fair_tag
+        if len(self.fair_last) > 4096:   # owners at or below V start at V anyway
+            self.fair_last = {k: v for k, v in self.fair_last.items() if v > self.fair_time}
 
     def add(self, seq: Sequence) -> None:
+        self._tag(seq)
         seq.status = Status.WAITING
         keys = [s.sort_key() for s in self.waiting]
         self.waiting.insert(bisect.bisect(keys, seq.sort_key()), seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that arrives with its KV already in place (imported)."""
+        self._tag(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -251,6 +278,7 @@ class Scheduler:
             seq.num_computed += extra
         seq.partial_kv = None
         self.waiting.remove(seq)
+        self.fair_time = max(self.fair_time, seq.fair_tag or 0)
         seq.status = Status.RUNNING
         self.running.append(seq)
         out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))

@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from kvpool.keys import tenant_salt
+from kvpool.keys import tenant_owner, tenant_salt
 from shared.engine.sampling import SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
@@ -36,6 +36,8 @@ class Sequence:
         self.session = ""                     # its session id, when it has one (retention.py)
         self.retention = ""                   # its prompt_cache_retention: "" | in_memory | 24h
         self.salt = tenant_salt(tenant)       # ... by salting its first block hash
+        self.owner = tenant_owner(tenant)     # its API key's tenant: the scheduler's fair share
+        self.fair_tag: int | None = None      # its place in its tier's queue (Scheduler.add; 0: not fair)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -87,6 +89,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    def sort_key(self) -> tuple[int, int]:
-        """Queue order: priority (SLA tier), then arrival."""
-        return (self.priority, self.arrival)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Queue order: priority (SLA tier), then its fair share's tag (Scheduler.add), then arrival."""
+        return (self.priority, self.fair_tag or 0, self.arrival)
