@@ -7,7 +7,8 @@ own in the attacker's seat.
 - a pool entry written without the deployment's secret (a bus client that is not a worker) is
   ignored, counted, and the output is what a clean computation gives;
 - a key capped at ``batch`` asking for ``interactive`` runs as batch (a request may lower its tier);
-- another key's session update is 404.
+- another key's session update is 404;
+- one key's flood does not hold another key's request at the end of the engine's queue.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ CHUNK = 16                      # pool chunk tokens: short prompts reach the poo
 KEYS = {"alice": "interactive", "bob": "interactive", "carol": "interactive", "capped": "batch"}
 ARGS = ["--prefill", "0", "--gpu-decode", "0", "--kvpool", "1"]
 PROMPT = [100 + (i * 37) % 4000 for i in range(3 * CHUNK + 5)]    # token ids: 3 whole chunks and a tail
+SLOTS = 4                       # the decode engine's sequence slots: a flood of 16 queues
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def stack(nats_server, tmp_path_factory):
     env = {"TANDEM_API_KEYS": ",".join(f"{k}={t}" for k, t in KEYS.items()),
            "TANDEM_POOL_DIR": str(tmp / "pool"), "TANDEM_POOL_CHUNK_TOKENS": str(CHUNK),
            "TANDEM_POOL_KEY_FILE": str(tmp / "pool.key"), "TANDEM_DATA_KEY_FILE": str(tmp / "data.key"),
-           "TANDEM_POOL_TIMEOUT": "60"}
+           "TANDEM_POOL_TIMEOUT": "60", "TANDEM_MAX_SEQS": str(SLOTS)}
     with running_stack(nats_server, ARGS, env) as s:
         s.key_file = tmp / "pool.key"
         s.data_key_file = tmp / "data.key"
@@ -210,3 +212,45 @@ def test_a_session_id_is_each_key_s_own(stack, model):
     assert update("bob", "batch")["tier"] == "batch"
     alice = update("alice", "interactive")
     assert alice["tier"] == "interactive" and alice["id"] == sid
+
+
+async def test_one_key_s_flood_does_not_queue_another_key_s_request_behind_it(stack, nats_server, model):
+    """Alice sends 16 requests to an engine with 4 sequence slots; once 8 of them are queued there,
+    Bob sends one: it starts at the next free slot (before at most 4 of alice's queued ones got
+    their first token: the 4 running, and one more for a slot freeing as it arrives), not after
+    all 12 (docs/routing.md: the queue is shared fairly between keys; TANDEM_FAIR_TENANTS=0
+    gives the arrival order)."""
+    firsts: list[str] = []
+    beats: dict[str, Heartbeat] = {}
+
+    async def one(key: str, tag: str, tokens: int) -> None:
+        c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=300)
+        stream = await c.completions.create(model=model, prompt=f"[{tag}] Tell me about boat {tag}.",
+                                            max_tokens=tokens, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+        async for ch in stream:
+            if ch.choices and ch.choices[0].text and tag not in firsts:
+                firsts.append(tag)
+        await c.close()
+
+    bus = await Bus.connect(url=nats_server, name="test-tenants-fair")
+    sub = await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
+
+    async def watch():
+        async for b in sub:
+            beats[b.worker_id] = b
+    watcher = asyncio.create_task(watch())
+    try:
+        flood = [asyncio.create_task(one("alice", f"a{i}", 48)) for i in range(16)]
+        deadline = time.monotonic() + 60
+        while not any(b.role == subjects.CPU_DECODE and b.queue_depth >= 8 for b in beats.values()):
+            assert time.monotonic() < deadline, beats
+            await asyncio.sleep(0.02)
+        before = len(firsts)
+        await one("bob", "b", 4)
+        await asyncio.gather(*flood)
+        ahead = firsts.index("b") - before
+        assert ahead <= SLOTS, (before, firsts)
+    finally:
+        watcher.cancel()
+        await bus.close()
