@@ -679,15 +679,18 @@ def evacuate(workers: list[WorkerView], now: float, moving: set[str] = frozenset
     return moves
 
 
-def homecoming(workers: list[WorkerView], now: float, moving: set[str] = frozenset()) -> list[Move]:
+def homecoming(workers: list[WorkerView], now: float, moving: set[str] = frozenset(),
+               sessions: dict[str, SessionView] | None = None) -> list[Move]:
     """Interactive requests running on cpu-decode — placed there while no gpu-decode worker was
     ready (restarting, stopping, all gone), or moved there off a stopping one (``evacuate``) — go
     back to the GPU pool once a gpu-decode worker is ready with room: a free sequence slot, no
     interactive request waiting there, the request's whole context (prompt and max_tokens) and
     the KV it has now. Only with at least ``HOME_MIN_TOKENS`` of its output left (a move costs
     a step boundary and the KV's transfer), most tokens left first; rings and requests in
-    ``moving`` stay. Nothing moves the other way: standard and batch work on gpu-decode is the
-    GPU engine's to preempt (its scheduler does when interactive work comes)."""
+    ``moving`` stay, and so does a request whose session was set to a worse tier since it was
+    placed (``sessions``: its tier override is the request's tier now). Nothing moves the other
+    way: standard and batch work on gpu-decode is the GPU engine's to preempt (its scheduler does
+    when interactive work comes)."""
     live = _decoders(workers, now)
     gpus = [v for v in live if v.role == subjects.GPU_DECODE]
     if not gpus:
@@ -706,7 +709,9 @@ def homecoming(workers: list[WorkerView], now: float, moving: set[str] = frozens
             continue
         for r in w.beat.requests:
             kv = w.beat.kv_tokens.get(r.request_id)
-            if (r.tier == Tier.INTERACTIVE and kv is not None and kv[2] == 1 and r.request_id not in moving
+            s = (sessions or {}).get(r.session_id) if r.session_id else None
+            tier = s.tier if s is not None and s.tier is not None else r.tier
+            if (tier == Tier.INTERACTIVE and kv is not None and kv[2] == 1 and r.request_id not in moving
                     and kv[1] - kv[0] >= HOME_MIN_TOKENS):
                 cands.append((kv[0] - kv[1], r.request_id, r, w, kv[0], kv[1]))
     moves: list[Move] = []
@@ -776,7 +781,7 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
                 taken[t.id] = taken.get(t.id, 0) + 1
                 moves.append(Move(rid, sid, w.id, t, tier, f"demote: {w.id} has {free:.0%} KV free"))
         planned = {m.request_id for m in moves}
-        moves += homecoming([v for v in workers if v.id not in taken], now, set(moving) | planned)
+        moves += homecoming([v for v in workers if v.id not in taken], now, set(moving) | planned, sessions)
         planned = {m.request_id for m in moves}
         busy = {m.source for m in moves} | set(taken) | {m.target.id for m in moves}
         moves += spread([v for v in workers if v.id not in busy], now, set(moving) | planned)

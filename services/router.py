@@ -267,11 +267,24 @@ class Router:
         finally:
             self.moving.discard(m.request_id)
         src = self.workers.get(m.source)
+        kv = None
         if src is not None:  # until the next heartbeats say so
+            kv = src.beat.kv_tokens.get(m.request_id)
             src.beat.requests = [r for r in src.beat.requests if r.request_id != m.request_id]
             src.beat.kv_tokens = {r: v for r, v in src.beat.kv_tokens.items() if r != m.request_id}
             src.routed = [r for r in src.routed if r[0] != m.request_id]
-        m.target.beat.requests = [*m.target.beat.requests, InFlight(m.request_id, m.session_id, m.tier)]
+            src.beat.running = max(0, src.beat.running - 1)
+        # the target as the router sees it now (a heartbeat since the plan replaced the plan's view):
+        # it runs one more sequence, in the KV blocks the move filled — so that the next tick, before
+        # its next heartbeat, does not plan onto the room this one took
+        now_target = self.workers.get(m.target.id, m.target)
+        for view in {id(m.target): m.target, id(now_target): now_target}.values():
+            b = view.beat
+            b.requests = [*b.requests, InFlight(m.request_id, m.session_id, m.tier)]
+            b.running += 1
+            if b.kv_block_tokens:
+                b.free_kv_blocks = max(0, b.free_kv_blocks - -(-reply.num_tokens // b.kv_block_tokens))
+                b.kv_tokens = {**b.kv_tokens, m.request_id: [reply.num_tokens, kv[1] if kv else reply.num_tokens, 1]}
         session = self.sessions.get(m.session_id)
         plan = RoutePlan(request_id=m.request_id, prefill_worker=None, decode_worker=m.target.id,
                          decode_role=m.target.role, tier=m.tier, session_id=m.session_id or None,

@@ -601,6 +601,46 @@ def test_interactive_requests_on_cpu_decode_go_back_to_a_gpu_worker_with_room():
     # the router's tick (rebalance with pressure) makes them; a session tier change does not
     assert [m.request_id for m in rebalance([cpu, gpu], {}, NOW)] == ["ri", "ra"]
     assert rebalance([cpu, gpu], {}, NOW, pressure=False) == []
+    # a session set to a worse tier since its request was placed: the override is its tier now
+    assert [m.request_id for m in homecoming([cpu, gpu], NOW, sessions={"s1": SessionView(tier="standard")})] == ["ra"]
+    assert [m.request_id for m in rebalance([cpu, gpu], {"s1": SessionView(tier="standard", last=NOW)}, NOW)] == ["ra"]
+    assert [m.request_id for m in homecoming([cpu, gpu], NOW, sessions={"s1": SessionView(tier="interactive")})] == [
+        "ri", "ra"]
+
+
+async def test_a_move_counts_on_its_target_until_the_target_s_next_heartbeat():
+    """After a move the router's view of the target runs one more sequence in the KV the move
+    filled (and the source one fewer), so the next tick — before the target's next heartbeat —
+    does not plan another move into the slot this one took (a probe saw 7 streams promoted onto
+    a worker of 4 slots)."""
+    from services.placement import Move, homecoming
+    from services.router import Router
+    from shared.schemas import MigrateReply
+
+    class Bus:
+        async def request(self, subject, msg, timeout=None, expected=None):
+            return MigrateReply(msg.request_id, "c1", msg.target_worker, 9, 300, 1 << 20, 0.01, "shm")
+
+        async def publish(self, subject, msg):
+            pass
+
+    cpu = sw("c1", kv={"r1": [300, 1000, 1], "r2": [300, 1000, 1]},
+             held=[["r1", "", "interactive"], ["r2", "", "interactive"]], running=2)
+    gpu = sw("g1", role="gpu-decode", free=100, running=1, ring=0)
+    gpu.beat.max_running = 2
+    now = time.monotonic()
+    for v in (cpu, gpu):
+        v.seen = now
+    assert [m.request_id for m in homecoming([cpu, gpu], now)] == ["r1"]        # one slot free
+    router = Router.__new__(Router)
+    router.bus, router.moving, router.sessions, router.store = Bus(), {"r1"}, {}, None
+    router.worker_id, router.workers = "router-1", {"c1": cpu, "g1": gpu}
+    router._apply = lambda plan, now: None
+    done = await router._move(homecoming([cpu, gpu], now)[0])
+    assert done["request_id"] == "r1" and router.moving == set()
+    assert gpu.beat.running == 2 and gpu.beat.free_kv_blocks == 100 - 19 and "r1" in gpu.beat.kv_tokens
+    assert cpu.beat.running == 1 and "r1" not in cpu.beat.kv_tokens
+    assert homecoming([cpu, gpu], now) == []                                     # the slot is taken
 
 
 async def test_a_move_whose_target_stopped_since_the_plan_is_not_tried():
