@@ -16,13 +16,15 @@ waiting sequence of a better tier preempts the worst running one the same way (i
 work preempts batch work on a shared worker).
 
 Within a tier the queue is **shared fairly between API keys** (``fair``; start-time fair
-queueing, one request one unit): a sequence that enters gets the tag ``max(V, its owner's last
-tag) + 1``, where V is the largest tag admitted so far, and the queue is in tag order. One key's
-requests stay in arrival order; a key that sends one request while another has hundreds queued
-gets the next free slot, not the end of the queue; a key that has been idle starts at V, with
-no credit saved up. With one key (or none) the order is arrival order, as without it. The worst
-running sequence (the first preempted) is then, within the lowest tier, the newest of the key
-furthest ahead.
+queueing, one request one unit, each tier a clock of its own): a sequence that enters gets the
+tag ``max(V, its owner's last tag in its tier) + 1``, where V is the tier's largest tag started
+so far (admitted from the queue, or imported running: a hand-off, a migration), and the queue is
+in tag order. One key's requests stay in arrival order; a key that sends one request while
+another has hundreds queued gets the next free slot, not the end of the queue; a key that has
+been idle starts at V, with no credit saved up and no debt kept; a key's work at one tier never
+places its requests at another. With one key (or none) the order is arrival order, as without
+it. The worst running sequence (the first preempted) is then, within the lowest tier, the newest
+of the key furthest ahead.
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.fair = fair                   # share each tier's queue between API keys (module doc)
-        self.fair_time = 0                 # V: the largest tag admitted so far
-        self.fair_last: dict[str, int] = {}  # owner -> the tag of its latest sequence (those above V)
+        self.fair_time: dict[int, int] = {}  # priority -> V: the largest tag started at that tier
+        self.fair_last: dict[tuple[int, str], int] = {}  # (priority, owner) -> the tag of its latest
 
     def _tag(self, seq: Sequence) -> None:
         """Give a sequence entering the engine its fair-share tag (once: a preempted one keeps it)."""
@@ -83,10 +85,16 @@ class Scheduler:
         if not self.fair:
             seq.fair_tag = 0
             return
-        seq.fair_tag = max(self.fair_time, self.fair_last.get(seq.owner, 0)) + 1
-        self.fair_last[seq.owner] = seq.fair_tag
-        if len(self.fair_last) > 4096:   # owners at or below V start at V anyway
-            self.fair_last = {k: v for k, v in self.fair_last.items() if v > self.fair_time}
+        key, v = (seq.priority, seq.owner), self.fair_time.get(seq.priority, 0)
+        seq.fair_tag = max(v, self.fair_last.get(key, 0)) + 1
+        self.fair_last[key] = seq.fair_tag
+        if len(self.fair_last) > 4096:   # owners at or below their tier's V start at V anyway
+            self.fair_last = {k: t for k, t in self.fair_last.items() if t > self.fair_time.get(k[0], 0)}
+
+    def _started(self, seq: Sequence) -> None:
+        """``seq`` runs from now on (admitted, or imported running): its tier's V moves up to it."""
+        if seq.fair_tag:
+            self.fair_time[seq.priority] = max(self.fair_time.get(seq.priority, 0), seq.fair_tag)
 
     def add(self, seq: Sequence) -> None:
         self._tag(seq)
@@ -97,6 +105,7 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """A sequence that arrives with its KV already in place (imported)."""
         self._tag(seq)
+        self._started(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -278,7 +287,7 @@ class Scheduler:
             seq.num_computed += extra
         seq.partial_kv = None
         self.waiting.remove(seq)
-        self.fair_time = max(self.fair_time, seq.fair_tag or 0)
+        self._started(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         out.append(ScheduledChunk(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))

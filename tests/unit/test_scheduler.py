@@ -190,3 +190,28 @@ def test_one_key_keeps_arrival_order_and_a_better_tier_still_goes_first():
     first = _drive(sched, {0: a, 1: [_seq("B", "keyB", priority=2), _seq("I", "keyA", priority=0)]})
     assert first["I"] == 1 and first["B"] > first["I"]          # interactive preempted a batch one
     assert sched.num_preemptions == 1
+
+
+def test_each_tier_shares_by_its_own_clock_and_imports_leave_no_debt():
+    """Each tier's share is its own: key A's 40 queued batch requests do not put A's standard
+    request behind key B's standard ones (a probe saw it wait behind 38 of them: one clock for
+    every tier). And a key's requests imported running (a prefill's hand-off, a migration) move
+    the tier's clock with them: 40 of A's handed off earlier do not queue A's next request
+    behind B's 10 (they did: V moved only on admissions from the queue, so imports were debt)."""
+    bs = [_seq(f"B{i}", "keyB", priority=1) for i in range(6)]
+    batch = [_seq(f"a{i}", "keyA", priority=2) for i in range(40)]
+    a = _seq("A", "keyA", priority=1)
+    first = _drive(_fair_sched(), {0: batch + bs, 1: [a]})
+    assert sum(first[b.request_id] < first["A"] for b in bs) <= 3, first
+    assert max(first[b.request_id] for b in bs) <= min(first[s.request_id] for s in batch)   # tiers first
+
+    sched = _fair_sched()
+    for i in range(40):                       # handed off to this engine, ran, finished
+        s = _seq(f"h{i}", "keyA")
+        sched.add_running(s)
+        sched.drop(s)
+        s.status = Status.FINISHED
+    bs = [_seq(f"B{i}", "keyB") for i in range(10)]
+    a = _seq("A", "keyA")
+    first = _drive(sched, {0: bs, 1: [a]})
+    assert sum(first[b.request_id] < first["A"] for b in bs) <= 3, first
