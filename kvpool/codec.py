@@ -244,7 +244,8 @@ def verify_parts(head, payload, key: str | None = None, secret: bytes = b"") -> 
     if blake3.blake3(payload).digest() != bytes(head[_SIGNED - 32:_SIGNED]):
         raise CorruptEntry("entry checksum mismatch")
     if secret and not hmac.compare_digest(_mac(secret, head[:_SIGNED]), head[_SIGNED:]):
-        raise ForgedEntry("entry MAC does not check out: not written with this deployment's TANDEM_POOL_KEY")
+        raise ForgedEntry("entry MAC does not check out: not written with this deployment's TANDEM_POOL_KEY "
+                          "(another key's — was it changed? — or altered since)")
 
 
 def open_entry(path: str):

@@ -132,10 +132,11 @@ class KVPool:
             return entry, t.name
         return None
 
-    def put(self, key: str, entry, pin: tuple[str, float] | None = None) -> list[str]:
+    def put(self, key: str, entry, pin: tuple[str, float] | None = None, replace: bool = False) -> list[str]:
         """Store a verified entry in every tier; returns the tiers that hold it now. ``pin``:
-        (tenant, until) — pinned there (``Tier.pin``). Raises CorruptEntry for an entry that does
-        not check out (nothing is stored)."""
+        (tenant, until) — pinned there (``Tier.pin``); ``replace``: over an entry a tier holds
+        (a writer found it unusable). Raises CorruptEntry for an entry that does not check out
+        (nothing is stored)."""
         check_key(key)
         try:
             verify_entry(entry, key)
@@ -143,7 +144,7 @@ class KVPool:
             self.rejected += 1
             raise
         entry = bytes(entry)
-        stored = [t.name for t in self.tiers if t.put(key, entry)]
+        stored = [t.name for t in self.tiers if t.put(key, entry, replace)]
         if pin is not None:
             self.pin([key], *pin)
         self.puts += 1

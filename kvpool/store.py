@@ -73,9 +73,12 @@ class Tier(abc.ABC):
     def get(self, key: str) -> bytes | None:
         """The verified entry, or None (absent, or corrupt: then it is removed)."""
 
-    def put(self, key: str, entry: bytes) -> bool:
-        """Store a verified entry; False when it could not be stored (too big, disk full)."""
+    def put(self, key: str, entry: bytes, replace: bool = False) -> bool:
+        """Store a verified entry; False when it could not be stored (too big, disk full).
+        ``replace``: write it over the entry held under ``key`` (a writer could not use that one)."""
         with self._lock:
+            if replace and key in self._index:
+                self.used -= self._index.pop(key)
             held = self._admit(key, len(entry))
             if held is not None:
                 return held

@@ -141,7 +141,7 @@ class PoolService:
                 raise BusError("bad_request", f"put {req.transfer_id} not stored: {e}") from None
             pin = (req.tenant, time.time() + req.pin_s) if req.pin_s else None
             with payload:
-                stored = await asyncio.to_thread(self._store, keys, payload.data, pin)
+                stored = await asyncio.to_thread(self._store, keys, payload.data, pin, set(_keys(req.replace)))
         finally:
             self._putting -= 1
             self._last_seen = time.monotonic()
@@ -177,14 +177,18 @@ class PoolService:
         log.info("kvpool %s: %d chunk(s) stored while stopping, in %.1f s", self.pool_id, self.stored - stored,
                  time.monotonic() - t0)
 
-    def _store(self, keys: list[str], bundle, pin: tuple[str, float] | None = None) -> int:
+    def _store(self, keys: list[str], bundle, pin: tuple[str, float] | None = None,
+               replace: set[str] = frozenset()) -> int:
         entries = unpack_entries(bundle)
         if len(entries) != len(keys):
             raise ValueError(f"PoolPut.keys names {len(keys)} entries, the bundle holds {len(entries)}")
+        if replace:
+            log.info("replacing %d entr%s a worker could not use (MAC): %s", len(replace),
+                     "y" if len(replace) == 1 else "ies", ", ".join(k[:16] for k in sorted(replace)[:4]))
         stored = 0
         for k, e in zip(keys, entries):
             try:
-                stored += bool(self.pool.put(k, e, pin))
+                stored += bool(self.pool.put(k, e, pin, k in replace))
             except CorruptEntry as err:
                 log.warning("rejected entry %s: %s", k[:16], err)
         for t in self.pool.tiers:

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from shared.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("tandem.kv")
+REFUSED_MAX = 4096   # pool keys remembered as unusable here (their entries put again at the next write-back)
 
 
 def key_scope(model_identity: str, layout: dict, settings: PoolSettings) -> KeyScope:
@@ -381,6 +382,9 @@ class PoolClient:
         self._tasks: set[asyncio.Task] = set()
         self._skip_until = 0.0    # after a pool failure, prompts do not wait on it until then
         self.hits = self.misses = self.errors = self.stored = self.forged = 0
+        # keys whose pool entries failed the MAC here (another secret's — TANDEM_POOL_KEY changed —
+        # or altered): the pool still holds them, so a write-back puts them again, over them
+        self.refused: OrderedDict[str, None] = OrderedDict()
         self.reloads = 0          # fetches whose hit ended in a spilled session's tail (the connector resets it)
 
     def keys(self, token_ids: list[int], limit: int | None = None, tenant: str = "") -> list[str]:
@@ -533,7 +537,11 @@ class PoolClient:
                 if end is None:
                     self.forged += 1
                     metrics.POOL_FORGED.inc()
-                    log.warning("KV pool entry %s ignored: %s", k[:16], err)
+                    log.warning("KV pool entry %s ignored: %s (this worker computes it and writes it again)",
+                                k[:16], err)
+                    self.refused[k] = None
+                    while len(self.refused) > REFUSED_MAX:
+                        self.refused.popitem(last=False)
                     end = a
             except fail_on as err:
                 failed = failed or err
@@ -580,20 +588,29 @@ class PoolClient:
         t0 = time.perf_counter()
         try:
             found = await self._lookup(keys, for_put=True, pin_s=pin_s, tenant=tenant)
-            missing = [p for p in pieces[found.hits:] if p[1] >= start]
-            if len(missing) < len(pieces) - found.hits:
+            # held entries this worker could not use are put again (over them), from the first on
+            hits = next((i for i, k in enumerate(keys[:found.hits]) if k in self.refused), found.hits)
+            missing = [p for p in pieces[hits:] if p[1] >= start]
+            if len(missing) < len(pieces) - hits:
                 log.info("KV pool: %d entries before token %d lacking, not written back (reused from a cache, "
-                         "not copied out)", len(pieces) - found.hits - len(missing), start)
+                         "not copied out)", len(pieces) - hits - len(missing), start)
             if not missing or not found.data_port:
                 return 0
             entries = await asyncio.to_thread(self._encode, missing, kv, start)
             tid = f"{self.worker_id}-put-{next(self._ids)}"
             res = await send_and_report(self.bus, self.sender, self.worker_id, found.data_host, found.data_port,
                                         tid, pack_entries(entries), compressible=False)
+            held = set(keys[hits:found.hits])    # after an unusable one: put again too (the same secret's now)
+            replace = [k for k, _, _ in missing if k in held]
             reply = await self.bus.request(subjects.kvpool_put(found.pool_id), PoolPut(
                 keys=[k for k, _, _ in missing], transfer_id=tid, nbytes=res.nbytes, checksum=res.checksum,
-                pin_s=pin_s, tenant=tenant),
+                pin_s=pin_s, tenant=tenant, replace=replace),
                 timeout=self.settings.timeout)
+            for k in replace:
+                self.refused.pop(k, None)
+            if replace:
+                log.info("KV pool: %d entr%s this worker could not use put again", len(replace),
+                         "y" if len(replace) == 1 else "ies")
         except (BusError, TransferError, TimeoutError) as e:
             self.errors += 1
             log.warning("KV pool write-back failed: %s", e)

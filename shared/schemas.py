@@ -465,6 +465,9 @@ class PoolPut:
     checksum: str                # stores it only if what it received matches
     pin_s: float = 0.0           # pin the entries this long (prompt_cache_retention 24h; 0: not pinned)
     tenant: str = ""             # ... under this tenant (its share of the pool: TANDEM_POOL_PIN_SHARE)
+    replace: list[str] = field(default_factory=list)  # of ``keys``, those the pool holds whose entries the
+    #                              writer could not use (their MAC did not check out: another secret's,
+    #                              or altered): stored over what it holds (the others are kept if held)
 
 
 @message("PoolPutReply", 1)

@@ -354,3 +354,27 @@ async def test_an_entry_without_the_deployments_secret_stops_the_prefix(nats_ser
             await rx_r.close()
         tokens, got = await a.fetch_prefix(prompt)
         assert tokens == prompt[:64] and bytes(got) == kv[:64 * LAYOUT.token_bytes] and a.forged == 1
+        # the worker computed the third chunk: its write-back puts it again, over the forged one
+        assert await a.store(prompt[:96], kv) == 1 and not a.refused
+        tokens, got = await a.fetch_prefix(prompt)
+        assert tokens == prompt[:96] and bytes(got) == kv and a.forged == 1
+
+
+async def test_entries_of_an_old_secret_are_written_again_under_the_new_one(nats_server, tmp_path):
+    """TANDEM_POOL_KEY changed over a kept pool directory (a rotated Secret, a deleted key file):
+    every entry fails the MAC, and the pool — which has no secret — holds them, so a write-back
+    found them "stored" and put nothing, and each lookup kept them the most recently used: a
+    chat's first chunk (the template) failed every prompt there for good (a probe's finding).
+    A worker that could not use an entry now puts it again over it: the next prompt is a hit."""
+    prompt, kv = list(range(100)), kv_for(96)
+    old = settings(nats_server, tmp_path, key="before")
+    async with pool_and_client(old, "worker-old") as (_, a, _bus):
+        assert await a.store(prompt[:96], kv) == 3
+    new = settings(nats_server, tmp_path, key="after")
+    async with pool_and_client(new, "worker-new") as (pool, b, _bus):   # the pool restarted over its disk tier
+        assert await b.fetch_prefix(prompt) is None and b.forged == 1 and len(b.refused) == 1
+        assert await b.store(prompt[:96], kv) == 3 and not b.refused      # all three, over the old ones
+        tokens, got = await b.fetch_prefix(prompt)
+        assert tokens == prompt[:96] and bytes(got) == kv and b.forged == 1
+        assert len(pool.pool.tiers[0]) == 3 and pool.pool.tiers[0].used == sum(
+            len(e) for e in (pool.pool.tiers[0].get(k) for k in b.keys(prompt[:96])))
