@@ -9,8 +9,10 @@ same directory, is fsynced, then renamed over the final name — a reader sees t
 or none, and two writers of the same chunk both end with the same complete file. The index is
 rebuilt from the directory at start (so the pool survives restarts); entries whose header or
 size do not check out are removed then, and an entry whose checksum fails when read is removed
-and reported as a miss. A full disk (or any write error) is logged and the put is skipped:
-serving goes on. A ``shared`` tier (NFS or any shared filesystem) also looks on disk for keys
+and reported as a miss; a read the system refuses (too many open files, an NFS hiccup) is a miss
+that keeps the file. A full disk (or any write error) is logged — once a minute at most, with
+the count — and the put is skipped: serving goes on. Each tier's counts (write errors, corrupt
+entries, evictions) are series of their own (``shared.metrics.watch_pool_tiers``). A ``shared`` tier (NFS or any shared filesystem) also looks on disk for keys
 missing from its index, since other nodes write there too.
 
 ``RedisTier`` (the optional extra ``tandem-serve[redis]``): one Redis value per entry under
@@ -41,6 +43,7 @@ log = logging.getLogger("tandem.kvpool")
 
 SUFFIX = ".kvp"
 STALE_TEMP_S = 3600.0  # temp files older than this are leftovers of a crashed writer
+SAY_EVERY_S = 60.0     # a failing tier's repeated warning (a write, a read, room made) once a minute at most
 
 
 def entry_path(root: str, key: str) -> str:
@@ -56,9 +59,24 @@ class Tier(abc.ABC):
         self.on_evict: Callable[[str, str], None] | None = None
         self.used = 0          # bytes held
         self.hits = self.misses = self.corrupt = self.write_errors = self.evictions = 0
+        self.read_errors = 0   # reads the system refused (not the entry's fault: the file is kept)
+        self.room_made = 0     # entries evicted early because the device was full below the capacity
+        self._said: dict[str, tuple[float, int]] = {}   # warning kind -> (last said, count then)
         self._lock = threading.Lock()
         self.pins: Pins | None = None   # entries eviction skips while pinned (kvpool/pins.py; None: none)
         self.out_of_space = False        # the last failed write was the device's "full" (ENOSPC, EDQUOT)
+
+    def _say(self, kind: str, count: int, msg: str, *args) -> None:
+        """A warning that may repeat for every entry while a fault lasts: the first one, then at
+        most one every ``SAY_EVERY_S`` with how many happened since (the rest at debug)."""
+        now = time.monotonic()
+        last, then = self._said.get(kind, (-SAY_EVERY_S, 0))
+        if now - last < SAY_EVERY_S:
+            log.debug(msg, *args)
+            return
+        self._said[kind] = (now, count)
+        since = f" ({count - then} since the last such warning)" if then else ""
+        log.warning(msg + since, *args)
 
     def pin(self, key: str, tenant: str, until: float) -> bool:
         """Pin a held ``key`` for ``tenant`` until ``until`` (time.time()); False when not held or
@@ -104,8 +122,9 @@ class Tier(abc.ABC):
                 if size is None:
                     return False
                 freed += size
-        log.warning("%s tier: the device is full below the tier's capacity: its %.1f MiB least recently used "
-                    "made room for a new entry", self.name, freed / 2**20)
+        self.room_made += 1
+        self._say("room", self.room_made, "%s tier: the device is full below the tier's capacity: its %.1f MiB "
+                  "least recently used made room for a new entry", self.name, freed / 2**20)
         return True
 
     @abc.abstractmethod
@@ -141,7 +160,7 @@ class Tier(abc.ABC):
 
     def stats(self) -> dict:
         return {"tier": self.name, "entries": len(self), "bytes": self.used, "capacity": self.capacity,
-                "hits": self.hits, "misses": self.misses, "corrupt": self.corrupt,
+                "hits": self.hits, "misses": self.misses, "corrupt": self.corrupt, "read_errors": self.read_errors,
                 "write_errors": self.write_errors, "evictions": self.evictions}
 
     def _admit(self, key: str, nbytes: int) -> bool | None:
@@ -322,15 +341,25 @@ class DirTier(Tier):
             self._forget(key)
             self.misses += 1
             return None
-        except (CorruptEntry, OSError) as e:
+        except CorruptEntry as e:
             return self._unusable(key, e)
+        except OSError as e:   # the system's refusal (EMFILE, EIO, an NFS server away): not the entry's fault
+            self.read_errors += 1
+            self.misses += 1
+            self._say("read", self.read_errors, "%s tier: cannot read entry %s: %s (a miss; the entry is kept)",
+                      self.name, key[:16], e)
+            return None
         self._hit(key, len(entry))
         return entry
 
     def _write(self, key: str, entry: bytes) -> bool:
         p = self.path(key)
         tmp = f"{p}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = None
         try:
+            # the root first: makedirs gives only the leaf its mode (a root removed while running
+            # came back 0755, every key name readable to any user until a restart)
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
             os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -340,18 +369,18 @@ class DirTier(Tier):
                 os.close(fd)
             os.replace(tmp, p)   # atomic: readers see the old state or the whole entry
         except OSError as e:
-            _unlink(tmp)
+            if fd is not None:    # (no temp file to remove when it was never created)
+                _unlink(tmp)
             self.write_errors += 1
             self.out_of_space = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            # the 1st, 2nd, 4th... is a warning: a directory that refuses every write said so a
-            # chunk at a time (26 lines for one prompt)
-            say = log.warning if self.write_errors & (self.write_errors - 1) == 0 else log.debug
+            # a directory that refuses every write would say so a chunk at a time (26 lines for one
+            # prompt): the first, then once a minute with the count (tandem_pool_write_errors_total)
             if self.out_of_space:
-                say("%s tier %s is full: entry %s not stored (serving goes on; %d write(s) failed so far)",
-                    self.name, self.root, key[:16], self.write_errors)
+                self._say("write", self.write_errors, "%s tier %s is full: entry %s not stored (serving goes on; "
+                          "%d write(s) failed so far)", self.name, self.root, key[:16], self.write_errors)
             else:
-                say("%s tier: cannot write %s: %s (serving goes on; %d write(s) failed so far)", self.name, p, e,
-                    self.write_errors)
+                self._say("write", self.write_errors, "%s tier: cannot write %s: %s (serving goes on; %d write(s) "
+                          "failed so far)", self.name, p, e, self.write_errors)
             return False
         self.out_of_space = False
         return True

@@ -85,6 +85,7 @@ class PoolService:
         await self.bus.serve(subjects.kvpool_put(self.pool_id), self.put, expected=PoolPut)
         for t in self.pool.tiers:
             metrics.pool_stored(t.name, t.used)
+        metrics.watch_pool_tiers(self.pool.tiers)
         metrics.set_ready(self.role, True)  # from here on it serves; NATS reconnects on its own
         log.info("kvpool %s ready: tiers %s, data plane %s:%d", self.pool_id,
                  ", ".join(f"{t.name} {len(t)} entries" for t in self.pool.tiers), self.data_host, self.data_port)

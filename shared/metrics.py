@@ -174,6 +174,40 @@ def set_ready(service: str, ready: bool) -> None:
     READY.labels(service).set(1 if ready else 0)
 
 
+class _PoolTiers:
+    """The KV pool's storage tiers' own counts (``kvpool.store.Tier``), read at each scrape: a tier
+    that fails every write looked like a cold cache (its warnings are once a minute)."""
+
+    SERIES = (("write_errors", "tandem_pool_write_errors", "writes a pool storage tier failed (device full, "
+               "read-only, permission): the entry was not stored there"),
+              ("read_errors", "tandem_pool_read_errors", "reads the system refused a pool storage tier (too many "
+               "open files, I/O error): a miss, the entry kept"),
+              ("corrupt", "tandem_pool_corrupt_entries", "entries a pool storage tier found broken (checksum, size, "
+               "header) and removed"),
+              ("evictions", "tandem_pool_evictions", "entries a pool storage tier evicted to make room"))
+
+    def __init__(self):
+        self.tiers: list = []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        for field, name, doc in self.SERIES:
+            fam = CounterMetricFamily(name, doc, labels=["tier"])
+            for t in self.tiers:
+                fam.add_metric([t.name], float(getattr(t, field)))
+            yield fam
+
+
+_POOL_TIERS = _PoolTiers()
+REGISTRY.register(_POOL_TIERS)
+
+
+def watch_pool_tiers(tiers) -> None:
+    """Export these storage tiers' counts (the pool service's; the last call's tiers)."""
+    _POOL_TIERS.tiers = list(tiers)
+
+
 def pool_lookup(tier: str, hit: bool) -> None:
     """One KV pool lookup for a prompt: a hit (its first chunk found on storage ``tier``), or a
     miss (tier "none")."""

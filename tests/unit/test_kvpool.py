@@ -176,23 +176,58 @@ def test_disk_tier_survives_restart_and_evicts(tmp_path):
 
 def test_a_directory_that_refuses_writes_says_so_without_flooding_the_log(tmp_path, monkeypatch, caplog):
     """Every write refused (a read-only or immutable directory): serving goes on from the other
-    tiers, and the 1st, 2nd, 4th, 8th... failure is a warning, with the count (one a chunk flooded
-    the log: 26 lines for one prompt)."""
+    tiers; the first failure is a warning, then one a minute with the count since (one a chunk
+    flooded the log: 26 lines for one prompt; a doubling count went all but silent); no warning
+    about a temp file that was never created; and the count is a series of its own."""
     import logging
 
     from kvpool import store
+    from shared import metrics
     t = DirTier(str(tmp_path), capacity=10 << 20)
     entries = {k: entry(k) for k in KEYS}
 
     def refuse(*a, **k):
         raise PermissionError(1, "Operation not permitted")
     monkeypatch.setattr(store.os, "open", refuse)
+    clock = [1000.0]
+    monkeypatch.setattr(store.time, "monotonic", lambda: clock[0])
     with caplog.at_level(logging.WARNING, logger=store.log.name):
         for i in range(10):
             k = KEYS[i % len(KEYS)]
             assert not t.put(k, entries[k])
+            clock[0] += 20
     warned = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
-    assert len(warned) == 4 and warned[-1].endswith("8 write(s) failed so far)") and t.write_errors == 10
+    assert len(warned) == 4 and t.write_errors == 10, warned          # at 0, 60, 120, 180 s
+    assert warned[0].endswith("1 write(s) failed so far)") and warned[1].endswith("(3 since the last such warning)")
+    assert not [r for r in caplog.records if "cannot remove" in r.getMessage()]
+    metrics.watch_pool_tiers([t])
+    assert 'tandem_pool_write_errors_total{tier="disk"} 10.0' in metrics.render()[0].decode()
+
+
+def test_a_read_the_system_refuses_is_a_miss_that_keeps_the_entry(tmp_path, monkeypatch):
+    """EMFILE, EIO, an NFS server away: the entry is not at fault — a miss, counted, the file
+    kept (every such read deleted a good entry: on a shared tier, on every node at once); a
+    corrupt one is still removed."""
+    from kvpool import store
+    t = DirTier(str(tmp_path), capacity=10 << 20)
+    t.put(KEYS[0], entry(KEYS[0]))
+
+    def busy(*a, **k):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(store, "open_entry", busy)
+    assert t.get(KEYS[0]) is None and t.read_errors == 1 and t.corrupt == 0
+    assert os.path.exists(t.path(KEYS[0])) and t.contains(KEYS[0])
+    monkeypatch.undo()
+    assert t.get(KEYS[0]) == entry(KEYS[0])
+
+
+def test_a_root_removed_while_running_comes_back_private(tmp_path):
+    import shutil
+    import stat
+    t = DirTier(str(tmp_path / "pool"), capacity=10 << 20)
+    shutil.rmtree(tmp_path / "pool")
+    assert t.put(KEYS[0], entry(KEYS[0]))
+    assert stat.S_IMODE(os.stat(tmp_path / "pool").st_mode) == 0o700
 
 
 def test_the_disk_tier_is_its_users_alone(tmp_path):
