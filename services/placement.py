@@ -11,7 +11,9 @@ router's own count of requests it sent each worker since that worker's last hear
 
 Policies:
 - ``sla``: the tier picks the pool (interactive -> gpu-decode, standard and batch -> cpu-decode;
-  each falls back to the other pool when its own has no open worker; standard and batch
+  each falls back to the other pool when its own has no open worker; interactive work starts on
+  a cpu-decode worker with a free slot when every gpu-decode worker has interactive work queued
+  (``homecoming`` moves it back once one has room); standard and batch
   overflow to the GPU pool when every CPU worker is ``OVERFLOW`` requests busier and the GPU has
   no interactive work waiting (never to a gpu-decode worker whose engine runs on the host's CPU:
   it would take the cores the CPU pool and the prefill workers' batch lane use) — the GPU engine's scheduler preempts them when interactive work
@@ -133,6 +135,12 @@ class WorkerView:
     def held(self) -> list[InFlight]:
         """The requests this worker holds: its heartbeat's, and those routed here since."""
         return [*self.beat.requests, *(InFlight(r[0], r[1], r[2]) for r in self.routed)]
+
+    def has_free_slot(self) -> bool:
+        """A sequence slot free now, as its heartbeat says (``max_running``), less the requests
+        routed here since; False when it does not say its slots."""
+        b = self.beat
+        return bool(b.max_running) and b.running + b.queue_depth + len(self.routed) < b.max_running
 
     def holds_worse_than(self, tier: str) -> bool:
         """Holds (or was just sent) a request of a worse tier than ``tier``: a prompt of ``tier``
@@ -274,6 +282,14 @@ def _choose_pool(tier: str, decoders: list[WorkerView], home: WorkerView | None 
     other = [w for w in decoders if w.role == second]
     if not own:
         return other, f"{tier} -> {second} ({first} pool empty)"
+    if tier == Tier.INTERACTIVE and other and (home is None or home.role != first) \
+            and all(w.waiting(tier) for w in own):
+        # every GPU worker has interactive work queued already: start it now where a slot is free
+        # (``homecoming`` moves it to the GPU pool once a worker there has room), not at the end of
+        # that queue — a probe saw 4 of 8 interactive streams wait 18 s while cpu-decode sat idle
+        free = [w for w in other if w.has_free_slot() and not w.waiting(tier)]
+        if free:
+            return free, f"{tier} -> {second} (every {first} worker has {tier} work waiting; back when one has room)"
     if tier != Tier.INTERACTIVE and other and not any(w.waiting(Tier.INTERACTIVE) for w in other):
         best_own = min(w.load() for w in own)
         if home is not None and home.role == second and home.load() <= best_own + AFFINITY_SLACK:

@@ -665,3 +665,23 @@ async def test_a_move_whose_target_stopped_since_the_plan_is_not_tried():
     router.workers["c2"].seen = time.monotonic()      # heard just now: stopping
     assert await router._move(Move("r1", "", "c1", target, "batch", "evacuate: c1 is stopping")) is None
     assert router.bus.asked == [] and router.moving == set()
+
+
+def test_interactive_work_starts_on_cpu_decode_when_every_gpu_worker_has_a_queue():
+    """Every gpu-decode worker has interactive work waiting: a new interactive request starts on
+    a cpu-decode worker with a free slot (homecoming brings it back), not at the end of that
+    queue — but not onto a worker that does not say its slots or has none free, not past a
+    session whose KV is on the GPU, and not while any GPU worker has no queue."""
+    def cpu(**kw):
+        v = w("c1", "cpu-decode", **kw)
+        v.beat.max_running = 4
+        return v
+    queued = w("g1", "gpu-decode", device="cuda:0", queue=2, waiting={"interactive": 2})
+    plan = place(req("interactive"), [queued, cpu()], NOW)
+    assert plan.decode_worker == "c1" and "back when one has room" in plan.reason
+    assert place(req("interactive"), [queued, cpu(running=4)], NOW).decode_worker == "g1"      # no free slot
+    assert place(req("interactive"), [queued, w("c1", "cpu-decode")], NOW).decode_worker == "g1"  # slots unsaid
+    assert place(req("interactive"), [queued, w("g2", "gpu-decode", device="cuda:0"), cpu()],
+                 NOW).decode_worker == "g2"                                                   # g2 has no queue
+    home = SessionView(worker="g1", last=NOW)
+    assert place(req("interactive", session="s1"), [queued, cpu()], NOW, session=home).decode_worker == "g1"
