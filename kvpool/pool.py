@@ -91,24 +91,36 @@ class KVPool:
         stored — the index among the alternatives of the first stored one, its tier appended to
         the tiers (-1: none)."""
         lead, alts = keys[:len(keys) - alternatives], keys[len(keys) - alternatives:]
-        out = []
+        out: list[str] = []
+        found, alt = [], -1
         for k in lead:
-            if not self._found(k, touch, out):
-                return out, -1
-        for i, k in enumerate(alts):
-            if self._found(k, touch, out):
-                return out, i
-        return out, -1
+            if not self._found(k, out):
+                break
+            found.append(k)
+        else:
+            for i, k in enumerate(alts):
+                if self._found(k, out):
+                    found.append(k)
+                    alt = i
+                    break
+        if touch:
+            self.touch_chain(found)
+        return out, alt
 
-    def _found(self, key: str, touch: bool, out: list[str]) -> bool:
+    def _found(self, key: str, out: list[str]) -> bool:
         tier = next((t for t in self.tiers if t.contains(key)), None)
         if tier is None:
             return False
-        if touch:
-            for t in self.tiers:
-                t.touch(key)
         out.append(tier.name)
         return True
+
+    def touch_chain(self, keys: list[str]) -> None:
+        """The entries of one prompt's chain (head first) count as used, the head the most
+        recently: eviction takes a chain's tail first, and what it leaves is still a prefix a
+        lookup reaches (head first, a tier too small for a prompt kept only its unreachable tail)."""
+        for k in reversed(keys):
+            for t in self.tiers:
+                t.touch(k)
 
     def pin(self, keys: list[str], tenant: str, until: float) -> int:
         """Pin the held ``keys`` in every tier holding them (``Tier.pin``); how many got a pin."""

@@ -127,6 +127,7 @@ class PoolService:
                 break
             out.append(found[0])
             metrics.pool_hit_bytes(found[1], len(found[0]))
+        self.pool.touch_chain(keys[:len(out)])
         return out
 
     async def put(self, req: PoolPut) -> PoolPutReply:
@@ -187,7 +188,9 @@ class PoolService:
             log.info("replacing %d entr%s a worker could not use (MAC): %s", len(replace),
                      "y" if len(replace) == 1 else "ies", ", ".join(k[:16] for k in sorted(replace)[:4]))
         stored = 0
-        for k, e in zip(keys, entries):
+        # the chain's tail first: a tier that cannot hold the whole prompt keeps its head (a
+        # reachable prefix), evicting the tail put a moment before — not the other way round
+        for k, e in reversed(list(zip(keys, entries))):
             try:
                 stored += bool(self.pool.put(k, e, pin, k in replace))
             except CorruptEntry as err:

@@ -100,7 +100,7 @@ async def test_write_back_then_fetch_is_byte_exact(nats_server, tmp_path, local_
             ev = await events.next(timeout=5)
             assert (ev.holder, ev.role, ev.epoch, ev.evicted) == (pool.pool_id, subjects.KVPOOL, pool.events.epoch, [])
             stored += ev.stored
-        assert stored == a.keys(prompt[:96])
+        assert sorted(stored) == sorted(a.keys(prompt[:96]))   # (stored tail first: a tier too small keeps the head)
 
         counted = lookups()
         tokens, got = await b.fetch_prefix(prompt)

@@ -391,3 +391,21 @@ def test_a_device_full_below_capacity_evicts_the_oldest_for_new_entries(tmp_path
     assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
     room[0] = 0                                # someone else's data fills it: one retry, then skipped
     assert not t.put(KEYS[3], entry(KEYS[3])) and len(t) == 1 and t.write_errors == 3
+
+
+def test_a_tier_too_small_for_a_prompt_keeps_its_head_not_its_unreachable_tail(tmp_path):
+    """A chain is put tail first and a lookup or read counts its head as the most recently used:
+    when the tier cannot hold the whole prompt, what it keeps is a prefix a lookup reaches (it
+    kept only the tail: head first in, head first out — stored, counted in tandem_pool_bytes,
+    never a hit). And an older chain goes before the head of one used since."""
+    from kvpool.codec import pack_entries
+    from services.kvpool import PoolService
+    raw = {k: entry(k, codec=RAW) for k in KEYS}            # one size: the capacity counts entries
+    pool = KVPool.from_config(PoolConfig(ram_bytes=0, disk_dir=str(tmp_path), disk_bytes=3 * len(raw[KEYS[0]])))
+    svc = PoolService.__new__(PoolService)
+    svc.pool = pool
+    assert svc._store(KEYS[:5], pack_entries([raw[k] for k in KEYS[:5]])) == 5
+    assert pool.lookup(KEYS[:5]) == ["disk"] * 3            # the first three, reachable
+    pool.lookup(KEYS[:3], touch=True)
+    pool.put(KEYS[5], raw[KEYS[5]])                         # evicts the chain's third, not its head
+    assert pool.lookup(KEYS[:3]) == ["disk"] * 2
