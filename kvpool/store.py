@@ -297,7 +297,7 @@ class DirTier(Tier):
     def rebuild(self) -> None:
         """Index every valid entry on disk (oldest access first); remove broken ones."""
         found: list[tuple[float, str, int]] = []
-        now = time.time()
+        now, left = time.time(), 0
         for sub in sorted(os.listdir(self.root)):
             d = os.path.join(self.root, sub)
             if not os.path.isdir(d):
@@ -305,7 +305,7 @@ class DirTier(Tier):
             for fname in os.listdir(d):
                 p = os.path.join(d, fname)
                 if fname.endswith(".tmp"):
-                    _remove_if_stale(p, now)
+                    left += _remove_if_stale(p, now, local=not self.shared)
                     continue
                 if not fname.endswith(SUFFIX):
                     continue
@@ -324,6 +324,8 @@ class DirTier(Tier):
                 except OSError:
                     continue  # removed meanwhile (another node)
                 found.append((st.st_atime, key, st.st_size))
+        if left:
+            log.info("%s tier: %d temp file(s) of writers that died removed", self.name, left)
         self._adopt(found, self.root)
 
     def get(self, key: str) -> bytes | None:
@@ -521,9 +523,31 @@ def _unlink(path: str) -> None:
         log.warning("cannot remove %s: %s", path, e)
 
 
-def _remove_if_stale(path: str, now: float) -> None:
+def _remove_if_stale(path: str, now: float, local: bool = False) -> int:
+    """Remove a temp file a writer left (1: removed): older than ``STALE_TEMP_S``, or — ``local``:
+    a directory only this host writes — whose writer (the pid in its name) is no process now (a
+    pool killed mid-write: its partial file took room the tier does not count)."""
     try:
-        if now - os.stat(path).st_mtime > STALE_TEMP_S:
+        if now - os.stat(path).st_mtime > STALE_TEMP_S or local and not _alive(path):
             _unlink(path)
+            return 1
     except OSError:
         pass
+    return 0
+
+
+def _alive(path: str) -> bool:
+    """Is the writer of temp file ``path`` (``<entry>.<pid>.<hex>.tmp``) a process here now?"""
+    try:
+        pid = int(path.rsplit(".", 3)[1])
+    except (IndexError, ValueError):
+        return True
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:   # (someone else's process: alive)
+        return True
+    return True

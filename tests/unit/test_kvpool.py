@@ -409,3 +409,25 @@ def test_a_tier_too_small_for_a_prompt_keeps_its_head_not_its_unreachable_tail(t
     pool.lookup(KEYS[:3], touch=True)
     pool.put(KEYS[5], raw[KEYS[5]])                         # evicts the chain's third, not its head
     assert pool.lookup(KEYS[:3]) == ["disk"] * 2
+
+
+def test_temp_files_of_writers_that_died_are_removed_at_start(tmp_path):
+    """A pool killed mid-write leaves its partial temp file: on a local disk tier it is removed at
+    the next start when its writer (the pid in its name) is gone — it kept the device's room for
+    an hour, uncounted — and one of a live writer stays (a shared tier keeps the hour rule: the
+    pid may be another node's)."""
+    import subprocess
+    t = DirTier(str(tmp_path), capacity=10 << 20)
+    t.put(KEYS[0], entry(KEYS[0]))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = f"{t.path(KEYS[1])}.{gone.pid}.deadbeef.tmp"
+    live = f"{t.path(KEYS[2])}.{os.getppid()}.cafef00d.tmp"
+    for p in (dead, live):
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        open(p, "wb").write(b"partial")
+    again = DirTier(str(tmp_path), capacity=10 << 20)
+    assert not os.path.exists(dead) and os.path.exists(live) and len(again) == 1
+    open(dead, "wb").write(b"partial")
+    DirTier(str(tmp_path), capacity=10 << 20, name="shared", shared=True)
+    assert os.path.exists(dead)
