@@ -61,7 +61,7 @@ from shared import subjects
 from shared.bus import BusError
 from shared.liveness import fresh
 from shared.strategy import CPU, GPU, MAX_RING, RING, NoCapacity, PoolWorker, Strategy, choose, smallest_ring
-from shared.tier import Tier
+from shared.tier import Tier, fair_share
 from shared.schemas import Heartbeat, InFlight, RingPeer, RoutePlan, RouteRequest
 
 OVERFLOW = 2             # standard/batch use the GPU pool when every CPU worker is this much busier
@@ -92,8 +92,8 @@ class Limits:
 class WorkerView:
     beat: Heartbeat
     seen: float                    # router's clock when the last heartbeat arrived
-    routed: list = field(default_factory=list)  # [request id, session id, tier, router clock] routed
-                                                # here and not in a heartbeat yet
+    routed: list = field(default_factory=list)  # [request id, session id, tier, router clock, owner]
+                                                # routed here and not in a heartbeat yet
     since: float = 0.0             # router's clock when its first heartbeat arrived
 
     def renewed(self, beat: Heartbeat, now: float) -> WorkerView:
@@ -150,6 +150,16 @@ class WorkerView:
 
     def waiting(self, tier: str) -> int:
         return self.beat.waiting_by_tier.get(tier, 0) + self.queued.get(tier, 0)
+
+    def owners_waiting(self, tier: str) -> dict[str, int]:
+        """Owner (API key's tenant) -> its ``tier`` requests waiting here: its heartbeat's, and
+        every one routed here since (counted as waiting: the share errs against the heavy key)."""
+        out = {o: by.get(tier, 0) for o, by in self.beat.waiting_by_owner.items() if by.get(tier, 0)}
+        for r in self.routed:
+            if r[2] == tier:
+                o = r[4] if len(r) > 4 else ""
+                out[o] = out.get(o, 0) + 1
+        return out
 
     @property
     def queued(self) -> dict[str, int]:
@@ -268,10 +278,19 @@ def _retry_after(pool: list[WorkerView], max_tokens: int) -> float:
 
 
 def admit(req: RouteRequest, tier: str, pool: list[WorkerView], limit: int) -> None:
-    """Raise BusError("overloaded", retry_after=...) when the tier's queue over ``pool`` is full."""
+    """Raise BusError("overloaded", retry_after=...) when the tier's queue over ``pool`` is full —
+    for the request's API key: one under its share of the queue still gets in (``fair_share``)."""
     waiting = sum(w.waiting(tier) for w in pool)
+    held: dict[str, int] = {}
     if waiting >= limit:
-        raise BusError("overloaded", f"{waiting} {tier} requests are waiting (limit {limit}); retry later",
+        for w in pool:
+            for o, n in w.owners_waiting(tier).items():
+                held[o] = held.get(o, 0) + n
+        # waiting requests no heartbeat names an owner for count as this key's (errs against it)
+        held[req.owner] = held.get(req.owner, 0) + max(0, waiting - sum(held.values()))
+    if not fair_share(waiting, limit, req.owner, held):
+        raise BusError("overloaded", f"{waiting} {tier} requests are waiting (limit {limit}), "
+                                     f"{held.get(req.owner, 0)} of them this API key's; retry later",
                        retry_after=_retry_after(pool, req.max_tokens))
 
 

@@ -152,7 +152,7 @@ class Router:
         for wid in (plan.decode_worker, plan.prefill_worker):
             w = self.workers.get(wid) if wid else None
             if w is not None and not plan.moved_from:
-                w.routed.append([plan.request_id, plan.session_id or "", plan.tier, now])
+                w.routed.append([plan.request_id, plan.session_id or "", plan.tier, now, plan.owner])
         s = self._owned(plan.session_id, plan.owner)
         if s is not None:
             if plan.context_tokens:

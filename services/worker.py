@@ -232,6 +232,8 @@ class EngineWorker:
                          requests=[InFlight(rid, r.session_id, r.tier) for rid, r in held.items()],
                          max_running=st.get("max_running", 0), ended=self.ended(held),
                          waiting_by_tier=self.waiting_by_tier(st), tpot_ms=round(self.tpot * 1e3, 3),
+                         waiting_by_owner={o: {str(Tier.of_priority(p) or f"priority-{p}"): n for p, n in by.items()}
+                                           for o, by in st.get("waiting_by_owner", {}).items()},
                          kv_scope=self.kv.scope.seed().hex(), chunk_tokens=self.kv.scope.chunk_tokens,
                          kv_block_tokens=self.engine.layout.block_size, ring_port=self.ring_port,
                          kv_tokens=st.get("kv_tokens", {}))

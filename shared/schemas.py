@@ -350,6 +350,8 @@ class Heartbeat:
                                                     # moved, aborted): the router stops counting them
     draining: bool = False       # stopping (SIGTERM): takes no new work, and is not coming back; the
                                  # router moves what it holds to other workers (ready is False)
+    waiting_by_owner: dict = field(default_factory=dict)  # API key's tenant -> {tier: requests waiting}
+                                                          # (those with any: a full tier queue's shares)
 
 
 @message("Ack", 1)

@@ -36,3 +36,18 @@ class Tier(enum.StrEnum):
 
 _PRIORITY = {Tier.INTERACTIVE: 0, Tier.STANDARD: 1, Tier.BATCH: 2}
 TIERS: tuple[Tier, ...] = tuple(Tier)   # best first
+
+
+def fair_share(queued: int, limit: int, owner: str, held: dict[str, int]) -> bool:
+    """May one more request of ``owner`` (an API key's tenant) join a queue of ``queued`` requests
+    whose limit is ``limit`` (``held``: owner -> its requests in that queue)? Under the limit, yes;
+    at it, only while ``owner`` holds less than its share of the limit — the limit over the
+    owners with requests queued, itself counted — and the queue is under twice the limit. A full
+    queue refuses the keys that fill it, not a key with a request or two (one key's burst of
+    interactive work answered every other interactive key 429 ``overloaded``)."""
+    if queued < limit:
+        return True
+    if queued >= 2 * limit:
+        return False
+    owners = {o for o, n in held.items() if n > 0} | {owner}
+    return held.get(owner, 0) < limit / len(owners)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from shared.engine import grammar, retention, sampler
-from kvpool.keys import tenant_salt
+from kvpool.keys import tenant_owner, tenant_salt
 from shared.engine.kv_cache import KV_DTYPE, BlockManager, ChunkEvents, KVBlobHeader, KVLayout
 from shared.engine.handoff import EngineFull, KVHandoff  # noqa: F401 (EngineFull: re-exported)
 from shared.engine.loader import LoadedModel, release_freed_memory
@@ -28,6 +28,7 @@ from shared.engine.sequence import Sequence, Status
 from shared.engine.stops import StopMatcher
 from shared.engine.tokenizer import decode_step
 from shared.settings import KV_BLOCK_TOKENS
+from shared.tier import fair_share
 
 log = logging.getLogger("tandem.engine")
 
@@ -208,7 +209,8 @@ class Engine(KVHandoff):
         have drawn. Its first output says how many tokens were reused and recomputed."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if not fair_share(len(self.scheduler.waiting), self.config.max_waiting, tenant_owner(tenant),
+                          self.scheduler.waiting_owners()):
             raise EngineFull(f"{len(self.scheduler.waiting)} requests already wait in this engine "
                              f"(TANDEM_MAX_WAITING={self.config.max_waiting})")
         params.validate()
@@ -278,10 +280,13 @@ class Engine(KVHandoff):
 
     def stats(self) -> dict:
         by_priority: dict[int, int] = {}
+        by_owner: dict[str, dict[int, int]] = {}
         for seq in self.scheduler.waiting:
             by_priority[seq.priority] = by_priority.get(seq.priority, 0) + 1
+            mine = by_owner.setdefault(seq.owner, {})
+            mine[seq.priority] = mine.get(seq.priority, 0) + 1
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running) + len(self.rings),
-                "waiting_by_priority": by_priority,
+                "waiting_by_priority": by_priority, "waiting_by_owner": by_owner,
                 "parked": sum(s.status is Status.PARKED for s in self.seqs.values()),
                 "free_kv_blocks": self.blocks.num_free, "total_kv_blocks": self.blocks.num_blocks,
                 "max_running": self.scheduler.max_num_seqs, "preemptions": self.scheduler.num_preemptions, "kv_tokens": self.kv_tokens(),

@@ -116,6 +116,13 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
 
+    def waiting_owners(self) -> dict[str, int]:
+        """Owner (API key) -> its sequences in the queue."""
+        out: dict[str, int] = {}
+        for s in self.waiting:
+            out[s.owner] = out.get(s.owner, 0) + 1
+        return out
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -623,3 +623,21 @@ def test_a_resumed_request_reports_the_prompt_tokens_it_found_cached(bundled_mod
                 done.add(out)
     assert done.token_ids == first.token_ids[5:]
     assert done.num_cached_tokens == warm.num_cached_tokens, (done.num_cached_tokens, warm.num_cached_tokens)
+
+
+def test_a_full_engine_queue_still_takes_a_light_key_s_request(bundled_model):
+    """TANDEM_MAX_WAITING (here 4) reached by key A's requests: A's next is refused (EngineFull:
+    the caller answers "overloaded"), key B's — under its share of the queue — is taken, up to
+    twice the limit; stats say who waits."""
+    from shared.engine.engine import EngineFull
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64, max_waiting=4))
+    ids = eng.tokenizer.encode(PROMPTS[0])
+    for i in range(4):
+        eng.add(f"a{i}", ids, greedy(4), tenant="keyA")
+    with pytest.raises(EngineFull):
+        eng.add("a4", ids, greedy(4), tenant="keyA:salted")     # a cache_salt is the same key
+    eng.add("b0", ids, greedy(4), tenant="keyB")
+    assert eng.stats()["waiting_by_owner"] == {"keyA": {1: 4}, "keyB": {1: 1}}
+    eng.add("b1", ids, greedy(4), tenant="keyB")
+    with pytest.raises(EngineFull):                              # B holds its share now: 2 of 4 / 2
+        eng.add("b2", ids, greedy(4), tenant="keyB")

@@ -685,3 +685,27 @@ def test_interactive_work_starts_on_cpu_decode_when_every_gpu_worker_has_a_queue
                  NOW).decode_worker == "g2"                                                   # g2 has no queue
     home = SessionView(worker="g1", last=NOW)
     assert place(req("interactive", session="s1"), [queued, cpu()], NOW, session=home).decode_worker == "g1"
+
+
+def test_a_full_tier_queue_refuses_the_keys_that_fill_it_not_a_light_one():
+    """The interactive queue (limit 4) full of key A's requests: A's next is refused, key B's —
+    under its share (4 / 2 owners) — is admitted, up to twice the limit; requests routed since
+    the last heartbeat count for their key; waiting requests no heartbeat names an owner for
+    count as the asking key's."""
+    from shared.tier import fair_share
+    limits = Limits(queue={"interactive": 4, "standard": 256, "batch": 1024})
+    full = w("g1", "gpu-decode", queue=4, waiting={"interactive": 4})
+    full.beat.waiting_by_owner = {"A": {"interactive": 4}}
+    with pytest.raises(BusError) as e:
+        place(dataclasses.replace(req("interactive"), owner="A"), [full], NOW, limits=limits)
+    assert e.value.code == "overloaded" and "4 of them this API key's" in str(e.value)
+    assert place(dataclasses.replace(req("interactive"), owner="B"), [full], NOW, limits=limits).decode_worker == "g1"
+    full.routed.append(["rb", "", "interactive", NOW, "B"])               # B's, routed a moment ago
+    full.routed.append(["rb2", "", "interactive", NOW, "B"])
+    with pytest.raises(BusError):                                         # B holds its share now: 2 of 4 / 2
+        place(dataclasses.replace(req("interactive"), owner="B"), [full], NOW, limits=limits)
+    unnamed = w("g1", "gpu-decode", queue=4, waiting={"interactive": 4})   # owners not said
+    with pytest.raises(BusError):
+        place(dataclasses.replace(req("interactive"), owner="B"), [unnamed], NOW, limits=limits)
+    assert fair_share(3, 4, "A", {"A": 3}) and not fair_share(4, 4, "A", {"A": 4})
+    assert fair_share(7, 4, "B", {"A": 6, "B": 1}) and not fair_share(8, 4, "B", {"A": 8})
