@@ -613,7 +613,7 @@ async def test_a_move_counts_on_its_target_until_the_target_s_next_heartbeat():
     filled (and the source one fewer), so the next tick — before the target's next heartbeat —
     does not plan another move into the slot this one took (a probe saw 7 streams promoted onto
     a worker of 4 slots)."""
-    from services.placement import Move, homecoming
+    from services.placement import homecoming
     from services.router import Router
     from shared.schemas import MigrateReply
 
