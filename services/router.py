@@ -39,6 +39,7 @@ from services.sessions import SessionStore
 log = logging.getLogger("tandem.router")
 
 FORGET_S = 60.0          # a worker silent this long leaves the view (and the prefix index)
+MOVE_BACKOFF_S = 5.0     # no move is planned onto a worker for this long after one onto it failed
 
 
 class Router:
@@ -53,6 +54,7 @@ class Router:
         self.workers: dict[str, WorkerView] = {}
         self.sessions: dict[str, SessionView] = {}
         self.moving: set[str] = set()                # request ids being migrated now
+        self.move_failed: dict[str, float] = {}      # worker id -> when a move onto it last failed
         self.index = PrefixIndex()
         self.turn = 0                                # round-robin counter
         self.metrics_port = 0
@@ -227,13 +229,21 @@ class Router:
         so a second plan made before they run leaves them alone."""
         now = time.monotonic()
         moves = rebalance(self._view(now), self.sessions, now, self.limits, self.moving, pressure)
-        moves = [m for m in moves if session_id is None or m.session_id == session_id]
+        moves = [m for m in self._not_failing(moves, now) if session_id is None or m.session_id == session_id]
         self.moving.update(m.request_id for m in moves)
         return moves
 
+    def _not_failing(self, moves: list[Move], now: float) -> list[Move]:
+        """``moves`` less those onto a worker a move failed onto in the last ``MOVE_BACKOFF_S``
+        (unreachable, refusing: planned again a tick after that, not every tick — one warning a
+        second until its heartbeat went stale)."""
+        self.move_failed = {w: t for w, t in self.move_failed.items() if now - t < MOVE_BACKOFF_S}
+        return [m for m in moves if m.target.id not in self.move_failed]
+
     def _spawn_evacuation(self) -> None:
         """Move what stopping workers hold to others (``placement.evacuate``), whatever the policy."""
-        moves = evacuate(self._view(time.monotonic()), time.monotonic(), self.moving)
+        now = time.monotonic()
+        moves = self._not_failing(evacuate(self._view(now), now, self.moving), now)
         self.moving.update(m.request_id for m in moves)
         self._spawn(moves)
 
@@ -260,7 +270,8 @@ class Router:
         try:
             reply = await migrate(self.bus, m.source, to_target(m.request_id, m.target.beat, m.tier, m.reason,
                                                                  [v.beat for v in m.ring]))
-        except Exception as e:  # the request goes on where it was; the next tick may try again
+        except Exception as e:  # the request goes on where it was; a later tick may try again
+            self.move_failed[m.target.id] = time.monotonic()
             metrics.ROUTER_MOVES.labels(m.kind, m.strategy, "failed").inc()
             log.warning("%s: %s -> %s failed: %s", m.request_id, m.source, m.target.id, e)
             return None

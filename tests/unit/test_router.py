@@ -709,3 +709,27 @@ def test_a_full_tier_queue_refuses_the_keys_that_fill_it_not_a_light_one():
         place(dataclasses.replace(req("interactive"), owner="B"), [unnamed], NOW, limits=limits)
     assert fair_share(3, 4, "A", {"A": 3}) and not fair_share(4, 4, "A", {"A": 4})
     assert fair_share(7, 4, "B", {"A": 6, "B": 1}) and not fair_share(8, 4, "B", {"A": 8})
+
+
+async def test_a_target_a_move_failed_onto_gets_none_for_a_while():
+    """A move onto a worker fails (unreachable, refusing): no move is planned onto it for
+    MOVE_BACKOFF_S — it was tried again every tick, a warning a second, until its heartbeat
+    went stale — and afterwards it is a target again."""
+    from services.placement import homecoming
+    from services.router import MOVE_BACKOFF_S, Router
+
+    class Bus:
+        async def request(self, subject, msg, timeout=None, expected=None):
+            raise TimeoutError("no answer")
+
+    cpu = sw("c1", kv={"r1": [300, 1000, 1]}, held=[["r1", "", "interactive"]], running=1)
+    gpu = sw("g1", role="gpu-decode", free=100, ring=0)
+    now = time.monotonic()
+    cpu.seen = gpu.seen = now
+    router = Router.__new__(Router)
+    router.bus, router.moving, router.move_failed = Bus(), {"r1"}, {}
+    router.workers = {"c1": cpu, "g1": gpu}
+    assert await router._move(homecoming([cpu, gpu], now)[0]) is None
+    assert router._not_failing(homecoming([cpu, gpu], now), now) == []
+    later = now + MOVE_BACKOFF_S + 0.1
+    assert [m.target.id for m in router._not_failing(homecoming([cpu, gpu], now), later)] == ["g1"]
