@@ -54,6 +54,7 @@ def entry_path(root: str, key: str) -> str:
 class Tier(abc.ABC):
     name: str
     capacity: int              # bytes at most
+    where: str = ""            # its directory or server, for messages
 
     def __init__(self):
         self.on_evict: Callable[[str, str], None] | None = None
@@ -65,6 +66,7 @@ class Tier(abc.ABC):
         self._lock = threading.Lock()
         self.pins: Pins | None = None   # entries eviction skips while pinned (kvpool/pins.py; None: none)
         self.out_of_space = False        # the last failed write was the device's "full" (ENOSPC, EDQUOT)
+        self.last_error: Exception | None = None   # the last failed write's
 
     def _say(self, kind: str, count: int, msg: str, *args) -> None:
         """A warning that may repeat for every entry while a fault lasts: the first one, then at
@@ -103,12 +105,27 @@ class Tier(abc.ABC):
         if not self._write(key, entry):
             if not (self.out_of_space and self._make_room_on_a_full_device(len(entry))
                     and self._write(key, entry)):
+                self._write_failed(key)
                 return False
         with self._lock:
             if key not in self._index:
                 self._index[key] = len(entry)
                 self.used += len(entry)
         return True
+
+    def _write_failed(self, key: str) -> None:
+        """A put that did not store ``key`` (after room was made, where the device was full):
+        counted (tandem_pool_write_errors_total), and said — the first, then once a minute with
+        the count, each kind on its own (a full device does not hide a read-only one)."""
+        self.write_errors += 1
+        e = self.last_error
+        if self.out_of_space:
+            self._say("full", self.write_errors, "%s tier %s is full: entry %s not stored (serving goes on; "
+                      "%d write(s) failed so far)", self.name, self.where, key[:16], self.write_errors)
+        else:
+            self._say(f"write {getattr(e, 'errno', '')}", self.write_errors, "%s tier %s: cannot store %s: %s "
+                      "(serving goes on; %d write(s) failed so far)", self.name, self.where, key[:16], e,
+                      self.write_errors)
 
     def _make_room_on_a_full_device(self, nbytes: int) -> bool:
         """The device said it is full (``out_of_space``) before the tier reached its capacity (a
@@ -278,7 +295,7 @@ class DirTier(Tier):
     def __init__(self, root: str, capacity: int, name: str = "disk", shared: bool = False):
         super().__init__()
         self.name, self.capacity, self.shared = name, capacity, shared
-        self.root = os.path.abspath(root)
+        self.root = self.where = os.path.abspath(root)
         self._index: OrderedDict[str, int] = OrderedDict()   # key -> file size, LRU first
         # every tenant's KV is in here: the service's user's alone (files 0600, directories 0700;
         # every copy sharing the directory runs as that user: the image's, uid 999). A root made
@@ -370,19 +387,11 @@ class DirTier(Tier):
             finally:
                 os.close(fd)
             os.replace(tmp, p)   # atomic: readers see the old state or the whole entry
-        except OSError as e:
+        except OSError as e:   # (counted and said by ``put`` once it gives up: ``_write_failed``)
             if fd is not None:    # (no temp file to remove when it was never created)
                 _unlink(tmp)
-            self.write_errors += 1
             self.out_of_space = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            # a directory that refuses every write would say so a chunk at a time (26 lines for one
-            # prompt): the first, then once a minute with the count (tandem_pool_write_errors_total)
-            if self.out_of_space:
-                self._say("write", self.write_errors, "%s tier %s is full: entry %s not stored (serving goes on; "
-                          "%d write(s) failed so far)", self.name, self.root, key[:16], self.write_errors)
-            else:
-                self._say("write", self.write_errors, "%s tier: cannot write %s: %s (serving goes on; %d write(s) "
-                          "failed so far)", self.name, p, e, self.write_errors)
+            self.last_error = e
             return False
         self.out_of_space = False
         return True
@@ -475,9 +484,8 @@ class RedisTier(Tier):
     def _write(self, key: str, entry: bytes) -> bool:
         try:
             self.client.set(self.rkey(key), entry)
-        except self._errors as e:
-            self.write_errors += 1
-            log.warning("%s tier %s: cannot store %s: %s (serving goes on)", self.name, self.where, key[:16], e)
+        except self._errors as e:   # (counted and said by ``put``: ``_write_failed``)
+            self.out_of_space, self.last_error = False, e
             return False
         return True
 
