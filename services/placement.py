@@ -12,7 +12,7 @@ router's own count of requests it sent each worker since that worker's last hear
 Policies:
 - ``sla``: the tier picks the pool (interactive -> gpu-decode, standard and batch -> cpu-decode;
   each falls back to the other pool when its own has no open worker; interactive work starts on
-  a cpu-decode worker with a free slot when every gpu-decode worker has interactive work queued
+  a cpu-decode worker with a free slot when no gpu-decode worker has a slot for it
   (``homecoming`` moves it back once one has room); standard and batch
   overflow to the GPU pool when every CPU worker is ``OVERFLOW`` requests busier and the GPU has
   no interactive work waiting (never to a gpu-decode worker whose engine runs on the host's CPU:
@@ -50,6 +50,7 @@ gpu-decode worker once one has room.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -75,7 +76,7 @@ POOLS = {
 }
 POOL = "pool"            # the KV pool's key in the overlap map
 CONTEXTS = 4             # a session's recent turns whose prompts the router remembers (SessionView.turn)
-HOME_MIN_TOKENS = 32     # an interactive request off the GPU pool goes back with at least this many tokens left
+HOME_MIN_TOKENS = 64     # an interactive request off the GPU pool goes back with at least this many tokens left
 
 
 @dataclass
@@ -141,6 +142,13 @@ class WorkerView:
         routed here since; False when it does not say its slots."""
         b = self.beat
         return bool(b.max_running) and b.running + b.queue_depth + len(self.routed) < b.max_running
+
+    def full_for(self, tier: str) -> bool:
+        """No slot for a request of ``tier`` now: one of that tier waits here already, or every
+        slot is taken (it says its slots) and nothing it holds is of a worse tier — which its
+        scheduler would preempt for it."""
+        return bool(self.waiting(tier)) or (bool(self.beat.max_running) and not self.has_free_slot()
+                                             and not self.holds_worse_than(tier))
 
     def holds_worse_than(self, tier: str) -> bool:
         """Holds (or was just sent) a request of a worse tier than ``tier``: a prompt of ``tier``
@@ -241,6 +249,7 @@ class Move:
     tier: str
     reason: str
     ring: list[WorkerView] = field(default_factory=list)
+    tokens: int = 0               # its KV now (tokens), where the plan knew (it takes that much room)
 
     @property
     def kind(self) -> str:
@@ -302,10 +311,10 @@ def _choose_pool(tier: str, decoders: list[WorkerView], home: WorkerView | None 
     if not own:
         return other, f"{tier} -> {second} ({first} pool empty)"
     if tier == Tier.INTERACTIVE and other and (home is None or home.role != first) \
-            and all(w.waiting(tier) for w in own):
-        # every GPU worker has interactive work queued already: start it now where a slot is free
-        # (``homecoming`` moves it to the GPU pool once a worker there has room), not at the end of
-        # that queue — a probe saw 4 of 8 interactive streams wait 18 s while cpu-decode sat idle
+            and all(w.full_for(tier) for w in own):
+        # no GPU worker has a slot for it now: start it where one is free (``homecoming`` moves it
+        # to the GPU pool once a worker there has room), not at the end of a queue — a probe saw 4
+        # of 8 interactive streams wait 18 s while cpu-decode sat idle
         free = [w for w in other if w.has_free_slot() and not w.waiting(tier)]
         if free:
             return free, f"{tier} -> {second} (every {first} worker has {tier} work waiting; back when one has room)"
@@ -710,8 +719,28 @@ def evacuate(workers: list[WorkerView], now: float, moving: set[str] = frozenset
                 continue
             t = min(pool, key=lambda v: (load(v), -room(v), v.id))
             taken[t.id] = taken.get(t.id, 0) + has
-            moves.append(Move(r.request_id, r.session_id, w.id, t, r.tier, f"evacuate: {w.id} is stopping"))
+            moves.append(Move(r.request_id, r.session_id, w.id, t, r.tier, f"evacuate: {w.id} is stopping",
+                              tokens=has))
     return moves
+
+
+def with_moves(views: list[WorkerView], moves: list[Move], now: float) -> list[WorkerView]:
+    """``views`` with each move under way (``moves``) counted on its target as a request routed
+    there — a sequence slot, its KV — until the target's heartbeat lists it: a move takes 0.4–2 s,
+    the router plans every interval, and the next plan saw the room the first was filling (a
+    worker of 4 slots ran 5 for half a second)."""
+    out = []
+    for v in views:
+        listed = {r.request_id for r in v.beat.requests}
+        mine = [m for m in moves if m.target.id == v.id and m.request_id not in listed]
+        if mine:
+            bt = v.beat.kv_block_tokens
+            blocks = sum(-(-m.tokens // bt) for m in mine) if bt else 0
+            v = WorkerView(dataclasses.replace(v.beat, free_kv_blocks=max(0, v.beat.free_kv_blocks - blocks)),
+                           v.seen, [*v.routed, *([m.request_id, m.session_id, m.tier, now, ""] for m in mine)],
+                           v.since)
+        out.append(v)
+    return out
 
 
 def homecoming(workers: list[WorkerView], now: float, moving: set[str] = frozenset(),
@@ -758,7 +787,8 @@ def homecoming(workers: list[WorkerView], now: float, moving: set[str] = frozens
         n, kv = taken.get(t.id, [0, 0])
         taken[t.id] = [n + 1, kv + has]
         moves.append(Move(rid, r.session_id, w.id, t, r.tier,
-                          f"promote: {rid} is interactive and {t.id} has room again ({end - has} tokens left)"))
+                          f"promote: {rid} is interactive and {t.id} has room again ({end - has} tokens left)",
+                          tokens=has))
     return moves
 
 

@@ -32,7 +32,7 @@ from shared.settings import Settings
 from shared.tier import Tier
 from services.migrate import migrate, to_target
 from services.placement import (POOL, Limits, Move, SessionView, WorkerView, context_digest, decide, evacuate,
-                                rebalance, session_held)
+                                rebalance, session_held, with_moves)
 from services.prefix_index import IndexFeed, PrefixIndex
 from services.sessions import SessionStore
 
@@ -54,6 +54,7 @@ class Router:
         self.workers: dict[str, WorkerView] = {}
         self.sessions: dict[str, SessionView] = {}
         self.moving: set[str] = set()                # request ids being migrated now
+        self.under_way: dict[str, Move] = {}         # ... their moves (counted on their targets)
         self.move_failed: dict[str, float] = {}      # worker id -> when a move onto it last failed
         self.index = PrefixIndex()
         self.turn = 0                                # round-robin counter
@@ -228,10 +229,15 @@ class Router:
         """Moves to make now (of ``session_id``'s requests, or all); they count as moving at once,
         so a second plan made before they run leaves them alone."""
         now = time.monotonic()
-        moves = rebalance(self._view(now), self.sessions, now, self.limits, self.moving, pressure)
+        moves = rebalance(self._move_view(now), self.sessions, now, self.limits, self.moving, pressure)
         moves = [m for m in self._not_failing(moves, now) if session_id is None or m.session_id == session_id]
         self.moving.update(m.request_id for m in moves)
+        self.under_way.update((m.request_id, m) for m in moves)
         return moves
+
+    def _move_view(self, now: float) -> list[WorkerView]:
+        """The view moves are planned on: the moves under way counted on their targets."""
+        return with_moves(self._view(now), list(self.under_way.values()), now)
 
     def _not_failing(self, moves: list[Move], now: float) -> list[Move]:
         """``moves`` less those onto a worker a move failed onto in the last ``MOVE_BACKOFF_S``
@@ -243,8 +249,9 @@ class Router:
     def _spawn_evacuation(self) -> None:
         """Move what stopping workers hold to others (``placement.evacuate``), whatever the policy."""
         now = time.monotonic()
-        moves = self._not_failing(evacuate(self._view(now), now, self.moving), now)
+        moves = self._not_failing(evacuate(self._move_view(now), now, self.moving), now)
         self.moving.update(m.request_id for m in moves)
+        self.under_way.update((m.request_id, m) for m in moves)
         self._spawn(moves)
 
     def _spawn_moves(self, session_id: str | None, pressure: bool) -> None:
@@ -265,6 +272,7 @@ class Router:
         target = self.workers.get(m.target.id)
         if target is None or not target.alive(t0):   # not ready since the plan (stopping, gone): plan again
             self.moving.discard(m.request_id)
+            self.under_way.pop(m.request_id, None)
             log.info("%s: not moved to %s, which is not ready any more", m.request_id, m.target.id)
             return None
         try:
@@ -277,6 +285,7 @@ class Router:
             return None
         finally:
             self.moving.discard(m.request_id)
+            self.under_way.pop(m.request_id, None)
         src = self.workers.get(m.source)
         kv = None
         if src is not None:  # until the next heartbeats say so

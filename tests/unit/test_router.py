@@ -633,6 +633,7 @@ async def test_a_move_counts_on_its_target_until_the_target_s_next_heartbeat():
         v.seen = now
     assert [m.request_id for m in homecoming([cpu, gpu], now)] == ["r1"]        # one slot free
     router = Router.__new__(Router)
+    router.under_way = {}
     router.bus, router.moving, router.sessions, router.store = Bus(), {"r1"}, {}, None
     router.worker_id, router.workers = "router-1", {"c1": cpu, "g1": gpu}
     router._apply = lambda plan, now: None
@@ -659,6 +660,7 @@ async def test_a_move_whose_target_stopped_since_the_plan_is_not_tried():
             raise AssertionError("no move should be sent")
 
     router = Router.__new__(Router)
+    router.under_way = {}
     router.bus, router.moving = Bus(), {"r1"}
     target = sw("c2")
     router.workers = {"c2": draining(sw("c2"))}
@@ -727,9 +729,60 @@ async def test_a_target_a_move_failed_onto_gets_none_for_a_while():
     now = time.monotonic()
     cpu.seen = gpu.seen = now
     router = Router.__new__(Router)
+    router.under_way = {}
     router.bus, router.moving, router.move_failed = Bus(), {"r1"}, {}
     router.workers = {"c1": cpu, "g1": gpu}
     assert await router._move(homecoming([cpu, gpu], now)[0]) is None
     assert router._not_failing(homecoming([cpu, gpu], now), now) == []
     later = now + MOVE_BACKOFF_S + 0.1
     assert [m.target.id for m in router._not_failing(homecoming([cpu, gpu], now), later)] == ["g1"]
+
+
+def test_moves_under_way_count_on_their_targets_until_listed():
+    """A move takes 0.4–2 s and the router plans every interval: a move under way counts on its
+    target as a request routed there (a slot, its KV) until the target's heartbeat lists it —
+    the next plan saw the room the first was filling (a 4-slot worker ran 5)."""
+    from services.placement import Move, homecoming, with_moves
+    cpu = sw("c1", kv={"r1": [300, 1000, 1], "r2": [300, 1000, 1]},
+             held=[["r1", "", "interactive"], ["r2", "", "interactive"]], running=2)
+    gpu = sw("g1", role="gpu-decode", free=100, running=1, ring=0)
+    gpu.beat.max_running = 2
+    first = homecoming([cpu, gpu], NOW)
+    assert [m.request_id for m in first] == ["r1"] and first[0].tokens == 300
+    views = with_moves([cpu, gpu], first, NOW)
+    g = next(v for v in views if v.id == "g1")
+    assert len(g.routed) == 1 and g.beat.free_kv_blocks == 100 - 19 and gpu.beat.free_kv_blocks == 100
+    assert homecoming(views, NOW, moving={"r1"}) == []                 # the slot is the move's
+    gpu.beat.requests = [InFlight("r1", "", "interactive")]             # listed: counted by the beat
+    assert len(next(v for v in with_moves([cpu, gpu], first, NOW) if v.id == "g1").routed) == 0
+    assert isinstance(first[0], Move)
+
+
+def test_an_interactive_request_starts_on_cpu_decode_when_the_gpu_slots_are_all_taken():
+    """Every GPU slot taken by interactive work (no queue yet): the next interactive request
+    starts on a free cpu-decode slot — the first one past the slots waited a whole stream there —
+    but not while the GPU holds worse-tier work (its scheduler preempts that for it)."""
+    cpu = w("c1", "cpu-decode")
+    cpu.beat.max_running = 4
+    full = w("g1", "gpu-decode", device="cuda:0", running=2, requests=[("a", "", "interactive"), ("b", "", "interactive")])
+    full.beat.max_running = 2
+    assert place(req("interactive"), [full, cpu], NOW).decode_worker == "c1"
+    guests = w("g1", "gpu-decode", device="cuda:0", running=2, requests=[("a", "", "interactive"), ("b", "", "batch")])
+    guests.beat.max_running = 2
+    assert place(req("interactive"), [guests, cpu], NOW).decode_worker == "g1"
+
+
+def test_the_router_plans_no_second_move_into_a_slot_a_move_under_way_fills():
+    from services.router import Router
+    cpu = sw("c1", kv={"r1": [300, 1000, 1], "r2": [300, 1000, 1]},
+             held=[["r1", "", "interactive"], ["r2", "", "interactive"]], running=2)
+    gpu = sw("g1", role="gpu-decode", free=100, running=1, ring=0)
+    gpu.beat.max_running = 2
+    router = Router.__new__(Router)
+    router.under_way, router.moving, router.move_failed, router.sessions = {}, set(), {}, {}
+    router.workers, router.limits = {"c1": cpu, "g1": gpu}, Limits()
+    router.started, router._swept = time.monotonic(), False
+    for v in (cpu, gpu):
+        v.seen = time.monotonic()
+    assert [m.request_id for m in router._plan_moves(None, pressure=True)] == ["r1"]
+    assert router._plan_moves(None, pressure=True) == [] and set(router.under_way) == {"r1"}
