@@ -36,6 +36,7 @@ from shared.kv_events import KVEventPublisher
 from shared.schemas import PoolGet, PoolGetReply, PoolLookup, PoolLookupReply, PoolPut, PoolPutReply
 from shared.settings import Settings
 from shared.transfer import ChecksumError, make_transport
+from shared.transfer.base import TransferError
 
 log = logging.getLogger("tandem.kvpool")
 
@@ -114,8 +115,11 @@ class PoolService:
         entries = await asyncio.to_thread(self._read, keys)
         if not entries:
             return PoolGetReply(found=0)
-        res = await send_and_report(self.bus, self.sender, self.pool_id, req.host, req.port, req.transfer_id,
-                                    pack_entries(entries), compressible=False)
+        try:
+            res = await send_and_report(self.bus, self.sender, self.pool_id, req.host, req.port, req.transfer_id,
+                                        pack_entries(entries), compressible=False)
+        except TransferError as e:   # a coded answer (the worker computes the prefix), not an internal error
+            raise BusError("unavailable", f"the entries could not be sent to {req.host}:{req.port}: {e}") from None
         return PoolGetReply(found=len(entries), nbytes=res.nbytes, path=res.path, checksum=res.checksum)
 
     def _read(self, keys: list[str]) -> list[bytes]:

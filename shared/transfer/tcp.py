@@ -226,7 +226,10 @@ class TcpKVSender(KVSender):
         except OSError as e:
             raise PeerUnavailable(f"cannot resolve {host}: {e}", transfer_id) from None
         family, type_, proto, _, addr = infos[0]
-        sock = socket.socket(family, type_, proto)
+        try:
+            sock = socket.socket(family, type_, proto)
+        except OSError as e:   # this process's own limit (EMFILE, ENOBUFS): not the peer's fault
+            raise TransferError(f"cannot open a socket to {host}:{port}: {e.strerror or e}", transfer_id) from None
         try:
             tune(sock)
             async with asyncio.timeout(self.connect_timeout):

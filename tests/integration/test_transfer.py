@@ -686,3 +686,17 @@ async def test_compressed_frames_take_their_buffers_from_the_budget():
     finally:
         await tx.close()
         await r.close()
+
+
+async def test_no_socket_left_in_this_process_is_a_transfer_error_not_a_crash(monkeypatch):
+    """EMFILE when the sender opens its socket (this process's own limit: the peer is fine) is a
+    TransferError — not a PeerUnavailable (the peer is not to blame), not a raw OSError (the KV
+    pool's get handler logged it as an internal error with a traceback)."""
+    from shared.transfer import tcp
+
+    def no_fd(*a, **k):
+        raise OSError(24, "Too many open files")
+    monkeypatch.setattr(tcp.socket, "socket", no_fd)
+    with pytest.raises(TransferError, match="Too many open files") as e:
+        await TcpKVSender(timeout=1.0).send("127.0.0.1", 9, "t-emfile", b"x" * 10)
+    assert not isinstance(e.value, PeerUnavailable)
