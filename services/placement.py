@@ -317,7 +317,7 @@ def _choose_pool(tier: str, decoders: list[WorkerView], home: WorkerView | None 
         # of 8 interactive streams wait 18 s while cpu-decode sat idle
         free = [w for w in other if w.has_free_slot() and not w.waiting(tier)]
         if free:
-            return free, f"{tier} -> {second} (every {first} worker has {tier} work waiting; back when one has room)"
+            return free, f"{tier} -> {second} (no {first} worker has a slot for it now; back when one has room)"
     if tier != Tier.INTERACTIVE and other and not any(w.waiting(Tier.INTERACTIVE) for w in other):
         best_own = min(w.load() for w in own)
         if home is not None and home.role == second and home.load() <= best_own + AFFINITY_SLACK:

@@ -164,6 +164,9 @@ class TcpKVSender(KVSender):
         if mode == "shm" and isinstance(done[-1], BaseException) and isinstance(done[0], str):
             shm_unlink(done[0])
         for r in done:
+            if isinstance(r, OSError):   # no room in /dev/shm, a file-size limit, no fd left: this
+                # process's own, and a path the sender moves past (send: the next path) — not a crash
+                raise TransferError(f"could not prepare the {mode} frame: {r.strerror or r}")
             if isinstance(r, BaseException):
                 raise r
         if checksum is None:

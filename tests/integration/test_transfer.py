@@ -523,6 +523,25 @@ async def test_selector_uses_shm_on_same_host_and_retries_on_tcp(rx, monkeypatch
     assert _shm_files() == before  # the failed attempt's segment was removed
 
 
+async def test_a_segment_the_sender_cannot_write_goes_over_tcp(rx, monkeypatch):
+    """/dev/shm full, a file-size limit, no descriptor left: writing the segment is this sender's
+    own failure — a TransferError, and the next path (a raw OSError reached the KV pool's get
+    handler as an internal error with a traceback, and nothing went on TCP)."""
+    from shared.transfer import DataPlaneSender, tcp
+    sender = DataPlaneSender(TcpKVSender(timeout=5.0))
+    host, port = rx.address
+
+    def full(view):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tcp, "shm_write", full)
+    payload = os.urandom(MiB)
+    res, got = await asyncio.gather(sender.send(host, port, "c", payload), rx.take("c", 10))
+    with got:
+        assert res.path == "tcp" and res.attempts == 2 and bytes(got.data) == payload
+    with pytest.raises(TransferError, match="No space left"):
+        await TcpKVSender(timeout=5.0).send(host, port, "d", payload, mode="shm")
+
+
 async def test_selector_probes_a_link_without_reported_speed(rx, monkeypatch):
     from shared.transfer import DataPlaneSender
     sender = DataPlaneSender(TcpKVSender(timeout=5.0), probe_bytes=MiB)
