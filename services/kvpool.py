@@ -151,10 +151,13 @@ class PoolService:
         finally:
             self._putting -= 1
             self._last_seen = time.monotonic()
-            if keys and (times := self._announced.get(keys[0])):
+            # the key its lookup announced: the first it lacked — the put's first, or a later one
+            # when the writer puts entries it could not use again before it (``PoolPut.replace``)
+            first = next((k for k in keys if k in self._announced), None)
+            if first is not None and (times := self._announced[first]):
                 times.pop(0)
                 if not times:
-                    del self._announced[keys[0]]
+                    del self._announced[first]
         self.stored += stored
         return PoolPutReply(stored=stored)
 

@@ -378,3 +378,16 @@ async def test_entries_of_an_old_secret_are_written_again_under_the_new_one(nats
         assert tokens == prompt[:96] and bytes(got) == kv and b.forged == 1
         assert len(pool.pool.tiers[0]) == 3 and pool.pool.tiers[0].used == sum(
             len(e) for e in (pool.pool.tiers[0].get(k) for k in b.keys(prompt[:96])))
+
+
+async def test_a_write_back_that_puts_entries_again_ends_its_announcement(nats_server, tmp_path):
+    """Two chunks of an old secret held, the third missing: the write-back's lookup announces the
+    third, and its put starts at the first (put again): the pool ends the announcement all the
+    same — a lingering one held a stopping pool for TANDEM_POOL_DRAIN_S."""
+    prompt, kv = list(range(100)), kv_for(96)
+    async with pool_and_client(settings(nats_server, tmp_path, key="before"), "worker-old") as (_, a, _bus):
+        assert await a.store(prompt[:64], kv[:64 * LAYOUT.token_bytes]) == 2
+    async with pool_and_client(settings(nats_server, tmp_path, key="after"), "worker-new") as (pool, b, _bus):
+        assert await b.fetch_prefix(prompt) is None and len(b.refused) == 1
+        assert await b.store(prompt[:96], kv) == 3
+        assert pool._waiting_for() == 0
