@@ -38,6 +38,7 @@ from shared.engine.kv_cache import KVBlobHeader
 from shared.ring import RingConnector
 from shared.schemas import ERROR_STATUS, DecodeRequest, GenerateRequest, MigrateReply, MigrateRequest
 from shared.settings import Settings
+from shared.tier import Tier
 from shared.transfer import TransferError
 from services.worker import EngineWorker, Request, State, priority_of, sampling_from
 
@@ -110,16 +111,17 @@ class DecodeWorker(EngineWorker):
         """Move a decoding request to ``req.target_worker``; the reply says where its stream goes on.
         Coded errors: not_found (not here), forbidden (the target address is not the data plane of
         ``req.target_worker``, live: nothing moves), unavailable (not between decode steps yet, or
-        already moving: retry), or the failed step's code (the request then goes on here)."""
+        already moving: retry), or the failed step's code (the request then goes on here). A
+        target that is this worker re-tiers the request in place (``_retier``)."""
         rid = req.request_id
-        await self.kv.peers.check(req.target_data_host, req.target_data_port, req.target_worker, f"the KV of {rid}")
         rec = self.requests.get(rid)
         if rec is None or not rec.live or rec.task is None:
             raise BusError("not_found", f"{self.worker_id} holds no request {rid!r}")
         if rec.state in (State.MOVING, State.HELD):
             raise BusError("unavailable", f"request {rid} is already moving; retry")
-        if req.target_worker == self.worker_id:
-            raise BusError("bad_request", f"request {rid} already runs on {self.worker_id}")
+        if req.target_worker == self.worker_id:   # its session's tier changed, its pool did not
+            return await self._retier(req, rec)
+        await self.kv.peers.check(req.target_data_host, req.target_data_port, req.target_worker, f"the KV of {rid}")
         if any(p.worker == self.worker_id for p in req.ring):   # its blocks here are held until the move ends
             raise BusError("bad_request", f"{self.worker_id} cannot be a member of the ring {rid} spreads onto")
         if req.ring and req.ring[0].worker != req.target_worker:
@@ -130,6 +132,18 @@ class DecodeWorker(EngineWorker):
         finally:   # moved (handed_to says where), aborted meanwhile, or going on here (_stay)
             if rec.state in (State.MOVING, State.HELD):
                 rec.state = State.RUNNING if rec.task is not None else State.DONE
+
+    async def _retier(self, req: MigrateRequest, rec: Request) -> MigrateReply:
+        """A "move" onto this worker: the request runs at ``req.tier`` from its next step, here
+        (its priority in the engine's queue and preemption, its heartbeat's tier)."""
+        try:
+            await self.engine.set_priority(req.request_id, Tier.parse(req.tier).priority)
+        except KeyError:
+            raise BusError("not_found", f"request {req.request_id} is no longer in {self.worker_id}'s engine") from None
+        rec.tier = req.tier
+        log.info("%s runs at tier %s here from now on (%s)", req.request_id, req.tier, req.reason)
+        return MigrateReply(request_id=req.request_id, source=self.worker_id, target=self.worker_id, next_seq=0,
+                            num_tokens=0, nbytes=0, seconds=0.0, path="in place")
 
     async def _move(self, req: MigrateRequest, held: Request, task: asyncio.Task) -> MigrateReply:
         rid, target = req.request_id, req.target_worker

@@ -253,7 +253,8 @@ class Move:
 
     @property
     def kind(self) -> str:
-        """promote, demote or spread (the reason's first word)."""
+        """promote, demote, evacuate, spread or retier (in place: ``source`` is the target) — the
+        reason's first word."""
         return self.reason.split(":", 1)[0]
 
     @property
@@ -823,7 +824,8 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
             if rid in moving or s is None or s.tier is None or s.tier == tier:
                 continue  # only a tier change moves a request (overflow placements stay put)
             want = POOLS[s.tier][0]
-            if w.role == want:
+            if w.role == want:   # the pool fits: it runs at the new tier where it is
+                moves.append(Move(rid, sid, w.id, w, s.tier, f"retier: session {sid} is {s.tier}"))
                 continue
             t = target(want)
             if t is not None:

@@ -286,6 +286,14 @@ class Router:
         finally:
             self.moving.discard(m.request_id)
             self.under_way.pop(m.request_id, None)
+        if m.source == m.target.id:   # re-tiered in place: the views say its tier until the next beat
+            for view in {id(m.target): m.target, id(target): target}.values():
+                view.beat.requests = [InFlight(r.request_id, r.session_id, m.tier) if r.request_id == m.request_id
+                                      else r for r in view.beat.requests]
+            metrics.ROUTER_MOVES.labels(m.kind, m.strategy, "ok").inc()
+            log.info("%s: %s (in place on %s)", m.request_id, m.reason, m.source)
+            return {"request_id": m.request_id, "source": m.source, "target": m.source, "next_seq": 0,
+                    "num_tokens": 0, "seconds": reply.seconds}
         src = self.workers.get(m.source)
         kv = None
         if src is not None:  # until the next heartbeats say so

@@ -257,6 +257,9 @@ class AsyncEngine:
         """``Engine.warm_up`` on the engine's thread (its kernel thread team is that thread's)."""
         return await self._call(self.engine.warm_up)
 
+    async def set_priority(self, request_id: str, priority: int) -> None:
+        await self._call(lambda: self.engine.set_priority(request_id, priority))
+
     async def cached_prefix_tokens(self, token_ids: list[int], tenant: str = "") -> int:
         return await self._call(lambda: self.engine.cached_prefix_tokens(token_ids, tenant))
 

@@ -658,6 +658,22 @@ class Engine(KVHandoff):
             out.recomputed_tokens = seq.num_tokens - 1 - seq.resume_reused
         return out
 
+    def set_priority(self, request_id: str, priority: int) -> None:
+        """Run a request at another priority from its next step (its session's tier changed and
+        its pool did not): a waiting one takes its place in the new tier's queue (fair share
+        included), a running one is preempted and preempts as the new tier. KeyError: unknown."""
+        seq = self.seqs[request_id]
+        if seq.priority == priority:
+            return
+        waiting = seq in self.scheduler.waiting
+        if waiting:
+            self.scheduler.waiting.remove(seq)
+        seq.priority, seq.fair_tag = priority, None
+        if waiting:
+            self.scheduler.add(seq)
+        elif seq.status is Status.RUNNING:
+            self.scheduler.retag(seq)
+
     def cached_prefix_tokens(self, token_ids: list[int], tenant: str = "") -> int:
         """How many leading tokens of ``token_ids`` this engine's prefix cache holds now for ``tenant``."""
         return len(self.blocks.match_prefix(token_ids, len(token_ids), tenant_salt(tenant))) * self.layout.block_size

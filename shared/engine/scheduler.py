@@ -96,6 +96,11 @@ class Scheduler:
         if seq.fair_tag:
             self.fair_time[seq.priority] = max(self.fair_time.get(seq.priority, 0), seq.fair_tag)
 
+    def retag(self, seq: Sequence) -> None:
+        """A running sequence now of another tier (``Engine.set_priority``): its tag in that tier."""
+        self._tag(seq)
+        self._started(seq)
+
     def add(self, seq: Sequence) -> None:
         self._tag(seq)
         seq.status = Status.WAITING

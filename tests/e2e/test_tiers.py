@@ -86,6 +86,26 @@ def test_session_promoted_and_demoted_mid_stream(stack, client, model):
     assert moves[0]["tier"] == "interactive" and moves[1]["tier"] == "batch"
 
 
+def test_a_session_set_to_batch_on_its_own_pool_runs_at_batch_where_it_is(stack, client, model):
+    """A standard session set to batch mid-stream: its pool (cpu-decode) is batch's too, so it
+    does not move — it runs on at the batch tier there (its engine's priority, the heartbeat's
+    tier): the update names it as moved in place, and the text is the undisturbed run's. It
+    kept the standard tier there before (preempting and queueing as standard)."""
+    want, _ = stream_text(client, model, "standard", max_tokens=128)
+    moves = []
+
+    def on_chunk(n):
+        if n == 2:
+            r = httpx.post(f"{stack.url}/v1/sessions/agent-retier", json={"tier": "batch"}, timeout=60)
+            assert r.status_code == 200, r.text
+            moves.append(r.json())
+    got, _ = stream_text(client, model, "standard", "agent-retier", on_chunk, max_tokens=128)
+    assert got == want
+    [moved] = moves[0]["moved"]
+    assert moved["source"] == moved["target"] and moved["source"].startswith("cpu-decode"), moves
+    assert "runs at tier batch here" in stack.tail(400)
+
+
 def test_interactive_is_served_during_a_batch_flood(stack, model):
     """Three batch requests decoding in the engines (each has streamed its first token): an
     interactive request that arrives then gets its first token while every batch request is

@@ -641,3 +641,22 @@ def test_a_full_engine_queue_still_takes_a_light_key_s_request(bundled_model):
     eng.add("b1", ids, greedy(4), tenant="keyB")
     with pytest.raises(EngineFull):                              # B holds its share now: 2 of 4 / 2
         eng.add("b2", ids, greedy(4), tenant="keyB")
+
+
+def test_a_request_re_tiered_in_place_runs_at_its_new_priority(bundled_model):
+    """``set_priority`` (a session's tier changed, its pool did not): a waiting request takes its
+    place in the new tier's queue; a running one keeps running, at the new priority."""
+    eng = Engine(bundled_model, EngineConfig(num_kv_blocks=64, max_num_seqs=1))
+    ids = eng.tokenizer.encode(PROMPTS[0])
+    for rid in ("a", "b", "c"):
+        eng.add(rid, ids, greedy(4), priority=1)
+    eng.step()                                           # a runs; b, c wait
+    assert [s.request_id for s in eng.scheduler.waiting] == ["b", "c"]
+    eng.set_priority("c", 0)
+    assert [s.request_id for s in eng.scheduler.waiting] == ["c", "b"] and eng.seqs["c"].priority == 0
+    eng.set_priority("a", 2)
+    assert eng.seqs["a"].priority == 2 and eng.seqs["a"].fair_tag
+    eng.step()                                           # c (interactive) preempts a (batch now)
+    assert [s.request_id for s in eng.scheduler.running] == ["c"]
+    with pytest.raises(KeyError):
+        eng.set_priority("nope", 0)

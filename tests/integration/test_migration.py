@@ -236,9 +236,9 @@ async def test_bad_moves_get_coded_errors(workers, reference):
     with pytest.raises(RemoteError) as e:
         await migrate(bus, gpu.worker_id, move(rid, cpu))
     assert e.value.code == "unavailable" and "not decoding yet" in e.value.message
-    with pytest.raises(RemoteError) as e:  # the request's own worker is no target
-        await migrate(bus, gpu.worker_id, move(rid, gpu))
-    assert e.value.code == "bad_request"
+    same = await migrate(bus, gpu.worker_id, move(rid, gpu, "batch"))   # onto its own worker: re-tiered there
+    assert (same.source, same.target, same.path, same.num_tokens) == (gpu.worker_id, gpu.worker_id, "in place", 0)
+    assert gpu.requests[rid].tier == "batch" and gpu.engine.engine.seqs[rid].priority == 2
     before = migrations(subjects.GPU_DECODE, subjects.CPU_DECODE, "failed")
     elsewhere = move(rid, cpu)   # its KV to an address no live worker's heartbeat names: refused
     elsewhere.target_data_port = free_port()

@@ -603,7 +603,9 @@ def test_interactive_requests_on_cpu_decode_go_back_to_a_gpu_worker_with_room():
     assert rebalance([cpu, gpu], {}, NOW, pressure=False) == []
     # a session set to a worse tier since its request was placed: the override is its tier now
     assert [m.request_id for m in homecoming([cpu, gpu], NOW, sessions={"s1": SessionView(tier="standard")})] == ["ra"]
-    assert [m.request_id for m in rebalance([cpu, gpu], {"s1": SessionView(tier="standard", last=NOW)}, NOW)] == ["ra"]
+    moves = rebalance([cpu, gpu], {"s1": SessionView(tier="standard", last=NOW)}, NOW)
+    assert [(m.request_id, m.kind, m.target.id, m.tier) for m in moves] == [
+        ("ri", "retier", "c1", "standard"), ("ra", "promote", "g1", "interactive")]   # ri: at its new tier, there
     assert [m.request_id for m in homecoming([cpu, gpu], NOW, sessions={"s1": SessionView(tier="interactive")})] == [
         "ri", "ra"]
 
@@ -786,3 +788,33 @@ def test_the_router_plans_no_second_move_into_a_slot_a_move_under_way_fills():
         v.seen = time.monotonic()
     assert [m.request_id for m in router._plan_moves(None, pressure=True)] == ["r1"]
     assert router._plan_moves(None, pressure=True) == [] and set(router.under_way) == {"r1"}
+
+
+def test_a_tier_change_whose_pool_fits_retiers_the_request_where_it_runs():
+    """A session set to batch whose standard request runs on cpu-decode — the pool batch wants —
+    was not touched: it kept its old tier in that engine (its priority, its preemption) and in
+    the heartbeat. Now a move onto its own worker re-tiers it in place."""
+    workers = [w("c1", "cpu-decode", requests=[("r1", "s1", "standard")]), GPU]
+    moves = rebalance(workers, {"s1": SessionView(tier="batch", last=NOW)}, NOW)
+    assert [(m.request_id, m.source, m.target.id, m.tier, m.kind) for m in moves] == [
+        ("r1", "c1", "c1", "batch", "retier")]
+    assert rebalance(workers, {"s1": SessionView(tier="standard", last=NOW)}, NOW) == []
+
+
+async def test_a_retier_in_place_updates_the_router_s_view_only_in_its_tier():
+    from services.placement import Move
+    from services.router import Router
+    from shared.schemas import MigrateReply
+
+    class Bus:
+        async def request(self, subject, msg, timeout=None, expected=None):
+            assert msg.target_worker == "c1"
+            return MigrateReply(msg.request_id, "c1", "c1", 0, 0, 0, 0.0, "in place")
+
+    cpu = w("c1", "cpu-decode", running=1, requests=[("r1", "s1", "standard")])
+    cpu.seen = time.monotonic()
+    router = Router.__new__(Router)
+    router.bus, router.moving, router.under_way, router.move_failed = Bus(), {"r1"}, {}, {}
+    router.workers = {"c1": cpu}
+    done = await router._move(Move("r1", "s1", "c1", cpu, "batch", "retier: session s1 is batch"))
+    assert done["target"] == "c1" and cpu.beat.running == 1 and cpu.beat.requests == [InFlight("r1", "s1", "batch")]
