@@ -279,7 +279,8 @@ class Router:
             reply = await migrate(self.bus, m.source, to_target(m.request_id, m.target.beat, m.tier, m.reason,
                                                                  [v.beat for v in m.ring]))
         except Exception as e:  # the request goes on where it was; a later tick may try again
-            self.move_failed[m.target.id] = time.monotonic()
+            if m.source != m.target.id and getattr(e, "code", "") != "not_found":   # (the target's part)
+                self.move_failed[m.target.id] = time.monotonic()
             metrics.ROUTER_MOVES.labels(m.kind, m.strategy, "failed").inc()
             log.warning("%s: %s -> %s failed: %s", m.request_id, m.source, m.target.id, e)
             return None
