@@ -196,6 +196,7 @@ class SessionView:
     worker: str | None = None      # decode worker that last held the session's KV
     last: float = 0.0              # router clock of the session's last request or update
     owner: str | None = None       # the API key's tenant that created it (None: not known yet)
+    changed: float = 0.0           # router clock when its tier last changed (its moves: that copy's)
     contexts: list = field(default_factory=list)  # its last turns' prompts, the latest last (CONTEXTS at
                                                   # most): [decode worker, prompt tokens, context_digest]
 
@@ -795,14 +796,16 @@ def homecoming(workers: list[WorkerView], now: float, moving: set[str] = frozens
 
 def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: float,
               limits: Limits | None = None, moving: set[str] = frozenset(),
-              pressure: bool = True) -> list[Move]:
+              pressure: bool = True, grace_s: float = 0.0) -> list[Move]:
     """Moves to make now: requests running at another tier than their session's, whose new tier
     wants the other pool (promotion to GPU decode, demotion to CPU decode), and — with ``pressure``
     (the router's tick) — the lowest-tier request of a GPU worker short of free KV blocks, to the
     CPU worker with the most free blocks, interactive requests on cpu-decode back to a gpu-decode
     worker with room (``homecoming``), and a cpu-decode worker's longest request spread onto a
     ring when it is short of KV (``spread``). Requests in
-    ``moving`` are left alone. Also lapses idle sessions' tier overrides (mutates ``sessions``)."""
+    ``moving`` are left alone, and so are sessions whose tier changed less than ``grace_s`` ago
+    (the router copy that took the change moves them; the leader's tick only follows up). Also
+    lapses idle sessions' tier overrides (mutates ``sessions``)."""
     limits = limits or Limits()
     for s in sessions.values():
         if s.tier is not None and now - s.last > limits.session_idle_s:
@@ -811,8 +814,15 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
     moves: list[Move] = []
     taken: dict[str, int] = {}          # target id -> moves planned onto it here
 
-    def target(role: str) -> WorkerView | None:
-        pool = [w for w in live if w.role == role]
+    def target(role: str, tier: str) -> WorkerView | None:
+        """The least loaded ready worker of ``role`` with a sequence slot free for a request moved
+        in (an import runs at once: past the slots, nothing would preempt to make room — a probe
+        saw 6 running on a worker of 4) and none of ``tier`` waiting; None when none has."""
+        def room(w: WorkerView) -> bool:
+            b = w.beat
+            return not w.waiting(tier) and (not b.max_running or b.running + b.queue_depth + len(w.routed)
+                                            + taken.get(w.id, 0) < b.max_running)
+        pool = [w for w in live if w.role == role and room(w)]
         if not pool:
             return None
         return min(pool, key=lambda w: (w.load() + taken.get(w.id, 0), -w.beat.free_kv_blocks, w.id))
@@ -821,17 +831,21 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
         for r in w.held():
             rid, sid, tier = r.request_id, r.session_id, r.tier
             s = sessions.get(sid) if sid else None
-            if rid in moving or s is None or s.tier is None or s.tier == tier:
+            if rid in moving or s is None or s.tier is None or s.tier == tier or now - s.changed < grace_s:
                 continue  # only a tier change moves a request (overflow placements stay put)
             want = POOLS[s.tier][0]
             if w.role == want:   # the pool fits: it runs at the new tier where it is
                 moves.append(Move(rid, sid, w.id, w, s.tier, f"retier: session {sid} is {s.tier}"))
                 continue
-            t = target(want)
-            if t is not None:
-                taken[t.id] = taken.get(t.id, 0) + 1
-                kind = "promote" if want == subjects.GPU_DECODE else "demote"
-                moves.append(Move(rid, sid, w.id, t, s.tier, f"{kind}: session {sid} is {s.tier}"))
+            t = target(want, s.tier)
+            if t is None:        # no worker of that pool ready with room: at the new tier where it is
+                # (an interactive one goes to the GPU pool once a worker there has room: homecoming)
+                moves.append(Move(rid, sid, w.id, w, s.tier, f"retier: session {sid} is {s.tier}; no {want} "
+                                                             "worker has room for it now"))
+                continue
+            taken[t.id] = taken.get(t.id, 0) + 1
+            kind = "promote" if want == subjects.GPU_DECODE else "demote"
+            moves.append(Move(rid, sid, w.id, t, s.tier, f"{kind}: session {sid} is {s.tier}"))
     if pressure:
         planned = {m.request_id for m in moves}
         for w in live:
@@ -842,7 +856,7 @@ def rebalance(workers: list[WorkerView], sessions: dict[str, SessionView], now: 
                 continue
             cands = [(Tier(r.tier).priority, r.request_id, r.session_id, r.tier) for r in w.held()
                      if r.tier != Tier.INTERACTIVE and r.request_id not in moving and r.request_id not in planned]
-            t = target(subjects.CPU_DECODE)
+            t = target(subjects.CPU_DECODE, Tier.BATCH) if cands else None
             if cands and t is not None:
                 _, rid, sid, tier = max(cands)
                 taken[t.id] = taken.get(t.id, 0) + 1

@@ -40,6 +40,8 @@ log = logging.getLogger("tandem.router")
 
 FORGET_S = 60.0          # a worker silent this long leaves the view (and the prefix index)
 MOVE_BACKOFF_S = 5.0     # no move is planned onto a worker for this long after one onto it failed
+SESSION_GRACE_S = 3.0    # a session's tier change is moved by the copy that took it; the tick follows up after
+TARGET_FAULTS = ("timeout", "overloaded", "forbidden")  # a move's failures that are its target's part
 
 
 class Router:
@@ -163,8 +165,10 @@ class Router:
             elif plan.moved_from:
                 s.moved(plan.moved_from, plan.decode_worker)
             s.worker, s.last = plan.decode_worker, now
-            if s.tier is None or Tier(plan.tier).priority < Tier(s.tier).priority:
-                s.tier = plan.tier
+            # a placement's better tier raises the session's; a move only follows the session's
+            # tier as it was when planned — one that lands after a later change must not undo it
+            if not plan.moved_from and (s.tier is None or Tier(plan.tier).priority < Tier(s.tier).priority):
+                s.tier, s.changed = plan.tier, now
             if plan.router == self.worker_id and self.store is not None:
                 self.store.changed(plan.session_id, s)
 
@@ -176,7 +180,7 @@ class Router:
             elif isinstance(msg, SessionState) and msg.router != self.worker_id:
                 s = self._owned(msg.session_id, msg.owner)
                 if s is not None:
-                    s.tier, s.last = msg.tier, now
+                    s.tier, s.last, s.changed = msg.tier, now, now
 
     # ---- decisions --------------------------------------------------------------------
     async def route(self, req: RouteRequest) -> RoutePlan:
@@ -212,6 +216,7 @@ class Router:
         if s is None:
             raise BusError("not_found", f"no session {upd.session_id!r} for this API key")
         s.tier, s.last = upd.tier, time.monotonic()
+        s.changed = s.last
         if self.store is not None:
             self.store.changed(upd.session_id, s)
         moves = self._plan_moves(upd.session_id, pressure=False)  # before any await: the tick cannot take them
@@ -229,7 +234,8 @@ class Router:
         """Moves to make now (of ``session_id``'s requests, or all); they count as moving at once,
         so a second plan made before they run leaves them alone."""
         now = time.monotonic()
-        moves = rebalance(self._move_view(now), self.sessions, now, self.limits, self.moving, pressure)
+        moves = rebalance(self._move_view(now), self.sessions, now, self.limits, self.moving, pressure,
+                          SESSION_GRACE_S if session_id is None else 0.0)
         moves = [m for m in self._not_failing(moves, now) if session_id is None or m.session_id == session_id]
         self.moving.update(m.request_id for m in moves)
         self.under_way.update((m.request_id, m) for m in moves)
@@ -279,8 +285,17 @@ class Router:
             reply = await migrate(self.bus, m.source, to_target(m.request_id, m.target.beat, m.tier, m.reason,
                                                                  [v.beat for v in m.ring]))
         except Exception as e:  # the request goes on where it was; a later tick may try again
-            if m.source != m.target.id and getattr(e, "code", "") != "not_found":   # (the target's part)
+            code = getattr(e, "code", "")
+            if m.source != m.target.id and code in TARGET_FAULTS:
                 self.move_failed[m.target.id] = time.monotonic()
+            src = self.workers.get(m.source)
+            if code == "unavailable" and m.source != m.target.id and m.kind in ("promote", "demote") \
+                    and not m.ring and src is not None:
+                # not movable now (prefilling, queued, moving) or its target unreachable: it runs
+                # at its new tier where it is meanwhile (a probe's promoted 3,920-token prompt
+                # prefilled 30 s at batch priority while the move failed every 6 s)
+                self._spawn([Move(m.request_id, m.session_id, m.source, src, m.tier,
+                                  f"retier: {m.reason}; it cannot move now")])
             metrics.ROUTER_MOVES.labels(m.kind, m.strategy, "failed").inc()
             log.warning("%s: %s -> %s failed: %s", m.request_id, m.source, m.target.id, e)
             return None

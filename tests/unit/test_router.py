@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -233,8 +234,16 @@ def test_no_move_without_a_tier_change_or_while_moving():
     assert rebalance(workers, {"s1": SessionView(tier="batch", last=NOW)}, NOW) == []
     workers = [GPU, w("c1", "cpu-decode", requests=[("r1", "s1", "batch")])]
     assert rebalance(workers, {"s1": SessionView(tier="interactive", last=NOW)}, NOW, moving={"r1"}) == []
-    assert rebalance([w("c1", "cpu-decode", requests=[("r1", "s1", "batch")])],
-                     {"s1": SessionView(tier="interactive", last=NOW)}, NOW) == []   # no GPU to go to
+    # no GPU worker to go to (or none with a slot): it runs at its session's tier where it is
+    # (it kept the old one: a probe saw promoted sessions run as batch on cpu-decode while the GPU
+    # worker restarted, and 6 promoted onto a 4-slot worker)
+    alone = [w("c1", "cpu-decode", requests=[("r1", "s1", "batch")])]
+    for gpus in ([], [w("g1", "gpu-decode", running=4, requests=[(f"i{i}", "", "interactive") for i in range(4)])]):
+        for g in gpus:
+            g.beat.max_running = 4
+        moves = rebalance(alone + gpus, {"s1": SessionView(tier="interactive", last=NOW)}, NOW, pressure=False)
+        assert [(m.request_id, m.kind, m.target.id, m.tier) for m in moves] == [("r1", "retier", "c1", "interactive")]
+        assert "no gpu-decode worker has room" in moves[0].reason
 
 
 def test_gpu_memory_pressure_demotes_the_lowest_tier_first():
@@ -722,9 +731,14 @@ async def test_a_target_a_move_failed_onto_gets_none_for_a_while():
     from services.placement import homecoming
     from services.router import MOVE_BACKOFF_S, Router
 
+    from shared.bus import RemoteError
+
     class Bus:
+        code = "overloaded"       # the target refused it
+
         async def request(self, subject, msg, timeout=None, expected=None):
-            raise TimeoutError("no answer")
+            self.asked = getattr(self, "asked", []) + [msg]
+            raise RemoteError(self.code, "moving r1 to g1 failed")
 
     cpu = sw("c1", kv={"r1": [300, 1000, 1]}, held=[["r1", "", "interactive"]], running=1)
     gpu = sw("g1", role="gpu-decode", free=100, ring=0)
@@ -738,6 +752,15 @@ async def test_a_target_a_move_failed_onto_gets_none_for_a_while():
     assert router._not_failing(homecoming([cpu, gpu], now), now) == []
     later = now + MOVE_BACKOFF_S + 0.1
     assert [m.target.id for m in router._not_failing(homecoming([cpu, gpu], now), later)] == ["g1"]
+    # the request's own state (not decoding yet: "unavailable") is no fault of the target: it
+    # stays open, and the request runs at its new tier where it is meanwhile (re-tiered in place)
+    router.move_failed, router.bus.code, router._moves = {}, "unavailable", set()
+    router.bus.asked = []
+    from services.placement import Move
+    await router._move(Move("r1", "", "c1", gpu, "interactive", "promote: session s1 is interactive"))
+    assert router.move_failed == {}
+    await asyncio.gather(*router._moves)
+    assert [(q.target_worker, q.tier) for q in router.bus.asked] == [("g1", "interactive"), ("c1", "interactive")]
 
 
 def test_moves_under_way_count_on_their_targets_until_listed():
@@ -818,3 +841,32 @@ async def test_a_retier_in_place_updates_the_router_s_view_only_in_its_tier():
     router.workers = {"c1": cpu}
     done = await router._move(Move("r1", "s1", "c1", cpu, "batch", "retier: session s1 is batch"))
     assert done["target"] == "c1" and cpu.beat.running == 1 and cpu.beat.requests == [InFlight("r1", "s1", "batch")]
+
+
+def test_a_move_that_lands_after_a_later_tier_change_does_not_undo_it():
+    """"interactive", then "batch" 50 ms later: the promotion planned for the first landed after
+    the second and raised the session back to interactive (its next batch turn ran interactive).
+    A move follows the session's tier; only a placement's better tier raises it."""
+    from services.router import Router
+    from shared.schemas import RoutePlan
+    router = Router.__new__(Router)
+    router.sessions, router.workers, router.store, router.worker_id = {"s1": SessionView(tier="batch")}, {}, None, "r"
+    router._apply(RoutePlan("q1", None, "g1", "gpu-decode", "promote: session s1 is interactive", tier="interactive",
+                            session_id="s1", moved_from="c1", owner=""), NOW)
+    assert router.sessions["s1"].tier == "batch" and router.sessions["s1"].worker == "g1"
+    router._apply(RoutePlan("q2", None, "g1", "gpu-decode", "placed", tier="interactive", session_id="s1",
+                            owner=""), NOW)
+    assert router.sessions["s1"].tier == "interactive"
+
+
+def test_the_tick_leaves_a_fresh_tier_change_to_the_router_copy_that_took_it():
+    """A POST /v1/sessions/{id} handled by one router copy moves the session's requests there;
+    the leading copy's tick planned the same moves (two copies moving one request: "already
+    moving", not_found, 32 of 71 updates answered `moved: []`). The tick follows up only once
+    the change is SESSION_GRACE_S old."""
+    from services.router import SESSION_GRACE_S
+    workers = [GPU, w("c1", "cpu-decode", requests=[("r1", "s1", "batch")])]
+    fresh = {"s1": SessionView(tier="interactive", last=NOW, changed=NOW - 1)}
+    assert rebalance(workers, fresh, NOW, grace_s=SESSION_GRACE_S) == []
+    assert [m.request_id for m in rebalance(workers, fresh, NOW)] == ["r1"]             # the copy that took it
+    assert [m.request_id for m in rebalance(workers, fresh, NOW + SESSION_GRACE_S, grace_s=SESSION_GRACE_S)] == ["r1"]
