@@ -747,49 +747,50 @@ def with_moves(views: list[WorkerView], moves: list[Move], now: float) -> list[W
 
 def homecoming(workers: list[WorkerView], now: float, moving: set[str] = frozenset(),
                sessions: dict[str, SessionView] | None = None) -> list[Move]:
-    """Interactive requests running on cpu-decode — placed there while no gpu-decode worker was
-    ready (restarting, stopping, all gone), or moved there off a stopping one (``evacuate``) — go
-    back to the GPU pool once a gpu-decode worker is ready with room: a free sequence slot, no
-    interactive request waiting there, the request's whole context (prompt and max_tokens) and
-    the KV it has now. Only with at least ``HOME_MIN_TOKENS`` of its output left (a move costs
-    a step boundary and the KV's transfer), most tokens left first; rings and requests in
-    ``moving`` stay, and so does a request whose session was set to a worse tier since it was
-    placed (``sessions``: its tier override is the request's tier now). Nothing moves the other
-    way: standard and batch work on gpu-decode is the GPU engine's to preempt (its scheduler does
-    when interactive work comes)."""
+    """Requests running outside their tier's pool go home once a worker there is ready with room:
+    a free sequence slot, nothing of their tier waiting there, the request's whole context
+    (prompt and max_tokens) and the KV it has now. That is an interactive request on cpu-decode
+    (placed there while no gpu-decode worker had a slot or was ready, or moved there off a
+    stopping one: ``evacuate``), and a request whose *session* was set to standard or batch that
+    runs on gpu-decode (re-tiered in place there while no cpu-decode worker had room): not a
+    standard or batch request that overflowed onto the GPU pool by itself — that is the GPU
+    engine's to preempt (its scheduler does when interactive work comes). Its tier is its
+    session's where the session has one (``sessions``). Only with at least ``HOME_MIN_TOKENS`` of
+    its output left (a move costs a step boundary and the KV's transfer), most tokens left first;
+    rings and requests in ``moving`` stay."""
     live = _decoders(workers, now)
-    gpus = [v for v in live if v.role == subjects.GPU_DECODE]
-    if not gpus:
-        return []
     taken: dict[str, list[int]] = {}    # target id -> [sequences, KV tokens] planned onto it here
 
-    def fits(v: WorkerView, has: int, end: int) -> bool:
+    def fits(v: WorkerView, tier: str, has: int, end: int) -> bool:
         b, (n, kv) = v.beat, taken.get(v.id, [0, 0])
         slots = b.max_running == 0 or b.running + b.queue_depth + len(v.routed) + n < b.max_running
-        return (slots and not v.waiting(Tier.INTERACTIVE) and b.max_context >= end
+        return (slots and not v.waiting(tier) and b.max_context >= end
                 and b.free_kv_blocks * b.kv_block_tokens - kv >= has)
 
     cands = []
     for w in live:
-        if w.role != subjects.CPU_DECODE:
-            continue
         for r in w.beat.requests:
             kv = w.beat.kv_tokens.get(r.request_id)
             s = (sessions or {}).get(r.session_id) if r.session_id else None
-            tier = s.tier if s is not None and s.tier is not None else r.tier
-            if (tier == Tier.INTERACTIVE and kv is not None and kv[2] == 1 and r.request_id not in moving
-                    and kv[1] - kv[0] >= HOME_MIN_TOKENS):
-                cands.append((kv[0] - kv[1], r.request_id, r, w, kv[0], kv[1]))
+            set_tier = s.tier if s is not None else None
+            tier = set_tier or r.tier
+            home = POOLS[tier][0]
+            if w.role == home or w.role not in (subjects.CPU_DECODE, subjects.GPU_DECODE) or \
+                    (tier != Tier.INTERACTIVE and set_tier is None):
+                continue   # at home, or standard/batch work that overflowed by itself
+            if kv is not None and kv[2] == 1 and r.request_id not in moving and kv[1] - kv[0] >= HOME_MIN_TOKENS:
+                cands.append((kv[0] - kv[1], r.request_id, r, w, kv[0], kv[1], tier, home))
     moves: list[Move] = []
-    for _, rid, r, w, has, end in sorted(cands, key=lambda c: c[:2]):
-        pool = [v for v in gpus if fits(v, has, end)]
+    for _, rid, r, w, has, end, tier, home in sorted(cands, key=lambda c: c[:2]):
+        pool = [v for v in live if v.role == home and fits(v, tier, has, end)]
         if not pool:
             continue
         t = min(pool, key=lambda v: (v.load() + taken.get(v.id, [0])[0], -v.beat.free_kv_blocks, v.id))
         n, kv = taken.get(t.id, [0, 0])
         taken[t.id] = [n + 1, kv + has]
-        moves.append(Move(rid, r.session_id, w.id, t, r.tier,
-                          f"promote: {rid} is interactive and {t.id} has room again ({end - has} tokens left)",
+        kind = "promote" if home == subjects.GPU_DECODE else "demote"
+        moves.append(Move(rid, r.session_id, w.id, t, tier,
+                          f"{kind}: {rid} is {tier} and {t.id} has room again ({end - has} tokens left)",
                           tokens=has))
     return moves
 

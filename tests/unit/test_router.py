@@ -870,3 +870,20 @@ def test_the_tick_leaves_a_fresh_tier_change_to_the_router_copy_that_took_it():
     assert rebalance(workers, fresh, NOW, grace_s=SESSION_GRACE_S) == []
     assert [m.request_id for m in rebalance(workers, fresh, NOW)] == ["r1"]             # the copy that took it
     assert [m.request_id for m in rebalance(workers, fresh, NOW + SESSION_GRACE_S, grace_s=SESSION_GRACE_S)] == ["r1"]
+
+
+def test_a_session_set_to_batch_left_on_the_gpu_goes_to_cpu_decode_once_it_has_room():
+    """Set to batch while cpu-decode had no slot, a session's request was re-tiered in place on
+    gpu-decode, and nothing moved it later: it held a GPU slot to the end of its stream. It goes
+    to cpu-decode once a worker there has room — but batch work that overflowed onto the GPU by
+    itself (no session tier) stays, the GPU engine's to preempt."""
+    from services.placement import homecoming
+    gpu = sw("g1", role="gpu-decode", ring=0, kv={"rb": [200, 900, 1], "ro": [200, 900, 1]},
+             held=[["rb", "s1", "batch"], ["ro", "", "batch"]])
+    cpu = sw("c1", free=100)
+    cpu.beat.max_running = 4
+    moves = homecoming([gpu, cpu], NOW, sessions={"s1": SessionView(tier="batch")})
+    assert [(m.request_id, m.kind, m.target.id, m.tier) for m in moves] == [("rb", "demote", "c1", "batch")]
+    full = sw("c1", free=100, running=4)
+    full.beat.max_running = 4
+    assert homecoming([gpu, full], NOW, sessions={"s1": SessionView(tier="batch")}) == []
