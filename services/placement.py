@@ -734,7 +734,7 @@ def with_moves(views: list[WorkerView], moves: list[Move], now: float) -> list[W
     out = []
     for v in views:
         listed = {r.request_id for r in v.beat.requests}
-        mine = [m for m in moves if m.target.id == v.id and m.request_id not in listed]
+        mine = [m for m in moves if m.target.id == v.id != m.source and m.request_id not in listed]
         if mine:
             bt = v.beat.kv_block_tokens
             blocks = sum(-(-m.tokens // bt) for m in mine) if bt else 0

@@ -96,7 +96,8 @@ GIVEN_UP = Counter("tandem_given_up", "service copies `tandem up` gave up restar
 MIGRATIONS = Counter("tandem_migrations", "running requests moved between decode workers, by outcome "
                      "(ok; failed: it went on at the source)", ["source_role", "target_role", "outcome"])
 ROUTER_MOVES = Counter("tandem_router_moves", "running requests the router moved, by kind (promote, demote; "
-                       "spread: onto a ring under KV pressure), the strategy they run on after and the outcome "
+                       "spread: onto a ring under KV pressure; evacuate: off a stopping worker; retier: in "
+                       "place, at its session's new tier), the strategy they run on after and the outcome "
                        "(ok; failed: it went on where it was)", ["kind", "strategy", "outcome"])
 MIGRATION_SECONDS = Histogram("tandem_migration_seconds", "seconds per migration, export to the target's ack",
                               ["source_role", "target_role"], buckets=_LATENCY)
