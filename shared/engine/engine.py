@@ -672,7 +672,7 @@ class Engine(KVHandoff):
         if waiting:
             self.scheduler.add(seq)
         elif seq.status is Status.RUNNING:
-            self.scheduler.retag(seq)
+            self.scheduler.tag_running(seq)
 
     def cached_prefix_tokens(self, token_ids: list[int], tenant: str = "") -> int:
         """How many leading tokens of ``token_ids`` this engine's prefix cache holds now for ``tenant``."""

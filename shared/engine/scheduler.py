@@ -96,8 +96,9 @@ class Scheduler:
         if seq.fair_tag:
             self.fair_time[seq.priority] = max(self.fair_time.get(seq.priority, 0), seq.fair_tag)
 
-    def retag(self, seq: Sequence) -> None:
-        """A running sequence now of another tier (``Engine.set_priority``): its tag in that tier."""
+    def tag_running(self, seq: Sequence) -> None:
+        """Tag a sequence that runs from now on without queueing: imported (``add_running``), or
+        running at another tier now (``Engine.set_priority``: its tag in that tier)."""
         self._tag(seq)
         self._started(seq)
 
@@ -109,8 +110,7 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that arrives with its KV already in place (imported)."""
-        self._tag(seq)
-        self._started(seq)
+        self.tag_running(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
