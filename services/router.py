@@ -281,6 +281,7 @@ class Router:
             self.under_way.pop(m.request_id, None)
             log.info("%s: not moved to %s, which is not ready any more", m.request_id, m.target.id)
             return None
+        fallback = None
         try:
             reply = await migrate(self.bus, m.source, to_target(m.request_id, m.target.beat, m.tier, m.reason,
                                                                  [v.beat for v in m.ring]))
@@ -294,14 +295,17 @@ class Router:
                 # not movable now (prefilling, queued, moving) or its target unreachable: it runs
                 # at its new tier where it is meanwhile (a probe's promoted 3,920-token prompt
                 # prefilled 30 s at batch priority while the move failed every 6 s)
-                self._spawn([Move(m.request_id, m.session_id, m.source, src, m.tier,
-                                  f"retier: {m.reason}; it cannot move now")])
+                fallback = Move(m.request_id, m.session_id, m.source, src, m.tier, f"retier: {m.reason}; it cannot "
+                                                                                   "move now")
             metrics.ROUTER_MOVES.labels(m.kind, m.strategy, "failed").inc()
             log.warning("%s: %s -> %s failed: %s", m.request_id, m.source, m.target.id, e)
-            return None
+            if fallback is None:
+                return None
         finally:
             self.moving.discard(m.request_id)
             self.under_way.pop(m.request_id, None)
+        if fallback is not None:   # (what a session update answers it did: the re-tier in place)
+            return await self._move(fallback)
         if m.source == m.target.id:   # re-tiered in place: the views say its tier until the next beat
             for view in {id(m.target): m.target, id(target): target}.values():
                 view.beat.requests = [InFlight(r.request_id, r.session_id, m.tier) if r.request_id == m.request_id

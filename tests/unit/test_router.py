@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 
@@ -732,12 +731,15 @@ async def test_a_target_a_move_failed_onto_gets_none_for_a_while():
     from services.router import MOVE_BACKOFF_S, Router
 
     from shared.bus import RemoteError
+    from shared.schemas import MigrateReply
 
     class Bus:
         code = "overloaded"       # the target refused it
 
         async def request(self, subject, msg, timeout=None, expected=None):
             self.asked = getattr(self, "asked", []) + [msg]
+            if msg.target_worker == "c1":     # in place: done
+                return MigrateReply(msg.request_id, "c1", "c1", 0, 0, 0, 0.0, "in place")
             raise RemoteError(self.code, "moving r1 to g1 failed")
 
     cpu = sw("c1", kv={"r1": [300, 1000, 1]}, held=[["r1", "", "interactive"]], running=1)
@@ -757,10 +759,10 @@ async def test_a_target_a_move_failed_onto_gets_none_for_a_while():
     router.move_failed, router.bus.code, router._moves = {}, "unavailable", set()
     router.bus.asked = []
     from services.placement import Move
-    await router._move(Move("r1", "", "c1", gpu, "interactive", "promote: session s1 is interactive"))
+    done = await router._move(Move("r1", "", "c1", gpu, "interactive", "promote: session s1 is interactive"))
     assert router.move_failed == {}
-    await asyncio.gather(*router._moves)
     assert [(q.target_worker, q.tier) for q in router.bus.asked] == [("g1", "interactive"), ("c1", "interactive")]
+    assert done["source"] == done["target"] == "c1"       # what a session update answers it did
 
 
 def test_moves_under_way_count_on_their_targets_until_listed():
