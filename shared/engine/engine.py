@@ -209,8 +209,9 @@ class Engine(KVHandoff):
         have drawn. Its first output says how many tokens were reused and recomputed."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        if not fair_share(len(self.scheduler.waiting), self.config.max_waiting, tenant_owner(tenant),
-                          self.scheduler.waiting_owners()):
+        full = len(self.scheduler.waiting) >= self.config.max_waiting   # (owners counted only then)
+        if full and not fair_share(len(self.scheduler.waiting), self.config.max_waiting, tenant_owner(tenant),
+                                   self.scheduler.waiting_owners()):
             raise EngineFull(f"{len(self.scheduler.waiting)} requests already wait in this engine "
                              f"(TANDEM_MAX_WAITING={self.config.max_waiting})")
         params.validate()
