@@ -79,7 +79,7 @@ class DecodeWorker(EngineWorker):
             submit = self.ring.coordinate(req.ring, blob, f"{req.request_id}#{req.attempt}", req.claim,
                                           priority_of(req.tier))
         else:
-            submit = self.engine.submit_kv(req.request_id, blob, priority_of(req.tier))
+            submit = self.engine.submit_kv(req.request_id, blob, priority_of(req.tier), capped=req.capped)
         outputs = await self.admit(req, submit, req.attempt)
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, req.next_seq,
                                                        attempt=req.attempt, offset=len(req.output_token_ids)))
@@ -111,8 +111,11 @@ class DecodeWorker(EngineWorker):
         """Move a decoding request to ``req.target_worker``; the reply says where its stream goes on.
         Coded errors: not_found (not here), forbidden (the target address is not the data plane of
         ``req.target_worker``, live: nothing moves), unavailable (not between decode steps yet, or
-        already moving: retry), or the failed step's code (the request then goes on here). A
-        target that is this worker re-tiers the request in place (``_retier``)."""
+        already moving: retry), or the failed step's code (the request then goes on here) — overloaded
+        when every sequence slot of the target is taken (two router copies each planned its last
+        one), unless this worker is stopping: an evacuation goes past the target's cap, a slower
+        stream beating one cut and resumed. A target that is this worker re-tiers the request in
+        place (``_retier``)."""
         rid = req.request_id
         rec = self.requests.get(rid)
         if rec is None or not rec.live or rec.task is None:
@@ -167,7 +170,7 @@ class DecodeWorker(EngineWorker):
                                             port=req.target_data_port, transfer_id=tid, tier=req.tier,
                                             stream_subject=held.stream_subject, next_seq=next_seq,
                                             session_id=held.session_id or None, attempt=held.attempt,
-                                            origin=held.origin, ring=req.ring)
+                                            origin=held.origin, ring=req.ring, capped=not self.draining)
         except Exception as e:
             metrics.migration(self.role, target_role, "failed")
             if not _refused(e):

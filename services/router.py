@@ -290,11 +290,12 @@ class Router:
             if m.source != m.target.id and code in TARGET_FAULTS:
                 self.move_failed[m.target.id] = time.monotonic()
             src = self.workers.get(m.source)
-            if code == "unavailable" and m.source != m.target.id and m.kind in ("promote", "demote") \
-                    and not m.ring and src is not None:
-                # not movable now (prefilling, queued, moving) or its target unreachable: it runs
-                # at its new tier where it is meanwhile (a probe's promoted 3,920-token prompt
-                # prefilled 30 s at batch priority while the move failed every 6 s)
+            if code in ("unavailable", "overloaded") and m.source != m.target.id \
+                    and m.kind in ("promote", "demote") and not m.ring and src is not None \
+                    and any(r.request_id == m.request_id and r.tier != m.tier for r in src.beat.requests):
+                # a tier change not movable now (prefilling, queued, moving), its target unreachable
+                # or full: it runs at its new tier where it is meanwhile (a probe's promoted
+                # 3,920-token prompt prefilled 30 s at batch priority while the move failed every 6 s)
                 fallback = Move(m.request_id, m.session_id, m.source, src, m.tier, f"retier: {m.reason}; it cannot "
                                                                                    "move now")
             metrics.ROUTER_MOVES.labels(m.kind, m.strategy, "failed").inc()

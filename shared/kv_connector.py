@@ -223,11 +223,13 @@ class KVConnector:
                        stream_subject: str, next_seq: int, session_id: str | None, attempt: int = 0,
                        origin: str = "", timeout: float | None = None,
                        ring: list[RingPeer] | None = None, claim: RingClaim | None = None,
-                       alongside: asyncio.Future | None = None) -> tuple[KVBlobHeader, SendResult]:
+                       alongside: asyncio.Future | None = None, capped: bool = False
+                       ) -> tuple[KVBlobHeader, SendResult]:
         """Move an exported sequence to the worker serving ``subject`` (its decode subject), whose
         receiver is ``host:port`` (the caller checked it is that worker's: ``peers.check``): the KV
         over the data plane, then a DecodeRequest carrying the handle; the receiver continues the
-        stream at ``next_seq``. ``ring``: the receiver coordinates that ring (``claim``: the other
+        stream at ``next_seq`` (``capped``: the receiver refuses it with no sequence slot free).
+        ``ring``: the receiver coordinates that ring (``claim``: the other
         members hold their ranges already, parked by ``shared/ring`` (``RingConnector.scatter``), run as
         ``alongside`` while the KV is sent: the DecodeRequest goes once both are done, not if it
         failed). Raises TransferError / BusError (RemoteError with the receiver's
@@ -247,7 +249,7 @@ class KVConnector:
             request_id=h.request_id, handle=handle, prompt_token_ids=h.prompt_token_ids,
             output_token_ids=h.output_token_ids, sampling=h.params, tier=tier, stream_subject=stream_subject,
             next_seq=next_seq, session_id=session_id, attempt=attempt, origin=origin, ring=ring or [],
-            claim=claim),
+            claim=claim, capped=capped),
             timeout=timeout)
         return h, res
 

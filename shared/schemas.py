@@ -227,6 +227,8 @@ class DecodeRequest:
     claim: RingClaim | None = None  # with ring: the prefill scattered the other members' ranges itself,
                                     # parked under this ticket; the handle carries this worker's range
                                     # only (None: the whole KV, this worker scatters)
+    capped: bool = False         # refused (overloaded) when every sequence slot here is taken: a live
+                                 # move, which its source then keeps running (a stopping one's is not)
 
 
 @message("GenerateRequest", 4)

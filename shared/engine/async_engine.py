@@ -156,10 +156,10 @@ class AsyncEngine:
 
         return await self._opened(request_id, add)
 
-    async def submit_kv(self, request_id: str, blob: bytes, priority: int | None = None
+    async def submit_kv(self, request_id: str, blob: bytes, priority: int | None = None, capped: bool = False
                         ) -> AsyncIterator[RequestOutput]:
-        """Import an exported sequence; return the stream of the rest of its outputs."""
-        return await self._opened(request_id, lambda: self.engine.import_kv(request_id, blob, priority))
+        """Import an exported sequence (``Engine.import_kv``); the stream of the rest of its outputs."""
+        return await self._opened(request_id, lambda: self.engine.import_kv(request_id, blob, priority, capped))
 
     async def submit_ring(self, request_id: str, blob, ring, sid: str, priority: int | None = None
                           ) -> AsyncIterator[RequestOutput]:

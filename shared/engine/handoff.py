@@ -199,8 +199,13 @@ class KVHandoff:
         return seq
 
     @torch.inference_mode()
-    def import_kv(self, request_id: str, blob: bytes | memoryview, priority: int | None = None) -> None:
-        """Take over a sequence exported by ``export_kv`` and continue decoding it here."""
+    def import_kv(self, request_id: str, blob: bytes | memoryview, priority: int | None = None,
+                  capped: bool = False) -> None:
+        """Take over a sequence exported by ``export_kv`` and continue decoding it here. ``capped``
+        (a live move: its source keeps it when refused) raises EngineFull when every sequence
+        slot is taken; a hand-off from prefill has nowhere else to run and always comes in."""
+        if capped and len(self.scheduler.running) >= self.scheduler.max_num_seqs:
+            raise EngineFull(f"every sequence slot is taken ({len(self.scheduler.running)} running)")
         h, kv_bytes = KVBlobHeader.parse(blob)
         tokens = h.token_ids
         if len(tokens) > self.max_context:

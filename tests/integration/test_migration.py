@@ -224,6 +224,41 @@ async def test_failed_move_goes_on_at_the_source(workers, reference, failure):
     assert idle(gpu, cpu, tiny)
 
 
+async def test_a_move_onto_a_full_worker_is_refused_unless_its_source_is_stopping(workers, reference):
+    """Every sequence slot of the target taken (two router copies each planned its last one): the
+    move is refused (overloaded) and the request goes on at its source, unbroken; a stopping
+    source's evacuation goes past the cap (a slower stream beats one cut and resumed)."""
+    gpu, cpu, tiny, bus = workers
+    ids, want = reference["short"]
+    tag, n = uuid.uuid4().hex[:8], 160   # long enough to be running through both moves
+    there = await Stream(bus, f"mig-full-a-{tag}").start(cpu, ids, n)
+    rid = f"mig-full-b-{tag}"
+    s = await Stream(bus, rid).start(gpu, ids, n)
+    await there.wait_for(lambda cs: len(cs) >= 3)
+    await s.wait_for(lambda cs: len(cs) >= 3)
+    sched = cpu.engine.engine.scheduler
+    cap, sched.max_num_seqs = sched.max_num_seqs, 1   # its one slot holds the first stream
+    try:
+        with pytest.raises(RemoteError) as e:
+            await migrate(bus, gpu.worker_id, move(rid, cpu))
+        assert e.value.code == "overloaded" and "every sequence slot is taken" in e.value.message
+        assert "goes on at" in e.value.message and [q.request_id for q in sched.running] == [there.rid]
+        gpu.draining = True   # stopping (SIGTERM: ``run_until``): the router evacuates it
+        try:
+            reply = await migrate(bus, gpu.worker_id, move(rid, cpu))
+        finally:
+            gpu.draining = False
+        assert reply.target == cpu.worker_id and len(sched.running) == 2
+    finally:
+        sched.max_num_seqs = cap
+    for stream, workers_seen in ((s, {gpu.worker_id, cpu.worker_id}), (there, {cpu.worker_id})):
+        chunks = sorted(await stream.finish(), key=lambda c: c.seq)
+        assert [c.seq for c in chunks] == list(range(len(chunks))) and chunks[-1].finish_reason == "length"
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert len(tokens) == n and tokens[:MAX_TOKENS] == want.token_ids   # greedy: the 48-token run's start
+        assert {c.worker for c in chunks} == workers_seen
+
+
 async def test_bad_moves_get_coded_errors(workers, reference):
     gpu, cpu, tiny, bus = workers
     with pytest.raises(RemoteError) as e:

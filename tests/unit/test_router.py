@@ -756,13 +756,22 @@ async def test_a_target_a_move_failed_onto_gets_none_for_a_while():
     assert [m.target.id for m in router._not_failing(homecoming([cpu, gpu], now), later)] == ["g1"]
     # the request's own state (not decoding yet: "unavailable") is no fault of the target: it
     # stays open, and the request runs at its new tier where it is meanwhile (re-tiered in place)
+    # (a homecoming, at the tier it runs at, is not re-tiered: nothing changes)
     router.move_failed, router.bus.code, router._moves = {}, "unavailable", set()
     router.bus.asked = []
     from services.placement import Move
+    cpu.beat.requests = [InFlight("r1", "", "standard")]     # its session was set to interactive
     done = await router._move(Move("r1", "", "c1", gpu, "interactive", "promote: session s1 is interactive"))
     assert router.move_failed == {}
     assert [(q.target_worker, q.tier) for q in router.bus.asked] == [("g1", "interactive"), ("c1", "interactive")]
     assert done["source"] == done["target"] == "c1"       # what a session update answers it did
+    # a target with every sequence slot taken (another router copy filled it): kept off for a
+    # while, and the request re-tiered in place meanwhile
+    router.bus.code, router.bus.asked = "overloaded", []
+    cpu.beat.requests = [InFlight("r1", "", "standard")]
+    done = await router._move(Move("r1", "", "c1", gpu, "interactive", "promote: session s1 is interactive"))
+    assert set(router.move_failed) == {"g1"} and done["target"] == "c1"
+    assert [(q.target_worker, q.tier) for q in router.bus.asked] == [("g1", "interactive"), ("c1", "interactive")]
 
 
 def test_moves_under_way_count_on_their_targets_until_listed():
