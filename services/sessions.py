@@ -28,6 +28,7 @@ from shared.bus import Bus
 log = logging.getLogger("tandem.router.sessions")
 
 BUCKET = "tandem_sessions"
+READ_TRIES = 4   # tries of one entry at start (0.5, 1, 2 s apart: a cluster electing leaders)
 
 
 def _key(session_id: str) -> str:
@@ -63,14 +64,30 @@ class SessionStore:
         now_mono, now_wall = time.monotonic(), time.time()
         for k in keys:
             try:
-                d = orjson.loads((await self.kv.get(k)).value)
+                d = orjson.loads((await self._read(k)).value)
                 out[_session_id(k)] = SessionView(d.get("tier"), d.get("worker"), now_mono - (now_wall - d["last"]),
                                                   d.get("owner"))
             except (nats.js.errors.KeyNotFoundError, KeyError, ValueError, orjson.JSONDecodeError) as e:
                 log.warning("session entry %s unreadable (%s): skipped", k, e)
+            except (nats.errors.Error, asyncio.TimeoutError) as e:   # JetStream still without a leader
+                log.warning("session entry %s not read (%s, %d tries): skipped", k, e, READ_TRIES)
         self._task = asyncio.create_task(self._flusher(), name="sessions-flush")
         log.info("session table: %d session(s) restored from JetStream", len(out))
         return out
+
+    async def _read(self, key: str):
+        """One entry; again after a JetStream error but "no such key" (a cluster that lost a server
+        answers "JetStream system temporarily unavailable" while it elects leaders: a router
+        starting then exited with that traceback)."""
+        for i in range(READ_TRIES):
+            try:
+                return await self.kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                raise
+            except (nats.errors.Error, asyncio.TimeoutError):
+                if i == READ_TRIES - 1:
+                    raise
+                await asyncio.sleep(0.5 * 2 ** i)
 
     def changed(self, session_id: str, view: SessionView) -> None:
         """Record a change; written within ``flush_s``."""

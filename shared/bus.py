@@ -39,7 +39,7 @@ from nats.aio.msg import Msg
 from shared import bus_auth, nats_cluster, schemas, tracing
 from shared.logs import sparse
 from shared.schemas import ERROR_STATUS, Ack, ErrorReply, SchemaError
-from shared.settings import NatsSettings, Settings
+from shared.settings import PINGS_OUTSTANDING, NatsSettings, Settings
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,10 @@ class Bus:
             servers=servers, name=name or s.name, connect_timeout=s.connect_timeout,
             # a few tries to connect at all (bad credentials fail fast); forever once connected
             allow_reconnect=True, max_reconnect_attempts=_CONNECT_ATTEMPTS, reconnect_time_wait=0.5,
+            # a server that stops answering with its connection open (frozen, its host's network
+            # gone) is left after ~PINGS_OUTSTANDING pings for another of the cluster: nats-py's
+            # defaults (2 of 120 s) kept every service of that host on it for ~4 minutes
+            ping_interval=s.ping_s, max_outstanding_pings=PINGS_OUTSTANDING,
             error_cb=bus._on_error, disconnected_cb=bus._on_disconnected,
             reconnected_cb=bus._on_reconnected,
         )

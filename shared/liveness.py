@@ -72,6 +72,11 @@ class Heartbeats:
         got = self.last.get(worker)
         return got is None or not fresh(got[1], got[0].interval, clock() if now is None else now)
 
+    def heard_any(self, now: float | None = None) -> bool:
+        """A fresh heartbeat from any sender: this process hears the bus (its server relays)."""
+        now = clock() if now is None else now
+        return any(fresh(seen, b.interval, now) for b, seen in self.last.values())
+
     def live(self, now: float | None = None) -> list[Heartbeat]:
         """The last heartbeats of every sender alive at ``now``."""
         now = clock() if now is None else now

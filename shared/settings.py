@@ -36,6 +36,9 @@ def _env(name: str, default: Any, help: str, factory: Any = None) -> Any:
     return field(default=default, metadata=meta)
 
 
+PINGS_OUTSTANDING = 3   # pings unanswered before a client leaves its server (NatsSettings.ping_s)
+
+
 @dataclass
 class NatsSettings:
     """How every service reaches the bus."""
@@ -61,6 +64,10 @@ class NatsSettings:
     connect_timeout: float = _env("TANDEM_NATS_CONNECT_TIMEOUT", 5.0, "seconds per connect attempt")
     request_timeout: float = _env("TANDEM_NATS_REQUEST_TIMEOUT", 10.0,
                                   "default seconds to wait for a bus reply")
+    ping_s: float = _env("TANDEM_NATS_PING_S", 1.0,
+                         "seconds between the client's pings to its server; one that answers none of "
+                         f"{PINGS_OUTSTANDING} in a row is left for another server of the cluster (a frozen "
+                         "nats-server, a host whose network dropped: the connection stays open)")
     replicas: int = _env("TANDEM_NATS_REPLICAS", 0,
                          "replicas of every JetStream stream and KV bucket Tandem creates (stored "
                          "responses, sessions, the prefix index, KV events); 0: auto, 3 when the "
@@ -75,8 +82,9 @@ class NatsSettings:
             raise ValueError("TANDEM_NATS_TLS_CERT and TANDEM_NATS_TLS_KEY must be set together")
         if self.replicas < 0 or self.replicas > 5:
             raise ValueError("TANDEM_NATS_REPLICAS must be 0 (auto) or 1..5 (JetStream's limit)")
-        if self.connect_timeout <= 0 or self.request_timeout <= 0:
-            raise ValueError("TANDEM_NATS_CONNECT_TIMEOUT and TANDEM_NATS_REQUEST_TIMEOUT must be > 0")
+        if self.connect_timeout <= 0 or self.request_timeout <= 0 or self.ping_s <= 0:
+            raise ValueError("TANDEM_NATS_CONNECT_TIMEOUT, TANDEM_NATS_REQUEST_TIMEOUT and TANDEM_NATS_PING_S "
+                             "must be > 0")
         for u in self.servers():
             if "://" not in u:
                 raise ValueError(f"TANDEM_NATS_URL entry {u!r} needs a scheme (nats:// or tls://)")

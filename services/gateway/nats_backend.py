@@ -108,6 +108,7 @@ class _Flight:
     gap_since: float | None = None       # when a chunk ahead of a missing seq arrived
     suspect_since: float | None = None   # when the holder said it no longer has it (grace before resuming)
     stalled_since: float | None = None   # when the holder reported a hung engine
+    deaf_since: float | None = None      # when its holder looked silent while no service at all was heard
     tier: str = ""                       # the router's plan's tier, until the first output says it
 
 
@@ -258,7 +259,7 @@ class NatsBackend:
             except BusError as e:
                 if e.code == "unavailable":  # no responders: the process is gone
                     await self._resume(st, f"worker {worker} is gone", worker, silent=True)
-                elif self._stale(worker, now):
+                elif self._stale(worker, now) and not self._deaf(st, now):
                     await self._resume(st, f"worker {worker} stopped answering (no heartbeat)", worker, silent=True)
                 return  # a slow answer from a live worker: it is busy, not gone
             if where.holds and where.attempt == st.attempt:
@@ -281,6 +282,22 @@ class NatsBackend:
 
     def _stale(self, worker: str, now: float) -> bool:
         return self.heartbeats.gone(worker, now)
+
+    def _deaf(self, st: _Flight, now: float) -> bool:
+        """No heartbeat from any service, this gateway's own included: its own link to the bus is
+        the suspect (its nats-server frozen, its host cut off: the client leaves such a server
+        after a few unanswered pings), not the holder — wait for the link, for up to
+        TANDEM_RESUME_WAIT_S (every worker of the node frozen at once is then resumed). It
+        blamed the holder: "worker decode-b stopped answering" while decode-b streamed on
+        through another server of the cluster."""
+        if self.heartbeats.heard_any(now):
+            st.deaf_since = None
+            return False
+        if st.deaf_since is None:
+            st.deaf_since = now
+            log.warning("%s: no heartbeat from any service: this gateway's link to the bus is the suspect, not "
+                        "%s; waiting for it", st.req.request_id, st.holder)
+        return now - st.deaf_since < self.settings.resume_wait_s
 
     async def _resume(self, st: _Flight, why: str, dead: str, lost: bool = True, silent: bool = False) -> None:
         """Go on from the next token the client has not seen, on another worker (module doc);

@@ -221,3 +221,40 @@ async def test_a_refused_login_fails_fast_against_a_cluster_too(cluster, tmp_pat
     with pytest.raises(BusError, match="wrong credentials"):
         await asyncio.wait_for(Bus.connect(NatsSettings(url=c.servers[1].url, user="tandem-router", password="wrong"),
                                            name="t-bad"), 30)
+
+
+async def test_a_frozen_server_is_left_for_another(cluster):
+    """A nats-server that stops answering with its connections open (SIGSTOP here; a hung host,
+    a host whose network dropped) was never left: nats-py's pings (2 unanswered of 120 s) kept
+    every service of that host on it for ~4 minutes, and the whole stack stood still while the
+    other two servers were fine. Each client pings every TANDEM_NATS_PING_S and leaves a server
+    that answers none of PINGS_OUTSTANDING, for a server it learnt from the cluster (it was
+    given only its own host's)."""
+    import os
+    import signal
+
+    from shared.settings import PINGS_OUTSTANDING
+    c, path = cluster
+    ping = 0.3
+
+    async def on(i: int, role: str) -> Bus:   # knowing only server i, as a host's services do
+        return await Bus.connect(NatsSettings(url=f"nats://127.0.0.1:{c.servers[i].port}", creds_file=path,
+                                              ping_s=ping), name=f"t-{role}-{i}", role=role)
+    frozen, other = await on(0, "cpu-decode"), await on(1, bus_auth.GATEWAY)
+    sub = await other.subscribe(subjects.stream("frozen-1"))
+    pid = c.servers[0].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        await wait_for("the client left the frozen server", lambda: _true(
+            frozen.nc.is_connected and server_of(c, frozen) != 0), timeout=(PINGS_OUTSTANDING + 2) * ping + 10)
+        left = time.monotonic() - t0
+        await frozen.publish(subjects.stream("frozen-1"), StreamChunk(request_id="frozen-1", seq=0, token_ids=[1],
+                                                                           text="on", worker="w"))
+        got = await sub.next(timeout=5)
+        assert got.text == "on" and left < (PINGS_OUTSTANDING + 2) * ping + 5, left
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await sub.unsubscribe()
+        for b in (frozen, other):
+            await b.close()

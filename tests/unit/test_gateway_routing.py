@@ -96,3 +96,43 @@ async def test_no_router_within_the_wait_is_a_504(monkeypatch):
         _ = [o async for o in backend(bus, wait=1.0).generate(request())]
     assert e.value.code == "timeout" and e.value.status == 504 and "tried for 1 s" in e.value.message
     assert len(bus.routes) >= 2      # asked again before giving up
+
+
+async def test_a_silent_holder_is_blamed_only_while_other_services_are_heard():
+    """The holder does not answer its Where and sends no heartbeat. While other services' beats
+    arrive it is resumed without (silent); while none at all arrive — this gateway's own nats-server
+    frozen, its host cut off — its link is the suspect: it waits (a probe saw "worker decode-b
+    stopped answering" while decode-b streamed on through another server), for up to
+    TANDEM_RESUME_WAIT_S."""
+    from shared import liveness
+    from shared.schemas import Heartbeat
+
+    class Silent(FakeBus):
+        async def request(self, subject, msg, timeout=None, expected=None):
+            raise BusError("timeout", f"no reply on {subject}")
+
+    b = backend(Silent(router_back=None), wait=5.0)
+    resumed = []
+
+    async def resume(st, why, dead, lost=True, silent=False):
+        resumed.append((why, dead, silent))
+    b._resume = resume
+    st = nats_backend._Flight(request(), SamplingParams(max_tokens=4), holder="w")
+
+    def beat(worker: str, at: float) -> None:
+        b.heartbeats.seen(Heartbeat(worker_id=worker, role=subjects.ROUTER, device="cpu", model="m", ready=True,
+                                    queue_depth=0, running=0, free_kv_blocks=0, total_kv_blocks=0, max_context=0,
+                                    data_host="", data_port=0, ts=0.0, interval=1.0), at)
+    now = liveness.clock()
+    beat("w", now - 10)                       # the holder: silent for 10 s
+    beat("router-1", now - 10)                # ... and every other service too
+    await b._check(st)
+    assert resumed == [] and st.deaf_since is not None
+    st.deaf_since -= 5.1                      # deaf for longer than TANDEM_RESUME_WAIT_S
+    await b._check(st)
+    assert resumed == [("worker w stopped answering (no heartbeat)", "w", True)]
+    resumed.clear()
+    st.deaf_since = None
+    beat("router-1", liveness.clock())        # another service is heard: the holder is the silent one
+    await b._check(st)
+    assert resumed == [("worker w stopped answering (no heartbeat)", "w", True)] and st.deaf_since is None
