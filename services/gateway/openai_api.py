@@ -267,8 +267,9 @@ _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """OpenAI messages -> the ``[{"role", "content"}]`` a chat template takes (text only), plus
-    ``tool_calls`` of assistant turns and ``tool_call_id`` of tool turns."""
-    out = []
+    ``tool_calls`` of assistant turns and ``tool_call_id`` of tool turns (each answering a call of
+    an earlier assistant turn, as OpenAI checks)."""
+    out, calls = [], set()
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
             raise bad_param(f"messages[{i}].role", f"unsupported role {m.role!r}: expected one of "
@@ -297,10 +298,14 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise bad_param(f"messages[{i}].tool_calls[{j}]", "a tool call is {\"id\", \"type\": "
                                     "\"function\", \"function\": {\"name\", \"arguments\"}}")
+                calls.add(c.get("id"))
             msg["tool_calls"] = m.tool_calls
         if m.role == "tool":
             if not m.tool_call_id:
                 raise bad_param(f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers")
+            if m.tool_call_id not in calls:
+                raise bad_param(f"messages[{i}].tool_call_id", f"tool_call_id {m.tool_call_id[:64]!r} answers no "
+                                "tool call of an earlier assistant message (its tool_calls)")
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out

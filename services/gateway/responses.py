@@ -82,7 +82,14 @@ class ResponsesRequest(BaseModel):
 
 # fields of OpenAI's Responses API this server refuses rather than ignores (they change the contract)
 UNSUPPORTED = {"background": "responses run in the foreground (the request waits for its answer)",
-               "conversation": "continue a conversation with previous_response_id"}
+               "conversation": "continue a conversation with previous_response_id",
+               "prompt": "no prompt templates are stored here: send the instructions and input",
+               "top_logprobs": "log probabilities are on /v1/chat/completions (logprobs, top_logprobs)"}
+# OpenAI's ``include`` values: what they add is output of hosted tools, images or reasoning, none
+# of which this server makes (nothing to add), or logprobs (refused as top_logprobs)
+INCLUDE = {"web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs",
+           "computer_call_output.output.image_url", "file_search_call.results", "message.input_image.image_url",
+           "reasoning.encrypted_content"}
 # a chat parameter an error names -> the Responses parameter it came from
 PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
@@ -130,11 +137,18 @@ def input_messages(items: str | list[dict], history: list[dict] = ()) -> list[di
     """Responses ``input`` -> chat messages (OpenAI chat shape). ``reasoning`` items are dropped
     (the model has no reasoning mode; their text is not the model's to see again). A
     ``function_call_output`` answers a call of ``history`` (the previous response's conversation)
-    or of an earlier item, else 400, as OpenAI's ("No tool call found ...")."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+    or of an earlier item, once, and every call is answered — the previous response's calls and
+    the items' own — else 400, as OpenAI's ("No tool call found ...", "No tool output found
+    ...")."""
     calls = {c.get("id") for m in history for c in (m.get("tool_calls") or [])}
+    answered = {m.get("tool_call_id") for m in history if m.get("role") == "tool"}
+    pending = [c.get("id") for m in history for c in (m.get("tool_calls") or []) if c.get("id") not in answered]
+    if isinstance(items, str):
+        _all_answered(pending, set())
+        return [{"role": "user", "content": items}]
     out: list[dict] = []
+    asked: list[str] = []          # the items' own calls, in order
+    outputs: set[str] = set()      # calls the items answer
     for i, it in enumerate(items):
         kind = it.get("type", "message" if "role" in it else None)
         if kind == "message":
@@ -147,6 +161,7 @@ def input_messages(items: str | list[dict], history: list[dict] = ()) -> list[di
             call = {"id": it.get("call_id") or it.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                     "function": {"name": it.get("name", ""), "arguments": it.get("arguments", "")}}
             calls.add(call["id"])
+            asked.append(call["id"])
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                 out[-1]["tool_calls"].append(call)   # parallel calls of one assistant turn
             else:
@@ -158,6 +173,10 @@ def input_messages(items: str | list[dict], history: list[dict] = ()) -> list[di
             if it["call_id"] not in calls:
                 raise bad_param(f"input[{i}].call_id", f"no tool call found for function call output with call_id "
                                                        f"{str(it['call_id'])[:64]!r}")
+            if it["call_id"] in answered or it["call_id"] in outputs:
+                raise bad_param(f"input[{i}].call_id", f"the function call {str(it['call_id'])[:64]!r} has an output "
+                                                       "already: each call is answered once")
+            outputs.add(it["call_id"])
             output = it["output"]
             out.append({"role": "tool", "tool_call_id": it.get("call_id", ""),
                         "content": output if isinstance(output, str) else _text(output, f"input[{i}].output")})
@@ -167,7 +186,15 @@ def input_messages(items: str | list[dict], history: list[dict] = ()) -> list[di
             raise bad_param(f"input[{i}].type", f"unsupported input item type {kind!r}: expected message, "
                                                 f"function_call, function_call_output or reasoning",
                             code="unsupported_parameter")
+    _all_answered(pending + asked, outputs)
     return out
+
+
+def _all_answered(calls: list[str], outputs: set[str]) -> None:
+    missing = next((c for c in calls if c not in outputs), None)
+    if missing is not None:   # the model would see a call without its result (OpenAI refuses it too)
+        raise bad_param("input", f"No tool output found for function call {str(missing)[:64]}: give it a "
+                                 "function_call_output item")
 
 
 def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[str]]:
@@ -186,9 +213,22 @@ def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[str]]:
 
 
 def chat_tool_choice(choice: Any) -> Any:
+    """Responses' ``tool_choice`` in the chat shape. ``allowed_tools`` keeps its functions (the
+    hosted tools it lists are not run here: with none left, the model chooses); a hosted tool's
+    type: the model chooses."""
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    if isinstance(choice, dict):  # a hosted tool type, or allowed_tools: let the model choose
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        listed = choice.get("tools")
+        if not isinstance(listed, list):
+            raise bad_param("tool_choice.tools", "allowed_tools lists its tools: [{\"type\": \"function\", "
+                                                 "\"name\": ...}, ...]")
+        fns = [{"type": "function", "function": {"name": t.get("name")}} for t in listed
+               if isinstance(t, dict) and t.get("type") == "function"]
+        if not fns:
+            return "auto"
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": fns}}
+    if isinstance(choice, dict):  # a hosted tool type: let the model choose
         return "auto"
     return choice
 
@@ -198,6 +238,10 @@ def chat_response_format(text: dict | None) -> dict | None:
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("name"), str):
+            raise bad_param("text.format.name", "a json_schema format needs its name, a string")
+        if not isinstance(fmt.get("schema", {}), dict):
+            raise bad_param("text.format.schema", "a json_schema format's schema is a JSON schema object")
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
     return {"type": fmt.get("type")}
@@ -249,8 +293,9 @@ async def unless_unavailable(op):
 async def load(request: Request, rid: str, param: str = "response_id") -> StoredResponse:
     check_id(rid, param)
     record = await unless_unavailable(store_of(request).get(request.state.tenant, rid))
-    if record is None:
-        raise APIError(404, f"No response found with id '{rid}'.", param=param, code="not_found")
+    if record is None:   # (an answer says "store": false where the bus could not store it)
+        raise APIError(404, f"No response found with id '{rid}'. Only a response answered with \"store\": true "
+                            "is kept: one answered with \"store\": false was not stored.", param=param, code="not_found")
     return StoredResponse.from_dict(record)
 
 
@@ -423,6 +468,13 @@ async def create_response(request: Request) -> Response:
     for field, why in UNSUPPORTED.items():
         if (req.model_extra or {}).get(field):
             raise bad_param(field, f"{field} is not supported: {why}", code="unsupported_parameter")
+    for j, what in enumerate(req.include or []):
+        if what == "message.output_text.logprobs":
+            raise bad_param(f"include[{j}]", f"{what} is not supported: {UNSUPPORTED['top_logprobs']}",
+                            code="unsupported_parameter")
+        if what not in INCLUDE:
+            raise bad_param(f"include[{j}]", f"unknown include value {what[:80]!r}: one of "
+                                             f"{', '.join(sorted(INCLUDE | {'message.output_text.logprobs'}))}")
     check_metadata(req.metadata)
     store_it = req.store is not False
     previous = await load(request, req.previous_response_id, "previous_response_id") \
@@ -436,6 +488,10 @@ async def create_response(request: Request) -> Response:
     tools, dropped = chat_tools(req.tools)
     if dropped:
         log.info("%s leaving out tools the server cannot run: %s", rid, ", ".join(dropped))
+    choice = chat_tool_choice(req.tool_choice)
+    if choice == "required" and not tools and dropped:   # only hosted tools: none to call here (never a 400 that stops
+        log.info("%s: tool_choice 'required' over tools the server cannot run: answered as 'auto'", rid)
+        choice = "auto"                      # an agent: Codex sends web_search)
     # the conversation's session: its turns go to the worker holding its prefix
     session = req.session_id or (session_of(req.prompt_cache_key) if req.prompt_cache_key else None) \
         or (previous.session if previous else None) or (rid if store_it else None)
@@ -445,7 +501,7 @@ async def create_response(request: Request) -> Response:
         "sla": req.sla, "tier": req.tier, "session_id": session, "cache_salt": req.cache_salt,
         "prompt_cache_retention": resolve_retention(req.prompt_cache_retention) or None,
         "ignore_eos": req.ignore_eos,
-        "tools": tools, "tool_choice": chat_tool_choice(req.tool_choice),
+        "tools": tools, "tool_choice": choice,
         "response_format": chat_response_format(req.text), "top_k": req.top_k, "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
@@ -459,6 +515,9 @@ async def create_response(request: Request) -> Response:
         if e.param:
             head, dot, rest = e.param.partition(".")
             e.param = PARAMS.get(head, head) + dot + rest
+            e.param = e.param.replace("tool_choice.allowed_tools.", "tool_choice.")
+        for chat in ("max_completion_tokens", "response_format"):   # (not "messages": a plain word too)
+            e.message = e.message.replace(chat, PARAMS[chat])
         raise
     gens = [dataclasses.replace(g, params=("input", "max_output_tokens")) for g in gens]   # a context error's param
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,

@@ -166,14 +166,42 @@ class ToolPlan:
             fn = next(t for t in self.tools if t["name"] == self.name)
             return {"kind": "json_schema", "value": _params(fn)}
         if self.mode == "required":
-            item = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _params(t)},
-                               "required": ["name", "arguments"], "additionalProperties": False}
-                              for t in self.tools]}
-            arr = {"type": "array", "items": item, "minItems": 1}
+            defs, items = {}, []
+            for i, t in enumerate(self.tools):
+                args = _params(t)
+                if _has_ref(args):   # its "#/$defs/..." pointers are about its own root: it becomes a
+                    defs[f"tool{i}"] = _rebased(args, f"#/$defs/tool{i}")   # definition of the array's
+                    args = {"$ref": f"#/$defs/tool{i}"}
+                items.append({"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": args},
+                              "required": ["name", "arguments"], "additionalProperties": False})
+            arr = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
             if not self.parallel:
                 arr["maxItems"] = 1
+            if defs:
+                arr["$defs"] = defs
             return {"kind": "json_schema", "value": arr}
         return None
+
+
+def _has_ref(schema) -> bool:
+    if isinstance(schema, dict):
+        return isinstance(schema.get("$ref"), str) or any(_has_ref(v) for v in schema.values())
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+
+
+def _rebased(schema, base: str):
+    """``schema`` with its local references (``#``, ``#/$defs/X``, ``#/definitions/X``) pointing
+    into ``base`` instead of the root: ``required`` nests each tool's parameters in one array
+    schema, where pydantic's and the Agents SDK's ``$defs`` pointers found nothing (400)."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def _params(fn: dict) -> dict:
@@ -235,6 +263,8 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) 
                             f"\"object\", got type {fn['parameters'].get('type')!r}")
         fns.append({k: fn[k] for k in ("name", "description", "parameters") if k in fn})
     choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        choice, fns = _allowed(choice.get("allowed_tools"), fns)
     if choice == "none" or not fns:
         if choice not in ("none", "auto"):
             raise bad_param("tool_choice", "tool_choice needs tools")
@@ -249,6 +279,27 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) 
     if name not in {f["name"] for f in fns}:
         raise bad_param("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
     return ToolPlan("named", fns, name=name, parallel=False)
+
+
+def _allowed(allowed: Any, fns: list[dict]) -> tuple[str, list[dict]]:
+    """``tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}`` -> the mode
+    (``auto`` or ``required``) over the listed functions only (the model sees only those)."""
+    mode = allowed.get("mode") if isinstance(allowed, dict) else None
+    listed = allowed.get("tools") if isinstance(allowed, dict) else None
+    if mode not in ("auto", "required") or not isinstance(listed, list) or not listed:
+        raise bad_param("tool_choice.allowed_tools", "allowed_tools is {\"mode\": \"auto\" or \"required\", "
+                        "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": ...}}, ...]}")
+    have, names = {f["name"] for f in fns}, set()
+    for j, t in enumerate(listed):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise bad_param(f"tool_choice.allowed_tools.tools[{j}]", "each allowed tool is {\"type\": \"function\", "
+                            "\"function\": {\"name\": ...}}")
+        if name not in have:
+            raise bad_param(f"tool_choice.allowed_tools.tools[{j}]", f"{name[:64]!r} is not among the tools")
+        names.add(name)
+    return mode, [f for f in fns if f["name"] in names]
 
 
 def turn_guide(plan: ToolPlan, rf: dict | None) -> tuple[dict | None, str]:

@@ -524,6 +524,12 @@ ERRORS = [
     ("tool message without its call id", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]), {}, 400,
      "messages[1].tool_call_id", "invalid_parameter"),
+    # OpenAI: a tool message answers a call of an earlier assistant message (the Responses API checked)
+    ("tool message answering no call", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+         {"role": "tool", "tool_call_id": "call_2", "content": "42"}]), {}, 400,
+     "messages[2].tool_call_id", "invalid_parameter"),
     # strict types, as OpenAI's: no string for a number or a boolean, no number for a boolean
     ("max_tokens as a string", "/v1/chat/completions", _chat(max_tokens="5"), {}, 400, "max_tokens",
      "invalid_parameter"),

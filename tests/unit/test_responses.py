@@ -201,6 +201,23 @@ def test_errors_name_the_responses_parameters(served, backend):
             ({"tool_choice": "required"}, 400, "tool_choice", "invalid_parameter"),
             ({"text": {"format": {"type": "yaml"}}}, 400, "text.format.type", "invalid_parameter"),
             ({"background": True}, 400, "background", "unsupported_parameter"),
+            ({"prompt": {"id": "pmpt_1"}}, 400, "prompt", "unsupported_parameter"),
+            ({"top_logprobs": 3}, 400, "top_logprobs", "unsupported_parameter"),
+            ({"include": ["reasoning.encrypted_content", "nope"]}, 400, "include[1]", "invalid_parameter"),
+            ({"include": ["message.output_text.logprobs"]}, 400, "include[0]", "unsupported_parameter"),
+            ({"text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text.format.name", "invalid_parameter"),
+            # allowed_tools (OpenAI's shape) naming a function the request does not have
+            ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {
+                "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "g"}]}}, 400,
+             "tool_choice.tools[0]", "invalid_parameter"),
+            # a call without its output (OpenAI: "No tool output found for function call ..."), one
+            # answered twice
+            ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                        {"role": "user", "content": "and?"}]}, 400, "input", "invalid_parameter"),
+            ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                        {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+                        {"type": "function_call_output", "call_id": "call_1", "output": "2"}]}, 400,
+             "input[2].call_id", "invalid_parameter"),
             ({"conversation": "conv_1"}, 400, "conversation", "unsupported_parameter"),
             ({"stream": "yes"}, 400, "stream", "invalid_parameter"),
             # metadata as OpenAI takes it (16 string pairs; keys <= 64, values <= 512 characters):
@@ -217,6 +234,13 @@ def test_errors_name_the_responses_parameters(served, backend):
         for method, path in (("GET", ""), ("GET", "/input_items"), ("DELETE", "")):
             r = httpx.request(method, f"{url}/{rid}{path}", headers=h)
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, rid, r.text)
+    r = httpx.post(url, json={"model": MODEL, "input": "x", "max_output_tokens": 0}, headers=h)
+    assert "max_output_tokens" in r.json()["error"]["message"] and "max_completion" not in r.text, r.text
+    # hosted tools only (Codex sends web_search): nothing to force here, never a 400 that stops an agent
+    for choice in ("required", {"type": "allowed_tools", "mode": "required", "tools": [{"type": "web_search"}]}):
+        r = httpx.post(url, json={"model": MODEL, "input": "x", "tools": [{"type": "web_search"}], "tool_choice": choice,
+                                  "include": ["reasoning.encrypted_content"]}, headers=h)
+        assert r.status_code == 200, r.text
     # an output answering a call made earlier in the input is taken
     r = httpx.post(url, json={"model": MODEL, "input": [
         {"role": "user", "content": "weather?"},

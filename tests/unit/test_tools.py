@@ -288,3 +288,80 @@ def test_a_reply_in_the_history_keeps_the_tokens_it_was_generated_as():
     whole = "<s>user: Hi</s><s>assistant: two</s>"
     assert encode_turns(tok, whole, "<s>user: Hi</s><s>assistant: \x00tandem-reply-1\x00</s>",
                         {"\x00tandem-reply-1\x00": "  two"}) == tok.encode(whole, add_special_tokens=False)
+
+
+def test_a_required_call_s_schemas_keep_their_own_definitions():
+    """``required`` nests each tool's parameters in one array schema: the "#/$defs/..." pointers
+    pydantic and the Agents SDK write for nested models (and draft-07 "#/definitions/...", and "#"
+    for a recursive one) pointed at that array's root, where nothing was (400 invalid_schema).
+    Each such tool's parameters become a definition of the array, their pointers rebased; two
+    tools naming the same definition keep theirs apart; the grammar compiles."""
+    from shared.engine.grammar import GrammarCompiler
+    from shared.engine.model_files import load_tokenizer
+    ship = {"type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}, "kg": {"type": "integer"}},
+            "required": ["to", "kg"], "$defs": {"Address": {"type": "object", "properties": {
+                "city": {"type": "string"}}, "required": ["city"]}}}
+    tag = {"type": "object", "properties": {"a": {"$ref": "#/definitions/Address"}, "next": {"$ref": "#"}},
+           "required": ["a"], "definitions": {"Address": {"type": "integer"}}}
+    fns = [{"type": "function", "function": {"name": "ship", "parameters": ship}},
+           {"type": "function", "function": {"name": "tag", "parameters": tag}}, WEATHER]
+    before = json.dumps(fns, sort_keys=True)
+    guide = tool_plan(fns, "required", None).guide()
+    assert json.dumps(fns, sort_keys=True) == before          # the caller's schemas are left as they were
+    schema = guide["value"]
+    jsonschema.validate([{"name": "ship", "arguments": {"to": {"city": "Oslo"}, "kg": 2}},
+                         {"name": "tag", "arguments": {"a": 1, "next": {"a": 2}}},
+                         {"name": "get_weather", "arguments": {"city": "Oslo"}}], schema)
+    for bad in ([{"name": "ship", "arguments": {"to": {"town": "Oslo"}, "kg": 2}}],   # closed: no "town"
+                [{"name": "ship", "arguments": {"to": 3, "kg": 2}}],
+                [{"name": "tag", "arguments": {"a": {"city": "x"}}}],             # tag's Address is an integer
+                [{"name": "tag", "arguments": {"a": 1, "next": {"a": "x"}}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert "$ref" not in json.dumps(schema["items"]["anyOf"][2])   # a tool without pointers stays inline
+    tok, _ = load_tokenizer()
+    GrammarCompiler(tok).compile(guide)   # was: "Pointer '/$defs/Address' does not exist"
+
+
+def test_allowed_tools_limit_the_calls_to_the_listed_functions():
+    """OpenAI's ``tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``: the
+    model calls only the listed functions, ``required`` forcing one (it was taken as ``auto``
+    over every tool on /v1/responses, and refused on chat)."""
+    def allowed(mode, *names):
+        return {"type": "allowed_tools", "allowed_tools": {
+            "mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+    plan = tool_plan([WEATHER, TIME], allowed("required", "get_time"), None)
+    assert plan.mode == "required" and [t["name"] for t in plan.tools] == ["get_time"]
+    schema = plan.guide()["value"]
+    jsonschema.validate([{"name": "get_time", "arguments": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Oslo"}}], schema)
+    plan = tool_plan([WEATHER, TIME], allowed("auto", "get_weather"), None)
+    assert plan.mode == "auto" and [t["name"] for t in plan.tools] == ["get_weather"] and plan.guide() is None
+    for bad, param in ((allowed("required", "nope"), "tool_choice.allowed_tools.tools[0]"),
+                       (allowed("sometimes", "get_time"), "tool_choice.allowed_tools"),
+                       (allowed("auto"), "tool_choice.allowed_tools"),
+                       ({"type": "allowed_tools"}, "tool_choice.allowed_tools")):
+        with pytest.raises(APIError) as e:
+            tool_plan([WEATHER, TIME], bad, None)
+        assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_a_call_the_previous_response_made_needs_its_output():
+    """The previous response ended with calls: the next turn gives each its output (OpenAI: "No
+    tool output found for function call ..."), once."""
+    from services.gateway.responses import input_messages
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    out = [{"type": "function_call_output", "call_id": c, "output": "1"} for c in ("call_1", "call_2")]
+    assert [m["tool_call_id"] for m in input_messages(out, history)] == ["call_1", "call_2"]
+    for items in ("and now?", out[:1], out + [{"role": "user", "content": "ok"}, out[0]]):
+        with pytest.raises(APIError) as e:
+            input_messages(items, history)
+        assert e.value.status == 400
+    done = history + [{"role": "tool", "tool_call_id": c, "content": "1"} for c in ("call_1", "call_2")]
+    assert input_messages("and now?", done) == [{"role": "user", "content": "and now?"}]
+    with pytest.raises(APIError) as e:      # answered in an earlier turn already
+        input_messages(out[:1], done)
+    assert e.value.param == "input[0].call_id"
