@@ -23,7 +23,7 @@ from shared.tier import TIERS, Tier
 
 from .backend import Tokenizer
 from .errors import APIError, bad_param
-from .tools import ChoiceTools, ToolPlan
+from .tools import ChoiceTools, ToolPlan, ToolTurns
 
 # ---- request parsing ------------------------------------------------------------------------
 
@@ -268,8 +268,8 @@ _ROLES = {"system", "developer", "user", "assistant", "tool"}
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """OpenAI messages -> the ``[{"role", "content"}]`` a chat template takes (text only), plus
     ``tool_calls`` of assistant turns and ``tool_call_id`` of tool turns (each answering a call of
-    an earlier assistant turn, as OpenAI checks)."""
-    out, calls = [], set()
+    an earlier assistant turn, once, and every call answered: ``ToolTurns``, as OpenAI checks)."""
+    out, turns = [], ToolTurns()
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
             raise bad_param(f"messages[{i}].role", f"unsupported role {m.role!r}: expected one of "
@@ -298,16 +298,19 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise bad_param(f"messages[{i}].tool_calls[{j}]", "a tool call is {\"id\", \"type\": "
                                     "\"function\", \"function\": {\"name\", \"arguments\"}}")
-                calls.add(c.get("id"))
+                turns.call(c.get("id"))
             msg["tool_calls"] = m.tool_calls
         if m.role == "tool":
             if not m.tool_call_id:
                 raise bad_param(f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers")
-            if m.tool_call_id not in calls:
-                raise bad_param(f"messages[{i}].tool_call_id", f"tool_call_id {m.tool_call_id[:64]!r} answers no "
-                                "tool call of an earlier assistant message (its tool_calls)")
+            if (wrong := turns.answer(m.tool_call_id)) is not None:
+                raise bad_param(f"messages[{i}].tool_call_id", f"{wrong} (a tool message answers a call of an "
+                                "earlier assistant message's tool_calls)")
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
+    if (missing := turns.missing()) is not None:
+        raise bad_param("messages", f"an assistant message's tool_calls must each be answered by a tool message: "
+                                    f"the call {str(missing)[:64]!r} has none")
     return out
 
 

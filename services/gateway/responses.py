@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from . import streaming
 from .handlers import check_auth, generation_body, prepare_chat, state, validated
 from .response_store import ResponseStore, StoredResponse, StoreUnavailable
+from .tools import ToolTurns
 from .openai_api import (
     _STRICT, Accumulator, APIError, ChatCompletionRequest, ChatFormat, _Format, bad_param, json_response,
     resolve_retention, session_of,
@@ -138,17 +139,18 @@ def input_messages(items: str | list[dict], history: list[dict] = ()) -> list[di
     (the model has no reasoning mode; their text is not the model's to see again). A
     ``function_call_output`` answers a call of ``history`` (the previous response's conversation)
     or of an earlier item, once, and every call is answered — the previous response's calls and
-    the items' own — else 400, as OpenAI's ("No tool call found ...", "No tool output found
-    ...")."""
-    calls = {c.get("id") for m in history for c in (m.get("tool_calls") or [])}
-    answered = {m.get("tool_call_id") for m in history if m.get("role") == "tool"}
-    pending = [c.get("id") for m in history for c in (m.get("tool_calls") or []) if c.get("id") not in answered]
+    the items' own (``ToolTurns``) — else 400, as OpenAI's ("No tool call found ...", "No tool
+    output found ...")."""
+    turns = ToolTurns()
+    for m in history:   # (the stored conversation: as it was taken)
+        for c in m.get("tool_calls") or []:
+            turns.call(c.get("id"))
+        if m.get("role") == "tool":
+            turns.answer(m.get("tool_call_id"))
     if isinstance(items, str):
-        _all_answered(pending, set())
+        _all_answered(turns)
         return [{"role": "user", "content": items}]
     out: list[dict] = []
-    asked: list[str] = []          # the items' own calls, in order
-    outputs: set[str] = set()      # calls the items answer
     for i, it in enumerate(items):
         kind = it.get("type", "message" if "role" in it else None)
         if kind == "message":
@@ -158,10 +160,12 @@ def input_messages(items: str | list[dict], history: list[dict] = ()) -> list[di
                                                     f"developer or assistant")
             out.append({"role": role, "content": _text(it.get("content", ""), f"input[{i}].content")})
         elif kind == "function_call":
-            call = {"id": it.get("call_id") or it.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            if not isinstance(it.get("call_id"), str) or not it["call_id"]:
+                raise bad_param(f"input[{i}].call_id", "a function_call item needs its call_id (the id its "
+                                                       "function_call_output answers)")
+            call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it.get("name", ""), "arguments": it.get("arguments", "")}}
-            calls.add(call["id"])
-            asked.append(call["id"])
+            turns.call(call["id"])
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                 out[-1]["tool_calls"].append(call)   # parallel calls of one assistant turn
             else:
@@ -170,13 +174,8 @@ def input_messages(items: str | list[dict], history: list[dict] = ()) -> list[di
             for field in ("call_id", "output"):
                 if field not in it:
                     raise bad_param(f"input[{i}].{field}", f"a function_call_output item needs its {field}")
-            if it["call_id"] not in calls:
-                raise bad_param(f"input[{i}].call_id", f"no tool call found for function call output with call_id "
-                                                       f"{str(it['call_id'])[:64]!r}")
-            if it["call_id"] in answered or it["call_id"] in outputs:
-                raise bad_param(f"input[{i}].call_id", f"the function call {str(it['call_id'])[:64]!r} has an output "
-                                                       "already: each call is answered once")
-            outputs.add(it["call_id"])
+            if (wrong := turns.answer(it["call_id"])) is not None:
+                raise bad_param(f"input[{i}].call_id", wrong)
             output = it["output"]
             out.append({"role": "tool", "tool_call_id": it.get("call_id", ""),
                         "content": output if isinstance(output, str) else _text(output, f"input[{i}].output")})
@@ -186,13 +185,12 @@ def input_messages(items: str | list[dict], history: list[dict] = ()) -> list[di
             raise bad_param(f"input[{i}].type", f"unsupported input item type {kind!r}: expected message, "
                                                 f"function_call, function_call_output or reasoning",
                             code="unsupported_parameter")
-    _all_answered(pending + asked, outputs)
+    _all_answered(turns)
     return out
 
 
-def _all_answered(calls: list[str], outputs: set[str]) -> None:
-    missing = next((c for c in calls if c not in outputs), None)
-    if missing is not None:   # the model would see a call without its result (OpenAI refuses it too)
+def _all_answered(turns: ToolTurns) -> None:
+    if (missing := turns.missing()) is not None:   # the model would see a call without its result
         raise bad_param("input", f"No tool output found for function call {str(missing)[:64]}: give it a "
                                  "function_call_output item")
 

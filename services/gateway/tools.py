@@ -40,6 +40,33 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+class ToolTurns:
+    """A conversation's tool calls and their outputs, in order, as OpenAI checks them: an output
+    answers an open call of its id (a later turn may use an id again: some backends number calls
+    per turn), each call once, and no call is left without one."""
+
+    def __init__(self):
+        self.open: list[str] = []      # calls without an output yet, in the order they were made
+        self.made: set[str] = set()
+
+    def call(self, cid: str) -> None:
+        self.open.append(cid)
+        self.made.add(cid)
+
+    def answer(self, cid: str) -> str | None:
+        """Take an output for ``cid``; what is wrong with it, or None."""
+        if cid not in self.made:
+            return f"no tool call found for the output with call id {str(cid)[:64]!r}"
+        if cid not in self.open:
+            return f"the tool call {str(cid)[:64]!r} has an output already: each call is answered once"
+        self.open.remove(cid)
+        return None
+
+    def missing(self) -> str | None:
+        """A call left without an output (the first), or None."""
+        return self.open[0] if self.open else None
+
+
 def _call_from(obj: Any, args_keys=("arguments", "parameters")) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None

@@ -365,3 +365,31 @@ def test_a_call_the_previous_response_made_needs_its_output():
     with pytest.raises(APIError) as e:      # answered in an earlier turn already
         input_messages(out[:1], done)
     assert e.value.param == "input[0].call_id"
+    # a later turn may use an id again (some backends number calls per turn): it answers that call
+    again = [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}, out[0]]
+    assert [m["role"] for m in input_messages(again, done)] == ["assistant", "tool"]
+    with pytest.raises(APIError) as e:      # a call the client gives no id: nothing could answer it
+        input_messages([{"type": "function_call", "name": "f", "arguments": "{}"}], done)
+    assert e.value.param == "input[0].call_id"
+
+
+def test_chat_tool_turns_are_checked_as_openai_does():
+    """A tool message answers an open call of an earlier assistant turn, once; every call gets
+    one; an id used again by a later turn is that turn's call."""
+    from services.gateway.openai_api import ChatMessage, chat_messages
+
+    def call(*ids):
+        return ChatMessage(role="assistant", tool_calls=[
+            {"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}} for c in ids])
+
+    def tool(cid):
+        return ChatMessage(role="tool", tool_call_id=cid, content="1")
+    user = ChatMessage(role="user", content="x")
+    ok = [user, call("call_0", "call_1"), tool("call_1"), tool("call_0"), user, call("call_0"), tool("call_0"), user]
+    assert [m["role"] for m in chat_messages(ok)][-2:] == ["tool", "user"]
+    for bad, param in (([user, call("call_0"), user], "messages"),                            # never answered
+                       ([user, call("call_0"), tool("call_0"), tool("call_0")], "messages[3].tool_call_id"),
+                       ([user, tool("call_0")], "messages[1].tool_call_id")):
+        with pytest.raises(APIError) as e:
+            chat_messages(bad)
+        assert (e.value.status, e.value.param) == (400, param)
