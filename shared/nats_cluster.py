@@ -95,17 +95,25 @@ def tls_block(cert: str, key: str, ca: str | None, verify: bool) -> dict:
     return block
 
 
+ROUTE_PING_S = 2.0   # a server's pings to each route peer (cluster_config)
+ROUTE_PINGS = 3      # unanswered in a row: the route is dropped (~6-8 s)
+
+
 def cluster_config(creds: dict, routes: list[str], *, name: str = DEFAULT_CLUSTER,
                    listen: str = f"0.0.0.0:{DEFAULT_ROUTE_PORT}", account: str | None = None,
                    store_dir: str | None = None, max_file_store: str | None = None,
                    tls_cert: str | None = None, tls_key: str | None = None, tls_ca: str | None = None,
-                   tls_verify: bool = False, server_name: str | None = None) -> dict:
+                   tls_verify: bool = False, server_name: str | None = None,
+                   route_ping_s: float = ROUTE_PING_S) -> dict:
     """The configuration (a dict; JSON is NATS config) of every server of one cluster.
 
     ``routes``: every server's route address (``host[:port]``, itself included); ``listen``:
     where this server takes routes. ``creds`` must hold the ``route`` entry
     (``bus_auth.ensure_creds``). ``tls_cert``/``tls_key`` turn TLS on for clients and routes;
-    ``tls_ca`` verifies peers (routes always, clients with ``tls_verify``)."""
+    ``tls_ca`` verifies peers (routes always, clients with ``tls_verify``). A route whose peer
+    answers none of ``ROUTE_PINGS`` pings ``route_ping_s`` apart is dropped (nats-server's
+    default, 2 of 2 minutes, kept a frozen server's subscriptions — a router's, after the router
+    itself had moved — in the others' interest for ~4 minutes: requests went to it and timed out)."""
     login = bus_auth.route_login(creds)
     if login is None:
         raise ValueError("the credentials have no route entry: make them with bus_auth.ensure_creds")
@@ -128,7 +136,8 @@ def cluster_config(creds: dict, routes: list[str], *, name: str = DEFAULT_CLUSTE
         conf["server_name"] = server_name
     cluster: dict = {"name": name, "listen": listen,
                      "authorization": {"user": login[0], "password": login[1], "timeout": 2},
-                     "routes": [route_url(r, login) for r in routes]}
+                     "routes": [route_url(r, login) for r in routes],
+                     "ping_interval": f"{max(1, round(route_ping_s * 1000))}ms", "ping_max": ROUTE_PINGS}
     if tls:
         conf["tls"] = tls_block(tls_cert, tls_key, tls_ca, tls_verify)
         cluster["tls"] = tls_block(tls_cert, tls_key, tls_ca, verify=tls_ca is not None)
@@ -175,13 +184,14 @@ class EmbeddedCluster:
     def __init__(self, n: int = 3, *, creds: dict | None = None, host: str = "127.0.0.1",
                  hosts: list[str] | None = None, name: str = DEFAULT_CLUSTER,
                  base_dir: str | Path | None = None, log_dir: Path | None = None,
-                 startup_timeout: float = 20.0):
+                 startup_timeout: float = 20.0, route_ping_s: float = ROUTE_PING_S):
         self.hosts = hosts or [host] * n
         self.creds = creds or bus_auth.new_creds()
         self.name = name
         self.base_dir = Path(base_dir) if base_dir else None
         self.log_dir = log_dir
         self.startup_timeout = startup_timeout
+        self.route_ping_s = route_ping_s
         self.servers: list[EmbeddedNats] = []
         self.monitor_ports: dict[int, int] = {}   # client port -> monitoring port (/healthz)
 
@@ -193,7 +203,8 @@ class EmbeddedCluster:
         self.monitor_ports = {cp: free_port(h) for h, (cp, _) in zip(self.hosts, ports)}
         routes = [f"{h}:{rp}" for h, (_, rp) in zip(self.hosts, ports)]
         for i, (h, (cp, rp)) in enumerate(zip(self.hosts, ports)):
-            conf = cluster_config(self.creds, routes, name=self.name, listen=f"{h}:{rp}")
+            conf = cluster_config(self.creds, routes, name=self.name, listen=f"{h}:{rp}",
+                                  route_ping_s=self.route_ping_s)
             self.servers.append(EmbeddedNats(
                 host=h, port=cp, store_dir=base / f"s{i}", config=conf, server_name=f"{self.name}-{i}",
                 extra_args=["-m", str(self.monitor_ports[cp])],

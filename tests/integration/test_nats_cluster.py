@@ -258,3 +258,47 @@ async def test_a_frozen_server_is_left_for_another(cluster):
         await sub.unsubscribe()
         for b in (frozen, other):
             await b.close()
+
+
+async def test_a_frozen_server_s_interest_is_dropped_by_the_others(tmp_path):
+    """The others drop their route to a frozen server: until then they kept the interest of its
+    old clients — a router's queue subscription, after the router itself had moved to another
+    server — and sent it part of the route requests, which timed out (a probe: 88 timeouts of 3 s
+    in one 15 s freeze). ``cluster_config``'s route pings (ROUTE_PINGS unanswered: dropped)."""
+    import os
+    import signal
+
+    from shared.schemas import Ack, Where
+    path = str(tmp_path / "nats.creds")
+    c = EmbeddedCluster(3, creds=bus_auth.ensure_creds(path), log_dir=tmp_path, route_ping_s=0.3)
+    c.start()
+    c.wait_formed()
+
+    async def on(i: int, role: str) -> Bus:
+        return await Bus.connect(NatsSettings(url=f"nats://127.0.0.1:{c.servers[i].port}", creds_file=path,
+                                              ping_s=0.3), name=f"t-{role}-{i}", role=role)
+    worker, gateway = await on(0, "cpu-decode"), await on(2, bus_auth.GATEWAY)
+    subject = subjects.worker_where("w-frozen")
+
+    async def where(req: Where) -> Ack:
+        return Ack(worker="w-frozen")
+    await worker.serve(subject, where, queue="routers", expected=Where)   # as the routers serve route requests
+    await gateway.request(subject, Where(request_id="r"), timeout=5, expected=Ack)   # its interest is known
+    pid = c.servers[0].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await wait_for("the worker left the frozen server", lambda: _true(
+            worker.nc.is_connected and server_of(c, worker) != 0), timeout=15)
+        t0, answered = time.monotonic(), 0
+        while answered < 10:   # ten requests in a row answered: none went to the frozen server
+            assert time.monotonic() - t0 < 20, "requests still go to the frozen server's old interest"
+            try:
+                await gateway.request(subject, Where(request_id="r"), timeout=0.5, expected=Ack)
+                answered += 1
+            except BusError:
+                answered = 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        for b in (worker, gateway):
+            await b.close()
+        c.stop()
