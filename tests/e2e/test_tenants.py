@@ -241,7 +241,9 @@ async def test_one_key_s_flood_does_not_queue_another_key_s_request_behind_it(st
             beats[b.worker_id] = b
     watcher = asyncio.create_task(watch())
     try:
-        flood = [asyncio.create_task(one("alice", f"a{i}", 48)) for i in range(16)]
+        # long enough that no running one ends while bob's request is on its way (under load: a
+        # full test run beside two other stacks, 48 tokens let 3 end first)
+        flood = [asyncio.create_task(one("alice", f"a{i}", 128)) for i in range(16)]
         deadline = time.monotonic() + 60
         while not any(b.role == subjects.CPU_DECODE and b.queue_depth >= 8 for b in beats.values()):
             assert time.monotonic() < deadline, beats
