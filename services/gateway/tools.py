@@ -238,6 +238,7 @@ def _params(fn: dict) -> dict:
     return closed(fn.get("parameters") or {"type": "object", "properties": {}})
 
 
+SAFE_INTEGER = 2 ** 53 - 1   # JSON's exactly representable integers (JavaScript's Number.MAX_SAFE_INTEGER)
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMAS = ("items", "not", "if", "then", "else", "contains", "additionalItems")
@@ -248,7 +249,9 @@ def closed(schema):
     ``patternProperties``) closed to its declared properties — OpenAI's strict function calling
     and vLLM's default (xgrammar's strict mode) do the same: a grammar that allows any other key
     lets a small model add keys, nested ever deeper, until the token cap, and the call is lost.
-    A new schema; the caller's is not changed."""
+    An integer without bounds gets JSON's safe ones, ±(2⁵³ − 1) (16 digits at most: the 135M
+    model at temperature 0 wrote ``1000000…`` to the token cap, and the call was lost). A new
+    schema; the caller's is not changed."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -267,6 +270,9 @@ def closed(schema):
         or "properties" in out
     if is_object and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "integer" in kinds and not any(k in out for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+        out["minimum"], out["maximum"] = -SAFE_INTEGER, SAFE_INTEGER
     return out
 
 

@@ -83,7 +83,7 @@ def test_plans_and_their_guides():
     assert tool_plan([WEATHER], "none", None).mode == "none"
     assert tool_plan([WEATHER], None, None).guide() is None  # auto: free text
     named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, None)
-    assert named.guide() == {"kind": "json_schema", "value": WEATHER["function"]["parameters"]}
+    assert named.guide() == {"kind": "json_schema", "value": closed(WEATHER["function"]["parameters"])}
     req = tool_plan([WEATHER, TIME], "required", False).guide()
     check_guide(req)
     schema = req["value"]
@@ -147,6 +147,26 @@ def test_a_forced_call_s_objects_are_closed_unless_the_schema_opens_them():
     assert json.dumps(params, sort_keys=True) == before
     assert closed({"type": "object", "patternProperties": {"^x": {}}}) == {"type": "object", "patternProperties": {"^x": {}}}
     assert closed({"type": "object", "additionalProperties": True})["additionalProperties"] is True
+
+
+def test_a_forced_call_s_integers_end():
+    """An integer without bounds gets JSON's safe ones: the 135M model at temperature 0 wrote
+    1000000… to the token cap (a probe, 2026-11-30) and the call was lost; the grammar now ends
+    the number by the 16th digit. Bounds the schema gives are kept."""
+    from shared.engine.grammar import GrammarCompiler
+    from shared.engine.model_files import load_tokenizer
+    params = {"type": "object", "properties": {"n": {"type": "integer"}, "m": {"type": ["integer", "null"]},
+                                               "k": {"type": "integer", "minimum": 0}}, "required": ["n"]}
+    schema = tool_plan([{"type": "function", "function": {"name": "f", "parameters": params}}],
+                       {"type": "function", "function": {"name": "f"}}, None).guide()
+    props = schema["value"]["properties"]
+    assert (props["n"]["minimum"], props["n"]["maximum"]) == (-(2 ** 53 - 1), 2 ** 53 - 1)
+    assert props["m"]["maximum"] == 2 ** 53 - 1 and props["k"] == {"type": "integer", "minimum": 0}
+    tok, _ = load_tokenizer()
+    compiler = GrammarCompiler(tok)
+    for digits, fits in ((16, True), (17, False), (40, False)):
+        m = compiler.matcher(schema)
+        assert all(m.accept(t) for t in tok.encode('{"n":1' + "2" * (digits - 1) + "}")) is fits, digits
 
 
 def test_response_format_guides():
