@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Any], Awaitable[Any]]
 _CONNECT_ATTEMPTS = 3  # per server, before Bus.connect gives up
+RECONNECT_TIMEOUT_S = 2.0  # a reconnect's wait for a server's INFO (the first connect: TANDEM_NATS_CONNECT_TIMEOUT)
 
 
 SUBJECTS_PAGE = 100_000   # subjects one STREAM.INFO answer lists at most (the server pages past it)
@@ -287,6 +288,9 @@ class Bus:
             connecting.result()
             bus.nc = nc
             bus.nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
+            # (so it does this one): a reconnect that picks a frozen server of the pool — its TCP
+            # accepted, no INFO — waited the whole connect timeout (5 s) before the next server
+            bus.nc.options["connect_timeout"] = min(s.connect_timeout, RECONNECT_TIMEOUT_S)
             bus.connected_since = time.monotonic()
         except Exception as e:
             hint = (f" (the server refused this login: {anonymous})" if anonymous and bus.refused_login

@@ -61,7 +61,8 @@ class NatsSettings:
     tls_cert: str | None = _env("TANDEM_NATS_TLS_CERT", None, "client certificate (PEM), mutual TLS")
     tls_key: str | None = _env("TANDEM_NATS_TLS_KEY", None, "client private key (PEM), mutual TLS")
     name: str | None = _env("TANDEM_NATS_NAME", None, "connection name shown by the server")
-    connect_timeout: float = _env("TANDEM_NATS_CONNECT_TIMEOUT", 5.0, "seconds per connect attempt")
+    connect_timeout: float = _env("TANDEM_NATS_CONNECT_TIMEOUT", 5.0, "seconds per connect attempt at start "
+                                  "(a reconnect waits at most 2 s for a server, then tries the next)")
     request_timeout: float = _env("TANDEM_NATS_REQUEST_TIMEOUT", 10.0,
                                   "default seconds to wait for a bus reply")
     ping_s: float = _env("TANDEM_NATS_PING_S", 1.0,

@@ -249,6 +249,7 @@ async def test_a_frozen_server_is_left_for_another(cluster):
         await wait_for("the client left the frozen server", lambda: _true(
             frozen.nc.is_connected and server_of(c, frozen) != 0), timeout=(PINGS_OUTSTANDING + 2) * ping + 10)
         left = time.monotonic() - t0
+        assert frozen.nc.options["connect_timeout"] <= 2   # a reconnect trying the frozen server again moves on
         await frozen.publish(subjects.stream("frozen-1"), StreamChunk(request_id="frozen-1", seq=0, token_ids=[1],
                                                                            text="on", worker="w"))
         got = await sub.next(timeout=5)
