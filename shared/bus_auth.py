@@ -214,12 +214,21 @@ def write_private(path: str, text: str, replace: bool = False) -> bool:
             os.unlink(tmp)
 
 
-def server_config(creds: dict, account: str | None = None) -> dict:
+CLIENT_PING_S = 5.0   # the server's pings to a client it heard nothing from (server_config)
+CLIENT_PINGS = 3      # unanswered in a row: the client is dropped
+
+
+def server_config(creds: dict, account: str | None = None, client_ping_s: float = CLIENT_PING_S) -> dict:
     """The nats-server configuration (JSON is valid NATS config) accepting only ``creds``' users,
     each with its role's permissions: in the global account, or in ``account`` (with JetStream;
-    a server shared with other applications keeps Tandem's subjects apart that way)."""
+    a server shared with other applications keeps Tandem's subjects apart that way). A client
+    silent for ``CLIENT_PINGS`` pings ``client_ping_s`` apart is dropped, its subscriptions with
+    it (a live client pings every TANDEM_NATS_PING_S, so it is never asked): a frozen router copy
+    kept its share of the routers' queue group — session updates waited 10 s on it — for the
+    ~4 minutes of nats-server's default (2 pings of 2 minutes)."""
     users = [{"user": e["user"], "password": e["password"], "permissions": permissions(role)}
              for role, e in creds["users"].items() if role in ROLES]
+    ping = {"ping_interval": f"{max(1, round(client_ping_s * 1000))}ms", "ping_max": CLIENT_PINGS}
     if account is None:
-        return {"authorization": {"users": users}}
-    return {"accounts": {account: {"jetstream": "enabled", "users": users}}}
+        return {"authorization": {"users": users}, **ping}
+    return {"accounts": {account: {"jetstream": "enabled", "users": users}}, **ping}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import time
 
 import nats
 import nats.errors
@@ -14,7 +15,7 @@ import pytest
 from shared import bus_auth, subjects
 from shared.bus import Bus, BusError
 from shared.nats_server import EmbeddedNats
-from shared.schemas import Abort, Ack, RoutePlan, StreamChunk
+from shared.schemas import Abort, Ack, RoutePlan, StreamChunk, Where
 from shared.settings import NatsSettings, Settings
 
 QUIET = 0.5  # seconds a message that must not come is waited for (the allowed one came first)
@@ -338,3 +339,63 @@ async def test_a_role_login_wins_over_credentials_in_the_url(secured):
     finally:
         await gateway.close()
         await as_tap.close()
+
+
+async def test_a_frozen_client_leaves_its_queue_group(tmp_path):
+    """A client that stops answering (SIGSTOP: a frozen router copy) is dropped by the server, its
+    queue subscription with it, so the group's requests go to the members left (a frozen router
+    copy kept its share of the session updates, each waiting 10 s, for nats-server's ~4 minutes).
+    The live member pings (TANDEM_NATS_PING_S) and is never dropped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "nats.creds")
+    server = EmbeddedNats(config=bus_auth.server_config(bus_auth.ensure_creds(path), client_ping_s=0.3))
+    url = server.start()
+    member = f"""
+import asyncio, sys
+from shared import subjects
+from shared.bus import Bus
+from shared.schemas import Ack, Where
+from shared.settings import NatsSettings
+async def main():
+    bus = await Bus.connect(NatsSettings(url={url!r}, creds_file={path!r}, ping_s=60), name="frozen", role="router")
+    async def where(req): return Ack(worker="frozen")
+    await bus.serve(subjects.ROUTER_SESSION, where, queue="routers", expected=Where)
+    await bus.nc.flush()
+    print("ready", flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+"""
+    proc = subprocess.Popen([sys.executable, "-c", member], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    live = asker = None
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        live = await Bus.connect(NatsSettings(url=url, creds_file=path, ping_s=0.2), name="live", role="router")
+
+        async def where(req: Where) -> Ack:
+            return Ack(worker="live")
+        await live.serve(subjects.ROUTER_SESSION, where, queue="routers", expected=Where)
+        asker = await Bus.connect(NatsSettings(url=url, creds_file=path, ping_s=0.2), name="gw", role="gateway")
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0, answered = time.monotonic(), 0
+        while answered < 10:   # ten in a row from the live member: the frozen one is out of the group
+            assert time.monotonic() - t0 < 15, "requests still go to the frozen member"
+            try:
+                got = await asker.request(subjects.ROUTER_SESSION, Where(request_id="r"), timeout=0.3,
+                                          expected=Ack)
+                answered = answered + 1 if got.worker == "live" else 0
+            except BusError:
+                answered = 0
+        assert live.nc.is_connected
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+        for b in (live, asker):
+            if b is not None:
+                await b.close()
+        server.stop()
