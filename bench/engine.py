@@ -183,8 +183,15 @@ def table(res: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
     res = run(args)
+    res["load_before"] = load
     report.emit(res, table, args.json)
+    if load > cores / 2:   # a probe saw 3 tok/s at x1 on a loaded machine, 113 with --threads 1
+        print(f"\nnote: the machine was busy before this run (1-min load average {load:.1f} on {cores} cores). "
+              "An engine's OpenMP threads spin-wait for each other at every layer, so on a busy machine a step "
+              "can take many times longer: compare the figures of one run, or run with --threads 1 or "
+              "GOMP_SPINCOUNT=10000 (what `tandem up` sets where engine threads outnumber the cores).")
     return 0
 
 

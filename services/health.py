@@ -77,5 +77,9 @@ def main(args) -> int:
         ok, why = check_gateway(e.code, e.read()) if gateway and e.code == 503 else (False, f"{url}: {e}")
     except (OSError, ValueError, http.client.HTTPException) as e:   # down, a bad URL, a bad port
         ok, why = False, f"{url}: {e}"
+        if not gateway and isinstance(e, (ConnectionError, urllib.error.URLError)):
+            why += ("; nothing serves metrics there: a service exports them on TANDEM_METRICS_PORT (a container "
+                    "sets it), `tandem up`'s on ports of their own (its log); the gateway's check is --url "
+                    "http://HOST:8000")
     print(why, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

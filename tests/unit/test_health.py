@@ -27,7 +27,9 @@ def test_health_against_a_live_metrics_endpoint(capsys):
     assert health.main(args) == 1 and "not ready" in capsys.readouterr().err
     metrics.set_ready("health-test", True)
     assert health.main(args) == 0
+    capsys.readouterr()
     assert health.main(argparse.Namespace(url="http://127.0.0.1:1/metrics", timeout=1.0)) == 1
+    assert "TANDEM_METRICS_PORT" in capsys.readouterr().err   # where the metrics are, and the gateway's --url
 
 
 def test_a_bad_url_port_or_timeout_is_one_line_not_a_traceback(capsys):
