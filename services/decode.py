@@ -79,7 +79,7 @@ class DecodeWorker(EngineWorker):
             submit = self.ring.coordinate(req.ring, blob, f"{req.request_id}#{req.attempt}", req.claim,
                                           priority_of(req.tier))
         else:
-            submit = self.engine.submit_kv(req.request_id, blob, priority_of(req.tier), capped=req.capped)
+            submit = self.engine.submit_kv(req.request_id, blob, priority_of(req.tier), at_cap=req.at_cap)
         outputs = await self.admit(req, submit, req.attempt)
         self.spawn(req.request_id, self.stream_outputs(req.request_id, req.stream_subject, outputs, req.next_seq,
                                                        attempt=req.attempt, offset=len(req.output_token_ids)))
@@ -170,7 +170,8 @@ class DecodeWorker(EngineWorker):
                                             port=req.target_data_port, transfer_id=tid, tier=req.tier,
                                             stream_subject=held.stream_subject, next_seq=next_seq,
                                             session_id=held.session_id or None, attempt=held.attempt,
-                                            origin=held.origin, ring=req.ring, capped=not self.draining)
+                                            origin=held.origin, ring=req.ring,
+                                            at_cap="run" if self.draining else "refuse")
         except Exception as e:
             metrics.migration(self.role, target_role, "failed")
             if not _refused(e):

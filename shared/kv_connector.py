@@ -223,12 +223,13 @@ class KVConnector:
                        stream_subject: str, next_seq: int, session_id: str | None, attempt: int = 0,
                        origin: str = "", timeout: float | None = None,
                        ring: list[RingPeer] | None = None, claim: RingClaim | None = None,
-                       alongside: asyncio.Future | None = None, capped: bool = False
+                       alongside: asyncio.Future | None = None, at_cap: str = "queue"
                        ) -> tuple[KVBlobHeader, SendResult]:
         """Move an exported sequence to the worker serving ``subject`` (its decode subject), whose
         receiver is ``host:port`` (the caller checked it is that worker's: ``peers.check``): the KV
         over the data plane, then a DecodeRequest carrying the handle; the receiver continues the
-        stream at ``next_seq`` (``capped``: the receiver refuses it with no sequence slot free).
+        stream at ``next_seq`` (``at_cap``: what the receiver does with every sequence slot taken,
+        ``DecodeRequest.at_cap``).
         ``ring``: the receiver coordinates that ring (``claim``: the other
         members hold their ranges already, parked by ``shared/ring`` (``RingConnector.scatter``), run as
         ``alongside`` while the KV is sent: the DecodeRequest goes once both are done, not if it
@@ -249,7 +250,7 @@ class KVConnector:
             request_id=h.request_id, handle=handle, prompt_token_ids=h.prompt_token_ids,
             output_token_ids=h.output_token_ids, sampling=h.params, tier=tier, stream_subject=stream_subject,
             next_seq=next_seq, session_id=session_id, attempt=attempt, origin=origin, ring=ring or [],
-            claim=claim, capped=capped),
+            claim=claim, at_cap=at_cap),
             timeout=timeout)
         return h, res
 

@@ -227,8 +227,9 @@ class DecodeRequest:
     claim: RingClaim | None = None  # with ring: the prefill scattered the other members' ranges itself,
                                     # parked under this ticket; the handle carries this worker's range
                                     # only (None: the whole KV, this worker scatters)
-    capped: bool = False         # refused (overloaded) when every sequence slot here is taken: a live
-                                 # move, which its source then keeps running (a stopping one's is not)
+    at_cap: str = "queue"        # with every sequence slot here taken: "queue" (wait, KV in host memory:
+                                 # a hand-off from prefill), "refuse" (overloaded: a live move, which its
+                                 # source keeps running), "run" (past the cap: a stopping worker's move)
 
 
 @message("GenerateRequest", 4)

@@ -156,10 +156,10 @@ class AsyncEngine:
 
         return await self._opened(request_id, add)
 
-    async def submit_kv(self, request_id: str, blob: bytes, priority: int | None = None, capped: bool = False
+    async def submit_kv(self, request_id: str, blob: bytes, priority: int | None = None, at_cap: str = "queue"
                         ) -> AsyncIterator[RequestOutput]:
         """Import an exported sequence (``Engine.import_kv``); the stream of the rest of its outputs."""
-        return await self._opened(request_id, lambda: self.engine.import_kv(request_id, blob, priority, capped))
+        return await self._opened(request_id, lambda: self.engine.import_kv(request_id, blob, priority, at_cap))
 
     async def submit_ring(self, request_id: str, blob, ring, sid: str, priority: int | None = None
                           ) -> AsyncIterator[RequestOutput]:

@@ -28,6 +28,9 @@ from shared.engine.sequence import Sequence, Status
 log = logging.getLogger("tandem.engine")
 
 
+AT_CAP = ("queue", "refuse", "run")   # what ``import_kv`` does with every sequence slot taken
+
+
 class EngineFull(RuntimeError):
     """The KV cache cannot take this sequence now (retry later or elsewhere)."""
 
@@ -198,13 +201,39 @@ class KVHandoff:
         self._attach_guide(seq)  # the grammar state: the guide (in params) replayed over the output
         return seq
 
+    def _queued(self, seq: Sequence, h: KVBlobHeader, kv_bytes) -> bool:
+        """Put an imported sequence in the queue, its KV in host memory (``Scheduler._swap_in``
+        takes it into blocks when it is admitted); False when the swap budget cannot hold it."""
+        nb, sched = h.kv_blocks, self.scheduler
+        nbytes = nb * self.kv[0].numel() * self.kv.element_size()
+        if not nb or sched.swap_used + nbytes > sched.swap_bytes:
+            return False
+        seq.swapped = torch.frombuffer(bytearray(kv_bytes), dtype=torch.uint8).view(KV_DTYPE).view(
+            nb, *self.layout.block_shape)
+        sched.swap_used += nbytes
+        seq.num_computed, parent = h.num_computed, seq.salt or None
+        bs = self.layout.block_size
+        for i in range(seq.num_computed // bs):
+            parent = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(parent)
+        self.seqs[seq.request_id] = seq
+        sched.add(seq)
+        return True
+
     @torch.inference_mode()
     def import_kv(self, request_id: str, blob: bytes | memoryview, priority: int | None = None,
-                  capped: bool = False) -> None:
-        """Take over a sequence exported by ``export_kv`` and continue decoding it here. ``capped``
-        (a live move: its source keeps it when refused) raises EngineFull when every sequence
-        slot is taken; a hand-off from prefill has nowhere else to run and always comes in."""
-        if capped and len(self.scheduler.running) >= self.scheduler.max_num_seqs:
+                  at_cap: str = "queue") -> None:
+        """Take over a sequence exported by ``export_kv`` and continue decoding it here. With
+        every sequence slot taken, ``at_cap`` says what it does: ``queue`` (a hand-off from
+        prefill, nowhere else to run) waits its turn in the queue of its tier with its KV in host
+        memory, as a preempted sequence's (``_queued``; two router copies each placing a burst ran
+        7 sequences on a worker of 4); ``refuse`` (a live move, which its source then keeps) raises
+        EngineFull; ``run`` (a stopping worker's evacuation: a slower stream beats one paused or
+        cut) runs past the cap."""
+        if at_cap not in AT_CAP:
+            raise ValueError(f"at_cap {at_cap!r}: one of {', '.join(AT_CAP)}")
+        full = len(self.scheduler.running) >= self.scheduler.max_num_seqs and at_cap != "run"
+        if full and at_cap == "refuse":
             raise EngineFull(f"every sequence slot is taken ({len(self.scheduler.running)} running)")
         h, kv_bytes = KVBlobHeader.parse(blob)
         tokens = h.token_ids
@@ -212,6 +241,8 @@ class KVHandoff:
             raise ValueError(f"sequence of {len(tokens)} tokens exceeds this engine's context {self.max_context}")
         seq = self._imported(request_id, h, priority)
         nb = h.kv_blocks
+        if full and self._queued(seq, h, kv_bytes):
+            return
         got = self.blocks.allocate(nb)
         if got is None:
             raise EngineFull(f"needs {nb} KV blocks, {self.blocks.num_free} free")

@@ -190,3 +190,38 @@ def test_full_batch_queue_gets_429_with_retry_after_and_loses_nothing(stack, mod
     assert 429 in statuses and set(statuses) <= {200, 429}, statuses
     assert all(ra is not None and int(ra) >= 1 for ra in retry_after), retry_after
     assert done and all(n == 8 for n in done)                 # every admitted request finished whole
+
+
+@pytest.mark.slow
+def test_a_burst_through_two_routers_never_runs_past_a_worker_s_slots(nats_server):
+    """Eight interactive streams at once through two router copies onto workers of 4 slots: each
+    copy counts only what it has heard of, so together they placed 7 on the gpu-decode worker (a
+    probe, 2026-11-30), whose engine ran them all past its cap (a hand-off from prefill always
+    came in). A hand-off to a full worker now waits its turn there, its KV in host memory: no
+    heartbeat says more running than max_running, and every stream is the same exact text."""
+    from shared import subjects
+    from shared.bus import Bus
+    from shared.schemas import Heartbeat
+    args = ["--router", "2", "--prefill", "1", "--gpu-decode", "1", "--cpu-decode", "1", "--kvpool", "0"]
+    with running_stack(nats_server, args, env={"TANDEM_MAX_SEQS": "4"}) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        model = c.models.list().data[0].id
+        over: list[tuple[str, int, int]] = []
+
+        async def go():
+            bus = await Bus.connect(url=nats_server, name="test-burst")
+            sub = await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, skip_invalid=True)
+
+            async def watch():
+                async for b in sub:
+                    if b.role in subjects.DECODE_ROLES and b.max_running and b.running > b.max_running:
+                        over.append((b.worker_id, b.running, b.max_running))
+            watcher = asyncio.create_task(watch())
+            try:
+                return await asyncio.gather(*(asyncio.to_thread(stream_text, c, model, "interactive", None, None, 64)
+                                              for _ in range(8)))
+            finally:
+                watcher.cancel()
+                await bus.close()
+        texts = asyncio.run(go())
+        assert over == [] and len({t for t, _ in texts}) == 1 and all(n == 64 for _, n in texts), (over, texts)

@@ -389,6 +389,39 @@ def test_export_import_continue_equals_uninterrupted(bundled_model):
     assert text == full.text
 
 
+def test_a_hand_off_past_the_sequence_cap_waits_its_turn(bundled_model):
+    """Every sequence slot taken, a hand-off from prefill (which has nowhere else to run) waits in
+    its tier's queue with its KV in host memory, as a preempted sequence's, and is swapped in at
+    the next free slot — it ran past the cap (two router copies each placing a burst: 7 sequences
+    on a worker of 4). A live move (``at_cap="refuse"``) is refused instead. The tokens are the
+    uninterrupted runs'."""
+    from shared.engine.handoff import EngineFull
+    tok = bundled_model.tokenizer
+    prompts = {"x": chat_ids(tok, "Write a short poem about the sea."), "y": tok.encode(PROMPTS[4])}
+    full = {r: run_to_completion(Engine(bundled_model, EngineConfig(num_kv_blocks=64)), {r: (ids, greedy(24))})[r]
+            for r, ids in prompts.items()}
+    decode = Engine(bundled_model, EngineConfig(num_kv_blocks=64, max_num_seqs=1, step_tokens=64))
+    got = {}
+    for r, ids in prompts.items():
+        prefill = Engine(bundled_model, EngineConfig(num_kv_blocks=64))
+        prefill.add(r, ids, greedy(24), prefill_only=True)
+        first = [o for o in prefill.step() if o.request_id == r]
+        got[r] = list(first[-1].token_ids)
+        blob = prefill.export_kv(r)
+        if r == "y":
+            with pytest.raises(EngineFull):
+                decode.import_kv(r, blob, at_cap="refuse")
+        decode.import_kv(r, blob)
+    queued = decode.seqs["y"]
+    assert queued in decode.scheduler.waiting and queued.swapped is not None and queued.block_table == []
+    while decode.has_work():
+        assert len(decode.scheduler.running) <= 1
+        for o in decode.step():
+            got[o.request_id] += o.token_ids
+    assert got == {r: f.token_ids for r, f in full.items()}
+    assert decode.scheduler.swap_used == 0
+
+
 def test_migration_mid_decode(bundled_model):
     """Export between two decode steps (not only after prefill) and continue elsewhere."""
     tok = bundled_model.tokenizer
