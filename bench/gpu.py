@@ -79,6 +79,9 @@ VARIANTS = {"graphs-all": ({"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TAN
             "graphs-prefetch": ({"TANDEM_GPU_PREFETCH": "1"}, "weights fetched a step ahead in every program of 2+ steps"),
             "graphs-mlp": ({"TANDEM_GPU_MLP": "fused"}, "a layer's FFN in one launch"),
             "graphs-tf32x3": ({"TANDEM_GPU_PRECISION": "tf32x3"}, "the matmuls' dots on the tensor cores, 3 TF32 passes"),
+            # the defaults on CUDA since 2026-11-30 (tf32x3, ahead) undone, to compare
+            "graphs-ieee": ({"TANDEM_GPU_PRECISION": "ieee"}, "the matmuls' dots in f32 on the FMA units"),
+            "graphs-stepped": ({"TANDEM_GPU_AHEAD": "0"}, "each decode step's tokens read before the next is launched"),
             "graphs-planes": ({"TANDEM_GPU_WEIGHTS": "planes"}, "the Q4_0 weights as aligned planes: vector loads")}
 
 

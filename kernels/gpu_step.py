@@ -92,6 +92,7 @@ PREFETCH = ("auto", "0", "1")        # TANDEM_GPU_PREFETCH (``prefetch``)
 MLP = ("split", "fused")             # TANDEM_GPU_MLP: the FFN as gate|up + down, or one ``qmlp`` launch
 PREFILL_ATTN = ("ieee", "tf32", "fp16")   # TANDEM_GPU_PREFILL_ATTN: attn_prefill's dots
 PRECISIONS = ("ieee", "tf32", "tf32x3")   # TANDEM_GPU_PRECISION: the Q4_0 matmuls' dots
+DEFAULT_PRECISION = {"cuda": "tf32x3"}     # by device type; "ieee" elsewhere
 WEIGHTS = ("blocks", "planes")            # TANDEM_GPU_WEIGHTS: the matmuls' Q4_0 bytes on the device (``Q4Weight``)
 # qmlp: K split until the grid has this many programs (8 warps, 128-203 registers a thread: two
 # programs an SM, 264 on an H100/H200, one wave); outputs a chunk; warps (4 spilled: 255 registers)
@@ -285,8 +286,11 @@ class GpuStep:
         self.nseg = -(-max_context // SEG)
         # the qmatmul dots: f32 "ieee" keeps the activations' bits (no TF32 rounding); "tf32" runs
         # the tensor cores past 64 rows; "tf32x3" runs them at every M, three TF32 products a term
-        # (each operand split into a TF32 part and its remainder: f32's accuracy, not its bits)
-        self.precision = precision or os.environ.get("TANDEM_GPU_PRECISION", "ieee")
+        # (each operand split into a TF32 part and its remainder: f32's accuracy, not its bits).
+        # Default on CUDA tf32x3: 1.28-1.40x the decode rate of "ieee" on an H200 (2026-11-30,
+        # docs/kernels.md); elsewhere (Triton's interpreter) "ieee"
+        self.precision = precision or os.environ.get("TANDEM_GPU_PRECISION", DEFAULT_PRECISION.get(
+            torch.device(self.device).type, "ieee"))
         if self.precision not in PRECISIONS:
             raise ValueError(f"TANDEM_GPU_PRECISION must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         self.tuning = tuning if tuning is not None else gpu_tuning.load(self.device)
@@ -831,9 +835,11 @@ class DecodeGraphs:
         self.inputs = DecodeInputs(self.sizes[-1], width, scratch_block, step.device)
         self.capture = capture
         self.device_sample = os.environ.get("TANDEM_GPU_SAMPLE", "1") != "0"
-        # TANDEM_GPU_AHEAD=1 (off until measured on a GPU): the engine launches the next decode step
-        # before it reads the last one's tokens, its ids fed on the device (Engine.step, "launched ahead")
-        self.ahead = os.environ.get("TANDEM_GPU_AHEAD", "0") == "1"
+        # TANDEM_GPU_AHEAD=1: the engine launches the next decode step before it reads the last one's
+        # tokens, its ids fed on the device (Engine.step, "launched ahead"). Default on CUDA: 1.06-1.19x
+        # the decode rate on an H200 (2026-11-30); elsewhere (Triton's interpreter) off
+        default = "1" if torch.device(step.device).type == "cuda" else "0"
+        self.ahead = os.environ.get("TANDEM_GPU_AHEAD", default) == "1"
         # the sampler's variants that may run: False (temperature / min-p), True (top-k / top-p: a sort);
         # one whose graph could not be captured leaves its rows to the host from then on
         self.variants = {False: self.device_sample, True: self.device_sample}
