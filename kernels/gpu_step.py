@@ -84,8 +84,6 @@ SEG = 256          # keys per attention segment of a decode token (fixed: batch-
 # decode 16 keys a step with 4 warps.
 EMBED_BLOCK_B = 4
 BLOCK_K_DECODE, DECODE_WARPS = 16, 4
-BLOCK_Q, PREFILL_WARPS = 16, 8
-BLOCK_K_PREFILL = {"ieee": 16, "tf32": 32, "fp16": 32}   # by TANDEM_GPU_PREFILL_ATTN
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
 PREFETCH = ("auto", "0", "1")        # TANDEM_GPU_PREFETCH (``prefetch``)
@@ -242,7 +240,8 @@ class PagedBatch:
     Decode entries (one-token chunks): ``rows`` (the token's row of the flat batch), ``tables``
     [E, width] (block ids, padded), ``lens`` (keys, the new one included). Prefill chunks:
     ``offs`` (first row), ``starts`` (first position), ``qlens``, ``ptables`` [C, width];
-    ``max_q``: the longest chunk (host int, for the grid)."""
+    ``max_q``: the longest chunk, ``max_k``: the most keys a chunk's last token sees (host ints,
+    for the grid)."""
     rows: torch.Tensor
     tables: torch.Tensor
     lens: torch.Tensor
@@ -251,6 +250,7 @@ class PagedBatch:
     qlens: torch.Tensor
     ptables: torch.Tensor
     max_q: int
+    max_k: int = 0
 
     @classmethod
     def of(cls, chunks, device) -> "PagedBatch":
@@ -269,7 +269,33 @@ class PagedBatch:
             return torch.tensor(v, dtype=torch.int32).to(device)
         return cls(ints([c.token_offset for c in dec]), table(dec), ints([c.start + 1 for c in dec]),
                    ints([c.token_offset for c in pre]), ints([c.start for c in pre]),
-                   ints([c.num_tokens for c in pre]), table(pre), max([c.num_tokens for c in pre], default=0))
+                   ints([c.num_tokens for c in pre]), table(pre), max([c.num_tokens for c in pre], default=0),
+                   max([c.start + c.num_tokens for c in pre], default=0))
+
+
+def prefill_attention(q, layer_kv, pb: PagedBatch, out, group: int, scale: float, tile: "gpu_tuning.PrefillTile",
+                      precision: str, counters=None, pdl: bool = False):
+    """The prefill chunks of ``pb``: ``q``'s rows (heads of ``group`` query heads a kv head)
+    against their keys in ``layer_kv`` [blocks, 2, BS, kv heads, HD], into ``out`` — one
+    ``attn_prefill`` launch, its keys split into ``tile.seg``-key segments where a tile's span
+    more than one and ``counters`` (arrival counters, zero) has one a tile."""
+    c, nkv, hd = pb.offs.shape[0], layer_kv.shape[3], layer_kv.shape[4]
+    s = layer_kv.stride()
+    gp = _pow2(group)
+    qtiles = -(-pb.max_q // tile.block_q)
+    pseg = tile.seg if (tile.seg and pb.max_k > tile.seg and counters is not None
+                        and c * nkv * qtiles <= counters.numel()) else 0
+    nseg = -(-pb.max_k // pseg) if pseg else 1
+    po = pml = out
+    if pseg:
+        rows = c * nkv * qtiles * nseg * tile.block_q * gp
+        po = torch.empty(rows, hd, dtype=torch.float32, device=q.device)
+        pml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
+    _k().attn_prefill[(c, nkv, qtiles * nseg)](
+        q, layer_kv, pb.ptables, pb.starts, pb.qlens, pb.offs, out, po, pml, counters if pseg else pb.qlens,
+        q.stride(0), pb.ptables.stride(0), s[0], s[1], s[2], s[3], scale, nseg, GROUP=group, GROUP_P=gp, HD=hd,
+        BS=layer_kv.shape[2], BLOCK_Q=tile.block_q, BLOCK_K=tile.block_k, PSEG=pseg, PRECISION=precision,
+        num_warps=tile.warps, **pdl_args(pdl))
 
 
 class GpuStep:
@@ -518,13 +544,9 @@ class GpuStep:
                 kern.attn_merge[(e, self.nh)](po, pml, pb.lens, pb.rows, out, out.stride(0), SEG=SEG,
                                               NSEG=self.nseg, NSEG_P=_pow2(self.nseg), HD=self.hd,
                                               **pdl_args(self.pdl))
-        c = pb.offs.shape[0]
-        if c:
-            kern.attn_prefill[(c, self.nkv, -(-pb.max_q // BLOCK_Q))](
-                q, layer_kv, pb.ptables, pb.starts, pb.qlens, pb.offs, out, q.stride(0), pb.ptables.stride(0),
-                s[0], s[1], s[2], s[3], scale, GROUP=self.group, GROUP_P=gp, HD=self.hd, BS=bs,
-                BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K_PREFILL[self.prefill_attn], PRECISION=self.prefill_attn, num_warps=PREFILL_WARPS,
-                **pdl_args(self.pdl))
+        if pb.offs.shape[0]:
+            prefill_attention(q, layer_kv, pb, out, self.group, scale, self.prefill_tile, self.prefill_attn,
+                              self.counters, self.pdl)
         return out
 
     # ---- the step --------------------------------------------------------------------------
@@ -552,6 +574,11 @@ class GpuStep:
             x = x.index_select(0, ctx.sample_rows)
         return self.matmul(x, self.output, norm=self.m.output_norm, gemm=self._gemm(pb, x))
 
+    @property
+    def prefill_tile(self) -> "gpu_tuning.PrefillTile":
+        """``attn_prefill``'s tile (TANDEM_GPU_PREFILL_TILE, the tuning table's, or the built-in one)."""
+        return self.tuning.prefill_tile(self.prefill_attn)
+
     def _gemm(self, pb: PagedBatch, x: torch.Tensor) -> bool:
         """Do a step's matmuls over ``x``'s rows go through ``gemm``? Where the step has prefill
         chunks and at least ``gemm_rows`` rows (decode-only steps, the graphs' among them, never:
@@ -566,7 +593,7 @@ class GpuStep:
         if self.persistent and ids.shape[0] <= self.persistent_rows:
             return self.decode_persistent(ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv)
         empty = torch.empty(0, dtype=torch.int32, device=self.device)
-        pb = PagedBatch(rows, tables, lens, empty, empty, empty, tables, 0)
+        pb = PagedBatch(rows, tables, lens, empty, empty, empty, tables, 0, 0)
         x = self._layers(ids, positions, slot_blocks, slot_offsets, kv, pb)
         return self.matmul(x, self.output, norm=self.m.output_norm)
 

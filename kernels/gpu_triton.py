@@ -846,26 +846,46 @@ def attn_merge(po_ptr, pml_ptr, lens_ptr, rows_ptr, out_ptr, stride_o,
 
 
 @triton.jit
-def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr,
-                 stride_q, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
+def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr,
+                 stride_q, stride_bt, s_blk, s_kv, s_slot, s_head, scale, NSEG,
                  GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PSEG: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr):
     """Causal attention of BLOCK_Q query tokens of chunk c = program_id(0) (its tokens at rows
     offs[c]..., positions starts[c]...) for the GROUP query heads of one kv head, against the keys
     up to each token's own position, read in place through the chunk's block table: rows of the
     tile are (token, head) pairs, scores and values through ``tl.dot``, online softmax.
     PRECISION: the dots' — "ieee" / "tf32" (f32 operands), or "fp16": q and the softmax weights
     rounded to float16 to meet the cache's float16 keys and values on the tensor cores (float32
-    sums either way)."""
+    sums either way).
+
+    PSEG > 0 splits the keys: program_id(2) = query tile * NSEG + segment, a program taking keys
+    [seg * PSEG, (seg + 1) * PSEG) of its tile's (a long context's tile is then NSEG programs,
+    not one: a 512-token chunk after 1,536 cached tokens is 96 programs over 3 kv heads without
+    the split, under one an SM of an H200, each walking 2,048 keys). A tile whose keys span one
+    segment writes its result at once; else each segment's unnormalised (acc, max, sum) go to the
+    partials (po [tile, NSEG, rows, HD], pml [tile, NSEG, rows, 2]) and the last of the tile's
+    segments to finish (counter ``cnt[tile]``, left at 0) merges them in segment order."""
     _grid_dependency(PDL)
     c = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    qt = tl.program_id(2)
+    qt = tl.program_id(2) // NSEG
+    seg = tl.program_id(2) % NSEG
     n = tl.load(qlens_ptr + c)
-    if qt * BLOCK_Q < n:
-        start = tl.load(starts_ptr + c)
+    start = tl.load(starts_ptr + c)
+    hi = tl.minimum(start + (qt + 1) * BLOCK_Q, start + n)    # keys past the tile's last token: none
+    if PSEG > 0:
+        lo = seg * PSEG
+        top = tl.minimum(lo + PSEG, hi)
+        nused = (hi + PSEG - 1) // PSEG
+    else:
+        lo = 0
+        top = hi
+        nused = 1
+    if (qt * BLOCK_Q < n) & (lo < hi):
+        R: tl.constexpr = BLOCK_Q * GROUP_P
         off = tl.load(offs_ptr + c).to(tl.int64)
-        r = tl.arange(0, BLOCK_Q * GROUP_P)
+        r = tl.arange(0, R)
         i = qt * BLOCK_Q + r // GROUP_P                       # token index inside the chunk
         g = r % GROUP_P
         r_ok = (i < n) & (g < GROUP)
@@ -876,14 +896,13 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
         q = tl.load(q_ptr + qaddr, mask=r_ok[:, None], other=0.0)
         if PRECISION == "fp16":
             q = q.to(tl.float16)
-        m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_Q * GROUP_P, HD], dtype=tl.float32)
-        hi = tl.minimum(start + (qt + 1) * BLOCK_Q, start + n)    # keys past the tile's last token: none
+        m_i = tl.full([R], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([R], dtype=tl.float32)
+        acc = tl.zeros([R, HD], dtype=tl.float32)
         kk0 = tl.arange(0, BLOCK_K)
-        for k0 in range(0, hi, BLOCK_K):
+        for k0 in range(lo, top, BLOCK_K):
             kk = k0 + kk0
-            k_ok = kk < hi
+            k_ok = kk < top
             blk = tl.load(bt_ptr + c * stride_bt + kk // BS, mask=k_ok, other=0).to(tl.int64)
             slot = blk * s_blk + (kk % BS).to(tl.int64) * s_slot + kvh * s_head
             k = tl.load(kv_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
@@ -904,8 +923,34 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
             else:
                 acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
-        l_i = tl.where(r_ok, l_i, 1.0)
-        tl.store(out_ptr + qaddr, acc / l_i[:, None], mask=r_ok[:, None])
+        if nused > 1:
+            tile = (c * tl.num_programs(1) + kvh) * (tl.num_programs(2) // NSEG) + qt
+            base = (tile * NSEG + seg) * R + r                                        # [R]
+            tl.store(po_ptr + base[:, None] * HD + d[None, :], acc)
+            tl.store(pml_ptr + base * 2, m_i)
+            tl.store(pml_ptr + base * 2 + 1, l_i)
+            if _last_arrival(cnt_ptr + tile, nused):
+                # every segment's partials (this one's too, as stored), in segment order
+                m_i = tl.full([R], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([R], dtype=tl.float32)
+                acc = tl.zeros([R, HD], dtype=tl.float32)
+                for j in range(0, nused):
+                    b = (tile * NSEG + j) * R + r
+                    mj = tl.load(pml_ptr + b * 2, cache_modifier=".cg")
+                    lj = tl.load(pml_ptr + b * 2 + 1, cache_modifier=".cg")
+                    oj = tl.load(po_ptr + b[:, None] * HD + d[None, :], cache_modifier=".cg")
+                    m_new = tl.maximum(m_i, mj)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp(m_i - m_safe)
+                    w = tl.exp(mj - m_safe)
+                    l_i = l_i * alpha + lj * w
+                    acc = acc * alpha[:, None] + oj * w[:, None]
+                    m_i = m_new
+                l_i = tl.where(r_ok, l_i, 1.0)
+                tl.store(out_ptr + qaddr, acc / l_i[:, None], mask=r_ok[:, None])
+        else:
+            l_i = tl.where(r_ok, l_i, 1.0)
+            tl.store(out_ptr + qaddr, acc / l_i[:, None], mask=r_ok[:, None])
 
 
 # ---- token selection on the device (kernels/gpu_sample.py) ---------------------------------------

@@ -62,6 +62,47 @@ class Tile:
         return -(-nb // per), per
 
 
+@dataclass(frozen=True)
+class PrefillTile:
+    """``attn_prefill``'s tile: query tokens a program (× the kv head's query heads as rows), keys a
+    loop step, warps, and keys a segment (``seg``: a tile's keys split over programs of this many
+    keys each, merged by the last to finish; 0: one program walks them all)."""
+    block_q: int
+    block_k: int
+    warps: int
+    seg: int
+
+
+# by TANDEM_GPU_PREFILL_ATTN (the dots' precision): 16 tokens x 32 keys on the tensor cores (106-117
+# registers with 8 warps), x 16 keys in f32 "ieee" (205; 32 keys spilled 648 B); segments of 256
+# keys, as a decode token's (kernels/gpu_step.py SEG)
+PREFILL = {"ieee": PrefillTile(16, 16, 8, 256), "tf32": PrefillTile(16, 32, 8, 256),
+           "fp16": PrefillTile(16, 32, 8, 256)}
+
+
+def check_prefill(t: PrefillTile) -> PrefillTile:
+    for name, lo, hi in (("block_q", 1, 128), ("block_k", 16, 256)):
+        v = getattr(t, name)
+        if v < lo or v & (v - 1) or v > hi:
+            raise ValueError(f"prefill {name} {v} is not a power of two in {lo}..{hi}")
+    if t.warps not in (2, 4, 8, 16):
+        raise ValueError(f"prefill warps {t.warps} is not one of 2, 4, 8, 16")
+    if t.seg and (t.seg % t.block_k or t.seg < t.block_k):
+        raise ValueError(f"prefill seg {t.seg} is not 0 or a multiple of block_k {t.block_k}")
+    if t.block_q * 4 < 16:
+        raise ValueError("prefill block_q must give tl.dot at least 16 rows")
+    return t
+
+
+def prefill_tile_env(value: str) -> PrefillTile:
+    """TANDEM_GPU_PREFILL_TILE=BLOCK_Q,BLOCK_K,WARPS,SEG (e.g. ``16,32,8,256``)."""
+    try:
+        return check_prefill(PrefillTile(*(int(v) for v in value.split(","))))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"TANDEM_GPU_PREFILL_TILE={value!r}: want BLOCK_Q,BLOCK_K,WARPS,SEG "
+                         f"(e.g. 16,32,8,256): {e}") from None
+
+
 def rule(n: int, k: int) -> Tile:
     block_n = 64
     tiles = -(-n // block_n)
@@ -94,10 +135,19 @@ class Tuning:
     the shapes' tiles for batches of up to ``DECODE_ROWS`` rows, where they differ."""
 
     def __init__(self, tiles: dict[tuple[int, int], Tile] | None = None, source: str = "rule",
-                 decode: dict[tuple[int, int], Tile] | None = None):
+                 decode: dict[tuple[int, int], Tile] | None = None, prefill: dict[str, PrefillTile] | None = None):
         self.tiles = dict(tiles or {})
         self.decode = dict(decode or {})
+        self.prefill = dict(prefill or {})     # precision -> attn_prefill's tile, where measured
         self.source = source
+
+    def prefill_tile(self, precision: str) -> PrefillTile:
+        """``attn_prefill``'s tile for dots in ``precision``: TANDEM_GPU_PREFILL_TILE, else the
+        table's, else the built-in one."""
+        env = os.environ.get("TANDEM_GPU_PREFILL_TILE", "").strip()
+        if env:
+            return prefill_tile_env(env)
+        return self.prefill.get(precision) or PREFILL[precision]
 
     def tile(self, n: int, k: int, m: int) -> Tile:
         """The tile of an N x K weight's matmul over ``m`` rows."""
@@ -106,7 +156,8 @@ class Tuning:
     def to_json(self, **meta) -> dict:
         def entry(shape, t):
             return asdict(t) | ({"decode": asdict(self.decode[shape])} if shape in self.decode else {})
-        return meta | {"tiles": {f"{n}x{k}": entry((n, k), t) for (n, k), t in sorted(self.tiles.items())}}
+        return meta | {"tiles": {f"{n}x{k}": entry((n, k), t) for (n, k), t in sorted(self.tiles.items())}} | (
+            {"prefill_attn": {p: asdict(t) for p, t in sorted(self.prefill.items())}} if self.prefill else {})
 
     @classmethod
     def from_json(cls, data: dict, source: str) -> "Tuning":
@@ -130,7 +181,16 @@ class Tuning:
                     decode[key] = tile(t["decode"])
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{source}: entry {shape}: {e}") from None
-        return cls(tiles, source, decode)
+        prefill = {}
+        for precision, t in (data.get("prefill_attn") or {}).items():
+            try:
+                if precision not in PREFILL:
+                    raise ValueError(f"not one of {', '.join(PREFILL)}")
+                prefill[precision] = check_prefill(PrefillTile(**{f: int(t[f]) for f in
+                                                                  ("block_q", "block_k", "warps", "seg")}))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{source}: prefill_attn {precision!r}: {e}") from None
+        return cls(tiles, source, decode, prefill)
 
     @classmethod
     def read(cls, path: str | Path) -> "Tuning":

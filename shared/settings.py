@@ -670,6 +670,7 @@ ELSEWHERE: dict[str, str] = {
     "TANDEM_GPU_PRECISION": "ieee, tf32 or tf32x3 (the default on CUDA): the matmuls' dots",
     "TANDEM_GPU_PREFETCH": "auto, 0 or 1: a K step's weights fetched during the step before",
     "TANDEM_GPU_PREFILL_ATTN": "ieee, tf32 or fp16: the prefill attention's dots",
+    "TANDEM_GPU_PREFILL_TILE": "BLOCK_Q,BLOCK_K,WARPS,SEG: the prefill attention's tile",
     "TANDEM_GPU_REDUCE": "fused or launch: split sums by the last program or launches of their own",
     "TANDEM_GPU_SAMPLE": "0: every draw on the host",
     "TANDEM_GPU_STEP_INTERPRET": "1: the fused step in Triton's interpreter off CUDA (tests)",

@@ -90,8 +90,20 @@ def test_decode_attention_rotates_and_writes_the_kv_itself(arch):
 @pytest.mark.parametrize("max_context", [1024, 256])
 def test_paged_attention(max_context):
     lens = [1, 15, 16, 17, 100, 255, 256] + ([257, 600, 1024] if max_context > 256 else [])
-    err, _ = cases._attention_case(max_context, lens, [(0, 20), (32, 17), (200, 40)], "cuda")
-    assert err <= 1e-5
+    err, _, counters_zero = cases._attention_case(max_context, lens, [(0, 20), (32, 17), (200, 40)], "cuda")
+    assert err <= 1e-5 and counters_zero
+
+
+@pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), ("tf32", 5e-3), ("fp16", 5e-3)])
+@pytest.mark.parametrize("tile", [None, (16, 32, 4, 64), (32, 64, 8, 128)])
+def test_prefill_attention_split_over_key_segments(precision, bound, tile):
+    """Prefill tiles whose keys span several segments (the built-in tile's 256 keys: chunks up to
+    1,000 keys), merged by the last segment to finish, against the f32 reference."""
+    if tile and precision == "ieee":
+        tile = (16, 16) + tile[2:]          # (f32 dots: 16 keys a step, more spill)
+    pre = [(0, 300), (256, 256), (700, 300), (40, 217)]
+    err, _, counters_zero = cases._attention_case(1024, [17, 600], pre, "cuda", precision, tile)
+    assert err <= bound and counters_zero
 
 
 @pytest.mark.parametrize("arch,long", [({}, 280), ({"attn_bias": True}, 20), ({"qk_norm": True}, 20)])

@@ -187,13 +187,18 @@ def _attend_rope_case(arch_kw, device="cpu"):
     return parts.shape[0], float((got - want).abs().max()), float((fused_kv.float() - kv.float()).abs().max())
 
 
-def _attention_case(max_context, lens_dec, chunks_pre, device="cpu", prefill_attn="ieee"):
-    """``prefill_attn``: TANDEM_GPU_PREFILL_ATTN's setting."""
+def _attention_case(max_context, lens_dec, chunks_pre, device="cpu", prefill_attn="ieee", tile=None):
+    """``prefill_attn``: TANDEM_GPU_PREFILL_ATTN's setting; ``tile``: attn_prefill's
+    (block_q, block_k, warps, seg), else the built-in one. (largest |diff|, decode segments,
+    the arrival counters left at zero)."""
     from kernels.gpu_step import GpuStep, PagedBatch
+    from kernels.gpu_tuning import PrefillTile
     from shared.engine.model import AttnChunk, StepContext
     model = tiny_model(device, max_context=max_context)
     cfg, st = model.cfg, GpuStep(model, max_context)
     st.prefill_attn = prefill_attn
+    if tile:
+        st.tuning.prefill[prefill_attn] = PrefillTile(*tile)
     g = torch.Generator().manual_seed(len(lens_dec) * 7 + max_context)
     nblocks = 200
     kv = (torch.randn(nblocks, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, generator=g)).half().to(device)
@@ -210,7 +215,7 @@ def _attention_case(max_context, lens_dec, chunks_pre, device="cpu", prefill_att
     z = torch.zeros(off, device=device)
     ctx = StepContext(z, z, z, chunks, z[:0])
     want = model._attention(q.view(off, cfg.n_heads, cfg.head_dim), layer_kv, ctx)
-    return float((got - want).abs().max()), st.nseg
+    return float((got - want).abs().max()), st.nseg, not st.counters.any()
 
 
 def _reduce_case(device="cpu", reps=1):
@@ -884,9 +889,20 @@ def test_decode_attention_rotates_and_writes_the_kv_itself(interp, arch):
 def test_paged_attention(interp, max_context):
     lens = [1, 15, 16, 17, 100, 255, 256] + ([257, 600, 1024] if max_context > 256 else [])
     pre = [(0, 20), (32, 17), (200, 40)]
-    err, nseg = interp(_attention_case, max_context, lens, pre)
+    err, nseg, counters_zero = interp(_attention_case, max_context, lens, pre)
     assert nseg == max_context // 256
-    assert err <= 1e-5
+    assert err <= 1e-5 and counters_zero
+
+
+@pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), ("fp16", 5e-3)])
+def test_prefill_attention_split_over_key_segments(interp, precision, bound):
+    """A prefill tile whose keys span several segments (``seg`` 32 keys here, 256 by default):
+    each segment a program, the last to finish merging them in order — chunks from 0, after a
+    cached prefix, ending inside a segment and on its boundary, one token past it, beside
+    decodes; the counters left at zero for the next launch."""
+    pre = [(0, 70), (96, 64), (150, 33), (40, 1 + 32)]
+    err, _, counters_zero = interp(_attention_case, 1024, [17, 300], pre, "cpu", precision, (16, 16, 4, 32))
+    assert err <= bound and counters_zero
 
 
 @pytest.mark.parametrize("precision,bound", [("tf32", 1e-5), ("fp16", 5e-3)])
@@ -895,7 +911,7 @@ def test_prefill_attention_on_the_tensor_cores(interp, precision, bound):
     weights rounded to float16; the cache is float16 already) against the f32 reference; the
     decodes beside them stay f32. (The interpreter computes TF32 dots in f32: its bound is f32's;
     on CUDA tests/gpu bounds both.)"""
-    err, _ = interp(_attention_case, 1024, [17, 300], [(0, 20), (32, 17), (200, 40)], "cpu", precision)
+    err, _, _ = interp(_attention_case, 1024, [17, 300], [(0, 20), (32, 17), (200, 40)], "cpu", precision)
     assert err <= bound
 
 

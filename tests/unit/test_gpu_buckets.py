@@ -100,6 +100,32 @@ def test_tuning_tables_load_and_refuse_bad_entries(tmp_path, monkeypatch):
     assert gpu_tuning.shipped("NVIDIA H200").name == "NVIDIA_H200.json"
 
 
+def test_the_prefill_attention_tile_comes_from_the_setting_the_table_or_the_default(tmp_path, monkeypatch):
+    P = gpu_tuning.PrefillTile
+    monkeypatch.delenv("TANDEM_GPU_PREFILL_TILE", raising=False)
+    t = gpu_tuning.Tuning({(960, 576): gpu_tuning.Tile(32, 1, 4, 2)}, "x", prefill={"fp16": P(32, 64, 4, 512)})
+    path = tmp_path / "t.json"
+    path.write_text(__import__("json").dumps(t.to_json(device="test")))
+    monkeypatch.setenv("TANDEM_GPU_TUNING", str(path))
+    got = gpu_tuning.load(torch.device("cpu"))
+    assert got.prefill_tile("fp16") == P(32, 64, 4, 512)
+    assert got.prefill_tile("ieee") == gpu_tuning.PREFILL["ieee"]           # not measured: the built-in tile
+    assert gpu_tuning.Tuning().prefill_tile("tf32") == gpu_tuning.PREFILL["tf32"]
+    monkeypatch.setenv("TANDEM_GPU_PREFILL_TILE", "64,128,8,0")
+    assert got.prefill_tile("fp16") == got.prefill_tile("ieee") == P(64, 128, 8, 0)
+    for bad in ("64,128,8", "64,100,8,0", "64,128,3,0", "64,128,8,100", "2,16,4,0", "a,b,c,d"):
+        monkeypatch.setenv("TANDEM_GPU_PREFILL_TILE", bad)
+        with pytest.raises(ValueError, match="TANDEM_GPU_PREFILL_TILE"):
+            got.prefill_tile("ieee")
+    monkeypatch.delenv("TANDEM_GPU_PREFILL_TILE")
+    for bad in ('{"tiles": {}, "prefill_attn": {"fp8": {"block_q": 16, "block_k": 32, "warps": 8, "seg": 0}}}',
+                '{"tiles": {}, "prefill_attn": {"fp16": {"block_q": 16, "block_k": 24, "warps": 8, "seg": 0}}}',
+                '{"tiles": {}, "prefill_attn": {"fp16": {"block_q": 16}}}'):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="prefill_attn"):
+            gpu_tuning.load(torch.device("cpu"))
+
+
 def _tables():
     return [[7, 3], [5], [9, 2, 4]]
 

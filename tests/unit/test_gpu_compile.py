@@ -153,7 +153,8 @@ def recording() -> Recorder:
             st.mlp_mode = "fused" if reduce == "mlp" else "split"   # TANDEM_GPU_MLP=fused: qmlp
             # TANDEM_GPU_PREFILL_ATTN: tf32 beside the tf32 matmuls, fp16 beside qmlp
             st.prefill_attn = "fp16" if reduce == "mlp" else "tf32" if precision == "tf32" else "ieee"
-            plan = [(0, 100), (48, 20), (37, 1), (500, 1)]        # prefill, prefill after a prefix, decodes
+            # prefill, prefill after a prefix (its keys past one segment: attn_prefill split), decodes
+            plan = [(0, 100), (300, 20), (37, 1), (500, 1)]
             chunks, off = [], 0
             for start, n in plan:
                 chunks.append(AttnChunk(start, n, off, torch.zeros(1), [0] * (-(-(start + n) // 16))))
@@ -242,6 +243,7 @@ def test_the_step_launches_the_variants_expected(launches):
     assert {c["BLOCK_M"] for fn, s, c, *_ in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32", "tf32x3"}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "attn_prefill"} == {"ieee", "tf32", "fp16"}
+    assert {c["PSEG"] for fn, s, c, *_ in launches if fn.__name__ == "attn_prefill"} == {0, 256}
     assert {c["FIXUP"] for fn, s, c, *_ in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
     rope = {(c["HAS_BIAS"], c["QK_NORM"]) for fn, s, c, *_ in launches if fn.__name__ in ("rope_kv", "attn_decode")
             and c.get("ROPE", True)}
@@ -249,7 +251,7 @@ def test_the_step_launches_the_variants_expected(launches):
 
 
 SHOWN = ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT", "FIXUP", "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL",
-         "PREFETCH", "BLOCK_K", "BLOCK_Q", "SPLITS", "TILES", "PLANES")
+         "PREFETCH", "BLOCK_K", "BLOCK_Q", "PSEG", "SPLITS", "TILES", "PLANES")
 
 
 _INSTR = re.compile(r"^(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(.*);$")
