@@ -30,6 +30,7 @@ import sys
 import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from multiprocessing import get_context
 
 # name: (N, K, NORM, SILU, RESIDUAL, launches a step) for SmolLM2-135M (30 layers)
@@ -45,6 +46,7 @@ GEMV_BLOCK_N, GEMV_BLOCK_B = (32, 64), (1, 2, 4)
 NORM_W = (0, 256)             # qgemv's RMSNorm pass: 16 x BLOCK_B values a step (0), or 256
 SPILL_OK = 16                 # bytes a tile may spill (tests/unit/test_gpu_compile.py: the same bound)
 DEVICE = "cuda"     # "cpu" with --dry-run (Triton's interpreter: the code paths, no timing)
+PRECISION = "tf32x3"  # the dots' (--precision: the engine's TANDEM_GPU_PRECISION, tf32x3 on CUDA by default)
 
 
 def candidates(n: int, k: int, norm: bool = False):
@@ -89,31 +91,39 @@ class Shape:
         self.counters = torch.zeros(COUNTERS, dtype=torch.int32, device=DEVICE)
 
     def launch(self, tile, w, fused: bool = True):
-        """One matmul of the step as GpuStep.matmul launches it — its split sums added by its last
-        programs (``fused``) or by a split_sum launch; its compiled kernel."""
+        """One matmul of the step as GpuStep.matmul launches it — in the step's precision
+        (``PRECISION``), its split sums added by its last programs (``fused``) or by a split_sum
+        launch; its compiled kernel."""
         from kernels.gpu_step import qmatmul
         return qmatmul(self.x, w, self.out, tile, self.nw if self.norm else None, self.silu, self.residual,
-                       part=self.part, reduce=self.name != "qkv",   # q|k|v's partials: rope_kv adds them
+                       precision=PRECISION, part=self.part,
+                       reduce=self.name != "qkv",   # q|k|v's partials: rope_kv adds them
                        counters=self.counters if fused else None,
                        prefetch_mode=os.environ.get("TANDEM_GPU_PREFETCH", "auto"))
 
 
-def _compile(jobs):
-    """In a pool process: launch each (shape, m, tile) once (Triton compiles it into the disk cache);
-    return its registers and spills."""
+_SHAPES: dict = {}     # a pool process's buffers, by (shape, M)
+
+
+def _compile_one(name, m, tile, precision):
+    """In a pool process: launch (shape, m, tile) once (Triton compiles it into the disk cache);
+    its registers, spills, and why it failed (or None)."""
     import torch
-    got = {}
-    shapes = {}
-    for name, m, tile in jobs:
-        s = shapes.get((name, m)) or shapes.setdefault((name, m), Shape(name, m, count=1))
-        try:
-            c = s.launch(tile, s.w[0])
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-            got[(name, m, tile)] = (getattr(c, "n_regs", None), getattr(c, "n_spills", None), None)
-        except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
-            got[(name, m, tile)] = (None, None, f"{type(e).__name__}: {e}"[:200])
-    return got
+    global PRECISION
+    PRECISION = precision
+    s = _SHAPES.get((name, m)) or _SHAPES.setdefault((name, m), Shape(name, m, count=1))
+    try:
+        c = s.launch(tile, s.w[0])
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return getattr(c, "n_regs", None), getattr(c, "n_spills", None), None
+    except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
+        return None, None, f"{type(e).__name__}: {e}"[:200]
+
+
+def _compile(jobs):
+    """``_compile_one`` over jobs (shape, m, tile) in this process: {job: (registers, spills, error)}."""
+    return {(name, m, tile): _compile_one(name, m, tile, PRECISION) for name, m, tile in jobs}
 
 
 def shipped_tiles(device_name: str) -> dict:
@@ -178,18 +188,29 @@ def graph_time(fn, reps: int = 10, rounds: int = 5) -> float:
 
 
 def main(argv=None) -> int:
+    global DEVICE, MS, PRECISION
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_tune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the tuning table to write (JSON, TANDEM_GPU_TUNING reads it)")
     ap.add_argument("--budget-s", type=float, default=90, help="stop timing candidates after this (default 90)")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
+    ap.add_argument("--ms", type=int, nargs="+", default=list(MS),
+                    help="rows to time at (default 1 16 64; 1 16: decode tiles only, the shipped main tiles kept)")
+    ap.add_argument("--precision", default=None,
+                    help="the dots' precision (default: TANDEM_GPU_PRECISION, else the CUDA default, tf32x3)")
     ap.add_argument("--dry-run", action="store_true",
                     help="on the CPU in Triton's interpreter, two tiles a shape, M = 1, one weight: the code "
                          "paths only (its times mean nothing)")
     a = ap.parse_args(argv)
-    global DEVICE, MS
+    from kernels.gpu_step import DEFAULT_PRECISION, PRECISIONS
+    PRECISION = a.precision or os.environ.get("TANDEM_GPU_PRECISION") or DEFAULT_PRECISION["cuda"]
+    if PRECISION not in PRECISIONS:
+        ap.error(f"--precision must be one of {', '.join(PRECISIONS)}")
+    if not set(a.ms) <= set(MS) or 1 not in a.ms:
+        ap.error(f"--ms: rows among {MS}, 1 among them")
+    MS = tuple(sorted(a.ms))
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
-        DEVICE, MS = "cpu", (1,)
+        DEVICE, MS, PRECISION = "cpu", (1,), a.precision or "ieee"
         for name, v in SHAPES.items():                     # one weight each; a small lm head
             SHAPES[name] = (min(v[0], 512), *v[1:5], 1)
     import torch
@@ -211,33 +232,55 @@ def main(argv=None) -> int:
     # ignores) — so it is compiled and timed at 1 and 16 rows, not 64
     def wanted(m, t):
         return m <= DECODE_ROWS or not t.gemv
-    jobs = [(name, m, t) for name, ts in cands.items() for m in MS for t in ts if wanted(m, t)]
-    say(f"{len(jobs)} (shape, M, tile) launches to compile in {a.workers} processes")
-    if a.dry_run:
-        compiled = _compile(jobs)
-    else:
-        compiled = {}
-        with ProcessPoolExecutor(a.workers, mp_context=get_context("spawn")) as pool:
-            for got in pool.map(_compile, [jobs[i::a.workers] for i in range(a.workers)]):
-                compiled |= got
-    bad = {j: v for j, v in compiled.items() if v[2] or (v[1] or 0) > SPILL_OK}
-    say(f"compiled; {len(bad)} failed or spilled: "
-        + ", ".join(f"{j[0]} m{j[1]} {j[2]}: {v[2] or f'{v[1]} B spilled'}" for j, v in list(bad.items())[:6]))
-    times: dict[tuple, float] = {}
-    deadline = t0 + a.budget_s
-    shapes = {(name, m): Shape(name, m) for name, m in itertools.product(SHAPES, MS)}
     # round by round over every (shape, M): the rule's tile first, then the tiles a table shipped for
     # this card holds (so a sweep its budget cuts short picks nothing slower than what ships), then
     # candidate i of each, so a deadline leaves every shape measured alike
-    order = sweep_order(cands, shipped_tiles(torch.cuda.get_device_name() if DEVICE == "cuda" else ""))
-    for i in range(max(len(v) for v in order.values())):
+    known = shipped_tiles(torch.cuda.get_device_name() if DEVICE == "cuda" else "")
+    order = sweep_order(cands, known)
+    rounds = max(len(v) for v in order.values())
+    jobs = [(name, m, order[name][i]) for i in range(rounds) for name in SHAPES for m in MS
+            if i < len(order[name]) and wanted(m, order[name][i])]
+    # compiled in a pool of processes in the order they are timed, while the timing goes on: the
+    # budget covers both (a sweep of ~1,000 launches did not finish compiling in 180 s on an
+    # H200's 16-core host, 2026-11-30, and timed nothing)
+    say(f"{len(jobs)} (shape, M, tile) launches in {rounds} rounds, {PRECISION} dots, compiled in "
+        f"{a.workers} processes as they are timed; {a.budget_s:.0f} s")
+    pool = None if a.dry_run else ProcessPoolExecutor(a.workers, mp_context=get_context("spawn"))
+    futures = {j: pool.submit(_compile_one, *j, PRECISION) for j in jobs} if pool else {}
+    times: dict[tuple, float] = {}
+    bad: dict[tuple, tuple] = {}
+    deadline = t0 + a.budget_s
+    shapes = {(name, m): Shape(name, m) for name, m in itertools.product(SHAPES, MS)}
+    stopped = None
+    for i in range(rounds):
         if i and time.monotonic() > deadline:
-            say(f"budget spent after {i} rounds of candidates (of {max(len(v) for v in order.values())})")
+            stopped = f"budget spent after {i} rounds of candidates (of {rounds})"
             break
         for (name, m), s in shapes.items():
-            if i < len(order[name]) and (name, m, order[name][i]) not in bad and wanted(m, order[name][i]):
-                t = order[name][i]
-                times[(name, m, t)] = graph_time(lambda: [s.launch(t, w) for w in s.w])
+            if i >= len(order[name]) or not wanted(m, order[name][i]):
+                continue
+            t = order[name][i]
+            j = (name, m, t)
+            if pool:
+                try:      # round 0 (the rule's tiles) whatever it takes; the rest within the budget
+                    got = futures[j].result(timeout=None if i == 0 else max(1.0, deadline - time.monotonic()))
+                except FuturesTimeout:
+                    stopped = f"budget spent compiling round {i} (of {rounds})"
+                    break
+            else:
+                got = _compile_one(*j, PRECISION)
+            if got[2] or (got[1] or 0) > SPILL_OK:
+                bad[j] = got
+                continue
+            times[j] = graph_time(lambda: [s.launch(t, w) for w in s.w])
+        if stopped:
+            break
+    if pool:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if stopped:
+        say(stopped)
+    say(f"{len(bad)} failed or spilled: "
+        + ", ".join(f"{j[0]} m{j[1]} {j[2]}: {v[2] or f'{v[1]} B spilled'}" for j, v in list(bad.items())[:6]))
     del shapes
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -248,7 +291,9 @@ def main(argv=None) -> int:
         base = rule(n, k)
         large = best_tile(times, cands[name], name, [m for m in MS if m > DECODE_ROWS])
         small = best_tile(times, cands[name], name, [m for m in MS if m <= DECODE_ROWS])
-        chosen[(n, k)] = large or small or base
+        # (a sweep of decode rows only, --ms 1 16, keeps the shipped main tile for more rows)
+        shipped_main = (known.get((n, k)) or [None])[0] if not any(m > DECODE_ROWS for m in MS) else None
+        chosen[(n, k)] = large or shipped_main or small or base
         if small and small != chosen[(n, k)]:
             decode[(n, k)] = small
         rows.append((name, n, k, base, chosen[(n, k)], decode.get((n, k)), [times.get((name, m, base)) for m in MS]))

@@ -278,7 +278,8 @@ def prefill_attention(q, layer_kv, pb: PagedBatch, out, group: int, scale: float
     """The prefill chunks of ``pb``: ``q``'s rows (heads of ``group`` query heads a kv head)
     against their keys in ``layer_kv`` [blocks, 2, BS, kv heads, HD], into ``out`` — one
     ``attn_prefill`` launch, its keys split into ``tile.seg``-key segments where a tile's span
-    more than one and ``counters`` (arrival counters, zero) has one a tile."""
+    more than one and ``counters`` (arrival counters, zero) has one a tile. Returns the launch's
+    compiled kernel (its registers and spills, on CUDA)."""
     c, nkv, hd = pb.offs.shape[0], layer_kv.shape[3], layer_kv.shape[4]
     s = layer_kv.stride()
     gp = _pow2(group)
@@ -291,7 +292,7 @@ def prefill_attention(q, layer_kv, pb: PagedBatch, out, group: int, scale: float
         rows = c * nkv * qtiles * nseg * tile.block_q * gp
         po = torch.empty(rows, hd, dtype=torch.float32, device=q.device)
         pml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
-    _k().attn_prefill[(c, nkv, qtiles * nseg)](
+    return _k().attn_prefill[(c, nkv, qtiles * nseg)](
         q, layer_kv, pb.ptables, pb.starts, pb.qlens, pb.offs, out, po, pml, counters if pseg else pb.qlens,
         q.stride(0), pb.ptables.stride(0), s[0], s[1], s[2], s[3], scale, nseg, GROUP=group, GROUP_P=gp, HD=hd,
         BS=layer_kv.shape[2], BLOCK_Q=tile.block_q, BLOCK_K=tile.block_k, PSEG=pseg, PRECISION=precision,
