@@ -97,6 +97,7 @@ WEIGHTS = ("blocks", "planes")            # TANDEM_GPU_WEIGHTS: the matmuls' Q4_
 MLP_PROGRAMS, MLP_BLOCK_D, MLP_WARPS = 192, 64, 8
 PREFETCH_STEPS = 3   # "auto": K steps a program needs to fetch each step's weights during the one before
 GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls through cuBLAS (TANDEM_GPU_GEMM_ROWS)
+GEMM_CHUNK = 4096    # weight rows dequantized at a time for it (no f32 copy of the lm head whole)
 MATRICES = ("qkv", "o", "gate_up", "down")   # a layer's Q4_0 matrices (``Transformer.layers``)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
 # TANDEM_GPU_PERSISTENT=1: a decode step of up to this many rows as one ``decode_persistent`` launch
@@ -347,6 +348,7 @@ class GpuStep:
         # a step with prefill chunks of at least this many rows runs its matmuls as dequantized
         # weights through torch.matmul (cuBLAS on CUDA); 0: never (``gemm``)
         self.gemm_rows = int(os.environ.get("TANDEM_GPU_GEMM_ROWS", GEMM_ROWS))
+        self.row_ids = torch.arange(0, dtype=torch.int32, device=self.device)   # ``dequantized``'s rows
         if self.gemm_rows < 0:
             raise ValueError(f"TANDEM_GPU_GEMM_ROWS must be >= 0, got {self.gemm_rows}")
         self.cos = model.cos.contiguous()
@@ -418,21 +420,38 @@ class GpuStep:
                 counters=self.counters, pdl=self.pdl, prefetch_mode=self.prefetch)
         return out
 
+    def dequantized(self, w: Q4Weight, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0..r1 of W as float32 — ``q4_0.dequantize``'s values, bit for bit — in one ``embed``
+        launch (the reference's torch ops were ~12 launches a matrix: ~1,400 a prefill step of the
+        bundled model, each a few µs of the host's)."""
+        if self.row_ids.shape[0] < r1:
+            self.row_ids = torch.arange(max(r1, 2 * self.row_ids.shape[0]), dtype=torch.int32, device=self.device)
+        k = w.k
+        out = torch.empty(r1 - r0, k, dtype=torch.float32, device=self.device)
+        _k().embed[(r1 - r0,)](self.row_ids[r0:], w.rows, out, k, w.rows.shape[1], out.stride(0),
+                               BLOCK_B=EMBED_BLOCK_B, **pdl_args(self.pdl))
+        return out
+
     def gemm(self, x: torch.Tensor, w: Q4Weight, out: torch.Tensor | None = None,
              norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False) -> torch.Tensor:
         """``matmul``'s contract through torch: the prologue as torch ops, the weight dequantized
-        (``q4_0.matmul``: 4,096 rows at a time, f32) and multiplied by ``torch.matmul`` — cuBLAS
+        (``dequantized``: 4,096 rows at a time, f32) and multiplied by ``torch.matmul`` — cuBLAS
         on CUDA, on its tensor cores in TF32 where ``precision`` is "tf32", f32 otherwise. For
         prefill-sized M, where cuBLAS beat the Q4_0 kernels 5–80× on an H200 (docs/kernels.md);
         a copy of the f32 weight exists only during the call."""
         k = w.k
         a = torch.nn.functional.silu(x[:, :k]) * x[:, k:] if silu else x
-        if norm is not None:
-            a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps) * norm
+        if norm is not None:      # (one fused kernel on CUDA; six torch ops composed it before)
+            a = torch.nn.functional.rms_norm(a, (a.shape[1],), norm, self.cfg.rms_eps)
+        a = a.contiguous()
+        n = w.n
+        y = torch.empty(a.shape[0], n, dtype=torch.float32, device=self.device)
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
         try:
-            y = q4_0.matmul(a.contiguous(), w.rows)
+            for r0 in range(0, n, GEMM_CHUNK):
+                r1 = min(n, r0 + GEMM_CHUNK)
+                torch.matmul(a, self.dequantized(w, r0, r1).T, out=y if r1 - r0 == n else y[:, r0:r1])
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         if out is None:

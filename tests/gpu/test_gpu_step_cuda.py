@@ -67,6 +67,11 @@ def test_prefill_matmul_through_cublas(norm, silu, residual, m):
     assert cases._matmul_case(m, 576, 576, norm, silu, residual, "cuda", None, True) <= cases.REL
 
 
+def test_prefill_weights_dequantized_in_one_launch():
+    *same, chunked = cases._dequantized_case("cuda")
+    assert same == [True, True] and chunked <= 1e-6     # (cuBLAS may sum a chunk's columns otherwise)
+
+
 def test_whole_step_with_the_prefill_matmuls_through_cublas():
     err, dkv = cases._step_case({}, 280, "cuda", 32)
     assert err <= cases.REL_STEP and dkv <= 2e-3

@@ -665,6 +665,31 @@ def test_prefill_matmul_through_torch(interp, norm, silu, residual):
     assert interp(_matmul_case, 130, 100, 192, norm, silu, residual, "cpu", None, True) <= REL
 
 
+def _dequantized_case(device="cpu"):
+    """``GpuStep.dequantized`` (the ``embed`` kernel over a weight's rows) against
+    ``q4_0.dequantize``: whole, a slice of rows, and ``gemm`` over chunks of 64 rows against one."""
+    from kernels import gpu_step
+    from kernels.gpu_step import GpuStep, Q4Weight
+    g = torch.Generator().manual_seed(3)
+    st = GpuStep(tiny_model(device), 1024)
+    w = Q4Weight.of(q4_0.quantize(torch.randn(300, 96, generator=g)).to(device))
+    ref = q4_0.dequantize(w.rows)
+    same = [torch.equal(st.dequantized(w, 0, 300), ref), torch.equal(st.dequantized(w, 100, 250), ref[100:250])]
+    x = torch.randn(130, 96, generator=g).to(device)
+    whole = st.gemm(x, w)
+    gpu_step.GEMM_CHUNK = 64
+    try:
+        chunked = st.gemm(x, w)
+    finally:
+        gpu_step.GEMM_CHUNK = 4096
+    return same + [float((chunked - whole).abs().max() / whole.abs().max())]
+
+
+def test_prefill_weights_dequantized_in_one_launch_are_the_reference_s(interp):
+    *same, chunked = interp(_dequantized_case)
+    assert same == [True, True] and chunked == 0.0
+
+
 # tuned tiles (kernels/gpu_tuning.py): the H200 table's kinds (64 rows a program, 4 warps, K split
 # into one-block steps; 32 rows, 8 splits), two blocks a K step with a ragged last split, and the
 # RMSNorm prologue 256 values a step (past K: masked) or 64 (three steps)
