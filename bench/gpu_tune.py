@@ -192,7 +192,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_tune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the tuning table to write (JSON, TANDEM_GPU_TUNING reads it)")
     ap.add_argument("--budget-s", type=float, default=90, help="stop timing candidates after this (default 90)")
-    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
+    ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 1) - 1)),
+                    help="compile processes (default: the cores but one, up to 16)")
     ap.add_argument("--ms", type=int, nargs="+", default=list(MS),
                     help="rows to time at (default 1 16 64; 1 16: decode tiles only, the shipped main tiles kept)")
     ap.add_argument("--precision", default=None,
@@ -245,7 +246,10 @@ def main(argv=None) -> int:
     # H200's 16-core host, 2026-11-30, and timed nothing)
     say(f"{len(jobs)} (shape, M, tile) launches in {rounds} rounds, {PRECISION} dots, compiled in "
         f"{a.workers} processes as they are timed; {a.budget_s:.0f} s")
-    pool = None if a.dry_run else ProcessPoolExecutor(a.workers, mp_context=get_context("spawn"))
+    # (the compile processes niced: the timing's replays are enqueued from this one, and a GPU left
+    # waiting for them would be timed too)
+    pool = None if a.dry_run else ProcessPoolExecutor(a.workers, mp_context=get_context("spawn"), initializer=os.nice,
+                                                      initargs=(10,))
     futures = {j: pool.submit(_compile_one, *j, PRECISION) for j in jobs} if pool else {}
     times: dict[tuple, float] = {}
     bad: dict[tuple, tuple] = {}
