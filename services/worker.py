@@ -216,14 +216,14 @@ class EngineWorker:
         st = self.engine.stats()
         for domain, j in (self.energy.tick() or {}).items():
             metrics.ENERGY.labels(self.role, domain).inc(j)
-        metrics.set_engine_load(self.role, queue_depth=st["waiting"] + st["queued_commands"], running=st["running"],
+        metrics.set_engine_load(self.role, queue_depth=st["waiting"] + st["queued_requests"], running=st["running"],
                                 kv_used=st["total_kv_blocks"] - st["free_kv_blocks"], kv_free=st["free_kv_blocks"],
                                 sessions_resident=st.get("sessions_resident", 0))
         ready = self.ready() and not self.draining
         metrics.set_ready(self.role, ready and self.bus.nc.is_connected)
         held = self.held
         return Heartbeat(worker_id=self.worker_id, role=self.role, device=self.device, model=self.model_name,
-                         ready=ready, draining=self.draining, queue_depth=st["waiting"] + st["queued_commands"],
+                         ready=ready, draining=self.draining, queue_depth=st["waiting"] + st["queued_requests"],
                          running=st["running"],
                          free_kv_blocks=st["free_kv_blocks"], total_kv_blocks=st["total_kv_blocks"],
                          max_context=self.engine.max_context, data_host=self.data_host,

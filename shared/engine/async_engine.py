@@ -44,6 +44,8 @@ class AsyncEngine:
         self.device = str(engine.device)
         self._commands: queue.Queue[tuple[Callable[[], Any], asyncio.Future | None, asyncio.AbstractEventLoop | None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._adds = 0                      # requests queued as commands, not yet taken by the engine
+        self._adds_lock = threading.Lock()
         self._stats = engine.stats()
         self.step_started: float | None = None   # monotonic time the running step began (None: between steps)
         self._closed = False
@@ -132,8 +134,10 @@ class AsyncEngine:
 
     # ---- API --------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Load figures as of the last step (for heartbeats)."""
-        return dict(self._stats, queued_commands=self._commands.qsize())
+        """Load figures as of the last step (for heartbeats), with ``queued_requests``: requests
+        handed to the engine thread that it has not taken yet (waiting like ``waiting``'s; the
+        other commands — priority changes, exports — are not requests)."""
+        return dict(self._stats, queued_requests=self._adds)
 
     def stalled(self, limit: float) -> bool:
         """A step has run for more than ``limit`` seconds (a hung engine: not ready for work)."""
@@ -171,9 +175,13 @@ class AsyncEngine:
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
 
         def open_and_add() -> None:
+            with self._adds_lock:
+                self._adds -= 1
             self._check_closed(request_id)
             add()
             self._streams[request_id] = (loop, q)
+        with self._adds_lock:
+            self._adds += 1
         await self._call(open_and_add)
         return self._drain(request_id, q)
 

@@ -134,3 +134,29 @@ async def test_batch_only_steps_run_on_the_batch_lane_with_its_kernel_team(bundl
 
 async def collect(ae: AsyncEngine, rid: str, ids, params, priority: int) -> list[RequestOutput]:
     return [o async for o in ae.generate(rid, ids, params, priority=priority)]
+
+
+async def test_queued_requests_count_requests_not_other_commands(engine):
+    """``stats()["queued_requests"]`` (a worker's heartbeat adds it to ``queue_depth``, which the
+    router's placement and 429s read): requests handed to the engine thread and not yet taken —
+    not its other commands (priority changes during a tier flip counted as waiting requests)."""
+    ae = AsyncEngine(engine)
+    gate, busy = threading.Event(), threading.Event()
+    try:
+        def hold():
+            busy.set()
+            gate.wait(10)
+        threading.Thread(target=ae.run_blocking, args=(hold,), daemon=True).start()
+        assert busy.wait(5)                      # the engine thread is inside ``hold``
+        others = [asyncio.create_task(ae.set_priority(f"nobody-{i}", 0)) for i in range(3)]
+        ids = engine.tokenizer.encode("One request waits")
+        add = asyncio.create_task(ae.submit("waiting", ids, SamplingParams(max_tokens=2, temperature=0.0)))
+        await asyncio.sleep(0.05)
+        assert ae.stats()["queued_requests"] == 1
+        gate.set()
+        outs = [o async for o in await add]
+        await asyncio.gather(*others, return_exceptions=True)
+        assert outs[-1].finished and ae.stats()["queued_requests"] == 0
+    finally:
+        gate.set()
+        await ae.close()
