@@ -448,7 +448,8 @@ async def _up(args: argparse.Namespace) -> int:
             log.info("%s again: already stopping, in order (Ctrl-C or SIGKILL stops at once)", sig.name)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signalled, sig)
-    port = metrics.serve_http(0, "127.0.0.1")
+    # the supervisor's own /metrics (restarts, given-up copies), off with the services' (-1)
+    port = metrics.serve_http(0, "127.0.0.1") if settings.worker.metrics_port >= 0 else None
     extra, priorities = os_priorities(args, env)
     log.info("%s", priorities)
     children += [Child(name, service, dict(env, **extra.get(service, {}))) for name, service in plan(args)]
@@ -461,10 +462,10 @@ async def _up(args: argparse.Namespace) -> int:
         tasks = [asyncio.create_task(c.supervise(stop), name=f"supervise-{c.name}") for c in children]
         if nats is not None:
             tasks.append(asyncio.create_task(_watch_nats(nats, stop, fatal), name="supervise-nats"))
-        log.info("started %s%s; gateway on port %s; supervisor metrics on http://127.0.0.1:%s/metrics",
-                 ", ".join(c.name for c in children),
+        log.info("started %s%s; gateway on port %s; %s", ", ".join(c.name for c in children),
                  f" (topology {args.topology}, {env['TANDEM_THREADS']} thread(s) per engine)" if args.topology else "",
-                 env.get("TANDEM_PORT", "8000"), port)
+                 env.get("TANDEM_PORT", "8000"),
+                 f"supervisor metrics on http://127.0.0.1:{port}/metrics" if port else "no metrics (TANDEM_METRICS_PORT=-1)")
         await stop.wait()
         return 1 if fatal or any(c.fatal for c in children) else 0
     finally:
