@@ -78,7 +78,7 @@ class Router:
         self.feed = IndexFeed(self.bus, self.index, self.settings)
         await self.feed.start()
         self.store = SessionStore(self.bus)
-        self.sessions.update(await self.store.start())
+        self.sessions.update(await self.store.start(on_opened=self._sessions_restored))
         self.heartbeats = Heartbeats(self.bus, self._seen)
         await self.heartbeats.start()
         decisions = await self.bus.subscribe(subjects.ROUTER_DECISION, skip_invalid=True)
@@ -90,6 +90,12 @@ class Router:
         self.bus.start_heartbeat(subjects.heartbeat(subjects.ROUTER, self.worker_id), self.heartbeat,
                                  self.settings.worker.heartbeat_interval)
         log.info("router %s ready (policy %s)", self.worker_id, self.policy)
+
+    def _sessions_restored(self, restored: dict[str, SessionView]) -> None:
+        """The session table's bucket answered only after this router started: the sessions it
+        holds that this router has no view of are taken; the others keep this router's (newer)."""
+        for sid, view in restored.items():
+            self.sessions.setdefault(sid, view)
 
     def heartbeat(self) -> Heartbeat:
         metrics.set_ready(subjects.ROUTER, self.bus.nc.is_connected)

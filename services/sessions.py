@@ -7,7 +7,10 @@ is written to bucket ``tandem_sessions`` under the session id (base64url: any vi
 becomes a valid key), coalesced per ``flush_s``. A router that starts loads the whole bucket;
 router copies also follow each other's decisions live (``tandem.router.decision``), so the
 bucket is only read at start. Entries age out after ``max_age`` seconds without a write. Without
-JetStream (a plain NATS server) the table lives in memory only, and the router says so.
+JetStream at start (a plain NATS server, a cluster that has not formed) the table lives in memory,
+the router says so and opens the bucket again every ``REOPEN_S`` (doubling to ``REOPEN_MAX_S``):
+once it answers, the sessions it holds that this router does not know are restored and this
+router's are written.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import base64
 import logging
 import time
+from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
@@ -29,6 +33,7 @@ log = logging.getLogger("tandem.router.sessions")
 
 BUCKET = "tandem_sessions"
 READ_TRIES = 4   # tries of one entry at start (0.5, 1, 2 s apart: a cluster electing leaders)
+REOPEN_S, REOPEN_MAX_S = 2.0, 30.0   # without JetStream at start: the bucket tried again this often
 
 
 def _key(session_id: str) -> str:
@@ -46,20 +51,31 @@ class SessionStore:
         self._dirty: dict[str, SessionView] = {}
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> dict[str, SessionView]:
+    async def start(self, on_opened: Callable[[dict[str, SessionView]], None] | None = None
+                    ) -> dict[str, SessionView]:
         """Open (or create) the bucket and return the sessions it holds, with ``last`` on this
-        process's monotonic clock."""
-        js = self.bus.nc.jetstream()
+        process's monotonic clock. Without JetStream: {} now, and the bucket tried again in the
+        background until it answers — then ``on_opened`` gets the sessions it held."""
         try:
-            self.kv = await self.bus.jetstream_ensure(
-                f"KV bucket {self.bucket}", lambda: js.key_value(self.bucket), lambda replicas: js.create_key_value(
-                    bucket=self.bucket, history=1, ttl=self.max_age, storage=api.StorageType.FILE,
-                    replicas=replicas))
-            keys = await self.bus.kv_keys(self.bucket)
+            out = await self._open()
         except (nats.errors.Error, asyncio.TimeoutError) as e:
-            log.warning("no JetStream for the session table (%s): sessions live in this router's memory only", e)
+            log.warning("no JetStream for the session table (%s): sessions live in this router's memory until "
+                        "it answers (tried again every %g-%g s)", e, REOPEN_S, REOPEN_MAX_S)
             self.kv = None
+            self._task = asyncio.create_task(self._reopen(on_opened), name="sessions-reopen")
             return {}
+        self._task = asyncio.create_task(self._flusher(), name="sessions-flush")
+        log.info("session table: %d session(s) restored from JetStream", len(out))
+        return out
+
+    async def _open(self) -> dict[str, SessionView]:
+        js = self.bus.nc.jetstream()
+        kv = await self.bus.jetstream_ensure(
+            f"KV bucket {self.bucket}", lambda: js.key_value(self.bucket), lambda replicas: js.create_key_value(
+                bucket=self.bucket, history=1, ttl=self.max_age, storage=api.StorageType.FILE,
+                replicas=replicas))
+        keys = await self.bus.kv_keys(self.bucket)
+        self.kv = kv
         out: dict[str, SessionView] = {}
         now_mono, now_wall = time.monotonic(), time.time()
         for k in keys:
@@ -71,9 +87,27 @@ class SessionStore:
                 log.warning("session entry %s unreadable (%s): skipped", k, e)
             except (nats.errors.Error, asyncio.TimeoutError) as e:   # JetStream still without a leader
                 log.warning("session entry %s not read (%s, %d tries): skipped", k, e, READ_TRIES)
-        self._task = asyncio.create_task(self._flusher(), name="sessions-flush")
-        log.info("session table: %d session(s) restored from JetStream", len(out))
         return out
+
+    async def _reopen(self, on_opened) -> None:
+        """The bucket tried again until JetStream answers; then the flusher (this task goes on as it)."""
+        delay = REOPEN_S
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                out = await self._open()
+                break
+            except (nats.errors.Error, asyncio.TimeoutError) as e:
+                self.kv = None
+                delay = min(2 * delay, REOPEN_MAX_S)
+                log.debug("session table: JetStream still not answering (%s)", e)
+                stale = time.monotonic() - self.max_age        # (what the bucket would have aged out)
+                self._dirty = {sid: v for sid, v in self._dirty.items() if v.last > stale}
+        log.info("session table: JetStream answers now; %d session(s) restored, %d of this router's to write",
+                 len(out), len(self._dirty))
+        if on_opened is not None:
+            on_opened(out)
+        await self._flusher()
 
     async def _read(self, key: str):
         """One entry; again after a JetStream error but "no such key" (a cluster that lost a server
@@ -90,9 +124,8 @@ class SessionStore:
                 await asyncio.sleep(0.5 * 2 ** i)
 
     def changed(self, session_id: str, view: SessionView) -> None:
-        """Record a change; written within ``flush_s``."""
-        if self.kv is not None:
-            self._dirty[session_id] = view
+        """Record a change; written within ``flush_s`` (without JetStream: once it answers)."""
+        self._dirty[session_id] = view
 
     async def _flusher(self) -> None:
         while True:
