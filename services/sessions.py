@@ -56,6 +56,10 @@ class SessionStore:
         """Open (or create) the bucket and return the sessions it holds, with ``last`` on this
         process's monotonic clock. Without JetStream: {} now, and the bucket tried again in the
         background until it answers — then ``on_opened`` gets the sessions it held."""
+        if self._task is not None:          # (started again: the last start's task is done with)
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
         try:
             out = await self._open()
         except (nats.errors.Error, asyncio.TimeoutError) as e:

@@ -137,7 +137,7 @@ GATEWAY_IN_FLIGHT = Gauge("tandem_gateway_requests_in_flight", "generation reque
 
 # -- stored Responses (services/gateway/response_store.py) -----------------------------------
 RESPONSES_STORED = Gauge("tandem_responses_stored", "stored Responses this gateway knows of, over every tenant "
-                         "(records, bytes)", ["what"])
+                         "(records, bytes; held: not taken by the bus yet)", ["what"])
 RESPONSES_EVICTED = Counter("tandem_responses_evicted", "stored Responses removed to keep a tenant within its cap "
                             "(entries: TANDEM_RESPONSES_MAX_PER_TENANT, bytes: TANDEM_RESPONSES_MAX_BYTES_PER_TENANT)",
                             ["cap"])

@@ -173,10 +173,15 @@ def _openapi(app: FastAPI) -> dict:
 async def serve(backend: Backend, settings: GatewaySettings, log_level: str = "info") -> None:
     """Serve the gateway with uvicorn until SIGINT/SIGTERM; in-flight requests get ``drain_s``."""
     await streaming.warm_up()
-    server = draining_server(create_app(backend, settings), settings, log_level=log_level)
+    app = create_app(backend, settings)
+    server = draining_server(app, settings, log_level=log_level)
     log.info("gateway on http://%s:%d serving %s (context %d)", settings.host, settings.port,
              backend.model_name, backend.max_context)
-    await server.serve()
+    try:
+        await server.serve()
+    finally:
+        if app.state.gw.responses is not None:     # stored responses the bus has not taken yet
+            await app.state.gw.responses.close()
 
 
 def draining_server(app: FastAPI, settings: GatewaySettings, **config):

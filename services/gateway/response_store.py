@@ -15,6 +15,14 @@ deletes. With several gateway copies, each enforces the caps over what it read a
 plus what it stored itself; the bucket's TTL (``TANDEM_RESPONSES_RETENTION_S``) bounds the rest.
 Counted in ``tandem_responses_stored{what}`` (records, bytes this process knows of) and
 ``tandem_responses_evicted_total{cap}``.
+
+When the bus does not take a record (JetStream without a quorum, NATS gone — after ``BUS_TRIES``),
+this gateway holds it (up to ``HELD_MAX_BYTES`` in all) and writes it once the bus answers again,
+tried every ``HELD_RETRY_S`` (doubling to ``HELD_RETRY_MAX_S``), and at shutdown: the answer says
+``"store": true`` and its next turn (``previous_response_id``) or GET finds it on this gateway
+meanwhile, and on every gateway once written. Past the bound the answer says ``"store": false``,
+as before: a chain of turns through this gateway no longer breaks at a bus outage
+(``tandem_responses_stored{what="held"}``: records held).
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ DEFAULT_RETENTION_S = 30 * 86400
 MAX_VALUE = 8 << 20              # a record larger than this is not stored (the bucket's value limit)
 BUS_TRIES = 4                    # a bus timeout is tried again 0.5, 1, 2 s later (a cluster that lost a
                                  # server elects new stream and consumer leaders within seconds)
+HELD_MAX_BYTES = 64 << 20        # records the bus did not take, held here until it does (module doc)
+HELD_RETRY_S, HELD_RETRY_MAX_S = 1.0, 15.0
+HELD_CLOSE_S = 5.0               # at shutdown: how long the held records may take to be written
 
 
 async def retried(op):
@@ -96,6 +107,11 @@ class ResponseStore:
         self._lock = asyncio.Lock()
         self._ledgers: dict[str, OrderedDict[str, int]] = {}   # tenant -> response id -> bytes, oldest first
         self._tenant_locks: dict[str, asyncio.Lock] = {}
+        # key -> (tenant, id, record, bytes): records the bus did not take, in the order they came;
+        # record None: one deleted while held, to purge too (a put nats-py buffered while it
+        # reconnected can still reach the bucket after it timed out here)
+        self._held: OrderedDict[str, tuple[str, str, dict | None, int]] = OrderedDict()
+        self._writer: asyncio.Task | None = None
 
     async def _bucket(self):
         async with self._lock:
@@ -131,14 +147,67 @@ class ResponseStore:
     def _count(self) -> None:
         metrics.RESPONSES_STORED.labels("records").set(sum(len(led) for led in self._ledgers.values()))
         metrics.RESPONSES_STORED.labels("bytes").set(sum(sum(led.values()) for led in self._ledgers.values()))
+        metrics.RESPONSES_STORED.labels("held").set(sum(v[2] is not None for v in self._held.values()))
 
     async def put(self, tenant: str, rid: str, record: dict) -> None:
-        """Store ``record``; StoreUnavailable when the bus does not take it, ValueError when it is
-        over the caps."""
+        """Store ``record``: on the bus, or — where the bus does not take it — held here until it
+        does (module doc); StoreUnavailable when it does not and the held records are at their
+        bound, ValueError when it is over the caps."""
         try:
             await self._store(tenant, rid, record)
         except (NatsError, BusError) as e:
-            raise _unavailable(e) from e
+            size = len(orjson.dumps(record))
+            if sum(n for *_, n in self._held.values()) + size > HELD_MAX_BYTES:
+                raise _unavailable(e) from e
+            self._held[f"{tenant}.{rid}"] = (tenant, rid, record, size)
+            self._count()
+            log.warning("stored responses: the bus did not take %s (%s); held in this gateway (%d held) and "
+                        "written once it answers", rid, _unavailable(e), len(self._held))
+            if self._writer is None or self._writer.done():
+                self._writer = asyncio.create_task(self._write_held(), name="responses-held")
+
+    async def _write_held(self, once: bool = False) -> None:
+        """The held records written in the order they came, tried again (backing off) while the
+        bus does not take them; ``once``: one pass."""
+        delay = HELD_RETRY_S
+        while self._held:
+            if not once:
+                await asyncio.sleep(delay)
+            for key, (tenant, rid, record, _) in list(self._held.items()):
+                try:
+                    if record is None:
+                        await self._remove(tenant, rid)
+                    else:
+                        await self._store(tenant, rid, record)
+                except (NatsError, BusError) as e:
+                    log.info("stored responses: %d held, the bus still does not take them (%s)", len(self._held),
+                             _unavailable(e))
+                    delay = min(2 * delay, HELD_RETRY_MAX_S)
+                    break
+                except ValueError as e:      # (caps that changed since: as put would have said)
+                    log.warning("stored responses: held %s dropped: %s", rid, e)
+                cur = self._held.get(key)
+                if cur is not None and cur[2] is record:      # (not if deleted or put anew meanwhile)
+                    del self._held[key]
+                self._count()
+            else:
+                log.info("stored responses: the held records are written")
+            if once:
+                return
+
+    async def close(self) -> None:
+        """At shutdown: the held records written, for ``HELD_CLOSE_S`` at most (else said lost)."""
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
+        if self._held:
+            try:
+                await asyncio.wait_for(self._write_held(once=True), HELD_CLOSE_S)
+            except asyncio.TimeoutError:
+                pass
+        if self._held:
+            log.error("stored responses: %d held record(s) not written before shutdown: lost (%s)", len(self._held),
+                      ", ".join(rid for _, rid, *_ in self._held.values())[:500])
 
     async def _store(self, tenant: str, rid: str, record: dict) -> None:
         data = orjson.dumps(record)
@@ -185,6 +254,9 @@ class ResponseStore:
 
     async def get(self, tenant: str, rid: str) -> dict | None:
         """The record (None: no such response of ``tenant``); StoreUnavailable when the bus does not answer."""
+        held = self._held.get(f"{tenant}.{rid}")
+        if held is not None:
+            return held[2]          # (None: deleted while held)
         try:
             return await self._get(tenant, rid)
         except (NatsError, BusError) as e:
@@ -205,6 +277,16 @@ class ResponseStore:
         """True if it was there: of two deletes of one response at once on this gateway, one
         (under the tenant's lock, as ``put``; across gateway copies both may say so)."""
         async with self._tenant_locks.setdefault(tenant, asyncio.Lock()):
+            held = self._held.get(f"{tenant}.{rid}")
+            if held is not None:        # purged from the bus once it answers (``_held``)
+                if held[2] is None:
+                    return False
+                self._held[f"{tenant}.{rid}"] = (tenant, rid, None, 0)
+                ledger = self._ledgers.get(tenant)
+                if ledger is not None:
+                    ledger.pop(rid, None)
+                self._count()
+                return True
             if await self.get(tenant, rid) is None:
                 return False
             try:

@@ -359,12 +359,16 @@ def test_a_bus_timeout_while_storing_is_tried_again(monkeypatch):
     assert len(calls) == response_store.BUS_TRIES
 
 
-def test_a_bus_that_cannot_store_says_store_false_and_reads_are_503(served, backend):
-    """JetStream without a quorum (2 of 3 NATS servers gone): the answer still goes out, saying
-    ``"store": false`` (it said true, and its id was a 404 later); a read or delete is a 503
-    ``unavailable`` with Retry-After (it was a 500)."""
+def test_a_bus_that_cannot_store_holds_the_record_then_says_store_false_and_reads_are_503(served, backend,
+                                                                                          monkeypatch):
+    """JetStream without a quorum (2 of 3 NATS servers gone): the gateway holds what the bus does
+    not take — the answer says ``"store": true`` and its next turn and GET find it here — and past
+    the bound of what it holds the answer still goes out, saying ``"store": false``; a read or
+    delete of what it does not hold is a 503 ``unavailable`` with Retry-After (it was a 500).
+    (tests/integration/test_responses_held.py: the same on a real nats-server killed and back.)"""
     import nats.js.errors
 
+    from services.gateway import response_store
     from services.gateway.response_store import ResponseStore
 
     class NoQuorum(ResponseStore):
@@ -378,12 +382,19 @@ def test_a_bus_that_cannot_store_says_store_false_and_reads_are_503(served, back
     kept, gw.responses = gw.responses, NoQuorum()
     try:
         r = client(served).responses.create(model=MODEL, input="Hi")
+        assert r.status == "completed" and r.output_text == REPLY and r.store is True
+        h = {"Authorization": "Bearer alice"}
+        got = httpx.get(f"{served[0].url}/v1/responses/{r.id}", headers=h)
+        assert got.status_code == 200 and got.json()["id"] == r.id
+        nxt = client(served).responses.create(model=MODEL, input="And then?", previous_response_id=r.id)
+        assert nxt.status == "completed" and nxt.previous_response_id == r.id
+        monkeypatch.setattr(response_store, "HELD_MAX_BYTES", 0)           # nothing more held
+        r = client(served).responses.create(model=MODEL, input="Hi")
         assert r.status == "completed" and r.output_text == REPLY and r.store is False
         events = list(client(served).responses.create(model=MODEL, input="Hi", stream=True))
         assert events[0].response.store is True and events[-1].type == "response.completed"
         assert events[-1].response.store is False
         assert client(served).responses.create(model=MODEL, input="Hi", store=False).store is False
-        h = {"Authorization": "Bearer alice"}
         for method in ("GET", "DELETE"):
             got = httpx.request(method, f"{served[0].url}/v1/responses/resp_{'0' * 32}", headers=h)
             assert got.status_code == 503 and got.json()["error"]["code"] == "unavailable", got.text
@@ -392,4 +403,5 @@ def test_a_bus_that_cannot_store_says_store_false_and_reads_are_503(served, back
             client(served).responses.create(model=MODEL, input="again", previous_response_id=f"resp_{'1' * 32}")
         assert e.value.status_code == 503
     finally:
+        gw.responses._held.clear()                          # (its writer stops at its next try)
         gw.responses = kept
