@@ -138,8 +138,8 @@ def unsupported(cfg, block_size: int) -> str | None:
     hd = cfg.head_dim
     if hd < 16 or hd & (hd - 1):
         return f"head_dim {hd} is not a power of two >= 16"
-    if block_size & (block_size - 1):
-        return f"KV block size {block_size} is not a power of two"
+    if block_size & (block_size - 1) or block_size > SEG:
+        return f"KV block size {block_size} is not a power of two up to {SEG}"
     if cfg.hidden_size % 32 or cfg.ffn_size % 32:
         return "hidden and FFN sizes must be multiples of 32 (Q4_0 blocks)"
     return None

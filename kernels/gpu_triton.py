@@ -793,18 +793,24 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
         l_i = tl.zeros([GROUP_P], dtype=tl.float32)
         acc = tl.zeros([GROUP_P, HD], dtype=tl.float32)
         kk0 = tl.arange(0, BLOCK_K)
+        # the segment's block ids in one load before the loop: a step's keys then wait on one
+        # round trip (their K and V), not two (the table, then K and V)
+        NB: tl.constexpr = SEG // BS
+        j = tl.arange(0, NB)
+        seg_blocks = tl.load(bt_ptr + e * stride_bt + lo // BS + j, mask=lo + j * BS < hi, other=0)   # [NB]
         for k0 in range(lo, hi, BLOCK_K):
             kk = k0 + kk0
             k_ok = kk < hi
-            blk = tl.load(bt_ptr + e * stride_bt + kk // BS, mask=k_ok, other=0).to(tl.int64)
-            slot = blk * s_blk + (kk % BS).to(tl.int64) * s_slot + kvh * s_head                # [BK]
+            blk = tl.sum(tl.where(((kk - lo) // BS)[:, None] == j[None, :], seg_blocks[None, :], 0), axis=1)
+            slot = blk.to(tl.int64) * s_blk + (kk % BS).to(tl.int64) * s_slot + kvh * s_head    # [BK]
             k = tl.load(kv_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+            # the values asked for with the keys: both loads in flight at once, not one after the other
+            v = tl.load(kv_ptr + s_kv + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
             sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                          # [GP, BK]
             sc = tl.where(k_ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             p = tl.exp(sc - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(kv_ptr + s_kv + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
@@ -906,6 +912,7 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
             blk = tl.load(bt_ptr + c * stride_bt + kk // BS, mask=k_ok, other=0).to(tl.int64)
             slot = blk * s_blk + (kk % BS).to(tl.int64) * s_slot + kvh * s_head
             k = tl.load(kv_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(kv_ptr + s_kv + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)   # (with k)
             if PRECISION == "fp16":
                 sc = tl.dot(q, tl.trans(k)) * scale                                              # [R, BK]
             else:
@@ -916,7 +923,6 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with no key yet (padding)
             p = tl.exp(sc - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            v = tl.load(kv_ptr + s_kv + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if PRECISION == "fp16":
                 acc = tl.dot(p.to(tl.float16), v, acc * alpha[:, None])
