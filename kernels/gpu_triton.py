@@ -177,12 +177,24 @@ def _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, ok, M, N, stride_om, spli
         tl.store(part_ptr + split.to(tl.int64) * M * N + pn, acc, mask=ok)
         if FIXUP:
             if _last_arrival(cnt_ptr + tile, splits):
-                acc = tl.zeros_like(acc)
-                for s in range(splits):
-                    acc += tl.load(part_ptr + s * M * N + pn, mask=ok, other=0.0, cache_modifier=".cg")
+                # the residual and the partials asked for together, 8 partials at a time for a
+                # decode's tile (its 8-18 splits: one to three round trips; the loop as compiled
+                # unrolled by 4, the residual after it: up to six), added in split order
                 o = out_ptr + m[:, None] * stride_om + n[None, :]
                 if RESIDUAL:
-                    acc = tl.load(o, mask=ok, other=0.0) + acc
+                    res = tl.load(o, mask=ok, other=0.0)
+                acc = tl.zeros_like(acc)
+                if acc.shape[0] <= 16:
+                    for s0 in range(0, splits, 8):
+                        for u in tl.static_range(8):      # (past the last split: -0.0, which adds nothing)
+                            there = tl.full(ok.shape, s0 + u, tl.int32) < splits
+                            acc += tl.load(part_ptr + (s0 + u) * M * N + pn, mask=ok & there,
+                                           other=-0.0, cache_modifier=".cg")
+                else:      # (a 64-row tile's 8 partials held at once: 256 registers a thread)
+                    for s in range(splits):
+                        acc += tl.load(part_ptr + s * M * N + pn, mask=ok, other=0.0, cache_modifier=".cg")
+                if RESIDUAL:
+                    acc = res + acc
                 tl.store(o, acc, mask=ok)
     else:
         o = out_ptr + m[:, None] * stride_om + n[None, :]
@@ -446,6 +458,19 @@ def _qgemv_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, s
     # the first K step's weight bytes before the wait on the previous kernel (as in qmatmul)
     d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0 + b, kb1, PLANES)
     _depend(PDL, dep_ptr, need, stall_ptr, WAIT)
+    if NORM:   # RMSNorm is one factor a row: sum(x * rstd * nw * w) = rstd * sum(x * nw * w); each row's
+        # RMS on its own (a [NORM_W] reduction: the same order whatever BLOCK_M). Its loads go out
+        # with the first weight tile's and it is one reduction a row: every step's squares added
+        # element-wise first (a reduction a step, after the loop, was that many more round trips and
+        # CTA barriers at each program's end: sm_90's SASS, 2026-11-30)
+        rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            sq = tl.zeros([NORM_W], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, NORM_W):
+                kk = k0 + tl.arange(0, NORM_W)
+                xv = tl.load(x_ptr + r * stride_xm + kk, mask=kk < K * (M > r), other=0.0)   # row r < M
+                sq += xv * xv
+            rstd = tl.where(rows == r, 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps), rstd)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_lo, w_hi = _q4_values(d, qs)
     if PREFETCH:
@@ -459,15 +484,8 @@ def _qgemv_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, s
             f_d, f_qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + b, kb1, PLANES)
             w_lo, w_hi = _q4_values(f_d, f_qs)
         acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
-    if NORM:   # RMSNorm is one factor a row: sum(x * rstd * nw * w) = rstd * sum(x * nw * w); each row's
-        # RMS on its own (a [NORM_W] reduction: the same order whatever BLOCK_M)
-        for r in tl.static_range(BLOCK_M):
-            ss = tl.sum(tl.zeros([NORM_W], dtype=tl.float32), axis=0)
-            for k0 in tl.static_range(0, K, NORM_W):
-                kk = k0 + tl.arange(0, NORM_W)
-                xv = tl.load(x_ptr + r * stride_xm + kk, mask=kk < K * (M > r), other=0.0)   # row r < M
-                ss += tl.sum(xv * xv, axis=0)
-            acc = tl.where((rows == r)[:, None], acc * (1.0 / tl.sqrt(ss / K + eps)), acc)
+    if NORM:
+        acc = acc * rstd[:, None]
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, rows.to(tl.int64), n, (rows < M)[:, None] & n_ok[None, :], M, N,
                 stride_om, split, splits, tile, SPLIT, FIXUP, RESIDUAL)
 
@@ -772,6 +790,11 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
     if lo < L:
         _depend(False, dep_ptr, need, stall_ptr, WAIT)
         hi = tl.minimum(lo + SEG, L)
+        # the segment's block ids in one load, first (with q's): a key step then waits on one round
+        # trip (its K and V), not two (the table, then K and V)
+        NB: tl.constexpr = SEG // BS
+        j = tl.arange(0, NB)
+        seg_blocks = tl.load(bt_ptr + e * stride_bt + lo // BS + j, mask=lo + j * BS < hi, other=0)   # [NB]
         row = tl.load(rows_ptr + e).to(tl.int64)
         g = tl.arange(0, GROUP_P)
         g_ok = g < GROUP
@@ -793,11 +816,6 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
         l_i = tl.zeros([GROUP_P], dtype=tl.float32)
         acc = tl.zeros([GROUP_P, HD], dtype=tl.float32)
         kk0 = tl.arange(0, BLOCK_K)
-        # the segment's block ids in one load before the loop: a step's keys then wait on one
-        # round trip (their K and V), not two (the table, then K and V)
-        NB: tl.constexpr = SEG // BS
-        j = tl.arange(0, NB)
-        seg_blocks = tl.load(bt_ptr + e * stride_bt + lo // BS + j, mask=lo + j * BS < hi, other=0)   # [NB]
         for k0 in range(lo, hi, BLOCK_K):
             kk = k0 + kk0
             k_ok = kk < hi
