@@ -29,6 +29,7 @@ table of what was measured, with a STOPPED line; either exits 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import signal
@@ -273,6 +274,11 @@ def run(args: argparse.Namespace, res: dict) -> None:
         row["triton"] = compiles.counts()   # kernels its decode levels compiled (none: --compile-only ran first)
         _progress(f"{mode}: decode tok/s {row['decode']}; Triton kernels {row['triton']}")
         st = engine.model.gpu
+        if st is not None:                     # what this engine's step ran with (the table's tiles, ...)
+            row["step"] = {"precision": st.precision, "tiles": st.tuning.source, "prefill_attn": st.prefill_attn,
+                           "prefill_tile": list(dataclasses.astuple(st.prefill_tile)),
+                           "ahead": bool(engine.graphs is not None and engine.graphs.ahead)}
+            _progress(f"{mode}: step {row['step']}")
         if st is not None and st.programs:     # the persistent step: its grid and registers, by batch rows
             row["persistent"] = {"programs": dict(st.programs), "registers": dict(st.registers)}
             _progress(f"{mode}: persistent step {row['persistent']}")
