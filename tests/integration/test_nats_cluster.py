@@ -27,6 +27,7 @@ from shared.nats_server import EmbeddedNats, free_port
 from shared.schemas import StreamChunk
 from shared.settings import NatsSettings
 from services.placement import SessionView
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,22 +56,6 @@ def server_of(c: EmbeddedCluster, bus: Bus) -> int:
 
 def key(i: int) -> str:
     return f"{i:064x}"
-
-
-async def wait_for(what: str, ok, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result = await ok()
-            if result:
-                return result
-        except Exception as e:  # a server's loss: leaders move, a read may fail for a moment
-            last = e
-        else:
-            last = None
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s (last error: {last!r})")
-        await asyncio.sleep(0.2)
 
 
 async def test_streams_are_r3_and_survive_a_server_kill(cluster, caplog):

@@ -6,9 +6,6 @@ turn through ``previous_response_id`` was a 404.)"""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
 from services.gateway import response_store
@@ -16,20 +13,7 @@ from services.gateway.response_store import ResponseStore, StoreUnavailable
 from shared.bus import Bus
 from shared.nats_server import EmbeddedNats
 from shared.settings import NatsSettings
-
-
-async def _eventually(what: str, probe, timeout: float = 40.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = await probe()
-            if got:
-                return got
-        except Exception:  # noqa: BLE001 - the bus still coming back
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(0.3)
+from tests.waiting import wait_for
 
 
 async def test_a_record_the_bus_does_not_take_is_held_then_written(tmp_path, monkeypatch):
@@ -53,7 +37,7 @@ async def test_a_record_the_bus_does_not_take_is_held_then_written(tmp_path, mon
         server.restart()                                     # the same port and store
         other = await Bus.connect(NatsSettings(url=server.url), name="gateway-b")
         elsewhere = ResponseStore(other)
-        got = await _eventually("the held record written", lambda: elsewhere.get("t1", "resp_b"))
+        got = await wait_for("the held record written", lambda: elsewhere.get("t1", "resp_b"), 40)
         assert got["output"] == "during" and not store._held
         assert (await elsewhere.get("t1", "resp_a"))["output"] == "before"
         assert await elsewhere.get("t1", "resp_c") is None                         # deleted while held
