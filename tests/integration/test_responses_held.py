@@ -1,7 +1,8 @@
 """Stored Responses through a bus outage, on a real nats-server with JetStream killed and started
 again on its store: a record the bus does not take is held by the gateway — its next turn and a
 GET find it there at once — and written once the bus answers, where another gateway reads it; a
-held record deleted is never written. (Before: answered ``"store": false``, and an agent's next
+held record deleted stays deleted (purged once the bus answers: the put nats-py buffered while it
+reconnected reached the bucket after it had timed out here). (Before: answered ``"store": false``, and an agent's next
 turn through ``previous_response_id`` was a 404.)"""
 
 from __future__ import annotations
