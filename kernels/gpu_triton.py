@@ -821,9 +821,11 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
             k_ok = kk < hi
             blk = tl.sum(tl.where(((kk - lo) // BS)[:, None] == j[None, :], seg_blocks[None, :], 0), axis=1)
             slot = blk.to(tl.int64) * s_blk + (kk % BS).to(tl.int64) * s_slot + kvh * s_head    # [BK]
-            k = tl.load(kv_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
-            # the values asked for with the keys: both loads in flight at once, not one after the other
-            v = tl.load(kv_ptr + s_kv + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+            # the keys and the values in one load (a [BK, HD, 2] tile split in registers): two loads
+            # were issued one after the other, the keys' layout conversion (a CTA barrier) between
+            kv2 = tl.load(kv_ptr + slot[:, None, None] + d[None, :, None] + (tl.arange(0, 2) * s_kv)[None, None, :],
+                          mask=k_ok[:, None, None], other=0.0).to(tl.float32)
+            k, v = tl.split(kv2)
             sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                          # [GP, BK]
             sc = tl.where(k_ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
