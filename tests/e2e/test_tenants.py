@@ -216,10 +216,13 @@ def test_a_session_id_is_each_key_s_own(stack, model):
 
 async def test_one_key_s_flood_does_not_queue_another_key_s_request_behind_it(stack, nats_server, model):
     """Alice sends 16 requests to an engine with 4 sequence slots; once 8 of them are queued there,
-    Bob sends one: it starts at the next free slot (before at most 4 of alice's queued ones got
-    their first token: the 4 running, and one more for a slot freeing as it arrives), not after
-    all 12 (docs/routing.md: the queue is shared fairly between keys; TANDEM_FAIR_TENANTS=0
-    gives the arrival order)."""
+    Bob sends one: it starts at the next free slots, with the first of alice's queued ones — its
+    first token among the first 2 x 4 (alice's 4 running, then the 4 slots they free: her
+    requests are alike and end together, so bob's first token comes in the same step as 3 of
+    hers, in any order) — not after all 12 (docs/routing.md: the queue is shared fairly between
+    keys; TANDEM_FAIR_TENANTS=0 gives the arrival order: 16th). Counting only the first tokens
+    after the queue was seen full was timing-dependent: a heartbeat can say 8 queued before the
+    client has the running ones' first tokens (it failed 2 of 4 runs on an idle machine)."""
     firsts: list[str] = []
     beats: dict[str, Heartbeat] = {}
 
@@ -248,11 +251,9 @@ async def test_one_key_s_flood_does_not_queue_another_key_s_request_behind_it(st
         while not any(b.role == subjects.CPU_DECODE and b.queue_depth >= 8 for b in beats.values()):
             assert time.monotonic() < deadline, beats
             await asyncio.sleep(0.02)
-        before = len(firsts)
         await one("bob", "b", 4)
         await asyncio.gather(*flood)
-        ahead = firsts.index("b") - before
-        assert ahead <= SLOTS, (before, firsts)
+        assert firsts.index("b") < 2 * SLOTS, firsts
     finally:
         watcher.cancel()
         await bus.close()
