@@ -255,8 +255,8 @@ class ResponseStore:
     async def get(self, tenant: str, rid: str) -> dict | None:
         """The record (None: no such response of ``tenant``); StoreUnavailable when the bus does not answer."""
         held = self._held.get(f"{tenant}.{rid}")
-        if held is not None:
-            return held[2]          # (None: deleted while held)
+        if held is not None:        # a copy, as the bus's would be (None: deleted while held)
+            return None if held[2] is None else orjson.loads(orjson.dumps(held[2]))
         try:
             return await self._get(tenant, rid)
         except (NatsError, BusError) as e:
