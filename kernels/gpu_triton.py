@@ -642,38 +642,46 @@ def _qk_norm(x1, x2, w_ptr, i, eps, HD: tl.constexpr):
 
 @triton.jit
 def _head_halves(row, col, bias_ptr, split_stride, HD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SPLITS: tl.constexpr):
-    """The two halves of the projection's head at column ``col`` of a token's row, bias added."""
+                 SPLITS: tl.constexpr, mask=None):
+    """The two halves of the projection's head at column ``col`` of a token's row, bias added
+    (zeros where not ``mask``: nothing read)."""
     HALF: tl.constexpr = HD // 2
     i = tl.arange(0, HALF)
-    x1 = _split_parts(row + col + i, split_stride, SPLITS)
-    x2 = _split_parts(row + col + HALF + i, split_stride, SPLITS)
+    x1 = _split_parts(row + col + i, split_stride, SPLITS, mask)
+    x2 = _split_parts(row + col + HALF + i, split_stride, SPLITS, mask)
     if HAS_BIAS:
-        x1 += tl.load(bias_ptr + col + i)
-        x2 += tl.load(bias_ptr + col + HALF + i)
+        x1 += _load0(bias_ptr + col + i, mask)
+        x2 += _load0(bias_ptr + col + HALF + i, mask)
     return x1, x2
 
 
 @triton.jit
 def _rope_kv_head(row, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr, pos, slot_ptr, s_kv, split_stride, eps,
                   NH: tl.constexpr, NKV, HD: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  SPLITS: tl.constexpr, mask):
     """kv head ``kvh`` of a token (its q|k|v row ``row``): the rotated key and the value, float16,
-    at ``slot_ptr`` (the key) and ``slot_ptr + s_kv`` (the value)."""
+    at ``slot_ptr`` (the key) and ``slot_ptr + s_kv`` (the value); returned too ([HD, 2]: key, value). Where not ``mask`` (a scalar): nothing read or written.
+    Every load is asked for before the first store (a store may alias a later load's address, so
+    nothing moves a load past it)."""
     HALF: tl.constexpr = HD // 2
     i = tl.arange(0, HALF)
-    x1, x2 = _head_halves(row, (NH + kvh) * HD, bias_ptr, split_stride, HD, HAS_BIAS, SPLITS)
+    d = tl.arange(0, HD)
+    i_ok = i < HALF * mask         # the mask as blocks (Triton's interpreter takes no scalar mask, nor an
+    d_ok = d < HD * mask           # ``&`` of two as one)
+    x1, x2 = _head_halves(row, (NH + kvh) * HD, bias_ptr, split_stride, HD, HAS_BIAS, SPLITS, i_ok)
+    vcol = (NH + NKV) * HD + kvh * HD
+    v = _split_parts(row + vcol + d, split_stride, SPLITS, d_ok)
+    if HAS_BIAS:
+        v += _load0(bias_ptr + vcol + d, d_ok)
     if QK_NORM:
         x1, x2 = _qk_norm(x1, x2, kn_ptr, i, eps, HD)
     r1, r2 = _rotate(x1, x2, tl.load(cos_ptr + pos * HALF + i), tl.load(sin_ptr + pos * HALF + i))
-    tl.store(slot_ptr + i, r1.to(tl.float16))
-    tl.store(slot_ptr + HALF + i, r2.to(tl.float16))
-    d = tl.arange(0, HD)
-    vcol = (NH + NKV) * HD + kvh * HD
-    v = _split_parts(row + vcol + d, split_stride, SPLITS)
-    if HAS_BIAS:
-        v += tl.load(bias_ptr + vcol + d)
-    tl.store(slot_ptr + s_kv + d, v.to(tl.float16))
+    k1, k2, vh = r1.to(tl.float16), r2.to(tl.float16), v.to(tl.float16)
+    tl.store(slot_ptr + i, k1, mask=i_ok)
+    tl.store(slot_ptr + HALF + i, k2, mask=i_ok)
+    tl.store(slot_ptr + s_kv + d, vh, mask=d_ok)
+    key = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), (HD,))
+    return tl.join(key, vh)
 
 
 @triton.jit
@@ -701,7 +709,7 @@ def rope_kv(qkv_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_p
     slot = (tl.load(sblk_ptr + tok).to(tl.int64) * s_blk + tl.load(soff_ptr + tok).to(tl.int64) * s_slot
             + kvh * s_head)
     _rope_kv_head(row, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr, pos, kv_ptr + slot, s_kv, split_stride, eps,
-                  NH, NKV, HD, HAS_BIAS, QK_NORM, SPLITS)
+                  NH, NKV, HD, HAS_BIAS, QK_NORM, SPLITS, kvh >= 0)
 
 
 @triton.jit
@@ -786,6 +794,7 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
     (``decode_persistent``: WAIT — an empty segment reads nothing others write, so only a
     segment with keys waits for ``dep_ptr`` to count ``need``)."""
     L = tl.load(lens_ptr + e)
+    row = tl.load(rows_ptr + e).to(tl.int64)     # with the length: one round trip, not one after it
     lo = seg * SEG
     if lo < L:
         _depend(False, dep_ptr, need, stall_ptr, WAIT)
@@ -795,37 +804,41 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
         NB: tl.constexpr = SEG // BS
         j = tl.arange(0, NB)
         seg_blocks = tl.load(bt_ptr + e * stride_bt + lo // BS + j, mask=lo + j * BS < hi, other=0)   # [NB]
-        row = tl.load(rows_ptr + e).to(tl.int64)
         g = tl.arange(0, GROUP_P)
         g_ok = g < GROUP
         d = tl.arange(0, HD)
         heads = kvh * GROUP + g                                                   # [GP]
+        kk0 = tl.arange(0, BLOCK_K)
+        head = kvh * s_head
+        # the first key step's keys and values asked for now, with q's loads (each step's come a
+        # step ahead of their use, ``_kv_step``)
+        slot, kv2 = _kv_step(kv_ptr, seg_blocks, j, lo, lo, hi, kk0, d, head, s_blk, s_kv, s_slot, BS)
         if ROPE:
-            q = _rope_group(q_ptr + row * stride_q, heads, g_ok, bias_ptr, qn_ptr, cos_ptr, sin_ptr,
-                            tl.load(pos_ptr + row).to(tl.int64), split_stride, eps, HD, HAS_BIAS, QK_NORM, SPLITS)
-            if seg == (L - 1) // SEG:     # the token's own key and value, where this program reads them
-                _rope_kv_head(q_ptr + row * stride_q, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr,
-                              tl.load(pos_ptr + row).to(tl.int64),
-                              kv_ptr + tl.load(sblk_ptr + row).to(tl.int64) * s_blk
-                              + tl.load(soff_ptr + row).to(tl.int64) * s_slot + kvh * s_head,
-                              s_kv, split_stride, eps, NH, nkv, HD, HAS_BIAS, QK_NORM, SPLITS)
-                tl.debug_barrier()
+            pos = tl.load(pos_ptr + row).to(tl.int64)
+            q = _rope_group(q_ptr + row * stride_q, heads, g_ok, bias_ptr, qn_ptr, cos_ptr, sin_ptr, pos,
+                            split_stride, eps, HD, HAS_BIAS, QK_NORM, SPLITS)
+            # the token's own key and value, written by the program of the segment holding it; that
+            # program uses them from its registers where its key steps meet their slot (what it
+            # stored, bit for bit) — so no step's loads wait for the store (a CTA barrier and a
+            # round trip before every key of the context, until 2026-12-01)
+            own = seg == (L - 1) // SEG
+            own_slot = (tl.load(sblk_ptr + row).to(tl.int64) * s_blk + tl.load(soff_ptr + row).to(tl.int64) * s_slot
+                        + head)
+            own_kv = _rope_kv_head(q_ptr + row * stride_q, kvh, bias_ptr, kn_ptr, cos_ptr, sin_ptr, pos,
+                                   kv_ptr + own_slot, s_kv, split_stride, eps, NH, nkv, HD, HAS_BIAS, QK_NORM, SPLITS,
+                                   own)                                           # [HD, 2]
         else:
             q = tl.load(q_ptr + row * stride_q + heads[:, None] * HD + d[None, :], mask=g_ok[:, None], other=0.0)
         m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_P], dtype=tl.float32)
         acc = tl.zeros([GROUP_P, HD], dtype=tl.float32)
-        kk0 = tl.arange(0, BLOCK_K)
         for k0 in range(lo, hi, BLOCK_K):
-            kk = k0 + kk0
-            k_ok = kk < hi
-            blk = tl.sum(tl.where(((kk - lo) // BS)[:, None] == j[None, :], seg_blocks[None, :], 0), axis=1)
-            slot = blk.to(tl.int64) * s_blk + (kk % BS).to(tl.int64) * s_slot + kvh * s_head    # [BK]
-            # the keys and the values in one load (a [BK, HD, 2] tile split in registers): two loads
-            # were issued one after the other, the keys' layout conversion (a CTA barrier) between
-            kv2 = tl.load(kv_ptr + slot[:, None, None] + d[None, :, None] + (tl.arange(0, 2) * s_kv)[None, None, :],
-                          mask=k_ok[:, None, None], other=0.0).to(tl.float32)
-            k, v = tl.split(kv2)
+            k_ok = k0 + kk0 < hi
+            cur = kv2
+            if ROPE:
+                cur = tl.where((k_ok & own & (slot == own_slot))[:, None, None], own_kv[None, :, :], cur)
+            slot, kv2 = _kv_step(kv_ptr, seg_blocks, j, lo, k0 + BLOCK_K, hi, kk0, d, head, s_blk, s_kv, s_slot, BS)
+            k, v = tl.split(cur.to(tl.float32))
             sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                          # [GP, BK]
             sc = tl.where(k_ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -855,6 +868,19 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
         else:
             tl.store(out_ptr + row * stride_o + heads[:, None] * HD + d[None, :], acc / l_i[:, None],
                      mask=g_ok[:, None])
+
+
+@triton.jit
+def _kv_step(kv_ptr, seg_blocks, j, lo, k0, hi, kk0, d, head, s_blk, s_kv, s_slot, BS: tl.constexpr):
+    """A decode key step's slots [BK] (keys k0 + kk0 of the segment from ``lo``, through its block
+    ids) and their keys and values, float16 [BK, HD, 2], in one load (two were issued one after
+    the other, the keys' layout conversion — a CTA barrier — between); past ``hi``: zeros, no read."""
+    kk = k0 + kk0
+    blk = tl.sum(tl.where(((kk - lo) // BS)[:, None] == j[None, :], seg_blocks[None, :], 0), axis=1)
+    slot = blk.to(tl.int64) * s_blk + (kk % BS).to(tl.int64) * s_slot + head                   # [BK]
+    kv2 = tl.load(kv_ptr + slot[:, None, None] + d[None, :, None] + (tl.arange(0, 2) * s_kv)[None, None, :],
+                  mask=(kk < hi)[:, None, None], other=0.0)
+    return slot, kv2
 
 
 @triton.jit
