@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops-gen-tokens", type=int, default=16, help="the same for the op-by-op engine (default 16)")
     p.add_argument("--cpu-threads", type=int, default=0, help="threads of the host's CPU engine (0: every core)")
     p.add_argument("--prefill-tokens", type=int, default=2048, help="prompt of the prefill line (default 2048)")
+    p.add_argument("--long-prompt", type=int, default=1024,
+                   help="each CUDA engine's decode again at 1 and 32 sequences of contexts this long, where "
+                        "attention weighs (default 1024; 0: not)")
     p.add_argument("--modes", nargs="+", default=["ops", "fused", "graphs"],
                    help="CUDA engines to run: ops, fused, graphs, and the variants " + ", ".join(VARIANTS)
                         + " (decode and profiles only)")
@@ -83,7 +86,9 @@ VARIANTS = {"graphs-all": ({"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TAN
             # the defaults on CUDA since 2026-11-30 (tf32x3, ahead) undone, to compare
             "graphs-ieee": ({"TANDEM_GPU_PRECISION": "ieee"}, "the matmuls' dots in f32 on the FMA units"),
             "graphs-stepped": ({"TANDEM_GPU_AHEAD": "0"}, "each decode step's tokens read before the next is launched"),
-            "graphs-planes": ({"TANDEM_GPU_WEIGHTS": "planes"}, "the Q4_0 weights as aligned planes: vector loads")}
+            "graphs-planes": ({"TANDEM_GPU_WEIGHTS": "planes"}, "the Q4_0 weights as aligned planes: vector loads"),
+            "graphs-attn-sum": ({"TANDEM_GPU_DECODE_ATTN": "sum"},
+                                "a decode's attention as products reduced across lanes, not tl.dot")}
 
 
 # prefill lines of the graphs engine: the matmuls on the tensor cores (TF32: cuBLAS's, and the Q4_0
@@ -91,6 +96,7 @@ VARIANTS = {"graphs-all": ({"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TAN
 PREFILL_VARIANTS = {"prefill_tf32_ms": {"TANDEM_GPU_PRECISION": "tf32"},
                     "prefill_kernels_ms": {"TANDEM_GPU_GEMM_ROWS": "0"},
                     "prefill_attn_fp16_ms": {"TANDEM_GPU_PREFILL_ATTN": "fp16"},
+                    "prefill_attn_tf32x3_ms": {"TANDEM_GPU_PREFILL_ATTN": "tf32x3"},
                     "prefill_tf32_attn_fp16_ms": {"TANDEM_GPU_PRECISION": "tf32", "TANDEM_GPU_PREFILL_ATTN": "fp16"}}
 
 
@@ -253,6 +259,7 @@ def run(args: argparse.Namespace, res: dict) -> None:
     res.update({"gpu": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
                 "host_cpu": platform.processor() or _cpu_name(), "energy": meter.describe(),
                 "concurrency": args.concurrency, "gen_tokens": args.gen_tokens, "prefill_tokens": args.prefill_tokens,
+                "long_prompt": args.long_prompt,
                 "engines": {}})
 
     def run_mode(mode: str) -> None:
@@ -271,8 +278,14 @@ def run(args: argparse.Namespace, res: dict) -> None:
                 else:
                     rate = bench_decode(engine, c, gen)
                 row["decode"][str(c)] = round(rate, 1)
+            if args.long_prompt and mode != "ops":
+                # contexts of --long-prompt tokens (16-token prompts above: attention a small share)
+                row["decode_long"] = {}
+                for c in sorted({1, min(32, top)}):
+                    row["decode_long"][str(c)] = round(bench_decode(engine, c, gen, args.long_prompt), 1)
         row["triton"] = compiles.counts()   # kernels its decode levels compiled (none: --compile-only ran first)
-        _progress(f"{mode}: decode tok/s {row['decode']}; Triton kernels {row['triton']}")
+        _progress(f"{mode}: decode tok/s {row['decode']}, at {args.long_prompt}-token contexts "
+                  f"{row.get('decode_long')}; Triton kernels {row['triton']}")
         st = engine.model.gpu
         if st is not None:                     # what this engine's step ran with (the table's tiles, ...)
             row["step"] = {"precision": st.precision, "tiles": st.tuning.source, "prefill_attn": st.prefill_attn,
@@ -598,6 +611,14 @@ def table(res: dict) -> str:
     for v, (_, what) in VARIANTS.items():
         if v in eng and "graphs" in eng:
             lines += ["", f"{v} ({what}) ÷ graphs: " + _ratios(eng[v], eng["graphs"], cs)]
+    long = [(n, r["decode_long"]) for n, r in eng.items() if r.get("decode_long")]
+    if long:
+        lines += ["", f"decode tok/s at {res.get('long_prompt', '?')}-token contexts: "
+                  + "; ".join(f"{n} " + ", ".join(f"x{c} {v:.1f}" for c, v in d.items()) for n, d in long)]
+        base = eng.get("graphs", {}).get("decode_long")
+        for n, d in long:
+            if base and n != "graphs":
+                lines += [f"  {n} ÷ graphs: " + ", ".join(f"x{c} {d[c] / base[c]:.2f}" for c in d if base.get(c))]
     if "prefill_tf32_ms" in res:
         lines += ["", f"prefill of the same prompt with TANDEM_GPU_PRECISION=tf32: {res['prefill_tf32_ms']} ms"]
     if "prefill_kernels_ms" in res:
@@ -607,6 +628,9 @@ def table(res: dict) -> str:
         lines += [f"prefill of the same prompt with its attention in float16 on the tensor cores "
                   f"(TANDEM_GPU_PREFILL_ATTN=fp16): {res['prefill_attn_fp16_ms']} ms; with TF32 matmuls too: "
                   f"{res.get('prefill_tf32_attn_fp16_ms', '?')} ms"]
+    if "prefill_attn_tf32x3_ms" in res:
+        lines += [f"prefill of the same prompt with its attention in 3xTF32 on the tensor cores (f32's accuracy; "
+                  f"TANDEM_GPU_PREFILL_ATTN=tf32x3): {res['prefill_attn_tf32x3_ms']} ms"]
     if "graphs" in eng and "ops" in eng:
         lines += ["graphs ÷ ops: " + _ratios(eng["graphs"], eng["ops"], cs)]
     compiled = {name: row["triton"]["compiled"] for name, row in eng.items() if row.get("triton")}

@@ -32,7 +32,7 @@ from multiprocessing import get_context
 
 NH, NKV, HD, BS, LAYERS = 9, 3, 64, 16, 30       # SmolLM2-135M's attention; the KV's block size
 SPILL_OK = 16                                     # bytes (bench/gpu_tune.py's bound)
-BOUND = {"ieee": 1e-4, "tf32": 5e-3, "fp16": 5e-3}   # max |diff| against f32 without segments
+BOUND = {"ieee": 1e-4, "tf32": 5e-3, "fp16": 5e-3, "tf32x3": 1e-4}   # max |diff| against f32 without segments
 DEVICE = "cuda"
 
 
@@ -45,6 +45,9 @@ FITS = {"ieee": [(16, 16, 8)],
         "tf32": [(16, k, w) for k in (32, 64, 128) for w in (4, 8)] + [(32, 32, 4), (32, 32, 8), (32, 64, 8),
                                                                       (32, 128, 8), (64, 32, 8)]}
 FITS["fp16"] = FITS["tf32"]
+# 3xTF32 (the operands split in two: more registers): 16 x 16 / 16 x 32 with 4 or 8 warps, 32 x 32 and
+# 32 x 64 with 8 (16 x 64 spilled 36-72 B with segments; 32 x 32 with 4, 64 x 32: ~200 B)
+FITS["tf32x3"] = [(16, 16, 4), (16, 16, 8), (16, 32, 4), (16, 32, 8), (32, 32, 8), (32, 64, 8)]
 SEGS = (0, 128, 256, 512)
 
 

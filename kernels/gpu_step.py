@@ -88,7 +88,8 @@ MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
 PREFETCH = ("auto", "0", "1")        # TANDEM_GPU_PREFETCH (``prefetch``)
 MLP = ("split", "fused")             # TANDEM_GPU_MLP: the FFN as gate|up + down, or one ``qmlp`` launch
-PREFILL_ATTN = ("ieee", "tf32", "fp16")   # TANDEM_GPU_PREFILL_ATTN: attn_prefill's dots
+PREFILL_ATTN = ("ieee", "tf32", "fp16", "tf32x3")   # TANDEM_GPU_PREFILL_ATTN: attn_prefill's dots
+DECODE_ATTN = ("dot", "sum")              # TANDEM_GPU_DECODE_ATTN: attn_decode's scores and sums (``decode_dot``)
 PRECISIONS = ("ieee", "tf32", "tf32x3")   # TANDEM_GPU_PRECISION: the Q4_0 matmuls' dots
 DEFAULT_PRECISION = {"cuda": "tf32x3"}     # by device type; "ieee" elsewhere
 WEIGHTS = ("blocks", "planes")            # TANDEM_GPU_WEIGHTS: the matmuls' Q4_0 bytes on the device (``Q4Weight``)
@@ -341,6 +342,14 @@ class GpuStep:
         if self.prefill_attn not in PREFILL_ATTN:
             raise ValueError(f"TANDEM_GPU_PREFILL_ATTN must be one of {', '.join(PREFILL_ATTN)}, "
                              f"got {self.prefill_attn!r}")
+        # a decode's attention: its scores and weighted values as tl.dot in 3xTF32 ("dot": the GQA
+        # group's rows padded to 16; 494 instructions, 12 shuffles and 14 CTA barriers a 16-key
+        # step in the loop's SASS for sm_90) or as products reduced across lanes ("sum": 1,082,
+        # 216 and 26); "sum" wherever the matmuls are "ieee" (``decode_dot``)
+        self.decode_attn = os.environ.get("TANDEM_GPU_DECODE_ATTN", "dot")
+        if self.decode_attn not in DECODE_ATTN:
+            raise ValueError(f"TANDEM_GPU_DECODE_ATTN must be one of {', '.join(DECODE_ATTN)}, "
+                             f"got {self.decode_attn!r}")
         # a layer's FFN as two matmuls ("split") or one launch (``mlp``: "fused"; with the fused sums only)
         self.mlp_mode = os.environ.get("TANDEM_GPU_MLP", "split")
         if self.mlp_mode not in MLP:
@@ -542,7 +551,7 @@ class GpuStep:
         kern = _k()
         scale = self.m.scale
         bs = layer_kv.shape[2]
-        gp = _pow2(self.group)
+        gp = self.decode_rows
         e = pb.rows.shape[0]
         if e:
             split = self.nseg > 1
@@ -558,7 +567,7 @@ class GpuStep:
                 q, layer_kv, pb.tables, pb.lens, pb.rows, out, po, pml, self.counters if fixup else pb.lens,
                 stride_q, out.stride(0), pb.tables.stride(0), s[0], s[1], s[2], s[3], scale, *ra,
                 SEG=SEG, NSEG=self.nseg, NSEG_P=_pow2(self.nseg), GROUP=self.group, GROUP_P=gp, HD=self.hd,
-                BS=bs, BLOCK_K=BLOCK_K_DECODE, SPLIT=split, FIXUP=fixup, num_warps=DECODE_WARPS, **rc,
+                BS=bs, BLOCK_K=BLOCK_K_DECODE, SPLIT=split, FIXUP=fixup, DOT=self.decode_dot, num_warps=DECODE_WARPS, **rc,
                 **pdl_args(self.pdl))
             if split and not fixup:
                 kern.attn_merge[(e, self.nh)](po, pml, pb.lens, pb.rows, out, out.stride(0), SEG=SEG,
@@ -593,6 +602,20 @@ class GpuStep:
         if ctx.sample_rows.shape[0] != x.shape[0]:
             x = x.index_select(0, ctx.sample_rows)
         return self.matmul(x, self.output, norm=self.m.output_norm, gemm=self._gemm(pb, x))
+
+    @property
+    def decode_dot(self) -> str:
+        """``attn_decode``'s DOT: "tf32x3" (the tensor cores; the keys and values are float16, exact
+        in TF32, so only q and the softmax weights are split: f32's accuracy), or "" — the sum
+        form — with TANDEM_GPU_DECODE_ATTN=sum and where the matmuls are f32 "ieee" (a dot in
+        "ieee" took 249 registers a thread on sm_90, the sum form 128)."""
+        return "" if self.decode_attn == "sum" or self.precision == "ieee" else "tf32x3"
+
+    @property
+    def decode_rows(self) -> int:
+        """``attn_decode``'s rows a program (GROUP_P): the GQA group's, to a power of two, and at
+        least 16 for its dots."""
+        return max(16, _pow2(self.group)) if self.decode_dot else _pow2(self.group)
 
     @property
     def prefill_tile(self) -> "gpu_tuning.PrefillTile":
@@ -675,7 +698,8 @@ class GpuStep:
             kv, tables, lens, rows, positions, slot_blocks, slot_offsets, self.cos, self.sin, po, pml,
             emb.shape[1], tables.stride(0), s[1], s[0], s[2], s[3], s[4], self.m.scale, cfg.rms_eps,
             m, LAYERS=len(self.layers), D=d, F=f, V=v, NH=self.nh, NKV=self.nkv, HD=self.hd, GROUP=self.group,
-            GROUP_P=_pow2(self.group), BS=kv.shape[3], SEG=SEG, NSEG=self.nseg, NSEG_P=_pow2(self.nseg),
+            GROUP_P=self.decode_rows, ATT_DOT=self.decode_dot, BS=kv.shape[3], SEG=SEG, NSEG=self.nseg,
+            NSEG_P=_pow2(self.nseg),
             BLOCK_K=BLOCK_K_DECODE, HAS_BIAS="qkv_bias" in st, QK_NORM="q_norm" in st,
             BLOCK_MM=16 if m <= 16 else 32 if m <= 32 else 64,
             BLOCK_MV=_pow2(m) if any(plan[f"GEMV_{k}"] for k in ("QKV", "O", "GU", "DN", "OUT")) else 16,

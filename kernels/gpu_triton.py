@@ -204,28 +204,30 @@ def _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, ok, M, N, stride_om, spli
 
 
 @triton.jit
-def _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W: tl.constexpr):
-    """Rows m's sums of squares over x[m, k0:k0 + NORM_W] (past K: nothing)."""
+def _squares(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W: tl.constexpr):
+    """Rows m's squares of x[m, k0:k0 + NORM_W] (past K: 0)."""
     kk = k0 + tl.arange(0, NORM_W)
     xv = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
-    return tl.sum(xv * xv, axis=1)
+    return xv * xv
 
 
 @triton.jit
 def _rstd(x_ptr, m, m_ok, stride_xm, eps, K: tl.constexpr, NORM_W: tl.constexpr, BLOCK_M: tl.constexpr,
           NORM: tl.constexpr):
     """Rows m's 1 / RMS over all of K (NORM_W values a step), whatever part of K the program
-    reduces; ones without NORM."""
+    reduces; ones without NORM. The steps' squares are added element-wise and reduced once a row:
+    no step's loads wait for the one before (a reduction a step — shuffles on its loads' values —
+    let ptxas issue the loads in batches between them: three and more dependent rounds, sm_90)."""
     rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     if NORM:
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_M, NORM_W], dtype=tl.float32)
         if BLOCK_M <= 16:   # unrolled: the steps' loads in flight together (past 16 rows they spill)
             for k0 in tl.static_range(0, K, NORM_W):
-                ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
+                ss += _squares(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
         else:               # the same steps in the same order: the same bits
             for k0 in tl.range(0, K, NORM_W, loop_unroll_factor=6):
-                ss += _sumsq(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
+                ss += _squares(x_ptr, m, m_ok, stride_xm, k0, K, NORM_W)
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
     return rstd
 
 
@@ -281,9 +283,28 @@ def _q4_values(d, qs):
 
 
 @triton.jit
+def _q4_ints(qs):
+    """Fetched Q4_0 quant bytes as their values before the scale: (low, high nibbles) ``q - 8``,
+    float32 (small integers: exact in TF32)."""
+    return ((qs & 15).to(tl.int32) - 8).to(tl.float32), ((qs >> 4).to(tl.int32) - 8).to(tl.float32)
+
+
+@triton.jit
+def _tf32_parts(x):
+    """x as (its TF32 part, the rest): the part its top 19 bits (what a TF32 tensor-core operand
+    keeps), the rest exact in f32 and within TF32's rounding of it."""
+    big = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return big, x - big
+
+
+@triton.jit
 def _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K: tl.constexpr,
-              NORM: tl.constexpr, SILU: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc`` plus K step ``kb``'s activations (SiLU·up, RMS-normed) times its weight tile."""
+              NORM: tl.constexpr, SILU: tl.constexpr, PRECISION: tl.constexpr, d=None):
+    """``acc`` plus K step ``kb``'s activations (SiLU·up, RMS-normed) times its weight tile. With
+    ``d`` (one Q4_0 block a step, "tf32x3"): w_lo / w_hi are the block's integers ``q - 8``
+    (``_q4_ints``, exact in TF32) and d [BN, 1] its scales, applied to the step's sums: the
+    activations split in two TF32 parts, two tensor-core passes a half (3xTF32's three, the third
+    the weights' remainder — none here) and f32's accuracy."""
     blk = kb + t // 16                                               # [T]
     t_ok = blk < kb1
     k_lo = blk * 32 + t % 16                                         # [T]
@@ -304,6 +325,14 @@ def _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_
         w_hi_n = tl.load(nw_ptr + k_lo + 16, mask=t_ok, other=0.0)
         x_lo = x_lo * rstd[:, None] * w_lo_n[None, :]
         x_hi = x_hi * rstd[:, None] * w_hi_n[None, :]
+    if d is not None:
+        b_lo, s_lo = _tf32_parts(x_lo)
+        b_hi, s_hi = _tf32_parts(x_hi)
+        step = tl.dot(b_lo, tl.trans(w_lo), input_precision="tf32")
+        step = tl.dot(s_lo, tl.trans(w_lo), step, input_precision="tf32")
+        step = tl.dot(b_hi, tl.trans(w_hi), step, input_precision="tf32")
+        step = tl.dot(s_hi, tl.trans(w_hi), step, input_precision="tf32")
+        return acc + step * tl.trans(d.to(tl.float32))
     acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
     return tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
 
@@ -357,11 +386,19 @@ def _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N,
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
     t = tl.arange(0, BLOCK_B * 16)                                   # [T]: block t // 16, byte t % 16
+    # one Q4_0 block a K step in 3xTF32: its scales applied to the step's sums (``_dot_step``'s d)
+    SCALED: tl.constexpr = BLOCK_B == 1 and PRECISION == "tf32x3"
     m_ok = m < M
     n_ok = n < N
     kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32, split)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if BLOCK_M <= 16:
+    if BLOCK_M <= 16 and not (PDL or WAIT):
+        # the norm's loads first, the first K step's weight bytes right after: both asked for before
+        # either is used (the other way round the weights' layout conversion — a CTA barrier —
+        # came between them: a round trip more, sm_90's SASS)
+        rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
+        d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B, PLANES)
+    elif BLOCK_M <= 16:
         # the first K step's weight bytes before the wait on the previous kernel: weights never
         # change, so under PDL these loads overlap its tail (one block a split: all of this
         # program's); past 16 rows, held across the norm's prologue, they spilled
@@ -376,19 +413,29 @@ def _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N,
     kb_first = kb0
     if not PREFETCH:
         if BLOCK_M <= 16:   # the step fetched before the wait
-            w_lo, w_hi = _q4_values(d, qs)
-            acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, w_lo, w_hi, K, NORM, SILU,
-                            PRECISION)
+            if SCALED:
+                w_lo, w_hi = _q4_ints(qs)
+                acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, w_lo, w_hi, K, NORM, SILU,
+                                PRECISION, d)
+            else:
+                w_lo, w_hi = _q4_values(d, qs)
+                acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, w_lo, w_hi, K, NORM, SILU,
+                                PRECISION)
             kb_first = kb0 + BLOCK_B
     for kb in range(kb_first, kb1, BLOCK_B):     # the steps in order whichever way: the same bits
         if PREFETCH:    # this step's bytes came during the step before; the next one's now go out
-            w_lo, w_hi = _q4_values(d, qs)
+            u_d, u_qs = d, qs
             d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + BLOCK_B, kb1, t, BLOCK_B, PLANES)
         else:           # fetched at use: one set of them held at a time
-            f_d, f_qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb, kb1, t, BLOCK_B, PLANES)
-            w_lo, w_hi = _q4_values(f_d, f_qs)
-        acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
-                        PRECISION)
+            u_d, u_qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb, kb1, t, BLOCK_B, PLANES)
+        if SCALED:
+            w_lo, w_hi = _q4_ints(u_qs)
+            acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
+                            PRECISION, u_d)
+        else:
+            w_lo, w_hi = _q4_values(u_d, u_qs)
+            acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
+                            PRECISION)
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, split, splits,
                 tile, SPLIT, FIXUP, RESIDUAL)
 
@@ -758,7 +805,8 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
                 SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, GROUP: tl.constexpr,
                 GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT: tl.constexpr, FIXUP: tl.constexpr, ROPE: tl.constexpr, NH: tl.constexpr,
-                HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+                HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+                DOT: tl.constexpr):
     """One query token against its whole context, for the GROUP query heads of one kv head, over the
     keys of one segment [seg * SEG, (seg + 1) * SEG) read in place through the block table, with
     an online softmax. Entry e = program_id(0): its token is row rows[e] of q, its context
@@ -771,14 +819,18 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
     ``split_stride`` apart, as ``rope_kv`` reads them) and this kernel does ``rope_kv``'s work for
     its token: the group's query heads rotated (bias, per-head norm) at position pos[row], and —
     in the program of the segment holding the token itself — the kv head's rotated key and its
-    value written into the token's KV slot before the keys are read (a CTA barrier between)."""
+    value written into the token's KV slot (and used from registers where a key step meets it).
+
+    DOT (an input precision, "ieee" or "tf32x3"): the scores and the values' weighted sum as
+    ``tl.dot``s, the group's rows padded to GROUP_P >= 16 (tl.dot's least); "": as broadcast
+    products reduced with ``tl.sum`` (GROUP_P rows: a power of two >= GROUP)."""
     _grid_dependency(PDL)
     _attn_decode_task(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), tl.num_programs(1),
                       q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr, stride_q,
                       stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr, kn_ptr, cos_ptr,
                       sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps, cnt_ptr, 0, cnt_ptr, SEG, NSEG, NSEG_P,
                       GROUP,
-                      GROUP_P, HD, BS, BLOCK_K, SPLIT, FIXUP, ROPE, NH, HAS_BIAS, QK_NORM, SPLITS, False)
+                      GROUP_P, HD, BS, BLOCK_K, SPLIT, FIXUP, ROPE, NH, HAS_BIAS, QK_NORM, SPLITS, False, DOT)
 
 
 @triton.jit
@@ -789,7 +841,7 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, ROPE: tl.constexpr,
                       NH: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr,
-                      WAIT: tl.constexpr):
+                      WAIT: tl.constexpr, DOT: tl.constexpr):
     """``attn_decode``'s (entry e, kv head kvh, segment seg) of ``nkv`` kv heads, wherever it runs
     (``decode_persistent``: WAIT — an empty segment reads nothing others write, so only a
     segment with keys waits for ``dep_ptr`` to count ``need``)."""
@@ -829,6 +881,8 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
                                    own)                                           # [HD, 2]
         else:
             q = tl.load(q_ptr + row * stride_q + heads[:, None] * HD + d[None, :], mask=g_ok[:, None], other=0.0)
+        if DOT != "":
+            q = q * scale      # (once, not a step's scores each)
         m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_P], dtype=tl.float32)
         acc = tl.zeros([GROUP_P, HD], dtype=tl.float32)
@@ -839,13 +893,19 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
                 cur = tl.where((k_ok & own & (slot == own_slot))[:, None, None], own_kv[None, :, :], cur)
             slot, kv2 = _kv_step(kv_ptr, seg_blocks, j, lo, k0 + BLOCK_K, hi, kk0, d, head, s_blk, s_kv, s_slot, BS)
             k, v = tl.split(cur.to(tl.float32))
-            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                          # [GP, BK]
+            if DOT != "":
+                sc = tl.dot(q, tl.trans(k), input_precision=DOT)                                # [GP, BK]
+            else:
+                sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
             sc = tl.where(k_ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             p = tl.exp(sc - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if DOT != "":
+                acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
         nused = (L + SEG - 1) // SEG
         if SPLIT:
@@ -907,7 +967,7 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
     offs[c]..., positions starts[c]...) for the GROUP query heads of one kv head, against the keys
     up to each token's own position, read in place through the chunk's block table: rows of the
     tile are (token, head) pairs, scores and values through ``tl.dot``, online softmax.
-    PRECISION: the dots' — "ieee" / "tf32" (f32 operands), or "fp16": q and the softmax weights
+    PRECISION: the dots' — "ieee" / "tf32" / "tf32x3" (f32 operands), or "fp16": q and the softmax weights
     rounded to float16 to meet the cache's float16 keys and values on the tensor cores (float32
     sums either way).
 
@@ -1038,7 +1098,7 @@ def _attn_task(a, li, M, qkv_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, att_ptr, p
                sblk_ptr, soff_ptr, eps, done, need, stall, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
                SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, GROUP: tl.constexpr,
                GROUP_P: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-               QK_NORM: tl.constexpr, SPLITS: tl.constexpr):
+               QK_NORM: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr):
     """``decode_persistent``'s attention task ``a`` of layer ``li`` (segment by segment: the later
     ones, mostly empty, last): ``_attn_decode_task`` with rope and the KV write, behind a call.
     Inlined, the matmul and attention tasks' code in one loop took ptxas to 255 registers a
@@ -1052,7 +1112,7 @@ def _attn_task(a, li, M, qkv_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, att_ptr, p
                       NH * HD, stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr + li * NQKV, qn_ptr + li * HD,
                       kn_ptr + li * HD, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, M * NQKV, eps, done, need,
                       stall, SEG, NSEG, NSEG_P, GROUP, GROUP_P, HD, BS, BLOCK_K, NSEG > 1, NSEG > 1, True, NH,
-                      HAS_BIAS, QK_NORM, SPLITS, True)
+                      HAS_BIAS, QK_NORM, SPLITS, True, DOT)
 
 
 @triton.jit(do_not_specialize=["M"])     # one compile for every batch of up to BLOCK_MM rows (qmatmul's tiles)
@@ -1065,7 +1125,7 @@ def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_p
                       NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
                       GROUP_P: tl.constexpr, BS: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
                       NSEG_P: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-                      BLOCK_MM: tl.constexpr, BLOCK_MV: tl.constexpr, EMBED_BB: tl.constexpr,
+                      ATT_DOT: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_MV: tl.constexpr, EMBED_BB: tl.constexpr,
                       PRECISION: tl.constexpr, PLANES: tl.constexpr,
                       BN_QKV: tl.constexpr, BB_QKV: tl.constexpr, SPL_QKV: tl.constexpr, PER_QKV: tl.constexpr,
                       GEMV_QKV: tl.constexpr, NW_QKV: tl.constexpr, PF_QKV: tl.constexpr,
@@ -1132,7 +1192,7 @@ def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_p
                     _attn_task(r - T_QKV, li, M, part_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr,
                                cnt_ptr, stride_bt, s_layer, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr,
                                kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, eps, done, T_QKV, stall, NH, NKV,
-                               HD, SEG, NSEG, NSEG_P, GROUP, GROUP_P, BS, BLOCK_K, HAS_BIAS, QK_NORM, SPL_QKV)
+                               HD, SEG, NSEG, NSEG_P, GROUP, GROUP_P, BS, BLOCK_K, HAS_BIAS, QK_NORM, SPL_QKV, ATT_DOT)
                     _count_done(done + 1)
                 elif r < T_QKV + T_ATT + T_O:             # o, the residual added
                     _mm_task(r - T_QKV - T_ATT, att_ptr, o_q + li * (D * (NH * HD // 32 * 18)),

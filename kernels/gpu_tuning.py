@@ -74,10 +74,10 @@ class PrefillTile:
 
 
 # by TANDEM_GPU_PREFILL_ATTN (the dots' precision): 16 tokens x 32 keys on the tensor cores (106-117
-# registers with 8 warps), x 16 keys in f32 "ieee" (205; 32 keys spilled 648 B); segments of 256
-# keys, as a decode token's (kernels/gpu_step.py SEG)
+# registers with 8 warps; 3xTF32 192 with 4 warps, 232 with 8), x 16 keys in f32 "ieee" (205; 32 keys
+# spilled 648 B); segments of 256 keys, as a decode token's (kernels/gpu_step.py SEG)
 PREFILL = {"ieee": PrefillTile(16, 16, 8, 256), "tf32": PrefillTile(16, 32, 8, 256),
-           "fp16": PrefillTile(16, 32, 8, 256)}
+           "fp16": PrefillTile(16, 32, 8, 256), "tf32x3": PrefillTile(16, 32, 4, 256)}
 
 
 def check_prefill(t: PrefillTile) -> PrefillTile:

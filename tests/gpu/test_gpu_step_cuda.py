@@ -83,23 +83,30 @@ def test_rope_and_kv_write(bias, qk_norm):
     assert dq <= 1e-5 and dkv <= 2e-3
 
 
-@pytest.mark.parametrize("arch", [{}, {"attn_bias": True}, {"qk_norm": True}])
-def test_decode_attention_rotates_and_writes_the_kv_itself(arch):
+@pytest.mark.parametrize("arch,precision", [({}, None), ({"attn_bias": True}, None), ({"qk_norm": True}, None),
+                                            ({}, "ieee")])
+def test_decode_attention_rotates_and_writes_the_kv_itself(arch, precision):
     """Compiled, two kernels apart: the rotation's sums may round differently (qwen3's norm reduces
-    in another layout), the attention within 1e-5, the KV within a float16 ulp of values ~4."""
-    _, d_out, d_kv = cases._attend_rope_case(arch, "cuda")
-    print(f"\n[attn_decode with rope vs rope_kv + attn_decode] {arch}: out {d_out:.1e}, kv {d_kv:.1e}")
+    in another layout), the attention within 1e-5, the KV within a float16 ulp of values ~4. The
+    default precision: attn_decode's dot form; "ieee": its sum form."""
+    _, d_out, d_kv = cases._attend_rope_case(arch, "cuda", precision)
+    print(f"\n[attn_decode with rope vs rope_kv + attn_decode] {arch} {precision}: out {d_out:.1e}, kv {d_kv:.1e}")
     assert d_out <= 1e-5 and d_kv <= 2e-3
 
 
-@pytest.mark.parametrize("max_context", [1024, 256])
-def test_paged_attention(max_context):
+@pytest.mark.parametrize("max_context,precision", [(1024, None), (256, None), (1024, "ieee")])
+def test_paged_attention(max_context, precision):
+    """Against the f32 reference: the decodes' attention in its dot form (3xTF32, the default on
+    CUDA) and its sum form (the matmuls in "ieee")."""
     lens = [1, 15, 16, 17, 100, 255, 256] + ([257, 600, 1024] if max_context > 256 else [])
-    err, _, counters_zero = cases._attention_case(max_context, lens, [(0, 20), (32, 17), (200, 40)], "cuda")
+    err, _, counters_zero, dot = cases._attention_case(max_context, lens, [(0, 20), (32, 17), (200, 40)], "cuda",
+                                                       "ieee", None, precision)
+    print(f"\n[paged attention] decode DOT={dot!r}: max |diff| {err:.1e}")
+    assert dot == ("" if precision == "ieee" else "tf32x3")
     assert err <= 1e-5 and counters_zero
 
 
-@pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), ("tf32", 5e-3), ("fp16", 5e-3)])
+@pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), ("tf32", 5e-3), ("fp16", 5e-3), ("tf32x3", 1e-5)])
 @pytest.mark.parametrize("tile", [None, (16, 32, 4, 64), (32, 64, 8, 128)])
 def test_prefill_attention_split_over_key_segments(precision, bound, tile):
     """Prefill tiles whose keys span several segments (the built-in tile's 256 keys: chunks up to
@@ -107,7 +114,7 @@ def test_prefill_attention_split_over_key_segments(precision, bound, tile):
     if tile and precision == "ieee":
         tile = (16, 16) + tile[2:]          # (f32 dots: 16 keys a step, more spill)
     pre = [(0, 300), (256, 256), (700, 300), (40, 217)]
-    err, _, counters_zero = cases._attention_case(1024, [17, 600], pre, "cuda", precision, tile)
+    err, _, counters_zero, _ = cases._attention_case(1024, [17, 600], pre, "cuda", precision, tile)
     assert err <= bound and counters_zero
 
 

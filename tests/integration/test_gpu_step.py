@@ -159,18 +159,19 @@ def _rope_parts_case(device="cpu"):
     return parts.shape[0], bool(torch.equal(qa, qb)), bool(torch.equal(kvs[0], kvs[1]))
 
 
-def _attend_rope_case(arch_kw, device="cpu"):
+def _attend_rope_case(arch_kw, device="cpu", precision=None):
     """Decode entries through ``attend`` with ``rope`` (attn_decode rotating q and writing the
     token's KV from q|k|v's split partials) against ``rope_kv`` then ``attend``: the largest
     difference of the attention's output and of the KV cache. Contexts of one segment and of
-    several (the token's KV written by the last segment's program), a block boundary."""
+    several (the token's KV written by the last segment's program), a block boundary.
+    ``precision``: the step's (tf32x3: attn_decode's dot form)."""
     from kernels.gpu_step import GpuStep, PagedBatch
     from kernels.gpu_tuning import Tile, Tuning
     from shared.engine.model import AttnChunk
     model = tiny_model(device, max_context=1024, **arch_kw)
     cfg = model.cfg
     n = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-    st = GpuStep(model, 1024, tuning=Tuning({(n, cfg.hidden_size): Tile(16, 1, 4, 2)}, "test"))
+    st = GpuStep(model, 1024, precision, tuning=Tuning({(n, cfg.hidden_size): Tile(16, 1, 4, 2)}, "test"))
     g = torch.Generator().manual_seed(6)
     lens = [5, 16, 17, 256, 600]
     x = torch.randn(len(lens), cfg.hidden_size, generator=g).to(device)
@@ -187,15 +188,17 @@ def _attend_rope_case(arch_kw, device="cpu"):
     return parts.shape[0], float((got - want).abs().max()), float((fused_kv.float() - kv.float()).abs().max())
 
 
-def _attention_case(max_context, lens_dec, chunks_pre, device="cpu", prefill_attn="ieee", tile=None):
+def _attention_case(max_context, lens_dec, chunks_pre, device="cpu", prefill_attn="ieee", tile=None,
+                    precision=None):
     """``prefill_attn``: TANDEM_GPU_PREFILL_ATTN's setting; ``tile``: attn_prefill's
-    (block_q, block_k, warps, seg), else the built-in one. (largest |diff|, decode segments,
-    the arrival counters left at zero)."""
+    (block_q, block_k, warps, seg), else the built-in one; ``precision``: the step's (tf32x3:
+    attn_decode's dot form). (largest |diff|, decode segments, the arrival counters left at zero,
+    attn_decode's DOT)."""
     from kernels.gpu_step import GpuStep, PagedBatch
     from kernels.gpu_tuning import PrefillTile
     from shared.engine.model import AttnChunk, StepContext
     model = tiny_model(device, max_context=max_context)
-    cfg, st = model.cfg, GpuStep(model, max_context)
+    cfg, st = model.cfg, GpuStep(model, max_context, precision)
     st.prefill_attn = prefill_attn
     if tile:
         st.tuning.prefill[prefill_attn] = PrefillTile(*tile)
@@ -215,7 +218,7 @@ def _attention_case(max_context, lens_dec, chunks_pre, device="cpu", prefill_att
     z = torch.zeros(off, device=device)
     ctx = StepContext(z, z, z, chunks, z[:0])
     want = model._attention(q.view(off, cfg.n_heads, cfg.head_dim), layer_kv, ctx)
-    return float((got - want).abs().max()), st.nseg, not st.counters.any()
+    return float((got - want).abs().max()), st.nseg, not st.counters.any(), st.decode_dot
 
 
 def _reduce_case(device="cpu", reps=1):
@@ -318,15 +321,16 @@ class GemvEverywhere:
         return dataclasses.replace(rule(n, k), gemv=16, norm_w=64)
 
 
-def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split"):
+def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split", precision=None):
     """Logits error vs the op-by-op path, greedy tokens equal, other KV untouched, the scratch block
     written; (on CUDA) whether a graph replay gives bitwise the eager step's logits; the last
     logits. ``arch_kw``: the tiny model's variant (bias, qk norm). ``gemv``:
-    every matmul of the decode step through ``qgemv``. ``mlp``: TANDEM_GPU_MLP's setting."""
+    every matmul of the decode step through ``qgemv``. ``mlp``: TANDEM_GPU_MLP's setting;
+    ``precision``: the step's."""
     from kernels.gpu_step import DecodeGraphs, GpuStep
     model = tiny_model(device, **(arch_kw or {}))
     cfg = model.cfg
-    st = GpuStep(model, cfg.max_context, tuning=GemvEverywhere() if gemv else None)
+    st = GpuStep(model, cfg.max_context, precision, tuning=GemvEverywhere() if gemv else None)
     st.mlp_mode = mlp
     g = torch.Generator().manual_seed(9)
     seqs = [torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist() for _ in range(3)]
@@ -358,7 +362,7 @@ def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split"):
 
 
 def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=3, max_context=1024,
-                     persistent_rows="16"):
+                     persistent_rows="16", precision=None):
     """The decode graphs' step (``_graphs_case``'s decodes: contexts of 21, 271 (201 where
     ``max_context`` is one segment) and 34 keys, a padding row; ``rows`` of them) through
     ``GpuStep.decode`` launch by launch and as one ``decode_persistent`` launch
@@ -385,7 +389,8 @@ def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=
         os.environ["TANDEM_GPU_PERSISTENT"] = "1" if persistent else "0"
         os.environ["TANDEM_GPU_PERSISTENT_ROWS"] = persistent_rows
         try:
-            st = GpuStep(model, cfg.max_context, tuning=GemvEverywhere() if gemv else None, weights=weights)
+            st = GpuStep(model, cfg.max_context, precision, tuning=GemvEverywhere() if gemv else None,
+                         weights=weights)
         finally:
             del os.environ["TANDEM_GPU_PERSISTENT"], os.environ["TANDEM_GPU_PERSISTENT_ROWS"]
         kv = kv0.clone()
@@ -904,18 +909,25 @@ def test_rope_kv_adds_the_split_partials_as_split_sum_does(interp):
     assert splits == 2 and same_q and same_kv           # (K = 64: two Q4_0 blocks, two splits)
 
 
-@pytest.mark.parametrize("arch", [{}, {"attn_bias": True}, {"qk_norm": True}])
-def test_decode_attention_rotates_and_writes_the_kv_itself(interp, arch):
-    splits, d_out, d_kv = interp(_attend_rope_case, arch)
+@pytest.mark.parametrize("arch,precision", [({}, None), ({"attn_bias": True}, None), ({"qk_norm": True}, None),
+                                            ({}, "tf32x3")])
+def test_decode_attention_rotates_and_writes_the_kv_itself(interp, arch, precision):
+    """(The token's own key comes from registers where its program's key step meets its slot: the
+    step's load is asked for before the store, so without that the first step of a short context
+    reads the slot stale.)"""
+    splits, d_out, d_kv = interp(_attend_rope_case, arch, "cpu", precision)
     assert splits == 2 and d_out == 0.0 and d_kv == 0.0     # the interpreter: the same sums, the same bits
 
 
-@pytest.mark.parametrize("max_context", [1024, 256])
-def test_paged_attention(interp, max_context):
+@pytest.mark.parametrize("max_context,precision", [(1024, None), (256, None), (1024, "tf32x3")])
+def test_paged_attention(interp, max_context, precision):
+    """Decodes and prefill chunks against the reference; with the step's matmuls in 3xTF32, the
+    decodes' attention as ``tl.dot``s (the interpreter computes them in f32: the code path here,
+    the accuracy on CUDA in tests/gpu)."""
     lens = [1, 15, 16, 17, 100, 255, 256] + ([257, 600, 1024] if max_context > 256 else [])
     pre = [(0, 20), (32, 17), (200, 40)]
-    err, nseg, counters_zero = interp(_attention_case, max_context, lens, pre)
-    assert nseg == max_context // 256
+    err, nseg, counters_zero, dot = interp(_attention_case, max_context, lens, pre, "cpu", "ieee", None, precision)
+    assert nseg == max_context // 256 and dot == ("tf32x3" if precision else "")
     assert err <= 1e-5 and counters_zero
 
 
@@ -926,17 +938,17 @@ def test_prefill_attention_split_over_key_segments(interp, precision, bound):
     cached prefix, ending inside a segment and on its boundary, one token past it, beside
     decodes; the counters left at zero for the next launch."""
     pre = [(0, 70), (96, 64), (150, 33), (40, 1 + 32)]
-    err, _, counters_zero = interp(_attention_case, 1024, [17, 300], pre, "cpu", precision, (16, 16, 4, 32))
+    err, _, counters_zero, _ = interp(_attention_case, 1024, [17, 300], pre, "cpu", precision, (16, 16, 4, 32))
     assert err <= bound and counters_zero
 
 
-@pytest.mark.parametrize("precision,bound", [("tf32", 1e-5), ("fp16", 5e-3)])
+@pytest.mark.parametrize("precision,bound", [("tf32", 1e-5), ("fp16", 5e-3), ("tf32x3", 1e-5)])
 def test_prefill_attention_on_the_tensor_cores(interp, precision, bound):
     """TANDEM_GPU_PREFILL_ATTN: the prefill chunks' dots in TF32 or float16 (q and the softmax
     weights rounded to float16; the cache is float16 already) against the f32 reference; the
     decodes beside them stay f32. (The interpreter computes TF32 dots in f32: its bound is f32's;
     on CUDA tests/gpu bounds both.)"""
-    err, _, _ = interp(_attention_case, 1024, [17, 300], [(0, 20), (32, 17), (200, 40)], "cpu", precision)
+    err, _, _, _ = interp(_attention_case, 1024, [17, 300], [(0, 20), (32, 17), (200, 40)], "cpu", precision)
     assert err <= bound
 
 
@@ -968,12 +980,12 @@ def test_whole_step_with_the_prefill_matmuls_through_torch(interp):
 
 # the decode step rotates q and writes the token's KV in attn_decode (no rope_kv): llama's layer,
 # and the qwen2 / qwen3 variants (bias, per-head norm) there too
-@pytest.mark.parametrize("gemv,arch,mlp", [(False, {}, "split"), (True, {}, "split"),
-                                           (False, {"attn_bias": True}, "split"),
-                                           (False, {"qk_norm": True}, "split"),
-                                           (False, {}, "fused")])
-def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp):
-    err, same_best, dkv_others, scratch_written, *_ = interp(_graphs_case, "cpu", gemv, arch, mlp)
+@pytest.mark.parametrize("gemv,arch,mlp,precision", [(False, {}, "split", None), (True, {}, "split", None),
+                                                     (False, {"attn_bias": True}, "split", None),
+                                                     (False, {"qk_norm": True}, "split", None),
+                                                     (False, {}, "fused", None), (False, {}, "split", "tf32x3")])
+def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp, precision):
+    err, same_best, dkv_others, scratch_written, *_ = interp(_graphs_case, "cpu", gemv, arch, mlp, precision)
     assert err <= REL_STEP and same_best
     assert dkv_others <= 2e-3          # the real rows' KV as the reference wrote it, nothing else touched
     assert scratch_written             # the padding row wrote its KV into the scratch block
@@ -986,17 +998,20 @@ def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp):
 _SLOW = pytest.mark.slow   # the bigger buckets: 20-35 s each on a 2-vCPU AVX2 EPYC
 
 
-@pytest.mark.parametrize("rows,gemv,arch,weights,ctx", [(1, False, {}, None, 1024), (3, False, {}, None, 1024),
-                                                        pytest.param(16, True, {}, None, 1024, marks=_SLOW),
-                                                        pytest.param(20, False, {}, None, 1024, marks=_SLOW),
-                                                        pytest.param(40, False, {}, None, 1024, marks=_SLOW),
-                                                        (3, True, {"attn_bias": True}, "planes", 1024),
-                                                        (2, False, {"qk_norm": True}, None, 256)])
-def test_the_persistent_decode_step_is_the_launches_bit_for_bit(interp, rows, gemv, arch, weights, ctx):
+# (and in 3xTF32: attn_decode's dot form)
+@pytest.mark.parametrize("rows,gemv,arch,weights,ctx,precision", [
+    (1, False, {}, None, 1024, None), (3, False, {}, None, 1024, None),
+    pytest.param(16, True, {}, None, 1024, None, marks=_SLOW),
+    pytest.param(20, False, {}, None, 1024, None, marks=_SLOW),
+    pytest.param(40, False, {}, None, 1024, None, marks=_SLOW),
+    (3, True, {"attn_bias": True}, "planes", 1024, None),
+    (2, False, {"qk_norm": True}, None, 256, None), (3, False, {}, None, 1024, "tf32x3")])
+def test_the_persistent_decode_step_is_the_launches_bit_for_bit(interp, rows, gemv, arch, weights, ctx, precision):
     """TANDEM_GPU_PERSISTENT=1: a decode step as one launch whose programs take the step's
     launches' programs as tasks in order gives bitwise the launches' logits and KV."""
     same_logits, same_kv, err, taken, programs, *_ = interp(_persistent_case, "cpu", gemv, arch, weights, rows, ctx,
-                                                            "64" if rows > 32 else "32" if rows > 16 else "16")
+                                                            "64" if rows > 32 else "32" if rows > 16 else "16",
+                                                            precision)
     assert taken == (False, True) and programs == {1 << max(0, (rows - 1).bit_length()): 2}
     assert same_logits and same_kv
     assert err <= REL_STEP

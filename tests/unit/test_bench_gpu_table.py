@@ -57,6 +57,18 @@ def test_the_prefill_profile_is_a_line_of_its_own():
             "kernels (410.0 launches); by kernel: attn_prefill 30000.0, sgemm 12000.0") in gpu.table(res)
 
 
+def test_decode_at_long_contexts_is_a_line_with_each_engine_against_graphs():
+    res = _result()
+    res["long_prompt"] = 1024
+    res["engines"]["graphs"]["decode_long"] = {"1": 600.0, "32": 9000.0}
+    res["engines"]["graphs-attn-sum"] = {"decode": {"1": 250.0, "8": 2000.0}, "decode_long": {"1": 300.0, "32": 3000.0}}
+    out = gpu.table(res)
+    assert ("decode tok/s at 1024-token contexts: graphs x1 600.0, x32 9000.0; graphs-attn-sum x1 300.0, x32 3000.0"
+            in out)
+    assert "  graphs-attn-sum ÷ graphs: x1 0.50, x32 0.33" in out
+    assert "1024-token contexts" not in gpu.table(_result())      # (an older result: no line)
+
+
 def test_a_variant_is_compared_with_graphs():
     res = _result()
     res["engines"]["graphs-pdl"] = {"decode": {"1": 337.3, "8": 2102.5},

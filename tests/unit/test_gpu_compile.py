@@ -145,7 +145,8 @@ def recording() -> Recorder:
                 continue            # (the other kernels of these modes: those of the fused ones)
             if precision == "tf32x3" and tuning.source != h200.source:
                 continue            # (TANDEM_GPU_PRECISION=tf32x3: qmatmul at every M, the H200's tiles)
-            rec.default = precision == "ieee" and tuning.source == h200.source and reduce == "fused"
+            rec.default = (precision == gpu_step.DEFAULT_PRECISION["cuda"] and tuning.source == h200.source
+                           and reduce == "fused")
             st = gpu_step.GpuStep(model, 8192, precision, tuning=tuning)
             if reduce == "launch":          # TANDEM_GPU_REDUCE=launch: split_sum, attn_merge, rope_kv
                 st.counters, st.reduce = None, "launch"
@@ -165,7 +166,7 @@ def recording() -> Recorder:
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
             if rec.default:                 # and the prefill attention's other precisions
-                for attn in ("tf32", "fp16"):
+                for attn in ("tf32", "fp16", "tf32x3"):
                     st.prefill_attn = attn
                     st.forward(z, StepContext(z, z, z, chunks, torch.tensor([99, 119, 120, 121])), kv)
                 rec.default = False
@@ -242,15 +243,19 @@ def test_the_step_launches_the_variants_expected(launches):
                      "attn_prefill", "philox_uniform", "qmlp", "decode_persistent"}
     assert {c["BLOCK_M"] for fn, s, c, *_ in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32", "tf32x3"}
-    assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "attn_prefill"} == {"ieee", "tf32", "fp16"}
+    assert {c["PRECISION"] for fn, s, c, *_ in launches
+            if fn.__name__ == "attn_prefill"} == {"ieee", "tf32", "fp16", "tf32x3"}
     assert {c["PSEG"] for fn, s, c, *_ in launches if fn.__name__ == "attn_prefill"} == {0, 256}
+    # attn_decode's sum form (the matmuls in "ieee") and its dot form (3xTF32), in the persistent step too
+    assert {c["DOT"] for fn, s, c, *_ in launches if fn.__name__ == "attn_decode"} == {"", "tf32x3"}
+    assert {c["ATT_DOT"] for fn, s, c, *_ in launches if fn.__name__ == "decode_persistent"} == {"", "tf32x3"}
     assert {c["FIXUP"] for fn, s, c, *_ in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
     rope = {(c["HAS_BIAS"], c["QK_NORM"]) for fn, s, c, *_ in launches if fn.__name__ in ("rope_kv", "attn_decode")
             and c.get("ROPE", True)}
     assert rope == {(False, False), (True, False), (False, True)}
 
 
-SHOWN = ("BLOCK_M", "BLOCK_N", "NORM", "SILU", "SPLIT", "FIXUP", "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL",
+SHOWN = ("BLOCK_M", "BLOCK_N", "DOT", "NORM", "SILU", "SPLIT", "FIXUP", "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL",
          "PREFETCH", "BLOCK_K", "BLOCK_Q", "PSEG", "SPLITS", "TILES", "PLANES")
 
 
@@ -368,8 +373,8 @@ def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
 
 def test_the_default_step_compiles_for_sm90_without_spills(recording, tmp_path):
     """The default lane's share: what the bundled model launches on an H200 with no setting
-    changed (its table, f32, the in-kernel sums), decode at every M tile and a mixed step, and
-    the prefill attention in TF32 and float16."""
+    changed (its table, 3xTF32, the in-kernel sums), decode at every M tile and a mixed step, and
+    the prefill attention in TF32, float16 and 3xTF32."""
     default = [recording.launches[k] for k in recording.defaults]
     assert 20 <= len(default) < len(recording.launches) / 3
     _compile_all(default, tmp_path)

@@ -18,9 +18,9 @@ from kernels import gpu_tuning  # noqa: E402
 def test_the_sweep_starts_with_the_built_in_tiles_and_mixes_the_precisions():
     from bench.gpu_prefill_tune import candidates
     c = candidates()
-    assert c[:3] == [(p, gpu_tuning.PREFILL[p]) for p in ("ieee", "tf32", "fp16")]
+    assert c[:4] == [(p, gpu_tuning.PREFILL[p]) for p in ("ieee", "tf32", "fp16", "tf32x3")]
     assert len(c) == len(set(c))
-    assert {p for p, _ in c[3:9]} == {"ieee", "tf32", "fp16"}
+    assert {p for p, _ in c[4:12]} == {"ieee", "tf32", "fp16", "tf32x3"}
     for _, t in c:
         gpu_tuning.check_prefill(t)
 
