@@ -38,13 +38,13 @@ DEVICE = "cuda"
 
 # (block_q, block_k, warps) that compile for sm_90 without spilling, each with and without key
 # segments (ptxas' report of every candidate of 16/32/64 x 16..128 x 4/8 compiled here, as the JIT
-# would: Triton 3.9, 2026-11-30): the f32 dots hold only the built-in 16 x 16 with 8 warps; the
-# tensor cores' every 16-token tile, 32 x 32 (4 or 8 warps), 32 x 64 / 32 x 128 / 64 x 32 with 8
-# (fp16's 64 x 64 with 8 spilled 28 B with segments)
-FITS = {"ieee": [(16, 16, 8)],
-        "tf32": [(16, k, w) for k in (32, 64, 128) for w in (4, 8)] + [(32, 32, 4), (32, 32, 8), (32, 64, 8),
-                                                                      (32, 128, 8), (64, 32, 8)]}
-FITS["fp16"] = FITS["tf32"]
+# would: Triton 3.9, 2026-11-30, and 3.6.0 — the device image's — 2026-12-01): the f32 dots hold
+# only the built-in 16 x 16 with 8 warps; float16's every 16-token tile, 32 x 32 (4 or 8 warps),
+# 32 x 64 / 32 x 128 / 64 x 32 with 8 (64 x 64 with 8 spilled 28 B with segments); TF32's the same
+# but 16 x 128 with 4 warps and 32 x 128 (Triton 3.6: 36-112 B)
+_TC = [(16, k, w) for k in (32, 64, 128) for w in (4, 8)] + [(32, 32, 4), (32, 32, 8), (32, 64, 8), (32, 128, 8),
+                                                             (64, 32, 8)]
+FITS = {"ieee": [(16, 16, 8)], "tf32": [f for f in _TC if f not in ((16, 128, 4), (32, 128, 8))], "fp16": _TC}
 # 3xTF32 (the operands split in two: more registers): 16 x 16 / 16 x 32 with 4 or 8 warps, 32 x 32 and
 # 32 x 64 with 8 (16 x 64 spilled 36-72 B with segments; 32 x 32 with 4, 64 x 32: ~200 B)
 FITS["tf32x3"] = [(16, 16, 4), (16, 16, 8), (16, 32, 4), (16, 32, 8), (32, 32, 8), (32, 64, 8)]
