@@ -29,7 +29,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from shared import bus_auth
-from shared.nats_server import EmbeddedNats, free_port
+from shared.nats_server import EmbeddedNats, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,9 @@ class EmbeddedCluster:
         import tempfile
         base = self.base_dir or Path(tempfile.mkdtemp(prefix="tandem-cluster-"))
         self.base_dir = base
-        ports = [(free_port(h), free_port(h)) for h in self.hosts]
-        self.monitor_ports = {cp: free_port(h) for h, (cp, _) in zip(self.hosts, ports)}
+        picked = {h: iter(free_ports(3 * self.hosts.count(h), h)) for h in set(self.hosts)}   # all distinct
+        ports = [(next(picked[h]), next(picked[h])) for h in self.hosts]
+        self.monitor_ports = {cp: next(picked[h]) for h, (cp, _) in zip(self.hosts, ports)}
         routes = [f"{h}:{rp}" for h, (_, rp) in zip(self.hosts, ports)]
         for i, (h, (cp, rp)) in enumerate(zip(self.hosts, ports)):
             conf = cluster_config(self.creds, routes, name=self.name, listen=f"{h}:{rp}",
@@ -216,11 +217,24 @@ class EmbeddedCluster:
         return ",".join(s.url for s in self.servers)
 
     def start(self) -> str:
-        if not self.servers:
-            self._make()
-        for s in self.servers:
-            s.start()
-        return self.urls
+        """Start every server; where one does not start (a port it was given taken between its pick
+        and its bind: the servers name each other's route ports, so all are picked again), the
+        whole cluster is made again on new ports, up to three times."""
+        for attempt in range(3):
+            if not self.servers:
+                self._make()
+            try:
+                for s in self.servers:
+                    s.start()
+                return self.urls
+            except (RuntimeError, TimeoutError) as e:
+                for s in self.servers:
+                    s.stop(remove_store=False)
+                self.servers = []
+                if attempt == 2:
+                    raise
+                log.warning("cluster %s: a server did not start (%s); again on other ports", self.name, e)
+        raise AssertionError("unreachable")
 
     def wait_formed(self, timeout: float = 30.0) -> None:
         """Until every server says it is healthy with JetStream (its monitoring ``/healthz``:

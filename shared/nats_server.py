@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -80,6 +81,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free TCP port on {host} below {low} after 200 tries")
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports, each ``free_port``'s: picks that nothing has bound yet can repeat (a
+    cluster's nine — three servers' client, route and monitoring ports — did, about once in 500)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port(host)
+        if port not in out:
+            out.append(port)
+    return out
+
+
 def die_with_parent() -> None:
     """In a child, before exec: SIGTERM when the process that started it dies, however it dies
     (kill -9 included), so no child outlives its supervisor (Linux's PR_SET_PDEATHSIG; the
@@ -88,6 +100,31 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: leases and the services' own checks clean up instead
         pass
+
+
+class _Tail:
+    """A child's output read to its end in a thread of its own (a pipe nobody reads would stop
+    the child once full), its last lines kept."""
+
+    def __init__(self, stream, lines: int = 12):
+        from collections import deque
+        self.lines: deque[str] = deque(maxlen=lines)
+        self.done = threading.Event()
+        threading.Thread(target=self._read, args=(stream,), daemon=True, name="nats-server-output").start()
+
+    def _read(self, stream) -> None:
+        try:
+            for raw in stream:
+                self.lines.append(raw.decode(errors="replace").rstrip())
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.done.set()
+
+    def text(self, wait_s: float = 1.0) -> str:
+        """The last lines, once the child's output has ended (up to ``wait_s``), on one line."""
+        self.done.wait(wait_s)
+        return " | ".join(x for x in self.lines if x)
 
 
 STORE_PREFIX = "tandem-nats-"   # a temporary JetStream store (stored Responses, sessions: tenants' data)
@@ -188,20 +225,22 @@ class EmbeddedNats:
         self.name = self.fixed_name or f"tandem-{uuid.uuid4().hex[:12]}"
         cmd = [str(binary), "-js", "-sd", str(self.store_dir), "-a", self.host,
                "-p", str(self.port), "-n", self.name, *self._config_args(), *self.extra_args]
-        out = subprocess.DEVNULL
+        out = subprocess.PIPE     # (without a log file: its last lines kept, for an error to quote)
         if self.log_file is not None:
             self._log_fh = open(self.log_file, "ab")
             out = self._log_fh
         log.info("starting embedded nats-server on %s (store %s)", self.url, self.store_dir)
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      **({"process_group": 0, "preexec_fn": die_with_parent} if self.supervised else {}))
+        tail = _Tail(self.proc.stdout) if out is subprocess.PIPE else None
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
+                said = tail.text() if tail is not None else f"its log: {self.log_file}"
                 self.stop(remove_store=False)
-                raise RuntimeError(f"nats-server exited with code {code} during start-up "
-                                   f"(command: {' '.join(cmd)})")
+                raise RuntimeError(f"nats-server exited with code {code} during start-up (command: {' '.join(cmd)})"
+                                   + (f": {said}" if said else ""))
             try:
                 if self._answers_as_ours():
                     self._forget_config()   # read: the passwords need not lie in /tmp while it runs

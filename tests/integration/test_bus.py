@@ -33,6 +33,22 @@ def private_nats():
         yield url
 
 
+def test_a_server_that_exits_at_start_up_is_said_with_its_own_words(tmp_path):
+    """nats-server refusing to start (its monitoring port taken here) raises an error that quotes
+    what the server printed, not only its exit code."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = EmbeddedNats(store_dir=tmp_path / "s", extra_args=["-m", str(port)], startup_timeout=10)
+        with pytest.raises(RuntimeError) as e:
+            server.start()
+    said = str(e.value)
+    assert "exited with code" in said and "address already in use" in said, said
+    assert server.proc is None
+
+
 @pytest.fixture
 async def bus(nats_server):
     b = await Bus.connect(NatsSettings(url=nats_server), name="test")

@@ -288,3 +288,24 @@ async def test_a_frozen_server_s_interest_is_dropped_by_the_others(tmp_path):
         for b in (worker, gateway):
             await b.close()
         c.stop()
+
+
+def test_a_cluster_whose_port_is_taken_before_its_server_binds_it_starts_on_other_ports(monkeypatch, tmp_path):
+    """A port picked free and taken before its server binds it (another process's pick): the
+    server exits at start-up, and the cluster is made again on new ports (the servers name each
+    other's route ports) — it starts, and forms."""
+    from shared import nats_server
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        first = [port]
+        real = nats_server.free_port
+        monkeypatch.setattr(nats_server, "free_port", lambda host="127.0.0.1": first.pop() if first else real(host))
+        c = EmbeddedCluster(3, base_dir=tmp_path)
+        try:
+            urls = c.start()
+            assert f":{port}" not in urls and len(urls.split(",")) == 3
+            c.wait_formed(timeout=30)
+        finally:
+            c.stop()

@@ -273,3 +273,17 @@ def test_nats_auth_makes_the_deployment_s_other_secrets_once(tmp_path, monkeypat
     assert nats_auth.main(p.parse_args(argv)) == 0
     assert (tmp_path / "k" / "data.key").read_text() == data and (tmp_path / "p" / "pool.key").read_text() == pool
     assert nats_auth.main(p.parse_args([*argv[:2], "--data-key-file", "/proc/nope/data.key"])) == 2
+
+
+def test_a_cluster_s_ports_are_all_distinct_even_where_the_picks_repeat(monkeypatch, tmp_path):
+    """free_port's picks are free when made, not yet bound: two of a cluster's nine could be the
+    same (seen once in CI: a server exited at start-up). ``free_ports`` keeps them distinct."""
+    from shared import nats_cluster, nats_server
+    picks = iter([18433, 18433, 29305, 18433, 29305, 20001, 20002, 20002, 20003, 20004, 20005, 20006, 20007])
+    monkeypatch.setattr(nats_server, "free_port", lambda host="127.0.0.1": next(picks))
+    c = nats_cluster.EmbeddedCluster(3, base_dir=tmp_path)
+    c._make()
+    client = [s.port for s in c.servers]
+    monitor = list(c.monitor_ports.values())
+    routes = [int(r.rsplit(":", 1)[1]) for r in c.servers[0].config["cluster"]["routes"]]
+    assert len(set(client + monitor + routes)) == 9
