@@ -338,6 +338,19 @@ def _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_
 
 
 @triton.jit
+def _fetched_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, d, qs, K: tl.constexpr,
+                  NORM: tl.constexpr, SILU: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
+    """``_dot_step`` over a fetched weight tile (``_q4_fetch_tile``): its values dequantized, or
+    (SCALED) its integers with the scales applied to the step's sums."""
+    if SCALED:
+        w_lo, w_hi = _q4_ints(qs)
+        return _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
+                         PRECISION, d)
+    w_lo, w_hi = _q4_values(d, qs)
+    return _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU, PRECISION)
+
+
+@triton.jit
 def _k_range(SPLIT: tl.constexpr, blocks_per_split, nb, split):
     """The Q4_0 blocks [kb0, kb1) of K a matmul program covers: split ``split``'s (SPLIT), else
     all ``nb``."""
@@ -413,14 +426,8 @@ def _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N,
     kb_first = kb0
     if not PREFETCH:
         if BLOCK_M <= 16:   # the step fetched before the wait
-            if SCALED:
-                w_lo, w_hi = _q4_ints(qs)
-                acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, w_lo, w_hi, K, NORM, SILU,
-                                PRECISION, d)
-            else:
-                w_lo, w_hi = _q4_values(d, qs)
-                acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, w_lo, w_hi, K, NORM, SILU,
-                                PRECISION)
+            acc = _fetched_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb0, kb1, t, d, qs, K, NORM, SILU,
+                                PRECISION, SCALED)
             kb_first = kb0 + BLOCK_B
     for kb in range(kb_first, kb1, BLOCK_B):     # the steps in order whichever way: the same bits
         if PREFETCH:    # this step's bytes came during the step before; the next one's now go out
@@ -428,14 +435,8 @@ def _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N,
             d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + BLOCK_B, kb1, t, BLOCK_B, PLANES)
         else:           # fetched at use: one set of them held at a time
             u_d, u_qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb, kb1, t, BLOCK_B, PLANES)
-        if SCALED:
-            w_lo, w_hi = _q4_ints(u_qs)
-            acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
-                            PRECISION, u_d)
-        else:
-            w_lo, w_hi = _q4_values(u_d, u_qs)
-            acc = _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, NORM, SILU,
-                            PRECISION)
+        acc = _fetched_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, u_d, u_qs, K, NORM, SILU,
+                            PRECISION, SCALED)
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, split, splits,
                 tile, SPLIT, FIXUP, RESIDUAL)
 
