@@ -567,7 +567,8 @@ class GpuStep:
                 q, layer_kv, pb.tables, pb.lens, pb.rows, out, po, pml, self.counters if fixup else pb.lens,
                 stride_q, out.stride(0), pb.tables.stride(0), s[0], s[1], s[2], s[3], scale, *ra,
                 SEG=SEG, NSEG=self.nseg, NSEG_P=_pow2(self.nseg), GROUP=self.group, GROUP_P=gp, HD=self.hd,
-                BS=bs, BLOCK_K=BLOCK_K_DECODE, SPLIT=split, FIXUP=fixup, DOT=self.decode_dot, num_warps=DECODE_WARPS, **rc,
+                BS=bs, BLOCK_K=BLOCK_K_DECODE, SPLIT=split, FIXUP=fixup, DOT=self.decode_dot,
+                num_warps=DECODE_WARPS, **rc,
                 **pdl_args(self.pdl))
             if split and not fixup:
                 kern.attn_merge[(e, self.nh)](po, pml, pb.lens, pb.rows, out, out.stride(0), SEG=SEG,
