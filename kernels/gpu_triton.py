@@ -847,7 +847,7 @@ def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_pt
     (``decode_persistent``: WAIT — an empty segment reads nothing others write, so only a
     segment with keys waits for ``dep_ptr`` to count ``need``)."""
     L = tl.load(lens_ptr + e)
-    row = tl.load(rows_ptr + e).to(tl.int64)     # with the length: one round trip, not one after it
+    row = tl.load(rows_ptr + e).to(tl.int64)     # (asked for here; LLVM sinks it below the length check)
     lo = seg * SEG
     if lo < L:
         _depend(False, dep_ptr, need, stall_ptr, WAIT)
