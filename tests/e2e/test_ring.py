@@ -166,6 +166,8 @@ async def ring_chat_with_a_member_signalled(stack, nats_url: str, content: str, 
     return got, hit[0] if hit else None, plans
 
 
+@pytest.mark.slow   # 75 s on a 2-vCPU AVX2 Xeon: the slow lane (a stopping worker's drain stays in the
+# default run with test_resilience's hand-over, the ring with the ring of three and the spread below)
 async def test_a_stopped_ring_member_serves_its_shard_to_the_end(ring_stack, nats_server, reference):
     """A ring of 2, one member stopped with SIGTERM mid-stream (a scale-down, a rolling update):
     it keeps serving its shard until the request ends — no resume, exactly the undisturbed text —
