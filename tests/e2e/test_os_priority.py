@@ -35,7 +35,9 @@ def chat(url: str, tier: str) -> None:
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
+# (off: the opt-out setting, a stack of its own — the slow lane; tests/unit/test_os_priority.py
+# checks that `tandem up` then applies no priority)
+@pytest.mark.parametrize("enabled", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["on", "off"])
 def test_batch_steps_run_low_on_a_real_worker(nats_server, enabled):
     # the test processes' own GOMP_SPINCOUNT (tests/conftest.py) unset: `tandem up` chooses
     env = {"TANDEM_THREADS": "2", "TANDEM_OS_PRIORITY": "1" if enabled else "0", "GOMP_SPINCOUNT": None}

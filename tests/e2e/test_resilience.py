@@ -271,6 +271,8 @@ async def test_a_stopping_decode_worker_hands_its_streams_over(stack, nats_serve
         await bus.close()
 
 
+@pytest.mark.slow   # 41-95 s (two 1,500-token streams outlasting a restart); the evacuation itself
+# stays in the default lane (the stopping worker's test), the homecoming rule in tests/unit/test_router.py
 async def test_an_interactive_stream_goes_back_to_the_gpu_pool_when_it_can(stack, nats_server):
     """An interactive stream whose gpu-decode worker is stopped (SIGTERM) goes on on cpu-decode —
     the only place left — and, once the supervisor's replacement is ready, back to gpu-decode:

@@ -642,11 +642,17 @@ def interp():
         yield lambda fn, *args: pool.submit(_call, fn, *args).result()
 
 
+# The default lane keeps what an H200 runs with no setting changed (and each kernel once); the
+# variants off by default or measured slower there go to the slow lane (`-m slow`): on a 2-vCPU
+# AVX2 Xeon this module took 433 s of a 25-minute default run (2026-11-30).
+SLOW = pytest.mark.slow
+
+
 # M: one tile, two M tiles, past 64 rows (tf32 would apply there if chosen; ieee here);
 # N x K: a split over K of 3 one-block steps (N: 7 tiles), of 16 (4 tiles), of 4 splits of 5 blocks
 # (36 tiles; its M tiles are the other shapes': one and two rows of it, the interpreter is slow)
 @pytest.mark.parametrize("m,n,k", [(m, n, k) for n, k in [(100, 96), (64, 512)] for m in (1, 5, 17, 70)]
-                         + [(1, 576, 576), (5, 576, 576)])
+                         + [(1, 576, 576), pytest.param(5, 576, 576, marks=SLOW)])
 def test_matmul(interp, m, n, k):
     assert interp(_matmul_case, m, n, k, False, False, False) <= REL
 
@@ -886,6 +892,7 @@ def test_weights_as_planes_give_the_same_bits(interp):
     assert interp(_planes_case) == [True] * 6
 
 
+@SLOW   # qmlp is off by default (0.38-0.62x on an H200); the all-settings engine test runs it
 def test_the_ffn_in_one_launch_is_the_two_matmuls(interp):
     err, bitwise, counters_zero = interp(_mlp_case)
     print(f"qmlp vs gate|up + down: max rel {err:.1e}, bitwise {bitwise}")
@@ -910,8 +917,9 @@ def test_rope_kv_adds_the_split_partials_as_split_sum_does(interp):
     assert splits == 2 and same_q and same_kv           # (K = 64: two Q4_0 blocks, two splits)
 
 
-@pytest.mark.parametrize("arch,precision", [({}, None), ({"attn_bias": True}, None), ({"qk_norm": True}, None),
-                                            ({}, "tf32x3")])
+# (qwen2's bias and qwen3's norms: test_rope_and_kv_write in the default lane, these in the slow one)
+@pytest.mark.parametrize("arch,precision", [({}, None), pytest.param({"attn_bias": True}, None, marks=SLOW),
+                                            pytest.param({"qk_norm": True}, None, marks=SLOW), ({}, "tf32x3")])
 def test_decode_attention_rotates_and_writes_the_kv_itself(interp, arch, precision):
     """(The token's own key comes from registers where its program's key step meets its slot: the
     step's load is asked for before the store, so without that the first step of a short context
@@ -920,7 +928,7 @@ def test_decode_attention_rotates_and_writes_the_kv_itself(interp, arch, precisi
     assert splits == 2 and d_out == 0.0 and d_kv == 0.0     # the interpreter: the same sums, the same bits
 
 
-@pytest.mark.parametrize("max_context,precision", [(1024, None), (256, None), (1024, "tf32x3")])
+@pytest.mark.parametrize("max_context,precision", [pytest.param(1024, None, marks=SLOW), (256, None), (1024, "tf32x3")])
 def test_paged_attention(interp, max_context, precision):
     """Decodes and prefill chunks against the reference; with the step's matmuls in 3xTF32, the
     decodes' attention as ``tl.dot``s (the interpreter computes them in f32: the code path here,
@@ -932,7 +940,7 @@ def test_paged_attention(interp, max_context, precision):
     assert err <= 1e-5 and counters_zero
 
 
-@pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), ("fp16", 5e-3)])
+@pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), pytest.param("fp16", 5e-3, marks=SLOW)])
 def test_prefill_attention_split_over_key_segments(interp, precision, bound):
     """A prefill tile whose keys span several segments (``seg`` 32 keys here, 256 by default):
     each segment a program, the last to finish merging them in order — chunks from 0, after a
@@ -982,10 +990,13 @@ def test_whole_step_with_the_prefill_matmuls_through_torch(interp):
 
 # the decode step rotates q and writes the token's KV in attn_decode (no rope_kv): llama's layer,
 # and the qwen2 / qwen3 variants (bias, per-head norm) there too
-@pytest.mark.parametrize("gemv,arch,mlp,precision", [(False, {}, "split", None), (True, {}, "split", None),
-                                                     (False, {"attn_bias": True}, "split", None),
-                                                     (False, {"qk_norm": True}, "split", None),
-                                                     (False, {}, "fused", None), (False, {}, "split", "tf32x3")])
+# (qgemv and qmlp are off by default; qwen2/qwen3's variants: the slow lane)
+@pytest.mark.parametrize("gemv,arch,mlp,precision", [(False, {}, "split", None),
+                                                     pytest.param(True, {}, "split", None, marks=SLOW),
+                                                     pytest.param(False, {"attn_bias": True}, "split", None, marks=SLOW),
+                                                     pytest.param(False, {"qk_norm": True}, "split", None, marks=SLOW),
+                                                     pytest.param(False, {}, "fused", None, marks=SLOW),
+                                                     (False, {}, "split", "tf32x3")])
 def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp, precision):
     err, same_best, dkv_others, scratch_written, *_ = interp(_graphs_case, "cpu", gemv, arch, mlp, precision)
     assert err <= REL_STEP and same_best
@@ -998,13 +1009,14 @@ def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp, precision):
 # the matmuls through qmatmul and through qgemv; qwen2's bias and qwen3's norms; weights as planes;
 # a context of one key segment (no merges)
 _SLOW = pytest.mark.slow   # the bigger buckets: 20-35 s each on a 2-vCPU AVX2 EPYC
-# the persistent step is off by default (0.57-0.98x the launches on an H200, 2026-11-30): the
-# default run keeps its one-row case and its watchdog; the others 7-11 s each on an AVX2 Xeon
+# the persistent step is off by default (0.57-0.98x the launches on an H200, 2026-11-30): every
+# case and its watchdog in the slow lane; the all-settings engine test runs it in the default one
 
 
 # (and in 3xTF32: attn_decode's dot form)
 @pytest.mark.parametrize("rows,gemv,arch,weights,ctx,precision", [
-    (1, False, {}, None, 1024, None), pytest.param(3, False, {}, None, 1024, None, marks=_SLOW),
+    pytest.param(1, False, {}, None, 1024, None, marks=_SLOW),
+    pytest.param(3, False, {}, None, 1024, None, marks=_SLOW),
     pytest.param(16, True, {}, None, 1024, None, marks=_SLOW),
     pytest.param(20, False, {}, None, 1024, None, marks=_SLOW),
     pytest.param(40, False, {}, None, 1024, None, marks=_SLOW),
@@ -1022,6 +1034,7 @@ def test_the_persistent_decode_step_is_the_launches_bit_for_bit(interp, rows, ge
     assert err <= REL_STEP
 
 
+@SLOW
 def test_a_stalled_persistent_step_fails_and_the_engine_goes_on_launch_by_launch(interp):
     """The persistent step's watchdog: a wait returns once its counter has counted, gives up once
     the stall flag is set; a step whose flag comes back set fails with an error (its tokens are

@@ -144,7 +144,9 @@ def cpu_act():
     cpu.set_act(before)
 
 
-@pytest.mark.parametrize("kernels", ["auto", "auto-f32", "auto-q8", "reference"])
+# the default kernels and the torch reference; the other activation modes (settings) in the slow lane
+@pytest.mark.parametrize("kernels", ["auto", pytest.param("auto-f32", marks=pytest.mark.slow),
+                                     pytest.param("auto-q8", marks=pytest.mark.slow), "reference"])
 def test_logits_match_transformers(kernels, q4_model, ids, hf_logits, bundled_model, monkeypatch, cpu_act):
     assert q4_model.identity == bundled_model.identity  # the Q4_0 GGUF holds exactly the weights we run
     path, _, act = kernels.partition("-")

@@ -136,13 +136,20 @@ def _ring_workers(bundled_model, timeout: float = 30.0, fold_timeout: float = 0.
         e.engine.seqs.clear()
 
 
-@pytest.mark.parametrize("link", ["tcp", "shm"])
-@pytest.mark.parametrize("order, groups, qpass", [
-    ("ab", 1, False),    # a ring of 2: the coordinator's member passes its state to b, b back
-    ("ab", 3, True),
-    ("abc", 3, False),   # b passes its state to c over a link of their own, c to the coordinator
-    ("abc", 1, True),    # ... and the q rows go a -> b -> c too
-    ("bca", 3, True),    # the coordinator's own member last: c hands it the state
+_SLOW = pytest.mark.slow     # each link's other cases: ~2 s each here, 5x that on an AVX2 Xeon
+
+
+@pytest.mark.parametrize("order, groups, qpass, link", [
+    ("ab", 1, False, "tcp"),    # a ring of 2: the coordinator's member passes its state to b, b back
+    pytest.param("ab", 1, False, "shm", marks=_SLOW),
+    pytest.param("ab", 3, True, "tcp", marks=_SLOW),
+    ("ab", 3, True, "shm"),
+    ("abc", 3, False, "tcp"),   # b passes its state to c over a link of their own, c to the coordinator
+    pytest.param("abc", 3, False, "shm", marks=_SLOW),
+    pytest.param("abc", 1, True, "tcp", marks=_SLOW),
+    ("abc", 1, True, "shm"),    # ... and the q rows go a -> b -> c too
+    pytest.param("bca", 3, True, "tcp", marks=_SLOW),
+    ("bca", 3, True, "shm"),    # the coordinator's own member last: c hands it the state
 ])
 async def test_the_fold_across_processes_is_bitwise_the_single_worker(three_workers, handoff, single, link, order,
                                                                      groups, qpass):
@@ -304,7 +311,8 @@ def all_free(*engines) -> bool:
     return all(e.engine.blocks.num_free == e.engine.blocks.num_blocks for e in engines)
 
 
-@pytest.mark.parametrize("fold, groups, qpass", [(False, 1, False), (True, 3, True), (True, 1, False)])
+@pytest.mark.parametrize("fold, groups, qpass", [(False, 1, False), (True, 3, True),
+                                                 pytest.param(True, 1, False, marks=_SLOW)])
 async def test_the_prefill_s_scatter_claimed_by_the_coordinator_is_the_single_worker(parking_workers, handoff, single,
                                                                                      fold, groups, qpass):
     """The prefill loads b's and c's ranges itself, at the same time, parks them under a ticket and
