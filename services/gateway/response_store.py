@@ -48,6 +48,7 @@ BUS_TRIES = 4                    # a bus timeout is tried again 0.5, 1, 2 s late
 HELD_MAX_BYTES = 64 << 20        # records the bus did not take, held here until it does (module doc)
 HELD_RETRY_S, HELD_RETRY_MAX_S = 1.0, 15.0
 HELD_CLOSE_S = 5.0               # at shutdown: how long the held records may take to be written
+BUS_TIMEOUT_S = 5.0              # one JetStream call's answer (nats-py's default): a put, a get, a delete
 
 
 async def retried(op):
@@ -117,7 +118,7 @@ class ResponseStore:
         async with self._lock:
             if self._kv is None:
                 from nats.js.api import KeyValueConfig
-                js = self.bus.nc.jetstream()
+                js = self.bus.nc.jetstream(timeout=BUS_TIMEOUT_S)
                 self._kv = await self.bus.jetstream_ensure(
                     f"KV bucket {BUCKET}", lambda: js.key_value(BUCKET), lambda replicas: js.create_key_value(
                         KeyValueConfig(bucket=BUCKET, ttl=self.retention_s, max_value_size=MAX_VALUE,

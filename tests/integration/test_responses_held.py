@@ -20,6 +20,7 @@ from tests.waiting import wait_for
 async def test_a_record_the_bus_does_not_take_is_held_then_written(tmp_path, monkeypatch):
     monkeypatch.setattr(response_store, "BUS_TRIES", 1)
     monkeypatch.setattr(response_store, "HELD_RETRY_S", 0.3)
+    monkeypatch.setattr(response_store, "BUS_TIMEOUT_S", 1.0)   # each call to a dead bus waits this long
     server = EmbeddedNats(store_dir=tmp_path / "js")
     server.start()
     bus = await Bus.connect(NatsSettings(url=server.url), name="gateway-a")
