@@ -13,8 +13,11 @@ A get is sent only to the data-plane address of a live worker (from its heartbea
 PoolPut announced (docs/security.md, Data plane).
 
 A pool copy announces what it holds as KV events when it starts and as its tiers change
-(shared/kv_events.py), so the routers' prefix index counts the pool as a holder. The workers'
-side is ``shared/kv_connector.PoolClient``.
+(shared/kv_events.py), so the routers' prefix index counts the pool as a holder. It publishes a
+heartbeat like every service (role ``kvpool``; no data-plane address in it: that one comes with a
+lookup's reply), so the gateway's ``/health`` lists the pool copies live and a router forgets a
+dead copy's index entries once its heartbeats stop. The workers' side is
+``shared/kv_connector.PoolClient``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from shared import metrics, subjects
 from shared.bus import Bus, BusError
 from shared.kv_connector import DataPeers, send_and_report
 from shared.kv_events import KVEventPublisher
-from shared.schemas import PoolGet, PoolGetReply, PoolLookup, PoolLookupReply, PoolPut, PoolPutReply
+from shared.schemas import Heartbeat, PoolGet, PoolGetReply, PoolLookup, PoolLookupReply, PoolPut, PoolPutReply
 from shared.settings import Settings
 from shared.transfer import ChecksumError, make_transport
 from shared.transfer.base import TransferError
@@ -70,10 +73,13 @@ class PoolService:
         self._putting = 0                     # puts in flight
         self._last_seen = 0.0                 # monotonic time of the last lookup / put
         self.stored = 0                       # chunks stored by puts since the start
+        self.metrics_port = 0
+        self.stopping = False                 # SIGTERM: draining the last write-backs (not ready)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        metrics.serve_http(self.settings.worker.metrics_port, self.settings.worker.metrics_host)
+        self.metrics_port = metrics.serve_http(self.settings.worker.metrics_port,
+                                               self.settings.worker.metrics_host) or 0
         host, self.data_port = await self.receiver.listen()
         self.data_host = self.settings.data.advertise_host or host
         self.bus = await Bus.connect(self.settings, name=self.pool_id, role=subjects.KVPOOL)
@@ -88,8 +94,17 @@ class PoolService:
             metrics.pool_stored(t.name, t.used)
         metrics.watch_pool_tiers(self.pool.tiers)
         metrics.set_ready(self.role, True)  # from here on it serves; NATS reconnects on its own
+        self.bus.start_heartbeat(subjects.heartbeat(self.role, self.pool_id), self.heartbeat,
+                                 self.settings.worker.heartbeat_interval)
         log.info("kvpool %s ready: tiers %s, data plane %s:%d", self.pool_id,
                  ", ".join(f"{t.name} {len(t)} entries" for t in self.pool.tiers), self.data_host, self.data_port)
+
+    def heartbeat(self) -> Heartbeat:
+        """Alive, and ready unless stopping; no load figures, no data-plane address (module doc)."""
+        return Heartbeat(worker_id=self.pool_id, role=self.role, device="cpu", model="", ready=not self.stopping,
+                         queue_depth=0, running=self._putting, free_kv_blocks=0, total_kv_blocks=0, max_context=0,
+                         data_host="", data_port=0, ts=time.time(),
+                         interval=self.settings.worker.heartbeat_interval, metrics_port=self.metrics_port)
 
     async def lookup(self, req: PoolLookup) -> PoolLookupReply:
         self._last_seen = time.monotonic()
@@ -175,6 +190,7 @@ class PoolService:
         lookup / put came within QUIET_S — TANDEM_POOL_DRAIN_S at most. Under ``tandem up`` the
         workers stopped first (nothing left to wait for); when every process gets SIGTERM at
         once (systemd, ``kill -9`` of ``tandem up``) the workers' last write-backs land here."""
+        self.stopping = True
         t0 = time.monotonic()
         deadline, stored = t0 + self.settings.pool.drain_s, self.stored
         while (waiting := self._waiting_for()) or time.monotonic() - self._last_seen < QUIET_S:

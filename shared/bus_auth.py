@@ -116,7 +116,7 @@ def permissions(role: str) -> dict:
                *_stream_admin(KVEVENTS_STREAM)]
         sub = [f"{p}.worker.>", S.ABORT, S.HEARTBEAT_ALL]
     elif role == KVPOOL:
-        pub = [f"{p}.kvevents.*", f"{p}.transfer.*", *_stream_admin(KVEVENTS_STREAM)]
+        pub = [f"{p}.kvevents.*", f"{p}.transfer.*", S.heartbeat_role(S.KVPOOL), *_stream_admin(KVEVENTS_STREAM)]
         sub = [S.POOL_LOOKUP, f"{p}.kvpool.*.get", f"{p}.kvpool.*.put",
                S.HEARTBEAT_ALL]  # the live workers' data-plane addresses (the only ones it sends to)
     else:

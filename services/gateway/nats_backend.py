@@ -143,7 +143,8 @@ class NatsBackend:
         decode = roles.get(subjects.GPU_DECODE, []) + roles.get(subjects.CPU_DECODE, [])
         ready = bool(roles.get(subjects.ROUTER)) and bool(decode)
         details = {r: {"ready": bool(roles.get(r)), "workers": sorted(roles.get(r, []))}
-                   for r in (subjects.ROUTER, subjects.PREFILL, subjects.GPU_DECODE, subjects.CPU_DECODE)}
+                   for r in (subjects.ROUTER, subjects.PREFILL, subjects.GPU_DECODE, subjects.CPU_DECODE,
+                             subjects.KVPOOL)}
         refused, why = self.heartbeats.refused()
         if refused:   # a service this gateway cannot read (another release's heartbeat version) is not
             details["refused_heartbeats"] = {"count": refused, "last": why}   # counted above: say so

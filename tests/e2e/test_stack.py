@@ -70,7 +70,7 @@ def planned_workers(extra_args=()) -> dict[str, int]:
     args = p.parse_known_args(list(extra_args))[0]
     up.topology(args)
     counts = {"router": args.router, "prefill": args.prefill, "gpu-decode": args.gpu_decode,
-              "cpu-decode": args.cpu_decode}
+              "cpu-decode": args.cpu_decode, "kvpool": args.kvpool}
     return {role: n for role, n in counts.items() if n}
 
 
@@ -331,7 +331,10 @@ def test_bad_requests_get_4xx_and_services_stay_up(stack, client, model_name):
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "word " * 9000}],
                                        max_tokens=10)
     assert e.value.code == "context_length_exceeded"
-    assert httpx.get(stack.url + "/health").status_code == 200
+    health = httpx.get(stack.url + "/health")
+    assert health.status_code == 200
+    pool = health.json()["details"]["kvpool"]          # the KV pool's own heartbeat
+    assert pool["ready"] and len(pool["workers"]) == 1, health.json()
     r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert r.choices[0].message.content is not None
 

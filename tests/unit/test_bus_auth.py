@@ -57,6 +57,7 @@ def test_who_publishes_what():
     assert who("publish", subjects.heartbeat(subjects.ROUTER, "r")) == {R}
     for role in (subjects.PREFILL, subjects.GPU_DECODE, subjects.CPU_DECODE):
         assert who("publish", subjects.heartbeat(role, "w")) == {W}
+    assert who("publish", subjects.heartbeat(subjects.KVPOOL, "p")) == {P}   # (a pool is no worker)
     assert who("publish", "_INBOX.gateway.x.y") == set()               # replies: allow_responses only
     assert all(bus_auth.permissions(r).get("allow_responses") for r in ROLES if r != bus_auth.TAP)
 
