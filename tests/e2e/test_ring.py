@@ -1,5 +1,5 @@
 """Ring decode through the real stack (docs/strategies.md): `tandem up --gpu-decode 0 --cpu-decode 3`
-with cpu-decode workers of 30 MB of KV (1,360 tokens each), secured NATS, the official openai
+with cpu-decode workers of 15 MB of KV (672 tokens each), secured NATS, the official openai
 client. A batch-tier chat whose context no worker holds is served by a ring of cpu-decode
 workers with the greedy text of a single worker with a big enough budget; `tandem tap` shows the
 ring plan and the router counts it in `tandem_route_total{strategy}`; a ring member killed
@@ -24,6 +24,7 @@ from shared.bus import Bus
 from shared.engine.engine import Engine, EngineConfig, run_to_completion
 from shared.engine.sampling import SamplingParams
 from shared.schemas import Heartbeat, RoutePlan
+from shared.strategy import SEG
 from shared.transfer.shm import available as shm_available
 from services.tap import tap
 from tests.e2e.test_resilience import collect, pid_of
@@ -31,8 +32,15 @@ from tests.e2e.test_stack import chat_ids, local_chat, running_stack
 
 pytestmark = pytest.mark.timeout(900)
 
-ENV = {"TANDEM_KV_BUDGET_MB_CPU_DECODE": "30", "TANDEM_KV_BUDGET_MB_PREFILL": "256",
+# 15 MB of KV a cpu-decode worker: 42 blocks, 672 tokens (23,040 bytes a token) — contexts of
+# ~900-1,300 tokens need a ring (they were 2,000-3,000 with 30 MB workers: prefill-bound, the
+# module took 310 s on a 2-vCPU AVX2 Xeon). WIDE_ENV: the 1,360-token workers the slow lane's
+# timing-sized spread and promotion tests were written for.
+ENV = {"TANDEM_KV_BUDGET_MB_CPU_DECODE": "15", "TANDEM_KV_BUDGET_MB_PREFILL": "256",
        "TANDEM_BATCH_COALESCE_MS": "0"}
+WORKER_TOKENS = 672
+WIDE_ENV = dict(ENV, TANDEM_KV_BUDGET_MB_CPU_DECODE="30")
+WIDE_TOKENS = 1360
 BATCH = {"X-Tandem-SLA": "batch"}
 NEW = 24
 
@@ -69,15 +77,15 @@ async def router_metrics(bus: Bus) -> str:
 
 
 def test_one_worker_refuses_a_context_over_its_budget(nats_server, reference):
-    """Alone, a 30 MB cpu-decode worker cannot hold a 3,000-token chat: a coded 400, not a loss."""
+    """Alone, a 15 MB cpu-decode worker cannot hold a 1,300-token chat: a coded 400, not a loss."""
     with running_stack(nats_server, ["--gpu-decode", "0", "--cpu-decode", "1", "--kvpool", "0"], env=ENV) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": question(reference, 3000)}],
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": question(reference, 1250)}],
                                            max_tokens=NEW, temperature=0, extra_headers=BATCH)
         assert e.value.code == "context_length_exceeded", e.value
-        assert "1360 tokens" in str(e.value), e.value
+        assert f"{WORKER_TOKENS} tokens" in str(e.value), e.value
         assert e.value.param == "messages", e.value.body     # the prompt is what does not fit
 
 
@@ -88,9 +96,10 @@ def ring_stack(nats_server):
 
 
 async def test_a_ring_of_three_serves_what_no_worker_holds(ring_stack, nats_server, reference):
-    content = question(reference, 3000)
+    content = question(reference, 1250)
     ids, want = local_chat(reference, content, NEW, ignore_eos=True)
-    assert 2 * 1360 < len(ids) + NEW < 3 * 1024   # a ring of 2 cannot hold it (SEG-aligned shards), 3 can
+    # a ring of 2 cannot hold it (SEG-aligned shards: 768 > 672 on the first), a ring of 3 can (512 each)
+    assert 4 * SEG < len(ids) + NEW <= 6 * SEG and 2 * SEG <= WORKER_TOKENS < 3 * SEG
     client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
     model = (await client.models.list()).data[0].id
     out, ready = io.StringIO(), asyncio.Event()
@@ -124,10 +133,11 @@ async def test_a_ring_of_three_serves_what_no_worker_holds(ring_stack, nats_serv
 
 
 async def test_a_killed_ring_member_loses_nothing(ring_stack, nats_server, reference):
-    """A ring of 2 (a 2,000-token chat), one member killed mid-stream: the request resumes on a
+    """A ring of 2 (a 900-token chat), one member killed mid-stream: the request resumes on a
     ring of the two workers left, and the client gets exactly the undisturbed greedy text."""
-    content = question(reference, 2000)
+    content = question(reference, 850)
     ids, want = local_chat(reference, content, NEW, ignore_eos=True)
+    assert WORKER_TOKENS < len(ids) + NEW <= 4 * SEG      # no single worker, a ring of 2 (512 each)
     got, killed, plans = await ring_chat_with_a_member_signalled(ring_stack, nats_server, content, signal.SIGKILL)
     assert killed, "the stream ended before a member could be killed"
     assert got["text"] == want.text and got["finish"] == "length", (got, want.text)
@@ -172,8 +182,9 @@ async def test_a_stopped_ring_member_serves_its_shard_to_the_end(ring_stack, nat
     """A ring of 2, one member stopped with SIGTERM mid-stream (a scale-down, a rolling update):
     it keeps serving its shard until the request ends — no resume, exactly the undisturbed text —
     and only then exits; no new ring takes it meanwhile."""
-    content = question(reference, 2000, tag="Stop. ")
+    content = question(reference, 850, tag="Stop. ")
     ids, want = local_chat(reference, content, NEW, ignore_eos=True)
+    assert WORKER_TOKENS < len(ids) + NEW <= 4 * SEG
     ring_stack.wait_workers({"cpu-decode": 3}, 180)
     got, stopped, plans = await ring_chat_with_a_member_signalled(ring_stack, nats_server, content, signal.SIGTERM)
     assert stopped, "the stream ended before a member could be stopped"
@@ -201,13 +212,14 @@ async def _collect(sub, into) -> None:
 
 
 async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, reference):
-    """A 1,000-token chat fits one 1,360-token worker; mid-stream it is spread onto a ring of the
+    """A 550-token chat fits one 672-token worker; mid-stream it is spread onto a ring of the
     two other workers (a MigrateRequest naming the ring: the source's KV goes to the coordinator,
     which scatters it itself: no prefill takes part), and the client gets the undisturbed greedy text."""
     from services.migrate import migrate, to_target
     ring_stack.wait_workers({"cpu-decode": 3, "prefill": 1, "router": 1}, 180)   # a member killed above is back
-    content = question(reference, 1000)
-    _, want = local_chat(reference, content, 128, ignore_eos=True)
+    content = question(reference, 420)
+    ids, want = local_chat(reference, content, 128, ignore_eos=True)
+    assert len(ids) + 128 <= WORKER_TOKENS
     client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
     model = (await client.models.list()).data[0].id
     bus = await Bus.connect(url=nats_server, name="e2e-ring-spread")
@@ -248,14 +260,21 @@ async def test_a_running_session_spreads_onto_a_ring(ring_stack, nats_server, re
 LONG_NEW = 700
 
 
+@pytest.fixture(scope="module")
+def wide_ring_stack(nats_server):
+    """Three cpu-decode workers of 1,360 tokens: the policy test below is sized for them."""
+    with running_stack(nats_server, ["--gpu-decode", "0", "--cpu-decode", "3", "--kvpool", "0"], env=WIDE_ENV) as s:
+        yield s
+
+
 @pytest.mark.slow   # 86 s on a 2-vCPU AVX2 EPYC: the slow lane (the ring of three stays in the default run)
-async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring_stack, nats_server, reference):
+async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(wide_ring_stack, nats_server, reference):
     """The router's spreading policy, on its own: a long batch chat (a 600-token prompt + 700 tokens, which
     one 1,360-token worker holds) runs on one worker; a second chat of the same session joins it
     there (session affinity); now the worker's free KV is below what the two may still need, so
     the router's rebalance spreads the longer one onto a ring of the two other workers. Both
     clients get the undisturbed greedy text; tap shows the move's plan, the router counts it."""
-    ring_stack.wait_workers({"cpu-decode": 3, "prefill": 1, "router": 1}, 180)
+    wide_ring_stack.wait_workers({"cpu-decode": 3, "prefill": 1, "router": 1}, 180)
     # tagged: the running-session test above left this prompt's first 1,024 tokens cached on the
     # worker that held it, and a prompt found cached there ran without the placement this test
     # is about (a fresh-clone run saw no spread plan, 1 in 6)
@@ -271,8 +290,8 @@ async def test_a_worker_short_of_kv_spreads_its_longest_request_onto_a_ring(ring
         "short": (short_ids, SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))})
     want_long, want_short = want["long"], want["short"]
     # one worker holds the long one, not both: its free KV falls below what they may still need
-    assert len(ids) + LONG_NEW <= 1360 < (len(ids) + LONG_NEW) + (len(short_ids) + 300)
-    client = openai.AsyncOpenAI(base_url=ring_stack.url + "/v1", api_key="none", max_retries=0)
+    assert len(ids) + LONG_NEW <= WIDE_TOKENS < (len(ids) + LONG_NEW) + (len(short_ids) + 300)
+    client = openai.AsyncOpenAI(base_url=wide_ring_stack.url + "/v1", api_key="none", max_retries=0)
     model = (await client.models.list()).data[0].id
     bus = await Bus.connect(url=nats_server, name="e2e-ring-policy")
     plans: list[RoutePlan] = []

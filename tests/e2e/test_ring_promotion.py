@@ -13,11 +13,12 @@ import pytest
 from shared import subjects
 from shared.bus import Bus
 from shared.schemas import RoutePlan
-from tests.e2e.test_ring import BATCH, ENV, _collect, question, reference  # noqa: F401 (fixture)
+from tests.e2e.test_ring import BATCH, WIDE_ENV, _collect, question, reference  # noqa: F401 (fixture)
 from tests.e2e.test_resilience import collect
 from tests.e2e.test_stack import local_chat, running_stack
 
 pytestmark = pytest.mark.timeout(900)
+NEW = 160
 
 
 @pytest.mark.slow   # 68 s on a 2-vCPU AVX2 EPYC: the slow lane (promotion of a single worker's session: test_tiers)
@@ -26,9 +27,11 @@ def test_a_ring_session_is_promoted_to_a_gpu_worker_when_a_person_checks_in(nats
     cpu-decode workers; mid-stream its session turns interactive (POST /v1/sessions/{id}) and the
     router moves it to the gpu-decode worker — the coordinator gathers the shards into a
     migration — and the client gets the undisturbed greedy text."""
-    env = dict(ENV, TANDEM_KV_BUDGET_MB_GPU_DECODE="256")
+    env = dict(WIDE_ENV, TANDEM_KV_BUDGET_MB_GPU_DECODE="256")
     content = question(reference, 2000)
-    _, want = local_chat(reference, content, 48, ignore_eos=True)
+    # 160 tokens: the stream must outlast the router's next tick and the move; with 48 it ended
+    # 1.7 s after the POST on an AMX Xeon, the coordinator's heartbeat not yet listing it (2026-12-01)
+    _, want = local_chat(reference, content, NEW, ignore_eos=True)
     with running_stack(nats_server, ["--gpu-decode", "1", "--cpu-decode", "2", "--kvpool", "0"], env=env) as s:
         async def run() -> tuple[dict, list, list[RoutePlan]]:
             client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
@@ -47,7 +50,7 @@ def test_a_ring_session_is_promoted_to_a_gpu_worker_when_a_person_checks_in(nats
 
             try:
                 st = await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": content}], max_tokens=48, temperature=0,
+                    model=model, messages=[{"role": "user", "content": content}], max_tokens=NEW, temperature=0,
                     stream=True, extra_headers=BATCH, extra_body={"ignore_eos": True, "session_id": "promote-me"})
                 out = await collect(st, on_chunk)
             finally:
