@@ -92,8 +92,10 @@ VARIANTS = {"graphs-all": ({"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TAN
 
 
 # prefill lines of the graphs engine: the matmuls on the tensor cores (TF32: cuBLAS's, and the Q4_0
-# kernels' above 64 rows), and through the Q4_0 kernels instead of cuBLAS on dequantized weights
+# kernels' above 64 rows), in f32 (cuBLAS's SGEMM: the default's 3xTF32 products before 2026-12-01),
+# and through the Q4_0 kernels instead of cuBLAS on dequantized weights
 PREFILL_VARIANTS = {"prefill_tf32_ms": {"TANDEM_GPU_PRECISION": "tf32"},
+                    "prefill_ieee_ms": {"TANDEM_GPU_PRECISION": "ieee"},
                     "prefill_kernels_ms": {"TANDEM_GPU_GEMM_ROWS": "0"},
                     "prefill_attn_fp16_ms": {"TANDEM_GPU_PREFILL_ATTN": "fp16"},
                     "prefill_attn_tf32x3_ms": {"TANDEM_GPU_PREFILL_ATTN": "tf32x3"},
@@ -621,6 +623,9 @@ def table(res: dict) -> str:
                 lines += [f"  {n} ÷ graphs: " + ", ".join(f"x{c} {d[c] / base[c]:.2f}" for c in d if base.get(c))]
     if "prefill_tf32_ms" in res:
         lines += ["", f"prefill of the same prompt with TANDEM_GPU_PRECISION=tf32: {res['prefill_tf32_ms']} ms"]
+    if "prefill_ieee_ms" in res:
+        lines += [f"prefill of the same prompt with TANDEM_GPU_PRECISION=ieee (cuBLAS in f32, not 3xTF32): "
+                  f"{res['prefill_ieee_ms']} ms"]
     if "prefill_kernels_ms" in res:
         lines += [f"prefill of the same prompt through the Q4_0 kernels (TANDEM_GPU_GEMM_ROWS=0, not cuBLAS): "
                   f"{res['prefill_kernels_ms']} ms"]

@@ -37,8 +37,9 @@ over K chosen from N and K only), so a sequence decodes the same alone or in any
 eager or replayed — with a tuned ``gemv`` or ``decode`` tile, in any batch on the same side of its
 bound (16 rows for ``decode``). A step
 with prefill chunks is another matter for the decodes in it: its matmuls run in TF32 past 64 rows
-where chosen, and from ``GEMM_ROWS`` rows through cuBLAS (``gemm``), whose sums go in their own
-order — within the CPU↔GPU contract, not bit for bit.
+where chosen, and from ``GEMM_ROWS`` rows through cuBLAS (``gemm``: in 3xTF32 at the default
+precision, its weights split once and kept), whose sums go in their own order — within the
+CPU↔GPU contract, not bit for bit.
 
 ``DecodeGraphs`` runs decode-only steps through static buffers — ids, positions, KV slots,
 block tables padded to the context's width, context lengths — and captures ``GpuStep.decode``
@@ -99,6 +100,8 @@ MLP_PROGRAMS, MLP_BLOCK_D, MLP_WARPS = 192, 64, 8
 PREFETCH_STEPS = 3   # "auto": K steps a program needs to fetch each step's weights during the one before
 GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls through cuBLAS (TANDEM_GPU_GEMM_ROWS)
 GEMM_CHUNK = 4096    # weight rows dequantized at a time for it (no f32 copy of the lm head whole)
+GEMM_CACHE_MB = 2048  # tf32x3: the weights' TF32 parts and remainders kept on the device up to this (TANDEM_GPU_GEMM_CACHE_MB)
+TF32_MASK = -(1 << 13)   # an f32's bits with the 13 mantissa bits TF32 drops cleared (int32)
 MATRICES = ("qkv", "o", "gate_up", "down")   # a layer's Q4_0 matrices (``Transformer.layers``)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
 # TANDEM_GPU_PERSISTENT=1: a decode step of up to this many rows as one ``decode_persistent`` launch
@@ -301,6 +304,17 @@ def prefill_attention(q, layer_kv, pb: PagedBatch, out, group: int, scale: float
         num_warps=tile.warps, **pdl_args(pdl))
 
 
+def split_tf32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) of an f32 tensor: ``hi`` its values with the 13 mantissa bits TF32 lacks cleared
+    (exact in TF32), ``lo = x - hi`` (exact in f32: at most 13 significant bits)."""
+    hi = (x.view(torch.int32) & TF32_MASK).view(torch.float32)
+    return hi, x - hi
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    return [(r0, min(n, r0 + GEMM_CHUNK)) for r0 in range(0, n, GEMM_CHUNK)]
+
+
 class GpuStep:
     """The forward step of a ``Transformer`` in the fused kernels (its weights on the device)."""
 
@@ -360,6 +374,13 @@ class GpuStep:
         self.row_ids = torch.arange(0, dtype=torch.int32, device=self.device)   # ``dequantized``'s rows
         if self.gemm_rows < 0:
             raise ValueError(f"TANDEM_GPU_GEMM_ROWS must be >= 0, got {self.gemm_rows}")
+        # tf32x3: each weight's (TF32 part, remainder) in f32 for ``gemm``, kept while they fit in
+        # this many MB (8 bytes a weight: 1.1 GB for the bundled model), made again each call past it
+        self.gemm_cache_mb = int(os.environ.get("TANDEM_GPU_GEMM_CACHE_MB", GEMM_CACHE_MB))
+        if self.gemm_cache_mb < 0:
+            raise ValueError(f"TANDEM_GPU_GEMM_CACHE_MB must be >= 0, got {self.gemm_cache_mb}")
+        self._split: dict[int, tuple[Q4Weight, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._split_bytes = 0
         self.cos = model.cos.contiguous()
         self.sin = model.sin.contiguous()
         # the matmuls' weights as the kernels read them: the model's block_q4_0 tensors ("blocks"),
@@ -445,9 +466,10 @@ class GpuStep:
              norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False) -> torch.Tensor:
         """``matmul``'s contract through torch: the prologue as torch ops, the weight dequantized
         (``dequantized``: 4,096 rows at a time, f32) and multiplied by ``torch.matmul`` — cuBLAS
-        on CUDA, on its tensor cores in TF32 where ``precision`` is "tf32", f32 otherwise. For
-        prefill-sized M, where cuBLAS beat the Q4_0 kernels 5–80× on an H200 (docs/kernels.md);
-        a copy of the f32 weight exists only during the call."""
+        on CUDA: in f32 ("ieee"), on its tensor cores in TF32 ("tf32"), or in 3xTF32 ("tf32x3",
+        the decode kernels' precision: ``_tf32x3``). For prefill-sized M, where cuBLAS beat the
+        Q4_0 kernels 5–80× on an H200 (docs/kernels.md); an f32 copy of the weight exists only
+        during the call, but for tf32x3's split of it (cached: ``split_weight``)."""
         k = w.k
         a = torch.nn.functional.silu(x[:, :k]) * x[:, k:] if silu else x
         if norm is not None:      # (one fused kernel on CUDA; six torch ops composed it before)
@@ -456,16 +478,45 @@ class GpuStep:
         n = w.n
         y = torch.empty(a.shape[0], n, dtype=torch.float32, device=self.device)
         tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = self.precision != "ieee"
         try:
-            for r0 in range(0, n, GEMM_CHUNK):
-                r1 = min(n, r0 + GEMM_CHUNK)
-                torch.matmul(a, self.dequantized(w, r0, r1).T, out=y if r1 - r0 == n else y[:, r0:r1])
+            if self.precision == "tf32x3":
+                self._tf32x3(a, w, y)
+            else:
+                for r0 in range(0, n, GEMM_CHUNK):
+                    r1 = min(n, r0 + GEMM_CHUNK)
+                    torch.matmul(a, self.dequantized(w, r0, r1).T, out=y if r1 - r0 == n else y[:, r0:r1])
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         if out is None:
             return y
         return out.add_(y) if residual else out.copy_(y)
+
+    def _tf32x3(self, a: torch.Tensor, w: Q4Weight, y: torch.Tensor) -> None:
+        """``y = a @ W.T`` as three TF32 products per chunk of W's rows: a_hi·w_lo + a_lo·w_hi +
+        a_hi·w_hi, the small terms first (CUTLASS's 3xTF32; a_lo·w_lo, ~2^-22 of a term, dropped).
+        ``hi`` is an f32 with TF32's 13 dropped mantissa bits cleared — exact in TF32, whatever
+        the tensor cores' rounding — and ``lo = x - hi`` exactly, so the products carry f32's
+        accuracy (not its bits) at the tensor cores' rate."""
+        a_hi, a_lo = split_tf32(a)
+        for (r0, r1), (w_hi, w_lo) in zip(_chunks(w.n), self.split_weight(w)):
+            part = y if r1 - r0 == w.n else y[:, r0:r1]
+            torch.matmul(a_hi, w_lo.T, out=part)
+            part.addmm_(a_lo, w_hi.T)
+            part.addmm_(a_hi, w_hi.T)
+
+    def split_weight(self, w: Q4Weight) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """W's (TF32 part, remainder) per ``GEMM_CHUNK`` rows, kept for the next call while
+        ``gemm_cache_mb`` allows (``_tf32x3``)."""
+        got = self._split.get(id(w))
+        if got is not None and got[0] is w:
+            return got[1]
+        parts = [split_tf32(self.dequantized(w, r0, r1)) for r0, r1 in _chunks(w.n)]
+        size = 8 * w.n * w.k
+        if self._split_bytes + size <= self.gemm_cache_mb << 20:
+            self._split[id(w)] = (w, parts)
+            self._split_bytes += size
+        return parts
 
     def mlp(self, x: torch.Tensor, L: dict, gemm: bool = False) -> None:
         """The layer's FFN into the residual stream ``x`` (in place): x += down(silu(gate) * up) of

@@ -663,6 +663,8 @@ ELSEWHERE: dict[str, str] = {
     "TANDEM_GPU_AHEAD": "1 (the default on CUDA): launch the next decode step before reading this one's tokens",
     "TANDEM_GPU_DECODE_ATTN": "dot (the default; 3xTF32, where the matmuls are not ieee) or sum: a decode's attention",
     "TANDEM_GPU_GEMM_ROWS": "prefill steps of at least this many rows through cuBLAS",
+    "TANDEM_GPU_GEMM_CACHE_MB": "tf32x3: MB of the weights' TF32 split kept on the device for those cuBLAS "
+                                "matmuls (2048; 8 bytes a weight; 0: split at each call)",
     "TANDEM_GPU_MLP": "split or fused (a layer's FFN in one launch)",
     "TANDEM_GPU_PDL": "1: programmatic dependent launch (sm_90+)",
     "TANDEM_GPU_PERSISTENT": "1: a decode step as one launch of resident programs",

@@ -63,8 +63,16 @@ def test_matmul_prologues_and_epilogue(norm, silu, residual):
 
 @pytest.mark.parametrize("norm,silu,residual", [(True, False, False), (False, True, True)])
 @pytest.mark.parametrize("m", [130, 2048])
-def test_prefill_matmul_through_cublas(norm, silu, residual, m):
-    assert cases._matmul_case(m, 576, 576, norm, silu, residual, "cuda", None, True) <= cases.REL
+@pytest.mark.parametrize("precision", [None, "ieee"])      # (None: CUDA's default, tf32x3)
+def test_prefill_matmul_through_cublas(norm, silu, residual, m, precision):
+    assert cases._matmul_case(m, 576, 576, norm, silu, residual, "cuda", None, True, precision) <= cases.REL
+
+
+def test_prefill_matmul_in_3xtf32_through_cublas():
+    """The default precision's cuBLAS path: three TF32 products a chunk, against cuBLAS in f32."""
+    split_ok, err, same_again, same_uncached, cached, uncached = cases._gemm_3xtf32_case("cuda")
+    assert split_ok and err <= cases.REL, err
+    assert same_again and same_uncached and cached == (1, 8 * 300 * 96) and uncached == 0
 
 
 def test_prefill_weights_dequantized_in_one_launch():

@@ -676,6 +676,47 @@ def test_prefill_matmul_through_torch(interp, norm, silu, residual):
     assert interp(_matmul_case, 130, 100, 192, norm, silu, residual, "cpu", None, True) <= REL
 
 
+def _gemm_3xtf32_case(device="cpu"):
+    """``GpuStep.gemm`` in tf32x3 (three products a chunk of split operands) against the f32 path
+    ("ieee"), over chunks of 64 rows; ``split_tf32``'s parts; the weights' split cached within
+    TANDEM_GPU_GEMM_CACHE_MB, made again past it."""
+    from kernels import gpu_step
+    from kernels.gpu_step import GpuStep, Q4Weight, split_tf32
+    g = torch.Generator().manual_seed(5)
+    w = Q4Weight.of(q4_0.quantize(torch.randn(300, 96, generator=g) * 0.05).to(device))
+    x = torch.randn(130, 96, generator=g).to(device)
+    hi, lo = split_tf32(x)
+    split_ok = bool((hi.view(torch.int32) & 0x1FFF).eq(0).all()) and torch.equal(hi + lo, x) \
+        and float((lo.abs() / x.abs().clamp_min(1e-30)).max()) < 2.0 ** -10
+    old = gpu_step.GEMM_CHUNK
+    gpu_step.GEMM_CHUNK = 64
+    try:
+        ieee = GpuStep(tiny_model(device), 1024, "ieee").gemm(x, w)
+        st = GpuStep(tiny_model(device), 1024, "tf32x3")
+        first, again = st.gemm(x, w), st.gemm(x, w)
+        cached = (len(st._split), st._split_bytes)
+        os.environ["TANDEM_GPU_GEMM_CACHE_MB"] = "0"
+        try:
+            uncached = GpuStep(tiny_model(device), 1024, "tf32x3")
+        finally:
+            del os.environ["TANDEM_GPU_GEMM_CACHE_MB"]
+        none = uncached.gemm(x, w)
+    finally:
+        gpu_step.GEMM_CHUNK = old
+    return split_ok, rel(first, ieee), torch.equal(first, again), torch.equal(first, none), cached, len(uncached._split)
+
+
+def test_prefill_matmul_in_3xtf32_through_torch(interp):
+    """The prefill's cuBLAS path at the decode kernels' precision: on CUDA three TF32 products
+    (f32's accuracy at the tensor cores' rate; tests/gpu measures it against f64); here, where
+    torch computes them in f32, within f32's rounding of the one-product path."""
+    split_ok, err, same_again, same_uncached, cached, uncached = interp(_gemm_3xtf32_case)
+    assert split_ok
+    assert err <= 1e-6, err
+    assert same_again and same_uncached
+    assert cached == (1, 8 * 300 * 96) and uncached == 0
+
+
 def _dequantized_case(device="cpu"):
     """``GpuStep.dequantized`` (the ``embed`` kernel over a weight's rows) against
     ``q4_0.dequantize``: whole, a slice of rows, and ``gemm`` over chunks of 64 rows against one."""

@@ -26,7 +26,7 @@ def test_each_kernel_setting_is_one_engine_and_the_stack_worker_one_more():
     assert gpu.compile_jobs(LEASE_MODES) == [
         "graphs", "graphs-all", "graphs-persistent", "graphs-pdl", "graphs-mlp", "graphs-tf32x3", "graphs-planes",
         "graphs-noprefetch", "graphs-persistent64",       # (graphs-ahead: graphs' kernels, launched earlier)
-        "prefill_tf32_ms", "prefill_kernels_ms", "prefill_attn_fp16_ms", "prefill_attn_tf32x3_ms",
+        "prefill_tf32_ms", "prefill_ieee_ms", "prefill_kernels_ms", "prefill_attn_fp16_ms", "prefill_attn_tf32x3_ms",
         "prefill_tf32_attn_fp16_ms", "worker"]
     assert gpu.compile_jobs(["ops", "fused", "graphs-pdl"]) == ["graphs", "graphs-pdl", *gpu.PREFILL_VARIANTS,
                                                                  "worker"]
