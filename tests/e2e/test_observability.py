@@ -110,7 +110,7 @@ async def _metrics_ports(nats_url: str) -> dict[str, int]:
     sub = await nc.subscribe(subjects.HEARTBEAT_ALL)
     ports: dict[str, int] = {}
     try:
-        while set(ports) < set(SERVICES):
+        while not set(SERVICES) <= set(ports):     # (other roles' beats too: the KV pool's)
             beat = schemas.decode((await asyncio.wait_for(sub.messages.__anext__(), 10)).data)
             ports[beat.role] = beat.metrics_port
     finally:
