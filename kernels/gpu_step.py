@@ -483,8 +483,7 @@ class GpuStep:
             if self.precision == "tf32x3":
                 self._tf32x3(a, w, y)
             else:
-                for r0 in range(0, n, GEMM_CHUNK):
-                    r1 = min(n, r0 + GEMM_CHUNK)
+                for r0, r1 in _chunks(n):
                     torch.matmul(a, self.dequantized(w, r0, r1).T, out=y if r1 - r0 == n else y[:, r0:r1])
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
