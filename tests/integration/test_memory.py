@@ -74,11 +74,16 @@ def measure(cache_dir: str, kv_bytes: int = KV_BYTES) -> dict:
 
 
 def test_peak_rss_within_budget(tmp_path):
-    # the lower of two fresh processes: the high-water mark moves by up to ~5 MiB from run to run
-    # on one machine (136.8-141.6 MiB over baseline, 2026-11-27, Intel Xeon: glibc's per-thread
-    # arenas and transient blocks, not the engine's memory), which is the budget's whole margin;
-    # a real regression shows in both
-    m = min((measure(str(tmp_path / f"run{i}")) for i in range(2)), key=lambda r: r["peak"] - r["baseline"])
+    # over budget, a second fresh process and the lower of the two: the high-water mark moves by up
+    # to ~5 MiB from run to run on one machine (136.8-141.6 MiB over baseline, 2026-11-27, Intel
+    # Xeon: glibc's per-thread arenas and transient blocks, not the engine's memory), which is the
+    # budget's whole margin; a real regression shows in both. (Each process converts the GGUF:
+    # ~20 s on a slow 2-core machine, so the second runs only when the first is over.)
+    def over(r: dict) -> float:
+        return (r["peak"] - r["baseline"]) - (1.5 * r["weight_bytes"] + KV_BYTES)
+    m = measure(str(tmp_path / "run0"))
+    if over(m) > 0:
+        m = min(m, measure(str(tmp_path / "run1")), key=over)
     used = m["peak"] - m["baseline"]
     budget = 1.5 * m["weight_bytes"] + KV_BYTES
     mib = 1 / 2**20
