@@ -95,10 +95,13 @@ def attach(e, gpu_us: float) -> ModeledDevice:
     return e.graphs
 
 
-def _decode_steps(e, n: int, steps: int) -> float:
-    """µs a decode step of ``n`` sequences, over ``steps`` steps after two unmeasured ones."""
+def _decode_steps(e, n: int, steps: int, temperature: float = 0.0, top_p: float = 1.0) -> float:
+    """µs a decode step of ``n`` sequences, over ``steps`` steps after two unmeasured ones; greedy,
+    or drawn at ``temperature`` (and ``top_p``) with a seed — rows the graph draws on a GPU
+    (``sampler.on_device``), so the host's share is their bookkeeping, not a draw."""
     from shared.engine.sampling import SamplingParams
-    p = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    p = SamplingParams(max_tokens=steps + 8, temperature=temperature, top_p=top_p, seed=7 if temperature else None,
+                       ignore_eos=True)
     for i in range(n):
         e.add(f"h{n}-{i}", e.tokenizer.encode("The quick brown fox"), p)
     e.step()
@@ -196,6 +199,22 @@ def _stack_main(a, e) -> int:
     return 0
 
 
+def _sampled_main(a, e, host) -> int:
+    """The host's share of a greedy step beside one whose rows are drawn (on a GPU, by the graph)."""
+    t, top_p = a.sampled
+    e.graphs = host
+    print(f"| sequences | greedy host µs a step | drawn (T {t:g}, top-p {top_p:g}) host µs | drawn − greedy µs |\n"
+          "|---:|---:|---:|---:|")
+    for n in a.seqs:
+        runs = {False: [], True: []}
+        for _ in range(a.rounds):
+            for drawn in (False, True):
+                runs[drawn].append(_decode_steps(e, n, a.steps, t if drawn else 0.0, top_p if drawn else 1.0))
+        g, d = statistics.median(runs[False]), statistics.median(runs[True])
+        print(f"| {n} | {g:.0f} | {d:.0f} | {d - g:+.0f} |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_host", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64])
@@ -209,6 +228,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ahead", action="store_true",
                     help="with --stack: each level stepped and launched ahead (TANDEM_GPU_AHEAD=1), side by side")
     ap.add_argument("--requests", type=int, default=3, help="with --stack: chats a stream (default 3)")
+    ap.add_argument("--sampled", type=float, nargs=2, metavar=("T", "TOP_P"),
+                    help="host only: greedy steps beside steps drawn at temperature T and top-p TOP_P, in turn "
+                         "--rounds times (medians)")
     ap.add_argument("--max-tokens", type=int, default=1024,
                     help="with --stack: tokens a chat (default 1024: the worker's CPU prefill of its prompt spread thin)")
     a = ap.parse_args(argv)
@@ -223,6 +245,8 @@ def main(argv=None) -> int:
         return _stack_main(a, e)
     stub = (e.model.cfg.vocab_size, e.tokenizer.encode(TEXT, add_special_tokens=False))
     host = StubGraphs(top, 512, e.layout.block_size, *stub)
+    if a.sampled:
+        return _sampled_main(a, e, host)
     if not a.gpu_us:
         e.graphs = host
         print("| sequences | host µs a decode step |\n|---:|---:|")
