@@ -70,23 +70,17 @@ _progress = report.progress("bench gpu")
 
 
 # graphs with settings changed, to compare in the same run: name -> (environment, what it is)
-VARIANTS = {"graphs-all": ({"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TANDEM_GPU_WEIGHTS": "planes",
-                            "TANDEM_GPU_MLP": "fused", "TANDEM_GPU_PRECISION": "tf32x3", "TANDEM_GPU_PERSISTENT": "1"},
-                           "ahead, PDL, planes, qmlp, 3xTF32 and the persistent step at once"),
-            "graphs-persistent": ({"TANDEM_GPU_PERSISTENT": "1"}, "a decode step of up to 16 rows as one launch"),
-            "graphs-persistent64": ({"TANDEM_GPU_PERSISTENT": "1", "TANDEM_GPU_PERSISTENT_ROWS": "64"},
-                                    "a decode step of up to 64 rows as one launch"),
+VARIANTS = {"graphs-all": ({"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TANDEM_GPU_PRECISION": "tf32x3",
+                            "TANDEM_GPU_PREFETCH": "1"}, "ahead, PDL, 3xTF32 and prefetch everywhere at once"),
             "graphs-ahead": ({"TANDEM_GPU_AHEAD": "1"}, "each decode step launched before the last one's tokens are read"),
             "graphs-pdl": ({"TANDEM_GPU_PDL": "1"}, "programmatic dependent launch"),
             "graphs-launch": ({"TANDEM_GPU_REDUCE": "launch"}, "split sums, attention merges and rope launched"),
             "graphs-noprefetch": ({"TANDEM_GPU_PREFETCH": "0"}, "each K step's weights fetched at use"),
             "graphs-prefetch": ({"TANDEM_GPU_PREFETCH": "1"}, "weights fetched a step ahead in every program of 2+ steps"),
-            "graphs-mlp": ({"TANDEM_GPU_MLP": "fused"}, "a layer's FFN in one launch"),
             "graphs-tf32x3": ({"TANDEM_GPU_PRECISION": "tf32x3"}, "the matmuls' dots on the tensor cores, 3 TF32 passes"),
             # the defaults on CUDA since 2026-11-30 (tf32x3, ahead) undone, to compare
             "graphs-ieee": ({"TANDEM_GPU_PRECISION": "ieee"}, "the matmuls' dots in f32 on the FMA units"),
             "graphs-stepped": ({"TANDEM_GPU_AHEAD": "0"}, "each decode step's tokens read before the next is launched"),
-            "graphs-planes": ({"TANDEM_GPU_WEIGHTS": "planes"}, "the Q4_0 weights as aligned planes: vector loads"),
             "graphs-attn-sum": ({"TANDEM_GPU_DECODE_ATTN": "sum"},
                                 "a decode's attention as products reduced across lanes, not tl.dot")}
 
@@ -294,9 +288,6 @@ def run(args: argparse.Namespace, res: dict) -> None:
                            "prefill_tile": list(dataclasses.astuple(st.prefill_tile)),
                            "ahead": bool(engine.graphs is not None and engine.graphs.ahead)}
             _progress(f"{mode}: step {row['step']}")
-        if st is not None and st.programs:     # the persistent step: its grid and registers, by batch rows
-            row["persistent"] = {"programs": dict(st.programs), "registers": dict(st.registers)}
-            _progress(f"{mode}: persistent step {row['persistent']}")
         for seqs in (1, 16):
             row[f"profile_{seqs}"] = profile_steps(engine, seqs)
             _progress(f"{mode}: {seqs} seqs: {row[f'profile_{seqs}']}")

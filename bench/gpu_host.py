@@ -52,7 +52,7 @@ class StubGraphs(DecodeGraphs):
     ``tokens[(k + r) % len(tokens)]`` (default: token 0)."""
 
     def __init__(self, cap: int, width: int, block_size: int, vocab: int, tokens: list[int] | None = None):
-        super().__init__(SimpleNamespace(device=torch.device("cpu"), persistent=False), None, cap, width, block_size, 0,
+        super().__init__(SimpleNamespace(device=torch.device("cpu")), None, cap, width, block_size, 0,
                          capture=False)
         self.logits = torch.zeros(self.sizes[-1], vocab)
         self.best = torch.zeros(self.sizes[-1], dtype=torch.int64)

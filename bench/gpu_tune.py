@@ -82,7 +82,7 @@ class Shape:
             q = torch.randint(0, 256, (n, nb, 18), dtype=torch.uint8, device=DEVICE, generator=g)
             d = (torch.rand(n, nb, device=DEVICE, generator=g) * 0.01 + 0.001).half()
             q[:, :, :2] = d.view(torch.uint8).view(n, nb, 2)
-            self.w.append(Q4Weight.of(q.view(n, nb * 18), os.environ.get("TANDEM_GPU_WEIGHTS") == "planes"))
+            self.w.append(Q4Weight.of(q.view(n, nb * 18)))
         self.x = torch.randn(m, 2 * k if self.silu else k, device=DEVICE, generator=g)
         self.nw = torch.rand(k, device=DEVICE, generator=g) + 0.5
         self.out = torch.zeros(m, n, device=DEVICE)

@@ -25,8 +25,7 @@ TANDEM_GPU_REDUCE=launch: each of these by a launch of its own, as before, the s
    through ``tl.dot``, causal);
 4. ``qmatmul`` o with the residual add in its epilogue;
 5. ``qmatmul`` gate|up with the FFN's RMSNorm in its prologue;
-6. ``qmatmul`` down with SiLU(gate)·up in its prologue and the residual add in its epilogue
-   (5 and 6 as one ``qmlp`` launch with TANDEM_GPU_MLP=fused: ``GpuStep.mlp``).
+6. ``qmatmul`` down with SiLU(gate)·up in its prologue and the residual add in its epilogue.
 
 The lm head is one more ``qmatmul`` with the final norm in its prologue; the embedding one
 ``embed`` launch. Where the card's tile for a weight says so (kernels/gpu_tuning.py, ``gemv``),
@@ -50,16 +49,6 @@ seeds), the bucket's graph with the sampler after the step draws their tokens on
 (kernels/gpu_sample.py); either way one replay, and one device-to-host copy returns the tokens.
 Without CUDA (the tests, ``TRITON_INTERPRET=1``) the same buffers run eagerly through the
 interpreter.
-
-With TANDEM_GPU_PERSISTENT=1 (off until a GPU measures it) a decode step of up to
-``PERSISTENT_ROWS`` rows (TANDEM_GPU_PERSISTENT_ROWS) is one ``decode_persistent`` launch
-instead: resident programs take the step's launches' programs above as tasks, in launch order
-from a ticket counter, each waiting only for the phase before it on a counter of its own
-(``GpuStep.decode_persistent``; the same bits).
-
-The matmuls read each Q4_0 weight through a ``Q4Weight``: the model's ``block_q4_0`` rows, or
-(TANDEM_GPU_WEIGHTS=planes) a copy with every quant byte of a row in one aligned run and the
-scales after them, which the kernels load as vectors — the same bits either way.
 """
 
 from __future__ import annotations
@@ -88,15 +77,10 @@ BLOCK_K_DECODE, DECODE_WARPS = 16, 4
 MODES = ("graphs", "fused", "ops")   # EngineConfig.gpu_step / TANDEM_GPU_STEP
 REDUCE = ("fused", "launch")         # TANDEM_GPU_REDUCE
 PREFETCH = ("auto", "0", "1")        # TANDEM_GPU_PREFETCH (``prefetch``)
-MLP = ("split", "fused")             # TANDEM_GPU_MLP: the FFN as gate|up + down, or one ``qmlp`` launch
 PREFILL_ATTN = ("ieee", "tf32", "fp16", "tf32x3")   # TANDEM_GPU_PREFILL_ATTN: attn_prefill's dots
 DECODE_ATTN = ("dot", "sum")              # TANDEM_GPU_DECODE_ATTN: attn_decode's scores and sums (``decode_dot``)
 PRECISIONS = ("ieee", "tf32", "tf32x3")   # TANDEM_GPU_PRECISION: the Q4_0 matmuls' dots
 DEFAULT_PRECISION = {"cuda": "tf32x3"}     # by device type; "ieee" elsewhere
-WEIGHTS = ("blocks", "planes")            # TANDEM_GPU_WEIGHTS: the matmuls' Q4_0 bytes on the device (``Q4Weight``)
-# qmlp: K split until the grid has this many programs (8 warps, 128-203 registers a thread: two
-# programs an SM, 264 on an H100/H200, one wave); outputs a chunk; warps (4 spilled: 255 registers)
-MLP_PROGRAMS, MLP_BLOCK_D, MLP_WARPS = 192, 64, 8
 PREFETCH_STEPS = 3   # "auto": K steps a program needs to fetch each step's weights during the one before
 GEMM_ROWS = 128      # a prefill step of this many rows or more: its matmuls through cuBLAS (TANDEM_GPU_GEMM_ROWS)
 GEMM_CHUNK = 4096    # weight rows dequantized at a time for it (no f32 copy of the lm head whole)
@@ -104,9 +88,6 @@ GEMM_CACHE_MB = 2048  # tf32x3: the weights' TF32 parts and remainders kept on t
 TF32_MASK = -(1 << 13)   # an f32's bits with the 13 mantissa bits TF32 drops cleared (int32)
 MATRICES = ("qkv", "o", "gate_up", "down")   # a layer's Q4_0 matrices (``Transformer.layers``)
 COUNTERS = 1 << 16   # arrival counters (int32, one a matmul tile or (entry, kv head)); a launch with more: split_sum
-# TANDEM_GPU_PERSISTENT=1: a decode step of up to this many rows as one ``decode_persistent`` launch
-# (TANDEM_GPU_PERSISTENT_ROWS=32 or 64: up to that many, a compile more for each 32- and 64-row tile)
-PERSISTENT_ROWS, PERSISTENT_MAX_ROWS, PERSISTENT_WARPS = 16, 64, 4
 
 log = logging.getLogger("tandem.gpu")
 
@@ -168,26 +149,18 @@ def prefetch(block_m: int, blocks: int, block_b: int, mode: str = "auto", norm_s
 
 @dataclass(frozen=True)
 class Q4Weight:
-    """A Q4_0 matrix [N, K] as the step's kernels read it: its bytes ``q`` (uint8 [N, K/32*18]) and
-    the same bytes as float16 ``d`` (a block's scale is loaded as one value), laid out as
-    ``block_q4_0`` rows — the model's tensor itself, no copy — or, with ``planes``, as
-    ``q4_0.to_planes``: every quant byte of a row in one aligned run (vector loads where the
-    18-byte blocks allow 2-byte ones), the scales after them (TANDEM_GPU_WEIGHTS=planes: a
-    copy, so the matmuls' weights are on the device twice until it is measured). The same bits
-    either way. ``rows``: the ``block_q4_0`` rows themselves (the model's tensor; what a prefill's
-    cuBLAS path dequantizes)."""
+    """A Q4_0 matrix [N, K] as the step's kernels read it: its ``block_q4_0`` rows ``q`` (uint8
+    [N, K/32*18]: the model's tensor itself, no copy) and the same bytes as float16 ``d`` (a
+    block's scale is loaded as one value)."""
     q: torch.Tensor
     d: torch.Tensor
-    rows: torch.Tensor
-    planes: bool = False
 
     @classmethod
-    def of(cls, q: torch.Tensor, planes: bool = False) -> "Q4Weight":
+    def of(cls, q: torch.Tensor) -> "Q4Weight":
         if q.dim() != 2 or q.dtype != torch.uint8 or q.shape[1] % q4_0.BLOCK_BYTES:
             raise ValueError(f"not a Q4_0 byte matrix: dtype {q.dtype}, shape {tuple(q.shape)}")
-        rows = q.contiguous()
-        q = q4_0.to_planes(rows) if planes else rows
-        return cls(q, q.view(torch.float16), rows, planes)
+        q = q.contiguous()
+        return cls(q, q.view(torch.float16))
 
     @property
     def n(self) -> int:
@@ -212,7 +185,7 @@ def qmatmul(x: torch.Tensor, w: Q4Weight, out: torch.Tensor, tile: gpu_tuning.Ti
     m, n, k = x.shape[0], w.n, w.k
     splits, per = tile.plan(n, k)
     kern = _k()
-    args = dict(BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=norm is not None, SILU=silu, PLANES=w.planes,
+    args = dict(BLOCK_N=tile.block_n, BLOCK_B=tile.block_b, NORM=norm is not None, SILU=silu,
                 num_warps=tile.warps, **pdl_args(pdl))
     if m <= tile.gemv:      # a decode batch: no tl.dot (kernels/gpu_tuning.py)
         fn, block_m = kern.qgemv, _pow2(m)
@@ -319,7 +292,7 @@ class GpuStep:
     """The forward step of a ``Transformer`` in the fused kernels (its weights on the device)."""
 
     def __init__(self, model, max_context: int, precision: str | None = None,
-                 tuning: "gpu_tuning.Tuning | None" = None, weights: str | None = None):
+                 tuning: "gpu_tuning.Tuning | None" = None):
         cfg = model.cfg
         self.m = model
         self.cfg = cfg
@@ -364,10 +337,6 @@ class GpuStep:
         if self.decode_attn not in DECODE_ATTN:
             raise ValueError(f"TANDEM_GPU_DECODE_ATTN must be one of {', '.join(DECODE_ATTN)}, "
                              f"got {self.decode_attn!r}")
-        # a layer's FFN as two matmuls ("split") or one launch (``mlp``: "fused"; with the fused sums only)
-        self.mlp_mode = os.environ.get("TANDEM_GPU_MLP", "split")
-        if self.mlp_mode not in MLP:
-            raise ValueError(f"TANDEM_GPU_MLP must be one of {', '.join(MLP)}, got {self.mlp_mode!r}")
         # a step with prefill chunks of at least this many rows runs its matmuls as dequantized
         # weights through torch.matmul (cuBLAS on CUDA); 0: never (``gemm``)
         self.gemm_rows = int(os.environ.get("TANDEM_GPU_GEMM_ROWS", GEMM_ROWS))
@@ -383,46 +352,10 @@ class GpuStep:
         self._split_bytes = 0
         self.cos = model.cos.contiguous()
         self.sin = model.sin.contiguous()
-        # the matmuls' weights as the kernels read them: the model's block_q4_0 tensors ("blocks"),
-        # or copies laid out as planes ("planes": the quants in aligned vector loads; ``Q4Weight``)
-        mode = weights or os.environ.get("TANDEM_GPU_WEIGHTS", "blocks")
-        if mode not in WEIGHTS:
-            raise ValueError(f"TANDEM_GPU_WEIGHTS must be one of {', '.join(WEIGHTS)}, got {mode!r}")
-        planes = mode == "planes"
-        self.layers = [{name: Q4Weight.of(v, planes) if name in MATRICES else v for name, v in L.items()}
+        # the matmuls' weights as the kernels read them (the model's block_q4_0 tensors; ``Q4Weight``)
+        self.layers = [{name: Q4Weight.of(v) if name in MATRICES else v for name, v in L.items()}
                        for L in model.layers]
-        self.output = Q4Weight.of(model.output, planes)
-        # a decode step of up to PERSISTENT_ROWS rows as one launch of resident programs (off until a
-        # GPU measures it: ``decode_persistent``); it reads each kind of a layer's tensors stacked
-        self.persistent = os.environ.get("TANDEM_GPU_PERSISTENT", "0") == "1" and self.counters is not None
-        rows = os.environ.get("TANDEM_GPU_PERSISTENT_ROWS", str(PERSISTENT_ROWS))
-        if rows not in ("16", "32", "64"):
-            raise ValueError(f"TANDEM_GPU_PERSISTENT_ROWS must be 16, 32 or 64, got {rows!r}")
-        self.persistent_rows = int(rows)
-        self.stacked: dict[str, torch.Tensor] = {}
-        self.programs: dict[int, int] = {}     # rows -> decode_persistent's grid
-        self.registers: dict[int, int] = {}    # rows -> its compiled kernel's registers a thread (CUDA)
-        if self.persistent:
-            self._stack()
-
-    def _stack(self) -> None:
-        """The layers' tensors of each kind as one [layers, ...] tensor (``decode_persistent`` finds a
-        layer's at a fixed stride). The matrices' are copies (they are on the device twice while
-        TANDEM_GPU_PERSISTENT is tried: ~60 MB for the bundled model); the layers' ``Q4Weight``s
-        become views of them."""
-        st = self.stacked
-        for name in MATRICES:
-            q = torch.stack([L[name].q for L in self.layers])
-            st[name] = q
-            for li, L in enumerate(self.layers):
-                w = L[name]
-                L[name] = Q4Weight(q[li], q[li].view(torch.float16), w.rows, w.planes)
-        for name in ("attn_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm"):
-            if name in self.layers[0]:
-                st[name] = torch.stack([L[name].float() for L in self.layers]).contiguous()
-        # ticket, embedding, 5 phases a layer, the lm head; the watchdog's flag (``_wait_count``)
-        st["sync"] = torch.zeros(2 + 5 * len(self.layers) + 2, dtype=torch.int32, device=self.device)
-
+        self.output = Q4Weight.of(model.output)
     # ---- the kernels, launched ------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.m.embed
@@ -458,7 +391,7 @@ class GpuStep:
             self.row_ids = torch.arange(max(r1, 2 * self.row_ids.shape[0]), dtype=torch.int32, device=self.device)
         k = w.k
         out = torch.empty(r1 - r0, k, dtype=torch.float32, device=self.device)
-        _k().embed[(r1 - r0,)](self.row_ids[r0:], w.rows, out, k, w.rows.shape[1], out.stride(0),
+        _k().embed[(r1 - r0,)](self.row_ids[r0:], w.q, out, k, w.q.shape[1], out.stride(0),
                                BLOCK_B=EMBED_BLOCK_B, **pdl_args(self.pdl))
         return out
 
@@ -519,31 +452,9 @@ class GpuStep:
 
     def mlp(self, x: torch.Tensor, L: dict, gemm: bool = False) -> None:
         """The layer's FFN into the residual stream ``x`` (in place): x += down(silu(gate) * up) of
-        RMSNorm(x). TANDEM_GPU_MLP=fused (with the in-kernel sums; not where ``gemm``): one ``qmlp``
-        launch — K split for gate|up until the grid has ``MLP_PROGRAMS`` programs, down in one-block
-        steps, its dots at ``qmatmul``'s precision for the same rows — else (or where the counters
-        are too few) gate|up and down as two matmuls."""
-        gu, dn = L["gate_up"], L["down"]
-        m, k, f = x.shape[0], x.shape[1], dn.k
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        tiles, mtiles, nb = f // 32, -(-m // block_m), k // 32
-        chunks = -(-k // MLP_BLOCK_D)
-        if (self.mlp_mode != "fused" or gemm or self.counters is None or m == 0
-                or mtiles * (tiles + chunks) > self.counters.numel()):
-            hid = self.matmul(x, gu, norm=L["ffn_norm"], gemm=gemm)
-            self.matmul(hid, dn, out=x, silu=True, residual=True, gemm=gemm)
-            return
-        splits = max(1, min(nb, -(-MLP_PROGRAMS // (tiles * mtiles))))
-        per = -(-nb // splits)
-        splits = -(-nb // per)
-        gpart = torch.empty(splits, m, 2 * f, dtype=torch.float32, device=self.device) if splits > 1 else x
-        dpart = torch.empty(tiles, m, k, dtype=torch.float32, device=self.device)
-        _k().qmlp[(tiles, mtiles, splits)](x, gu.q, gu.d, dn.q, dn.d, L["ffn_norm"], gpart, dpart, self.counters, m, f,
-                                           x.stride(0), self.cfg.rms_eps, per, K=k, BLOCK_M=block_m,
-                                           TILES=tiles, SPLITS=splits, BLOCK_D=MLP_BLOCK_D, num_warps=MLP_WARPS,
-                                           PLANES=gu.planes,
-                                           PRECISION=self.precision if m > 64 or self.precision == "tf32x3" else "ieee",
-                                           **pdl_args(self.pdl))
+        RMSNorm(x), as two matmuls (the norm in gate|up's prologue, SiLU·mul in down's)."""
+        hid = self.matmul(x, L["gate_up"], norm=L["ffn_norm"], gemm=gemm)
+        self.matmul(hid, L["down"], out=x, silu=True, residual=True, gemm=gemm)
 
     def matmul_parts(self, x: torch.Tensor, w: Q4Weight, norm: torch.Tensor | None = None,
                      gemm: bool = False) -> torch.Tensor:
@@ -681,112 +592,11 @@ class GpuStep:
 
     def decode(self, ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv) -> torch.Tensor:
         """One decode token per row, every row sampled: logits [B, vocab]. No host sync, fixed
-        grids for a given B: capturable as a CUDA graph. With TANDEM_GPU_PERSISTENT=1 a step of
-        up to ``persistent_rows`` rows (TANDEM_GPU_PERSISTENT_ROWS, default 16) is one
-        ``decode_persistent`` launch (the same bits)."""
-        if self.persistent and ids.shape[0] <= self.persistent_rows:
-            return self.decode_persistent(ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv)
+        grids for a given B: capturable as a CUDA graph."""
         empty = torch.empty(0, dtype=torch.int32, device=self.device)
         pb = PagedBatch(rows, tables, lens, empty, empty, empty, tables, 0, 0)
         x = self._layers(ids, positions, slot_blocks, slot_offsets, kv, pb)
         return self.matmul(x, self.output, norm=self.m.output_norm)
-
-    def persistent_plan(self, m: int) -> dict:
-        """``decode_persistent``'s matmul constants for a step of ``m`` rows: per matrix the tile
-        ``matmul`` would launch for it (kernels/gpu_tuning.py) — rows a program, blocks a K step,
-        splits and blocks a split, ``qgemv`` or not, the norm's step, prefetch — as
-        ``{"BN_QKV": ..., ...}``; and ``"part"``: the floats its split partials need."""
-        cfg = self.cfg
-        nqkv, d, f, v = (self.nh + 2 * self.nkv) * self.hd, cfg.hidden_size, cfg.ffn_size, self.output.n
-        shapes = {"QKV": (nqkv, d, True), "O": (d, self.nh * self.hd, False), "GU": (2 * f, d, True),
-                  "DN": (d, f, False), "OUT": (v, d, True)}
-        plan, part = {}, m * nqkv
-        for key, (n, k, norm) in shapes.items():
-            tile = self.tuning.tile(n, k, m)
-            splits, per = tile.plan(n, k)
-            gemv = m <= tile.gemv
-            block_m = _pow2(m) if gemv else 16 if m <= 16 else 32 if m <= 32 else 64
-            plan |= {f"BN_{key}": tile.block_n, f"BB_{key}": tile.block_b, f"SPL_{key}": splits, f"PER_{key}": per,
-                     f"GEMV_{key}": gemv, f"NW_{key}": tile.norm_step if gemv else 16 * tile.block_b,
-                     f"PF_{key}": prefetch(block_m, per, tile.block_b, self.prefetch, norm and splits > 1)}
-            part = max(part, splits * m * n)
-        return plan | {"part": part}
-
-    def decode_persistent(self, ids, positions, slot_blocks, slot_offsets, tables, lens, rows, kv) -> torch.Tensor:
-        """``decode``'s logits from one ``decode_persistent`` launch (kernels/gpu_triton.py): the
-        step's ~150 launches as tasks taken in order by resident programs, each task the program
-        of the launch it stands for (the same tile, the same bits), waiting only for the phase
-        before it — so the gaps between kernels go and a matmul's first weights are fetched while
-        the phase before finishes. A [layers]-strided copy of the weights (``_stack``); the
-        counters cleared first (captured in a decode graph with it)."""
-        cfg, st, m = self.cfg, self.stacked, ids.shape[0]
-        if not 1 <= m <= PERSISTENT_MAX_ROWS:
-            raise ValueError(f"a persistent decode step takes 1 to {PERSISTENT_MAX_ROWS} rows, got {m}")
-        plan = self.persistent_plan(m)
-        d, f, v = cfg.hidden_size, cfg.ffn_size, self.output.n
-        dev = self.device
-        x = torch.empty(m, d, dtype=torch.float32, device=dev)
-        hid = torch.empty(m, 2 * f, dtype=torch.float32, device=dev)
-        att = torch.empty(m, self.nh * self.hd, dtype=torch.float32, device=dev)
-        part = torch.empty(plan.pop("part"), dtype=torch.float32, device=dev)
-        logits = torch.empty(m, v, dtype=torch.float32, device=dev)
-        po = pml = att
-        if self.nseg > 1:
-            po = torch.empty(m, self.nh, self.nseg, self.hd, dtype=torch.float32, device=dev)
-            pml = torch.empty(m, self.nh, self.nseg, 2, dtype=torch.float32, device=dev)
-        sync = st["sync"]
-        sync.zero_()
-        s = kv.stride()
-        emb = self.m.embed
-        grid = (self.programs.get(m, 2 if dev.type != "cuda" else
-                                  torch.cuda.get_device_properties(dev).multi_processor_count),)
-        c = _k().decode_persistent[grid](
-            sync, self.counters, ids, emb, x, hid, att, part, logits,
-            st["qkv"], st["qkv"].view(torch.float16), st["o"], st["o"].view(torch.float16),
-            st["gate_up"], st["gate_up"].view(torch.float16), st["down"], st["down"].view(torch.float16),
-            self.output.q, self.output.d, st["attn_norm"], st["ffn_norm"], self.m.output_norm,
-            st.get("qkv_bias", x), st.get("q_norm", x), st.get("k_norm", x),
-            kv, tables, lens, rows, positions, slot_blocks, slot_offsets, self.cos, self.sin, po, pml,
-            emb.shape[1], tables.stride(0), s[1], s[0], s[2], s[3], s[4], self.m.scale, cfg.rms_eps,
-            m, LAYERS=len(self.layers), D=d, F=f, V=v, NH=self.nh, NKV=self.nkv, HD=self.hd, GROUP=self.group,
-            GROUP_P=self.decode_rows, ATT_DOT=self.decode_dot, BS=kv.shape[3], SEG=SEG, NSEG=self.nseg,
-            NSEG_P=_pow2(self.nseg),
-            BLOCK_K=BLOCK_K_DECODE, HAS_BIAS="qkv_bias" in st, QK_NORM="q_norm" in st,
-            BLOCK_MM=16 if m <= 16 else 32 if m <= 32 else 64,
-            BLOCK_MV=_pow2(m) if any(plan[f"GEMV_{k}"] for k in ("QKV", "O", "GU", "DN", "OUT")) else 16,
-            EMBED_BB=EMBED_BLOCK_B, PRECISION="tf32x3" if self.precision == "tf32x3" else "ieee",
-            PLANES=self.output.planes, num_warps=PERSISTENT_WARPS, **plan)
-        if m not in self.programs:
-            self.programs[m] = persistent_programs(c, dev)
-            if getattr(c, "n_regs", None):
-                self.registers[m] = c.n_regs
-        return logits
-
-
-def persistent_programs(compiled, device) -> int:
-    """``decode_persistent``'s grid: as many programs as the card holds at once (``resident``),
-    TANDEM_GPU_PERSISTENT_PROGRAMS if set; 2 off CUDA (the interpreter runs them one after
-    another: the first takes every task)."""
-    forced = os.environ.get("TANDEM_GPU_PERSISTENT_PROGRAMS")
-    if forced:
-        if not forced.isdigit() or int(forced) < 1:
-            raise ValueError(f"TANDEM_GPU_PERSISTENT_PROGRAMS must be an integer >= 1, got {forced!r}")
-        return int(forced)
-    if device.type != "cuda":
-        return 2
-    props = torch.cuda.get_device_properties(device)
-    return resident(getattr(compiled, "n_regs", 0), getattr(getattr(compiled, "metadata", None), "shared", 0) or 0,
-                    props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 228 << 10))
-
-
-def resident(regs: int, shared: int, sms: int, smem_per_sm: int, warps: int = PERSISTENT_WARPS) -> int:
-    """Programs of ``warps`` warps, ``regs`` registers a thread and ``shared`` bytes of shared
-    memory that ``sms`` SMs hold at once (65,536 registers, 2,048 threads and 32 programs an SM;
-    ``smem_per_sm`` bytes of shared memory, 1 KB of it reserved a program): at least one an SM."""
-    threads = 32 * warps
-    per_sm = min(65536 // (max(regs, 1) * threads), 2048 // threads, 32, smem_per_sm // (shared + 1024))
-    return sms * max(1, per_sm)
-
 
 # ---- CUDA graphs over the decode step ------------------------------------------------------
 
@@ -940,7 +750,6 @@ class Started:
     drawn: bool               # the sampler ran in the graph (else its rows are the host's)
     host: torch.Tensor
     done: object              # torch.cuda.Event, or None off CUDA (the copy was synchronous)
-    stall: torch.Tensor | None = None   # a persistent step's watchdog flag, copied with the tokens
 
 
 class DecodeGraphs:
@@ -975,8 +784,6 @@ class DecodeGraphs:
         self.tokens_host = [torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self.tokens_done = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
         self.turn = 0
-        # a persistent step's watchdog flag (``_wait_count``), copied back with each step's tokens
-        self.stall_host = [torch.zeros(1, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self.steps = 0       # decode steps run here
         self.replays = 0     # of them, graph replays
         self.drawn = 0       # rows whose token was drawn on the device (not argmax)
@@ -1128,23 +935,9 @@ class DecodeGraphs:
         self.turn ^= 1
         host, done = self.tokens_host[self.turn][:n], self.tokens_done[self.turn]
         host.copy_(best[:n], non_blocking=done is not None)    # the step's one device-to-host copy
-        stall = None
-        if self.step.persistent and bucket <= self.step.persistent_rows:
-            stall = self.stall_host[self.turn]
-            stall.copy_(self.step.stacked["sync"][-1:], non_blocking=done is not None)
         if done is not None:
             done.record()
-        return Started(n, logits, best, sampling, variant, drawn, host, done, stall)
-
-    def abandon_persistent(self) -> None:
-        """TANDEM_GPU_PERSISTENT off for this engine (its watchdog fired): the buckets' graphs that
-        ran it are dropped and captured again, launch by launch, on their next use."""
-        log.error("the persistent decode step stalled on this GPU: TANDEM_GPU_PERSISTENT is off for this engine")
-        self.step.persistent = False
-        for b in [b for b in self.graphs if b <= self.step.persistent_rows]:
-            del self.graphs[b]
-        for key in [k for k in self.samplers if k[0] <= self.step.persistent_rows]:
-            del self.samplers[key]
+        return Started(n, logits, best, sampling, variant, drawn, host, done)
 
     def finish(self, started: Started) -> tuple[torch.Tensor, list[int | None]]:
         """``run``'s second half: the step's tokens, once they are here."""
@@ -1152,10 +945,6 @@ class DecodeGraphs:
                                                started.drawn)
         if started.done is not None:
             started.done.synchronize()
-        if started.stall is not None and int(started.stall[0]):
-            self.abandon_persistent()
-            raise RuntimeError("the persistent decode step stalled (a wait of decode_persistent timed out): its "
-                               "tokens are void; decode steps run launch by launch from now on")
         tokens = started.host.tolist()
         if drawn:
             self.drawn += sum(s is not None for s in sampling)

@@ -4,8 +4,8 @@ The Q4_0 matmuls' layout and math are described in kernels/gpu.py, the fused ste
 kernels/gpu_step.py.
 
 Layouts of the step's kernels: activations float32 row-major; Q4_0 weights as llama.cpp's
-``block_q4_0`` rows (kernels/q4_0.py) or the same blocks as planes (``q4_0.to_planes``: a
-matmul's PLANES), each passed twice, as bytes and as float16 (the scales); the KV cache one layer's view ``kv[:, layer]`` of the
+``block_q4_0`` rows (kernels/q4_0.py), each passed twice, as bytes and as float16 (the scales);
+the KV cache one layer's view ``kv[:, layer]`` of the
 engine's ``[blocks, layers, 2, block_size, kv_heads, head_dim]`` float16 tensor, addressed through
 its strides (the view is not contiguous)."""
 
@@ -34,50 +34,6 @@ def _grid_dependency(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def _depend(PDL: tl.constexpr, dep_ptr, need, stall_ptr, WAIT: tl.constexpr):
-    """Before a program (or a task of ``decode_persistent``) reads what others write: under PDL
-    the wait on the previous kernel (``_grid_dependency``); with WAIT, until counter ``dep_ptr``
-    has counted ``need`` finished tasks (``_wait_count``)."""
-    _grid_dependency(PDL)
-    if WAIT:
-        _wait_count(dep_ptr, need, stall_ptr)
-
-
-STALL_SPINS = tl.constexpr(1 << 22)   # a wait of decode_persistent gives up after this many reads (~seconds)
-
-
-@triton.jit
-def _wait_count(ptr, need, stall_ptr):
-    """Spin until the counter at ``ptr`` reaches ``need``, then acquire: one thread's acquire read at
-    GPU scope of the value the last increment left (which orders every increment's release before
-    it: they are read-modify-writes of one location) and a CTA barrier, so the tasks' writes are
-    visible to all of this program's loads after it (cooperative groups' grid sync, without a
-    grid: ``decode_persistent``'s tickets make sure whoever holds an earlier task is running).
-    A watchdog, should that ever not hold on a card: after ``STALL_SPINS`` reads the wait gives
-    up and sets the flag at ``stall_ptr``, and every wait that reads the flag set gives up at
-    once — the launch ends (its results void) instead of hanging the GPU; the host reads the
-    flag with the step's tokens (``DecodeGraphs.finish``) and fails the step. (Read every spin:
-    a counter checked every 1,024 spins instead cost qgemv's variant 20 B of spills, inlined.)"""
-    c = tl.load(ptr, volatile=True)
-    spins = 0
-    while (c < need) & (spins < STALL_SPINS):
-        c = tl.load(ptr, volatile=True)
-        spins += 1 + tl.load(stall_ptr, volatile=True) * STALL_SPINS     # a flag set: this wait ends too
-    if c < need:
-        tl.store(stall_ptr, 1)
-    tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _count_done(ptr):
-    """A task of ``decode_persistent`` finished: every thread's stores before it (the CTA
-    barrier), then one release increment at GPU scope of its phase's counter."""
-    tl.debug_barrier()
-    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -232,45 +188,35 @@ def _rstd(x_ptr, m, m_ok, stride_xm, eps, K: tl.constexpr, NORM_W: tl.constexpr,
 
 
 @triton.jit
-def _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, nb, kb, kb1, t, BLOCK_B: tl.constexpr, PLANES: tl.constexpr):
+def _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, nb, kb, kb1, t, BLOCK_B: tl.constexpr):
     """``qmatmul``'s weight tile of K step ``kb`` for rows n of a Q4_0 matrix [N, nb blocks],
     fetched raw: the quant bytes [BN, T] (column t: block kb + t // 16's, below kb1, byte t % 16)
     and their blocks' fp16 scales (``d_ptr``: the same bytes as float16) — [BN, 1] with one
     block a step (one load a row, broadcast over its quants), else [BN, T]. Nothing computes on
-    them here, so a K step's fetch can be issued a step ahead of its use (``_q4_values``).
-    PLANES: the bytes as ``q4_0.to_planes`` lays them out (a row's quant bytes one aligned run:
-    vector loads), else ``block_q4_0`` rows (18-byte blocks: 2-byte loads)."""
+    them here, so a K step's fetch can be issued a step ahead of its use (``_q4_values``)."""
     if BLOCK_B == 1:
         blk = kb + tl.zeros([1], dtype=tl.int32)                     # [1]
     else:
         blk = kb + t // 16                                           # [T]
     ok = n_ok[:, None] & (blk < kb1)[None, :]                        # the quants' mask too (broadcast)
-    if PLANES:
-        d = tl.load(d_ptr + N * nb * 8 + n[:, None] * nb + blk[None, :], mask=ok, other=0.0)
-        qs = tl.load(q_ptr + n[:, None] * (nb * 16) + (kb * 16 + t)[None, :], mask=ok, other=0)
-    else:
-        row = n[:, None] * (nb * 18)
-        d = tl.load(d_ptr + (row + blk[None, :] * 18) // 2, mask=ok, other=0.0)
-        qs = tl.load(q_ptr + row + (kb * 18 + (t // 16) * 18 + 2 + t % 16)[None, :], mask=ok, other=0)
+    row = n[:, None] * (nb * 18)
+    d = tl.load(d_ptr + (row + blk[None, :] * 18) // 2, mask=ok, other=0.0)
+    qs = tl.load(q_ptr + row + (kb * 18 + (t // 16) * 18 + 2 + t % 16)[None, :], mask=ok, other=0)
     return d, qs
 
 
 @triton.jit
-def _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, nb, blk, kb1, PLANES: tl.constexpr):
+def _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, nb, blk, kb1):
     """``qgemv``'s weight tile: blocks ``blk`` [BB] (below kb1) of Q4_0 rows n, fetched (scales
-    [BN, BB, 1], quant bytes [BN, BB, 16]; PLANES as ``_q4_fetch_tile``). The address sums are
+    [BN, BB, 1], quant bytes [BN, BB, 16]). The address sums are
     ``_q4_fetch_tile``'s grouped for this tile's shape. Not shared: one helper for both (three
     groupings tried, 2026-11-29, sm_90, Triton 3.9) changed the registers of 23-82 of the ~200
     variants, both ways, qgemv's up to 2x — a codegen change to time on a GPU, not a tidy-up."""
     j = tl.arange(0, 16)[None, None, :]
     ok = (n_ok[:, None] & (blk < kb1)[None, :])[:, :, None]
-    if PLANES:
-        d = tl.load(d_ptr + N * nb * 8 + (n[:, None] * nb + blk[None, :])[:, :, None], mask=ok, other=0.0)
-        qs = tl.load(q_ptr + (n[:, None] * (nb * 16) + blk[None, :] * 16)[:, :, None] + j, mask=ok, other=0)
-    else:
-        base = (n[:, None] * (nb * 18) + blk[None, :] * 18)[:, :, None]
-        d = tl.load(d_ptr + base // 2, mask=ok, other=0.0)
-        qs = tl.load(q_ptr + base + 2 + j, mask=ok, other=0)
+    base = (n[:, None] * (nb * 18) + blk[None, :] * 18)[:, :, None]
+    d = tl.load(d_ptr + base // 2, mask=ok, other=0.0)
+    qs = tl.load(q_ptr + base + 2 + j, mask=ok, other=0)
     return d, qs
 
 
@@ -368,7 +314,7 @@ def qmatmul(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, strid
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
             NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
             FIXUP: tl.constexpr, PRECISION: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr,
-            PREFETCH: tl.constexpr, PLANES: tl.constexpr):
+            PREFETCH: tl.constexpr):
     """out[m, n] (+)= sum_k a[m, k] * W[n, k] for a BLOCK_M x BLOCK_N tile, every weight block read
     once for all BLOCK_M activation rows. ``a``: x (SILU=False) or silu(x[:, :K]) * x[:, K:]
     (SILU); times rsqrt(mean(x^2) + eps) * nw (NORM: RMSNorm in the prologue). RESIDUAL: out +=.
@@ -377,25 +323,10 @@ def qmatmul(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, strid
     split adds them into ``out``; else ``split_sum`` or the consumer does). PREFETCH (programs of
     more than one K step, up to 32 rows: ``prefetch``): each step's weight bytes are fetched
     during the step before; else at use, one set of them held at a time (fewer registers).
-    The weights: Q4_0 bytes ``q`` [N, K/32*18] and the same bytes as float16 ``d`` (their scales),
-    laid out as ``block_q4_0`` rows or (PLANES) as ``q4_0.to_planes``: the same bits either way."""
-    _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
-                  blocks_per_split, tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-                  tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), cnt_ptr, 0, cnt_ptr, K, BLOCK_M, BLOCK_N,
-                  BLOCK_B, NORM, SILU, RESIDUAL, SPLIT, FIXUP, PRECISION, NORM_W, PDL, PREFETCH, PLANES, False)
-
-
-@triton.jit
-def _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
-                  blocks_per_split, pid_n, pid_m, split, splits, tile, dep_ptr, need, stall_ptr, K: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                  NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                  FIXUP: tl.constexpr, PRECISION: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr,
-                  PREFETCH: tl.constexpr, PLANES: tl.constexpr, WAIT: tl.constexpr):
-    """``qmatmul``'s tile (pid_n, pid_m) and split ``split`` of ``splits`` (its arrival counter:
-    ``tile``), wherever it runs: a program of the ``qmatmul`` launch, or a task of the persistent
-    decode step (``decode_persistent``: WAIT — the activations are read only once ``dep_ptr``
-    has counted ``need``; the first K step's weights are fetched before that)."""
+    The weights: Q4_0 bytes ``q`` [N, K/32*18] (``block_q4_0`` rows) and the same bytes as float16
+    ``d`` (their scales)."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    splits, tile = tl.num_programs(2), pid_m * tl.num_programs(0) + pid_n    # (tile: its arrival counter)
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
     t = tl.arange(0, BLOCK_B * 16)                                   # [T]: block t // 16, byte t % 16
@@ -405,24 +336,24 @@ def _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N,
     n_ok = n < N
     kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32, split)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if BLOCK_M <= 16 and not (PDL or WAIT):
+    if BLOCK_M <= 16 and not PDL:
         # the norm's loads first, the first K step's weight bytes right after: both asked for before
         # either is used (the other way round the weights' layout conversion — a CTA barrier —
         # came between them: a round trip more, sm_90's SASS)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
-        d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B, PLANES)
+        d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B)
     elif BLOCK_M <= 16:
         # the first K step's weight bytes before the wait on the previous kernel: weights never
         # change, so under PDL these loads overlap its tail (one block a split: all of this
         # program's); past 16 rows, held across the norm's prologue, they spilled
-        d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B, PLANES)
-        _depend(PDL, dep_ptr, need, stall_ptr, WAIT)
+        d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B)
+        _grid_dependency(PDL)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
     else:
-        _depend(PDL, dep_ptr, need, stall_ptr, WAIT)
+        _grid_dependency(PDL)
         rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, NORM_W, BLOCK_M, NORM)
         if PREFETCH:
-            d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B, PLANES)
+            d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0, kb1, t, BLOCK_B)
     kb_first = kb0
     if not PREFETCH:
         if BLOCK_M <= 16:   # the step fetched before the wait
@@ -432,9 +363,9 @@ def _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N,
     for kb in range(kb_first, kb1, BLOCK_B):     # the steps in order whichever way: the same bits
         if PREFETCH:    # this step's bytes came during the step before; the next one's now go out
             u_d, u_qs = d, qs
-            d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + BLOCK_B, kb1, t, BLOCK_B, PLANES)
+            d, qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + BLOCK_B, kb1, t, BLOCK_B)
         else:           # fetched at use: one set of them held at a time
-            u_d, u_qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb, kb1, t, BLOCK_B, PLANES)
+            u_d, u_qs = _q4_fetch_tile(q_ptr, d_ptr, n, n_ok, N, K // 32, kb, kb1, t, BLOCK_B)
         acc = _fetched_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, u_d, u_qs, K, NORM, SILU,
                             PRECISION, SCALED)
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, m, n, m_ok[:, None] & n_ok[None, :], M, N, stride_om, split, splits,
@@ -477,35 +408,21 @@ def qgemv(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_
           blocks_per_split, K: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
           NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-          FIXUP: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-          PLANES: tl.constexpr):
+          FIXUP: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """``qmatmul``'s contract for a few rows (M <= BLOCK_M <= 16: decode) without ``tl.dot``: each
     K step dequantizes a [BLOCK_N, BLOCK_B, 16] weight tile once into registers, and each of the
     BLOCK_M rows (unrolled; rows >= M masked) reduces its products with it in-register. A row's
     sum runs in the same order whatever BLOCK_M, so rows are batch-invariant up to 16."""
-    _qgemv_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
-                blocks_per_split, tl.program_id(0), tl.program_id(2), tl.num_programs(2),
-                tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), cnt_ptr, 0, cnt_ptr, K, BLOCK_M, BLOCK_N,
-                BLOCK_B,
-                NORM, SILU, RESIDUAL, SPLIT, FIXUP, NORM_W, PDL, PREFETCH, PLANES, False)
-
-
-@triton.jit
-def _qgemv_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps,
-                blocks_per_split, pid_n, split, splits, tile, dep_ptr, need, stall_ptr, K: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                FIXUP: tl.constexpr, NORM_W: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                PLANES: tl.constexpr, WAIT: tl.constexpr):
-    """``qgemv``'s tile ``pid_n``, split ``split`` of ``splits`` (``_qmatmul_tile``'s arguments)."""
+    pid_n, split, splits = tl.program_id(0), tl.program_id(2), tl.num_programs(2)
+    tile = tl.program_id(1) * tl.num_programs(0) + pid_n                     # (its arrival counter)
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
     n_ok = n < N
     b = tl.arange(0, BLOCK_B)
     rows = tl.arange(0, BLOCK_M)
     kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32, split)
     # the first K step's weight bytes before the wait on the previous kernel (as in qmatmul)
-    d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0 + b, kb1, PLANES)
-    _depend(PDL, dep_ptr, need, stall_ptr, WAIT)
+    d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0 + b, kb1)
+    _grid_dependency(PDL)
     if NORM:   # RMSNorm is one factor a row: sum(x * rstd * nw * w) = rstd * sum(x * nw * w); each row's
         # RMS on its own (a [NORM_W] reduction: the same order whatever BLOCK_M). Its loads go out
         # with the first weight tile's and it is one reduction a row: every step's squares added
@@ -522,117 +439,20 @@ def _qgemv_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, s
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_lo, w_hi = _q4_values(d, qs)
     if PREFETCH:
-        d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0 + BLOCK_B + b, kb1, PLANES)
+        d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb0 + BLOCK_B + b, kb1)
     acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb0 + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
     for kb in range(kb0 + BLOCK_B, kb1, BLOCK_B):
         if PREFETCH:    # this step's bytes came during the step before; the next one's now go out
             w_lo, w_hi = _q4_values(d, qs)
-            d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + BLOCK_B + b, kb1, PLANES)
+            d, qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + BLOCK_B + b, kb1)
         else:
-            f_d, f_qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + b, kb1, PLANES)
+            f_d, f_qs = _q4_fetch3(q_ptr, d_ptr, n, n_ok, N, K // 32, kb + b, kb1)
             w_lo, w_hi = _q4_values(f_d, f_qs)
         acc = _gemv_step(acc, x_ptr, nw_ptr, M, stride_xm, rows, kb + b, kb1, w_lo, w_hi, K, BLOCK_M, NORM, SILU)
     if NORM:
         acc = acc * rstd[:, None]
     _store_tile(out_ptr, part_ptr, cnt_ptr, acc, rows.to(tl.int64), n, (rows < M)[:, None] & n_ok[None, :], M, N,
                 stride_om, split, splits, tile, SPLIT, FIXUP, RESIDUAL)
-
-
-@triton.jit
-def _mlp_down(x_ptr, dn_ptr, dn_d_ptr, dpart_ptr, cnt_ptr, act_lo, act_hi, m, m_ok, M, f, F, t, stride_xm,
-              K: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-              PRECISION: tl.constexpr, PLANES: tl.constexpr):
-    """``qmlp``'s second half, in the program holding intermediate columns [32 f, 32 f + 32) of its
-    rows (``act_lo`` / ``act_hi``: the block's first and last 16): times down's Q4_0 block column
-    f, a partial of every output, BLOCK_D at a time, to ``dpart[f]``; the last of the TILES
-    programs to finish a chunk adds their partials in tile order from zero and the residual
-    into x (``split_sum``'s sum over one-block splits)."""
-    for dc in range(0, K, BLOCK_D):      # a loop, not unrolled: unrolled, the chunks' weights all came at once (spilled)
-        d = (dc + tl.arange(0, BLOCK_D)).to(tl.int64)
-        d_ok = d < K
-        w_lo, w_hi = _q4_values(*_q4_fetch_tile(dn_ptr, dn_d_ptr, d, d_ok, K, F // 32, f, f + 1, t, 1, PLANES))   # [BD, 16]
-        p = tl.dot(act_lo, tl.trans(w_lo), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), input_precision=PRECISION)
-        p = tl.dot(act_hi, tl.trans(w_hi), p, input_precision=PRECISION)
-        ok = m_ok[:, None] & d_ok[None, :]
-        off = m[:, None] * K + d[None, :]
-        tl.store(dpart_ptr + f * M * K + off, p, mask=ok)
-        if _last_arrival(cnt_ptr + tl.program_id(1) * ((K + BLOCK_D - 1) // BLOCK_D) + dc // BLOCK_D, TILES):
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            for tt in range(tl.num_programs(0)):      # (TILES, not as a constant: unrolled 48 times, it spilled)
-                acc += tl.load(dpart_ptr + tt * M * K + off, mask=ok, other=0.0, cache_modifier=".cg")
-            o = x_ptr + m[:, None] * stride_xm + d[None, :]
-            tl.store(o, tl.load(o, mask=ok, other=0.0) + acc, mask=ok)
-
-
-@triton.jit
-def _gu_step(acc, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, rows, r_ok, m, m_ok, stride_xm, rstd, F, kb, kb1, t,
-             K: tl.constexpr, PRECISION: tl.constexpr, PLANES: tl.constexpr):
-    """``acc`` plus K step ``kb`` of 16 gate|up ``rows`` against the RMS-normed activations (``qmlp``)."""
-    w_lo, w_hi = _q4_values(*_q4_fetch_tile(gu_ptr, gu_d_ptr, rows, r_ok, 2 * F, K // 32, kb, kb1, t, 1, PLANES))
-    return _dot_step(acc, x_ptr, nw_ptr, m, m_ok, stride_xm, rstd, kb, kb1, t, w_lo, w_hi, K, True, False, PRECISION)
-
-
-@triton.jit
-def qmlp(x_ptr, gu_ptr, gu_d_ptr, dn_ptr, dn_d_ptr, nw_ptr, gpart_ptr, dpart_ptr, cnt_ptr, M, F,
-         stride_xm, eps, blocks_per_split, K: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
-         SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-         PLANES: tl.constexpr):
-    """A layer's FFN in one launch (TANDEM_GPU_MLP=fused): x += down(silu(gate) * up), gate | up
-    of RMSNorm(x) (``nw``; x [M, K], gate|up Q4_0 [2F, K], down Q4_0 [K, F]). Program (f, M tile,
-    split s): the gate and up rows of intermediate columns [32 f, 32 f + 32) — one Q4_0 block of
-    down's K — over split s of K (the norm in the prologue, as ``qmatmul``), as four 16-row
-    ``tl.dot`` tiles; with SPLITS > 1 their partials go to ``gpart`` [SPLITS, M, 2F] and the
-    tile's last split to finish adds them in split order from zero (``_last_arrival``; the
-    counters: one an (M tile, f), then one an (M tile, chunk of BLOCK_D outputs)); that program
-    takes silu(gate) * up and goes on with ``_mlp_down``. The bits are ``qmatmul``'s for gate|up
-    split the same way, then down split into one-block steps."""
-    _grid_dependency(PDL)
-    f = tl.program_id(0)
-    m = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)      # [BM]
-    m_ok = m < M
-    t = tl.arange(0, 16)
-    r_lo = (f * 32 + t).to(tl.int64)            # the block's intermediate columns 0..15 (r_lo + 16: 16..31)
-    r_ok = r_lo < F
-    kb0, kb1 = _k_range(SPLITS > 1, blocks_per_split, K // 32, tl.program_id(2))
-    rstd = _rstd(x_ptr, m, m_ok, stride_xm, eps, K, 16, BLOCK_M, True)
-    g_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-    g_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-    u_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-    u_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-    for kb in range(kb0, kb1):                  # gate lo, gate hi, up lo, up hi: 16 rows each
-        g_lo = _gu_step(g_lo, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, r_lo, r_ok, m, m_ok, stride_xm, rstd, F, kb, kb1, t,
-                        K, PRECISION, PLANES)
-        g_hi = _gu_step(g_hi, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, r_lo + 16, r_ok, m, m_ok, stride_xm, rstd, F, kb,
-                        kb1, t, K, PRECISION, PLANES)
-        u_lo = _gu_step(u_lo, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, r_lo + F, r_ok, m, m_ok, stride_xm, rstd, F, kb,
-                        kb1, t, K, PRECISION, PLANES)
-        u_hi = _gu_step(u_hi, x_ptr, gu_ptr, gu_d_ptr, nw_ptr, r_lo + F + 16, r_ok, m, m_ok, stride_xm, rstd, F, kb,
-                        kb1, t, K, PRECISION, PLANES)
-    last = True
-    if SPLITS > 1:
-        ok = m_ok[:, None] & r_ok[None, :]
-        pn = m[:, None] * (2 * F) + r_lo[None, :]
-        here = gpart_ptr + tl.program_id(2).to(tl.int64) * M * 2 * F + pn
-        tl.store(here, g_lo, mask=ok)
-        tl.store(here + 16, g_hi, mask=ok)
-        tl.store(here + F, u_lo, mask=ok)
-        tl.store(here + F + 16, u_hi, mask=ok)
-        last = _last_arrival(cnt_ptr + tl.program_id(1) * TILES + f, SPLITS)
-        if last:
-            g_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-            g_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-            u_lo = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-            u_hi = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-            for ss in range(tl.num_programs(2)):     # (SPLITS, not as a constant: unrolled, the loads spilled)
-                at = gpart_ptr + ss * M * 2 * F + pn
-                g_lo += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
-                g_hi += tl.load(at + 16, mask=ok, other=0.0, cache_modifier=".cg")
-                u_lo += tl.load(at + F, mask=ok, other=0.0, cache_modifier=".cg")
-                u_hi += tl.load(at + F + 16, mask=ok, other=0.0, cache_modifier=".cg")
-    if last:
-        _mlp_down(x_ptr, dn_ptr, dn_d_ptr, dpart_ptr, cnt_ptr + tl.num_programs(1) * TILES,   # (counters after the tiles')
-                  g_lo * tl.sigmoid(g_lo) * u_lo, g_hi * tl.sigmoid(g_hi) * u_hi, m, m_ok, M, f, F, t,
-                  stride_xm, K, TILES, BLOCK_M, BLOCK_D, PRECISION, PLANES)
 
 
 @triton.jit
@@ -826,31 +646,11 @@ def attn_decode(q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_
     ``tl.dot``s, the group's rows padded to GROUP_P >= 16 (tl.dot's least); "": as broadcast
     products reduced with ``tl.sum`` (GROUP_P rows: a power of two >= GROUP)."""
     _grid_dependency(PDL)
-    _attn_decode_task(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), tl.num_programs(1),
-                      q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr, stride_q,
-                      stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr, kn_ptr, cos_ptr,
-                      sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps, cnt_ptr, 0, cnt_ptr, SEG, NSEG, NSEG_P,
-                      GROUP,
-                      GROUP_P, HD, BS, BLOCK_K, SPLIT, FIXUP, ROPE, NH, HAS_BIAS, QK_NORM, SPLITS, False, DOT)
-
-
-@triton.jit
-def _attn_decode_task(e, kvh, seg, nkv, q_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, out_ptr, po_ptr, pml_ptr, cnt_ptr,
-                      stride_q, stride_o, stride_bt, s_blk, s_kv, s_slot, s_head, scale,
-                      bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, split_stride, eps,
-                      dep_ptr, need, stall_ptr, SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr,
-                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, ROPE: tl.constexpr,
-                      NH: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLITS: tl.constexpr,
-                      WAIT: tl.constexpr, DOT: tl.constexpr):
-    """``attn_decode``'s (entry e, kv head kvh, segment seg) of ``nkv`` kv heads, wherever it runs
-    (``decode_persistent``: WAIT — an empty segment reads nothing others write, so only a
-    segment with keys waits for ``dep_ptr`` to count ``need``)."""
+    e, kvh, seg, nkv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), tl.num_programs(1)
     L = tl.load(lens_ptr + e)
     row = tl.load(rows_ptr + e).to(tl.int64)     # (asked for here; LLVM sinks it below the length check)
     lo = seg * SEG
     if lo < L:
-        _depend(False, dep_ptr, need, stall_ptr, WAIT)
         hi = tl.minimum(lo + SEG, L)
         # the segment's block ids in one load, first (with q's): a key step then waits on one round
         # trip (its K and V), not two (the table, then K and V)
@@ -1067,158 +867,6 @@ def attn_prefill(q_ptr, kv_ptr, bt_ptr, starts_ptr, qlens_ptr, offs_ptr, out_ptr
 
 
 # ---- token selection on the device (kernels/gpu_sample.py) ---------------------------------------
-
-# ---- the decode step as one persistent launch (TANDEM_GPU_PERSISTENT=1: GpuStep.decode_persistent) --
-
-
-@triton.jit(noinline=True)    # a call, not inlined: see ``_attn_task``
-def _mm_task(idx, x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, stride_xm, stride_om, eps, dep_ptr,
-             need, stall_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_MV: tl.constexpr,
-             BN: tl.constexpr, BB: tl.constexpr, SPL: tl.constexpr, PER: tl.constexpr, GEMV: tl.constexpr,
-             NW: tl.constexpr, PF: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr,
-             FIXUP: tl.constexpr, PRECISION: tl.constexpr, PLANES: tl.constexpr):
-    """Task ``idx`` of a matmul phase: tile idx % tiles, split idx // tiles — the program
-    (tile, 0, split) of the ``qmatmul`` / ``qgemv`` launch ``GpuStep.matmul`` makes for the same
-    tile (``GEMV``), the same bits."""
-    tiles: tl.constexpr = (N + BN - 1) // BN
-    pid_n = idx % tiles
-    split = idx // tiles
-    if GEMV:
-        _qgemv_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps, PER,
-                    pid_n, split, SPL, pid_n, dep_ptr, need, stall_ptr, K, BLOCK_MV, BN, BB, NORM, SILU, RESIDUAL,
-                    SPL > 1, FIXUP, NW, False, PF, PLANES, True)
-    else:
-        _qmatmul_tile(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, stride_xm, stride_om, eps, PER,
-                      pid_n, 0, split, SPL, pid_n, dep_ptr, need, stall_ptr, K, BLOCK_MM, BN, BB, NORM, SILU,
-                      RESIDUAL, SPL > 1, FIXUP, PRECISION, NW, False, PF, PLANES, True)
-
-
-@triton.jit(noinline=True)
-def _attn_task(a, li, M, qkv_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr, cnt_ptr, stride_bt,
-               s_layer, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
-               sblk_ptr, soff_ptr, eps, done, need, stall, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
-               SEG: tl.constexpr, NSEG: tl.constexpr, NSEG_P: tl.constexpr, GROUP: tl.constexpr,
-               GROUP_P: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-               QK_NORM: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr):
-    """``decode_persistent``'s attention task ``a`` of layer ``li`` (segment by segment: the later
-    ones, mostly empty, last): ``_attn_decode_task`` with rope and the KV write, behind a call.
-    Inlined, the matmul and attention tasks' code in one loop took ptxas to 255 registers a
-    thread (attention and the embedding alone 168, the lm head's task alone 90: each branch's
-    loop-invariant address arithmetic is hoisted out of the task loop, and all of it stays
-    live), so an SM held 2 programs; as calls (this and ``_mm_task``), 128 registers: 4 programs
-    an SM (sm_90, Triton 3.9; the calls' saved registers are its few bytes of "spill")."""
-    NQKV: tl.constexpr = (NH + 2 * NKV) * HD
-    _attn_decode_task((a % (M * NKV) // NKV).to(tl.int64), a % NKV, a // (M * NKV), NKV, qkv_ptr,
-                      kv_ptr + li * s_layer, bt_ptr, lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr, cnt_ptr, NQKV,
-                      NH * HD, stride_bt, s_blk, s_kv, s_slot, s_head, scale, bias_ptr + li * NQKV, qn_ptr + li * HD,
-                      kn_ptr + li * HD, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, M * NQKV, eps, done, need,
-                      stall, SEG, NSEG, NSEG_P, GROUP, GROUP_P, HD, BS, BLOCK_K, NSEG > 1, NSEG > 1, True, NH,
-                      HAS_BIAS, QK_NORM, SPLITS, True, DOT)
-
-
-@triton.jit(do_not_specialize=["M"])     # one compile for every batch of up to BLOCK_MM rows (qmatmul's tiles)
-def decode_persistent(sync_ptr, cnt_ptr, ids_ptr, emb_ptr, x_ptr, hid_ptr, att_ptr, part_ptr, logits_ptr,
-                      qkv_q, qkv_d, o_q, o_d, gu_q, gu_d, dn_q, dn_d, out_q, out_d,
-                      attn_norm_ptr, ffn_norm_ptr, out_norm_ptr, bias_ptr, qn_ptr, kn_ptr,
-                      kv_ptr, bt_ptr, lens_ptr, rows_ptr, pos_ptr, sblk_ptr, soff_ptr, cos_ptr, sin_ptr, po_ptr,
-                      pml_ptr, emb_row_bytes, stride_bt, s_layer, s_blk, s_kv, s_slot, s_head, scale, eps, M,
-                      LAYERS: tl.constexpr, D: tl.constexpr, F: tl.constexpr, V: tl.constexpr,
-                      NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
-                      GROUP_P: tl.constexpr, BS: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
-                      NSEG_P: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-                      ATT_DOT: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_MV: tl.constexpr, EMBED_BB: tl.constexpr,
-                      PRECISION: tl.constexpr, PLANES: tl.constexpr,
-                      BN_QKV: tl.constexpr, BB_QKV: tl.constexpr, SPL_QKV: tl.constexpr, PER_QKV: tl.constexpr,
-                      GEMV_QKV: tl.constexpr, NW_QKV: tl.constexpr, PF_QKV: tl.constexpr,
-                      BN_O: tl.constexpr, BB_O: tl.constexpr, SPL_O: tl.constexpr, PER_O: tl.constexpr,
-                      GEMV_O: tl.constexpr, NW_O: tl.constexpr, PF_O: tl.constexpr,
-                      BN_GU: tl.constexpr, BB_GU: tl.constexpr, SPL_GU: tl.constexpr, PER_GU: tl.constexpr,
-                      GEMV_GU: tl.constexpr, NW_GU: tl.constexpr, PF_GU: tl.constexpr,
-                      BN_DN: tl.constexpr, BB_DN: tl.constexpr, SPL_DN: tl.constexpr, PER_DN: tl.constexpr,
-                      GEMV_DN: tl.constexpr, NW_DN: tl.constexpr, PF_DN: tl.constexpr,
-                      BN_OUT: tl.constexpr, BB_OUT: tl.constexpr, SPL_OUT: tl.constexpr, PER_OUT: tl.constexpr,
-                      GEMV_OUT: tl.constexpr, NW_OUT: tl.constexpr, PF_OUT: tl.constexpr):
-    """A whole decode step of M rows (M <= BLOCK_MM: 16, 32 or 64) in one launch of resident programs:
-    the work of the step's ~150 launches (``GpuStep.decode``) as a list of tasks in launch order — the embedding
-    (a task a row); a layer's q|k|v tiles × splits, attention's (row, kv head, key segment),
-    o, gate|up and down tiles × splits; the lm head's — each the same code and tile as that
-    launch's program (the same bits). A program takes tasks from a ticket counter (``sync[0]``;
-    the next one as it starts a task), runs each and counts it done in its phase's counter
-    (``sync[1 + phase]``);
-    a task first fetches what it can (a matmul's first weight tile) and then waits until the
-    phase before has counted all its tasks (``_wait_count``). Tickets are taken in order, so
-    every task an unfinished one waits for is held by a program that is running: no deadlock
-    however many programs are resident, and in Triton's interpreter (one program after
-    another) program 0 runs every task in order. ``sync`` (ticket, a counter a phase, the
-    watchdog's flag) must be zero at launch (``GpuStep.decode_persistent`` clears it); the
-    arrival counters ``cnt`` come back zeroed."""
-    T_EMB = M
-    T_QKV: tl.constexpr = ((NH + 2 * NKV) * HD + BN_QKV - 1) // BN_QKV * SPL_QKV
-    # attention's tasks: the key segments this step's longest context spans (not NSEG: the rest
-    # would be empty tickets, 46K a step at 16 rows of the bundled model's 8,192-token context)
-    lr = tl.arange(0, BLOCK_MM)
-    longest = tl.max(tl.load(lens_ptr + lr, mask=lr < M, other=0), axis=0)
-    T_ATT = M * NKV * ((longest + SEG - 1) // SEG)
-    T_O: tl.constexpr = (D + BN_O - 1) // BN_O * SPL_O
-    T_GU: tl.constexpr = (2 * F + BN_GU - 1) // BN_GU * SPL_GU
-    T_DN: tl.constexpr = (D + BN_DN - 1) // BN_DN * SPL_DN
-    T_OUT: tl.constexpr = (V + BN_OUT - 1) // BN_OUT * SPL_OUT
-    T_LAYER = T_QKV + T_ATT + T_O + T_GU + T_DN
-    TOTAL = T_EMB + LAYERS * T_LAYER + T_OUT
-    NQKV: tl.constexpr = (NH + 2 * NKV) * HD
-    stall = sync_ptr + 3 + 5 * LAYERS                  # the watchdog's flag (``_wait_count``)
-    task = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-    while task < TOTAL:
-        # the next ticket now, its atomic's latency hidden behind this task (still taken in order:
-        # whatever waits on it waits on this task first, whose own waits are on earlier ones)
-        after = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-        if task < T_EMB:
-            _embed_row(task.to(tl.int64), ids_ptr, emb_ptr, x_ptr, D, emb_row_bytes, D, EMBED_BB)
-            _count_done(sync_ptr + 1)
-        else:
-            r = task - T_EMB
-            layer = r // T_LAYER
-            done = sync_ptr + 2 + layer * 5               # this layer's phases' counters
-            if layer < LAYERS:
-                r = r % T_LAYER
-                li = layer.to(tl.int64)
-                if r < T_QKV:                             # q|k|v: its split partials, summed by attention
-                    need = tl.where(layer == 0, T_EMB, T_DN)
-                    _mm_task(r, x_ptr, qkv_q + li * (NQKV * (D // 32 * 18)), qkv_d + li * (NQKV * (D // 32 * 9)),
-                             part_ptr, attn_norm_ptr + li * D, part_ptr, cnt_ptr, M, D, NQKV, eps, done - 1, need,
-                             stall, NQKV, D, BLOCK_MM, BLOCK_MV, BN_QKV, BB_QKV, SPL_QKV, PER_QKV, GEMV_QKV, NW_QKV,
-                             PF_QKV, True, False, False, False, PRECISION, PLANES)
-                    _count_done(done)
-                elif r < T_QKV + T_ATT:                   # attention, rope and the KV write with it
-                    _attn_task(r - T_QKV, li, M, part_ptr, kv_ptr, bt_ptr, lens_ptr, rows_ptr, att_ptr, po_ptr, pml_ptr,
-                               cnt_ptr, stride_bt, s_layer, s_blk, s_kv, s_slot, s_head, scale, bias_ptr, qn_ptr,
-                               kn_ptr, cos_ptr, sin_ptr, pos_ptr, sblk_ptr, soff_ptr, eps, done, T_QKV, stall, NH, NKV,
-                               HD, SEG, NSEG, NSEG_P, GROUP, GROUP_P, BS, BLOCK_K, HAS_BIAS, QK_NORM, SPL_QKV, ATT_DOT)
-                    _count_done(done + 1)
-                elif r < T_QKV + T_ATT + T_O:             # o, the residual added
-                    _mm_task(r - T_QKV - T_ATT, att_ptr, o_q + li * (D * (NH * HD // 32 * 18)),
-                             o_d + li * (D * (NH * HD // 32 * 9)), x_ptr, x_ptr, part_ptr, cnt_ptr, M, NH * HD, D,
-                             eps, done + 1, T_ATT, stall, D, NH * HD, BLOCK_MM, BLOCK_MV, BN_O, BB_O, SPL_O, PER_O,
-                             GEMV_O, NW_O, PF_O, False, False, True, True, PRECISION, PLANES)
-                    _count_done(done + 2)
-                elif r < T_QKV + T_ATT + T_O + T_GU:      # gate|up, the FFN's norm first
-                    _mm_task(r - T_QKV - T_ATT - T_O, x_ptr, gu_q + li * (2 * F * (D // 32 * 18)),
-                             gu_d + li * (2 * F * (D // 32 * 9)), hid_ptr, ffn_norm_ptr + li * D, part_ptr, cnt_ptr,
-                             M, D, 2 * F, eps, done + 2, T_O, stall, 2 * F, D, BLOCK_MM, BLOCK_MV, BN_GU, BB_GU, SPL_GU,
-                             PER_GU, GEMV_GU, NW_GU, PF_GU, True, False, False, True, PRECISION, PLANES)
-                    _count_done(done + 3)
-                else:                                     # down of SiLU(gate)·up, the residual added
-                    _mm_task(r - T_QKV - T_ATT - T_O - T_GU, hid_ptr, dn_q + li * (D * (F // 32 * 18)),
-                             dn_d + li * (D * (F // 32 * 9)), x_ptr, x_ptr, part_ptr, cnt_ptr, M, 2 * F, D, eps,
-                             done + 3, T_GU, stall, D, F, BLOCK_MM, BLOCK_MV, BN_DN, BB_DN, SPL_DN, PER_DN, GEMV_DN,
-                             NW_DN, PF_DN, False, True, True, True, PRECISION, PLANES)
-                    _count_done(done + 4)
-            else:                                         # the lm head, the final norm first
-                _mm_task(r - LAYERS * T_LAYER, x_ptr, out_q, out_d, logits_ptr, out_norm_ptr, part_ptr, cnt_ptr, M,
-                         D, V, eps, done - 1, T_DN, stall, V, D, BLOCK_MM, BLOCK_MV, BN_OUT, BB_OUT, SPL_OUT, PER_OUT,
-                         GEMV_OUT, NW_OUT, PF_OUT, True, False, False, True, PRECISION, PLANES)
-        task = after
-
 
 @triton.jit
 def _mulhilo64(a_hi, a_lo, b):

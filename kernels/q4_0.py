@@ -57,17 +57,6 @@ def dequantize(q: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
     return (vals * d).reshape(n, nb * QK)
 
 
-def to_planes(q: torch.Tensor) -> torch.Tensor:
-    """The same Q4_0 blocks of [N, K/32*18] bytes as planes, in a tensor of the same shape: first
-    every block's 16 quant bytes ([N, K/32, 16], row-major: a row's quants are one aligned,
-    contiguous run), then every block's fp16 scale ([N, K/32]). The GPU kernels read these with
-    vector loads (kernels/gpu_step.py ``Q4Weight``); the bytes on the wire, in the weight
-    cache and in the KV pool stay ``block_q4_0``."""
-    n, nbytes = q.shape
-    b = q.reshape(n, nbytes // BLOCK_BYTES, BLOCK_BYTES)
-    return torch.cat([b[..., 2:].reshape(-1), b[..., :2].reshape(-1)]).reshape(n, nbytes)
-
-
 def matmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None,
            chunk_rows: int = 4096) -> torch.Tensor:
     """``x @ W.T`` for float32 activations x [M, K] and Q4_0 weights W (bytes [N, K/32*18]).

@@ -170,50 +170,6 @@ def test_weights_fetched_a_step_ahead_change_no_bit():
     assert cases._prefetch_case("cuda") == [True] * 5
 
 
-def test_weights_as_planes_change_no_bit():
-    """TANDEM_GPU_WEIGHTS=planes compiled for the card (the quant bytes in vector loads):
-    qmatmul, qgemv, qmlp, the cuBLAS path and a whole mixed step bitwise over block_q4_0 rows."""
-    assert cases._planes_case("cuda") == [True] * 6
-
-
-def test_the_ffn_in_one_launch_is_the_two_matmuls():
-    """TANDEM_GPU_MLP=fused on the card: ``qmlp`` against gate|up + down split alike (its
-    programs arrive in any order here), a row's bits the same alone and in a batch, the
-    counters back at zero."""
-    err, bitwise, counters_zero = cases._mlp_case("cuda")
-    print(f"\n[qmlp vs gate|up + down] max rel {err:.1e}, bitwise {bitwise}")
-    assert err <= cases.REL and bitwise[3] and counters_zero
-
-
-def test_the_ffn_in_one_launch_replays_bitwise():
-    """TANDEM_GPU_MLP=fused inside the decode graphs: the replay bitwise the eager step, greedy
-    tokens the op-by-op path's, the padding rows' KV in the scratch block."""
-    err, same_best, dkv_others, scratch_written, bitwise, _ = cases._graphs_case("cuda", False, None, "fused")
-    assert same_best and scratch_written and bitwise and err <= cases.REL_STEP
-
-
-# (qmatmul's tiles: one compile for every batch of up to 16 rows, one of 17-32, one of 33-64; qgemv's: one a BLOCK_M)
-@pytest.mark.parametrize("rows,gemv", [(1, False), (3, False), (16, False), (16, True), (20, False), (40, False)])
-def test_the_persistent_decode_step_matches_the_launches(rows, gemv):
-    """TANDEM_GPU_PERSISTENT=1 on the card: the decode step as one launch of resident programs
-    (tasks taken in order, each waiting for the phase before on a counter) captured and replayed
-    against the step's launches: the same logits (bitwise where its 4 warps are the launches'
-    warps; within 1e-5 of the largest either way), the same KV, the op-by-op path's greedy
-    tokens; no wait ran out (the watchdog's flag)."""
-    same_logits, same_kv, err, taken, programs, vs_launches, dkv = cases._persistent_case(
-        "cuda", gemv, None, None, rows, 1024, "64" if rows > 32 else "32" if rows > 16 else "16")
-    print(f"\n[persistent, {rows} rows, gemv {gemv}] bitwise logits {same_logits}, KV {same_kv}, "
-          f"vs launches {vs_launches:.1e}, vs ops {err:.1e}, grid {programs}")
-    assert taken == (False, True) and err <= cases.REL_STEP
-    assert vs_launches <= cases.REL and dkv <= 2e-3
-    assert list(programs.values())[0] >= torch.cuda.get_device_properties(0).multi_processor_count
-
-
-def test_a_stalled_persistent_step_fails_and_the_engine_goes_on():
-    counted, gave_up, raised, same = cases._stall_case("cuda")
-    assert counted == 1 and gave_up == 1 and raised and same
-
-
 @pytest.fixture(scope="module")
 def cuda_engines(bundled_model):
     return {mode: Engine(bundled_model, EngineConfig(device="cuda", gpu_step=mode, num_kv_blocks=512,

@@ -30,8 +30,6 @@ from kernels import q4_0
 from tests.triton_interp import speed_up_device_calls
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
-tl = triton.language
-from kernels.gpu_triton import _wait_count  # noqa: E402
 
 
 REL = 1e-5
@@ -280,14 +278,12 @@ def _tables(n: int, per: int = 20) -> list[list[int]]:
     return [list(range(i, n * per, n)) for i in range(n)]
 
 
-def _step_case(arch_kw, long: int, device="cpu", gemm_rows=None, mlp="split"):
-    """``gemm_rows``: the step's setting (None: the default, which no step here reaches); ``mlp``:
-    TANDEM_GPU_MLP's."""
+def _step_case(arch_kw, long: int, device="cpu", gemm_rows=None):
+    """``gemm_rows``: the step's setting (None: the default, which no step here reaches)."""
     from kernels.gpu_step import GpuStep
     model = tiny_model(device, **arch_kw)
     cfg = model.cfg
     st = GpuStep(model, cfg.max_context)
-    st.mlp_mode = mlp
     if gemm_rows is not None:
         st.gemm_rows = gemm_rows
     g = torch.Generator().manual_seed(5)
@@ -321,17 +317,15 @@ class GemvEverywhere:
         return dataclasses.replace(rule(n, k), gemv=16, norm_w=64)
 
 
-def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split", precision=None):
+def _graphs_case(device="cpu", gemv=False, arch_kw=None, precision=None):
     """Logits error vs the op-by-op path, greedy tokens equal, other KV untouched, the scratch block
     written; (on CUDA) whether a graph replay gives bitwise the eager step's logits; the last
     logits. ``arch_kw``: the tiny model's variant (bias, qk norm). ``gemv``:
-    every matmul of the decode step through ``qgemv``. ``mlp``: TANDEM_GPU_MLP's setting;
-    ``precision``: the step's."""
+    every matmul of the decode step through ``qgemv``. ``precision``: the step's."""
     from kernels.gpu_step import DecodeGraphs, GpuStep
     model = tiny_model(device, **(arch_kw or {}))
     cfg = model.cfg
     st = GpuStep(model, cfg.max_context, precision, tuning=GemvEverywhere() if gemv else None)
-    st.mlp_mode = mlp
     g = torch.Generator().manual_seed(9)
     seqs = [torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist() for _ in range(3)]
     kv = torch.zeros(80, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, dtype=torch.float16, device=device)
@@ -361,100 +355,9 @@ def _graphs_case(device="cpu", gemv=False, arch_kw=None, mlp="split", precision=
             torch.equal(out[0], out[-1]), out[-1].cpu())
 
 
-def _persistent_case(device="cpu", gemv=False, arch_kw=None, weights=None, rows=3, max_context=1024,
-                     persistent_rows="16", precision=None):
-    """The decode graphs' step (``_graphs_case``'s decodes: contexts of 21, 271 (201 where
-    ``max_context`` is one segment) and 34 keys, a padding row; ``rows`` of them) through
-    ``GpuStep.decode`` launch by launch and as one ``decode_persistent`` launch
-    (TANDEM_GPU_PERSISTENT=1): (logits bitwise, KV bitwise, error against the op-by-op path, the
-    persistent path taken, its grid, logits' error against the launches', KV's max |Δ|)."""
-    from kernels.gpu_step import DecodeGraphs, GpuStep
-    model = tiny_model(device, max_context=max_context, **(arch_kw or {}))
-    cfg = model.cfg
-    g = torch.Generator().manual_seed(9)
-    seqs = [torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist() for _ in range(3)]
-    kv0 = torch.zeros(80, cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim, dtype=torch.float16, device=device)
-    t = _tables(3, 26)
-    lens = [20, 270 if max_context > 256 else 200, 33]
-    ids, ctx = _step_context(model, [(seqs[i], 0, lens[i], t[i]) for i in range(3)], device)
-    model.forward_ops(ids, ctx, kv0)
-    plan = [(seqs[i], lens[i], 1, t[i]) for i in range(3)] * 14
-    ids, ctx = _step_context(model, plan[:rows], device)
-    kv_ref = kv0.clone()
-    want = model.forward_ops(ids, ctx, kv_ref)
-    tables = [c.block_ids for c in ctx.chunks]
-    capture = device != "cpu"
-    out = {}
-    for persistent in (False, True):
-        os.environ["TANDEM_GPU_PERSISTENT"] = "1" if persistent else "0"
-        os.environ["TANDEM_GPU_PERSISTENT_ROWS"] = persistent_rows
-        try:
-            st = GpuStep(model, cfg.max_context, precision, tuning=GemvEverywhere() if gemv else None,
-                         weights=weights)
-        finally:
-            del os.environ["TANDEM_GPU_PERSISTENT"], os.environ["TANDEM_GPU_PERSISTENT_ROWS"]
-        kv = kv0.clone()
-        graphs = DecodeGraphs(st, kv, max_seqs=64, width=64, block_size=16, scratch_block=79, capture=capture)
-        for _ in range(1 + capture):
-            kv.copy_(kv0)
-            logits, _ = graphs.run(ids.tolist(), [c.start for c in ctx.chunks], tables)
-        out[persistent] = (logits.clone(), kv.clone(), st.persistent, dict(st.programs))
-    (l0, kv_a, p0, _), (l1, kv_b, p1, programs) = out[False], out[True]
-    return (torch.equal(l0, l1), torch.equal(kv_a, kv_b), rel(l1, want), (p0, p1), programs, rel(l1, l0),
-            float((kv_a.float() - kv_b.float()).abs().max()))
-
-
-@triton.jit
-def _wait_probe(cnt_ptr, need, stall_ptr, out_ptr):
-    """``decode_persistent``'s wait on its own: 1 into ``out`` once it returns."""
-    _wait_count(cnt_ptr, need, stall_ptr)
-    tl.store(out_ptr, 1)
-
-
-def _stall_case(device="cpu"):
-    """The persistent step's watchdog: a wait whose counter has counted returns; one that never
-    will gives up once the flag is set (a wait that timed out sets it); and the decode graphs,
-    reading a set flag with a step's tokens, fail that step and run launch by launch after."""
-    from kernels.gpu_step import DecodeGraphs, GpuStep
-    cnt, stall, out = (torch.zeros(1, dtype=torch.int32, device=device) for _ in range(3))
-    cnt[0] = 5
-    _wait_probe[(1,)](cnt, 5, stall, out)
-    counted = int(out[0])
-    out.zero_()
-    stall[0] = 1
-    _wait_probe[(1,)](cnt, 6, stall, out)          # never counted: the flag ends it
-    gave_up = int(out[0])
-    model = tiny_model(device)
-    os.environ["TANDEM_GPU_PERSISTENT"] = "1"
-    try:
-        st = GpuStep(model, model.cfg.max_context)
-    finally:
-        del os.environ["TANDEM_GPU_PERSISTENT"]
-    kv = torch.zeros(40, model.cfg.n_layers, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=torch.float16,
-                     device=device)
-    graphs = DecodeGraphs(st, kv, max_seqs=4, width=8, block_size=16, scratch_block=39, capture=device != "cpu")
-    real = st.decode_persistent
-
-    def stalled(*a):               # as if a wait of this launch had timed out
-        logits = real(*a)
-        st.stacked["sync"][-1] = 1
-        return logits
-    st.decode_persistent = stalled
-    try:
-        graphs.run([5, 7], [3, 9], [[0], [1]])
-        raised = None
-    except RuntimeError as e:
-        raised = str(e)
-    after = graphs.run([5, 7], [3, 9], [[0], [1]])[0]
-    st.persistent = True
-    st.decode_persistent = real
-    again = graphs.run([5, 7], [3, 9], [[0], [1]])[0]
-    return counted, gave_up, raised, torch.equal(after, again)
-
-
 # every off-by-default decode setting at once (`tandem bench gpu --modes graphs-all`; PDL is CUDA's only)
-ALL_SETTINGS = {"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TANDEM_GPU_WEIGHTS": "planes",
-                "TANDEM_GPU_MLP": "fused", "TANDEM_GPU_PRECISION": "tf32x3", "TANDEM_GPU_PERSISTENT": "1"}
+ALL_SETTINGS = {"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TANDEM_GPU_PRECISION": "tf32x3",
+                "TANDEM_GPU_PREFETCH": "1"}
 
 
 def _engine_case(settings=None):
@@ -489,7 +392,7 @@ def _engine_case(settings=None):
         if mode == "graphs":
             g, st = e.graphs, e.model.gpu
             graphs = (g is not None, g.steps if g else 0, g.drawn if g else 0,
-                      (g.ahead, st.mlp_mode, st.precision, st.layers[0]["o"].planes, st.persistent) if g else None)
+                      (g.ahead, st.precision, st.prefetch) if g else None)
     return out, graphs
 
 
@@ -725,7 +628,7 @@ def _dequantized_case(device="cpu"):
     g = torch.Generator().manual_seed(3)
     st = GpuStep(tiny_model(device), 1024)
     w = Q4Weight.of(q4_0.quantize(torch.randn(300, 96, generator=g)).to(device))
-    ref = q4_0.dequantize(w.rows)
+    ref = q4_0.dequantize(w.q)
     same = [torch.equal(st.dequantized(w, 0, 300), ref), torch.equal(st.dequantized(w, 100, 250), ref[100:250])]
     x = torch.randn(130, 96, generator=g).to(device)
     whole = st.gemm(x, w)
@@ -844,103 +747,6 @@ def _prefetch_case(device="cpu"):
     return out
 
 
-def _mlp_case(device="cpu"):
-    """TANDEM_GPU_MLP=fused: a layer's FFN as one ``qmlp`` launch against gate|up + down as two
-    matmuls (split alike: gate|up into the same K splits, down into one-block steps), at 1, 5,
-    17 and 40 rows (every M tile; 40: two programs' rows of 32), K unsplit (one row of 40
-    programs' worth) and split; and a row alone against the same row in a batch of 5."""
-    from kernels import gpu_step
-    from kernels.gpu_step import GpuStep
-    from kernels.gpu_tuning import Tile, Tuning
-    g = torch.Generator().manual_seed(13)
-    model = tiny_model(device)
-    cfg = model.cfg
-    k, f = cfg.hidden_size, cfg.ffn_size
-    errs, bitwise = [], []
-    programs_default = gpu_step.MLP_PROGRAMS
-    for m, programs in [(1, 4), (1, 256), (5, 256), (17, 256), (40, 64)]:
-        gpu_step.MLP_PROGRAMS = programs
-        tiles, mtiles = f // 32, -(-m // (16 if m <= 16 else 32 if m <= 32 else 64))
-        splits = max(1, min(k // 32, -(-programs // (tiles * mtiles))))
-        # the two-matmul path split the same way (tiles of 64 rows, 4 warps)
-        st = GpuStep(model, 1024, tuning=Tuning({(2 * f, k): Tile(64, 1, 4, splits), (k, f): Tile(64, 1, 4, f // 32)},
-                                                "test"))
-        L = st.layers[0]
-        x = torch.randn(m, k, generator=g).to(device)
-        want = x.clone()
-        st.mlp_mode = "split"
-        st.mlp(want, L)
-        got = x.clone()
-        st.mlp_mode = "fused"
-        st.mlp(got, L)
-        errs.append(rel(got, want))
-        bitwise.append(bool(torch.equal(got, want)))
-        if m == 5:
-            one = x[:1].clone()
-            st.mlp(one, L)
-            bitwise.append(bool(torch.equal(one, got[:1])))
-    gpu_step.MLP_PROGRAMS = programs_default
-    return max(errs), bitwise, bool((st.counters == 0).all())
-
-
-def _planes_case(device="cpu"):
-    """TANDEM_GPU_WEIGHTS=planes (``q4_0.to_planes``: the quant bytes of a row in one aligned run,
-    the scales after them) against the model's block_q4_0 rows: bitwise the same outputs from
-    ``qmatmul`` (split and not, two blocks a step, prefetched, 17 rows), ``qgemv`` (a ragged 3
-    of 4, split), ``qmlp`` and the whole mixed step of the tiny model (the lm head among them),
-    and the prefill's cuBLAS path (``gemm``: the model's block_q4_0 rows, ``Q4Weight.rows``)."""
-    from kernels.gpu_step import GpuStep, Q4Weight
-    from kernels.gpu_tuning import Tile, Tuning
-    g = torch.Generator().manual_seed(17)
-    model = tiny_model(device)
-    n, k = 100, 192
-    out = []
-    for m, tile, norm, silu, prefetch in [(1, Tile(16, 1, 4, 3), True, False, "auto"),
-                                          (17, Tile(32, 2, 4, 1), False, True, "1"),
-                                          (5, Tile(64, 1, 4, 1), True, False, "1"),
-                                          (3, Tile(32, 2, 4, 2, 0, 4), True, False, "auto"),
-                                          (2, Tile(16, 1, 4, 1, 0, 2), False, True, "1")]:
-        q = q4_0.quantize(torch.randn(n, k, generator=g) * 0.05).to(device)
-        x = torch.randn(m, 2 * k if silu else k, generator=g).to(device)
-        nw = (torch.rand(k, generator=g) + 0.5).to(device) if norm else None
-        got = []
-        for weights in ("blocks", "planes"):
-            st = GpuStep(model, 1024, tuning=Tuning({(n, k): tile}, "test"), weights=weights)
-            st.prefetch = prefetch
-            w = Q4Weight.of(q, weights == "planes")
-            got.append(st.matmul(x, w, norm=nw, silu=silu))
-            got.append(st.matmul(x, w, norm=nw, silu=silu, gemm=True))
-        out.append(bool(torch.equal(got[0], got[2]) and torch.equal(got[1], got[3])))
-    seqs = [torch.randint(0, model.cfg.vocab_size, (60,), generator=g).tolist() for _ in range(3)]
-    t = _tables(3)
-    plan = [(seqs[0], 0, 40, t[0]), (seqs[1], 0, 1, t[1]), (seqs[2], 0, 17, t[2])]
-    ids, ctx = _step_context(model, plan, device)
-    logits, kvs = [], []
-    for weights in ("blocks", "planes"):
-        st = GpuStep(model, model.cfg.max_context, weights=weights)
-        st.mlp_mode = "fused"
-        kv = torch.zeros(60, model.cfg.n_layers, 2, 16, model.cfg.n_kv_heads, model.cfg.head_dim,
-                         dtype=torch.float16, device=device)
-        logits.append(st.forward(ids, ctx, kv))
-        kvs.append(kv)
-    out.append(bool(torch.equal(logits[0], logits[1]) and torch.equal(kvs[0], kvs[1])))
-    assert st.layers[0]["o"].planes and not torch.equal(st.layers[0]["o"].q, model.layers[0]["o"])
-    return out
-
-
-@pytest.mark.slow   # planes are off by default (0.90-0.97x on an H200, 2026-11-30); 54 s on an AVX2 Xeon
-def test_weights_as_planes_give_the_same_bits(interp):
-    assert interp(_planes_case) == [True] * 6
-
-
-@SLOW   # qmlp is off by default (0.38-0.62x on an H200); the all-settings engine test runs it
-def test_the_ffn_in_one_launch_is_the_two_matmuls(interp):
-    err, bitwise, counters_zero = interp(_mlp_case)
-    print(f"qmlp vs gate|up + down: max rel {err:.1e}, bitwise {bitwise}")
-    assert err <= REL and counters_zero
-    assert bitwise[3], "a row's bits depend on its batch"
-
-
 def test_weights_fetched_a_step_ahead_give_the_same_bits(interp):
     assert interp(_prefetch_case) == [True] * 5
 
@@ -1014,14 +820,6 @@ def test_whole_step_matches_op_by_op(interp):
     assert err <= REL_STEP and dkv <= 2e-3
 
 
-@pytest.mark.slow   # qmlp is off by default (0.38-0.62x on an H200, 2026-11-30); its kernel alone stays
-def test_whole_step_with_the_ffn_in_one_launch(interp):
-    """TANDEM_GPU_MLP=fused: the same mixed steps (58 rows: prefill chunks and a decode; then a
-    chunk after a prefix and decodes) with each layer's FFN as one ``qmlp``."""
-    err, dkv = interp(_step_case, {}, 280, "cpu", None, "fused")
-    assert err <= REL_STEP and dkv <= 2e-3
-
-
 def test_whole_step_with_the_prefill_matmuls_through_torch(interp):
     """The same steps with ``gemm_rows`` 32: step 0 (58 rows, prefill chunks) runs its matmuls
     through torch.matmul, step 1 (33 rows) through the kernels."""
@@ -1031,59 +829,17 @@ def test_whole_step_with_the_prefill_matmuls_through_torch(interp):
 
 # the decode step rotates q and writes the token's KV in attn_decode (no rope_kv): llama's layer,
 # and the qwen2 / qwen3 variants (bias, per-head norm) there too
-# (qgemv and qmlp are off by default; qwen2/qwen3's variants: the slow lane)
-@pytest.mark.parametrize("gemv,arch,mlp,precision", [(False, {}, "split", None),
-                                                     pytest.param(True, {}, "split", None, marks=SLOW),
-                                                     pytest.param(False, {"attn_bias": True}, "split", None, marks=SLOW),
-                                                     pytest.param(False, {"qk_norm": True}, "split", None, marks=SLOW),
-                                                     pytest.param(False, {}, "fused", None, marks=SLOW),
-                                                     (False, {}, "split", "tf32x3")])
-def test_decode_buffers_with_padding_rows(interp, gemv, arch, mlp, precision):
-    err, same_best, dkv_others, scratch_written, *_ = interp(_graphs_case, "cpu", gemv, arch, mlp, precision)
+# (qgemv is off by default; qwen2/qwen3's variants: the slow lane)
+@pytest.mark.parametrize("gemv,arch,precision", [(False, {}, None),
+                                                 pytest.param(True, {}, None, marks=SLOW),
+                                                 pytest.param(False, {"attn_bias": True}, None, marks=SLOW),
+                                                 pytest.param(False, {"qk_norm": True}, None, marks=SLOW),
+                                                 (False, {}, "tf32x3")])
+def test_decode_buffers_with_padding_rows(interp, gemv, arch, precision):
+    err, same_best, dkv_others, scratch_written, *_ = interp(_graphs_case, "cpu", gemv, arch, precision)
     assert err <= REL_STEP and same_best
     assert dkv_others <= 2e-3          # the real rows' KV as the reference wrote it, nothing else touched
     assert scratch_written             # the padding row wrote its KV into the scratch block
-
-
-# rows: one, a padding row, a whole bucket of 16, 20 of a 32-row bucket (TANDEM_GPU_PERSISTENT_ROWS=32),
-# 40 of a 64-row bucket (=64);
-# the matmuls through qmatmul and through qgemv; qwen2's bias and qwen3's norms; weights as planes;
-# a context of one key segment (no merges)
-_SLOW = pytest.mark.slow   # the bigger buckets: 20-35 s each on a 2-vCPU AVX2 EPYC
-# the persistent step is off by default (0.57-0.98x the launches on an H200, 2026-11-30): every
-# case and its watchdog in the slow lane; the all-settings engine test runs it in the default one
-
-
-# (and in 3xTF32: attn_decode's dot form)
-@pytest.mark.parametrize("rows,gemv,arch,weights,ctx,precision", [
-    pytest.param(1, False, {}, None, 1024, None, marks=_SLOW),
-    pytest.param(3, False, {}, None, 1024, None, marks=_SLOW),
-    pytest.param(16, True, {}, None, 1024, None, marks=_SLOW),
-    pytest.param(20, False, {}, None, 1024, None, marks=_SLOW),
-    pytest.param(40, False, {}, None, 1024, None, marks=_SLOW),
-    pytest.param(3, True, {"attn_bias": True}, "planes", 1024, None, marks=_SLOW),
-    pytest.param(2, False, {"qk_norm": True}, None, 256, None, marks=_SLOW),
-    pytest.param(3, False, {}, None, 1024, "tf32x3", marks=_SLOW)])
-def test_the_persistent_decode_step_is_the_launches_bit_for_bit(interp, rows, gemv, arch, weights, ctx, precision):
-    """TANDEM_GPU_PERSISTENT=1: a decode step as one launch whose programs take the step's
-    launches' programs as tasks in order gives bitwise the launches' logits and KV."""
-    same_logits, same_kv, err, taken, programs, *_ = interp(_persistent_case, "cpu", gemv, arch, weights, rows, ctx,
-                                                            "64" if rows > 32 else "32" if rows > 16 else "16",
-                                                            precision)
-    assert taken == (False, True) and programs == {1 << max(0, (rows - 1).bit_length()): 2}
-    assert same_logits and same_kv
-    assert err <= REL_STEP
-
-
-@SLOW
-def test_a_stalled_persistent_step_fails_and_the_engine_goes_on_launch_by_launch(interp):
-    """The persistent step's watchdog: a wait returns once its counter has counted, gives up once
-    the stall flag is set; a step whose flag comes back set fails with an error (its tokens are
-    never used), and the next steps run launch by launch with the same logits."""
-    counted, gave_up, raised, same = interp(_stall_case)
-    assert counted == 1 and gave_up == 1
-    assert raised and "stalled" in raised
-    assert same
 
 
 def test_philox_uniforms_are_the_host_samplers_bit_for_bit(interp):
@@ -1138,11 +894,10 @@ def test_decode_steps_launched_ahead_under_kv_pressure(interp, swap_bytes):
 @pytest.mark.parametrize("settings", [None, ALL_SETTINGS], ids=["default", "all-settings"])
 def test_engine_decodes_through_the_graph_buffers(interp, settings):
     """The decode graphs' engine gives the op-by-op engine's tokens — with the default settings,
-    and with ahead, planes, qmlp, 3xTF32 and the persistent step at once (what `bench gpu`'s
-    graphs-all runs; the interpreter computes TF32 in f32; every decode step here has up to 4
-    rows: the persistent launch's)."""
+    and with ahead, 3xTF32 and prefetch everywhere at once (what `bench gpu`'s graphs-all runs
+    but PDL, CUDA's only; the interpreter computes TF32 in f32)."""
     out, (has_graphs, steps, drawn, taken) = interp(_engine_case, settings)
     assert has_graphs and steps > 0
-    assert taken == ((True, "fused", "tf32x3", True, True) if settings else (False, "split", "ieee", False, False))
+    assert taken == ((True, "tf32x3", "1") if settings else (False, "ieee", "auto"))
     assert drawn >= 8                   # the sampled rows' decode tokens were drawn in the graphs' sampler
     assert out["graphs"] == out["ops"]  # greedy and seeded sampled rows alike

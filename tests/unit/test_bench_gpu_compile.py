@@ -18,14 +18,14 @@ import pytest
 
 from bench import gpu
 
-LEASE_MODES = ["graphs", "graphs-all", "graphs-persistent", "graphs-ahead", "graphs-pdl", "graphs-mlp",
-               "graphs-tf32x3", "graphs-planes", "graphs-noprefetch", "graphs-persistent64"]
+LEASE_MODES = ["graphs", "graphs-all", "graphs-ahead", "graphs-pdl", "graphs-tf32x3", "graphs-noprefetch",
+               "graphs-attn-sum"]
 
 
 def test_each_kernel_setting_is_one_engine_and_the_stack_worker_one_more():
     assert gpu.compile_jobs(LEASE_MODES) == [
-        "graphs", "graphs-all", "graphs-persistent", "graphs-pdl", "graphs-mlp", "graphs-tf32x3", "graphs-planes",
-        "graphs-noprefetch", "graphs-persistent64",       # (graphs-ahead: graphs' kernels, launched earlier)
+        "graphs", "graphs-all", "graphs-pdl", "graphs-tf32x3", "graphs-noprefetch",
+        "graphs-attn-sum",                                # (graphs-ahead: graphs' kernels, launched earlier)
         "prefill_tf32_ms", "prefill_ieee_ms", "prefill_kernels_ms", "prefill_attn_fp16_ms", "prefill_attn_tf32x3_ms",
         "prefill_tf32_attn_fp16_ms", "worker"]
     assert gpu.compile_jobs(["ops", "fused", "graphs-pdl"]) == ["graphs", "graphs-pdl", *gpu.PREFILL_VARIANTS,
@@ -60,15 +60,15 @@ def _stand_in(plan, live, peak):
 def test_the_engines_compile_at_once_and_a_failure_costs_the_others_nothing():
     ok = json.dumps({"compiled": 31, "from_cache": 2, "seconds": 40.5})
     plan = {"graphs-pdl": (0.3, 0, ok),
-            "graphs-mlp": (0.1, 0, "a line of its own\n" + json.dumps({"error": "RuntimeError: no capture",
+            "graphs-tf32x3": (0.1, 0, "a line of its own\n" + json.dumps({"error": "RuntimeError: no capture",
                                                                         "compiled": 3, "from_cache": 0,
                                                                         "seconds": 2.0})),
             "worker": (0.2, 3, "")}                  # died without a result (a crash, an abort)
     live, peak, res = set(), [], {}
-    gpu.compile_ahead(_args(["graphs-pdl", "graphs-mlp"], jobs=2), res, spawn=_stand_in(plan, live, peak))
+    gpu.compile_ahead(_args(["graphs-pdl", "graphs-tf32x3"], jobs=2), res, spawn=_stand_in(plan, live, peak))
     assert max(peak) == 2 and res["processes"] == 2 and not live
     assert res["engines"]["graphs-pdl"] == {"compiled": 31, "from_cache": 2, "seconds": 40.5}
-    assert res["failed"] == {"graphs-mlp": "RuntimeError: no capture",
+    assert res["failed"] == {"graphs-tf32x3": "RuntimeError: no capture",
                              "worker": "the process ended with status 3 and no result"}
     out = gpu.compile_table(res)
     assert out.startswith("Triton kernels compiled ahead: 3 engines in 2 processes, ")

@@ -12,9 +12,8 @@ with the built-in matmul tiles, each table in kernels/tuning/ (kernels/gpu_tunin
 with programmatic dependent launch (TANDEM_GPU_PDL=1, the same: each kernel's ``griddepcontrol.wait``
 comes before its first global store or atomic, and before every load but the matmuls' first
 weight tile),
-``rope_kv`` and ``attn_decode`` for qwen2's q|k|v bias and qwen3's per-head norms, the matmuls
-over the weights as planes (TANDEM_GPU_WEIGHTS=planes: fewer loads than over block_q4_0 rows),
-and the decode graphs' Philox uniforms (kernels/gpu_sample.py)
+``rope_kv`` and ``attn_decode`` for qwen2's q|k|v bias and qwen3's per-head norms, and the
+decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct variant is compiled ahead of time with
 ``triton.compile(..., target=GPUTarget("cuda", 90, 32))`` as Triton's JIT specializes it on a
 device: each argument's type, its 16-byte alignment (a pointer) or divisibility by 16 (an
@@ -22,11 +21,9 @@ integer), an integer 1 as a constant (``native_specialize_impl``, Triton's own).
 that specialization, the f32 prefill attention's 16 x 32 tile used 146 registers; as the JIT
 compiles it, 255 and 648 B spilled (its tile is 16 x 16 since). A tile shape that spills (as 4
 Q4_0 blocks a K step with 4 warps did: 6.7 KB a thread at 64 rows) fails here, not on a lent GPU.
-The ~200 variants compile in a process per core (4 min on 2 vCPUs: the slow lane, and
-``scripts/gpu-check prepare``); the default lane compiles what an H200 launches with no setting
-changed (~35 of them, under a minute).
-The same recording counts a decode step's launches (152: five a layer, the embedding, the lm head;
-122 with TANDEM_GPU_MLP=fused).
+The variants compile in a process per core (the slow lane, and ``scripts/gpu-check prepare``);
+the default lane compiles one of each kind that an H200 launches with no setting changed.
+The same recording counts a decode step's launches (152: five a layer, the embedding, the lm head).
 """
 
 from __future__ import annotations
@@ -51,10 +48,6 @@ from kernels import gpu_sample, gpu_step, gpu_tuning  # noqa: E402
 from shared.engine.model import AttnChunk, StepContext, Transformer  # noqa: E402
 
 SPILL_OK = 16       # bytes (bench/gpu_tune.py drops a tile past the same bound)
-# decode_persistent's tasks are calls (kernels/gpu_triton.py ``_attn_task``): the registers its task
-# loop keeps across a call are saved to the stack once a task (12-40 B: a few words against the
-# task's kilobytes of loads), not in an inner loop
-SPILL_OK_CALLS = 64
 
 
 class Recorder:
@@ -140,7 +133,7 @@ def recording() -> Recorder:
         h200 = gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200"))
         tunings.append(gpu_tuning.Tuning({s: dataclasses.replace(t, gemv=16, norm_w=256)
                                           for s, t in h200.tiles.items()}, "gemv"))
-        for precision, tuning, reduce in itertools.product(gpu_step.PRECISIONS, tunings, gpu_step.REDUCE + ("pdl", "mlp")):
+        for precision, tuning, reduce in itertools.product(gpu_step.PRECISIONS, tunings, gpu_step.REDUCE + ("pdl",)):
             if reduce != "fused" and (precision != "ieee" or tuning.source != h200.source):
                 continue            # (the other kernels of these modes: those of the fused ones)
             if precision == "tf32x3" and tuning.source != h200.source:
@@ -151,9 +144,8 @@ def recording() -> Recorder:
             if reduce == "launch":          # TANDEM_GPU_REDUCE=launch: split_sum, attn_merge, rope_kv
                 st.counters, st.reduce = None, "launch"
             st.pdl = reduce == "pdl"        # TANDEM_GPU_PDL=1: programmatic dependent launch
-            st.mlp_mode = "fused" if reduce == "mlp" else "split"   # TANDEM_GPU_MLP=fused: qmlp
-            # TANDEM_GPU_PREFILL_ATTN: tf32 beside the tf32 matmuls, fp16 beside qmlp
-            st.prefill_attn = "fp16" if reduce == "mlp" else "tf32" if precision == "tf32" else "ieee"
+            # TANDEM_GPU_PREFILL_ATTN: tf32 beside the tf32 matmuls, fp16 beside PDL
+            st.prefill_attn = "fp16" if reduce == "pdl" else "tf32" if precision == "tf32" else "ieee"
             # prefill, prefill after a prefix (its keys past one segment: attn_prefill split), decodes
             plan = [(0, 100), (300, 20), (37, 1), (500, 1)]
             chunks, off = [], 0
@@ -170,42 +162,14 @@ def recording() -> Recorder:
                     st.prefill_attn = attn
                     st.forward(z, StepContext(z, z, z, chunks, torch.tensor([99, 119, 120, 121])), kv)
                 rec.default = False
-        st = gpu_step.GpuStep(model, 8192, "tf32x3", tuning=h200)       # qmlp in 3xTF32
-        st.mlp_mode = "fused"
-        for b in (1, 17, 40):
-            i = torch.zeros(b, dtype=torch.int32)
-            st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
-        # TANDEM_GPU_WEIGHTS=planes: the decode step's matmuls at every M tile, qgemv's tiles, qmlp
-        for tuning, mlp, sizes in ((h200, "split", (1, 16, 17, 40)), (tunings[-1], "split", (1, 3, 16)),
-                                   (h200, "fused", (1, 17, 40))):
-            st = gpu_step.GpuStep(model, 8192, tuning=tuning, weights="planes")
-            st.mlp_mode = mlp
-            for b in sizes:
-                i = torch.zeros(b, dtype=torch.int32)
-                st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
-        # `bench gpu --modes graphs-all`: every off-by-default decode setting at once (PDL, planes,
-        # qmlp, 3xTF32, the persistent step), with the H200's tiles and with qgemv for decode rows
+        # `bench gpu --modes graphs-all`: every off-by-default decode setting at once (PDL, prefetch
+        # everywhere, 3xTF32), with the H200's tiles and with qgemv for decode rows
         for tuning in (h200, tunings[-1]):
-            st = gpu_step.GpuStep(model, 8192, "tf32x3", tuning=tuning, weights="planes")
-            st.pdl, st.mlp_mode, st.persistent = True, "fused", True    # (up to 16 rows: the persistent step)
-            st._stack()
+            st = gpu_step.GpuStep(model, 8192, "tf32x3", tuning=tuning)
+            st.pdl, st.prefetch = True, "1"
             for b in (1, 16, 17, 40):
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
-        # TANDEM_GPU_PERSISTENT=1: the decode step as one launch, over the H200's tiles (up to 64 rows:
-        # TANDEM_GPU_PERSISTENT_ROWS=64), qgemv's, planes
-        for tuning, weights, sizes in ((h200, "blocks", (1, 16, 32, 64)), (tunings[-1], "blocks", (1, 4, 16)),
-                                       (h200, "planes", (1,))):
-            st = gpu_step.GpuStep(model, 8192, tuning=tuning, weights=weights)
-            st.persistent, st.persistent_rows = True, 64
-            st._stack()
-            for b in sizes:
-                i = torch.zeros(b, dtype=torch.int32)
-                st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
-        st = gpu_step.GpuStep(model, 8192, "tf32", tuning=h200)         # qmlp in TF32 past 64 rows
-        st.mlp_mode = "fused"
-        z = torch.zeros(100, dtype=torch.int64)
-        st.forward(z, StepContext(z, z, z, [AttnChunk(0, 100, 0, torch.zeros(1), [0] * 7)], z[-1:]), kv)
         for arch in ({"bias": True}, {"qk_norm": True}):              # rope_kv / attn_decode's qwen variants
             st = gpu_step.GpuStep(bundled_shapes_model(**arch), 8192, "ieee", tuning=h200)
             i = torch.zeros(1, dtype=torch.int32)
@@ -240,15 +204,14 @@ def test_the_step_launches_the_variants_expected(launches):
     names = {fn.__name__ for fn, *_ in launches}
     assert {p for *_, p in launches} == {True, False}
     assert names == {"embed", "qmatmul", "qgemv", "split_sum", "rope_kv", "attn_decode", "attn_merge",
-                     "attn_prefill", "philox_uniform", "qmlp", "decode_persistent"}
+                     "attn_prefill", "philox_uniform"}
     assert {c["BLOCK_M"] for fn, s, c, *_ in launches if fn.__name__ == "qgemv"} == {1, 2, 4, 8, 16}
     assert {c["PRECISION"] for fn, s, c, *_ in launches if fn.__name__ == "qmatmul"} == {"ieee", "tf32", "tf32x3"}
     assert {c["PRECISION"] for fn, s, c, *_ in launches
             if fn.__name__ == "attn_prefill"} == {"ieee", "tf32", "fp16", "tf32x3"}
     assert {c["PSEG"] for fn, s, c, *_ in launches if fn.__name__ == "attn_prefill"} == {0, 256}
-    # attn_decode's sum form (the matmuls in "ieee") and its dot form (3xTF32), in the persistent step too
+    # attn_decode's sum form (the matmuls in "ieee") and its dot form (3xTF32)
     assert {c["DOT"] for fn, s, c, *_ in launches if fn.__name__ == "attn_decode"} == {"", "tf32x3"}
-    assert {c["ATT_DOT"] for fn, s, c, *_ in launches if fn.__name__ == "decode_persistent"} == {"", "tf32x3"}
     assert {c["FIXUP"] for fn, s, c, *_ in launches if fn.__name__ in ("qmatmul", "qgemv", "attn_decode")} == {True, False}
     rope = {(c["HAS_BIAS"], c["QK_NORM"]) for fn, s, c, *_ in launches if fn.__name__ in ("rope_kv", "attn_decode")
             and c.get("ROPE", True)}
@@ -256,7 +219,7 @@ def test_the_step_launches_the_variants_expected(launches):
 
 
 SHOWN = ("BLOCK_M", "BLOCK_N", "DOT", "NORM", "SILU", "SPLIT", "FIXUP", "ROPE", "HAS_BIAS", "QK_NORM", "PRECISION", "RESIDUAL",
-         "PREFETCH", "BLOCK_K", "BLOCK_Q", "PSEG", "SPLITS", "TILES", "PLANES")
+         "PREFETCH", "BLOCK_K", "BLOCK_Q", "PSEG", "SPLITS")
 
 
 _INSTR = re.compile(r"^(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(.*);$")
@@ -326,7 +289,7 @@ def _compile(job) -> dict:
 
 def _compile_all(launches, tmp_path) -> None:
     """Compile ``launches`` (a process per core) and check them: no spill past ``SPILL_OK``; under
-    PDL nothing but a matmul's weights read before the wait; planes' loads against blocks'."""
+    PDL nothing but a matmul's weights read before the wait."""
     _ptxas()
     jobs = [(fn.__name__, sig, consts, aligned, warps, pdl, str(tmp_path / f"k{k}.ptx"))
             for k, (fn, sig, consts, aligned, warps, pdl) in enumerate(launches)]
@@ -347,27 +310,12 @@ def _compile_all(launches, tmp_path) -> None:
         report.append((name, shown, warps, got["regs"], got["spills"], got["loads"]))
     print("\n" + "\n".join(f"{n} {s} warps={w}: {r} registers, {sp} B spilled, {ld} global loads"
                             for n, s, w, r, sp, ld in report))
-    assert not [r for r in report if r[4] > (SPILL_OK_CALLS if r[0] == "decode_persistent" else SPILL_OK)], \
-        f"register spills past {SPILL_OK} B ({SPILL_OK_CALLS} B around decode_persistent's calls)"
-    # TANDEM_GPU_WEIGHTS=planes: qmatmul's and qmlp's quant bytes in vector loads — never more loads
-    # than the same variant over block_q4_0 rows (2-byte loads), fewer where a thread holds 4 bytes
-    # or more. (Not qgemv's: its [rows, blocks, 16] tile loaded 16 bytes a thread pulls the rows'
-    # activations into that layout too, more loads than over blocks; no shipped table runs it.)
-    def twin(n, c, a, w):
-        return n, tuple(sorted((k, v) for k, v in c.items() if k != "PLANES")), a, w
-    blocks = {twin(n, c, a, w): got["loads"] for (n, sig, c, a, w, pdl, _), got in zip(jobs, results)
-              if c.get("PLANES") is False and n in ("qmatmul", "qmlp")}
-    pairs = [(blocks[twin(n, c, a, w)], got["loads"]) for (n, sig, c, a, w, pdl, _), got in zip(jobs, results)
-             if c.get("PLANES") and twin(n, c, a, w) in blocks]
-    if any(c.get("PLANES") for _, _, c, *_ in jobs):
-        assert len(pairs) >= 10 and all(p <= b for b, p in pairs) and sum(p < b for b, p in pairs) >= len(pairs) // 2, \
-            pairs
+    assert not [r for r in report if r[4] > SPILL_OK], f"register spills past {SPILL_OK} B"
 
 
 @pytest.mark.slow
 def test_every_variant_compiles_for_sm90_without_spills(launches, tmp_path):
-    """Every variant (~200, 4 min on 2 vCPUs: the slow lane, and ``scripts/gpu-check prepare``
-    before a lease)."""
+    """Every variant (the slow lane, and ``scripts/gpu-check prepare`` before a lease)."""
     _compile_all(launches, tmp_path)
 
 
@@ -402,15 +350,11 @@ def test_each_kernel_of_the_default_step_compiles_for_sm90_without_spills(record
     _compile_all(some, tmp_path)
 
 
-
-
 def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     """The bundled model's decode step (one sequence, the H200's tiles): q|k|v, attn_decode (with
     rope_kv's work), o, gate|up, down a layer, with the embedding and the lm head — 152 launches
     (302 before the split sums, attention's merges and rope_kv went into other kernels); with
-    TANDEM_GPU_REDUCE=launch they come back as launches of their own (302); with TANDEM_GPU_MLP=fused
-    gate|up and down are one ``qmlp`` (122); with TANDEM_GPU_PERSISTENT=1 a step of up to 16 rows
-    (32 or 64 with TANDEM_GPU_PERSISTENT_ROWS) is one ``decode_persistent`` launch."""
+    TANDEM_GPU_REDUCE=launch they come back as launches of their own (302)."""
     counts: dict[str, int] = {}
 
     class Counter:
@@ -435,22 +379,3 @@ def test_a_decode_step_is_five_launches_a_layer(monkeypatch):
     assert sum(got["fused"].values()) == 152
     assert got["launch"]["split_sum"] == 3 * layers and got["launch"]["attn_merge"] == layers
     assert got["launch"]["rope_kv"] == layers and sum(got["launch"].values()) == 302
-    monkeypatch.setenv("TANDEM_GPU_REDUCE", "fused")
-    monkeypatch.setenv("TANDEM_GPU_MLP", "fused")        # the FFN in one launch: four a layer
-    st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
-    counts.clear()
-    st.decode(i, i, i, i, torch.zeros(1, 512, dtype=torch.int32), i, i, kv)
-    assert counts == {"embed": 1, "qmatmul": 2 * layers + 1, "attn_decode": layers, "qmlp": layers}
-    assert sum(counts.values()) == 122
-    # TANDEM_GPU_PERSISTENT=1: up to 16 rows (32 or 64 with TANDEM_GPU_PERSISTENT_ROWS) one launch
-    monkeypatch.setenv("TANDEM_GPU_PERSISTENT", "1")
-    one, launches = {"decode_persistent": 1}, dict(counts)     # (past the limit: the launches above)
-    for limit, cases in (("16", ((1, one), (16, one), (17, launches))), ("32", ((17, one), (32, one), (33, launches))),
-                         ("64", ((33, one), (64, one)))):
-        monkeypatch.setenv("TANDEM_GPU_PERSISTENT_ROWS", limit)
-        st = gpu_step.GpuStep(model, 8192, tuning=gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200")))
-        for rows, want in cases:
-            counts.clear()
-            i = torch.zeros(rows, dtype=torch.int32)
-            st.decode(i, i, i, i, torch.zeros(rows, 512, dtype=torch.int32), i, i, kv)
-            assert counts == want, (limit, rows)

@@ -200,7 +200,6 @@ def test_the_host_sampler_takes_device_draws_without_reading_their_rows():
 class _FakeStep:
     """Stands for GpuStep in DecodeGraphs: fixed logits per row (its token id picks the row)."""
     device = torch.device("cpu")
-    persistent = False
 
     def __init__(self, logits):
         self.logits = logits

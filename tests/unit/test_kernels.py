@@ -144,22 +144,6 @@ def test_embedding_is_bitwise_the_reference():
     assert cpu.embedding(torch.tensor([], dtype=torch.int64), q).shape == (0, 576)
 
 
-@needs_lib
-def test_planes_hold_the_same_blocks_quants_first():
-    """``q4_0.to_planes`` (the GPU's TANDEM_GPU_WEIGHTS=planes): a row's quant bytes in one run,
-    the scales after all quants, the same bytes (the rows put back from them are the rows)."""
-    q = q4_0.quantize(torch.randn(5, 96))
-    p = q4_0.to_planes(q)
-    blocks = q.reshape(5, 3, 18)
-    flat = p.reshape(-1)
-    back = torch.cat([flat[5 * 48:].reshape(5, 3, 2), flat[:5 * 48].reshape(5, 3, 16)], dim=-1).reshape(5, 54)
-    assert p.shape == q.shape and torch.equal(back, q)
-    assert torch.equal(flat[:5 * 48].reshape(5, 3, 16), blocks[..., 2:])      # row 1's quants at byte 48
-    assert torch.equal(flat[5 * 48:].reshape(5, 3, 2), blocks[..., :2])       # the fp16 scales after
-    assert torch.equal(flat[5 * 48:].view(torch.float16).float().reshape(5, 3),
-                       blocks[..., :2].contiguous().view(torch.float16).float().reshape(5, 3))
-
-
 def test_empty_batch():
     assert cpu.matmul(torch.empty(0, 576), q4(8, 576)).shape == (0, 8)
 
