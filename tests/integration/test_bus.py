@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 
 import pytest
@@ -502,3 +504,31 @@ async def test_closing_after_the_server_went_first_is_quiet():
         async def close(self):
             raise ConnectionResetError("Connection lost")
     await Bus(Gone()).close()
+
+
+def test_tap_exits_at_once_on_sigterm_while_the_server_is_frozen():
+    """`tandem tap` publishes nothing, so on SIGTERM it has nothing to flush: with its NATS server
+    frozen (SIGSTOP: no PONG ever comes) it still exits at once, not after the bus's 5 s flush."""
+    import subprocess
+    import sys
+    server = EmbeddedNats()
+    url = server.start()
+    tap = subprocess.Popen([sys.executable, "-m", "services.cli", "tap", "tandem.>", "--url", url],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        seen = ""
+        while "tapping" not in seen and time.monotonic() < deadline and tap.poll() is None:
+            seen += tap.stderr.readline()
+        assert "tapping" in seen, seen
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        termed = time.monotonic()
+        tap.send_signal(signal.SIGTERM)
+        rc = tap.wait(timeout=10)
+        took = time.monotonic() - termed
+        assert rc == 0 and took < 2.0, (rc, took)
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        if tap.poll() is None:
+            tap.kill()
+        server.stop()
