@@ -62,6 +62,9 @@ BENCHES = {
                 _module_arguments("bench.grammar"), _module_main("bench.grammar")),
     "chaos": ("steady load while engine workers and NATS are killed: lost, resumed, exact (bench/chaos.py)",
               _module_arguments("bench.chaos"), _module_main("bench.chaos")),
+    "sampler": ("the host sampler's top-p: the candidates it sorts vs a sort of the whole row, on the model's "
+                "logits and in the CPU engine's decode (bench/sampler.py)",
+                _module_arguments("bench.sampler"), _module_main("bench.sampler")),
     "stops": ("16 stop strings of 30 KB on one sequence vs the rest of its batch's decode speed (bench/stops.py)",
               _module_arguments("bench.stops"), _module_main("bench.stops")),
     "hosts": ("N hosts on one machine (network namespaces, root), one NATS cluster: a server killed "

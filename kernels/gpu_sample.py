@@ -5,8 +5,8 @@ tokens). The host sampler (shared/engine/sampler.py) is the reference, and this 
 procedure, row for row:
 
 1. ``x = logits / temperature``; top-k keeps ``x >= `` the k-th largest value; top-p sorts the
-   top-k row, drops a token when the mass before it already reaches ``top_p`` (the best token
-   always stays); min-p drops ``p < min_p * max p``; ``p = softmax(x)``;
+   top-k row (ties by token index), drops a token when the mass before it already reaches
+   ``top_p`` (the best token always stays); min-p drops ``p < min_p * max p``; ``p = softmax(x)``;
 2. the draw is the host's inverse CDF in token order: the first token whose float64 running sum
    of ``p`` exceeds ``u * sum(p)``, with ``u`` the host's very uniform number for this request
    and output index — numpy's Philox-4x64-10 keyed by the seed, counter = the index, computed on
@@ -60,12 +60,11 @@ def probs(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: 
     v = logits.shape[1]
     x = logits / temp[:, None]
     if filtered:
-        sx, idx = torch.sort(x, dim=-1, descending=True)
+        sx, idx = torch.sort(x, dim=-1, descending=True, stable=True)   # (ties by index: the host's order)
         k = torch.where((top_k > 0) & (top_k < v), top_k, v).long()
         kth = sx.gather(1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
-        sx = sx.masked_fill(sx < kth, float("-inf"))
-        ps = sx.softmax(-1)
+        ps = x.softmax(-1).gather(1, idx)      # (the host's: the row's softmax, in sorted order)
         drop = ((ps.cumsum(-1) - ps) >= top_p[:, None]) & (top_p < 1.0)[:, None]
         drop[:, 0] = False      # the best token always stays (as the host's: a top_p that is 0 in float32)
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))

@@ -1,0 +1,17 @@
+"""`tandem bench sampler` end to end on the bundled model: the host's top-p by candidates keeps
+the tokens a sort of the whole row keeps on real next-token logits (the bench checks each row),
+and the CPU engine decodes the same tokens either way."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench import sampler as bench_sampler
+
+
+def test_the_sampler_bench_prints_both_tables_and_the_same_tokens(capsys):
+    assert bench_sampler.main(argparse.Namespace(tokens=4, rounds=1)) == 0
+    out = capsys.readouterr().out
+    assert "| T | top-p | tokens kept | full sort µs | candidates µs | ratio |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| greedy") or line.startswith("| T 0.8")]
+    assert len(rows) == 3 and all(line.rstrip().endswith("| yes |") for line in rows), out
