@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -152,9 +153,23 @@ def os_priorities(args: argparse.Namespace, env: dict[str, str]) -> tuple[dict[s
     return extra, line
 
 
-async def _pump(name: str, stream: asyncio.StreamReader) -> None:
+_METRICS_LINE = re.compile(rb"metrics on http://\S+:(\d+)/metrics")   # shared/metrics.py ``serve_http``'s
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Could a server bind ``host:port`` now (as the metrics server binds: address reuse on)?"""
+    try:
+        socket.create_server((host, port)).close()   # (SO_REUSEADDR, as http.server)
+        return True
+    except OSError:
+        return False
+
+
+async def _pump(name: str, stream: asyncio.StreamReader, seen: Callable[[bytes], None] | None = None) -> None:
     width = 12
     while line := await stream.readline():
+        if seen is not None:
+            seen(line)
         sys.stderr.write(f"{name:<{width}}| {line.decode(errors='replace')}")
         sys.stderr.flush()
 
@@ -182,15 +197,34 @@ class Child:
         self.left: Callable[[tuple[str, ...]], bool] = lambda services: True   # a copy of one of these services
                                                                                # is not given up (set by _up)
         self.wake = asyncio.Event()           # set by stop(): cut a backoff short
+        self.metrics_port: int | None = None  # the port its first incarnation's /metrics bound (its log says)
+
+    def _saw(self, line: bytes) -> None:
+        if self.metrics_port is None and (m := _METRICS_LINE.search(line)):
+            self.metrics_port = int(m.group(1))
+
+    def _env(self, wid: str) -> dict[str, str]:
+        """The environment of the next incarnation. A restart keeps the /metrics port the first one
+        bound (a free one, TANDEM_METRICS_PORT=0): a scraper's target stays put — unless another
+        process took the port meanwhile (then a free one again, said here)."""
+        env = dict(self.env, TANDEM_WORKER_ID=wid)
+        if self.metrics_port is not None and self.env.get("TANDEM_METRICS_PORT", "0") == "0":
+            if _port_free(self.env.get("TANDEM_METRICS_HOST", "127.0.0.1"), self.metrics_port):
+                env["TANDEM_METRICS_PORT"] = str(self.metrics_port)
+            else:
+                log.warning("%s: its metrics port %d is taken now; this copy takes a free one", self.name,
+                            self.metrics_port)
+                self.metrics_port = None
+        return env
 
     async def start(self) -> None:
         wid = f"{self.name}-{os.getpid()}" + (f"-{self.starts}" if self.starts else "")
         self.starts += 1
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.cli", "serve", self.service, env=dict(self.env, TANDEM_WORKER_ID=wid),
+            sys.executable, "-m", "services.cli", "serve", self.service, env=self._env(wid),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             process_group=0, preexec_fn=die_with_parent)
-        self.pump = asyncio.create_task(_pump(self.name, self.proc.stdout))
+        self.pump = asyncio.create_task(_pump(self.name, self.proc.stdout, self._saw))
 
     async def supervise(self, stop: asyncio.Event) -> None:
         """Restart the copy whenever it exits, until stop() or the crash-loop limit. A copy that

@@ -192,6 +192,13 @@ async def test_streams_survive_a_killed_decode_worker(stack, nats_server):
             await asyncio.sleep(0.5)
         assert restarted(stack, role), stack.tail()
         stack.wait_workers({"cpu-decode": 2, "gpu-decode": 1}, 180)
+        # its next incarnation (worker id <copy>-<tandem up's pid>[-<n>]) serves /metrics where the dead one did
+        copy = victim[:victim.index(f"-{stack.proc.pid}")] + f"-{stack.proc.pid}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (again := [b for w, b in list(watch.beats.items())
+                                                             if w.startswith(copy + "-") and w != victim]):
+            await asyncio.sleep(0.2)
+        assert again and again[-1].metrics_port == victim_beat.metrics_port > 0, (victim_beat, again)
     finally:
         watch.task.cancel()
         await bus.close()

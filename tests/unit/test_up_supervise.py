@@ -54,3 +54,27 @@ def test_the_stack_stops_once_every_decode_copy_is_given_up(monkeypatch):
             assert c.given_up and c.fatal == last and stop.is_set() == last
 
     asyncio.run(main())
+
+
+def test_a_restarted_copy_keeps_its_metrics_port_unless_it_is_taken(caplog):
+    """The port a copy's first /metrics bound (TANDEM_METRICS_PORT=0: a free one, read from its log
+    line) is the next incarnation's TANDEM_METRICS_PORT, so a scraper's target outlives a restart;
+    where another process took it meanwhile, a free one again (said); a fixed or -1 setting is
+    left as the user set it."""
+    import socket
+    c = up.Child("cpu-decode", "cpu-decode", {"TANDEM_METRICS_PORT": "0"})
+    assert c._env("w-1") == {"TANDEM_METRICS_PORT": "0", "TANDEM_WORKER_ID": "w-1"}   # nothing seen yet
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        c._saw(b"INFO tandem.worker: loading the model")
+        c._saw(f"INFO tandem.metrics: metrics on http://127.0.0.1:{port}/metrics\n".encode())
+        c._saw(b"INFO tandem.metrics: metrics on http://127.0.0.1:1/metrics\n")      # (the first one counts)
+        assert c.metrics_port == port
+        assert c._env("w-2")["TANDEM_METRICS_PORT"] == "0" and c.metrics_port is None   # taken: a free one
+        assert "is taken now" in caplog.text
+    c._saw(f"metrics on http://127.0.0.1:{port}/metrics".encode())
+    assert c._env("w-3") == {"TANDEM_METRICS_PORT": str(port), "TANDEM_WORKER_ID": "w-3"}   # free again: kept
+    for setting in ("-1", "9400"):
+        fixed = up.Child("router", "router", {"TANDEM_METRICS_PORT": setting})
+        fixed._saw(f"metrics on http://127.0.0.1:{port}/metrics".encode())
+        assert fixed._env("r-1")["TANDEM_METRICS_PORT"] == setting
