@@ -39,21 +39,13 @@ def test_top_k_top_p_min_p_masks():
     assert torch.isinf(_filter(row, seq([0], temperature=1.0, min_p=0.4))).tolist() == [False, False, True, True]
 
 
-def _top_p_by_full_sort(row: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The definition: a stable descending sort of the whole row, its softmax in that order."""
-    idx = torch.sort(row, descending=True, stable=True).indices
-    ps = row.softmax(-1)[idx]
-    drop = (ps.cumsum(-1) - ps) >= top_p
-    drop[0] = False
-    return row.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
-
-
 @pytest.mark.parametrize("ties", [False, True])
 def test_top_p_sorts_only_its_candidates_and_drops_what_a_full_sort_drops(ties):
     """``_top_p`` sorts the best 64 tokens (4x more while their mass is short of top_p), not the
     row: the same tokens kept as a stable sort of the whole row keeps — flat rows whose nucleus
     needs thousands of candidates, peaked ones that need one, rows with many equal logits (ties
     by token index), top_p from 1e-46 to 0.999999, rows with tokens already at -inf (top-k)."""
+    from bench.sampler import full_sort     # the definition: a stable sort of the whole row
     from shared.engine.sampler import _top_p
     g = torch.Generator().manual_seed(3)
     for scale in (0.01, 1.0, 3.0, 30.0):
@@ -62,7 +54,7 @@ def test_top_p_sorts_only_its_candidates_and_drops_what_a_full_sort_drops(ties):
             if ties:
                 row = (row * 2).round() / 2
             row[torch.randperm(5000, generator=g)[:100]] = float("-inf")
-            assert torch.equal(_top_p(row.clone(), top_p), _top_p_by_full_sort(row, top_p)), (scale, top_p)
+            assert torch.equal(_top_p(row.clone(), top_p), full_sort(row, top_p)), (scale, top_p)
 
 
 def test_greedy_and_logprobs():
