@@ -58,12 +58,13 @@ def _top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
     least positive value, 1e-46, compares as 0 and would drop it).
 
     Only the best tokens are sorted: the logits within ``TOP_P_SPAN`` of the largest (a span 1.5x
-    wider each time their mass falls short of top_p; past 64, the whole row) — then every token past them has at least
-    that mass before it, dropped as a full sort would drop it, and the candidates' order and
-    running sums (float64, rounded to float32 at each step: torch's CPU cumsum) are the full
-    sort's first ones: the same tokens, bit for bit (tests/unit/test_sampler.py). A full sort of
-    the bundled model's 49,152 logits took ~4.5 ms on one core of a 2-vCPU AMD EPYC (AVX2); this
-    ~0.1-0.2 ms where the nucleus is a few hundred tokens (docs/kernels.md)."""
+    wider each time their mass falls short of top_p; past 64, the whole row) — then every token
+    past them has at least that mass before it, dropped as a full sort would drop it, and the
+    candidates' order and running sums (float64, rounded to float32 at each step: torch's CPU
+    cumsum) are the full sort's first ones: the same tokens, bit for bit (tests/unit/
+    test_sampler.py). A full sort of the bundled model's 49,152 logits took ~5 ms on one core
+    of a 2-vCPU AMD EPYC (AVX2); this ~0.17 ms at T <= 1 (`tandem bench sampler`,
+    docs/benchmarks.md "The host sampler's top-p")."""
     probs = row.softmax(-1).numpy()
     x = row.numpy()
     top = np.float32(top_p)
