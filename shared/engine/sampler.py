@@ -70,6 +70,8 @@ def _top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
     top = np.float32(top_p)
     span = TOP_P_SPAN
     best = x.max()
+    if np.isnan(best):      # no order to cut (a NaN logit): the draw says so, as for any such row
+        return row
     while True:
         cand = np.flatnonzero(x >= best - span) if np.isfinite(span) else np.arange(x.shape[0])
         cand = cand[torch.sort(torch.from_numpy(x[cand]), descending=True, stable=True).indices.numpy()]

@@ -105,11 +105,13 @@ def test_extreme_but_valid_parameters_still_choose_a_token():
 def test_a_row_that_cannot_be_chosen_fails_alone():
     """With ``failed``, a row whose choice raises gets its exception there; the other rows are
     chosen as before. Without it the exception goes up."""
-    logits = torch.tensor([[0.0, 1.0, 5.0], [float("nan")] * 3, [0.0, 4.0, 1.0]])
-    rows = [seq([0], temperature=1.0, seed=1), seq([0], temperature=1.0, seed=1), seq([0], temperature=0)]
+    logits = torch.tensor([[0.0, 1.0, 5.0], [float("nan")] * 3, [0.0, 4.0, 1.0], [1.0, float("nan"), 2.0]])
+    rows = [seq([0], temperature=1.0, seed=1), seq([0], temperature=1.0, seed=1), seq([0], temperature=0),
+            seq([0], temperature=1.0, top_p=0.9, seed=1)]
     failed = {}
     toks, lps = sample(logits, rows, failed=failed)
-    assert list(failed) == [1] and "no token has a positive probability" in str(failed[1])
+    assert list(failed) == [1, 3] and "no token has a positive probability" in str(failed[1])
+    assert "no token has a positive probability" in str(failed[3])   # (top-p's cut too: not an IndexError)
     assert toks[0] == sample(logits[:1], rows[:1])[0][0] and toks[2] == 1 and toks[1] == -1
     with pytest.raises(ValueError, match="positive probability"):
         sample(logits, rows)
