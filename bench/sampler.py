@@ -8,10 +8,11 @@ best (wider while their mass is short of top-p) and drops what the full sort wou
 What runs, side by side in one process (rounds interleaved, medians):
 1. each way on the bundled model's real next-token logits (a few prompts, a few temperatures),
    one core: µs a row, the tokens kept (checked equal both ways);
-2. the CPU engine decoding one stream (greedy, T 0.8, T 0.8 with top-p 0.95), once with
-   ``_top_p`` and once with the full sort in its place: ms a token.
+2. the CPU engine decoding one stream (greedy, T 0.8, T 0.8 with top-p 0.95) and 16 streams
+   (T 0.8 with top-p 0.95), once with ``_top_p`` and once with the full sort in its place: tokens
+   a second in all.
 
-    python -m bench.sampler [--tokens 96] [--rounds 3]
+    python -m bench.sampler [--tokens 48] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _table(head: list[str], rows: list[list]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=96, help="tokens a decode run (part 2)")
+    p.add_argument("--tokens", type=int, default=48, help="tokens a stream (part 2)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each measurement (medians)")
 
 
@@ -77,31 +78,32 @@ def decode_part(engine, tokens: int, rounds: int) -> list[list]:
     from shared.engine import sampler
     from shared.engine.engine import run_to_completion
     from shared.engine.sampling import SamplingParams
-    ids = engine.tokenizer.encode(PROMPTS[0])
-    kinds = {"greedy": SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
-             "T 0.8": SamplingParams(max_tokens=tokens, temperature=0.8, seed=1, ignore_eos=True),
-             "T 0.8, top-p 0.95": SamplingParams(max_tokens=tokens, temperature=0.8, top_p=0.95, seed=1,
-                                                 ignore_eos=True)}
+    def streams(n: int, **kw) -> dict:
+        return {f"r{i}": (engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + f" ({i})"),
+                          SamplingParams(max_tokens=tokens, seed=i, ignore_eos=True, **kw)) for i in range(n)}
+    kinds = {"1 stream, greedy": streams(1, temperature=0.0), "1 stream, T 0.8": streams(1, temperature=0.8),
+             "1 stream, T 0.8, top-p 0.95": streams(1, temperature=0.8, top_p=0.95),
+             "16 streams, T 0.8, top-p 0.95": streams(16, temperature=0.8, top_p=0.95)}
     ways = {"candidates": sampler._top_p, "full sort": full_sort}
-    ms: dict[tuple[str, str], list[float]] = {}
-    texts: dict[tuple[str, str], list[int]] = {}
-    run_to_completion(engine, {"warm": (ids, kinds["greedy"])})
+    rate: dict[tuple[str, str], list[float]] = {}
+    texts: dict[tuple[str, str], dict] = {}
+    run_to_completion(engine, kinds["16 streams, T 0.8, top-p 0.95"])      # (warm)
     try:
         for r in range(rounds):
             for way in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
                 sampler._top_p = ways[way]
-                for kind, sp in kinds.items():
+                for kind, reqs in kinds.items():
                     t = time.perf_counter()
-                    done = run_to_completion(engine, {"r": (ids, sp)})["r"]
-                    ms.setdefault((kind, way), []).append((time.perf_counter() - t) / tokens * 1e3)
-                    texts[(kind, way)] = done.token_ids
+                    done = run_to_completion(engine, reqs)
+                    rate.setdefault((kind, way), []).append(len(reqs) * tokens / (time.perf_counter() - t))
+                    texts[(kind, way)] = {k: c.token_ids for k, c in done.items()}
     finally:
         sampler._top_p = ways["candidates"]
     rows = []
     for kind in kinds:
-        a, b = (statistics.median(ms[(kind, w)]) for w in ("full sort", "candidates"))
+        a, b = (statistics.median(rate[(kind, w)]) for w in ("full sort", "candidates"))
         same = texts[(kind, "full sort")] == texts[(kind, "candidates")]
-        rows.append([kind, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}x", "yes" if same else "NO"])
+        rows.append([kind, f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}x", "yes" if same else "NO"])
     return rows
 
 
@@ -109,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
     from shared.engine.engine import Engine, EngineConfig
     from shared.engine.loader import load_model
     progress = report.progress("bench sampler")
-    engine = Engine(load_model(), EngineConfig(num_kv_blocks=256))
+    engine = Engine(load_model(), EngineConfig(num_kv_blocks=1024, max_num_seqs=16))
     progress("part 1: top-p on the model's next-token logits, one core")
     t1 = rows_part(engine, args.rounds)
     progress(f"part 2: the CPU engine decoding one stream, {args.tokens} tokens, {args.rounds} rounds")
@@ -120,8 +122,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nHost top-p on the bundled model's next-token logits ({len(PROMPTS)} prompts, medians; one core; "
           f"{where})\n")
     print(_table(["T", "top-p", "tokens kept", "full sort µs", "candidates µs", "ratio"], t1))
-    print(f"\nCPU engine, one stream, {args.tokens} tokens (ms a token, medians of {args.rounds}; {where})\n")
-    print(_table(["request", "top-p by full sort", "top-p by candidates", "ratio", "same tokens"], t2))
+    print(f"\nCPU engine, {args.tokens} tokens a stream (tokens a second in all, medians of {args.rounds}; "
+          f"{where})\n")
+    print(_table(["requests", "top-p by full sort", "top-p by candidates", "ratio", "same tokens"], t2))
     return 0
 
 

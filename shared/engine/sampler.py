@@ -98,8 +98,11 @@ def uniform(seed: int, index: int) -> float:
 def draw(probs: torch.Tensor, seed: int, index: int) -> int:
     """Sample a token from ``probs`` [vocab] (need not sum exactly to 1) by inverse CDF with the
     ``uniform(seed, index)`` number. A token of probability 0 is never drawn."""
-    p = probs.double().numpy() if probs.device.type == "cpu" else probs.double().cpu().numpy()
-    cdf = np.cumsum(p)
+    probs = probs if probs.device.type == "cpu" else probs.cpu()
+    # the running sum in float64, in token order: torch's CPU cumsum adds as numpy's does (the
+    # same bits), ~4x faster on this machine's cores
+    cdf = probs.cumsum(0, dtype=torch.float64).numpy()
+    p = probs.numpy()
     if not cdf[-1] > 0:   # (NaN too) a row with no token to draw: its request fails, not the step
         raise ValueError(f"no token has a positive probability (total {cdf[-1]}): the row's logits, "
                          "penalties and filters left nothing to draw")
