@@ -78,6 +78,7 @@ def decode_part(engine, tokens: int, rounds: int) -> list[list]:
     from shared.engine import sampler
     from shared.engine.engine import run_to_completion
     from shared.engine.sampling import SamplingParams
+
     def streams(n: int, **kw) -> dict:
         return {f"r{i}": (engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + f" ({i})"),
                           SamplingParams(max_tokens=tokens, seed=i, ignore_eos=True, **kw)) for i in range(n)}
