@@ -156,13 +156,14 @@ def os_priorities(args: argparse.Namespace, env: dict[str, str]) -> tuple[dict[s
 _METRICS_LINE = re.compile(rb"metrics on http://\S+:(\d+)/metrics")   # shared/metrics.py ``serve_http``'s
 
 
-def _port_free(host: str, port: int) -> bool:
-    """Could a server bind ``host:port`` now (as the metrics server binds: address reuse on)?"""
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not bind ``host:port`` now (0: any port), or None where it could — with
+    address reuse on, as the metrics server (http.server) and the others bind."""
     try:
-        socket.create_server((host, port)).close()   # (SO_REUSEADDR, as http.server)
-        return True
-    except OSError:
-        return False
+        socket.create_server((host, port)).close()
+        return None
+    except OSError as e:
+        return e
 
 
 async def _pump(name: str, stream: asyncio.StreamReader, seen: Callable[[bytes], None] | None = None) -> None:
@@ -209,7 +210,7 @@ class Child:
         process took the port meanwhile (then a free one again, said here)."""
         env = dict(self.env, TANDEM_WORKER_ID=wid)
         if self.metrics_port is not None and self.env.get("TANDEM_METRICS_PORT", "0") == "0":
-            if _port_free(self.env.get("TANDEM_METRICS_HOST", "127.0.0.1"), self.metrics_port):
+            if _bind_error(self.env.get("TANDEM_METRICS_HOST", "127.0.0.1"), self.metrics_port) is None:
                 env["TANDEM_METRICS_PORT"] = str(self.metrics_port)
             else:
                 log.warning("%s: its metrics port %d is taken now; this copy takes a free one", self.name,
@@ -363,11 +364,9 @@ def _reachable(url: str, timeout: float) -> bool:
 
 def _bindable(host: str, what: str) -> None:
     """``host`` (a TANDEM_*_HOST) is an address of this machine a server can bind: ValueError naming ``what``."""
-    try:
-        socket.create_server((host, 0)).close()
-    except OSError as e:
-        raise ValueError(f"{what}={host} cannot be bound ({e.strerror or e}): an address of this machine, "
-                         "e.g. 127.0.0.1 or 0.0.0.0") from None
+    if (err := _bind_error(host, 0)) is not None:
+        raise ValueError(f"{what}={host} cannot be bound ({err.strerror or err}): an address of this machine, "
+                         "e.g. 127.0.0.1 or 0.0.0.0")
 
 
 def preflight(settings: Settings, pool: bool = True, metrics_servers: int = 1,
