@@ -74,6 +74,7 @@ VARIANTS = {"graphs-all": ({"TANDEM_GPU_AHEAD": "1", "TANDEM_GPU_PDL": "1", "TAN
                             "TANDEM_GPU_PREFETCH": "1"}, "ahead, PDL, 3xTF32 and prefetch everywhere at once"),
             "graphs-ahead": ({"TANDEM_GPU_AHEAD": "1"}, "each decode step launched before the last one's tokens are read"),
             "graphs-pdl": ({"TANDEM_GPU_PDL": "1"}, "programmatic dependent launch"),
+            "graphs-pdl-exit": ({"TANDEM_GPU_PDL": "exit"}, "programmatic dependent launch, triggered as programs exit"),
             "graphs-launch": ({"TANDEM_GPU_REDUCE": "launch"}, "split sums, attention merges and rope launched"),
             "graphs-noprefetch": ({"TANDEM_GPU_PREFETCH": "0"}, "each K step's weights fetched at use"),
             "graphs-prefetch": ({"TANDEM_GPU_PREFETCH": "1"}, "weights fetched a step ahead in every program of 2+ steps"),

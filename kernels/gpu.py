@@ -111,7 +111,7 @@ def matmul(x: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) ->
         kern.qmatmul[(-(-n // 64), -(-m // 64))](x, q, q.view(torch.float16), out, x, out, out, m, n, x.stride(0),
                                                  out.stride(0), 0.0, 0, K=k, BLOCK_M=64, BLOCK_N=64, BLOCK_B=BLOCK_B,
                                                  NORM=False, SILU=False, RESIDUAL=False, SPLIT=False, FIXUP=False,
-                                                 PRECISION="ieee", NORM_W=16, PDL=False, PREFETCH=False)
+                                                 PRECISION="ieee", NORM_W=16, PDL=0, PREFETCH=False)
     return out
 
 

@@ -101,21 +101,32 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def pdl_wanted(device) -> bool:
-    """Do the step's kernels launch with programmatic dependent launch? TANDEM_GPU_PDL=1 on a
-    CUDA device of compute capability 9.0 or above (Hopper), where Triton has it; off by
-    default until a GPU run has measured it (``tandem bench gpu --modes graphs graphs-pdl``).
-    Each kernel waits for its predecessor before touching memory (``_grid_dependency`` in
-    kernels/gpu_triton.py), so the bits are the same either way; what changes is that a launch
-    overlaps the tail of the kernel before it, inside a CUDA graph too."""
-    if os.environ.get("TANDEM_GPU_PDL", "0") != "1" or getattr(device, "type", None) != "cuda":
-        return False
+PDL_MODES = {"0": 0, "1": 1, "exit": 2}   # TANDEM_GPU_PDL -> the kernels' PDL constexpr
+
+
+def pdl_mode(device) -> int:
+    """Do the step's kernels launch with programmatic dependent launch, and when does a kernel let
+    the next one launch? TANDEM_GPU_PDL on a CUDA device of compute capability 9.0 or above
+    (Hopper), where Triton has it: "1" — each kernel right after its wait (1), "exit" — none
+    asked, the next one launching as this one's programs exit (2); "0" (the default) or any other
+    device — plain launches (0). Off by default until a GPU run has measured it (``tandem bench
+    gpu --modes graphs graphs-pdl graphs-pdl-exit``; "1" measured 0.72-0.78x on an H200,
+    2026-11-30). Each kernel waits for its predecessor before touching what it wrote
+    (``_grid_dependency`` in kernels/gpu_triton.py), so the bits are the same every way; what
+    changes is that a launch overlaps the tail of the kernel before it, inside a CUDA graph too."""
+    value = os.environ.get("TANDEM_GPU_PDL", "0")
+    if value not in PDL_MODES:
+        raise ValueError(f"TANDEM_GPU_PDL must be one of {', '.join(PDL_MODES)}, got {value!r}")
+    if not PDL_MODES[value] or getattr(device, "type", None) != "cuda":
+        return 0
     from kernels import gpu_triton
-    return gpu_triton.gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9
+    ok = gpu_triton.gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9
+    return PDL_MODES[value] if ok else 0
 
 
-def pdl_args(pdl: bool) -> dict:
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+def pdl_args(pdl: int) -> dict:
+    """The launch arguments of a step kernel under ``pdl_mode`` ``pdl``."""
+    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": 0}
 
 
 def unsupported(cfg, block_size: int) -> str | None:
@@ -174,14 +185,14 @@ class Q4Weight:
 def qmatmul(x: torch.Tensor, w: Q4Weight, out: torch.Tensor, tile: gpu_tuning.Tile,
             norm: torch.Tensor | None = None, silu: bool = False, residual: bool = False, eps: float = 1e-5,
             precision: str = "ieee", part: torch.Tensor | None = None, reduce: bool = True,
-            counters: torch.Tensor | None = None, pdl: bool = False, prefetch_mode: str = "auto"):
+            counters: torch.Tensor | None = None, pdl: int = 0, prefetch_mode: str = "auto"):
     """Launch ``GpuStep.matmul``'s kernels for ``tile``: ``qgemv`` for up to ``tile.gemv`` rows, else
     ``qmatmul`` (``precision`` past 64 rows; "tf32x3" at every M). Where K is split, the partial sums go to ``part``
     (allocated when not given) and are added up in split order by the last split of each tile to
     finish, given ``counters`` (zeroed int32, one a tile: ``GpuStep.counters``) — else by a
     ``split_sum`` launch; ``reduce=False`` leaves them there, unsummed, for a consumer that adds
-    them as it reads (``rope_kv``). Either way the same bits. ``pdl``: launched with programmatic
-    dependent launch (``GpuStep.pdl``). Returns the matmul's compiled kernel (registers, spills)."""
+    them as it reads (``rope_kv``). Either way the same bits. ``pdl``: ``pdl_mode``'s (0: plain
+    launches; ``GpuStep.pdl``). Returns the matmul's compiled kernel (registers, spills)."""
     m, n, k = x.shape[0], w.n, w.k
     splits, per = tile.plan(n, k)
     kern = _k()
@@ -252,7 +263,7 @@ class PagedBatch:
 
 
 def prefill_attention(q, layer_kv, pb: PagedBatch, out, group: int, scale: float, tile: "gpu_tuning.PrefillTile",
-                      precision: str, counters=None, pdl: bool = False):
+                      precision: str, counters=None, pdl: int = 0):
     """The prefill chunks of ``pb``: ``q``'s rows (heads of ``group`` query heads a kv head)
     against their keys in ``layer_kv`` [blocks, 2, BS, kv heads, HD], into ``out`` — one
     ``attn_prefill`` launch, its keys split into ``tile.seg``-key segments where a tile's span
@@ -318,7 +329,7 @@ class GpuStep:
             raise ValueError(f"TANDEM_GPU_REDUCE must be one of {', '.join(REDUCE)}, got {self.reduce!r}")
         self.counters = (torch.zeros(COUNTERS, dtype=torch.int32, device=self.device) if self.reduce == "fused"
                          else None)
-        self.pdl = pdl_wanted(self.device)
+        self.pdl = pdl_mode(self.device)   # (validated everywhere, used on CUDA sm_90+)
         # each K step's weight bytes fetched during the step before, in programs of several steps
         self.prefetch = os.environ.get("TANDEM_GPU_PREFETCH", "auto")
         if self.prefetch not in PREFETCH:

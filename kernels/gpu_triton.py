@@ -16,7 +16,7 @@ import os
 import triton
 import triton.language as tl
 
-try:        # programmatic dependent launch (Triton >= 3.4); only a PDL=True kernel calls them
+try:        # programmatic dependent launch (Triton >= 3.4); only a PDL > 0 kernel calls them
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older triton: TANDEM_GPU_PDL stays off (kernels/gpu_step.py)
     gdc_launch_dependents = gdc_wait = None
@@ -26,13 +26,17 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # how these kernels
 
 @triton.jit
 def _grid_dependency(PDL: tl.constexpr):
-    """With programmatic dependent launch (PDL: launched with ``launch_pdl``, sm_90+): wait until
-    the previous kernel of the stream has finished and its writes are visible, then let the next
-    one start launching (its programs wait the same way). Every fused-step kernel does this
-    before it reads or writes anything, so the launch of a kernel overlaps its predecessor's
-    tail and nothing else changes (kernels/gpu_step.py)."""
-    if PDL:
+    """With programmatic dependent launch (PDL > 0: launched with ``launch_pdl``, sm_90+): wait
+    until the previous kernel of the stream has finished and its writes are visible. PDL == 1
+    then lets the next kernel start launching at once (its programs sit resident until their own
+    wait); PDL == 2 triggers nothing, so the next kernel launches once every program of this one
+    has exited (CUDA's implicit trigger), still before this one's completion is flushed. Every
+    fused-step kernel does this before it reads or writes anything the kernel before writes, so
+    the launch of a kernel overlaps its predecessor's tail and nothing else changes
+    (kernels/gpu_step.py ``pdl_mode``)."""
+    if PDL > 0:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
 
 
@@ -336,7 +340,7 @@ def qmatmul(x_ptr, q_ptr, d_ptr, out_ptr, nw_ptr, part_ptr, cnt_ptr, M, N, strid
     n_ok = n < N
     kb0, kb1 = _k_range(SPLIT, blocks_per_split, K // 32, split)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if BLOCK_M <= 16 and not PDL:
+    if BLOCK_M <= 16 and PDL == 0:
         # the norm's loads first, the first K step's weight bytes right after: both asked for before
         # either is used (the other way round the weights' layout conversion — a CTA barrier —
         # came between them: a round trip more, sm_90's SASS)

@@ -665,7 +665,8 @@ ELSEWHERE: dict[str, str] = {
     "TANDEM_GPU_GEMM_ROWS": "prefill steps of at least this many rows through cuBLAS",
     "TANDEM_GPU_GEMM_CACHE_MB": "tf32x3: MB of the weights' TF32 split kept on the device for those cuBLAS "
                                 "matmuls (2048; 8 bytes a weight; 0: split at each call)",
-    "TANDEM_GPU_PDL": "1: programmatic dependent launch (sm_90+)",
+    "TANDEM_GPU_PDL": "0 (the default), 1 or exit: programmatic dependent launch (sm_90+), the next "
+                      "kernel let launch right after each wait (1) or as each kernel's programs exit",
     "TANDEM_GPU_PRECISION": "ieee, tf32 or tf32x3 (the default on CUDA): the matmuls' dots",
     "TANDEM_GPU_PREFETCH": "auto, 0 or 1: a K step's weights fetched during the step before",
     "TANDEM_GPU_PREFILL_ATTN": "ieee, tf32, fp16 or tf32x3: the prefill attention's dots",

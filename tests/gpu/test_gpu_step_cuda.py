@@ -148,17 +148,18 @@ def test_split_sums_and_segments_reduced_in_kernel_match_their_own_launches():
     assert matmuls == [True] * 4 and counters_zero and attention <= 1e-6
 
 
-@pytest.mark.parametrize("gemv", [False, True])
-def test_programmatic_dependent_launch_changes_no_bit(gemv, monkeypatch):
-    """TANDEM_GPU_PDL=1 (sm_90+): the decode step captured and replayed with programmatic dependent
-    launch gives bitwise the logits of the step without it."""
+@pytest.mark.parametrize("mode,gemv", [("1", False), ("1", True), ("exit", False)])   # (exit: no trigger, one case)
+def test_programmatic_dependent_launch_changes_no_bit(mode, gemv, monkeypatch):
+    """TANDEM_GPU_PDL=1 / exit (sm_90+): the decode step captured and replayed with programmatic
+    dependent launch — the next kernel let launch right after each wait, or as each kernel's
+    programs exit — gives bitwise the logits of the step without it."""
     from kernels import gpu_step
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
     monkeypatch.delenv("TANDEM_GPU_PDL", raising=False)
     *_, plain = cases._graphs_case("cuda", gemv)
-    monkeypatch.setenv("TANDEM_GPU_PDL", "1")
-    assert gpu_step.pdl_wanted(torch.device("cuda"))
+    monkeypatch.setenv("TANDEM_GPU_PDL", mode)
+    assert gpu_step.pdl_mode(torch.device("cuda")) == gpu_step.PDL_MODES[mode]
     err, same_best, dkv_others, scratch_written, bitwise, pdl = cases._graphs_case("cuda", gemv)
     assert same_best and scratch_written and bitwise
     assert torch.equal(plain, pdl)

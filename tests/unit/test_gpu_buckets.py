@@ -73,6 +73,22 @@ def test_prefetch_setting_is_checked(monkeypatch):
         gpu_step.GpuStep(bundled_shapes_model(), 1024)
 
 
+def test_pdl_setting_is_checked_and_only_cuda_takes_it(monkeypatch):
+    """TANDEM_GPU_PDL: 0 / 1 / exit are the kernels' PDL 0 / 1 / 2 on CUDA sm_90+; on any other
+    device plain launches (0) whatever it says; anything else is refused by name, everywhere."""
+    from tests.unit.test_gpu_compile import bundled_shapes_model
+    assert gpu_step.PDL_MODES == {"0": 0, "1": 1, "exit": 2}
+    for value in ("0", "1", "exit"):
+        monkeypatch.setenv("TANDEM_GPU_PDL", value)
+        assert gpu_step.pdl_mode(torch.device("cpu")) == 0
+    assert gpu_step.pdl_args(0) == {"PDL": 0} and gpu_step.pdl_args(2) == {"PDL": 2, "launch_pdl": True}
+    monkeypatch.setenv("TANDEM_GPU_PDL", "late")
+    with pytest.raises(ValueError, match="TANDEM_GPU_PDL must be one of 0, 1, exit"):
+        gpu_step.pdl_mode(torch.device("cpu"))
+    with pytest.raises(ValueError, match="TANDEM_GPU_PDL"):
+        gpu_step.GpuStep(bundled_shapes_model(), 1024)
+
+
 def test_tuning_tables_load_and_refuse_bad_entries(tmp_path, monkeypatch):
     t = gpu_tuning.Tuning({(960, 576): gpu_tuning.Tile(32, 4, 4, 2)}, "x")
     path = tmp_path / "t.json"

@@ -9,9 +9,9 @@ a cached prefix, decodes) and decode steps at every M tile (1, 2, 3, 8, 16, 17, 
 with the built-in matmul tiles, each table in kernels/tuning/ (kernels/gpu_tuning.py) and
 ``qgemv`` tiles at every decode BLOCK_M, split sums and attention segments reduced in the kernel
 (the default) and by launches of their own (TANDEM_GPU_REDUCE=launch; f32, the H200's tiles), launched
-with programmatic dependent launch (TANDEM_GPU_PDL=1, the same: each kernel's ``griddepcontrol.wait``
-comes before its first global store or atomic, and before every load but the matmuls' first
-weight tile),
+with programmatic dependent launch (TANDEM_GPU_PDL=1, f32; TANDEM_GPU_PDL=exit, 3xTF32: each kernel's
+``griddepcontrol.wait`` comes before its first global store or atomic, and before every load but
+the matmuls' first weight tile; ``launch_dependents`` right after it under "1", nowhere under "exit"),
 ``rope_kv`` and ``attn_decode`` for qwen2's q|k|v bias and qwen3's per-head norms, and the
 decode graphs' Philox uniforms (kernels/gpu_sample.py)
 — and each distinct variant is compiled ahead of time with
@@ -133,8 +133,12 @@ def recording() -> Recorder:
         h200 = gpu_tuning.Tuning.read(gpu_tuning.shipped("NVIDIA H200"))
         tunings.append(gpu_tuning.Tuning({s: dataclasses.replace(t, gemv=16, norm_w=256)
                                           for s, t in h200.tiles.items()}, "gemv"))
-        for precision, tuning, reduce in itertools.product(gpu_step.PRECISIONS, tunings, gpu_step.REDUCE + ("pdl",)):
-            if reduce != "fused" and (precision != "ieee" or tuning.source != h200.source):
+        for precision, tuning, reduce in itertools.product(gpu_step.PRECISIONS, tunings,
+                                                           gpu_step.REDUCE + ("pdl", "pdl-exit")):
+            if reduce == "pdl-exit":        # `bench gpu --modes graphs-pdl-exit`: the defaults on CUDA but PDL
+                if precision != gpu_step.DEFAULT_PRECISION["cuda"] or tuning.source != h200.source:
+                    continue
+            elif reduce != "fused" and (precision != "ieee" or tuning.source != h200.source):
                 continue            # (the other kernels of these modes: those of the fused ones)
             if precision == "tf32x3" and tuning.source != h200.source:
                 continue            # (TANDEM_GPU_PRECISION=tf32x3: qmatmul at every M, the H200's tiles)
@@ -143,7 +147,8 @@ def recording() -> Recorder:
             st = gpu_step.GpuStep(model, 8192, precision, tuning=tuning)
             if reduce == "launch":          # TANDEM_GPU_REDUCE=launch: split_sum, attn_merge, rope_kv
                 st.counters, st.reduce = None, "launch"
-            st.pdl = reduce == "pdl"        # TANDEM_GPU_PDL=1: programmatic dependent launch
+            # TANDEM_GPU_PDL=1 / exit: programmatic dependent launch (``gpu_step.pdl_mode``)
+            st.pdl = {"pdl": 1, "pdl-exit": 2}.get(reduce, 0)
             # TANDEM_GPU_PREFILL_ATTN: tf32 beside the tf32 matmuls, fp16 beside PDL
             st.prefill_attn = "fp16" if reduce == "pdl" else "tf32" if precision == "tf32" else "ieee"
             # prefill, prefill after a prefix (its keys past one segment: attn_prefill split), decodes
@@ -166,7 +171,7 @@ def recording() -> Recorder:
         # everywhere, 3xTF32), with the H200's tiles and with qgemv for decode rows
         for tuning in (h200, tunings[-1]):
             st = gpu_step.GpuStep(model, 8192, "tf32x3", tuning=tuning)
-            st.pdl, st.prefetch = True, "1"
+            st.pdl, st.prefetch = 1, "1"
             for b in (1, 16, 17, 40):
                 i = torch.zeros(b, dtype=torch.int32)
                 st.decode(i, i, i, i, torch.zeros(b, 512, dtype=torch.int32), i, i, kv)
@@ -272,7 +277,9 @@ def _compile(job) -> dict:
     ptx = c.asm["ptx"]
     got = {"loads": len(re.findall(r"\bld\.global", ptx)), "pre": None}
     if consts.get("PDL"):
-        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, name
+        # PDL 1: the next kernel let launch right after the wait; 2 (exit): by the programs' exits alone
+        assert "griddepcontrol.wait" in ptx, name
+        assert ("griddepcontrol.launch_dependents" in ptx) == (consts["PDL"] == 1), name
         before = ptx[:ptx.index("griddepcontrol.wait")]
         params = [n for n in fn.arg_names if sig[n] != "constexpr"]
         tensors = {n for n in params if sig[n].startswith("*")}       # (not the integers in the addresses)
