@@ -504,8 +504,9 @@ void rows_f32_512(const uint8_t* q, int64_t row_bytes, const float* x,
 //   dp  = 256 * sum_k n_k * xh_k + sum_k n_k * xl_k - 8 * xs = sum_k (n_k - 8) * xq_k
 //                                                              (exact int32; |dp| < 2^23)
 //   acc = fma(float(dp), d_w[b] * dx[b], acc)                   for blocks in order, acc = 0
-// float(dp) is exact, so the paths differ in nothing: AVX-512 VNNI (vpdpbusd), AVX2
-// (vpmaddubsw + vpmaddwd: no int16 saturation, |pair| <= 2 * 15 * 128) and scalar give the same bits.
+// float(dp) is exact, so the paths differ in nothing: AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw,
+// its int16 pairs added up to 8 at a time, then vpmaddwd: no int16 saturation or wrap, |pair| <=
+// 2 * 15 * 128; q16_tile_avx2) and scalar give the same bits.
 
 constexpr int GROUP = tq::GROUP;
 constexpr int GBYTES = tq::GROUP_BLOCK_BYTES;
@@ -682,19 +683,28 @@ void q16_rows_scalar(const int32_t* xp, const float* dx, const int32_t* xs, cons
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-// 16 rows x C activations of one group (rows as two 8-lane halves).
+// 16 rows x C activations of one group (rows as two 8-lane halves). The products of a step go to
+// two chains, the high and the low activation bytes' (dp = 256 * high + low - 8 * xs); each chain's
+// two vpmaddubsw of a step (the low and the high nibbles; int16 pairs, |pair| <= 2 * 15 * 128 =
+// 3,840) are added in int16 lanes. The wide tile (C > 1) goes on adding its block's 4 steps in
+// int16 — 8 pairs to a lane, <= 30,720 < 2^15: no lane wraps — and widens each chain once, at the
+// block's end (vpmaddwd); a single row widens at each step (per block it was slower: 0.93-0.95x on
+// the FFN matmuls at one row, 2 vCPUs of an AVX2 AMD EPYC). Either way the same exact int32 as a
+// vpmaddwd per product, so the same bits, with a quarter (C > 1) or half of the vpmaddwd: the
+// bundled model's matmuls 1.1-1.2x at one row, 1.1-1.3x at 8 and 32 (docs/kernels.md).
 template <int C>
 void q16_tile_avx2(const int32_t* xp, const float* dx, const int32_t* xs, const uint8_t* w, float* out,
                    int64_t N, int64_t nb, int64_t rows) {
+    constexpr bool WIDE = C > 1;   // int16 sums over the block (else int32 sums over its steps)
     const __m256i mask = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
     __m256 acc[2][C];
     for (int h = 0; h < 2; ++h)
         for (int c = 0; c < C; ++c) acc[h][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * GBYTES;
-        __m256i ih[2][C], il[2][C];
+        __m256i sh[2][C], sl[2][C];   // the high and the low activation bytes' chains
         for (int h = 0; h < 2; ++h)
-            for (int c = 0; c < C; ++c) ih[h][c] = il[h][c] = _mm256_setzero_si256();
+            for (int c = 0; c < C; ++c) sh[h][c] = sl[h][c] = _mm256_setzero_si256();
         for (int s = 0; s < 4; ++s) {
             __m256i wl[2], wh[2];
             for (int h = 0; h < 2; ++h) {
@@ -707,17 +717,24 @@ void q16_tile_avx2(const int32_t* xp, const float* dx, const int32_t* xs, const 
                 const __m256i x0 = _mm256_set1_epi32(x[0]), x1 = _mm256_set1_epi32(x[1]);
                 const __m256i x2 = _mm256_set1_epi32(x[2]), x3 = _mm256_set1_epi32(x[3]);
                 for (int h = 0; h < 2; ++h) {
-                    ih[h][c] = _mm256_add_epi32(ih[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wl[h], x0), ones));
-                    il[h][c] = _mm256_add_epi32(il[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wl[h], x1), ones));
-                    ih[h][c] = _mm256_add_epi32(ih[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wh[h], x2), ones));
-                    il[h][c] = _mm256_add_epi32(il[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wh[h], x3), ones));
+                    const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(wl[h], x0), _mm256_maddubs_epi16(wh[h], x2));
+                    const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(wl[h], x1), _mm256_maddubs_epi16(wh[h], x3));
+                    if (WIDE) {
+                        sh[h][c] = _mm256_add_epi16(sh[h][c], ph);
+                        sl[h][c] = _mm256_add_epi16(sl[h][c], pl);
+                    } else {
+                        sh[h][c] = _mm256_add_epi32(sh[h][c], _mm256_madd_epi16(ph, ones));
+                        sl[h][c] = _mm256_add_epi32(sl[h][c], _mm256_madd_epi16(pl, ones));
+                    }
                 }
             }
         }
         for (int h = 0; h < 2; ++h) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * h)));
             for (int c = 0; c < C; ++c) {
-                const __m256i t = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(ih[h][c], 8), il[h][c]),
+                const __m256i ih = WIDE ? _mm256_madd_epi16(sh[h][c], ones) : sh[h][c];
+                const __m256i il = WIDE ? _mm256_madd_epi16(sl[h][c], ones) : sl[h][c];
+                const __m256i t = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(ih, 8), il),
                                                    _mm256_set1_epi32(8 * xs[c * nb + b]));
                 acc[h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(dx[c * nb + b])),
                                             acc[h][c]);

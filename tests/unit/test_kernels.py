@@ -344,6 +344,33 @@ def test_q16_same_bits_on_every_path_thread_count_and_batch():
 
 
 @needs_lib
+def test_q16_largest_products_add_up_exactly_on_every_path():
+    """The AVX2 tile adds a block's vpmaddubsw pairs in int16 lanes before it widens them (up to 8
+    to a lane: |pair| <= 2 x 15 x 128, 8 of them <= 30,720 < 2^15). Weights of nibble 15 against
+    activations quantized to +-Q16_MAX everywhere — sums within 1 % of that bound (bytes of 127), of one sign and mixed —
+    give the scalar path's bits (int32 throughout) on every path, at 1, 4 and 5 rows (the AVX2
+    tile's widths), and the oracle's values."""
+    k = 1536
+    block = torch.full((32,), -7 / 8)
+    block[0] = 1.0                                   # 31 weights of a block quantize to nibble 15
+    q = q4_0.quantize(block.repeat(48, k // 32) * 0.01)
+    nibbles = torch.cat([q.reshape(48, k // 32, 18)[..., 2:] & 15, q.reshape(48, k // 32, 18)[..., 2:] >> 4], -1)
+    assert float((nibbles == 15).float().mean()) > 0.95
+    g = torch.Generator().manual_seed(3)
+    x = torch.stack([torch.ones(k), -torch.ones(k), torch.ones(k // 32, 32).mul(torch.tensor([1.0, -1.0]).repeat(
+        k // 64)[:, None]).flatten(), torch.randint(0, 2, (k,), generator=g) * 2.0 - 1, torch.ones(k) * 3])
+    xq, _ = q4_0.quantize_q16(x)
+    assert int(xq.abs().min()) == q4_0.Q16_MAX       # every activation at the largest magnitude
+    p = cpu.pack(q)
+    for rows in (x[:1], x[:4], x):
+        want = cpu.matmul_with(rows, p, isa="scalar", num_threads=1)
+        oracle = q4_0.matmul_q16(rows, q)
+        assert float((want - oracle).abs().max()) <= Q16_ORACLE_TOL * float(oracle.abs().max())
+        for isa in paths():
+            assert torch.equal(cpu.matmul_with(rows, p, isa=isa, num_threads=2), want), (isa, rows.shape[0])
+
+
+@needs_lib
 @pytest.mark.parametrize("n,k", [(395, 96), (576, 1536), (291, 32)])
 @pytest.mark.parametrize("m", [7, 8, 16, 17, 40])
 def test_q16_tile_unit_gives_the_scalar_bits(m, n, k):
