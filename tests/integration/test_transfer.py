@@ -338,6 +338,8 @@ async def test_a_first_frame_sent_byte_by_byte_is_still_due_within_its_deadline(
                             break                              # closed by the receiver
                 except TimeoutError:
                     pass
+                except OSError:
+                    break      # reset: closed by the receiver with our last byte unread (a race with the send)
         assert time.monotonic() - t0 < 2.0
     finally:
         slow.close()
