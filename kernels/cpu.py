@@ -55,7 +55,7 @@ from kernels import q4_0
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "q4_0_cpu.cpp", _HERE / "forward_cpu.cpp")  # compiled into one library
+SOURCES = (_HERE / "q4_0_cpu.cpp", _HERE / "forward_cpu.cpp", _HERE / "sample_cpu.cpp")  # compiled into one library
 HEADERS = (_HERE / "q4_0_cpu.h",)
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
 ABI_VERSION = 4
@@ -142,6 +142,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.tq_forward.restype = None
     lib.tq_ring_stage.argtypes = [vp, vp, cint, i64, vp, vp, vp, i64, i64, i64, i64, cint, cint]
     lib.tq_ring_stage.restype = cint
+    lib.tq_sample_rows.argtypes = [vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, cint]
+    lib.tq_sample_rows.restype = None
+    lib.tq_philox_uniform.argtypes = [ctypes.c_uint64, i64]
+    lib.tq_philox_uniform.restype = ctypes.c_double
     return lib
 
 

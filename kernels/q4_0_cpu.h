@@ -1,7 +1,24 @@
-// Shared between q4_0_cpu.cpp (the matmul kernels) and forward_cpu.cpp (the fused step).
+// Shared between q4_0_cpu.cpp (the matmul kernels), forward_cpu.cpp (the fused step) and
+// sample_cpu.cpp (the host sampler).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+
+// The vector code of forward_cpu.cpp and sample_cpu.cpp is built as AVX-512 / AVX2 / baseline
+// clones, picked by the CPU at load.
+#define TQ_STR_(x) #x
+#define TQ_STR(x) TQ_STR_(x)
+#if defined(TQ_ONE_CLONE)  // one clone alone (-DTQ_ONE_CLONE=arch=x86-64-v3), to compare the clones' bits
+#define TQ_CLONES __attribute__((target(TQ_STR(TQ_ONE_CLONE))))
+#elif defined(TQ_NO_CLONES)  // baseline x86-64 only
+#define TQ_CLONES
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TQ_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TQ_CLONES
+#endif
 
 namespace tq {
 
@@ -45,5 +62,41 @@ void embedding_rows_packed(const int64_t* ids, int64_t n_ids, const uint8_t* p, 
 
 // out[n_ids, K] = dequantized rows `ids` of q (bitwise the reference).
 void embedding_rows(const int64_t* ids, int64_t n_ids, const uint8_t* q, int64_t K, float* out);
+
+// exp(x) in fixed operations (Cephes expf coefficients; ~2 ulp): the same bits in every clone.
+// exp_body is the part after the clamp to [-87, 88]; exp_lanes runs it over N lanes in passes
+// the vectoriser takes (with the default -ftrapping-math GCC will not if-convert a clamp that
+// feeds more arithmetic, so a loop calling exp_fixed stays scalar: the clamps get passes of
+// their own). Both give the same bits for every input.
+__attribute__((always_inline)) inline float exp_body(float x) {
+    const float magic = 12582912.0f;  // 1.5 * 2^23: (v + magic) - magic rounds v to an integer
+    const float n = (x * 1.44269504088896341f + magic) - magic;
+    float r = std::fma(n, -0.693359375f, x);
+    r = std::fma(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    const float y = std::fma(p, r * r, r) + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+inline float exp_fixed(float x) { return exp_body(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)); }
+
+// v[i] = exp_fixed(v[i]) for i < N.
+template <int N>
+__attribute__((always_inline)) inline void exp_lanes(float* __restrict v) {
+#pragma omp simd
+    for (int i = 0; i < N; ++i) v[i] = v[i] < -87.0f ? -87.0f : v[i];
+#pragma omp simd
+    for (int i = 0; i < N; ++i) v[i] = v[i] > 88.0f ? 88.0f : v[i];
+#pragma omp simd
+    for (int i = 0; i < N; ++i) v[i] = exp_body(v[i]);
+}
 
 }  // namespace tq

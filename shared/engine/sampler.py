@@ -112,6 +112,46 @@ def draw(probs: torch.Tensor, seed: int, index: int) -> int:
     return tok
 
 
+NATIVE = True   # sampled rows through the compiled draw where the kernels library loads (the bench turns it off)
+
+
+def _native():
+    """The compiled kernels library with ``tq_sample_rows``, or None (no compiler: the torch path)."""
+    if not NATIVE:
+        return None
+    from kernels import cpu
+    return cpu._library()
+
+
+def draw_rows(rows: list[torch.Tensor], seqs: list[Sequence], lib, weights: torch.Tensor | None = None
+              ) -> list[int | Exception]:
+    """Each sampled row's token (float32 CPU rows of one vocabulary: the logits after the grammar
+    mask and penalties) by kernels/sample_cpu.cpp — temperature, top-k, top-p, min-p and the draw
+    by ``uniform(seed, index)``, the procedure of ``_filter`` and ``draw`` with float64 sums and the
+    kernels' fixed exp: one call for the step's rows, spread over the kernel threads (~10x the
+    torch ops a row; docs/benchmarks.md "The host sampler"). A row that cannot be drawn gets its
+    exception. ``weights`` [rows, vocab]: each row's kept weights (tests)."""
+    from kernels import cpu
+    n, v = len(rows), rows[0].shape[0]
+    rows = [r if r.dtype == torch.float32 and r.is_contiguous() else r.float().contiguous() for r in rows]
+    ptrs = np.array([r.data_ptr() for r in rows], dtype=np.uint64)
+    ps = [s.params for s in seqs]
+    temp = np.array([p.temperature for p in ps], dtype=np.float32)
+    top_k = np.array([p.top_k if p.top_k and p.top_k < v else 0 for p in ps], dtype=np.int32)
+    top_p = np.array([p.top_p for p in ps], dtype=np.float32)
+    min_p = np.array([p.min_p for p in ps], dtype=np.float32)
+    seed = np.array([s.seed & _SEED_MASK for s in seqs], dtype=np.uint64)
+    index = np.array([s.num_output_tokens for s in seqs], dtype=np.int64)
+    out = np.empty(n, dtype=np.int32)
+    lib.tq_sample_rows(ptrs.ctypes.data, n, v, temp.ctypes.data, top_k.ctypes.data, top_p.ctypes.data,
+                       min_p.ctypes.data, seed.ctypes.data, index.ctypes.data, out.ctypes.data,
+                       None if weights is None else weights.data_ptr(), cpu.get_num_threads())
+    return [int(t) if t >= 0 else ValueError(
+        "no token has a positive probability: a logit of the row is NaN" if t == -2 else
+        "no token has a positive probability: the row's logits, penalties and filters left nothing to draw")
+        for t in out]
+
+
 def _argmax(row: torch.Tensor) -> int:
     # numpy's argmax on a CPU row: ~3 us for 49k logits, torch's ~44 us (1 thread)
     return int(row.numpy().argmax()) if row.device.type == "cpu" else int(torch.argmax(row))
@@ -150,11 +190,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], best: list[int] | None = 
     ``best``: tokens chosen already on the GPU, in the decode graph: a greedy row's argmax (a
     greedy row without penalties takes it instead of reading its row back), an ``on_device``
     row's draw (taken as is), None for a sampled row the host draws. On a GPU the rows that are
-    read (all of them without ``best``) come to the host in one copy. ``failed``: a row whose
-    choice raises gets token -1 and its exception there (row -> exception), so one request's
-    failure is its own, not its batch's; without it the exception goes up."""
-    tokens: list[int] = []
-    lps: list[TokenLogprob | None] = []
+    read (all of them without ``best``) come to the host in one copy. The sampled rows the host
+    draws go to ``draw_rows`` together. ``failed``: a row whose choice raises gets token -1 and
+    its exception there (row -> exception), so one request's failure is its own, not its
+    batch's; without it the exception goes up."""
+    n = len(seqs)
+    tokens: list[int] = [-1] * n
+    lps: list[TokenLogprob | None] = [None] * n
     host: dict[int, torch.Tensor] = {}
     # rows the graph chose (its argmax, a device draw) that nothing else reads: taken as they are
     chosen = [best is not None and best[i] is not None and plain(s) for i, s in enumerate(seqs)]
@@ -162,48 +204,77 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], best: list[int] | None = 
         need = [i for i, c in enumerate(chosen) if not c]
         if need:
             host = dict(zip(need, logits[need].cpu()))
+    lib = _native()
+    drawn: list[tuple[int, torch.Tensor, torch.Tensor]] = []   # (row index, raw row, row to draw from)
+
+    def fail(i: int, e: Exception) -> None:
+        if failed is None:
+            raise e
+        failed[i], tokens[i], lps[i] = e, -1, None
+
     for i, seq in enumerate(seqs):
         if chosen[i]:                        # (its row is never touched: no view of it is made)
-            tokens.append(best[i])
-            lps.append(None)
+            tokens[i] = best[i]
             continue
+        row = host[i] if i in host else logits[i]
         try:
-            tok, lp = _choose(host[i] if i in host else logits[i], seq, None if best is None else best[i])
+            if lib is not None and not seq.params.greedy:
+                drawn.append((i, *_sampled_rows(row, seq)))
+                continue
+            tokens[i], lps[i] = _choose(row, seq, None if best is None else best[i])
         except Exception as e:
-            if failed is None:
-                raise
-            failed[i], tok, lp = e, -1, None
-        tokens.append(tok)
-        lps.append(lp)
+            fail(i, e)
+    if drawn:
+        for (i, raw, _), tok in zip(drawn, draw_rows([r for _, _, r in drawn], [seqs[i] for i, _, _ in drawn], lib)):
+            if isinstance(tok, Exception):
+                fail(i, tok)
+            else:
+                tokens[i], lps[i] = tok, _logprob(raw, seqs[i].params, tok)
     return tokens, lps
 
 
-def _choose(row: torch.Tensor, seq: Sequence, best: int | None) -> tuple[int, TokenLogprob | None]:
-    """``sample``'s choice for one row the host reads (``best``: the graph's argmax, or None)."""
+def _sampled_rows(row: torch.Tensor, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw, row) of a sampled row: raw with its grammar's mask (the whole distribution counts),
+    row that with the penalties too (a copy where they apply)."""
+    if seq.matcher is not None:
+        row = row + _bias(seq.matcher.mask(), row)
     p = seq.params
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        return row, _apply_penalties(row.clone(), seq)
+    return row, row
+
+
+def _logprob(raw: torch.Tensor, p, tok: int) -> TokenLogprob | None:
+    """The chosen token's logprob (and the top ones) in the raw distribution, where asked."""
+    if not (p.logprobs or p.top_logprobs):
+        return None
+    logp = raw.float().log_softmax(-1)
+    top = []
+    if p.top_logprobs:
+        v, ids = torch.topk(logp, p.top_logprobs)
+        top = list(zip(ids.tolist(), v.tolist()))
+    return TokenLogprob(tok, float(logp[tok]), top)
+
+
+def _choose(row: torch.Tensor, seq: Sequence, best: int | None) -> tuple[int, TokenLogprob | None]:
+    """``sample``'s choice for one row the host reads (``best``: the graph's argmax, or None): a
+    greedy row, or (without the compiled draw) a sampled one."""
+    p = seq.params
+    if not p.greedy:
+        raw, row = _sampled_rows(row, seq)
+        tok = draw(_filter(row, seq).softmax(-1), seq.seed, seq.num_output_tokens)
+        return tok, _logprob(raw, p, tok)
     m = seq.matcher  # the grammar's state, or None
     if m is not None and needs_mask(seq):
-        row = row + _bias(m.mask(), row)   # the whole distribution counts: mask every banned token
+        row = row + _bias(m.mask(), row)   # logprobs: the whole distribution counts
         m = None
     raw = row
     penalised = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
     if penalised:
         row = _apply_penalties(row.clone(), seq)
-    if p.greedy:
-        tok = best if best is not None and not penalised and row is raw else _argmax(row)
-        if m is not None and not m.allows(tok):
-            # greedy under a grammar: only when the best token is banned does the row need
-            # the mask (most steps of a JSON string do not; the check costs ~2 us, a mask 3-80)
-            tok = _argmax(row + _bias(m.mask(), row))
-    else:
-        probs = _filter(row, seq).softmax(-1)
-        tok = draw(probs, seq.seed, seq.num_output_tokens)
-    lp = None
-    if p.logprobs or p.top_logprobs:
-        logp = raw.float().log_softmax(-1)
-        top = []
-        if p.top_logprobs:
-            v, ids = torch.topk(logp, p.top_logprobs)
-            top = list(zip(ids.tolist(), v.tolist()))
-        lp = TokenLogprob(tok, float(logp[tok]), top)
-    return tok, lp
+    tok = best if best is not None and not penalised else _argmax(row)
+    if m is not None and not m.allows(tok):
+        # greedy under a grammar: only when the best token is banned does the row need
+        # the mask (most steps of a JSON string do not; the check costs ~2 us, a mask 3-80)
+        tok = _argmax(row + _bias(m.mask(), row))
+    return tok, _logprob(raw, p, tok)

@@ -115,3 +115,84 @@ def test_a_row_that_cannot_be_chosen_fails_alone():
     assert toks[0] == sample(logits[:1], rows[:1])[0][0] and toks[2] == 1 and toks[1] == -1
     with pytest.raises(ValueError, match="positive probability"):
         sample(logits, rows)
+
+
+def _compiled():
+    from kernels import cpu
+    lib = cpu._library()
+    if lib is None:
+        pytest.skip("no compiled kernels (no C++ compiler)")
+    return lib
+
+
+def _rows(vocab: int) -> list[torch.Tensor]:
+    """Logit rows of every shape a sampler meets: peaked and flat, on a 0.5 grid (ties at every
+    edge), with banned (-inf) tokens, one huge logit."""
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randn(vocab, generator=g) * s for s in (0.5, 1.0, 3.0, 8.0)]
+    rows.append((torch.randn(vocab, generator=g) * 4).mul(2).round().div(2))
+    banned = torch.randn(vocab, generator=g) * 3
+    banned[torch.rand(vocab, generator=g) < 0.5] = float("-inf")
+    rows.append(banned)
+    huge = torch.randn(vocab, generator=g)
+    huge[3] = 1e30
+    rows.append(huge)
+    return rows
+
+
+@pytest.mark.parametrize("vocab", [64, 5000])
+def test_the_compiled_draw_keeps_and_draws_what_the_torch_ops_do(vocab):
+    """``draw_rows`` (kernels/sample_cpu.cpp) against the torch path (``_filter`` then ``draw``):
+    the same kept tokens (but those e^-87 below the best, which it never draws) and the same draw, for every mix of temperature, top-k, top-p and min-p.
+    Its exp and float64 sums round differently from torch's softmax, so a token could differ only
+    where u falls within that rounding of a CDF edge or a mass sits on top-p's cut (none here)."""
+    from shared.engine.sampler import draw, draw_rows
+    lib = _compiled()
+    rows = _rows(vocab)
+    n = 0
+    for temp in (0.5, 0.8, 1.0, 1.3):
+        for top_p in (1.0, 0.95, 0.5):
+            for top_k in (0, 40):
+                for min_p in (0.0, 0.05):
+                    seqs = [seq([0], output=[1] * (r + top_k), temperature=temp, top_p=top_p, top_k=top_k,
+                                min_p=min_p, seed=100 * r + int(temp * 10)) for r in range(len(rows))]
+                    weights = torch.empty(len(rows), vocab)
+                    toks = draw_rows(rows, seqs, lib, weights)
+                    for row, s, w, tok in zip(rows, seqs, weights, toks):
+                        kept = _filter(row, s)   # (a token e^-87 below the best has weight 0 there: < 1e-38)
+                        assert torch.equal(w > 0, kept.isfinite() & (kept - kept.max() >= -87)), (temp, top_p, top_k, min_p)
+                        assert tok == draw(kept.softmax(-1), s.seed, s.num_output_tokens), (temp, top_p, top_k, min_p)
+                        n += 1
+    assert n == 4 * 3 * 2 * 2 * len(rows)
+
+
+def test_the_compiled_draw_depends_on_the_row_alone():
+    """A row draws the same token alone or in a batch, on one thread or two, and its uniform
+    number is numpy's Philox (``uniform``) bit for bit."""
+    from kernels import cpu
+    from shared.engine.sampler import draw_rows, uniform
+    lib = _compiled()
+    for s_, i in ((0, 0), (1, 5), (2**63 + 5, 7), (2**64 - 1, 2**31 + 3), (987654321987, 1000)):
+        assert lib.tq_philox_uniform(s_, i) == uniform(s_, i)
+    rows = _rows(2000)
+    seqs = [seq([0], output=[2] * r, temperature=0.9, top_p=0.9, seed=r) for r in range(len(rows))]
+    threads = cpu.get_num_threads()
+    try:
+        cpu.set_num_threads(1)
+        alone = [draw_rows([r], [s], lib)[0] for r, s in zip(rows, seqs)]
+        cpu.set_num_threads(2)
+        assert draw_rows(rows, seqs, lib) == alone
+    finally:
+        cpu.set_num_threads(threads)
+
+
+def test_sample_falls_back_to_the_torch_ops_without_the_compiled_draw(monkeypatch):
+    """Where no library loads the same rows go through ``_filter`` and ``draw``: the same tokens."""
+    from shared.engine import sampler
+    _compiled()
+    rows = _rows(3000)
+    logits = torch.stack(rows)
+    seqs = [seq([0], output=[3] * r, temperature=1.1, top_p=0.95, min_p=0.01, seed=40 + r) for r in range(len(rows))]
+    native = sample(logits, seqs)[0]
+    monkeypatch.setattr(sampler, "NATIVE", False)
+    assert sample(logits, seqs)[0] == native
