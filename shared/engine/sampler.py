@@ -128,9 +128,9 @@ def draw_rows(rows: list[torch.Tensor], seqs: list[Sequence], lib, weights: torc
     """Each sampled row's token (float32 CPU rows of one vocabulary: the logits after the grammar
     mask and penalties) by kernels/sample_cpu.cpp — temperature, top-k, top-p, min-p and the draw
     by ``uniform(seed, index)``, the procedure of ``_filter`` and ``draw`` with float64 sums and the
-    kernels' fixed exp: one call for the step's rows, spread over the kernel threads (~10x the
-    torch ops a row; docs/benchmarks.md "The host sampler"). A row that cannot be drawn gets its
-    exception. ``weights`` [rows, vocab]: each row's kept weights (tests)."""
+    kernels' fixed exp: one call for the step's rows, spread over the kernel threads (4-7x the
+    torch ops a row at T <= 1; docs/benchmarks.md "The compiled draw"). A row that cannot be
+    drawn gets its exception. ``weights`` [rows, vocab]: each row's kept weights (tests)."""
     from kernels import cpu
     n, v = len(rows), rows[0].shape[0]
     rows = [r if r.dtype == torch.float32 and r.is_contiguous() else r.float().contiguous() for r in rows]
